@@ -1,0 +1,36 @@
+# Two commands on a fresh machine: `make run` (the main job) and `make test`.
+# Each creates .venv on first use; `make venv` re-installs when pyproject.toml changes.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# Two cores on the reference machine: one pytest worker per core.
+TEST_WORKERS ?= 2
+
+.PHONY: venv test lint format bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n $(TEST_WORKERS) tests
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: $(STAMP)
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+bench: $(STAMP)
+	$(PY) benchmarks/objective_overhead.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

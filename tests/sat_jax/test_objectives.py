@@ -1,0 +1,543 @@
+"""Tests of sat_jax.objectives against the float64 reference written from SPEC §3's equations."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from sat_jax import objectives
+from sat_jax.objectives import PolicyLossConfig, SATConfig
+
+from .objectives_reference import quantile_inverted_cdf, reference_policy_loss
+
+# float32 implementation vs float64 reference: ~1e-6 relative rounding per op, a few ops deep.
+RTOL, ATOL = 2e-5, 1e-6
+
+SPEC_METRICS = (
+    "mismatch_abs_mean",
+    "is_deviation_frac",
+    "kl_k3",
+    "clip_frac_low",
+    "clip_frac_high",
+    "sat_q",
+    "sat_gate_rate",
+    "sat_eps_low_mean",
+    "sat_eps_high_mean",
+    "sat_c_min",
+)
+
+
+def make_batch(seed, B=6, T=12, scale=0.4, mask_p=0.75, with_old=False, with_ref=False):
+    rng = np.random.default_rng(seed)
+    logp = np.log(rng.uniform(0.05, 0.95, (B, T))).astype(np.float32)
+    beh = (logp + scale * rng.normal(size=(B, T))).astype(np.float32)
+    adv = rng.normal(size=(B, T)).astype(np.float32)
+    mask = (rng.random((B, T)) < mask_p).astype(np.float32)
+    mask[0, :] = 0.0  # one response entirely padding
+    out = dict(logp=logp, behavior_logp=beh, advantages=adv, mask=mask)
+    if with_old:
+        out["old_logp"] = (logp + 0.5 * scale * rng.normal(size=(B, T))).astype(np.float32)
+    if with_ref:
+        out["ref_logp"] = (logp + scale * rng.normal(size=(B, T))).astype(np.float32)
+    return out
+
+
+def loss_and_grad(batch, cfg, jit=True):
+    args = {k: jnp.asarray(v) for k, v in batch.items()}
+    logp = args.pop("logp")
+
+    def f(lp):
+        return objectives.policy_loss(
+            lp,
+            args["behavior_logp"],
+            args["advantages"],
+            args["mask"],
+            cfg,
+            old_logp=args.get("old_logp"),
+            ref_logp=args.get("ref_logp"),
+        )
+
+    g = jax.value_and_grad(f, has_aux=True)
+    (loss, metrics), grad = (jax.jit(g) if jit else g)(logp)
+    return loss, metrics, grad
+
+
+SAT = SATConfig(enabled=True, quantile=0.9, exponent=2.0)
+CONFIGS = {
+    "ppo": PolicyLossConfig(),
+    "ppo_seqmean": PolicyLossConfig(loss_agg="seq_mean_token_mean"),
+    "clip_higher": PolicyLossConfig(clip_low=0.2, clip_high=0.28),
+    "sat": PolicyLossConfig(sat=SAT),
+    "sat_p3_q75": PolicyLossConfig(sat=SATConfig(quantile=0.75, exponent=3.0)),
+    "sat_seqmean": PolicyLossConfig(sat=SAT, loss_agg="seq_mean_token_mean"),
+    "gspo": PolicyLossConfig(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+    "gspo_sat": PolicyLossConfig(ratio_level="sequence", sat=SAT, loss_agg="seq_mean_token_mean"),
+    "dual_clip": PolicyLossConfig(dual_clip=1.5),
+    "sat_dual": PolicyLossConfig(sat=SAT, dual_clip=2.0),
+    "tis": PolicyLossConfig(tis_cap=1.2),
+    "icepop": PolicyLossConfig(icepop_range=(0.8, 1.25)),
+    "dppo_tv": PolicyLossConfig(dppo_tv_delta=0.05),
+    "kl_k1": PolicyLossConfig(kl_coef=0.1, kl_estimator="k1"),
+    "kl_k2": PolicyLossConfig(kl_coef=0.1, kl_estimator="k2"),
+    "kl_k3": PolicyLossConfig(kl_coef=0.1, kl_estimator="k3", sat=SAT),
+    "everything": PolicyLossConfig(
+        sat=SAT,
+        dual_clip=3.0,
+        tis_cap=2.0,
+        dppo_tv_delta=0.1,
+        kl_coef=0.05,
+        loss_agg="seq_mean_token_mean",
+    ),
+}
+
+
+def needs(cfg):
+    return dict(
+        with_old=cfg.tis_cap is not None
+        or cfg.icepop_range is not None
+        or cfg.dppo_tv_delta is not None,
+        with_ref=cfg.kl_coef > 0,
+    )
+
+
+def assert_matches_reference(batch, cfg):
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    ref_loss, ref_metrics, ref_grad = reference_policy_loss(**batch, cfg=cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(grad, ref_grad, rtol=RTOL, atol=ATOL)
+    assert set(metrics) == set(ref_metrics), set(metrics) ^ set(ref_metrics)
+    for k, v in ref_metrics.items():
+        np.testing.assert_allclose(metrics[k], v, rtol=RTOL, atol=ATOL, err_msg=k)
+    return metrics
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("seed", [0, 1])
+def test_matches_float64_reference(name, seed):
+    cfg = CONFIGS[name]
+    scale = 2e-3 if cfg.ratio_level == "sequence" and not cfg.sat.enabled else 0.4
+    metrics = assert_matches_reference(make_batch(seed, scale=scale, **needs(cfg)), cfg)
+    if cfg.sat.enabled:  # at most the tail above the quantile fires
+        assert float(metrics["sat_gate_rate"]) <= 1.0 - cfg.sat.quantile + 1e-6
+    if cfg.sat.enabled and cfg.ratio_level == "token":
+        assert float(metrics["sat_gate_rate"]) > 0.0 and float(metrics["sat_c_min"]) < 1.0
+
+
+def test_spec_contract_call_verbatim():
+    b = make_batch(3)
+    cfg = objectives.PolicyLossConfig(
+        ratio_level="token",
+        clip_low=0.2,
+        clip_high=0.2,
+        loss_agg="token_mean",
+        sat=objectives.SATConfig(enabled=True, quantile=0.9, exponent=2.0),
+    )
+    loss, metrics = objectives.policy_loss(
+        b["logp"], b["behavior_logp"], b["advantages"], b["mask"], cfg, old_logp=None, ref_logp=None
+    )
+    assert loss.shape == () and loss.dtype == jnp.float32
+    assert set(SPEC_METRICS) <= set(metrics)
+    assert all(jnp.shape(v) == () for v in metrics.values())
+
+
+def test_clip_fractions_and_mismatch_by_hand():
+    # Token 0: A>0, r=e^0.5 > 1.2 → clipped high. Token 1: A<0, r=e^-0.5 < 0.8 → clipped low.
+    # Token 2: A>0, r=e^-0.5 → pull-back, not clipped. Token 3 inactive.
+    logp = jnp.array([[0.5, -0.5, -0.5, 9.0]]) - 1.0
+    beh = jnp.full((1, 4), -1.0)
+    adv = jnp.array([[1.0, -1.0, 1.0, 1.0]])
+    mask = jnp.array([[1.0, 1.0, 1.0, 0.0]])
+    _, m = objectives.policy_loss(logp, beh, adv, mask, PolicyLossConfig())
+    np.testing.assert_allclose(m["clip_frac_high"], 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(m["clip_frac_low"], 1 / 3, rtol=1e-6)
+    np.testing.assert_allclose(m["mismatch_abs_mean"], 0.5, rtol=1e-6)
+    np.testing.assert_allclose(
+        m["kl_k3"], np.mean([np.exp(x) - 1 - x for x in (0.5, -0.5, -0.5)]), rtol=1e-6
+    )
+    np.testing.assert_allclose(m["active_tokens"], 3.0)
+
+
+# ------------------------------------------------------------------------------------------
+# SAT properties (SPEC §3.3).
+# ------------------------------------------------------------------------------------------
+
+
+def per_token(batch, cfg):
+    """Per-token loss and its per-token gradient (token level: token t depends on logp_t only)."""
+    args = {k: jnp.asarray(v) for k, v in batch.items()}
+    d = args["logp"] - args["behavior_logp"]
+    if cfg.sat.enabled:
+        fn = lambda lp: objectives.sat_clipped_surrogate_loss(
+            lp - args["behavior_logp"],
+            args["advantages"],
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            quantile=cfg.sat.quantile,
+            exponent=cfg.sat.exponent,
+            where=args["mask"],
+        )
+    else:
+        fn = lambda lp: objectives.clipped_surrogate_loss(
+            jnp.exp(lp - args["behavior_logp"]),
+            args["advantages"],
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            where=args["mask"],
+        )
+    value = fn(args["logp"])
+    grad = jax.grad(lambda lp: jnp.sum(fn(lp)))(args["logp"])
+    return np.asarray(value, np.float64), np.asarray(grad, np.float64), np.asarray(d)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    scale=st.floats(0.01, 3.0),
+    quantile=st.floats(0.05, 1.0),
+    exponent=st.floats(0.5, 4.0),
+    eps=st.tuples(st.floats(0.0, 0.5), st.floats(0.0, 1.0)),
+)
+def test_sat_properties(seed, scale, quantile, exponent, eps):
+    batch = make_batch(seed, B=5, T=9, scale=scale)
+    batch.pop("old_logp", None)
+    sat_cfg = PolicyLossConfig(
+        clip_low=eps[0], clip_high=eps[1], sat=SATConfig(quantile=quantile, exponent=exponent)
+    )
+    ppo_cfg = dataclasses.replace(sat_cfg, sat=SATConfig(enabled=False))
+    loss_sat, g_sat, d = per_token(batch, sat_cfg)
+    loss_ppo, g_ppo, _ = per_token(batch, ppo_cfg)
+    act = batch["mask"] > 0
+    a = batch["advantages"].astype(np.float64)
+    r = np.exp(d.astype(np.float64))
+
+    # Pessimism: S_SAT ≤ S_PPO, i.e. loss_SAT ≥ loss_PPO, token by token.
+    assert np.all(loss_sat >= loss_ppo - 1e-6 * (1 + np.abs(loss_ppo)))
+
+    # Interval containment and one-sidedness of the contraction.
+    q = objectives.masked_quantile(np.abs(d), quantile, where=batch["mask"])
+    c_low, c_high = (np.asarray(c) for c in objectives.sat_contraction(d, q, exponent=exponent))
+    assert np.all((c_low > 0) & (c_low <= 1) & (c_high > 0) & (c_high <= 1))
+    assert np.all(c_low[d >= 0] == 1.0) and np.all(c_high[d <= 0] == 1.0)
+    gate = (float(q) > 0) & (np.abs(d) > float(q))
+    assert np.all(c_low[~gate] == 1.0) and np.all(c_high[~gate] == 1.0)
+    np.testing.assert_allclose(float(q), quantile_inverted_cdf(np.abs(d)[act], quantile))
+
+    # Gradients differ only on the newly clipped outward bands.
+    e_lo, e_hi = eps[0] * c_low, eps[1] * c_high
+    band = ((a > 0) & (1 + e_hi < r) & (r < 1 + eps[1])) | (
+        (a < 0) & (1 - eps[0] < r) & (r < 1 - e_lo)
+    )
+    differs = ~np.isclose(g_sat, g_ppo, rtol=1e-6, atol=1e-7)
+    assert not np.any(differs & ~band & act)
+    assert np.all(g_sat[band & act] == 0.0)
+    # The pull-back branch always keeps its gradient −A·r (of the loss −S).
+    pull_back = act & (a * (r - 1) < 0)
+    np.testing.assert_allclose(g_sat[pull_back], -(a * r)[pull_back], rtol=1e-5, atol=1e-7)
+
+
+def test_sat_gate_is_strict_at_ties():
+    # |d| = [0.1, 0.2, 0.3, 0.3, 0.3]; quantile 0.5 → rank 3 → q = 0.3: nothing is strictly above.
+    d = jnp.array([[0.1, -0.2, 0.3, -0.3, 0.3]])
+    q = objectives.masked_quantile(jnp.abs(d), 0.5)
+    assert float(q) == np.float32(0.3)
+    c_low, c_high = objectives.sat_contraction(d, q)
+    assert np.all(np.asarray(c_low) == 1.0) and np.all(np.asarray(c_high) == 1.0)
+    # quantile 0.2 → rank 1 → q = 0.1: every |d| > 0.1 fires, on its own side only.
+    q = objectives.masked_quantile(jnp.abs(d), 0.2)
+    c_low, c_high = objectives.sat_contraction(d, q)
+    np.testing.assert_allclose(c_high, [[1.0, 1.0, 1 / (1 + 9.0), 1.0, 1 / (1 + 9.0)]], rtol=1e-6)
+    np.testing.assert_allclose(c_low, [[1.0, 1 / (1 + 4.0), 1.0, 1 / (1 + 9.0), 1.0]], rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "d,mask",
+    [
+        ([[0.7]], [[1.0]]),  # one active token: q = |d| and the strict gate never fires
+        ([[0.0, 0.0, 0.0]], [[1.0, 1.0, 1.0]]),  # all |d| = 0: q = 0 and the q > 0 guard holds
+        ([[0.5, 2.0, 0.0]], [[0.0, 1.0, 0.0]]),  # one active token among padding
+    ],
+)
+def test_sat_degenerate_quantiles_do_not_fire(d, mask):
+    d, mask = jnp.asarray(d), jnp.asarray(mask)
+    batch = dict(
+        logp=d - 1.0, behavior_logp=jnp.full(d.shape, -1.0), advantages=jnp.ones(d.shape), mask=mask
+    )
+    sat = PolicyLossConfig(sat=SAT)
+    (l_sat, m_sat, g_sat), (l_ppo, _, g_ppo) = (
+        loss_and_grad(batch, sat),
+        loss_and_grad(batch, PolicyLossConfig()),
+    )
+    assert float(m_sat["sat_gate_rate"]) == 0.0 and float(m_sat["sat_c_min"]) == 1.0
+    assert float(l_sat) == float(l_ppo) and np.array_equal(g_sat, g_ppo)
+
+
+def test_sat_is_detached():
+    # The gradient of the SAT loss equals that of PPO run with ε̃ fed in as constants.
+    b = {k: jnp.asarray(v) for k, v in make_batch(5, scale=0.8).items()}
+    d = b["logp"] - b["behavior_logp"]
+    q = objectives.masked_quantile(jnp.abs(d), 0.9, where=b["mask"])
+    c_low, c_high = objectives.sat_contraction(d, q)
+    fixed = lambda lp: jnp.sum(
+        objectives.clipped_surrogate_loss(
+            jnp.exp(lp - b["behavior_logp"]),
+            b["advantages"],
+            clip_low=0.2 * c_low,
+            clip_high=0.2 * c_high,
+            where=b["mask"],
+        )
+    )
+    sat = lambda lp: jnp.sum(
+        objectives.sat_clipped_surrogate_loss(
+            lp - b["behavior_logp"], b["advantages"], where=b["mask"]
+        )
+    )
+    np.testing.assert_allclose(jax.grad(sat)(b["logp"]), jax.grad(fixed)(b["logp"]), rtol=1e-6)
+    assert (
+        float(jnp.max(jnp.abs(jax.grad(lambda x: jnp.sum(objectives.sat_contraction(x, q)[1]))(d))))
+        == 0.0
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# Disabled or neutral options are bit-identical to the base.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        dict(sat=SATConfig(quantile=1.0)),  # q = max |d|: the strict gate never fires
+        dict(tis_cap=1e30),  # old_logp == behavior_logp → w = 1
+        dict(icepop_range=(0.0, 1e30)),
+        dict(dppo_tv_delta=1.0),  # |p − p_old| ≤ 1 never exceeds δ = 1
+        dict(kl_coef=0.0),  # ref_logp given, coefficient 0
+    ],
+    ids=["sat_q1", "tis", "icepop", "dppo_tv", "kl0"],
+)
+@pytest.mark.parametrize("base_name", ["ppo", "gspo", "ppo_seqmean"])
+def test_neutral_options_are_bit_identical(option, base_name):
+    base = CONFIGS[base_name]
+    batch = make_batch(7)
+    batch["old_logp"] = batch["behavior_logp"]
+    batch["ref_logp"] = batch["logp"] - 0.1
+    loss0, m0, g0 = loss_and_grad(batch, base)
+    loss1, m1, g1 = loss_and_grad(batch, dataclasses.replace(base, **option))
+    assert np.array_equal(loss0, loss1)
+    assert np.array_equal(g0, g1)
+    for k in m0:
+        if k == "sat_q":  # reports the threshold that SAT now computes
+            continue
+        if k.startswith("sat_eps"):
+            # ε·Σc/n with c == 1.0 exactly in both, but the neutral-SAT graph is another program
+            # and XLA may fold that product in another order: 1 ulp of a diagnostic, stated here.
+            np.testing.assert_allclose(m0[k], m1[k], rtol=1.2e-7, atol=0, err_msg=k)
+        else:
+            assert np.array_equal(m0[k], m1[k]), k
+
+
+def test_sat_disabled_is_the_plain_ppo_kernel():
+    b = {k: jnp.asarray(v) for k, v in make_batch(8).items()}
+    loss, metrics, grad = loss_and_grad(b, PolicyLossConfig(sat=SATConfig(enabled=False)))
+    direct = lambda lp: (
+        jnp.sum(
+            objectives.clipped_surrogate_loss(
+                jnp.exp(lp - b["behavior_logp"]), b["advantages"], where=b["mask"]
+            )
+        )
+        / jnp.sum(b["mask"])
+    )
+    np.testing.assert_allclose(loss, direct(b["logp"]), rtol=1e-6)
+    np.testing.assert_allclose(grad, jax.grad(direct)(b["logp"]), rtol=1e-6)
+    assert float(metrics["sat_q"]) == 0.0 and float(metrics["sat_gate_rate"]) == 0.0
+    assert float(metrics["sat_eps_low_mean"]) == np.float32(0.2)
+
+
+# ------------------------------------------------------------------------------------------
+# Numerics: extremes, padding, jit, microbatches.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["ppo", "sat", "gspo_sat", "everything", "kl_k3", "icepop"])
+@pytest.mark.parametrize("extreme", [80.0, -80.0])
+def test_extreme_log_ratios_stay_finite(name, extreme):
+    cfg = CONFIGS[name]
+    batch = make_batch(9, with_old=True, with_ref=True)
+    batch["logp"] = batch["logp"].copy()
+    batch["logp"][1:, ::2] = np.clip(batch["behavior_logp"][1:, ::2] + extreme, -200, 0)
+    batch["behavior_logp"][1:, 1::3] = batch["logp"][1:, 1::3] - extreme
+    batch["ref_logp"][1:, ::3] = batch["logp"][1:, ::3] + extreme
+    batch["old_logp"][1:, 1::2] = batch["logp"][1:, 1::2] - extreme
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+    assert all(np.isfinite(v) for v in metrics.values())
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_all_padding_batch_is_zero_and_finite(name):
+    cfg = CONFIGS[name]
+    B, T = 3, 5
+    batch = dict(
+        logp=np.full((B, T), -np.inf, np.float32),  # garbage in the padding must not leak
+        behavior_logp=np.full((B, T), np.nan, np.float32),
+        advantages=np.full((B, T), np.nan, np.float32),
+        mask=np.zeros((B, T), np.float32),
+        old_logp=np.full((B, T), -np.inf, np.float32),
+        ref_logp=np.full((B, T), np.nan, np.float32),
+    )
+    batch["logp"][0, 0] = np.nan
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    assert float(loss) == 0.0
+    assert np.array_equal(grad, np.zeros((B, T)))
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert float(metrics["active_tokens"]) == 0.0
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_jit_matches_eager(name):
+    cfg = CONFIGS[name]
+    batch = make_batch(11, **needs(cfg))
+    l0, m0, g0 = loss_and_grad(batch, cfg, jit=False)
+    l1, m1, g1 = loss_and_grad(batch, cfg, jit=True)
+    np.testing.assert_allclose(l0, l1, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(g0, g1, rtol=1e-6, atol=1e-8)
+    for k in m0:
+        np.testing.assert_allclose(m0[k], m1[k], rtol=1e-6, atol=1e-8, err_msg=k)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_microbatch_terms_merge_to_full_batch(agg, ratio_level):
+    cfg = PolicyLossConfig(loss_agg=agg, ratio_level=ratio_level, dual_clip=2.0)
+    b = {k: jnp.asarray(v) for k, v in make_batch(12, B=8).items()}
+    terms = lambda sl: objectives.policy_loss_terms(
+        b["logp"][sl], b["behavior_logp"][sl], b["advantages"][sl], b["mask"][sl], cfg
+    )
+    full_loss, full_metrics = terms(slice(None)).reduce()
+    merged_loss, merged_metrics = terms(slice(0, 3)).merge(terms(slice(3, None))).reduce()
+    np.testing.assert_allclose(merged_loss, full_loss, rtol=1e-6)
+    for k in full_metrics:
+        if k != "sat_q":
+            np.testing.assert_allclose(merged_metrics[k], full_metrics[k], rtol=1e-6, err_msg=k)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    B=st.integers(1, 5),
+    T=st.integers(1, 9),
+    seed=st.integers(0, 2**31 - 1),
+    mask_p=st.sampled_from([0.0, 0.3, 1.0]),
+    name=st.sampled_from(sorted(CONFIGS)),
+)
+def test_hypothesis_shapes_and_masks(B, T, seed, mask_p, name):
+    cfg = CONFIGS[name]
+    batch = make_batch(seed, B=B, T=T, mask_p=mask_p, **needs(cfg))
+    assert_matches_reference(batch, cfg)
+
+
+# ------------------------------------------------------------------------------------------
+# The quantile kernel and config validation.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("level", [0.01, 0.1, 0.25, 0.3, 0.5, 0.7, 0.9, 0.95, 0.999, 1.0])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 10, 100, 1001])
+def test_quantile_matches_numpy_inverted_cdf(level, n):
+    rng = np.random.default_rng(n)
+    x = np.concatenate([rng.normal(size=n), rng.normal(size=5)]).astype(np.float32)
+    x[: n // 3] = x[0]  # ties
+    mask = np.r_[np.ones(n), np.zeros(5)]
+    got = objectives.masked_quantile(x, level, where=mask)
+    want = np.quantile(x[:n].astype(np.float64), level, method="inverted_cdf")
+    assert float(got) == np.float32(want)
+
+
+def test_quantile_special_values():
+    x = jnp.array([np.inf, -0.0, 0.0, -np.inf, 1e-45, -3.5, 7e37], jnp.float32)
+    for level in (0.1, 0.3, 0.5, 0.8, 1.0):
+        want = np.quantile(np.asarray(x, np.float64), level, method="inverted_cdf")
+        assert float(objectives.masked_quantile(x, level)) == want
+    assert float(objectives.masked_quantile(x, 0.5, where=jnp.zeros(7))) == 0.0
+    with pytest.raises(ValueError, match="level"):
+        objectives.masked_quantile(x, 0.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(ratio_level="tokens"), "ratio_level"),
+        (dict(loss_agg="mean"), "loss_agg"),
+        (dict(clip_low=1.0), "clip_low"),
+        (dict(clip_high=-0.1), "clip_high"),
+        (dict(dual_clip=1.0), "dual_clip"),
+        (dict(tis_cap=0.0), "tis_cap"),
+        (dict(icepop_range=(2.0, 1.0)), "icepop_range"),
+        (dict(dppo_tv_delta=-1.0), "dppo_tv_delta"),
+        (dict(kl_coef=-1.0), "kl_coef"),
+        (dict(kl_estimator="k4"), "kl_estimator"),
+        (dict(log_ratio_clamp=0.0), "log_ratio_clamp"),
+        (dict(sat={"enabled": True}), "sat"),
+    ],
+)
+def test_config_validation_names_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PolicyLossConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        (dict(quantile=0.0), "quantile"),
+        (dict(quantile=1.5), "quantile"),
+        (dict(exponent=0.0), "exponent"),
+    ],
+)
+def test_sat_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SATConfig(**kwargs)
+
+
+def test_missing_inputs_are_named():
+    b = make_batch(0)
+    with pytest.raises(ValueError, match="tis_cap.*old_logp"):
+        objectives.policy_loss(
+            b["logp"], b["behavior_logp"], b["advantages"], b["mask"], PolicyLossConfig(tis_cap=2.0)
+        )
+    with pytest.raises(ValueError, match="ref_logp"):
+        objectives.policy_loss(
+            b["logp"], b["behavior_logp"], b["advantages"], b["mask"], PolicyLossConfig(kl_coef=0.1)
+        )
+    with pytest.raises(ValueError, match="shape"):
+        objectives.policy_loss(
+            b["logp"], b["behavior_logp"][:, :3], b["advantages"], b["mask"], PolicyLossConfig()
+        )
+
+
+def test_optax_train_step_example():
+    """The README's optax example, run: a few steps raise the surrogate on a fixed batch."""
+    import optax
+
+    b = {k: jnp.asarray(v) for k, v in make_batch(13).items()}
+    cfg = PolicyLossConfig(sat=SATConfig(enabled=True))
+    params = {"logits_bias": jnp.zeros(b["logp"].shape)}
+    optimizer = optax.adamw(1e-2)
+    opt_state = optimizer.init(params)
+
+    @jax.jit
+    def train_step(params, opt_state):
+        def loss_fn(p):
+            logp = b["logp"] + p["logits_bias"]
+            return objectives.policy_loss(logp, b["behavior_logp"], b["advantages"], b["mask"], cfg)
+
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    for _ in range(5):
+        params, opt_state, loss = train_step(params, opt_state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
