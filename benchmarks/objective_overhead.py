@@ -1,0 +1,145 @@
+"""Cost of SAT on top of the PPO/GSPO loss: jitted loss + gradient, median of interleaved runs.
+
+Usage:  .venv/bin/python benchmarks/objective_overhead.py [--tokens 1048576 4194304] [--repeats 21]
+
+Prints one markdown table: per size and ratio level, the median milliseconds of PPO and SAT loss+grad
+and their ratio, and the cost of the exact quantile by three algorithms (full sort, 32-step bisection
+on the float bits, and the library's two-pass radix select). Runs are interleaved (PPO, SAT, PPO, ...)
+so machine noise hits both alike; compare ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sat_jax import objectives
+
+
+def make_batch(active_tokens: int, seed: int = 0):
+    """Responses of random length in [T/2, T] (mean 3T/4 active) with about `active_tokens` in all."""
+    rng = np.random.default_rng(seed)
+    T = 1024
+    B = max(1, round(active_tokens / (0.75 * T)))
+    lengths = rng.integers(T // 2, T + 1, size=B)
+    mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
+    logp = np.log(rng.uniform(0.05, 0.99, (B, T))).astype(np.float32)
+    behavior = (logp + 0.3 * rng.standard_normal((B, T))).astype(np.float32)
+    adv = np.repeat(rng.standard_normal((B, 1)), T, axis=1).astype(np.float32)
+    return tuple(jnp.asarray(x) for x in (logp, behavior, adv, mask))
+
+
+def loss_and_grad_fn(cfg: objectives.PolicyLossConfig):
+    def f(logp, behavior, adv, mask):
+        return objectives.policy_loss(logp, behavior, adv, mask, cfg)[0]
+
+    return jax.jit(jax.value_and_grad(f))
+
+
+def sort_quantile(x, mask, level=0.9):
+    values = jnp.sort(jnp.where(mask > 0, x, jnp.inf).reshape(-1))
+    n = jnp.sum(mask > 0)
+    return values[jnp.maximum(jnp.ceil(level * n).astype(jnp.int32) - 1, 0)]
+
+
+def bisection_quantile(x, mask, level=0.9):
+    """32 counting passes over the non-negative float bits (the naive exact selection)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.int32).reshape(-1)
+    active = (mask > 0).reshape(-1)
+    rank = jnp.ceil(level * jnp.sum(active)).astype(jnp.int32)
+
+    def step(_, bounds):
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2
+        enough = jnp.sum(active & (bits <= mid)) >= rank
+        return jnp.where(enough, lo, mid + 1), jnp.where(enough, mid, hi)
+
+    lo, _ = jax.lax.fori_loop(0, 32, step, (jnp.int32(0), jnp.int32(0x7F800000)))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def radix_quantile(x, mask, level=0.9):
+    return objectives.masked_quantile(x, level, where=mask)
+
+
+def time_interleaved(fns: dict, args_for: dict, repeats: int) -> dict[str, float]:
+    for name, fn in fns.items():  # compile + warm up
+        jax.block_until_ready(fn(*args_for[name]))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args_for[name]))
+            times[name].append(time.perf_counter() - start)
+    return {name: 1e3 * statistics.median(ts) for name, ts in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1 << 20, 1 << 22])
+    parser.add_argument("--repeats", type=int, default=21)
+    args = parser.parse_args()
+
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} cores={os.cpu_count()} "
+        f"backend={jax.default_backend()} jax={jax.__version__} python={platform.python_version()}"
+    )
+    sat = objectives.SATConfig(enabled=True, quantile=0.9, exponent=2.0)
+    rows = []
+    for tokens in args.tokens:
+        batch = make_batch(tokens)
+        active = int(jnp.sum(batch[3]))
+        for level in ("token", "sequence"):
+            ppo_cfg = objectives.PolicyLossConfig(ratio_level=level)
+            sat_cfg = objectives.PolicyLossConfig(ratio_level=level, sat=sat)
+            ms = time_interleaved(
+                {"ppo": loss_and_grad_fn(ppo_cfg), "sat": loss_and_grad_fn(sat_cfg)},
+                {"ppo": batch, "sat": batch},
+                args.repeats,
+            )
+            rows.append((f"{active:,}", level, ms["ppo"], ms["sat"], ms["sat"] / ms["ppo"]))
+            print(
+                f"  {active:,} tokens {level}: PPO {ms['ppo']:.2f} ms, SAT {ms['sat']:.2f} ms",
+                flush=True,
+            )
+
+    print("\n| active tokens | ratio level | PPO loss+grad (ms) | SAT loss+grad (ms) | SAT/PPO |")
+    print("|---|---|---|---|---|")
+    for active, level, ppo_ms, sat_ms, ratio in rows:
+        print(f"| {active} | {level} | {ppo_ms:.2f} | {sat_ms:.2f} | {ratio:.2f} |")
+
+    batch = make_batch(args.tokens[0])
+    abs_d = jnp.abs(batch[0] - batch[1])
+    quantile_fns = {
+        "sort": jax.jit(sort_quantile),
+        "bisection (32 passes)": jax.jit(bisection_quantile),
+        "radix select (2 passes, library)": jax.jit(radix_quantile),
+    }
+    values = {name: float(fn(abs_d, batch[3])) for name, fn in quantile_fns.items()}
+    assert len(set(values.values())) == 1, f"quantile algorithms disagree: {values}"
+    ppo = loss_and_grad_fn(objectives.PolicyLossConfig())
+    fns = {"ppo": ppo, **quantile_fns}
+    ms = time_interleaved(
+        fns,
+        {"ppo": batch, **{k: (abs_d, batch[3]) for k in quantile_fns}},
+        max(5, args.repeats // 2),
+    )
+    active = int(jnp.sum(batch[3]))
+    print(
+        f"\nExact 0.9-quantile of |d| over {active:,} active tokens (all agree: {values['sort']:.6g})"
+    )
+    print("| algorithm | ms | × PPO loss+grad |")
+    print("|---|---|---|")
+    for name in quantile_fns:
+        print(f"| {name} | {ms[name]:.2f} | {ms[name] / ms['ppo']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
