@@ -179,29 +179,39 @@ def _key_to_float(key: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
-def masked_quantile(x: ArrayLike, level: float, *, where: ArrayLike | None = None) -> jax.Array:
+def masked_quantile(
+    x: ArrayLike,
+    level: float,
+    *,
+    where: ArrayLike | None = None,
+    counts: ArrayLike | None = None,
+) -> jax.Array:
     """Exact inverted-CDF quantile inf{v : F̂(v) ≥ level} of ``x`` over the active entries.
 
     Sorting the active values ascending, this is the element at 1-indexed position ceil(level·n),
     NumPy's ``method="inverted_cdf"``. It is found by a two-pass radix select on the order-preserving
     uint32 image of float32: pass 1 histograms the high 16 bits (65,536 bins) and locates the bin
     holding rank k; pass 2 histograms the low 16 bits of the entries in that bin. Two passes over the
-    data instead of a sort (~70× faster on CPU at 1M entries) or a 32-step bisection.
+    data instead of a sort (~40× faster on CPU at 1M entries) or a 32-step bisection.
 
     Args:
       x: float array, any shape (NaN is not allowed among active entries).
       level: quantile level in (0, 1]; read as the nearest fraction with denominator ≤ 10⁴ so
         ceil(level·n) is exact (0.9 is 9/10).
       where: optional mask of the same shape; entries where it is ≤ 0 are ignored.
+      counts: optional non-negative integer multiplicity of each entry (e.g. the number of active
+        tokens of each response, for a token-level quantile of per-response values); default 1.
 
     Returns:
       A float32 scalar; 0 when no entry is active. Not differentiable (use under stop_gradient).
     """
     if not 0.0 < level <= 1.0:
         raise ValueError(f"masked_quantile: level must be in (0, 1], got {level!r}")
-    x = jnp.asarray(x, jnp.float32).reshape(-1)
-    active = _active(where, x).reshape(-1)
-    count = active.astype(jnp.int32)
+    x = jnp.asarray(x, jnp.float32)
+    count = _active(where, x).astype(jnp.int32)
+    if counts is not None:
+        count = count * jnp.broadcast_to(jnp.asarray(counts, jnp.int32), x.shape)
+    x, count = x.reshape(-1), count.reshape(-1)
     n = jnp.sum(count)
     rank = _quantile_rank(level, n)  # 1-indexed
     key = _ordered_key(x)
@@ -441,11 +451,6 @@ def _aggregate(per_token: jax.Array, active: jax.Array, loss_agg: LossAgg):
     return jnp.sum(per_seq_mean), jnp.sum(per_seq_count > 0, dtype=jnp.int32)
 
 
-def _masked_mean_pair(x: jax.Array, active: jax.Array) -> tuple[jax.Array, jax.Array]:
-    x = jax.lax.stop_gradient(x).astype(jnp.float32)
-    return jnp.sum(jnp.where(active, x, 0.0)), jnp.sum(active, dtype=jnp.int32)
-
-
 def policy_loss_terms(
     logp: ArrayLike,
     behavior_logp: ArrayLike,
@@ -477,8 +482,13 @@ def policy_loss_terms(
     # d = logp − old_logp (token) or GSPO's s_b broadcast; padding is zeroed so garbage there
     # (−inf log-probs, NaN advantages) can reach neither the loss nor the gradient.
     log_ratio = jnp.where(active, lp - old, 0.0)
+    quantile_counts = active  # each active token once; per-response counts for GSPO
     if cfg.ratio_level == "sequence":
-        log_ratio = sequence_log_ratio(log_ratio, where=active)
+        # Kept as [B, 1] and broadcast at use: B exps instead of B·T, and SAT's token-level
+        # quantile of |s_b| becomes a quantile of B values weighted by their token counts.
+        tokens_b1 = jnp.sum(active, axis=-1, keepdims=True, dtype=jnp.int32)
+        log_ratio = jnp.sum(log_ratio, axis=-1, keepdims=True) / jnp.maximum(tokens_b1, 1)
+        quantile_counts = tokens_b1
     clamp = lambda x: (
         x if cfg.log_ratio_clamp is None else jnp.clip(x, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
     )
@@ -486,8 +496,10 @@ def policy_loss_terms(
 
     sums, counts, mins, totals = {}, {}, {}, {}
 
+    token_metrics = {}  # name -> per-token value; all reduced together at the end
+
     def mean_metric(name, value):
-        sums[name], counts[name] = _masked_mean_pair(value, active)
+        token_metrics[name] = value
 
     c_low = c_high = jnp.ones(lp.shape, jnp.float32)
     eps_low, eps_high = cfg.clip_low, cfg.clip_high
@@ -496,7 +508,7 @@ def policy_loss_terms(
     c_min = jnp.ones((), jnp.float32)
     if cfg.sat.enabled:
         d_sg = jax.lax.stop_gradient(log_ratio)
-        q = masked_quantile(jnp.abs(d_sg), cfg.sat.quantile, where=active)
+        q = masked_quantile(jnp.abs(d_sg), cfg.sat.quantile, counts=quantile_counts)
         c_low, c_high = sat_contraction(d_sg, q, exponent=cfg.sat.exponent)
         eps_low, eps_high = cfg.clip_low * c_low, cfg.clip_high * c_high
         gate = (q > 0) & (jnp.abs(d_sg) > q)
@@ -547,9 +559,20 @@ def policy_loss_terms(
 
     sums["sat_q"], counts["sat_q"] = q, jnp.ones((), jnp.int32)
     mean_metric("sat_gate_rate", gate)
-    # ε·mean(c) rather than mean(ε·c): equal, and exact (ε itself) whenever nothing contracts.
     mean_metric("sat_eps_low_mean", c_low)
     mean_metric("sat_eps_high_mean", c_high)
+
+    # One fused reduction per metric. Boolean metrics are counted as (active & flag): on CPU XLA
+    # that is ~2.5× faster than summing where(active, flag, 0.0) in float32.
+    n_active = jnp.sum(active, dtype=jnp.int32)
+    for name, value in token_metrics.items():
+        value = jax.lax.stop_gradient(value)
+        if value.dtype == jnp.bool_:
+            sums[name] = jnp.sum(active & value, dtype=jnp.float32)
+        else:
+            sums[name] = jnp.sum(jnp.where(active, value.astype(jnp.float32), 0.0))
+        counts[name] = n_active
+    # ε·mean(c) rather than mean(ε·c): equal, and exact (ε itself) whenever nothing contracts.
     sums["sat_eps_low_mean"] = cfg.clip_low * sums["sat_eps_low_mean"]
     sums["sat_eps_high_mean"] = cfg.clip_high * sums["sat_eps_high_mean"]
     mins["sat_c_min"] = c_min
