@@ -557,3 +557,22 @@ def test_optax_train_step_example():
         params, opt_state, loss = train_step(params, opt_state)
         losses.append(float(loss))
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("level", [0.1, 0.5, 0.9, 1.0])
+def test_quantile_counts_equal_repetition(level):
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=12).astype(np.float32)
+    counts = rng.integers(0, 5, size=12)
+    got = objectives.masked_quantile(x, level, counts=counts)
+    want = np.quantile(np.repeat(x, counts).astype(np.float64), level, method="inverted_cdf")
+    assert float(got) == np.float32(want)
+
+
+def test_sequence_log_ratio_is_the_masked_row_mean():
+    d = jnp.array([[1.0, 2.0, 30.0], [4.0, -4.0, 1.0], [5.0, 5.0, 5.0]])
+    mask = jnp.array([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [0.0, 0.0, 0.0]])
+    want = np.array([[1.5] * 3, [1 / 3] * 3, [0.0] * 3])
+    np.testing.assert_allclose(objectives.sequence_log_ratio(d, where=mask), want, rtol=1e-6)
+    grad = jax.grad(lambda x: jnp.sum(objectives.sequence_log_ratio(x, where=mask)[:, 0]))(d)
+    np.testing.assert_allclose(grad, [[0.5, 0.5, 0.0], [1 / 3] * 3, [0.0] * 3], rtol=1e-6)
