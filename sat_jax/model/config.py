@@ -1,0 +1,221 @@
+"""The model's one config dataclass and its named presets.
+
+The field names follow HF Qwen3-MoE's config closely enough for `sat_jax.model.hf` to map one
+onto the other field by field (`moe_intermediate_size` -> `expert_dim`, `intermediate_size` ->
+`dense_dim`, `num_key_value_heads` -> `num_kv_heads`, `tie_word_embeddings` -> `tie_embeddings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+DISPATCH_PATHS = ("auto", "ragged", "dense", "blocked")
+
+# Anything `jnp.dtype` accepts: jnp.float32, "bfloat16", np.dtype("float32"), ...
+DTypeLike = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """A decoder-only Qwen3-MoE-family transformer.
+
+    Attributes:
+      vocab_size: V, rows of the embedding table.
+      d_model: D, the residual width.
+      num_layers: decoder layers, dense and MoE together.
+      num_heads: N, query heads.
+      num_kv_heads: G, key/value heads; divides `num_heads` (grouped-query attention).
+      head_dim: H, width of one head (not necessarily d_model / num_heads, as in Qwen3).
+      num_experts: E, routed experts per MoE layer; 0 makes every layer dense.
+      num_experts_per_tok: K, experts each token is sent to.
+      expert_dim: F, hidden width of one expert's SwiGLU (HF `moe_intermediate_size`).
+      dense_dim: hidden width of the SwiGLU in dense layers (HF `intermediate_size`).
+      mlp_only_layers: layer indices forced dense.
+      decoder_sparse_step: layer i is MoE only when (i + 1) % decoder_sparse_step == 0.
+      norm_topk_prob: renormalize the K routing weights to sum to one.
+      rope_theta: RoPE base.
+      rms_norm_eps: epsilon inside every RMSNorm.
+      tie_embeddings: reuse the embedding table as the output projection.
+      max_seq_len: longest sequence (prompt + completion) the model is used with.
+      dispatch: MoE dispatch path, "dense" (one-hot reference), "ragged" (sort + ragged_dot),
+        "blocked" (sort + block-padded batched matmul, for CPU), or "auto" (chosen per backend
+        and shape, see `sat_jax.model.moe.resolve_dispatch`).
+      router_aux_loss_coef: weight of the load-balancing loss in `ModelOutput.aux_loss`.
+      dtype: compute dtype of matmuls; norms, softmaxes, the router and logits stay float32.
+      param_dtype: storage dtype of the parameters.
+    """
+
+    vocab_size: int
+    d_model: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    expert_dim: int
+    dense_dim: int
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+    norm_topk_prob: bool = True
+    rope_theta: float
+    rms_norm_eps: float = 1e-6
+    tie_embeddings: bool
+    max_seq_len: int
+    dispatch: str = "auto"
+    router_aux_loss_coef: float = 0.0
+    dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = jnp.float32
+
+    def __post_init__(self) -> None:
+        positive = (
+            "vocab_size",
+            "d_model",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "dense_dim",
+            "max_seq_len",
+            "decoder_sparse_step",
+        )
+        for name in positive:
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts > 65536:
+            raise ValueError(f"num_experts must fit uint16 routing ids, got {self.num_experts}")
+        if self.num_experts > 0:
+            if not 0 < self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], "
+                    f"got {self.num_experts_per_tok}"
+                )
+            if self.expert_dim <= 0:
+                raise ValueError(f"expert_dim must be positive, got {self.expert_dim}")
+        if not isinstance(self.mlp_only_layers, tuple):
+            raise ValueError(f"mlp_only_layers must be a tuple, got {type(self.mlp_only_layers)}")
+        for i in self.mlp_only_layers:
+            if not 0 <= i < self.num_layers:
+                raise ValueError(f"mlp_only_layers entry {i} outside [0, {self.num_layers})")
+        if self.rope_theta <= 0:
+            raise ValueError(f"rope_theta must be positive, got {self.rope_theta}")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
+        if self.dispatch not in DISPATCH_PATHS:
+            raise ValueError(f"dispatch must be one of {DISPATCH_PATHS}, got {self.dispatch!r}")
+        if self.router_aux_loss_coef < 0:
+            raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        for name in ("dtype", "param_dtype"):
+            try:
+                dt = jnp.dtype(getattr(self, name))
+            except TypeError as e:
+                raise ValueError(f"{name} is not a dtype: {getattr(self, name)!r}") from e
+            if not jnp.issubdtype(dt, jnp.floating):
+                raise ValueError(f"{name} must be a floating dtype, got {dt}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """HF Qwen3-MoE's rule for which decoder layers carry a sparse MoE block."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layer_indices(self) -> tuple[int, ...]:
+        """Indices of the MoE layers; routing axis L enumerates them in this order."""
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def num_moe_layers(self) -> int:
+        """L, the number of MoE layers (the routing tensor's third axis)."""
+        return len(self.moe_layer_indices)
+
+    @property
+    def routing_dtype(self) -> jnp.dtype:
+        """Storage dtype of routing ids: uint8 when E <= 256, else uint16."""
+        return jnp.dtype(jnp.uint8 if self.num_experts <= 256 else jnp.uint16)
+
+    @property
+    def compute_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.dtype)
+
+    @property
+    def params_dtype(self) -> jnp.dtype:
+        return jnp.dtype(self.param_dtype)
+
+    def replace(self, **overrides: Any) -> ModelConfig:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **overrides)
+
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A named preset from `PRESETS`, with optional field overrides."""
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
+        return PRESETS[name].replace(**overrides)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Compiles in seconds on CPU; every model test uses it.
+    "tiny": ModelConfig(
+        vocab_size=64,
+        d_model=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        expert_dim=32,
+        dense_dim=128,
+        rope_theta=10_000.0,
+        tie_embeddings=False,
+        max_seq_len=128,
+    ),
+    # About 100M parameters in total (about 30M active), for benchmarks.
+    "small": ModelConfig(
+        vocab_size=16_384,
+        d_model=512,
+        num_layers=8,
+        num_heads=8,
+        num_kv_heads=2,
+        head_dim=64,
+        num_experts=16,
+        num_experts_per_tok=2,
+        expert_dim=384,
+        dense_dim=1536,
+        rope_theta=1_000_000.0,
+        tie_embeddings=False,
+        max_seq_len=2048,
+    ),
+    # Qwen/Qwen3-30B-A3B's config.json.
+    "qwen3_30b_a3b": ModelConfig(
+        vocab_size=151_936,
+        d_model=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        expert_dim=768,
+        dense_dim=6144,
+        norm_topk_prob=True,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        tie_embeddings=False,
+        max_seq_len=40_960,
+    ),
+}

@@ -1,0 +1,246 @@
+"""Import Hugging Face Qwen3-MoE checkpoints (config.json + safetensors) and tokenizers.
+
+    model = load_qwen3_moe(path)          # an NNX Transformer holding the weights; model.config
+    logits = model(tokens)                # int32 [B, T] -> float32 [B, T, V]
+
+Safetensors files (``model.safetensors`` or the shards listed in ``model.safetensors.index.json``)
+are read with a small memory-mapped reader (the format is a JSON header and raw little-endian
+arrays), so bfloat16 checkpoints load without torch and without the ``safetensors`` package.
+Both HF layouts of the experts are accepted: one tensor per expert
+(``mlp.experts.{e}.{gate,up,down}_proj.weight``, the hub format) and the fused
+``mlp.experts.gate_up_proj`` [E, 2F, D] / ``mlp.experts.down_proj`` [E, D, F].
+
+HF stores linear weights as [out, in]; ours are [in, out] with heads split out, e.g.
+q_proj [N·H, D] -> w_q_dnh [D, N, H] and o_proj [D, N·H] -> w_o_nhd [N, H, D].
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import pathlib
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from sat_jax.model.config import ModelConfig
+from sat_jax.model.transformer import Transformer
+
+_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+# Config fields that must hold these values (anything else is a feature we do not implement).
+_REQUIRED = {
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "use_sliding_window": False,
+    "rope_scaling": None,
+}
+
+
+def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
+    """{name: read-only memory-mapped array} of one .safetensors file."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    start = 8 + header_len
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        if info["dtype"] not in _DTYPES:
+            raise ValueError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
+        begin, end = info["data_offsets"]
+        dtype = np.dtype(_DTYPES[info["dtype"]])
+        shape = tuple(info["shape"])
+        if end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"{path.name}: tensor {name!r} has {end - begin} bytes for {shape}")
+        out[name] = raw[start + begin : start + end].view(dtype).reshape(shape)
+    return out
+
+
+def read_checkpoint(path: str | pathlib.Path) -> dict[str, np.ndarray]:
+    """All tensors of a directory's ``model.safetensors`` or its sharded index."""
+    path = pathlib.Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    tensors: dict[str, np.ndarray] = {}
+    for name in files:
+        tensors.update(_read_safetensors(path / name))
+    return tensors
+
+
+def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
+    """Maps an HF Qwen3-MoE ``config.json`` dict to a ``ModelConfig``.
+
+    Raises:
+      ValueError: naming the field, for a different model type or a feature not implemented
+        (rope scaling, attention bias, sliding window, another activation).
+    """
+    if hf.get("model_type", "qwen3_moe") != "qwen3_moe":
+        raise ValueError(f"config.json model_type is {hf['model_type']!r}, expected 'qwen3_moe'")
+    for field, value in _REQUIRED.items():
+        if hf.get(field, value) != value:
+            raise ValueError(f"config.json {field}={hf[field]!r} is not supported (need {value!r})")
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ValueError(
+            f"config.json rope_parameters.rope_type={rope['rope_type']!r} is not "
+            "supported (need 'default')"
+        )
+    theta = hf.get("rope_theta", rope.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if num_experts is None:
+        raise ValueError("config.json has neither num_experts nor num_local_experts")
+    heads = hf["num_attention_heads"]
+    fields = dict(
+        vocab_size=hf["vocab_size"],
+        d_model=hf["hidden_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        num_experts=num_experts,
+        num_experts_per_tok=hf["num_experts_per_tok"],
+        expert_dim=hf["moe_intermediate_size"],
+        dense_dim=hf["intermediate_size"],
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        rope_theta=float(theta),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_seq_len=hf.get("max_position_embeddings", 32768),
+        router_aux_loss_coef=0.0,
+    )
+    return ModelConfig(**{**fields, **overrides})
+
+
+def _hf_source(path: tuple[Any, ...], cfg: ModelConfig) -> tuple[list[str], Callable]:
+    """HF tensor names and a function (their arrays -> ours) for one of our parameter paths."""
+    t = lambda w: w.T
+    if path == ("embedding_vd",):
+        return ["model.embed_tokens.weight"], lambda w: w
+    if path == ("lm_head_dv",):
+        return ["lm_head.weight"], t
+    if path == ("final_norm", "scale"):
+        return ["model.norm.weight"], lambda w: w
+    _, i, *rest = path
+    p = f"model.layers.{i}."
+    d, n, g, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    simple = {
+        ("attn_norm", "scale"): ("input_layernorm.weight", lambda w: w),
+        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", lambda w: w),
+        ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", lambda w: w),
+        ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", lambda w: w),
+        ("attn", "w_q_dnh"): ("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
+        ("attn", "w_k_dgh"): ("self_attn.k_proj.weight", lambda w: w.T.reshape(d, g, h)),
+        ("attn", "w_v_dgh"): ("self_attn.v_proj.weight", lambda w: w.T.reshape(d, g, h)),
+        ("attn", "w_o_nhd"): ("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
+        ("mlp", "w_router_de"): ("mlp.gate.weight", t),
+        ("mlp", "w_gate_df"): ("mlp.gate_proj.weight", t),
+        ("mlp", "w_up_df"): ("mlp.up_proj.weight", t),
+        ("mlp", "w_down_fd"): ("mlp.down_proj.weight", t),
+    }
+    if tuple(rest) in simple:
+        name, fn = simple[tuple(rest)]
+        return [p + name], fn
+    experts = {"w_gate_edf": "gate_proj", "w_up_edf": "up_proj", "w_down_efd": "down_proj"}
+    if tuple(rest[:1]) == ("mlp",) and len(rest) == 2 and rest[1] in experts:
+        proj = experts[rest[1]]
+        names = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(cfg.num_experts)]
+        return names, lambda *ws: np.stack([w.T for w in ws])
+    raise ValueError(f"no HF source known for parameter {'/'.join(map(str, path))}")
+
+
+def _fuse_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
+    """Splits the fused expert layout into the per-expert hub names, in place (views, no copy)."""
+    f = cfg.expert_dim
+    for name in [k for k in tensors if k.endswith("mlp.experts.gate_up_proj")]:
+        prefix = name[: -len("gate_up_proj")]
+        gate_up, down = tensors.pop(name), tensors.pop(prefix + "down_proj")
+        for e in range(gate_up.shape[0]):
+            tensors[f"{prefix}{e}.gate_proj.weight"] = gate_up[e, :f]
+            tensors[f"{prefix}{e}.up_proj.weight"] = gate_up[e, f:]
+            tensors[f"{prefix}{e}.down_proj.weight"] = down[e]
+
+
+def load_qwen3_moe(path: str | pathlib.Path, **config_overrides: Any) -> Transformer:
+    """Loads an HF Qwen3-MoE checkpoint directory into a ``Transformer``.
+
+    The module is built abstractly (``nnx.eval_shape``, no random init) and filled with the
+    checkpoint's tensors cast to ``param_dtype``. Every parameter must be found with the expected
+    shape, and every checkpoint tensor must be used (``lm_head.weight`` may be absent or ignored
+    when the embeddings are tied).
+
+    Args:
+      path: a directory with ``config.json`` and safetensors weights.
+      **config_overrides: ``ModelConfig`` fields to change (e.g. ``dispatch``, ``dtype``).
+
+    Returns:
+      The ``Transformer``; its ``config`` is the mapped ``ModelConfig``.
+    """
+    path = pathlib.Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    cfg = config_from_hf(json.loads((path / "config.json").read_text()), **config_overrides)
+    tensors = read_checkpoint(path)
+    _fuse_experts(tensors, cfg)
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    used: set[str] = set()
+    params: dict = {}
+    for var_path, var in nnx.to_flat_state(abstract):
+        want = var.get_value()
+        names, convert = _hf_source(tuple(var_path), cfg)
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {missing[0]} (for {var_path})")
+        value = np.asarray(convert(*(tensors[n] for n in names)))
+        if value.shape != want.shape:
+            raise ValueError(
+                f"{names[0]} maps to shape {value.shape}, expected {want.shape} for "
+                f"{'/'.join(map(str, var_path))}"
+            )
+        node = params
+        for key in var_path[:-1]:
+            node = node.setdefault(key, {})
+        node[var_path[-1]] = jnp.asarray(value, dtype=want.dtype)
+        used.update(names)
+    unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"checkpoint {path} has tensors the model does not use: {unused[:5]}")
+    return nnx.merge(graphdef, params)
+
+
+def load_tokenizer(path: str | pathlib.Path) -> Any:
+    """``transformers.AutoTokenizer.from_pretrained(path)``; needs the optional ``transformers``."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ImportError(
+            "load_tokenizer needs the optional 'transformers' package (pip install transformers)"
+        ) from e
+    return AutoTokenizer.from_pretrained(str(path))

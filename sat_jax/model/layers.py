@@ -1,0 +1,218 @@
+"""Transformer building blocks: RMSNorm, RoPE, grouped-query attention with q/k norm, SwiGLU.
+
+Dimension letters used in tensor names:
+  B batch, T query positions, S key positions (the cache length when decoding), D d_model,
+  N query heads, G key/value heads, R query heads per KV head (N = G * R), H head_dim,
+  F feed-forward hidden width.
+
+Parameters carry LOGICAL axis names in their `out_sharding` metadata ("vocab", "embed", "q_heads",
+"kv_heads", "head_dim", "exp", "mlp", "norm"); `sat_jax.sharding` maps them onto mesh axes. Eager
+sharding is off so a model builds without a mesh (and under `nnx.eval_shape`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from sat_jax.model.config import DTypeLike
+
+Initializer = Callable[[jax.Array, Sequence[int], DTypeLike], jax.Array]
+
+# Large finite negative so fully masked rows give a uniform softmax instead of NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def make_param(
+    rngs: nnx.Rngs, init: Initializer, shape: Sequence[int], axes: tuple[str, ...], dtype: DTypeLike
+) -> nnx.Param:
+    """An `nnx.Param` annotated with logical axis names (one per dimension)."""
+    if len(axes) != len(shape):
+        raise ValueError(f"axes {axes} do not match shape {tuple(shape)}")
+    return nnx.Param(
+        init(rngs.params(), tuple(shape), dtype), out_sharding=axes, eager_sharding=False
+    )
+
+
+def fan_in_init(fan_in: int) -> Initializer:
+    """Normal init with std 1/sqrt(fan_in), for weights whose fan-in is not one axis."""
+    return nnx.initializers.normal(stddev=fan_in**-0.5)
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm over the last axis, computed in float32 (HF Qwen3RMSNorm)."""
+
+    def __init__(self, dim: int, *, eps: float, param_dtype: DTypeLike, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = make_param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """Normalizes `x [..., dim]`; returns the same shape and dtype."""
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x_btnh: jax.Array, positions_bt: jax.Array, *, theta: float) -> jax.Array:
+    """Rotary embedding, rotate-half convention (HF Qwen3): pairs (i, i + H/2) rotate together.
+
+    Args:
+      x_btnh: [B, T, N, H] queries or keys (any head count N).
+      positions_bt: [B, T] integer positions.
+      theta: RoPE base.
+
+    Returns:
+      [B, T, N, H] in x's dtype; the rotation is computed in float32.
+    """
+    h = x_btnh.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, h, 2, dtype=jnp.float32) / h))
+    angle_bti = positions_bt.astype(jnp.float32)[..., None] * inv_freq
+    cos, sin = jnp.cos(angle_bti)[:, :, None, :], jnp.sin(angle_bti)[:, :, None, :]
+    x32 = x_btnh.astype(jnp.float32)
+    x1, x2 = x32[..., : h // 2], x32[..., h // 2 :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x_btnh.dtype)
+
+
+@struct.dataclass
+class QKV:
+    """Projected, normed and rotated attention inputs of T new positions."""
+
+    q_btnh: jax.Array
+    k_btgh: jax.Array
+    v_btgh: jax.Array
+
+
+class Attention(nnx.Module):
+    """Grouped-query attention with per-head RMSNorm on q and k before RoPE (Qwen3), no biases.
+
+    Split in two halves so the KV cache can sit between them: `project` makes q/k/v of the new
+    positions, `attend` attends them to whatever keys/values the caller supplies.
+    """
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope_theta: float,
+        eps: float,
+        dtype: DTypeLike,
+        param_dtype: DTypeLike,
+        rngs: nnx.Rngs,
+    ):
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        self.dtype = dtype
+        d_init, o_init = fan_in_init(d_model), fan_in_init(num_heads * head_dim)
+        self.w_q_dnh = make_param(
+            rngs,
+            d_init,
+            (d_model, num_heads, head_dim),
+            ("embed", "q_heads", "head_dim"),
+            param_dtype,
+        )
+        self.w_k_dgh = make_param(
+            rngs,
+            d_init,
+            (d_model, num_kv_heads, head_dim),
+            ("embed", "kv_heads", "head_dim"),
+            param_dtype,
+        )
+        self.w_v_dgh = make_param(
+            rngs,
+            d_init,
+            (d_model, num_kv_heads, head_dim),
+            ("embed", "kv_heads", "head_dim"),
+            param_dtype,
+        )
+        self.w_o_nhd = make_param(
+            rngs,
+            o_init,
+            (num_heads, head_dim, d_model),
+            ("q_heads", "head_dim", "embed"),
+            param_dtype,
+        )
+        self.q_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
+        self.k_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
+
+    def project(self, x_btd: jax.Array, positions_bt: jax.Array) -> QKV:
+        """q/k/v of `x_btd [B, T, D]` at `positions_bt [B, T]`; q and k normed, then rotated."""
+        x = x_btd.astype(self.dtype)
+        q_btnh = jnp.einsum("btd,dnh->btnh", x, self.w_q_dnh[...].astype(self.dtype))
+        k_btgh = jnp.einsum("btd,dgh->btgh", x, self.w_k_dgh[...].astype(self.dtype))
+        v_btgh = jnp.einsum("btd,dgh->btgh", x, self.w_v_dgh[...].astype(self.dtype))
+        q_btnh = apply_rope(self.q_norm(q_btnh), positions_bt, theta=self.rope_theta)
+        k_btgh = apply_rope(self.k_norm(k_btgh), positions_bt, theta=self.rope_theta)
+        return QKV(q_btnh=q_btnh, k_btgh=k_btgh, v_btgh=v_btgh)
+
+    def attend(
+        self, q_btnh: jax.Array, k_bsgh: jax.Array, v_bsgh: jax.Array, allowed_bts: jax.Array
+    ) -> jax.Array:
+        """Softmax attention (float32 scores) of T queries over S keys.
+
+        Args:
+          q_btnh: [B, T, N, H] queries.
+          k_bsgh: [B, S, G, H] keys; v_bsgh: [B, S, G, H] values.
+          allowed_bts: [B, T, S] bool, which keys each query may see (causal and valid).
+
+        Returns:
+          [B, T, D] attention output after the output projection.
+        """
+        b, t, n, h = q_btnh.shape
+        g = self.num_kv_heads
+        q_btgrh = q_btnh.reshape(b, t, g, n // g, h)
+        scores_bgrts = jnp.einsum(
+            "btgrh,bsgh->bgrts",
+            q_btgrh,
+            k_bsgh.astype(q_btnh.dtype),
+            preferred_element_type=jnp.float32,
+        ) * (h**-0.5)
+        scores_bgrts = jnp.where(allowed_bts[:, None, None], scores_bgrts, _MASK_VALUE)
+        probs_bgrts = jax.nn.softmax(scores_bgrts, axis=-1).astype(self.dtype)
+        out_btgrh = jnp.einsum("bgrts,bsgh->btgrh", probs_bgrts, v_bsgh.astype(self.dtype))
+        out_btnh = out_btgrh.reshape(b, t, n, h)
+        return jnp.einsum("btnh,nhd->btd", out_btnh, self.w_o_nhd[...].astype(self.dtype))
+
+
+def swiglu(
+    x_td: jax.Array, w_gate_df: jax.Array, w_up_df: jax.Array, w_down_fd: jax.Array
+) -> jax.Array:
+    """silu(x W_gate) * (x W_up) W_down for `x [..., D]`; weights [D, F], [D, F], [F, D]."""
+    h = jax.nn.silu(x_td @ w_gate_df) * (x_td @ w_up_df)
+    return h @ w_down_fd
+
+
+class DenseMLP(nnx.Module):
+    """SwiGLU feed-forward of the dense (non-MoE) layers."""
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        hidden_dim: int,
+        dtype: DTypeLike,
+        param_dtype: DTypeLike,
+        rngs: nnx.Rngs,
+    ):
+        self.dtype = dtype
+        self.w_gate_df = make_param(
+            rngs, fan_in_init(d_model), (d_model, hidden_dim), ("embed", "mlp"), param_dtype
+        )
+        self.w_up_df = make_param(
+            rngs, fan_in_init(d_model), (d_model, hidden_dim), ("embed", "mlp"), param_dtype
+        )
+        self.w_down_fd = make_param(
+            rngs, fan_in_init(hidden_dim), (hidden_dim, d_model), ("mlp", "embed"), param_dtype
+        )
+
+    def __call__(self, x_btd: jax.Array) -> jax.Array:
+        """[B, T, D] -> [B, T, D] in the compute dtype."""
+        cast = lambda p: p[...].astype(self.dtype)
+        return swiglu(
+            x_btd.astype(self.dtype), cast(self.w_gate_df), cast(self.w_up_df), cast(self.w_down_fd)
+        )

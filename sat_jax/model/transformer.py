@@ -1,0 +1,419 @@
+"""The decoder-only MoE transformer: full forward, routing capture/replay, KV-cache decoding.
+
+Dimension letters used in tensor names:
+  B batch, T positions, S cache positions, D d_model, V vocab, L MoE layers, K experts per token,
+  E experts, G key/value heads, H head_dim.
+
+Contract (SPEC §5):
+  logits_btv = model(tokens_bt)
+  logits_btv, routing_btlk = model(tokens_bt, return_routing=True)   # uint8 ids when E <= 256
+`Transformer.forward` returns the full `ModelOutput` (aux loss, expert load) for the trainer.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from sat_jax.model.config import ModelConfig
+from sat_jax.model.layers import Attention, DenseMLP, RMSNorm, fan_in_init, make_param
+from sat_jax.model.moe import MoE, MoEOutput
+
+
+@struct.dataclass
+class ModelOutput:
+    """Everything one forward pass produces.
+
+    Attributes:
+      logits_btv: [B, T, V] float32.
+      routing_btlk: [B, T, L, K] the router's own top-k ids under the current params, in
+        `config.routing_dtype` (under replay the experts USED are the replayed ones).
+      aux_loss: scalar, `router_aux_loss_coef * balance_loss`, ready to add to the loss.
+      balance_loss: scalar, the load-balancing loss averaged over MoE layers (0 without MoE).
+      expert_load_le: [L, E] fraction of active token-slots per expert, per MoE layer.
+    """
+
+    logits_btv: jax.Array
+    routing_btlk: jax.Array
+    aux_loss: jax.Array
+    balance_loss: jax.Array
+    expert_load_le: jax.Array
+
+
+@struct.dataclass
+class KVCache:
+    """Keys and values of every layer for B independent rows (slots).
+
+    Attributes:
+      k_lbsgh: [num_layers, B, S, G, H] keys (normed and rotated).
+      v_lbsgh: [num_layers, B, S, G, H] values.
+      lengths_b: [B] int32 valid positions per row; the next token of row b goes to lengths_b[b].
+    """
+
+    k_lbsgh: jax.Array
+    v_lbsgh: jax.Array
+    lengths_b: jax.Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k_lbsgh.shape[2]
+
+
+@struct.dataclass
+class PrefillOutput:
+    """Logits of the prompt, its routing (when asked for), and the filled cache."""
+
+    logits_btv: jax.Array
+    routing_btlk: jax.Array | None
+    cache: KVCache
+
+
+@struct.dataclass
+class DecodeOutput:
+    """Logits of the next token per row, this step's routing [B, L, K] (when asked), the cache."""
+
+    logits_bv: jax.Array
+    routing_blk: jax.Array | None
+    cache: KVCache
+
+
+@struct.dataclass
+class _Trunk:
+    x_btd: jax.Array
+    moe: tuple[MoEOutput, ...]
+    k_lbtgh: jax.Array
+    v_lbtgh: jax.Array
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); mlp is MoE or dense SwiGLU."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, *, rngs: nnx.Rngs):
+        c = config
+        self.is_moe = c.is_moe_layer(layer_idx)
+        norm = lambda: RMSNorm(c.d_model, eps=c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs)
+        self.attn_norm = norm()
+        self.attn = Attention(
+            d_model=c.d_model,
+            num_heads=c.num_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            rope_theta=c.rope_theta,
+            eps=c.rms_norm_eps,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            rngs=rngs,
+        )
+        self.mlp_norm = norm()
+        if self.is_moe:
+            self.mlp = MoE(
+                d_model=c.d_model,
+                num_experts=c.num_experts,
+                k=c.num_experts_per_tok,
+                expert_dim=c.expert_dim,
+                norm_topk_prob=c.norm_topk_prob,
+                dispatch=c.dispatch,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                rngs=rngs,
+            )
+        else:
+            self.mlp = DenseMLP(
+                d_model=c.d_model,
+                hidden_dim=c.dense_dim,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                rngs=rngs,
+            )
+
+
+class Transformer(nnx.Module):
+    """Qwen3-MoE-family decoder.
+
+    Params: embedding_vd [V, D]; lm_head_dv [D, V] (absent when tied); final_norm; layers[i] with
+    attn_norm, attn (w_q_dnh, w_k_dgh, w_v_dgh, w_o_nhd, q_norm, k_norm), mlp_norm and mlp (MoE:
+    w_router_de, w_gate_edf, w_up_edf, w_down_efd; dense: w_gate_df, w_up_df, w_down_fd).
+    """
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = self.config = config
+        self.embedding_vd = make_param(
+            rngs,
+            nnx.initializers.normal(stddev=c.d_model**-0.5),
+            (c.vocab_size, c.d_model),
+            ("vocab", "embed"),
+            c.param_dtype,
+        )
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=rngs) for i in range(c.num_layers)])
+        self.final_norm = RMSNorm(
+            c.d_model, eps=c.rms_norm_eps, param_dtype=c.param_dtype, rngs=rngs
+        )
+        self.lm_head_dv = (
+            None
+            if c.tie_embeddings
+            else make_param(
+                rngs,
+                fan_in_init(c.d_model),
+                (c.d_model, c.vocab_size),
+                ("embed", "vocab"),
+                c.param_dtype,
+            )
+        )
+
+    # The trunk shared by forward, prefill and decode.
+
+    def _trunk(
+        self,
+        tokens_bt: jax.Array,
+        positions_bt: jax.Array,
+        mask_bt: jax.Array,
+        allowed_bts: jax.Array,
+        *,
+        cache: KVCache | None = None,
+        replay_btlk: jax.Array | None = None,
+        dispatch: str | None = None,
+    ) -> _Trunk:
+        """Runs every layer. With `cache`, new keys/values go to row b's slot lengths_b[b] and
+        attention covers the whole cache; without, it covers the T new positions."""
+        c = self.config
+        x_btd = self.embedding_vd[...].astype(c.dtype)[tokens_bt]
+        rows_b = jnp.arange(tokens_bt.shape[0])
+        moe_outs, ks, vs = [], [], []
+        for i, layer in enumerate(self.layers):
+            qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
+            k_bsgh, v_bsgh = qkv.k_btgh, qkv.v_btgh
+            if cache is not None:  # one new token per row
+                k_bsgh = cache.k_lbsgh[i].at[rows_b, cache.lengths_b].set(k_bsgh[:, 0])
+                v_bsgh = cache.v_lbsgh[i].at[rows_b, cache.lengths_b].set(v_bsgh[:, 0])
+            ks.append(k_bsgh)
+            vs.append(v_bsgh)
+            x_btd = x_btd + layer.attn.attend(qkv.q_btnh, k_bsgh, v_bsgh, allowed_bts)
+            h_btd = layer.mlp_norm(x_btd)
+            if layer.is_moe:
+                j = len(moe_outs)
+                replay_btk = None if replay_btlk is None else replay_btlk[:, :, j]
+                out = layer.mlp(
+                    h_btd, mask_bt=mask_bt, replay_ids_btk=replay_btk, dispatch=dispatch
+                )
+                moe_outs.append(out)
+                x_btd = x_btd + out.y_btd
+            else:
+                x_btd = x_btd + layer.mlp(h_btd)
+        return _Trunk(
+            x_btd=x_btd, moe=tuple(moe_outs), k_lbtgh=jnp.stack(ks), v_lbtgh=jnp.stack(vs)
+        )
+
+    def _logits(self, x_btd: jax.Array) -> jax.Array:
+        c = self.config
+        h_btd = self.final_norm(x_btd).astype(c.dtype)
+        if self.lm_head_dv is None:
+            return jnp.einsum(
+                "btd,vd->btv",
+                h_btd,
+                self.embedding_vd[...].astype(c.dtype),
+                preferred_element_type=jnp.float32,
+            )
+        return jnp.einsum(
+            "btd,dv->btv",
+            h_btd,
+            self.lm_head_dv[...].astype(c.dtype),
+            preferred_element_type=jnp.float32,
+        )
+
+    def _routing(self, trunk: _Trunk, b: int, t: int) -> jax.Array:
+        c = self.config
+        if not trunk.moe:
+            return jnp.zeros((b, t, 0, c.num_experts_per_tok), c.routing_dtype)
+        return jnp.stack([o.topk_ids_btk for o in trunk.moe], axis=2).astype(c.routing_dtype)
+
+    # Public API.
+
+    def forward(
+        self,
+        tokens_bt: jax.Array,
+        *,
+        positions_bt: jax.Array | None = None,
+        mask_bt: jax.Array | None = None,
+        replay_routing: jax.Array | None = None,
+        dispatch: str | None = None,
+    ) -> ModelOutput:
+        """Full causal forward of right-padded sequences.
+
+        Args:
+          tokens_bt: [B, T] int token ids.
+          positions_bt: [B, T] RoPE positions; default 0..T-1 per row.
+          mask_bt: [B, T] valid tokens (right padding); padded keys are masked out of attention
+            and padded tokens out of the aux loss and load statistics. Default: all valid.
+          replay_routing: [B, T, L, K] recorded expert ids (any int dtype) to replay (R3).
+          dispatch: overrides `config.dispatch` for this call ("auto" | "dense" | "ragged").
+        """
+        c = self.config
+        b, t = tokens_bt.shape
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        mask_bt = jnp.ones((b, t), bool) if mask_bt is None else mask_bt.astype(bool)
+        if replay_routing is not None and replay_routing.shape != (
+            b,
+            t,
+            c.num_moe_layers,
+            c.num_experts_per_tok,
+        ):
+            raise ValueError(
+                f"replay_routing has shape {replay_routing.shape}, expected "
+                f"{(b, t, c.num_moe_layers, c.num_experts_per_tok)}"
+            )
+        causal_tt = jnp.tril(jnp.ones((t, t), bool))
+        allowed_bts = causal_tt[None] & mask_bt[:, None, :]
+        trunk = self._trunk(
+            tokens_bt,
+            positions_bt,
+            mask_bt,
+            allowed_bts,
+            replay_btlk=replay_routing,
+            dispatch=dispatch,
+        )
+        if trunk.moe:
+            balance = jnp.mean(jnp.stack([o.balance_loss for o in trunk.moe]))
+            load_le = jnp.stack([o.load_e for o in trunk.moe])
+        else:
+            balance = jnp.zeros((), jnp.float32)
+            load_le = jnp.zeros((0, c.num_experts), jnp.float32)
+        return ModelOutput(
+            logits_btv=self._logits(trunk.x_btd),
+            routing_btlk=self._routing(trunk, b, t),
+            aux_loss=c.router_aux_loss_coef * balance,
+            balance_loss=balance,
+            expert_load_le=load_le,
+        )
+
+    def __call__(
+        self,
+        tokens_bt: jax.Array,
+        *,
+        positions_bt: jax.Array | None = None,
+        mask_bt: jax.Array | None = None,
+        replay_routing: jax.Array | None = None,
+        return_routing: bool = False,
+    ) -> jax.Array | tuple[jax.Array, jax.Array]:
+        """The SPEC contract: float32 logits [B, T, V], or (logits, routing ids [B, T, L, K]).
+
+        The routing ids are the router's own top-k under the current params in
+        `config.routing_dtype` (under replay, the experts used are the replayed ones). Arguments
+        as in `forward`.
+        """
+        out = self.forward(
+            tokens_bt, positions_bt=positions_bt, mask_bt=mask_bt, replay_routing=replay_routing
+        )
+        return (out.logits_btv, out.routing_btlk) if return_routing else out.logits_btv
+
+    def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
+        """An empty cache of `max_len` (default `config.max_seq_len`) positions for `batch` rows."""
+        c = self.config
+        shape = (c.num_layers, batch, max_len or c.max_seq_len, c.num_kv_heads, c.head_dim)
+        return KVCache(
+            k_lbsgh=jnp.zeros(shape, c.dtype),
+            v_lbsgh=jnp.zeros(shape, c.dtype),
+            lengths_b=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def prefill(
+        self,
+        cache: KVCache,
+        tokens_bt: jax.Array,
+        *,
+        mask_bt: jax.Array | None = None,
+        return_routing: bool = False,
+    ) -> PrefillOutput:
+        """Runs right-padded prompts [B, T] (T <= cache length) and writes every row's cache.
+
+        Row b's prompt is tokens_bt[b, :lengths_b[b]] with lengths_b = mask_bt.sum(-1); its next
+        token's logits are logits_btv[b, lengths_b[b] - 1].
+        """
+        b, t = tokens_bt.shape
+        if t > cache.max_len:
+            raise ValueError(f"prompt length {t} exceeds the cache length {cache.max_len}")
+        mask_bt = jnp.ones((b, t), bool) if mask_bt is None else mask_bt.astype(bool)
+        positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        allowed_bts = jnp.tril(jnp.ones((t, t), bool))[None] & mask_bt[:, None, :]
+        trunk = self._trunk(tokens_bt, positions_bt, mask_bt, allowed_bts)
+        cache = KVCache(
+            k_lbsgh=jax.lax.dynamic_update_slice_in_dim(
+                cache.k_lbsgh, trunk.k_lbtgh.astype(cache.k_lbsgh.dtype), 0, axis=2
+            ),
+            v_lbsgh=jax.lax.dynamic_update_slice_in_dim(
+                cache.v_lbsgh, trunk.v_lbtgh.astype(cache.v_lbsgh.dtype), 0, axis=2
+            ),
+            lengths_b=jnp.sum(mask_bt, axis=-1, dtype=jnp.int32),
+        )
+        routing = self._routing(trunk, b, t) if return_routing else None
+        return PrefillOutput(
+            logits_btv=self._logits(trunk.x_btd), routing_btlk=routing, cache=cache
+        )
+
+    def decode_step(
+        self,
+        cache: KVCache,
+        tokens_b: jax.Array,
+        *,
+        active_b: jax.Array | None = None,
+        return_routing: bool = False,
+    ) -> DecodeOutput:
+        """Feeds one token per row at position lengths_b and advances the active rows.
+
+        Args:
+          cache: the cache after `prefill` or earlier steps.
+          tokens_b: [B] int next input token per row.
+          active_b: [B] bool rows to advance (default all); inactive rows compute but keep their
+            length, so their next step overwrites this one. A row already at the cache length
+            is not written (the scatter drops out-of-range slots); size the cache to fit.
+          return_routing: also return this step's routing ids [B, L, K].
+        """
+        b = tokens_b.shape[0]
+        active_b = jnp.ones((b,), bool) if active_b is None else active_b.astype(bool)
+        positions_b1 = cache.lengths_b[:, None]
+        allowed_b1s = (jnp.arange(cache.max_len)[None, :] <= cache.lengths_b[:, None])[:, None]
+        trunk = self._trunk(
+            tokens_b[:, None], positions_b1, active_b[:, None], allowed_b1s, cache=cache
+        )
+        cache = KVCache(
+            k_lbsgh=trunk.k_lbtgh,
+            v_lbsgh=trunk.v_lbtgh,
+            lengths_b=cache.lengths_b + active_b.astype(jnp.int32),
+        )
+        routing = self._routing(trunk, b, 1)[:, 0] if return_routing else None
+        return DecodeOutput(
+            logits_bv=self._logits(trunk.x_btd)[:, 0], routing_blk=routing, cache=cache
+        )
+
+
+def token_logprobs(
+    logits_btv: jax.Array, targets_bt: jax.Array, *, temperature: float = 1.0
+) -> jax.Array:
+    """[B, T] float32 log softmax(logits / temperature) at the targets (the sampler's scaling)."""
+    logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
+    return jnp.take_along_axis(logp_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
+def router_shift_ratio(
+    recorded_btlk: jax.Array, current_btlk: jax.Array, mask_bt: jax.Array
+) -> jax.Array:
+    """Fraction of recorded top-k experts not in the current top-k set (SPEC §4).
+
+    Averaged over active tokens, MoE layers and the K recorded slots.
+
+    Args:
+      recorded_btlk: [B, T, L, K] expert ids recorded at rollout.
+      current_btlk: [B, T, L, K] the trainer's own top-k ids for the same tokens.
+      mask_bt: [B, T] active tokens.
+
+    Returns:
+      Scalar float32 in [0, 1]; 0 when nothing is active or there are no MoE layers.
+    """
+    rec = recorded_btlk.astype(jnp.int32)
+    cur = current_btlk.astype(jnp.int32)
+    found_btlk = jnp.any(rec[..., :, None] == cur[..., None, :], axis=-1)
+    weight_bt = mask_bt.astype(jnp.float32)
+    missing = jnp.sum(jnp.sum(~found_btlk, axis=(2, 3)) * weight_bt)
+    slots = jnp.sum(weight_bt) * rec.shape[2] * rec.shape[3]
+    return jnp.where(slots > 0, missing / jnp.maximum(slots, 1.0), 0.0)

@@ -1,0 +1,156 @@
+"""Memory plan of a preset on a mesh, from shapes alone (no allocation, no devices).
+
+    python -m sat_jax.plan --preset qwen3_30b_a3b --mesh fsdp=64
+
+prints total and active parameter counts and the per-device bytes of parameters, gradients and the
+Adam moments (m and v, float32). Shapes come from ``nnx.eval_shape`` and shardings from the rules in
+``sat_jax.sharding`` applied to the mesh's axis sizes, so the numbers are exactly what
+``init_train_state`` would place on each device (per-device bytes of a parameter = its bytes divided
+by the product of the mesh axes its ``PartitionSpec`` shards it over).
+
+Active parameters: every parameter except the routed experts' weights (those with both an "exp" and
+an "mlp" axis), plus K/E of those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+from flax import nnx
+
+from sat_jax import sharding
+from sat_jax.model import ModelConfig
+
+ADAM_MOMENT_BYTES = 4  # m and v are kept in float32 whatever the parameter dtype.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MemoryPlan:
+    """Parameter counts and per-device bytes of one model config on one mesh.
+
+    Attributes:
+      mesh: resolved axis sizes.
+      total_params: all parameters.
+      active_params: parameters one token uses (non-expert + K/E of the expert weights).
+      param_bytes: per-device bytes of the parameters (in ``param_dtype``).
+      grad_bytes: per-device bytes of the gradients (same dtype and sharding as the params).
+      adam_bytes: per-device bytes of Adam's m and v together (float32, sharded like the params).
+    """
+
+    mesh: dict[str, int]
+    total_params: int
+    active_params: int
+    param_bytes: int
+    grad_bytes: int
+    adam_bytes: int
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh.values())
+
+    @property
+    def total_bytes(self) -> int:
+        """Per-device bytes of params, gradients and Adam state (activations excluded)."""
+        return self.param_bytes + self.grad_bytes + self.adam_bytes
+
+
+def plan_memory(
+    model_cfg: ModelConfig, mesh_cfg: sharding.MeshConfig, num_devices: int | None = None
+) -> MemoryPlan:
+    """Counts parameters and per-device bytes of ``model_cfg`` sharded on ``mesh_cfg``.
+
+    Args:
+      model_cfg: the model config.
+      mesh_cfg: mesh axis sizes; a ``-1`` axis needs ``num_devices``.
+      num_devices: total devices; default the product of the (explicit) axis sizes.
+
+    Returns:
+      A ``MemoryPlan``.
+    """
+    sizes = {name: getattr(mesh_cfg, name) for name in sharding.MESH_AXES}
+    if num_devices is None:
+        if -1 in sizes.values():
+            raise ValueError("a mesh with a -1 axis needs num_devices (--devices)")
+        num_devices = math.prod(sizes.values())
+    mesh = sharding.abstract_mesh(mesh_cfg, num_devices)
+    _, abstract = sharding.abstract_model(model_cfg)
+    specs = dict(nnx.to_flat_state(nnx.State(sharding.param_specs(abstract, mesh))))
+    total = expert = 0
+    param_bytes = adam_bytes = 0
+    for path, var in nnx.to_flat_state(abstract):
+        value = var.get_value()
+        numel = math.prod(value.shape)
+        shards = _num_shards(specs[path], dict(mesh.shape))
+        total += numel
+        logical = var.get_metadata().get("out_sharding") or ()
+        if "exp" in logical and "mlp" in logical:
+            expert += numel
+        param_bytes += numel * np.dtype(value.dtype).itemsize // shards
+        adam_bytes += 2 * numel * ADAM_MOMENT_BYTES // shards
+    k, e = model_cfg.num_experts_per_tok, max(model_cfg.num_experts, 1)
+    return MemoryPlan(
+        mesh=dict(mesh.shape),
+        total_params=total,
+        active_params=total - expert + expert * k // e,
+        param_bytes=param_bytes,
+        grad_bytes=param_bytes,
+        adam_bytes=adam_bytes,
+    )
+
+
+def _num_shards(spec: object, sizes: dict[str, int]) -> int:
+    out = 1
+    for entry in spec:
+        for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
+            out *= sizes[axis]
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.3f} GiB"
+
+
+def format_plan(name: str, plan: MemoryPlan) -> str:
+    """A short human-readable table of ``plan``."""
+    mesh = ", ".join(f"{a}={s}" for a, s in plan.mesh.items())
+    rows = [
+        f"preset           {name}",
+        f"mesh             {mesh} ({plan.num_devices} devices)",
+        f"total params     {plan.total_params:,} ({plan.total_params / 1e9:.2f} B)",
+        f"active params    {plan.active_params:,} ({plan.active_params / 1e9:.2f} B)",
+        "per device:",
+        f"  params         {_gib(plan.param_bytes)}",
+        f"  gradients      {_gib(plan.grad_bytes)}",
+        f"  adam m+v (f32) {_gib(plan.adam_bytes)}",
+        f"  total          {_gib(plan.total_bytes)}  (activations not included)",
+    ]
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m sat_jax.plan", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--preset", required=True, help="a ModelConfig preset name")
+    parser.add_argument("--mesh", required=True, help="axis sizes, e.g. fsdp=64 or data=2,fsdp=32")
+    parser.add_argument("--devices", type=int, default=None, help="device count for a -1 axis")
+    args = parser.parse_args(argv)
+    try:
+        model_cfg = ModelConfig.preset(args.preset)
+        mesh_cfg = sharding.MeshConfig.parse(args.mesh)
+        plan = plan_memory(model_cfg, mesh_cfg, args.devices)
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_plan(args.preset, plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Memory plan: counts and per-device bytes from shapes and the sharding rules, no devices."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sat_jax import plan, sharding
+from sat_jax.model import ModelConfig
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@functools.cache
+def _plan(preset: str, mesh: str) -> plan.MemoryPlan:
+    return plan.plan_memory(ModelConfig.preset(preset), sharding.MeshConfig.parse(mesh))
+
+
+def _by_hand(cfg: ModelConfig) -> tuple[int, int]:
+    """Total and active parameter counts from the architecture, written from the HF layout."""
+    d, h = cfg.d_model, cfg.head_dim
+    attn = d * h * (2 * cfg.num_heads + 2 * cfg.num_kv_heads) + 2 * h + 2 * d
+    expert = 3 * d * cfg.expert_dim
+    total = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + d
+    active = total
+    for i in range(cfg.num_layers):
+        total += attn
+        active += attn
+        if cfg.is_moe_layer(i):
+            total += d * cfg.num_experts + cfg.num_experts * expert
+            active += d * cfg.num_experts + cfg.num_experts_per_tok * expert
+        else:
+            total += 3 * d * cfg.dense_dim
+            active += 3 * d * cfg.dense_dim
+    return total, active
+
+
+@pytest.mark.parametrize("preset", ["tiny", "qwen3_30b_a3b"])
+def test_counts_match_the_architecture(preset: str) -> None:
+    cfg = ModelConfig.preset(preset)
+    got = _plan(preset, "fsdp=64")
+    assert (got.total_params, got.active_params) == _by_hand(cfg)
+    if preset == "qwen3_30b_a3b":  # the model card: 30.5B total, 3.3B activated
+        assert round(got.total_params / 1e9, 1) == 30.5
+        assert 3.3e9 <= got.active_params < 3.4e9
+
+
+def test_per_device_bytes_follow_the_specs() -> None:
+    cfg = ModelConfig.preset("tiny", param_dtype="bfloat16")
+    mesh_cfg = sharding.MeshConfig(data=2, fsdp=4, tensor=2)
+    got = plan.plan_memory(cfg, mesh_cfg)
+    assert got.num_devices == 16 and got.mesh["fsdp"] == 4
+    # Independently: each param's bytes over the product of the axis sizes it is sharded on.
+    _, abstract = sharding.abstract_model(cfg)
+    sizes = {"data": 2, "fsdp": 4, "expert": 1, "tensor": 2}
+    specs = sharding.param_specs(abstract, sizes)
+    import jax
+
+    shapes = jax.tree.leaves(abstract)
+    spec_leaves = jax.tree.leaves(
+        specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)
+    )
+    numel_per_dev = 0
+    for shape_dtype, spec in zip(shapes, spec_leaves, strict=True):
+        axes = [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
+        numel_per_dev += math.prod(shape_dtype.shape) // math.prod(sizes[a] for a in axes)
+    assert got.param_bytes == 2 * numel_per_dev == got.grad_bytes
+    assert got.adam_bytes == 8 * numel_per_dev
+    assert got.total_bytes == 12 * numel_per_dev
+    # Fully replicated on one device: every byte of every param.
+    one = plan.plan_memory(cfg, sharding.MeshConfig(fsdp=1))
+    assert one.param_bytes == 2 * one.total_params
+    assert got.param_bytes < one.param_bytes
+
+
+def test_minus_one_axis_needs_a_device_count() -> None:
+    cfg = ModelConfig.preset("tiny")
+    with pytest.raises(ValueError, match="num_devices"):
+        plan.plan_memory(cfg, sharding.MeshConfig(fsdp=-1))
+    assert plan.plan_memory(cfg, sharding.MeshConfig(fsdp=-1), 32).mesh["fsdp"] == 32
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run(
+        [sys.executable, "-m", "sat_jax.plan", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_qwen3_30b_on_fsdp_64() -> None:
+    res = _cli("--preset", "qwen3_30b_a3b", "--mesh", "fsdp=64")
+    assert res.returncode == 0, res.stderr
+    want = _plan("qwen3_30b_a3b", "fsdp=64")
+    assert res.stdout.strip() == plan.format_plan("qwen3_30b_a3b", want)
+    assert (
+        "30,532,122,624" in res.stdout and "fsdp=64, expert=1, tensor=1 (64 devices)" in res.stdout
+    )
+    assert np.isclose(want.param_bytes / 2**30, 1.824, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("--preset", "nope", "--mesh", "fsdp=8"), "unknown preset 'nope'"),
+        (("--preset", "tiny", "--mesh", "fsdp=x"), "size 'x' is not an integer"),
+        (("--preset", "tiny", "--mesh", "pipe=2"), "bad mesh entry 'pipe=2'"),
+        (("--preset", "tiny", "--mesh", "fsdp=0"), "MeshConfig.fsdp must be >= 1"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(args: tuple[str, ...], message: str) -> None:
+    assert plan.main(list(args)) == 2
+    if args[1] == "nope":  # one subprocess run is enough to cover the CLI error path
+        res = _cli(*args)
+        assert res.returncode == 2 and message in res.stderr
