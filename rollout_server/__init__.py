@@ -1,4 +1,21 @@
 """JetStream rollout server over the sat_jax MoE policy (SPEC §6).
 
-Not built yet: see the README's status table. Imports sat_jax; sat_jax never imports this package.
+    sat-serve --config configs/arith_tiny.yaml server.port=9000     # or: python -m rollout_server
+
+One process serves, on one gRPC port, JetStream's stock `Orchestrator` (Decode, HealthCheck) and
+our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
+`proto/rollout.proto`). Modules, in data-flow order:
+
+- `jetstream_compat`: the JetStream 0.2.2 fixes; imported before anything from jetstream.
+- `sampling`, `engine`: the JetStream `Engine` (KV cache, slots, hot-swappable weights; per token
+  behavior log-prob, version and routing ids).
+- `driver`: the orchestrator `Driver` whose detokenize thread assembles trajectories.
+- `rollout`, `group_queue`, `persistence`: prompts → groups of G samples → rewards → a bounded
+  queue, with admission control and a state file so a restart loses no prompt.
+- `weights`: UpdateWeights' checkpoint-root policy and orbax loading.
+- `service`, `metrics`, `server`: the gRPC servicers, Prometheus gauges, and the process.
+- `client`: channel options and array views for the trainer (grpc + generated code only).
+
+Imports sat_jax; sat_jax never imports this package. Importing the package itself pulls in
+nothing heavy, so `rollout_server.client` stays usable without JetStream.
 """

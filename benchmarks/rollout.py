@@ -1,0 +1,293 @@
+"""Rollout-server speeds: engine decode vs a naive recompute decoder vs HF generate; weight swap
+time vs checkpoint bytes; Pull throughput over real gRPC and routing bytes per token (SPEC §9).
+
+Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` for a smoke run.
+
+- decode: tokens/s of `MoEEngine.generate` (KV cache, B slots) on the tiny preset, against a
+  jitted naive decoder that recomputes the full forward of the whole padded sequence every step,
+  and against `transformers` `Qwen3MoeForCausalLM.generate` (random weights, same config, KV
+  cache, sampling) when transformers and torch are installed. Same B, prompt and new tokens.
+- swap: `weights.load_params` (orbax restore) and `MoEEngine.swap_params` for checkpoints of the
+  tiny preset and of wider tiny variants, against the checkpoint's bytes.
+- pull: a `PullResponse` of Qwen3-30B-A3B-shaped trajectories (48 MoE layers, top-8, uint8
+  routing) served by an in-process gRPC server with the same 256 MB limits; MB/s of the client's
+  Pull, and the routing bytes per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+# Run by path from a checkout, installed or not.
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import grpc
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from rollout_server import weights
+from rollout_server.client import channel_options, connect
+from rollout_server.engine import MoEEngine
+from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+from rollout_server.sampling import SamplingConfig, sample
+from sat_jax.model import ModelConfig, Transformer
+from sat_jax.tasks import CharTokenizer
+
+TOK = CharTokenizer("0123456789+-*=() ")
+
+
+def _timed(fn, repeats: int) -> float:
+    """Median seconds of `fn()` after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_engine(
+    cfg: ModelConfig, slots: int, prompt_len: int, new_tokens: int, repeats: int
+) -> float:
+    engine = MoEEngine(
+        Transformer(cfg, rngs=nnx.Rngs(0)),
+        tokenizer=TOK,
+        slots=slots,
+        max_prefill_length=16,
+        max_decode_length=new_tokens,
+        sampling=SamplingConfig(),
+    )
+    ids = np.array([TOK.bos_id, *([5] * (prompt_len - 1))], np.int32)
+    padded = np.pad(ids, (0, 16 - len(ids)))
+
+    def run():
+        state = engine.init_decode_state()
+        for slot in range(slots):
+            prefix = engine.prefill(padded_tokens=padded, true_length=len(ids))
+            state = engine.insert(prefix, state, slot)
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            state, result = engine.generate(None, state)
+            np.asarray(result.data)  # the orchestrator copies every step to host
+        run.decode_s = time.perf_counter() - start
+
+    run()  # warm-up: compiles
+    secs = []
+    for _ in range(repeats):
+        run()
+        secs.append(run.decode_s)
+    return slots * new_tokens / statistics.median(secs)
+
+
+def bench_naive(
+    cfg: ModelConfig, slots: int, prompt_len: int, new_tokens: int, repeats: int
+) -> float:
+    """Full forward over the whole [B, prompt + new] padded sequence for every new token."""
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    total = prompt_len + new_tokens
+    sampling = SamplingConfig()
+
+    @jax.jit
+    def step(params, seq_bt, t, key):
+        logits_btv = nnx.merge(graphdef, params)(seq_bt)
+        tokens_b, _ = sample(logits_btv[:, t - 1], key, sampling)
+        return seq_bt.at[:, t].set(tokens_b)
+
+    def run():
+        seq = jnp.full((slots, total), 5, jnp.int32)
+        key = jax.random.key(0)
+        for t in range(prompt_len, total):
+            seq = step(params, seq, t, jax.random.fold_in(key, t))
+            np.asarray(seq[:, t])
+        return seq
+
+    return slots * new_tokens / _timed(run, repeats)
+
+
+def bench_hf(
+    cfg: ModelConfig, slots: int, prompt_len: int, new_tokens: int, repeats: int
+) -> float | None:
+    try:
+        import torch
+        from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    except ImportError:
+        return None
+    hf_cfg = Qwen3MoeConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        num_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok,
+        moe_intermediate_size=cfg.expert_dim,
+        intermediate_size=cfg.dense_dim,
+        norm_topk_prob=cfg.norm_topk_prob,
+        rope_theta=cfg.rope_theta,
+        tie_word_embeddings=cfg.tie_embeddings,
+        max_position_embeddings=cfg.max_seq_len,
+        decoder_sparse_step=cfg.decoder_sparse_step,
+        mlp_only_layers=list(cfg.mlp_only_layers),
+    )
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(hf_cfg).eval()
+    inputs = torch.full((slots, prompt_len), 5, dtype=torch.long)
+
+    def run():
+        with torch.no_grad():
+            model.generate(
+                inputs,
+                attention_mask=torch.ones_like(inputs),
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=True,
+                top_k=0,
+                top_p=1.0,
+                pad_token_id=0,
+            )
+
+    return slots * new_tokens / _timed(run, repeats)
+
+
+def _scaled_params(cfg: ModelConfig) -> dict:
+    abstract = nnx.to_pure_dict(
+        nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    )
+    rng = np.random.default_rng(0)
+    return jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.02), abstract
+    )
+
+
+def bench_swap(cfg: ModelConfig, repeats: int) -> tuple[int, float, float]:
+    params = _scaled_params(cfg)
+    nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    engine = MoEEngine(
+        nnx.merge(nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0], params),
+        tokenizer=TOK,
+        slots=2,
+        max_prefill_length=16,
+        max_decode_length=4,
+        sampling=SamplingConfig(),
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pathlib.Path(tmp) / "ckpt"
+        weights.save_params(path, params)
+        like = engine.current_params()[1]
+        load_s = _timed(lambda: jax.block_until_ready(weights.load_params(path, like)), repeats)
+        new = weights.load_params(path, like)
+        swap_s = _timed(lambda: engine.swap_params(1, new), repeats)
+    return nbytes, load_s, swap_s
+
+
+class _FixedRollout(rollout_pb2_grpc.RolloutServicer):
+    def __init__(self, response: rollout_pb2.PullResponse):
+        self.response = response
+
+    def Pull(self, request, context):
+        return self.response
+
+
+def bench_pull(
+    groups: int, group_size: int, prompt_len: int, completion_len: int, repeats: int
+) -> tuple[float, float, int]:
+    """(MB/s, MB per response, routing bytes per token) of Qwen3-30B-A3B-shaped trajectories."""
+    layers, k = 48, 8
+    rng = np.random.default_rng(0)
+    total = prompt_len + completion_len
+    trajectories = [
+        rollout_pb2.Trajectory(
+            prompt_ids=rng.integers(0, 151_936, prompt_len).tolist(),
+            completion_ids=rng.integers(0, 151_936, completion_len).tolist(),
+            behavior_logprobs=(-rng.random(completion_len)).tolist(),
+            versions=[7] * completion_len,
+            routing=rollout_pb2.Routing(
+                data=rng.integers(0, 128, (total, layers, k), np.uint8).tobytes(),
+                shape=[total, layers, k],
+                dtype="uint8",
+            ),
+            reward=1.0,
+            finish_reason=rollout_pb2.FINISH_REASON_EOS,
+        )
+        for _ in range(group_size)
+    ]
+    response = rollout_pb2.PullResponse(
+        groups=[
+            rollout_pb2.Group(group_id=i, prompt_id=str(i), trajectories=trajectories)
+            for i in range(groups)
+        ]
+    )
+    size = response.ByteSize()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2), options=channel_options())
+    rollout_pb2_grpc.add_RolloutServicer_to_server(_FixedRollout(response), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        channel, stub = connect(f"127.0.0.1:{port}")
+        secs = _timed(lambda: stub.Pull(rollout_pb2.PullRequest(max_groups=groups)), repeats)
+        channel.close()
+    finally:
+        server.stop(None)
+    return size / secs / 1e6, size / 1e6, layers * k
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat")
+    args = parser.parse_args()
+    repeats = 1 if args.quick else 3
+    cfg = ModelConfig.preset("tiny")
+    slots, prompt_len, new_tokens = 8, 8, 16 if args.quick else 64
+    print(
+        f"devices: {jax.devices()}; tiny preset, B={slots}, prompt {prompt_len}, new {new_tokens}"
+    )
+    print("\n| decoder | tokens/s | vs engine |\n| --- | --- | --- |")
+    engine_tps = bench_engine(
+        cfg.replace(max_seq_len=16 + new_tokens + 1), slots, prompt_len, new_tokens, repeats
+    )
+    rows = [
+        ("MoEEngine (KV cache)", engine_tps),
+        ("naive full recompute", bench_naive(cfg, slots, prompt_len, new_tokens, repeats)),
+    ]
+    hf = bench_hf(cfg, slots, prompt_len, new_tokens, repeats)
+    rows.append(("HF transformers generate", hf))
+    for name, tps in rows:
+        print(
+            f"| {name} | {'n/a' if tps is None else f'{tps:.0f}'} | "
+            f"{'n/a' if tps is None else f'{tps / engine_tps:.2f}x'} |"
+        )
+
+    print(
+        "\n| checkpoint | MB | orbax load s | swap s | load MB/s |\n| --- | --- | --- | --- | --- |"
+    )
+    widths = [64] if args.quick else [64, 256, 512]
+    for d in widths:
+        scaled = cfg.replace(d_model=d, expert_dim=d // 2, dense_dim=2 * d)
+        nbytes, load_s, swap_s = bench_swap(scaled, repeats)
+        print(
+            f"| tiny d_model={d} | {nbytes / 1e6:.1f} | {load_s:.3f} | {swap_s:.4f} | "
+            f"{nbytes / 1e6 / load_s:.0f} |"
+        )
+
+    groups = 2 if args.quick else 16
+    mbps, mb, routing_bytes = bench_pull(groups, 8, 128, 256 if args.quick else 1024, repeats)
+    print("\n| Pull response | MB | MB/s | routing bytes/token |\n| --- | --- | --- | --- |")
+    print(
+        f"| {groups} groups x 8, Qwen3-30B-A3B routing | {mb:.1f} | {mbps:.0f} | {routing_bytes} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

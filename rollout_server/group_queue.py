@@ -1,0 +1,50 @@
+"""A bounded, thread-safe FIFO of finished groups with a batched, time-limited `get_many`."""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any
+
+
+class GroupQueue:
+    """FIFO of at most `capacity` items; `put` never blocks (callers keep within capacity)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._items: collections.deque[Any] = collections.deque()
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    def put(self, item: Any) -> None:
+        """Appends `item`.
+
+        Raises:
+          OverflowError: the queue is full (admission control should prevent it).
+        """
+        with self._cond:
+            if len(self._items) >= self.capacity:
+                raise OverflowError(f"group queue is full ({self.capacity})")
+            self._items.append(item)
+            self._cond.notify_all()
+
+    def unget(self, items: list[Any]) -> None:
+        """Puts `items` (taken by `get_many`) back at the front, in their order."""
+        with self._cond:
+            self._items.extendleft(reversed(items))
+            self._cond.notify_all()
+
+    def get_many(self, n: int, timeout_s: float) -> list[Any]:
+        """Up to `n` items; waits up to `timeout_s` for the first, never for more."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return []
+                self._cond.wait(left)
+            return [self._items.popleft() for _ in range(min(n, len(self._items)))]

@@ -1,0 +1,51 @@
+"""Prometheus metrics of the rollout server (served on `server.metrics_port` when non-zero)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import prometheus_client as prom
+
+
+class ServerMetrics:
+    """Gauges read live from the rollout loop and driver, plus weight-swap observations.
+
+    Args:
+      stats: returns the rollout loop's `stats()` dict.
+      prefill_backlog: returns the driver's prefill backlog size.
+      registry: where the metrics register (a fresh one per server; tests build several).
+    """
+
+    def __init__(
+        self,
+        stats: Callable[[], dict[str, Any]],
+        prefill_backlog: Callable[[], int],
+        registry: prom.CollectorRegistry,
+    ):
+        self.registry = registry
+        for key, doc in [
+            ("version", "weights version in use"),
+            ("groups_produced", "finished groups produced"),
+            ("groups_consumed", "groups pulled by the trainer"),
+            ("groups_queued", "finished groups waiting to be pulled"),
+            ("groups_running", "groups being generated"),
+            ("tokens_generated", "completion tokens generated"),
+            ("prompts_drawn", "prompts drawn from the pipeline"),
+        ]:
+            gauge = prom.Gauge(f"satjax_rollout_{key}", doc, registry=registry)
+            gauge.set_function(lambda key=key: float(stats()[key]))
+        backlog = prom.Gauge("satjax_rollout_prefill_backlog", "queued prefills", registry=registry)
+        backlog.set_function(lambda: float(prefill_backlog()))
+        self._swap_seconds = prom.Histogram(
+            "satjax_rollout_weight_swap_seconds",
+            "UpdateWeights load + swap time",
+            registry=registry,
+        )
+
+    def observe_swap(self, version: int, seconds: float) -> None:
+        self._swap_seconds.observe(seconds)
+
+    def serve(self, port: int, host: str) -> None:
+        """Starts the HTTP exporter thread."""
+        prom.start_http_server(port, addr=host, registry=self.registry)

@@ -1,0 +1,328 @@
+"""The rollout loop: prompts (grain) → G samples each → rewards → finished groups in a queue.
+
+Admission control (SPEC §6) bounds staleness: a new group starts only while
+    (max_staleness + version + 1) · batch_groups − (consumed + queued + running) > 0
+and queued + running stays within the queue's capacity, so the queue never overflows.
+
+Every dispatch and every pull saves the prompt position and the prompts not yet pulled
+(`persistence.StateStore`), so a restarted server re-issues them before drawing new ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import grain
+import numpy as np
+
+from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
+from rollout_server.engine import MoEEngine
+from rollout_server.group_queue import GroupQueue
+from rollout_server.persistence import RolloutState, StateStore
+from rollout_server.proto import rollout_pb2
+from sat_jax.experiment import RolloutConfig
+from sat_jax.tasks import CharTokenizer
+from sat_jax.tasks.rewards import RewardFn
+
+log = logging.getLogger(__name__)
+
+_MAX_FAILURES = 3  # failed samples per group before the group is dropped
+_FINISH = {"eos": rollout_pb2.FINISH_REASON_EOS, "length": rollout_pb2.FINISH_REASON_LENGTH}
+
+
+@dataclasses.dataclass
+class _RunningGroup:
+    record: dict[str, Any]
+    prompt_ids: list[int]
+    samples: dict[int, FinishedSample] = dataclasses.field(default_factory=dict)
+    failures: int = 0
+
+
+class RolloutLoop:
+    """Runs in its own thread beside the JetStream driver threads.
+
+    Args:
+      driver: the running `RolloutDriver`.
+      engine: its generate engine (for the weights version and limits).
+      prompts: an endless grain pipeline of `sat_jax.tasks.Prompt`.
+      reward_fn: (completion text, answer) -> float.
+      tokenizer: encodes prompts (without BOS: JetStream prepends it) and decodes completions.
+      cfg: group size, sampling length and admission parameters.
+      store: where the loop's state persists.
+      max_response_bytes: a Pull returns fewer groups rather than exceed this many bytes
+        (a single larger group is still returned, and then fails at the gRPC limit).
+    """
+
+    def __init__(
+        self,
+        *,
+        driver: RolloutDriver,
+        engine: MoEEngine,
+        prompts: grain.IterDataset,
+        reward_fn: RewardFn,
+        tokenizer: CharTokenizer,
+        cfg: RolloutConfig,
+        store: StateStore,
+        max_response_bytes: int = 200 * 1024 * 1024,
+    ):
+        self._driver, self._engine, self._cfg = driver, engine, cfg
+        self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
+        self.queue = GroupQueue(cfg.queue_groups)
+        self._max_response_bytes = max_response_bytes
+        self._state = store.load()
+        self._iter = iter(prompts)
+        if self._state.iterator is not None:
+            self._iter.set_state(self._state.iterator)
+        self._reissue = collections.deque(self._state.unfinished)
+        self._unfinished: dict[int, dict[str, Any]] = {}
+        self._running: dict[int, _RunningGroup] = {}
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
+        self.groups_produced = 0
+        self.prompts_drawn = 0
+        self.prompts_skipped = 0
+        self.groups_failed = 0
+        self._started = time.monotonic()
+        if self._reissue:
+            log.info("re-issuing %d prompts not pulled before the restart", len(self._reissue))
+
+    @property
+    def persisted(self) -> RolloutState:
+        return self._state
+
+    # Life cycle.
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    # Counters.
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            elapsed = max(time.monotonic() - self._started, 1e-9)
+            tokens = self._driver.tokens_generated
+            return {
+                "version": self._engine.version,
+                "groups_produced": self.groups_produced,
+                "groups_consumed": self._state.consumed,
+                "groups_queued": len(self.queue),
+                "groups_running": len(self._running),
+                "tokens_generated": tokens,
+                "tokens_per_s": tokens / elapsed,
+                "prompts_drawn": self.prompts_drawn,
+                "admission_open": self._admission_open_locked(),
+            }
+
+    def _admission_open_locked(self) -> bool:
+        cfg = self._cfg
+        in_system = len(self.queue) + len(self._running)
+        budget = (cfg.max_staleness + self._engine.version + 1) * cfg.batch_groups - (
+            self._state.consumed + in_system
+        )
+        return budget > 0 and in_system < self.queue.capacity
+
+    # The trainer's side.
+
+    def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
+        """Up to `max_groups` finished groups (waiting up to `timeout_s` for the first)."""
+        groups = self.queue.get_many(max_groups, timeout_s)
+        # Keep the response under the gRPC message limit; the rest stays queued, in order.
+        total, keep = 0, 0
+        for g in groups:
+            total += g.ByteSize() + 16
+            if keep and total > self._max_response_bytes:
+                break
+            keep += 1
+        if keep < len(groups):
+            self.queue.unget(groups[keep:])
+            groups = groups[:keep]
+        if groups:
+            with self._lock:
+                self._state.consumed += len(groups)
+                for g in groups:
+                    self._unfinished.pop(g.group_id, None)
+                self._save_locked()
+        return groups
+
+    def note_weights(self, version: int, checkpoint_path: str) -> None:
+        """Records installed weights so a restart reloads them."""
+        with self._lock:
+            self._state.version, self._state.checkpoint_path = version, checkpoint_path
+            self._save_locked()
+
+    # The loop.
+
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        last_tokens = 0
+        while not self._stop.is_set():
+            try:
+                self._collect(timeout_s=0.02)
+                while not self._stop.is_set() and self._may_dispatch():
+                    self._dispatch_next()
+            except Exception:  # keep the loop alive; the error is in the log
+                log.exception("rollout loop step failed")
+                time.sleep(0.5)
+            now = time.monotonic()
+            if now - last_log >= 60:
+                tokens = self._driver.tokens_generated
+                log.info(
+                    "throughput: %.1f tokens/s, %d groups produced, %d queued, %d running, "
+                    "version %d",
+                    (tokens - last_tokens) / (now - last_log),
+                    self.groups_produced,
+                    len(self.queue),
+                    len(self._running),
+                    self._engine.version,
+                )
+                last_log, last_tokens = now, tokens
+
+    def _may_dispatch(self) -> bool:
+        with self._lock:
+            return self._admission_open_locked()
+
+    def _dispatch_next(self) -> None:
+        with self._lock:
+            if self._reissue:
+                record = self._reissue.popleft()
+            else:
+                prompt = next(self._iter)
+                self.prompts_drawn += 1
+                record = {
+                    "group_id": self._state.next_group_id,
+                    "id": prompt.id,
+                    "text": prompt.text,
+                    "answer": prompt.answer,
+                }
+                self._state.next_group_id += 1
+                self._state.iterator = self._iter.get_state()
+            try:
+                ids = self._tokenizer.encode(record["text"])
+                if len(ids) + 1 > self._engine.max_prefill_length:
+                    raise ValueError(
+                        f"{len(ids) + 1} tokens with BOS exceed max_prefill_length "
+                        f"{self._engine.max_prefill_length}"
+                    )
+            except ValueError as e:
+                self.prompts_skipped += 1
+                log.warning("skipping prompt %s: %s", record["id"], e)
+                self._save_locked()
+                return
+            group = _RunningGroup(record=record, prompt_ids=ids)
+            self._running[record["group_id"]] = group
+            self._unfinished[record["group_id"]] = record
+            self._save_locked()
+        for i in range(self._cfg.group_size):
+            self._submit(group, i)
+
+    def _submit(self, group: _RunningGroup, index: int) -> None:
+        request = RolloutRequest(
+            max_tokens=self._cfg.max_new_tokens,
+            return_channel=None,
+            prefill_content=list(group.prompt_ids),
+            is_client_side_tokenization=True,
+            tag=(group.record["group_id"], index),
+            on_done=self._on_done,
+        )
+        self._driver.place_request_on_prefill_queue(request)
+
+    def _on_done(self, request: RolloutRequest, sample: FinishedSample | None) -> None:
+        # Called on JetStream's detokenize thread: only hand over.
+        self._done.put((request.tag, sample))
+
+    def _collect(self, timeout_s: float) -> None:
+        try:
+            items = [self._done.get(timeout=timeout_s)]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                items.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        for (group_id, index), sample in items:
+            group = self._running.get(group_id)
+            if group is None:
+                continue
+            if sample is None:  # generation failed: sample again, a few times
+                group.failures += 1
+                if group.failures <= _MAX_FAILURES:
+                    self._submit(group, index)
+                    continue
+                log.error(
+                    "dropping prompt %s: %d failed samples", group.record["id"], group.failures
+                )
+                with self._lock:
+                    del self._running[group_id]
+                    self._unfinished.pop(group_id, None)
+                    self.groups_failed += 1
+                    self._save_locked()
+                continue
+            group.samples[index] = sample
+            if len(group.samples) == self._cfg.group_size:
+                message = self._finish_group(group)
+                with self._lock:
+                    del self._running[group_id]
+                    self.queue.put(message)
+                    self.groups_produced += 1
+
+    def _finish_group(self, group: _RunningGroup) -> rollout_pb2.Group:
+        record = group.record
+        trajectories = []
+        for i in range(self._cfg.group_size):
+            s = group.samples[i]
+            text = self._tokenizer.decode(s.completion_ids)
+            routing = np.ascontiguousarray(s.routing)
+            wire_dtype = np.dtype(routing.dtype).newbyteorder("<")
+            trajectories.append(
+                rollout_pb2.Trajectory(
+                    prompt_ids=s.prompt_ids.tolist(),
+                    completion_ids=s.completion_ids.tolist(),
+                    behavior_logprobs=s.logprobs.tolist(),
+                    versions=s.versions.tolist(),
+                    routing=rollout_pb2.Routing(
+                        data=routing.astype(wire_dtype).tobytes(),
+                        shape=list(routing.shape),
+                        dtype=np.dtype(routing.dtype).name,
+                    ),
+                    reward=self._reward(text, record),
+                    finish_reason=_FINISH[s.finish_reason],
+                    completion_text=text,
+                )
+            )
+        return rollout_pb2.Group(
+            group_id=record["group_id"],
+            prompt_id=record["id"],
+            prompt_text=record["text"],
+            answer=record["answer"],
+            trajectories=trajectories,
+        )
+
+    def _reward(self, text: str, record: dict[str, Any]) -> float:
+        """The reward; a reward function that raises scores 0 (logged) instead of losing the
+        group."""
+        try:
+            return float(self._reward_fn(text, record["answer"]))
+        except Exception:
+            log.exception("reward failed for prompt %s; scoring 0", record["id"])
+            return 0.0
+
+    def _save_locked(self) -> None:
+        self._state.unfinished = list(self._reissue) + list(self._unfinished.values())
+        self._store.save(self._state)

@@ -1,0 +1,416 @@
+"""The experiment config shared by the rollout server and the trainer, and its loader.
+
+Defaults live only in the dataclasses below. A YAML file holds an experiment's overrides as a nested
+mapping; `key=value` overrides from the command line apply on top of it, with dotted keys
+(`rollout.group_size=8`) and values parsed by `yaml.safe_load`. `model.preset` picks the
+`ModelConfig` preset the other `model.*` keys override. Any unknown key or bad value raises one
+`ConfigError` naming the dotted key.
+
+    cfg = load_config("configs/arith_tiny.yaml", ["server.port=9001", "model.preset=small"])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any
+
+import yaml
+
+from sat_jax.model.config import PRESETS, ModelConfig
+from sat_jax.objectives import PolicyLossConfig, SATConfig
+from sat_jax.sharding import MeshConfig
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Frozen defaults of TrainConfig (shared instances are safe: the dataclasses are immutable).
+_SAT_LOSS = PolicyLossConfig(sat=SATConfig(enabled=True))
+_ONE_AXIS_MESH = MeshConfig()
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or its value is invalid; the message names the dotted key."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """Where prompts come from and how completions are scored.
+
+    Attributes:
+      source: "arithmetic" (generated problems) or "file" (jsonl/parquet rows with answers).
+      seed: seeds problem generation and file shuffling.
+      min_digits, max_digits: operand length range of arithmetic problems.
+      operators: the arithmetic operators drawn from, a subset of "+-*".
+      path: the jsonl (or parquet) prompt file when `source == "file"`.
+      prompt_key, answer_key, id_key: columns of a file row; rows without `id_key` get their
+        line number as id.
+      reward: "exact_match" (completion == answer after stripping) or "math" (a `\\boxed{}`
+        answer checked by math-verify).
+      alphabet: the characters of the character tokenizer (after pad, bos and eos).
+    """
+
+    source: str = "arithmetic"
+    seed: int = 0
+    min_digits: int = 1
+    max_digits: int = 2
+    operators: str = "+-"
+    path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    id_key: str = "id"
+    reward: str = "exact_match"
+    alphabet: str = "0123456789+-*=() "
+
+    def __post_init__(self) -> None:
+        if self.source not in ("arithmetic", "file"):
+            raise ValueError(f"source must be 'arithmetic' or 'file', got {self.source!r}")
+        if not 1 <= self.min_digits <= self.max_digits <= 9:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits <= 9, got {self.min_digits}, {self.max_digits}"
+            )
+        if not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError(
+                f"operators must be a non-empty subset of '+-*', got {self.operators!r}"
+            )
+        if self.source == "file" and not self.path:
+            raise ValueError("source 'file' needs a path")
+        if self.reward not in ("exact_match", "math"):
+            raise ValueError(f"reward must be 'exact_match' or 'math', got {self.reward!r}")
+        if not self.alphabet or len(set(self.alphabet)) != len(self.alphabet):
+            raise ValueError("alphabet must be non-empty without repeated characters")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The rollout server process.
+
+    Attributes:
+      host: bind address; anything but loopback requires `token`.
+      port: gRPC port for JetStream's Orchestrator and our Rollout service.
+      metrics_port: Prometheus port; 0 disables it.
+      token: shared secret `UpdateWeights` must present ("" = none, loopback only).
+      checkpoint_root: `UpdateWeights` loads checkpoints only under this directory ("" refuses
+        every path).
+      state_dir: where prompt position and unpulled prompts persist ("" = no persistence).
+      slots: concurrent decodes (the decode batch).
+      max_prefill_length: longest prompt incl. BOS; a power of two in [16, 32768] (JetStream).
+      max_message_bytes: gRPC message size limit, both directions.
+      grpc_threads: worker threads of the gRPC server.
+      seed: sampling PRNG seed.
+      tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 9000
+    metrics_port: int = 0
+    token: str = ""
+    checkpoint_root: str = ""
+    state_dir: str = ""
+    slots: int = 8
+    max_prefill_length: int = 32
+    max_message_bytes: int = 256 * 1024 * 1024
+    grpc_threads: int = 8
+    seed: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+
+    def __post_init__(self) -> None:
+        if self.host not in _LOOPBACK_HOSTS and not self.token:
+            raise ValueError(f"host {self.host!r} is not loopback: a token is required")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        if self.slots <= 0 or self.grpc_threads <= 0:
+            raise ValueError("slots and grpc_threads must be positive")
+        n = self.max_prefill_length
+        if n < 16 or n > 32768 or n & (n - 1):
+            raise ValueError(f"max_prefill_length must be a power of two in [16, 32768], got {n}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be set together")
+        if self.max_message_bytes < 1024 * 1024:
+            raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """How completions are sampled and how far generation may run ahead of training.
+
+    Attributes:
+      group_size: G samples per prompt.
+      max_new_tokens: completion length limit (EOS included).
+      temperature, top_p, top_k: the sampler; top_p = 1 and top_k = 0 disable truncation.
+      batch_groups: groups per trainer step (the `batch` of SPEC §6's admission rule).
+      max_staleness: versions a group may lag; admission keeps
+        (max_staleness + version + 1)·batch_groups − (consumed + queued + running) > 0.
+      queue_groups: capacity of the finished-group queue.
+    """
+
+    group_size: int = 4
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    batch_groups: int = 8
+    max_staleness: int = 1
+    queue_groups: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "max_new_tokens", "batch_groups", "queue_groups"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0 or self.max_staleness < 0:
+            raise ValueError("top_k and max_staleness must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """The trainer (SPEC §7): servers, schedule, optimizer, staleness policy, checkpoints.
+
+    The batch (`rollout.batch_groups` groups of `rollout.group_size`) and the staleness bound
+    (`rollout.max_staleness`) are shared with the server's admission rule and live in `rollout`.
+
+    Attributes:
+      servers: rollout server addresses ("host:port"); empty = start one local server process
+        with this experiment's config.
+      mode: "async" (generation keeps running while the trainer steps) or "sync" (generation
+        waits for the new weights: needs `rollout.max_staleness = 0` and
+        `weight_sync_interval = 1`, so every trained token has lag 0).
+      steps: RL updates to apply (skipped steps do not count).
+      weight_sync_interval: n, push weights to the servers every n updates (the configured lag).
+      stale_policy: what happens to a group with a token older than `rollout.max_staleness`
+        versions: "drop" (counted in `stale_dropped`) or "keep" (trained, still counted).
+      routing_replay: replay the rollout's recorded expert ids in the train step (R3).
+      loss: the policy objective; SAT on by default.
+      advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
+      learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"
+        decay to 0 over `steps`, and linear warm-up steps.
+      adam_b1, adam_b2, weight_decay, grad_clip: AdamW and global-norm clipping (0 = off).
+      mesh: the device mesh of the train step.
+      run_dir: logs, checkpoints, plots and weights for the server; "" = "runs/<name>".
+      checkpoint_dir: orbax checkpoints, a local path or "gs://..."; "" = "<run_dir>/checkpoints".
+      checkpoint_every: save a full checkpoint every k updates (and at the end).
+      keep_checkpoints: how many checkpoints to keep.
+      warmup_sft_steps: supervised warm-up steps on the task before RL (0 = none); the result is
+        cached under "runs/sft_cache/".
+      sft_batch, sft_learning_rate: the warm-up's batch size and Adam rate.
+      eval_problems: held-out problems for greedy exact-match accuracy (0 = no evaluation).
+      eval_every: evaluate every k updates during RL (0 = only before and after).
+      pull_timeout_s: how long one Pull waits for groups.
+      retry_max_s: the longest backoff between retries while a server is down.
+      server_wait_s: give up when no server answered for this long.
+      seed: the trainer's PRNG seed.
+      wandb: also log to Weights & Biases (needs the `wandb` package).
+    """
+
+    servers: tuple[str, ...] = ()
+    mode: str = "async"
+    steps: int = 100
+    weight_sync_interval: int = 1
+    stale_policy: str = "drop"
+    routing_replay: bool = True
+    loss: PolicyLossConfig = _SAT_LOSS
+    advantage_estimator: str = "grpo"
+    normalize_std: bool = True
+    learning_rate: float = 1e-4
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.98
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    mesh: MeshConfig = _ONE_AXIS_MESH
+    run_dir: str = ""
+    checkpoint_dir: str = ""
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 3
+    warmup_sft_steps: int = 0
+    sft_batch: int = 64
+    sft_learning_rate: float = 3e-3
+    eval_problems: int = 200
+    eval_every: int = 0
+    pull_timeout_s: float = 30.0
+    retry_max_s: float = 10.0
+    server_wait_s: float = 600.0
+    seed: int = 0
+    wandb: bool = False
+
+    def __post_init__(self) -> None:
+        choices = {
+            "mode": ("async", "sync"),
+            "stale_policy": ("drop", "keep"),
+            "advantage_estimator": ("grpo", "dr_grpo"),
+            "lr_schedule": ("constant", "cosine", "linear"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        for name in ("steps", "weight_sync_interval", "checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("lr_warmup_steps", "warmup_sft_steps", "eval_problems", "eval_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("learning_rate", "sft_learning_rate", "pull_timeout_s", "retry_max_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.sft_batch <= 0:
+            raise ValueError(f"sft_batch must be positive, got {self.sft_batch}")
+        if not (0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1):
+            raise ValueError("adam_b1 and adam_b2 must be in [0, 1)")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+        for address in self.servers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"servers: {address!r} is not host:port")
+        if self.mode == "sync" and self.weight_sync_interval != 1:
+            raise ValueError("mode 'sync' needs weight_sync_interval = 1")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExperimentConfig:
+    """One experiment: model, task, rollout server and sampling, and the trainer."""
+
+    name: str = "experiment"
+    model: ModelConfig = PRESETS["tiny"]
+    task: TaskConfig = TaskConfig()
+    server: ServerConfig = ServerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+
+    def __post_init__(self) -> None:
+        if self.train.mode == "sync" and self.rollout.max_staleness != 0:
+            raise ValueError("train.mode 'sync' needs rollout.max_staleness = 0")
+        if self.train.weight_sync_interval > self.rollout.max_staleness + 1:
+            # The server admits at most max_staleness + 1 batches past its weights version: a
+            # longer push interval would starve the trainer.
+            raise ValueError(
+                "train.weight_sync_interval must be <= rollout.max_staleness + 1 "
+                f"({self.train.weight_sync_interval} > {self.rollout.max_staleness} + 1)"
+            )
+        if self.server.max_prefill_length + self.rollout.max_new_tokens > self.model.max_seq_len:
+            raise ValueError(
+                f"server.max_prefill_length + rollout.max_new_tokens "
+                f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
+                f"model.max_seq_len ({self.model.max_seq_len})"
+            )
+        if len(self.task.alphabet) + 3 > self.model.vocab_size:
+            raise ValueError(
+                f"task.alphabet needs {len(self.task.alphabet) + 3} token ids, "
+                f"model.vocab_size is {self.model.vocab_size}"
+            )
+
+
+def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Builds an `ExperimentConfig` from a YAML overrides file and `key=value` overrides.
+
+    Raises:
+      ConfigError: naming the dotted key of the first unknown key or invalid value.
+    """
+    flat: dict[str, Any] = {}
+    if path:
+        with open(path) as f:
+            doc = yaml.safe_load(f)
+        if doc is not None and not isinstance(doc, Mapping):
+            raise ConfigError(f"{path}: the top level must be a mapping")
+        _flatten(doc or {}, "", flat)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not key=value")
+        try:
+            flat[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{key.strip()}: cannot parse {text!r}: {e}") from e
+    return _build(ExperimentConfig, flat, "")
+
+
+def _flatten(doc: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
+    for key, value in doc.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            _flatten(value, dotted + ".", out)
+        else:
+            out[dotted] = value
+
+
+def _build(cls: type, flat: dict[str, Any], prefix: str) -> Any:
+    """Instantiates dataclass `cls` from the `prefix`-ed keys of `flat` (consumed as used)."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    mine = {k[len(prefix) :]: k for k in flat if k.startswith(prefix)}
+    for rel, full in mine.items():
+        head = rel.split(".")[0]
+        special = cls is ModelConfig and rel == "preset"
+        if head not in fields and not special:
+            raise ConfigError(f"{full}: unknown key")
+    kwargs: dict[str, Any] = {}
+    base = None
+    if cls is ModelConfig:
+        preset = flat.get(prefix + "preset", "tiny")
+        if preset not in PRESETS:
+            raise ConfigError(
+                f"{prefix}preset: unknown preset {preset!r}; known: {sorted(PRESETS)}"
+            )
+        base = PRESETS[preset]
+    for name in fields:
+        hint = hints[name]
+        dotted = prefix + name
+        if dataclasses.is_dataclass(hint):
+            nested = [k for k in flat if k.startswith(dotted + ".")]
+            if dotted in flat:
+                raise ConfigError(f"{dotted}: expected a mapping of fields, got {flat[dotted]!r}")
+            if nested:
+                kwargs[name] = _build(hint, flat, dotted + ".")
+        elif dotted in flat:
+            kwargs[name] = _coerce(flat[dotted], hint, dotted)
+    try:
+        if base is not None:
+            return dataclasses.replace(base, **kwargs)
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:
+        where = prefix.rstrip(".") or cls.__name__
+        raise ConfigError(f"{where}: {e}") from e
+
+
+def _coerce(value: Any, hint: Any, key: str) -> Any:
+    """Checks `value` against a field annotation (int, float, bool, str, tuple[...], X | None)."""
+    origin = typing.get_origin(hint)
+    args = typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError:
+                pass
+        raise ConfigError(f"{key}: {value!r} does not match {hint}")
+    if hint is Any:
+        return value
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if value is None:  # `key=` on the command line
+            return ""
+        if isinstance(value, str | int | float) and not isinstance(value, bool):
+            return str(value)
+    elif origin is tuple:
+        if isinstance(value, list | tuple):
+            elem = args[0] if args else Any
+            return tuple(_coerce(v, elem, f"{key}[{i}]") for i, v in enumerate(value))
+    else:
+        return value
+    raise ConfigError(f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r}")

@@ -1,0 +1,103 @@
+"""Grain prompt pipelines: the arithmetic source and jsonl/parquet prompt files with answers.
+
+Every pipeline is an endless `grain.IterDataset` of `Prompt`s; its iterator's `get_state()` is a
+small JSON-able dict, so a consumer that saves it with the prompts it has drawn but not finished
+loses no prompt on restart (`iterator.set_state(state)` resumes right after the last drawn one).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import grain
+
+from sat_jax.experiment import TaskConfig
+from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
+
+
+def arithmetic_dataset(task: ArithmeticTask) -> grain.IterDataset:
+    """Problems 0, 1, 2, ... of `task`, endlessly."""
+    return grain.MapDataset.range(sys.maxsize).map(task.problem).to_iter_dataset()
+
+
+def read_prompt_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of a `.jsonl` file, or of a `.parquet` file (needs pyarrow)."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq  # optional dependency, imported only when used
+
+        return pq.read_table(path).to_pylist()
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON: {e}") from e
+            if not isinstance(row, Mapping):
+                raise ValueError(f"{path}:{n}: expected a JSON object")
+            rows.append(row)
+    return rows
+
+
+def file_dataset(
+    path: str,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    id_key: str = "id",
+    seed: int = 0,
+    shuffle: bool = True,
+) -> grain.IterDataset:
+    """The rows of a prompt file as `Prompt`s, shuffled once by `seed`, repeated endlessly.
+
+    Rows without `id_key` get "<file name>:<row number>" as their stable id.
+
+    Raises:
+      ValueError: the file is empty or a row lacks the prompt or answer column.
+    """
+    rows = read_prompt_rows(path)
+    if not rows:
+        raise ValueError(f"{path}: no prompts")
+    name = path.rsplit("/", 1)[-1]
+    prompts = []
+    for n, row in enumerate(rows):
+        for key in (prompt_key, answer_key):
+            if key not in row:
+                raise ValueError(f"{path}: row {n} has no {key!r} column")
+        row_id = row.get(id_key)
+        prompts.append(
+            Prompt(
+                id=str(row_id) if row_id is not None else f"{name}:{n}",
+                text=str(row[prompt_key]),
+                answer=str(row[answer_key]),
+            )
+        )
+    ds = grain.MapDataset.source(prompts)
+    if shuffle:
+        ds = ds.shuffle(seed=seed)
+    return ds.repeat(None).to_iter_dataset()
+
+
+def prompt_dataset(cfg: TaskConfig) -> grain.IterDataset:
+    """The pipeline `cfg.source` names."""
+    if cfg.source == "arithmetic":
+        return arithmetic_dataset(
+            ArithmeticTask(
+                seed=cfg.seed,
+                min_digits=cfg.min_digits,
+                max_digits=cfg.max_digits,
+                operators=cfg.operators,
+            )
+        )
+    return file_dataset(
+        cfg.path,
+        prompt_key=cfg.prompt_key,
+        answer_key=cfg.answer_key,
+        id_key=cfg.id_key,
+        seed=cfg.seed,
+    )

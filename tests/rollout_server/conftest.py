@@ -1,0 +1,132 @@
+"""A rollout server in a subprocess (JetStream SIGKILLs its process on a thread error, so a crash
+must fail a test, not kill pytest)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import grpc
+import numpy as np
+import portpicker
+import pytest
+from flax import nnx
+
+from rollout_server.client import channel_options
+from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CONFIG = REPO / "configs" / "arith_tiny.yaml"
+# Shared by every server process of the session: restarts skip XLA compilation.
+JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / "sat_jax_rollout_test_jax_cache"
+# Every test server uses these shapes, so later processes hit the compilation cache.
+SHAPES = ["server.slots=4", "rollout.max_new_tokens=6", "rollout.group_size=2"]
+
+
+class ServerProcess:
+    """`python -m rollout_server --config configs/arith_tiny.yaml ...` on a free port."""
+
+    def __init__(self, tmp: pathlib.Path, overrides: list[str]):
+        self.port = portpicker.pick_unused_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self.log_path = tmp / f"server-{self.port}.log"
+        env = dict(os.environ)
+        env.pop("XLA_FLAGS", None)  # one CPU device is enough for the server
+        env.update(
+            JAX_PLATFORMS="cpu",
+            JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
+            JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+            JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+        )
+        cmd = [sys.executable, "-m", "rollout_server", "--config", str(CONFIG),
+               f"server.port={self.port}", *SHAPES, *overrides]  # fmt: skip
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout_s: float = 180) -> ServerProcess:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            if "serving on" in self.log():
+                return self
+            time.sleep(0.2)
+        raise AssertionError(f"server not ready after {timeout_s}s:\n{self.log()}")
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address, options=channel_options())
+
+    def rollout_stub(self) -> rollout_pb2_grpc.RolloutStub:
+        return rollout_pb2_grpc.RolloutStub(self.channel())
+
+    def stop(self) -> int:
+        """SIGTERM, then SIGKILL after 30 s; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self._log.close()
+
+
+def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+def stats(stub: rollout_pb2_grpc.RolloutStub) -> rollout_pb2.StatsResponse:
+    return stub.Stats(rollout_pb2.StatsRequest(), timeout=10)
+
+
+def random_params(preset: str, seed: int):
+    """Params of the right structure for a preset, without running the (slow) eager init."""
+    from sat_jax.model import ModelConfig, Transformer
+
+    cfg = ModelConfig.preset(preset)
+    abstract = nnx.to_pure_dict(
+        nnx.state(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    )
+    rng = np.random.default_rng(seed)
+    import jax
+
+    return jax.tree_util.tree_map(
+        lambda x: (rng.standard_normal(x.shape) * 0.1).astype(x.dtype), abstract
+    )
+
+
+@pytest.fixture
+def server_factory(tmp_path):
+    started: list[ServerProcess] = []
+
+    def start(overrides: list[str]) -> ServerProcess:
+        server = ServerProcess(tmp_path, overrides)
+        started.append(server)
+        return server.wait_ready()
+
+    yield start
+    for server in started:
+        if server.proc.poll() is None:
+            server.stop()

@@ -1,0 +1,74 @@
+"""rollout_server.group_queue and persistence: bounded FIFO and atomic state file."""
+
+import threading
+import time
+
+import pytest
+
+from rollout_server.group_queue import GroupQueue
+from rollout_server.persistence import RolloutState, StateStore
+
+
+def test_fifo_bounded_and_batched():
+    q = GroupQueue(3)
+    for i in range(3):
+        q.put(i)
+    with pytest.raises(OverflowError):
+        q.put(3)
+    assert q.get_many(2, 0) == [0, 1]
+    assert q.get_many(5, 0) == [2]
+    assert q.get_many(5, 0.05) == []
+
+
+def test_get_many_wakes_on_put():
+    q = GroupQueue(3)
+    threading.Timer(0.1, q.put, args=("x",)).start()
+    start = time.monotonic()
+    assert q.get_many(1, 10) == ["x"]
+    assert time.monotonic() - start < 5
+
+
+def test_state_store_round_trip(tmp_path):
+    store = StateStore(str(tmp_path / "s"))
+    assert store.load() == RolloutState()
+    state = RolloutState(
+        iterator={"next_index": 4},
+        consumed=2,
+        next_group_id=5,
+        unfinished=[{"group_id": 3, "id": "a", "text": "1+1=", "answer": "2"}],
+    )
+    store.save(state)
+    assert StateStore(str(tmp_path / "s")).load() == state
+    StateStore("").save(state)  # no directory: nothing kept
+    assert StateStore("").load() == RolloutState()
+
+
+def test_unget_restores_order():
+    q = GroupQueue(5)
+    for i in range(4):
+        q.put(i)
+    taken = q.get_many(3, 0)
+    q.unget(taken[1:])
+    assert q.get_many(5, 0) == [1, 2, 3]
+
+
+def test_pull_stays_under_the_byte_limit():
+    from rollout_server.proto import rollout_pb2
+    from rollout_server.rollout import RolloutLoop
+    from sat_jax.experiment import RolloutConfig, TaskConfig
+    from sat_jax.tasks import CharTokenizer, exact_match_reward, prompt_dataset
+
+    loop = RolloutLoop(
+        driver=None, engine=None, prompts=prompt_dataset(TaskConfig()),
+        reward_fn=exact_match_reward, tokenizer=CharTokenizer("0123456789"),
+        cfg=RolloutConfig(), store=StateStore(""), max_response_bytes=2500,
+    )  # fmt: skip
+    for i in range(5):
+        loop.queue.put(rollout_pb2.Group(group_id=i, prompt_text="x" * 1000))
+    assert [g.group_id for g in loop.pull(5, 0)] == [0, 1]
+    assert [g.group_id for g in loop.pull(5, 0)] == [2, 3]
+    assert loop.persisted.consumed == 4
+    big = rollout_pb2.Group(group_id=9, prompt_text="x" * 5000)
+    loop.queue.get_many(5, 0)
+    loop.queue.put(big)
+    assert loop.pull(5, 0) == [big]  # a lone oversized group is still returned

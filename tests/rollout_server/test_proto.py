@@ -1,0 +1,49 @@
+"""The committed generated modules match a fresh grpcio-tools generation; size limits are set."""
+
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+from rollout_server.client import channel_options, routing_array
+from rollout_server.proto import regenerate, rollout_pb2
+
+
+def test_committed_modules_match_fresh_generation(tmp_path):
+    # protoc runs in a subprocess: in-process it can crash a worker that already loaded protobuf.
+    out = subprocess.run(
+        [sys.executable, "-m", "rollout_server.proto.regenerate", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=regenerate.REPO_ROOT,
+    )
+    assert out.returncode == 0, out.stderr
+    for line in out.stdout.split():
+        fresh = pathlib.Path(line)
+        committed = regenerate.PROTO_DIR / fresh.name
+        assert committed.read_text() == fresh.read_text(), (
+            f"{committed.name} is stale: run python -m rollout_server.proto.regenerate"
+        )
+
+
+def test_package_is_distinct_from_jetstream():
+    assert rollout_pb2.DESCRIPTOR.package == "satjax.rollout.v1"
+
+
+def test_message_limits():
+    opts = dict(channel_options())
+    assert opts["grpc.max_send_message_length"] >= 256 * 1024 * 1024
+    assert opts["grpc.max_receive_message_length"] >= 256 * 1024 * 1024
+
+
+def test_routing_round_trip_uint16():
+    ids = np.arange(5 * 3 * 8, dtype=np.uint16).reshape(5, 3, 8) * 300
+    t = rollout_pb2.Trajectory(
+        routing=rollout_pb2.Routing(
+            data=ids.astype("<u2").tobytes(), shape=list(ids.shape), dtype="uint16"
+        )
+    )
+    t2 = rollout_pb2.Trajectory.FromString(t.SerializeToString())
+    np.testing.assert_array_equal(routing_array(t2), ids)

@@ -1,0 +1,297 @@
+"""The rollout server live: real gRPC against `python -m rollout_server` in a subprocess."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import numpy as np
+import portpicker
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
+
+# isort: split
+from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+
+from rollout_server.client import routing_array
+from rollout_server.proto import rollout_pb2
+from rollout_server.weights import save_params
+from sat_jax.tasks import CharTokenizer
+from tests.rollout_server.conftest import ServerProcess, random_params, stats, wait_for
+
+pytestmark = pytest.mark.slow  # starts server processes
+
+TOKEN = "s3cret"
+GROUP = 2
+MAX_NEW = 6
+BATCH = 3
+TOK = CharTokenizer("0123456789+-*=() ")
+METRICS_PORT = portpicker.pick_unused_port()
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("live")
+    (tmp / "ckpt").mkdir()
+    server = ServerProcess(
+        tmp,
+        [
+            f"server.state_dir={tmp / 'state'}",
+            f"server.checkpoint_root={tmp / 'ckpt'}",
+            f"server.token={TOKEN}",
+            "server.slots=4",
+            f"rollout.group_size={GROUP}",
+            f"rollout.max_new_tokens={MAX_NEW}",
+            f"rollout.batch_groups={BATCH}",
+            "rollout.max_staleness=1",
+            f"server.metrics_port={METRICS_PORT}",
+        ],
+    )
+    server.wait_ready()
+    server.tmp = tmp
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+def _pull_all(stub, n, timeout_s=120.0):
+    groups = []
+    wait_for(
+        lambda: (
+            groups.extend(
+                stub.Pull(
+                    rollout_pb2.PullRequest(max_groups=n - len(groups), timeout_s=5), timeout=30
+                ).groups
+            )
+            or len(groups) >= n
+        ),
+        timeout_s=timeout_s,
+        interval_s=0,
+    )
+    return groups
+
+
+def _check_trajectory(t: rollout_pb2.Trajectory, group: rollout_pb2.Group) -> None:
+    prompt = list(t.prompt_ids)
+    assert prompt == [TOK.bos_id, *TOK.encode(group.prompt_text)]
+    n = len(t.completion_ids)
+    assert 1 <= n <= MAX_NEW
+    assert len(t.behavior_logprobs) == len(t.versions) == n
+    assert all(lp <= 0 and np.isfinite(lp) for lp in t.behavior_logprobs)
+    assert list(t.versions) == sorted(t.versions)
+    eos_at = [i for i, tok in enumerate(t.completion_ids) if tok == TOK.eos_id]
+    if t.finish_reason == rollout_pb2.FINISH_REASON_EOS:
+        assert eos_at == [n - 1]
+    else:
+        assert t.finish_reason == rollout_pb2.FINISH_REASON_LENGTH and not eos_at and n == MAX_NEW
+    routing = routing_array(t)
+    assert routing.dtype == np.uint8 and t.routing.dtype == "uint8"
+    assert routing.shape == (len(prompt) + n, 2, 2)  # tiny: 2 MoE layers, top-2 of 8
+    assert routing.max() < 8
+    assert (routing[..., 0] != routing[..., 1]).all()
+    assert t.reward == float(TOK.decode(t.completion_ids).strip() == group.answer)
+    assert t.completion_text == TOK.decode(t.completion_ids)
+
+
+def test_pull_groups_and_admission(live):
+    stub = live.rollout_stub()
+    assert stub.Health(rollout_pb2.HealthRequest()).live
+    budget = (1 + 0 + 1) * BATCH  # (max_staleness + version + 1) · batch
+    wait_for(lambda: stats(stub).groups_queued == budget)
+    s = stats(stub)
+    assert s.groups_running == 0 and not s.admission_open and s.prompts_drawn == budget
+    groups = _pull_all(stub, budget)
+    assert len({g.group_id for g in groups}) == budget
+    assert {g.prompt_id for g in groups} == {f"arith-0-{i}" for i in range(budget)}
+    for g in groups:
+        assert len(g.trajectories) == GROUP
+        assert str(eval(g.prompt_text[:-1])) == g.answer
+        for t in g.trajectories:
+            _check_trajectory(t, g)
+            assert set(t.versions) == {0}
+    # Pulling alone does not reopen admission: only a new weights version does.
+    assert not stub.Pull(rollout_pb2.PullRequest(max_groups=1, timeout_s=1)).groups
+    s = stats(stub)
+    assert (s.groups_produced, s.groups_consumed, s.groups_running) == (budget, budget, 0)
+
+
+def test_update_weights_and_versions(live):
+    stub = live.rollout_stub()
+    path = live.tmp / "ckpt" / "v1"
+    save_params(path, random_params("tiny", seed=1))
+    bad_token = rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path=str(path), token="x")
+    with pytest.raises(grpc.RpcError) as e:
+        stub.UpdateWeights(bad_token)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    outside = live.tmp / "elsewhere"
+    save_params(outside, random_params("tiny", seed=2))
+    for bad in [
+        str(outside),
+        str(live.tmp / "ckpt" / ".." / "elsewhere"),
+        "",
+        "/etc",
+        str(live.tmp / "ckpt" / "missing"),
+        str(live.tmp / "ckpt"),
+    ]:
+        with pytest.raises(grpc.RpcError) as e:
+            stub.UpdateWeights(
+                rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path=bad, token=TOKEN)
+            )
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+    with pytest.raises(grpc.RpcError) as e:  # versions travel as int32 in the engine
+        stub.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(version=2**40, checkpoint_path=str(path), token=TOKEN)
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.Health(rollout_pb2.HealthRequest()).version == 0
+    reply = stub.UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path=str(path), token=TOKEN)
+    )
+    assert reply.version == 1
+    assert stub.Health(rollout_pb2.HealthRequest()).version == 1
+    with pytest.raises(grpc.RpcError) as e:  # older than the current version
+        stub.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(version=0, checkpoint_path=str(path), token=TOKEN)
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    # Groups keep flowing; eventually whole trajectories come from version 1, and within every
+    # trajectory versions never decrease.
+    seen_v1 = []
+
+    def pull_until_v1():
+        for g in stub.Pull(rollout_pb2.PullRequest(max_groups=8, timeout_s=5), timeout=30).groups:
+            for t in g.trajectories:
+                _check_trajectory(t, g)
+                if set(t.versions) == {1}:
+                    seen_v1.append(t)
+        return seen_v1
+
+    wait_for(pull_until_v1, timeout_s=120, interval_s=0)
+    assert "weights swapped: version 0 -> 1" in live.log()
+
+
+def test_prometheus_metrics(live):
+    wait_for(lambda: stats(live.rollout_stub()).groups_produced > 0)
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    produced = [line for line in text.splitlines() if line.startswith("satjax_rollout_groups_")]
+    assert any(line.startswith("satjax_rollout_groups_produced ") for line in produced)
+    assert "satjax_rollout_prefill_backlog" in text and "satjax_rollout_version" in text
+
+
+def test_stock_jetstream_decode(live):
+    stub = jetstream_pb2_grpc.OrchestratorStub(live.channel())
+    assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=10).is_live
+    req = jetstream_pb2.DecodeRequest(
+        token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=TOK.encode("12+7=")),
+        max_tokens=4,
+    )
+    ids = [
+        i
+        for r in stub.Decode(req, timeout=60)
+        for s in r.stream_content.samples
+        for i in s.token_ids
+    ]
+    assert 0 <= len(ids) <= 4 and all(3 <= i < TOK.vocab_size for i in ids)
+    req = jetstream_pb2.DecodeRequest(
+        text_content=jetstream_pb2.DecodeRequest.TextContent(text="3*4="), max_tokens=3
+    )
+    text = "".join(s.text for r in stub.Decode(req, timeout=60) for s in r.stream_content.samples)
+    assert len(text) <= 3 and set(text) <= set(TOK.alphabet)
+
+
+INVALID_DECODES = [
+    jetstream_pb2.DecodeRequest(max_tokens=3),  # no content
+    jetstream_pb2.DecodeRequest(
+        session_cache="abc",
+        max_tokens=3,
+        token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[4, 5]),
+    ),
+    jetstream_pb2.DecodeRequest(
+        max_tokens=3, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[4] * 40)
+    ),  # too long
+    jetstream_pb2.DecodeRequest(
+        max_tokens=3, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[999])
+    ),  # out of vocab
+    jetstream_pb2.DecodeRequest(
+        max_tokens=3, token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=[-1])
+    ),
+    jetstream_pb2.DecodeRequest(
+        max_tokens=3, text_content=jetstream_pb2.DecodeRequest.TextContent(text="hello")
+    ),  # outside the alphabet
+    jetstream_pb2.DecodeRequest(
+        max_tokens=0, text_content=jetstream_pb2.DecodeRequest.TextContent(text="1+1=")
+    ),
+    jetstream_pb2.DecodeRequest(
+        max_tokens=10**6, text_content=jetstream_pb2.DecodeRequest.TextContent(text="1+1=")
+    ),
+    jetstream_pb2.DecodeRequest(
+        max_tokens=2,
+        session_cache="x",
+        text_content=jetstream_pb2.DecodeRequest.TextContent(text=""),
+    ),
+]
+
+
+@pytest.mark.parametrize("request_index", range(len(INVALID_DECODES)))
+def test_invalid_decode_rejected(live, request_index):
+    stub = jetstream_pb2_grpc.OrchestratorStub(live.channel())
+    with pytest.raises(grpc.RpcError) as e:
+        list(stub.Decode(INVALID_DECODES[request_index], timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert stub.HealthCheck(jetstream_pb2.HealthCheckRequest(), timeout=10).is_live
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    max_groups=st.integers(-(2**31), 2**31 - 1),
+    timeout_s=st.floats(allow_nan=True, allow_infinity=True, width=32),
+    version=st.integers(-(2**63), 2**63 - 1),
+    path=st.text(max_size=64),
+    token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=48),
+    max_tokens=st.integers(-(2**31), 2**31 - 1),
+    session=st.text(max_size=8),
+)
+def test_fuzz_rpcs_keep_server_healthy(
+    live, max_groups, timeout_s, version, path, token_ids, max_tokens, session
+):
+    stub = live.rollout_stub()
+    ok_pull = 1 <= max_groups <= 4096 and 0 <= timeout_s <= 600
+    try:
+        stub.Pull(
+            rollout_pb2.PullRequest(
+                max_groups=max_groups, timeout_s=min(timeout_s, 0.1) if ok_pull else timeout_s
+            ),
+            timeout=10,
+        )
+        assert ok_pull
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and not ok_pull
+    with pytest.raises(grpc.RpcError) as e:  # nothing under the root is a checkpoint
+        stub.UpdateWeights(
+            rollout_pb2.UpdateWeightsRequest(version=version, checkpoint_path=path, token=TOKEN),
+            timeout=10,
+        )
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    decode = jetstream_pb2_grpc.OrchestratorStub(live.channel())
+    req = jetstream_pb2.DecodeRequest(
+        session_cache=session,
+        max_tokens=max_tokens,
+        token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=token_ids),
+    )
+    valid = (
+        not session
+        and 1 <= max_tokens <= MAX_NEW
+        and len(token_ids) + 1 <= 16
+        and all(0 <= i < TOK.vocab_size for i in token_ids)
+    )
+    try:
+        list(decode.Decode(req, timeout=60))
+        assert valid
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and not valid, e
+    assert stub.Health(rollout_pb2.HealthRequest(), timeout=10).live

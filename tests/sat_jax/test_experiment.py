@@ -1,0 +1,87 @@
+"""sat_jax.experiment: defaults only in dataclasses, YAML + dotted overrides, errors name the key."""
+
+import pytest
+
+from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
+from sat_jax.model import PRESETS
+
+
+def test_defaults_without_file():
+    assert load_config(None, []) == ExperimentConfig()
+
+
+def test_yaml_then_cli_overrides(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\nrollout:\n  group_size: 8\n  temperature: 0.7\nserver:\n  port: 1\n")
+    cfg = load_config(str(path), ["server.port=1234", "rollout.top_k=5", "task.operators=+-*"])
+    assert cfg.name == "x"
+    assert cfg.rollout.group_size == 8 and cfg.rollout.temperature == 0.7
+    assert cfg.rollout.top_k == 5
+    assert cfg.server.port == 1234
+    assert cfg.task.operators == "+-*"
+
+
+def test_model_preset_and_field_override():
+    cfg = load_config(
+        None, ["model.preset=small", "model.num_layers=2", "model.mlp_only_layers=[0]"]
+    )
+    assert cfg.model == PRESETS["small"].replace(num_layers=2, mlp_only_layers=(0,))
+
+
+def test_int_accepted_for_float():
+    assert load_config(None, ["rollout.temperature=1"]).rollout.temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("rollout.nope=1", "rollout.nope"),
+        ("nope=1", "nope"),
+        ("rollout.group_size=abc", "rollout.group_size"),
+        ("rollout.group_size=0", "rollout"),
+        ("rollout.group_size=true", "rollout.group_size"),
+        ("rollout.temperature=-1", "rollout"),
+        ("model.preset=huge", "model.preset"),
+        ("model.num_heads=3", "model"),
+        ("server.max_prefill_length=20", "server"),
+        ("server.host=0.0.0.0", "server"),
+        ("rollout=3", "rollout"),
+        ("model.mlp_only_layers=[a]", "model.mlp_only_layers[0]"),
+    ],
+)
+def test_bad_override_names_key(override, key):
+    with pytest.raises(ConfigError, match=f"^{key.replace('[', '.').replace(']', '.')}"):
+        load_config(None, [override])
+
+
+def test_cross_section_check():
+    with pytest.raises(ConfigError, match="max_seq_len"):
+        load_config(None, ["rollout.max_new_tokens=200"])
+
+
+def test_not_key_value():
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["rollout.group_size"])
+
+
+def test_non_loopback_with_token_ok():
+    cfg = load_config(None, ["server.host=0.0.0.0", "server.token=s3cret"])
+    assert cfg.server.host == "0.0.0.0"
+
+
+def test_frozen():
+    with pytest.raises(AttributeError):
+        ExperimentConfig().name = "y"  # type: ignore[misc]
+
+
+def test_tls_needs_cert_and_key():
+    with pytest.raises(ConfigError, match="tls_cert and tls_key"):
+        load_config(None, ["server.tls_cert=/x.pem"])
+
+
+def test_shipped_config_loads():
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"
+    cfg = load_config(str(path), [])
+    assert cfg.name == "arith_tiny" and cfg.model == PRESETS["tiny"]
