@@ -89,6 +89,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1 << 20, 1 << 22])
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument(
+        "--train-step",
+        action="store_true",
+        help="also time a `small`-model train step with SAT vs PPO (a few minutes on 2 cores)",
+    )
+    parser.add_argument("--step-batch", type=int, nargs=2, default=(8, 512), metavar=("B", "T"))
     args = parser.parse_args()
 
     print(
@@ -152,6 +158,57 @@ def main() -> None:
     print("|---|---|---|")
     for name in quantile_fns:
         print(f"| {name} | {ms[name]:.2f} | {ms[name] / ms['ppo']:.2f} |")
+
+    if args.train_step:
+        time_train_step(*args.step_batch, repeats=max(3, args.repeats // 4))
+
+
+def time_train_step(batch: int, length: int, repeats: int) -> None:
+    """The share of a `small`-model train step that SAT's gate costs: SAT vs PPO, same batch."""
+    import optax
+
+    from sat_jax import sharding, train_step
+    from sat_jax.model import ModelConfig
+
+    model_cfg = ModelConfig.preset("small")
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), devices=jax.devices()[:1])
+    optimizer = optax.adamw(1e-5, b2=0.98)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, model_cfg.vocab_size, (batch, length)).astype(np.int32)
+    mask = np.zeros((batch, length), np.float32)
+    mask[:, length // 4 :] = 1.0
+    step_batch = train_step.TrainBatch(
+        tokens=jnp.asarray(tokens),
+        loss_mask=jnp.asarray(mask),
+        behavior_logp=jnp.asarray(
+            np.log(rng.uniform(0.01, 1.0, (batch, length)), dtype=np.float32)
+        ),
+        advantages=jnp.asarray(np.repeat(rng.standard_normal((batch, 1)), length, 1), jnp.float32),
+    )
+    steps, states = {}, {}
+    for name, sat_on in (("ppo", False), ("sat", True)):
+        loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=sat_on))
+        steps[name] = train_step.make_train_step(
+            model_cfg, optimizer, loss_cfg, mesh, routing_replay=False
+        )
+        states[name] = train_step.init_train_state(model_cfg, optimizer, mesh, rng=0)
+    times = {name: [] for name in steps}
+    for i in range(repeats + 1):  # the first round compiles
+        for name, step in steps.items():
+            start = time.perf_counter()
+            states[name], metrics = step(states[name], step_batch)
+            jax.block_until_ready(metrics)
+            if i:
+                times[name].append(time.perf_counter() - start)
+    ppo_ms, sat_ms = (1e3 * statistics.median(times[k]) for k in ("ppo", "sat"))
+    print(
+        f"\n`small` train step (B={batch}, T={length}, {int(mask.sum()):,} active tokens, "
+        f"{repeats} interleaved repeats)"
+    )
+    print("| loss | step (ms) | SAT gate share of the step |")
+    print("|---|---|---|")
+    print(f"| PPO | {ppo_ms:.0f} | - |")
+    print(f"| SAT | {sat_ms:.0f} | {(sat_ms - ppo_ms) / sat_ms:+.1%} |")
 
 
 if __name__ == "__main__":
