@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Two cores on the reference machine: one pytest worker per core.
 TEST_WORKERS ?= 2
 
-.PHONY: venv test lint format bench clean
+.PHONY: venv run test lint format bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 venv: $(STAMP)
+
+# The main job: supervised warm-up (cached in runs/sft_cache), a local rollout server, then async
+# SAT-GRPO with routing replay on CPU; prints held-out accuracy before/after, writes runs/arith_tiny/.
+run: $(STAMP)
+	$(PY) -m train --config configs/arith_tiny.yaml rollout.group_size=8 rollout.batch_groups=16 server.slots=32
 
 test: $(STAMP)
 	$(PY) -m ruff check .

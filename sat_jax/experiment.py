@@ -202,7 +202,7 @@ class TrainConfig:
       eval_every: evaluate every k updates during RL (0 = only before and after).
       pull_timeout_s: how long one Pull waits for groups.
       retry_max_s: the longest backoff between retries while a server is down.
-      server_wait_s: give up when no server answered for this long.
+      server_wait_s: give up when no server answered, or none sent a group, for this long.
       seed: the trainer's PRNG seed.
       wandb: also log to Weights & Biases (needs the `wandb` package).
     """

@@ -1,0 +1,106 @@
+"""Async vs synchronous end-to-end throughput of the trainer + one local rollout server (SPEC §9).
+
+    python benchmarks/async_vs_sync.py [--steps 40] [--config configs/arith_tiny.yaml] [k=v ...]
+
+Runs the same experiment three times — synchronous (generation waits for every new version),
+async with weight_sync_interval n = 1 and async with n = 8 — each as `python -m train` with its
+own local server, and reads the runs' metrics logs. Prints a Markdown table:
+
+- trained tokens/s: completion tokens trained per second of loop wall time (first steps, which
+  compile, left out);
+- T_rollout, T_train: isolated per-batch timings from the synchronous run, where they do not
+  overlap (the wait for a batch, and the step + weight push);
+- ideal overlap = (T_rollout + T_train) / max(T_rollout, T_train), the best speed-up over sync;
+- achieved = tokens/s ÷ sync tokens/s, and achieved / ideal (target ≥ 90%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SKIP = 5  # first steps: compilation and queue fill
+
+
+def run_mode(
+    name: str, config: str, extra: list[str], steps: int, root: pathlib.Path
+) -> list[dict]:
+    run_dir = root / name
+    overrides = [
+        f"train.run_dir={run_dir}",
+        f"server.checkpoint_root={run_dir}",
+        f"server.state_dir={run_dir / 'server'}",
+        f"train.steps={steps}",
+        "train.warmup_sft_steps=0",
+        "train.eval_problems=0",
+        f"train.checkpoint_every={steps}",
+        *extra,
+    ]
+    cmd = [sys.executable, "-m", "train", "--config", config, *overrides]
+    print(f"# {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    with open(run_dir / "logs" / "metrics.jsonl") as f:
+        return [r for r in map(json.loads, f) if "active_tokens" in r]
+
+
+def throughput(records: list[dict]) -> float:
+    timed = records[SKIP:]
+    wall = timed[-1]["time"] - timed[0]["time"]
+    return sum(r["active_tokens"] for r in timed[1:]) / wall
+
+
+def mean(records: list[dict], key: str) -> float:
+    timed = records[SKIP:]
+    return sum(r[key] for r in timed) / len(timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--config", default=str(REPO / "configs" / "arith_tiny.yaml"))
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    modes = {
+        "sync": ["train.mode=sync", "rollout.max_staleness=0", "train.weight_sync_interval=1"],
+        "async n=1": ["rollout.max_staleness=1", "train.weight_sync_interval=1"],
+        "async n=8": ["rollout.max_staleness=8", "train.weight_sync_interval=8"],
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        results = {
+            name: run_mode(
+                name.replace(" ", "_").replace("=", ""),
+                args.config,
+                [*args.overrides, *extra],
+                args.steps,
+                pathlib.Path(tmp),
+            )
+            for name, extra in modes.items()
+        }
+    sync = results["sync"]
+    t_rollout, t_train = mean(sync, "pull_wait_s"), mean(sync, "step_s")
+    ideal = (t_rollout + t_train) / max(t_rollout, t_train)
+    base = throughput(sync)
+    print(
+        f"T_rollout = {t_rollout:.3f} s/batch, T_train = {t_train:.3f} s/batch, ideal {ideal:.2f}x"
+    )
+    print(f"machine: {os.cpu_count()} CPUs, {sys.platform}")
+    print()
+    print("| mode | trained tokens/s | lag mean | speed-up vs sync | % of ideal |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for name, records in results.items():
+        tps = throughput(records)
+        speedup = tps / base
+        print(
+            f"| {name} | {tps:.0f} | {mean(records, 'lag_mean'):.2f} | {speedup:.2f}x | "
+            f"{100 * speedup / ideal:.0f}% |"
+        )
+
+
+if __name__ == "__main__":
+    main()

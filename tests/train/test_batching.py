@@ -1,0 +1,123 @@
+"""Batch assembly: alignment, fixed shapes, lag tagging, the staleness policy and advantages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rollout_server.proto import rollout_pb2
+from train import batching
+
+L, K = 2, 2
+
+
+def make_group(
+    group_id: int,
+    rewards: list[float],
+    versions: list[list[int]],
+    *,
+    prompt: tuple[int, ...] = (1, 5, 6),
+) -> rollout_pb2.Group:
+    trajs = []
+    for i, (reward, vs) in enumerate(zip(rewards, versions, strict=True)):
+        c = len(vs)
+        ids = np.full((len(prompt) + c, L, K), 3 + i, np.uint8)
+        trajs.append(
+            rollout_pb2.Trajectory(
+                prompt_ids=list(prompt),
+                completion_ids=[10 + j for j in range(c)],
+                behavior_logprobs=[-0.5 - j for j in range(c)],
+                versions=vs,
+                routing=rollout_pb2.Routing(data=ids.tobytes(), shape=ids.shape, dtype="uint8"),
+                reward=reward,
+            )
+        )
+    return rollout_pb2.Group(group_id=group_id, prompt_id=f"p{group_id}", trajectories=trajs)
+
+
+def spec(**kw) -> batching.BatchSpec:
+    base = dict(batch_groups=3, group_size=2, seq_len=10, routing_lk=(L, K), max_staleness=1)
+    return batching.BatchSpec(**(base | kw))
+
+
+def test_alignment_shapes_and_advantages():
+    groups = [make_group(7, [1.0, 0.0], [[5, 5], [5, 5, 5]])]
+    batch, stats = batching.assemble_batch(groups, spec(), trainer_version=5)
+    assert batch.tokens.shape == (6, 10) and batch.routing.shape == (6, 10, L, K)
+    np.testing.assert_array_equal(batch.tokens[0, :5], [1, 5, 6, 10, 11])
+    np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1, 1, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(batch.loss_mask[1, :7], [0, 0, 0, 1, 1, 1, 0])
+    np.testing.assert_allclose(batch.behavior_logp[1, 3:6], [-0.5, -1.5, -2.5])
+    # GRPO with std normalization: rewards (1, 0) → ±0.5/(std + eps), std = 1/√2 (ddof = 1).
+    a = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6)
+    np.testing.assert_allclose(batch.advantages[0, 3:5], [a, a], rtol=1e-5)
+    np.testing.assert_allclose(batch.advantages[1, 3:6], [-a] * 3, rtol=1e-5)
+    assert np.all(batch.advantages[batch.loss_mask == 0] == 0)
+    assert np.all(batch.loss_mask[2:] == 0)  # padding rows
+    assert batch.routing[1, 0, 0, 0] == 4 and batch.routing.dtype == np.uint8
+    np.testing.assert_array_equal(batch.routing[4, 0, 0], [0, 1])  # padding: a valid set
+    assert stats.tokens == 5 and stats.lag_max == 0 and stats.reward_mean == 0.5
+    assert stats.response_len_mean == 2.5 and stats.prompt_ids == ("p7",)
+
+
+@pytest.mark.parametrize(
+    "policy, kept, dropped, stale_kept", [("drop", 2, 1, 0), ("keep", 3, 0, 1)]
+)
+def test_staleness_policy(policy, kept, dropped, stale_kept):
+    groups = [
+        make_group(1, [1, 0], [[9, 9], [9]]),  # lag 0
+        make_group(2, [1, 0], [[8, 9], [8]]),  # lag 1: within max_staleness
+        make_group(3, [1, 0], [[7, 8], [8]]),  # lag 2: stale
+    ]
+    batch, stats = batching.assemble_batch(groups, spec(stale_policy=policy), trainer_version=9)
+    assert (stats.groups, stats.stale_dropped, stats.stale_kept) == (kept, dropped, stale_kept)
+    expected_lags = [0, 0, 0, 1, 0, 1] + ([2, 1, 1] if policy == "keep" else [])
+    np.testing.assert_array_equal(np.sort(stats.lags), np.sort(expected_lags))
+    assert stats.lag_max == max(expected_lags)
+    assert stats.lag_mean == pytest.approx(np.mean(expected_lags))
+    assert stats.lag_hist.sum() == len(expected_lags) and stats.lag_hist[0] == 4
+    assert batch.loss_mask.sum() == len(expected_lags)
+
+
+def test_pre_sync_versions_are_dropped():
+    groups = [make_group(1, [1, 0], [[0, 1], [1]]), make_group(2, [1, 0], [[1], [1]])]
+    _, stats = batching.assemble_batch(groups, spec(), trainer_version=1, min_version=1)
+    assert stats.groups == 1 and stats.stale_dropped == 1 and stats.prompt_ids == ("p2",)
+
+
+def test_lag_histogram_last_bin_collects_old_tokens():
+    groups = [make_group(1, [1, 0], [[0], [100]])]
+    _, stats = batching.assemble_batch(groups, spec(stale_policy="keep"), trainer_version=100)
+    assert stats.lag_hist[-1] == 1 and stats.lag_hist[0] == 1
+
+
+def test_equal_rewards_give_zero_advantage_and_empty_batch_is_all_padding():
+    batch, _ = batching.assemble_batch(
+        [make_group(1, [1, 1], [[2], [2]])], spec(), trainer_version=2
+    )
+    assert np.all(batch.advantages == 0)
+    batch, stats = batching.assemble_batch([], spec(routing_lk=None), trainer_version=0)
+    assert batch.routing is None and batch.loss_mask.sum() == 0 and stats.lag_max == 0
+
+
+@pytest.mark.parametrize(
+    "group, message",
+    [
+        (make_group(1, [1], [[1]]), "expected 2"),
+        (make_group(1, [1, 0], [[1] * 8, [1]]), "exceeds seq_len"),
+    ],
+)
+def test_malformed_groups_are_rejected(group, message):
+    with pytest.raises(ValueError, match=message):
+        batching.assemble_batch([group], spec(), trainer_version=1)
+
+
+def test_same_shapes_for_every_batch():
+    a, _ = batching.assemble_batch([make_group(1, [1, 0], [[1], [1]])], spec(), trainer_version=1)
+    b, _ = batching.assemble_batch(
+        [make_group(i, [1, 0], [[1] * 5, [1]]) for i in range(3)], spec(), trainer_version=1
+    )
+    for x, y in zip(
+        (a.tokens, a.loss_mask, a.routing), (b.tokens, b.loss_mask, b.routing), strict=True
+    ):
+        assert x.shape == y.shape and x.dtype == y.dtype

@@ -1,0 +1,78 @@
+"""Checkpoints: round trip onto the shardings, keep-N, progress, and a kill mid-save."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from sat_jax import sharding
+from sat_jax.model import ModelConfig
+from sat_jax.train_step import init_train_state
+from train import checkpointing
+
+MODEL_CFG = ModelConfig.preset("tiny")
+OPTIMIZER = optax.adamw(1e-3, b2=0.98)
+
+
+@pytest.fixture(scope="module")
+def state_and_mesh():
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    return init_train_state(MODEL_CFG, OPTIMIZER, mesh, 3), mesh
+
+
+def test_round_trip_keep_n_and_progress(tmp_path, state_and_mesh):
+    state, mesh = state_and_mesh
+    ckpt = checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    key = jax.random.key(7)
+    for step in (1, 2, 3):
+        progress = checkpointing.Progress(
+            version=step + 1,
+            min_version=1,
+            rng_key=tuple(int(x) for x in jax.random.key_data(key)),
+            groups_trained=8 * step,
+            recent_prompt_ids=tuple(f"p{i}" for i in range(step)),
+        )
+        state = state.replace(step=state.step + 1)
+        ckpt.save(step, state, progress)
+    assert ckpt.all_steps() == [2, 3] and ckpt.latest_step() == 3
+    ckpt.close()
+
+    again = checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    abstract = checkpointing.abstract_train_state(MODEL_CFG, OPTIMIZER, mesh)
+    restored, got = again.restore(again.latest_step(), abstract)
+    assert got == progress
+    assert int(restored.step) == 3
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), restored, state)
+    assert all(jax.tree.leaves(same))
+    shardings_ok = jax.tree.map(lambda a, s: a.sharding == s.sharding, restored, abstract)
+    assert all(jax.tree.leaves(shardings_ok))
+    key_back = jax.random.wrap_key_data(np.asarray(got.rng_key, np.uint32))
+    assert np.array_equal(jax.random.key_data(key_back), jax.random.key_data(key))
+    again.close()
+
+
+def test_unfinished_save_is_ignored(tmp_path, state_and_mesh):
+    state, _ = state_and_mesh
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=3)
+    ckpt.save(1, state, checkpointing.Progress(version=1, min_version=1, rng_key=(0, 1)))
+    ckpt.close()
+    # What a SIGKILL during a save leaves behind: a temporary directory orbax never committed.
+    (tmp_path / "2.orbax-checkpoint-tmp-123").mkdir()
+    again = checkpointing.Checkpointer(str(tmp_path), keep=3)
+    assert again.latest_step() == 1
+    again.close()
+
+
+def test_weights_for_the_server(tmp_path, state_and_mesh):
+    state, _ = state_and_mesh
+    checkpointing.save_weights(str(tmp_path / "v1"), state.params)
+    checkpointing.save_weights(str(tmp_path / "v1"), state.params)  # overwrite is allowed
+    from rollout_server import weights
+
+    back = weights.load_params(tmp_path / "v1", state.params)
+    same = jax.tree.map(
+        lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), back, state.params
+    )
+    assert all(jax.tree.leaves(same))

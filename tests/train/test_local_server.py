@@ -1,0 +1,46 @@
+"""The local server child dies with the trainer: PR_SET_PDEATHSIG survives the exec."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+PARENT = """
+import subprocess, sys, time
+from train.local_server import _EXEC_WITH_PDEATHSIG
+child = subprocess.Popen([sys.executable, "-c", _EXEC_WITH_PDEATHSIG, "-c", "import time; time.sleep(120)"])
+print(child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split()[2] != "Z"
+
+
+def test_child_gets_sigterm_when_the_parent_is_killed():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child = None
+    try:
+        child = int(parent.stdout.readline())
+        time.sleep(1.0)  # let the child reach its exec
+        assert _alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 10
+        while _alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(child)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child is not None and _alive(child):
+            os.kill(child, signal.SIGKILL)

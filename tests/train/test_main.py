@@ -1,0 +1,157 @@
+"""The trainer as the README runs it: `python -m train --config ... key=value ...` in a subprocess.
+
+One live rollout server (sync admission: max_staleness 0) serves the end-to-end test: a synchronous
+run is SIGKILLed after its second checkpoint and restarted with the same command; it resumes from
+the last checkpoint (step and version monotone), re-syncs the server, never trains a prompt twice,
+finishes, and every trained token had lag 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.train.conftest import JAX_CACHE
+from train import main
+from train.local_server import LocalServer
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs" / "arith_tiny.yaml")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.update(
+        JAX_PLATFORMS="cpu",
+        JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5",
+        PYTHONPATH=str(REPO),
+    )
+    return env
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.bogus=1", "train.bogus"),
+        ("train.stale_policy=sometimes", "stale_policy"),
+        ("train.loss.sat.quantile=1.5", "train.loss.sat"),
+        ("train.steps=many", "train.steps"),
+        ("train.weight_sync_interval=4", "train.weight_sync_interval"),
+    ],
+)
+def test_bad_config_exits_2_naming_the_key(override, key, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main.cli(["--config", CONFIG, override])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and key in lines[0], lines
+
+
+def test_python_m_train_rejects_an_unknown_key():
+    proc = subprocess.run(
+        [sys.executable, "-m", "train", "--config", CONFIG, "train.bogus=1"],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "sat-train: config error: train.bogus: unknown key"
+    ), proc.stderr
+
+
+def _records(run_dir: pathlib.Path) -> list[dict]:
+    path = run_dir / "logs" / "metrics.jsonl"
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line torn by SIGKILL
+    return out
+
+
+@pytest.mark.slow
+def test_sync_run_survives_sigkill_and_resumes(tmp_path):
+    overrides = [
+        "rollout.max_staleness=0",
+        "rollout.batch_groups=4",
+        "rollout.group_size=4",
+        f"server.checkpoint_root={tmp_path}",
+        f"server.state_dir={tmp_path / 'server'}",
+    ]
+    server = LocalServer(CONFIG, overrides, str(tmp_path / "server.log"))
+    run_dir = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "train",
+        "--config",
+        CONFIG,
+        *overrides,
+        f"train.servers=[{server.address}]",
+        "train.mode=sync",
+        "train.steps=6",
+        "train.checkpoint_every=2",
+        "train.warmup_sft_steps=20",
+        "train.eval_problems=16",
+        "train.eval_every=0",
+        "train.loss.kl_coef=0.01",  # exercises the reference-policy KL path
+        f"train.run_dir={run_dir}",
+    ]
+    # cwd = tmp_path: the warm-up cache (runs/sft_cache) stays inside the test's directory.
+    first = second = None
+    try:
+        server.wait_ready(timeout_s=150)
+        with open(tmp_path / "first.log", "w") as log:
+            first = subprocess.Popen(cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=log)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and first.poll() is None:
+            if any(r.get("step", 0) >= 3 and "lag_max" in r for r in _records(run_dir)):
+                break
+            time.sleep(0.2)
+        assert first.poll() is None, (tmp_path / "first.log").read_text()
+        first.send_signal(signal.SIGKILL)
+        first.wait(30)
+        killed_at = max(r["step"] for r in _records(run_dir) if "lag_max" in r)
+        with open(tmp_path / "second.log", "w") as log:
+            second = subprocess.run(
+                cmd, cwd=tmp_path, env=_env(), stdout=log, stderr=log, timeout=150
+            )
+        out = (tmp_path / "second.log").read_text()
+        assert second.returncode == 0, out
+    finally:
+        for proc in (first,):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+        server.stop()
+
+    assert "resumed from checkpoint 2" in out, out
+    assert "done: 6 steps" in out, out
+    steps = [r for r in _records(run_dir) if "lag_max" in r]
+    resumed = steps[[r["step"] for r in steps].index(killed_at) + 1 :]
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]
+    versions = [r["version"] for r in resumed]
+    assert versions == sorted(versions) and len(set(versions)) == len(versions)
+    # Synchronous mode: generation waited for every new version, so no trained token is stale.
+    assert all(r["lag_max"] == 0 and r["lag_mean"] == 0 for r in steps)
+    # Mismatch is only the float32 floor plus the server's restriction of sampling to the
+    # tokenizer's ids (SPEC §6); train_step's full-vocabulary log-probs do not apply that mask.
+    assert all(r["mismatch_abs_mean"] < 0.05 for r in steps)
+    assert (run_dir / "curves.png").exists()
+    assert sorted(os.listdir(run_dir / "checkpoints"))[-1] == "6"
+    progress = json.loads((run_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
+    trained = progress["recent_prompt_ids"]
+    assert len(trained) == len(set(trained)) == progress["groups_trained"] == 6 * 4
