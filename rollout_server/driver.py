@@ -78,6 +78,26 @@ class RolloutDriver(orchestrator.Driver):
     def prefill_backlog_size(self) -> int:
         return self._prefill_backlog.qsize()
 
+    def _generate_thread(self, idx: int) -> None:
+        """JetStream's generate loop, restarted after its one known race.
+
+        JetStream 0.2.2 reads the free-slot count once per iteration, and when this (detokenize)
+        thread frees the last busy slot between that read and the loop's end, its assertion "At
+        this point we must have some requests inserted into the slots" fires and JetStream
+        SIGKILLs the process (seen twice in ~7 `make run`s, when a batch drains at admission
+        close). When it fires every slot is free and nothing is in flight, so starting the loop
+        again with a fresh decode state loses nothing. Any other error still propagates.
+        """
+        slots = self._generate_slots[idx]
+        capacity = self._generate_engines[idx].max_concurrent_decodes
+        while self.live:
+            try:
+                return super()._generate_thread(idx)
+            except AssertionError as e:
+                if "must have some requests inserted" not in str(e) or slots.qsize() < capacity:
+                    raise
+                log.warning("JetStream generate loop %d hit its free-slot race; restarting it", idx)
+
     def _detokenize_thread(self, idx: int) -> None:
         backlog = self._detokenize_backlogs[idx]
         engine: MoEEngine = self._generate_engines[idx]

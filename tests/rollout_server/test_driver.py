@@ -1,0 +1,72 @@
+"""The generate-loop restart that guards JetStream 0.2.2's free-slot race."""
+
+import queue
+import types
+
+import pytest
+
+from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
+
+# isort: split
+
+from jetstream.core import orchestrator
+
+from rollout_server.driver import RolloutDriver
+
+RACE = "At this point we must have some requests inserted into the slots."
+
+
+def make_driver(free_slots: int, capacity: int = 2) -> RolloutDriver:
+    driver = object.__new__(RolloutDriver)  # only what _generate_thread reads
+    driver.live = True
+    slots = queue.Queue()
+    for slot in range(free_slots):
+        slots.put(slot)
+    driver._generate_slots = [slots]
+    driver._generate_engines = [types.SimpleNamespace(max_concurrent_decodes=capacity)]
+    return driver
+
+
+def fake_loop(errors):
+    calls = []
+
+    def loop(self, idx):
+        calls.append(idx)
+        if errors:
+            raise errors.pop(0)
+
+    return loop, calls
+
+
+def test_race_with_every_slot_free_restarts_the_loop(monkeypatch):
+    loop, calls = fake_loop([AssertionError(RACE), AssertionError(RACE)])
+    monkeypatch.setattr(orchestrator.Driver, "_generate_thread", loop)
+    make_driver(free_slots=2)._generate_thread(0)
+    assert calls == [0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    "error,free_slots",
+    [
+        (AssertionError(RACE), 1),  # a slot is busy: not the race, something is really wrong
+        (AssertionError("another assertion"), 2),
+        (RuntimeError("engine failure"), 2),
+    ],
+)
+def test_anything_else_still_propagates(monkeypatch, error, free_slots):
+    loop, calls = fake_loop([error])
+    monkeypatch.setattr(orchestrator.Driver, "_generate_thread", loop)
+    with pytest.raises(type(error)):
+        make_driver(free_slots=free_slots)._generate_thread(0)
+    assert calls == [0]
+
+
+def test_stops_when_the_driver_stops(monkeypatch):
+    driver = make_driver(free_slots=2)
+
+    def loop(self, idx):
+        self.live = False
+        raise AssertionError(RACE)
+
+    monkeypatch.setattr(orchestrator.Driver, "_generate_thread", loop)
+    driver._generate_thread(0)  # returns instead of spinning
