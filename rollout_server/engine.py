@@ -122,13 +122,8 @@ class MoEEngine(engine_api.Engine):
         self.cache_length = max_prefill_length + max_decode_length + 1
         self._seed = seed
         # Sampling covers the tokenizer's ids (the model's vocab may be padded larger) except pad
-        # and bos, which never belong in a completion.
-        ids_v = np.arange(model.config.vocab_size)
-        self._sampleable_v = (
-            (ids_v < tokenizer.vocab_size)
-            & (ids_v != tokenizer.pad_id)
-            & (ids_v != tokenizer.bos_id)
-        )
+        # and bos, which never belong in a completion; the trainer renormalizes over the same set.
+        self._sampleable_v = tokenizer.sampleable_mask(model.config.vocab_size)
         graphdef, state = nnx.split(model)
         self._graphdef = graphdef
         # Committed placement now, so swapped-in params (device_put onto these shardings) hit

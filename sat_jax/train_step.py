@@ -72,9 +72,22 @@ class TrainBatch:
 
 
 def next_token_logprobs(
-    logits_btv: jax.Array, tokens_bt: jax.Array, *, temperature: float = 1.0
+    logits_btv: jax.Array,
+    tokens_bt: jax.Array,
+    *,
+    temperature: float = 1.0,
+    vocab_mask: Any = None,
 ) -> jax.Array:
-    """[B, T] log-probs of ``tokens[:, t]`` under the logits at ``t − 1``; column 0 is 0."""
+    """[B, T] log-probs of ``tokens[:, t]`` under the logits at ``t − 1``; column 0 is 0.
+
+    ``vocab_mask`` ([V] bool, optional): renormalize over these ids only, as a sampler restricted
+    to them does (e.g. ``CharTokenizer.sampleable_mask``); without it the behavior and trainer
+    log-probs of the same weights differ by the probability mass of the excluded ids.
+    """
+    if vocab_mask is not None:
+        # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
+        floor = jnp.finfo(logits_btv.dtype).min
+        logits_btv = jnp.where(jnp.asarray(vocab_mask, bool), logits_btv, floor)
     logp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:], temperature=temperature)
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
@@ -88,6 +101,7 @@ def train_step(
     loss_cfg: objectives.PolicyLossConfig,
     routing_replay: bool,
     temperature: float = 1.0,
+    vocab_mask: Any = None,
 ) -> tuple[TrainState, Metrics]:
     """One policy-gradient update.
 
@@ -104,6 +118,8 @@ def train_step(
       loss_cfg: the ``PolicyLossConfig``.
       routing_replay: replay ``batch.routing`` in every MoE layer (R3).
       temperature: sampling temperature the behavior log-probs were taken at.
+      vocab_mask: optional [V] bool of the ids the sampler draws from (see
+        ``next_token_logprobs``).
 
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
@@ -118,7 +134,9 @@ def train_step(
     def loss_fn(params: Any) -> tuple[jax.Array, Metrics]:
         model = nnx.merge(graphdef, params)
         out = model.forward(batch.tokens, replay_routing=batch.routing if routing_replay else None)
-        logp_bt = next_token_logprobs(out.logits_btv, batch.tokens, temperature=temperature)
+        logp_bt = next_token_logprobs(
+            out.logits_btv, batch.tokens, temperature=temperature, vocab_mask=vocab_mask
+        )
         loss, metrics = objectives.policy_loss(
             logp_bt,
             batch.behavior_logp,
@@ -237,6 +255,7 @@ def make_train_step(
     *,
     routing_replay: bool,
     temperature: float = 1.0,
+    vocab_mask: Any = None,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
     """Jitted ``train_step`` for ``model_cfg`` on ``mesh``.
 
@@ -252,6 +271,7 @@ def make_train_step(
       mesh: the device mesh.
       routing_replay: replay ``TrainBatch.routing`` (R3).
       temperature: sampling temperature of the behavior log-probs.
+      vocab_mask: optional [V] bool of the ids the sampler draws from.
 
     Returns:
       ``step(state, batch) -> (state, metrics)``.
@@ -266,6 +286,7 @@ def make_train_step(
         loss_cfg=loss_cfg,
         routing_replay=routing_replay,
         temperature=temperature,
+        vocab_mask=None if vocab_mask is None else np.asarray(vocab_mask, bool),
     )
     return jax.jit(
         step_fn,

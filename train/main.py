@@ -280,8 +280,11 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
                 mesh,
                 routing_replay=t.routing_replay,
                 temperature=cfg.rollout.temperature,
+                vocab_mask=sampleable_mask(cfg),
             ),
-            ref_logp_fn=make_ref_logp(graphdef, params, cfg.rollout.temperature)
+            ref_logp_fn=make_ref_logp(
+                graphdef, params, cfg.rollout.temperature, sampleable_mask(cfg)
+            )
             if t.loss.kl_coef > 0
             else None,
             mesh=mesh,
@@ -411,13 +414,22 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
     )
 
 
-def make_ref_logp(graphdef: nnx.GraphDef, ref_params: Any, temperature: float):
+def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
+    """[V] bool: the ids the server samples from, over which the trainer renormalizes too."""
+    return CharTokenizer(cfg.task.alphabet).sampleable_mask(cfg.model.vocab_size)
+
+
+def make_ref_logp(
+    graphdef: nnx.GraphDef, ref_params: Any, temperature: float, vocab_mask: np.ndarray
+):
     """Reference-policy (the warm-up policy) log-probs of a batch's tokens, for the KL penalty."""
 
     @jax.jit
     def ref_logp(tokens_bt: jax.Array) -> jax.Array:
         logits = nnx.merge(graphdef, ref_params)(tokens_bt)
-        return next_token_logprobs(logits, tokens_bt, temperature=temperature)
+        return next_token_logprobs(
+            logits, tokens_bt, temperature=temperature, vocab_mask=vocab_mask
+        )
 
     return lambda tokens: np.asarray(ref_logp(tokens))
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIALS = 3
 
@@ -28,6 +30,19 @@ class CharTokenizer:
     @property
     def vocab_size(self) -> int:
         return len(self.alphabet) + _SPECIALS
+
+    def sampleable_mask(self, model_vocab_size: int) -> np.ndarray:
+        """[V] bool: the ids a completion may contain (every tokenizer id but pad and bos).
+
+        The rollout engine samples only from these, so the trainer's log-probs must renormalize
+        over the same set for the behavior and trainer policies to match (SPEC §6).
+        """
+        if model_vocab_size < self.vocab_size:
+            raise ValueError(
+                f"model vocab {model_vocab_size} is smaller than the tokenizer's {self.vocab_size}"
+            )
+        ids_v = np.arange(model_vocab_size)
+        return (ids_v < self.vocab_size) & (ids_v != self.pad_id) & (ids_v != self.bos_id)
 
     def encode(self, text: str, *, bos: bool = False, eos: bool = False) -> list[int]:
         """Ids of `text`, optionally framed by bos/eos.

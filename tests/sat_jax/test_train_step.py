@@ -201,3 +201,24 @@ def test_adam_moments_are_sharded_like_their_params() -> None:
     assert adam_state.mu == sh.params and adam_state.nu == sh.params
     assert adam_state.count.spec == jax.sharding.PartitionSpec()
     assert sh.step.spec == jax.sharding.PartitionSpec()
+
+
+def test_vocab_mask_renormalizes_over_the_sampleable_ids():
+    from sat_jax.tasks import CharTokenizer
+
+    tokenizer = CharTokenizer("0123456789")
+    mask_v = tokenizer.sampleable_mask(16)
+    assert mask_v.tolist() == [False, False] + [True] * 11 + [False] * 3
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 16)).astype(np.float32)
+    tokens = rng.integers(2, 13, size=(2, 5)).astype(np.int32)
+    got = train_step.next_token_logprobs(
+        jax.numpy.asarray(logits), jax.numpy.asarray(tokens), vocab_mask=mask_v
+    )
+    sub = logits[:, :-1][..., mask_v].astype(np.float64)
+    log_z = np.log(np.exp(sub).sum(-1))
+    want = np.take_along_axis(logits[:, :-1], tokens[:, 1:, None], -1)[..., 0] - log_z
+    np.testing.assert_allclose(got[:, 1:], want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got[:, 0]) == 0.0)
+    with pytest.raises(ValueError, match="vocab"):
+        tokenizer.sampleable_mask(8)

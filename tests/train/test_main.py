@@ -147,9 +147,11 @@ def test_sync_run_survives_sigkill_and_resumes(tmp_path):
     assert versions == sorted(versions) and len(set(versions)) == len(versions)
     # Synchronous mode: generation waited for every new version, so no trained token is stale.
     assert all(r["lag_max"] == 0 and r["lag_mean"] == 0 for r in steps)
-    # Mismatch is only the float32 floor plus the server's restriction of sampling to the
-    # tokenizer's ids (SPEC §6); train_step's full-vocabulary log-probs do not apply that mask.
-    assert all(r["mismatch_abs_mean"] < 0.05 for r in steps)
+    # Same weights on both sides and the trainer renormalizes over the ids the server samples
+    # from: the mismatch is float32 rounding (engine cache path vs full forward), ~1e-6.
+    assert all(r["mismatch_abs_mean"] < 1e-4 for r in steps), [
+        r["mismatch_abs_mean"] for r in steps
+    ]
     assert (run_dir / "curves.png").exists()
     assert sorted(os.listdir(run_dir / "checkpoints"))[-1] == "6"
     progress = json.loads((run_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
