@@ -12,6 +12,7 @@ mapping; `key=value` overrides from the command line apply on top of it, with do
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from collections.abc import Mapping
@@ -24,6 +25,7 @@ from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.sharding import MeshConfig
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+_FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 # Frozen defaults of TrainConfig (shared instances are safe: the dataclasses are immutable).
 _SAT_LOSS = PolicyLossConfig(sat=SATConfig(enabled=True))
 _ONE_AXIS_MESH = MeshConfig()
@@ -401,6 +403,9 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
             return value
     elif hint is float:
         if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        # YAML 1.1 reads `5e-4` (no dot) as a string; it is still plainly a float.
+        if isinstance(value, str) and _FLOAT_RE.fullmatch(value.strip()):
             return float(value)
     elif hint is str:
         if value is None:  # `key=` on the command line

@@ -85,3 +85,15 @@ def test_shipped_config_loads():
     path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"
     cfg = load_config(str(path), [])
     assert cfg.name == "arith_tiny" and cfg.model == PRESETS["tiny"]
+
+
+@pytest.mark.parametrize("text,value", [("5e-4", 5e-4), ("1E3", 1000.0), ("2.5e+1", 25.0)])
+def test_exponent_floats_without_a_dot_parse(text, value):
+    cfg = load_config(None, [f"train.learning_rate={text}"])
+    assert cfg.train.learning_rate == value
+
+
+@pytest.mark.parametrize("text", ["fast", "1e", "e5", "1.2.3"])
+def test_non_floats_are_rejected_naming_the_key(text):
+    with pytest.raises(ConfigError, match="train.learning_rate"):
+        load_config(None, [f"train.learning_rate={text}"])
