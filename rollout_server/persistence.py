@@ -23,7 +23,10 @@ class RolloutState:
       {"group_id", "id", "text", "answer"}.
     consumed: groups pulled so far.
     next_group_id: the next group id to assign.
-    version, checkpoint_path: the weights last installed by UpdateWeights.
+    version, checkpoint_path: the weights last installed by UpdateWeights ("" = none yet).
+    epoch_version, epoch_used: where the current admission epoch began: the weights version and
+      the groups dispatched until then (consumed + queued + running), which admission no longer
+      counts (see `rollout.admission_budget`).
     """
 
     iterator: dict[str, Any] | None = None
@@ -32,6 +35,8 @@ class RolloutState:
     next_group_id: int = 0
     version: int = 0
     checkpoint_path: str = ""
+    epoch_version: int = 0
+    epoch_used: int = 0
 
 
 class StateStore:

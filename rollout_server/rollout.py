@@ -2,7 +2,16 @@
 
 Admission control (SPEC §6) bounds staleness: a new group starts only while
     (max_staleness + version + 1) · batch_groups − (consumed + queued + running) > 0
-and queued + running stays within the queue's capacity, so the queue never overflows.
+with `version` and the group counts measured from the start of the current admission epoch, and
+queued + running stays within the queue's capacity, so the queue never overflows.
+
+An admission epoch starts at the first trainer weights a server installs and at every
+`UpdateWeights` with `new_admission_epoch` (the trainer sets it when it connects, e.g. after a
+resume). Groups dispatched before it (e.g. with the server's own random weights, which the trainer
+drops) no longer count, so after `UpdateWeights(v)` starts an epoch exactly
+(max_staleness + 1) · batch_groups groups are admitted while the server holds v, and
+batch_groups more for each version after v. With `wait_for_weights` nothing is dispatched before
+the first trainer weights.
 
 Every dispatch and every pull saves the prompt position and the prompts not yet pulled
 (`persistence.StateStore`), so a restarted server re-issues them before drawing new ones.
@@ -44,6 +53,30 @@ class _RunningGroup:
     failures: int = 0
 
 
+def admission_budget(
+    cfg: RolloutConfig, state: RolloutState, *, version: int, queued: int, running: int
+) -> int:
+    """How many more groups admission allows (the loop starts one while this is > 0).
+
+        (max_staleness + version − epoch_version + 1) · batch_groups
+            − (consumed + queued + running − epoch_used)
+
+    i.e. SPEC §6's rule with versions and groups counted from the current admission epoch.
+
+    Args:
+      cfg: `max_staleness` and `batch_groups`.
+      state: the persisted counters (`consumed`, `epoch_version`, `epoch_used`).
+      version: the weights version the engine holds.
+      queued, running: finished groups not pulled yet, and groups being generated.
+
+    Returns:
+      The budget in groups (0 or negative when admission is closed).
+    """
+    versions = cfg.max_staleness + version - state.epoch_version + 1
+    used = state.consumed + queued + running - state.epoch_used
+    return versions * cfg.batch_groups - used
+
+
 class RolloutLoop:
     """Runs in its own thread beside the JetStream driver threads.
 
@@ -55,6 +88,8 @@ class RolloutLoop:
       tokenizer: encodes prompts (without BOS: JetStream prepends it) and decodes completions.
       cfg: group size, sampling length and admission parameters.
       store: where the loop's state persists.
+      wait_for_weights: admit nothing until trainer weights are installed (by `install_weights`
+        or restored from `store`); False = generate with the engine's initial weights too.
       max_response_bytes: a Pull returns fewer groups rather than exceed this many bytes
         (a single larger group is still returned, and then fails at the gRPC limit).
     """
@@ -69,11 +104,13 @@ class RolloutLoop:
         tokenizer: CharTokenizer,
         cfg: RolloutConfig,
         store: StateStore,
+        wait_for_weights: bool = True,
         max_response_bytes: int = 200 * 1024 * 1024,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
         self.queue = GroupQueue(cfg.queue_groups)
+        self._wait_for_weights = wait_for_weights
         self._max_response_bytes = max_response_bytes
         self._state = store.load()
         self._iter = iter(prompts)
@@ -130,12 +167,13 @@ class RolloutLoop:
             }
 
     def _admission_open_locked(self) -> bool:
-        cfg = self._cfg
-        in_system = len(self.queue) + len(self._running)
-        budget = (cfg.max_staleness + self._engine.version + 1) * cfg.batch_groups - (
-            self._state.consumed + in_system
+        if self._wait_for_weights and not self._state.checkpoint_path:
+            return False
+        queued, running = len(self.queue), len(self._running)
+        budget = admission_budget(
+            self._cfg, self._state, version=self._engine.version, queued=queued, running=running
         )
-        return budget > 0 and in_system < self.queue.capacity
+        return budget > 0 and queued + running < self.queue.capacity
 
     # The trainer's side.
 
@@ -160,9 +198,22 @@ class RolloutLoop:
                 self._save_locked()
         return groups
 
-    def note_weights(self, version: int, checkpoint_path: str) -> None:
-        """Records installed weights so a restart reloads them."""
+    def install_weights(
+        self, version: int, checkpoint_path: str, params: Any, *, new_epoch: bool = False
+    ) -> None:
+        """Swaps `params` into the engine as `version` and records them so a restart reloads them.
+
+        Admission is held while this runs, so no group is admitted between the swap and the
+        new budget. The first trainer weights, or `new_epoch`, start an admission epoch.
+
+        Raises:
+          ValueError: from `MoEEngine.swap_params` (params of another structure, bad version).
+        """
         with self._lock:
+            self._engine.swap_params(version, params)
+            if new_epoch or not self._state.checkpoint_path:
+                self._state.epoch_version = version
+                self._state.epoch_used = self._state.consumed + len(self.queue) + len(self._running)
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
             self._save_locked()
 

@@ -57,8 +57,13 @@ class RolloutServer:
         )
         store = StateStore(s.state_dir)
         persisted = store.load()
-        if persisted.checkpoint_path:
-            self._reload(persisted.version, persisted.checkpoint_path)
+        if persisted.checkpoint_path and not self._reload(
+            persisted.version, persisted.checkpoint_path
+        ):
+            # Back to the initial weights: the next UpdateWeights starts a fresh admission epoch.
+            persisted.version, persisted.checkpoint_path = 0, ""
+            persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
+            store.save(persisted)
         params = self.engine.load_params()
         self.driver = RolloutDriver(
             prefill_engines=[self.engine],
@@ -76,6 +81,7 @@ class RolloutServer:
             tokenizer=self.tokenizer,
             cfg=r,
             store=store,
+            wait_for_weights=s.wait_for_weights,
             max_response_bytes=s.max_message_bytes - 1024 * 1024,
         )
         self.metrics = ServerMetrics(
@@ -83,15 +89,18 @@ class RolloutServer:
         )
         self.grpc_server: grpc.aio.Server | None = None
 
-    def _reload(self, version: int, path: str) -> None:
+    def _reload(self, version: int, path: str) -> bool:
+        """Installs the persisted weights; False (logged) when they cannot be loaded."""
         try:
             real = weights.resolve_under_root(path, self.cfg.server.checkpoint_root)
             self.engine.swap_params(
                 version, weights.load_params(real, self.engine.current_params()[1])
             )
-            log.info("restored weights version %d from %s", version, real)
         except (weights.CheckpointPathError, ValueError) as e:
             log.error("cannot restore the persisted weights (%s); starting from version 0", e)
+            return False
+        log.info("restored weights version %d from %s", version, real)
+        return True
 
     async def start(self) -> None:
         """Binds (failing if the port is taken), then starts serving and generating."""
@@ -139,6 +148,8 @@ class RolloutServer:
             s.metrics_port,
             self.engine.version,
         )
+        if s.wait_for_weights and not self.loop.persisted.checkpoint_path:
+            log.info("waiting for the first UpdateWeights before generating")
 
     async def stop(self) -> None:
         self.loop.stop()

@@ -98,11 +98,16 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                     weights.load_params, path, self._engine.current_params()[1]
                 )
                 loaded = time.perf_counter()
-                await asyncio.to_thread(self._engine.swap_params, request.version, params)
+                await asyncio.to_thread(
+                    self._loop.install_weights,
+                    request.version,
+                    str(path),
+                    params,
+                    new_epoch=request.new_admission_epoch,
+                )
                 swapped = time.perf_counter()
             except (weights.CheckpointPathError, ValueError) as e:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            self._loop.note_weights(request.version, str(path))
         log.info(
             "weights swapped: version %d -> %d from %s (load %.3fs, swap %.3fs)",
             current,

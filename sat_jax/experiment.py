@@ -95,6 +95,9 @@ class ServerConfig:
       checkpoint_root: `UpdateWeights` loads checkpoints only under this directory ("" refuses
         every path).
       state_dir: where prompt position and unpulled prompts persist ("" = no persistence).
+      wait_for_weights: generate nothing until the first `UpdateWeights` (or weights restored
+        from `state_dir`); False = also sample with the server's own random initial weights as
+        version 0 (a stand-alone demo; a trainer drops those groups).
       slots: concurrent decodes (the decode batch).
       max_prefill_length: longest prompt incl. BOS; a power of two in [16, 32768] (JetStream).
       max_message_bytes: gRPC message size limit, both directions.
@@ -109,6 +112,7 @@ class ServerConfig:
     token: str = ""
     checkpoint_root: str = ""
     state_dir: str = ""
+    wait_for_weights: bool = True
     slots: int = 8
     max_prefill_length: int = 32
     max_message_bytes: int = 256 * 1024 * 1024
@@ -144,7 +148,9 @@ class RolloutConfig:
       temperature, top_p, top_k: the sampler; top_p = 1 and top_k = 0 disable truncation.
       batch_groups: groups per trainer step (the `batch` of SPEC §6's admission rule).
       max_staleness: versions a group may lag; admission keeps
-        (max_staleness + version + 1)·batch_groups − (consumed + queued + running) > 0.
+        (max_staleness + version + 1)·batch_groups − (consumed + queued + running) > 0, counted
+        from the server's first trainer weights (so (max_staleness + 1)·batch_groups groups of
+        them, then batch_groups more per version).
       queue_groups: capacity of the finished-group queue.
     """
 

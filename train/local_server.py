@@ -65,7 +65,14 @@ class LocalServer:
         cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, "-m", "rollout_server"]
         if config_path:
             cmd += ["--config", config_path]
-        cmd += [*overrides, "server.host=127.0.0.1", f"server.port={self.port}"]
+        # The child generates only with the trainer's weights: groups of its random initial
+        # weights would be dropped anyway.
+        cmd += [
+            *overrides,
+            "server.host=127.0.0.1",
+            f"server.port={self.port}",
+            "server.wait_for_weights=true",
+        ]
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # one CPU device is enough for the server
         self._cmd, self._env = cmd, env

@@ -4,11 +4,15 @@ build mesh → base policy (init + cached supervised warm-up) → restore or sta
 child when ``train.servers`` is empty) → sync weights → loop: pull → lag-tag/drop → step → push
 weights every n updates → checkpoint every k → metrics. See SPEC §7.
 
-Versions: the rollout server starts from its own random weights as version 0; this trainer publishes
-the warm-up policy as version 1 and every applied update adds one. Lag = trainer version − token
-version. Resume: params, optimizer state, step, version, PRNG key and the recently trained prompt
-ids come from the latest checkpoint, and the servers are re-synced to that version (to a higher
-number if a server already moved past it, in which case older tokens are dropped).
+Versions: this trainer publishes the warm-up policy as version 1 and every applied update adds one
+(a server holds its own random weights as version 0 and, by default, generates nothing until the
+first push). Lag = trainer version − token version. The first push of every trainer start opens a
+new admission epoch on the servers: they admit (max_staleness + 1) · batch groups of that version
+and batch more per version after it, whatever they generated before, so async mode runs up to
+max_staleness versions ahead from the first step. Resume: params, optimizer state, step, version,
+PRNG key and the recently trained prompt ids come from the latest checkpoint, and the servers are
+re-synced to that version (to a higher number if a server already moved past it, in which case
+older tokens are dropped).
 
 Synchronous mode (``train.mode=sync``) is the same loop with ``rollout.max_staleness = 0`` and a push
 after every update: the server's admission rule then starts a batch's groups only once the weights
@@ -147,15 +151,22 @@ def sync_weights(
     ahead = max(pool.versions())
     if ahead >= progress.version and ahead > 0:
         progress = dataclasses.replace(progress, version=ahead + 1, min_version=ahead + 1)
-    push_weights(pool, state.params, progress.version, weights_dir)
+    push_weights(pool, state.params, progress.version, weights_dir, new_admission_epoch=True)
     log.info("servers synced to weights version %d", progress.version)
     return progress
 
 
-def push_weights(pool: ServerPool, params: Any, version: int, weights_dir: str) -> None:
+def push_weights(
+    pool: ServerPool,
+    params: Any,
+    version: int,
+    weights_dir: str,
+    *,
+    new_admission_epoch: bool = False,
+) -> None:
     path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
     checkpointing.save_weights(path, params)
-    pool.update_weights(version, path)
+    pool.update_weights(version, path, new_admission_epoch=new_admission_epoch)
     for old in os.listdir(weights_dir):  # keep the last few: a restarting server reloads one
         if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - 2:
             _rmtree(os.path.join(weights_dir, old))

@@ -93,14 +93,25 @@ class ServerPool:
             return list(response.groups)
         raise AssertionError("unreachable")
 
-    def update_weights(self, version: int, checkpoint_path: str) -> None:
+    def update_weights(
+        self, version: int, checkpoint_path: str, *, new_admission_epoch: bool = False
+    ) -> None:
         """Makes every server load ``checkpoint_path`` as ``version`` (retrying down servers).
+
+        Args:
+          version: the weights version (>= each server's current one).
+          checkpoint_path: the weights directory, as the servers see it.
+          new_admission_epoch: the servers stop counting the groups they dispatched so far
+            against their staleness budget (set when this trainer connects: it drops those).
 
         Raises:
           grpc.RpcError: a server refused the update (e.g. a version older than its own).
         """
         request = rollout_pb2.UpdateWeightsRequest(
-            version=version, checkpoint_path=checkpoint_path, token=self._token
+            version=version,
+            checkpoint_path=checkpoint_path,
+            token=self._token,
+            new_admission_epoch=new_admission_epoch,
         )
         for i, (_, stub) in enumerate(self._conns):
             backoff = 0.5

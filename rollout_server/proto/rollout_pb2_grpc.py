@@ -68,7 +68,9 @@ class RolloutServicer:
 
     def UpdateWeights(self, request, context):
         """Loads an orbax checkpoint (under the server's checkpoint root) and swaps it in between
-        decode steps; later tokens carry `version`.
+        decode steps; later tokens carry `version`. The first update a server gets (and any with
+        new_admission_epoch) starts an admission epoch: (max_staleness + 1) * batch groups of this
+        version are admitted, however many groups were generated before.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -35,6 +35,8 @@ def test_state_store_round_trip(tmp_path):
         iterator={"next_index": 4},
         consumed=2,
         next_group_id=5,
+        epoch_version=3,
+        epoch_used=1,
         unfinished=[{"group_id": 3, "id": "a", "text": "1+1=", "answer": "2"}],
     )
     store.save(state)

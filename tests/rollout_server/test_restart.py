@@ -18,6 +18,7 @@ def test_sigkill_then_restart_reissues_unpulled_prompts(server_factory, tmp_path
     overrides = [
         f"server.state_dir={tmp_path / 'state'}",
         "server.checkpoint_root=",
+        "server.wait_for_weights=false",
         f"rollout.batch_groups={BATCH}",
         "rollout.max_staleness=1",
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.request
 
 import grpc
@@ -48,6 +49,7 @@ def live(tmp_path_factory):
             f"rollout.batch_groups={BATCH}",
             "rollout.max_staleness=1",
             f"server.metrics_port={METRICS_PORT}",
+            "server.wait_for_weights=false",  # generate with the random initial weights (v0)
         ],
     )
     server.wait_ready()
@@ -295,3 +297,75 @@ def test_fuzz_rpcs_keep_server_healthy(
     except grpc.RpcError as e:
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and not valid, e
     assert stub.Health(rollout_pb2.HealthRequest(), timeout=10).live
+
+
+# Admission counted from the first trainer weights (a fresh server per test: exact counts).
+STALENESS, BATCH_GROUPS = 1, 2
+AHEAD = (STALENESS + 1) * BATCH_GROUPS
+
+
+def _admission_server(server_factory, tmp, *overrides):
+    (tmp / "ckpt").mkdir(exist_ok=True)
+    return server_factory(
+        [
+            f"server.checkpoint_root={tmp / 'ckpt'}",
+            f"rollout.batch_groups={BATCH_GROUPS}",
+            f"rollout.max_staleness={STALENESS}",
+            *overrides,
+        ]
+    )
+
+
+def _push(stub, tmp, version, *, new_epoch=False):
+    path = tmp / "ckpt" / f"v{version}"
+    save_params(path, random_params("tiny", seed=version))
+    request = rollout_pb2.UpdateWeightsRequest(
+        version=version, checkpoint_path=str(path), new_admission_epoch=new_epoch
+    )
+    assert stub.UpdateWeights(request, timeout=60).version == version
+
+
+def _settles_at(stub, queued):
+    """Waits until `queued` groups are queued, none running and admission closed; then checks
+    that no further group starts."""
+
+    def settled():
+        s = stats(stub)
+        return s.groups_queued == queued and s.groups_running == 0 and not s.admission_open
+
+    wait_for(settled)
+    time.sleep(1.0)
+    assert settled(), stats(stub)
+
+
+def _min_versions(groups):
+    return [min(v for t in g.trajectories for v in t.versions) for g in groups]
+
+
+def test_waits_for_weights_then_runs_max_staleness_plus_1_batches_ahead(server_factory, tmp_path):
+    server = _admission_server(server_factory, tmp_path)
+    stub = server.rollout_stub()
+    time.sleep(2.0)
+    s = stats(stub)
+    assert (s.groups_produced, s.prompts_drawn, s.admission_open) == (0, 0, False)
+    assert "waiting for the first UpdateWeights" in server.log()
+    _push(stub, tmp_path, 1)
+    _settles_at(stub, AHEAD)  # (max_staleness + 1)·batch groups of the first weights
+    assert _min_versions(_pull_all(stub, AHEAD)) == [1] * AHEAD
+    _settles_at(stub, 0)  # pulling alone admits nothing ...
+    _push(stub, tmp_path, 2)
+    _settles_at(stub, BATCH_GROUPS)  # ... each new version admits one more batch
+    # A trainer that (re)connects starts a new epoch: the queued groups no longer count.
+    _push(stub, tmp_path, 3, new_epoch=True)
+    _settles_at(stub, BATCH_GROUPS + AHEAD)
+    got = _min_versions(_pull_all(stub, BATCH_GROUPS + AHEAD))
+    assert got == [2] * BATCH_GROUPS + [3] * AHEAD
+
+
+def test_groups_of_the_initial_weights_do_not_use_the_budget(server_factory, tmp_path):
+    server = _admission_server(server_factory, tmp_path, "server.wait_for_weights=false")
+    stub = server.rollout_stub()
+    _settles_at(stub, AHEAD)  # version 0: the server's random weights
+    _push(stub, tmp_path, 1)
+    _settles_at(stub, 2 * AHEAD)  # still (max_staleness + 1)·batch groups of version 1
+    assert _min_versions(_pull_all(stub, 2 * AHEAD)) == [0] * AHEAD + [1] * AHEAD

@@ -4,6 +4,9 @@ One live rollout server (sync admission: max_staleness 0) serves the end-to-end 
 run is SIGKILLed after its second checkpoint and restarted with the same command; it resumes from
 the last checkpoint (step and version monotone), re-syncs the server, never trains a prompt twice,
 finishes, and every trained token had lag 0.
+
+The loop against a live server with a slow stand-in train step (generation faster than training):
+async mode then really runs ahead (lag > 0, never beyond max_staleness), sync mode stays at lag 0.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
+from flax import nnx
 
+from sat_jax import sharding
+from sat_jax.experiment import load_config
+from sat_jax.train_step import TrainState
 from tests.train.conftest import JAX_CACHE
-from train import main
+from train import checkpointing, main, metrics
 from train.local_server import LocalServer
+from train.remote import ServerPool
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "arith_tiny.yaml")
@@ -157,3 +167,79 @@ def test_sync_run_survives_sigkill_and_resumes(tmp_path):
     progress = json.loads((run_dir / "checkpoints" / "6" / "progress" / "metadata").read_text())
     trained = progress["recent_prompt_ids"]
     assert len(trained) == len(set(trained)) == progress["groups_trained"] == 6 * 4
+
+
+def _random_params(cfg) -> dict:
+    """Params of the model's structure, without compiling an init."""
+    abstract = nnx.to_pure_dict(sharding.abstract_model(cfg.model)[1])
+    rng = np.random.default_rng(0)
+    return jax.tree.map(
+        lambda x: jax.device_put((0.1 * rng.standard_normal(x.shape)).astype(x.dtype)), abstract
+    )
+
+
+def _slow_step(seconds: float):
+    """A train step that only takes time: the params (and so the pushed weights) stay put."""
+
+    def step(state: TrainState, batch):
+        time.sleep(seconds)
+        return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
+
+    return step
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, staleness", [("async", 1), ("sync", 0)])
+def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(JAX_CACHE))
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+    overrides = [
+        f"rollout.max_staleness={staleness}",
+        "rollout.batch_groups=2",
+        "rollout.group_size=2",
+        "rollout.max_new_tokens=6",
+        "server.slots=4",
+        f"server.checkpoint_root={tmp_path}",
+        f"train.mode={mode}",
+        "train.steps=5",
+        "train.checkpoint_every=100",
+        "train.eval_problems=0",
+        f"train.run_dir={tmp_path / 'run'}",
+    ]
+    cfg = load_config(CONFIG, overrides)
+    _, _, weights_dir = main.run_paths(cfg)
+    os.makedirs(weights_dir)
+    mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
+    state = TrainState(params=_random_params(cfg), opt_state=(), step=np.int32(0))
+    progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
+    with (
+        LocalServer(CONFIG, overrides, str(tmp_path / "server.log")) as server,
+        ServerPool([server.address], server_wait_s=120) as pool,
+        checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt,
+        metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=5, console=None) as writer,
+    ):
+        server.wait_ready(timeout_s=150)
+        progress = main.sync_weights(pool, state, progress, weights_dir)
+        parts = main.LoopParts(
+            pool=pool,
+            ckpt=ckpt,
+            writer=writer,
+            graphdef=None,
+            step_fn=_slow_step(1.5),
+            ref_logp_fn=None,
+            mesh=mesh,
+            spec=main.batch_spec(cfg),
+            weights_dir=weights_dir,
+        )
+        state, progress = main.train_loop(cfg, parts, state, progress)
+        path = writer.jsonl_path
+    lags = [r["lag_max"] for r in metrics.read_jsonl(path)]
+    assert len(lags) == 5 and progress.version == 6
+    assert progress.stale_dropped == 0  # admission never ran past max_staleness
+    if mode == "async":
+        # The server starts (max_staleness + 1) batches of the first weights: from the second
+        # step on, the trainer trains a batch one version old.
+        assert max(lags) == 1 and lags[0] == 0, lags
+    else:
+        assert lags == [0] * 5

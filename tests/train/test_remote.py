@@ -17,7 +17,7 @@ from train.remote import ServerPool, ServersDownError
 class FakeRollout(rollout_pb2_grpc.RolloutServicer):
     def __init__(self):
         self.next_id = 0
-        self.updates: list[tuple[int, str]] = []
+        self.updates: list[tuple[int, str, bool]] = []
         self.version = 0
 
     def Pull(self, request, context):
@@ -31,7 +31,7 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         if request.version < self.version:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "older version")
         self.version = request.version
-        self.updates.append((request.version, request.checkpoint_path))
+        self.updates.append((request.version, request.checkpoint_path, request.new_admission_epoch))
         return rollout_pb2.UpdateWeightsResponse(version=request.version)
 
     def Health(self, request, context):
@@ -64,9 +64,15 @@ def test_pull_skips_a_down_server_with_a_log_line(fake, caplog):
 def test_update_weights_reaches_every_server_and_refusals_raise(fake):
     servicer, address = fake
     with ServerPool([address, address]) as pool:
-        pool.update_weights(3, "/ckpt/v3")
-        assert servicer.updates == [(3, "/ckpt/v3"), (3, "/ckpt/v3")]
-        assert pool.versions() == [3, 3]
+        pool.update_weights(3, "/ckpt/v3", new_admission_epoch=True)
+        pool.update_weights(4, "/ckpt/v4")
+        assert servicer.updates == [
+            (3, "/ckpt/v3", True),
+            (3, "/ckpt/v3", True),
+            (4, "/ckpt/v4", False),
+            (4, "/ckpt/v4", False),
+        ]
+        assert pool.versions() == [4, 4]
         with pytest.raises(grpc.RpcError) as info:
             pool.update_weights(2, "/ckpt/v2")
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,96 @@
+"""Admission (SPEC §6) counted from the admission epoch, without a server: the budget formula, the
+epochs `install_weights` starts, `wait_for_weights`, and the epoch surviving a restart."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_server.persistence import RolloutState, StateStore
+from rollout_server.rollout import RolloutLoop, admission_budget
+from sat_jax.experiment import RolloutConfig, TaskConfig
+from sat_jax.tasks import CharTokenizer, exact_match_reward, prompt_dataset
+
+B = 4
+CFG = RolloutConfig(batch_groups=B, max_staleness=1)
+
+
+@pytest.mark.parametrize(
+    "staleness, version, epoch_version, consumed, epoch_used, queued, running, budget",
+    [
+        (1, 0, 0, 0, 0, 0, 0, 2 * B),  # SPEC §6 as written: (s + v + 1)·B before any epoch
+        (1, 1, 1, 0, 0, 0, 0, 2 * B),  # first trainer weights v1: (s + 1)·B groups of v1
+        (1, 1, 1, 8, 8, 0, 0, 2 * B),  # ... whatever was consumed before the epoch
+        (1, 1, 1, 8, 8, 3, 1, B),  # groups dispatched in the epoch count
+        (1, 2, 1, B, 0, 0, 0, 2 * B),  # a batch consumed and the next version in: 2·B ahead
+        (0, 3, 1, 2 * B, 0, 0, 0, B),  # sync: one batch per version
+        (0, 3, 1, 3 * B, 0, 0, 0, 0),  # sync, batch consumed, next version not in yet: closed
+        (2, 9, 1, 40, 4, 5, 3, (2 + 9 - 1 + 1) * B - (40 + 5 + 3 - 4)),
+    ],
+)
+def test_admission_budget(
+    staleness, version, epoch_version, consumed, epoch_used, queued, running, budget
+):
+    cfg = RolloutConfig(batch_groups=B, max_staleness=staleness)
+    state = RolloutState(consumed=consumed, epoch_version=epoch_version, epoch_used=epoch_used)
+    got = admission_budget(cfg, state, version=version, queued=queued, running=running)
+    assert got == budget
+
+
+class FakeEngine:
+    def __init__(self):
+        self.version = 0
+        self.swaps: list[int] = []
+
+    def swap_params(self, version, params):
+        self.version = version
+        self.swaps.append(version)
+
+
+class FakeDriver:
+    tokens_generated = 0
+
+
+def _loop(store: StateStore, engine: FakeEngine, *, wait: bool) -> RolloutLoop:
+    return RolloutLoop(
+        driver=FakeDriver(),
+        engine=engine,
+        prompts=prompt_dataset(TaskConfig()),
+        reward_fn=exact_match_reward,
+        tokenizer=CharTokenizer("0123456789+-="),
+        cfg=CFG,
+        store=store,
+        wait_for_weights=wait,
+    )
+
+
+def test_epochs_and_waiting_for_weights(tmp_path):
+    store = StateStore(str(tmp_path))
+    engine = FakeEngine()
+    loop = _loop(store, engine, wait=True)
+    assert not loop.stats()["admission_open"]  # no trainer weights yet
+    # Pretend 3 groups of the random weights were consumed and 2 are queued (as a server with
+    # wait_for_weights=false would have): the first trainer weights start an epoch past them.
+    loop.persisted.consumed = 3
+    for i in range(2):
+        loop.queue.put(i)
+    loop.install_weights(5, "/ckpt/v5", params=None)
+    assert engine.swaps == [5]
+    state = loop.persisted
+    assert (state.version, state.checkpoint_path) == (5, "/ckpt/v5")
+    assert (state.epoch_version, state.epoch_used) == (5, 5)
+    assert loop.stats()["admission_open"]
+    assert admission_budget(CFG, state, version=5, queued=2, running=0) == 2 * B
+    # A later push keeps the epoch; one with new_epoch starts another.
+    loop.install_weights(6, "/ckpt/v6", params=None)
+    assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (5, 5)
+    loop.queue.put(2)
+    loop.install_weights(7, "/ckpt/v7", params=None, new_epoch=True)
+    assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (7, 6)
+    # The epoch persists: a restarted server keeps counting from it.
+    again = store.load()
+    assert (again.version, again.epoch_version, again.epoch_used) == (7, 7, 6)
+
+
+def test_without_waiting_the_initial_weights_generate():
+    loop = _loop(StateStore(""), FakeEngine(), wait=False)
+    assert loop.stats()["admission_open"]
