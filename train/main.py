@@ -14,9 +14,16 @@ PRNG key and the recently trained prompt ids come from the latest checkpoint, an
 re-synced to that version (to a higher number if a server already moved past it, in which case
 older tokens are dropped).
 
+Weight pushes (orbax save + ``UpdateWeights``) run on a background thread
+(``weight_sync.WeightPusher``): the loop only takes a host copy of the params after the step and
+goes on pulling; at most one push is in flight, a newer version supersedes one still queued, and
+a failed push stops the loop at its next step. Pushes are flushed before the final checkpoint and
+evaluation.
+
 Synchronous mode (``train.mode=sync``) is the same loop with ``rollout.max_staleness = 0`` and a push
-after every update: the server's admission rule then starts a batch's groups only once the weights
-they need are in, so generation waits for the new weights and every trained token has lag 0.
+after every update that the loop waits for: the server's admission rule then starts a batch's
+groups only once the weights they need are in, so generation waits for the new weights and every
+trained token has lag 0.
 
 In-flight window: groups pulled after the last checkpoint and before a crash were consumed from the
 server and are lost (at most ``checkpoint_every · batch_groups`` groups, plus the groups a restart
@@ -31,7 +38,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -53,7 +59,7 @@ from sat_jax.train_step import (
     next_token_logprobs,
     shard_batch,
 )
-from train import batching, checkpointing, curves, metrics, warmup
+from train import batching, checkpointing, curves, metrics, warmup, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool
 
@@ -151,25 +157,15 @@ def sync_weights(
     ahead = max(pool.versions())
     if ahead >= progress.version and ahead > 0:
         progress = dataclasses.replace(progress, version=ahead + 1, min_version=ahead + 1)
-    push_weights(pool, state.params, progress.version, weights_dir, new_admission_epoch=True)
+    weight_sync.push_weights(
+        pool,
+        weight_sync.host_copy(state.params),
+        progress.version,
+        weights_dir,
+        new_admission_epoch=True,
+    )
     log.info("servers synced to weights version %d", progress.version)
     return progress
-
-
-def push_weights(
-    pool: ServerPool,
-    params: Any,
-    version: int,
-    weights_dir: str,
-    *,
-    new_admission_epoch: bool = False,
-) -> None:
-    path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
-    checkpointing.save_weights(path, params)
-    pool.update_weights(version, path, new_admission_epoch=new_admission_epoch)
-    for old in os.listdir(weights_dir):  # keep the last few: a restarting server reloads one
-        if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - 2:
-            _rmtree(os.path.join(weights_dir, old))
 
 
 def pull_batch(
@@ -279,8 +275,14 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
             )
         )
         progress = sync_weights(pool, state, progress, weights_dir)
+        pusher = stack.enter_context(
+            weight_sync.WeightPusher(
+                lambda version, params: weight_sync.push_weights(pool, params, version, weights_dir)
+            )
+        )
         parts = LoopParts(
             pool=pool,
+            pusher=pusher,
             ckpt=ckpt,
             writer=writer,
             graphdef=graphdef,
@@ -300,9 +302,8 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
             else None,
             mesh=mesh,
             spec=batch_spec(cfg),
-            weights_dir=weights_dir,
         )
-        state, progress = train_loop(cfg, parts, state, progress)
+        state, progress = train_loop(cfg, parts, state, progress)  # returns with pushes landed
         ckpt.save(int(state.step), state, progress)
         acc_after = evaluate_and_log(cfg, graphdef, state, writer, "after")
         writer.flush()
@@ -336,6 +337,7 @@ class LoopParts:
     """What the loop uses, built once by ``run`` (a record, not a framework)."""
 
     pool: ServerPool
+    pusher: weight_sync.WeightPusher
     ckpt: checkpointing.Checkpointer
     writer: metrics.MetricsWriter
     graphdef: nnx.GraphDef
@@ -343,7 +345,6 @@ class LoopParts:
     ref_logp_fn: Callable[[np.ndarray], np.ndarray] | None
     mesh: jax.sharding.Mesh
     spec: batching.BatchSpec
-    weights_dir: str
 
 
 def train_loop(
@@ -352,10 +353,18 @@ def train_loop(
     state: TrainState,
     progress: checkpointing.Progress,
 ) -> tuple[TrainState, checkpointing.Progress]:
-    """Pull → assemble → step → push every n → checkpoint every k → log, until ``train.steps``."""
+    """Pull → assemble → step → push every n → checkpoint every k → log, until ``train.steps``.
+
+    Pushes run in the background (``weight_sync.WeightPusher``), except in sync mode, which waits
+    for each; the loop returns once the last one has landed.
+
+    Raises:
+      RuntimeError: a weight push failed (raised at the next step), or no groups arrive.
+    """
     t = cfg.train
     rng = jax.random.wrap_key_data(np.asarray(progress.rng_key, np.uint32))
     while int(state.step) < t.steps:
+        parts.pusher.check()
         start = time.monotonic()
         groups, dropped, duplicates = pull_batch(
             parts.pool, parts.spec, progress, timeout_s=t.pull_timeout_s, stall_s=t.server_wait_s
@@ -375,12 +384,16 @@ def train_loop(
         progress = advance(progress, stats, dropped, skipped, rng)
         step = int(state.step)
         if not skipped and step % t.weight_sync_interval == 0:
-            push_weights(parts.pool, state.params, progress.version, parts.weights_dir)
+            # The host copy is taken now: the next step donates these device buffers.
+            parts.pusher.submit(progress.version, weight_sync.host_copy(state.params))
+            if t.mode == "sync":
+                parts.pusher.wait()
         if not skipped and step % t.checkpoint_every == 0:
             parts.ckpt.save(step, state, progress)
         scalars = {
             **step_metrics,
             **loop_scalars(stats, progress, duplicates),
+            **parts.pusher.metrics(),
             "tokens_per_s": stats.tokens / max(time.monotonic() - start, 1e-9),
             "pull_wait_s": pulled - start,
             "step_s": time.monotonic() - pulled,
@@ -388,6 +401,7 @@ def train_loop(
         if t.eval_every and step % t.eval_every == 0 and not skipped:
             scalars["accuracy"] = evaluate(cfg, parts.graphdef, state.params)
         parts.writer.write(step, scalars, stats.lags)
+    parts.pusher.wait()
     return state, progress
 
 
@@ -473,7 +487,3 @@ def cli(argv: list[str] | None = None) -> None:
 
 def _fmt(accuracy: float | None) -> str:
     return "n/a" if accuracy is None else f"{accuracy:.3f}"
-
-
-def _rmtree(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -11,6 +11,7 @@ async mode then really runs ahead (lag > 0, never beyond max_staleness), sync mo
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pathlib
@@ -24,11 +25,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from rollout_server.proto import rollout_pb2
 from sat_jax import sharding
 from sat_jax.experiment import load_config
 from sat_jax.train_step import TrainState
 from tests.train.conftest import JAX_CACHE
-from train import checkpointing, main, metrics
+from train import checkpointing, main, metrics, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool
 
@@ -178,6 +180,10 @@ def _random_params(cfg) -> dict:
     )
 
 
+def _push_to(pool, version, params, *, weights_dir):
+    weight_sync.push_weights(pool, params, version, weights_dir)
+
+
 def _slow_step(seconds: float):
     """A train step that only takes time: the params (and so the pushed weights) stay put."""
 
@@ -210,12 +216,14 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
     cfg = load_config(CONFIG, overrides)
     _, _, weights_dir = main.run_paths(cfg)
     os.makedirs(weights_dir)
+    push = functools.partial(_push_to, weights_dir=weights_dir)
     mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
     state = TrainState(params=_random_params(cfg), opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     with (
         LocalServer(CONFIG, overrides, str(tmp_path / "server.log")) as server,
         ServerPool([server.address], server_wait_s=120) as pool,
+        weight_sync.WeightPusher(functools.partial(push, pool)) as pusher,
         checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt,
         metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=5, console=None) as writer,
     ):
@@ -223,6 +231,7 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
         progress = main.sync_weights(pool, state, progress, weights_dir)
         parts = main.LoopParts(
             pool=pool,
+            pusher=pusher,
             ckpt=ckpt,
             writer=writer,
             graphdef=None,
@@ -230,7 +239,6 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
             ref_logp_fn=None,
             mesh=mesh,
             spec=main.batch_spec(cfg),
-            weights_dir=weights_dir,
         )
         state, progress = main.train_loop(cfg, parts, state, progress)
         path = writer.jsonl_path
@@ -243,3 +251,102 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
         assert max(lags) == 1 and lags[0] == 0, lags
     else:
         assert lags == [0] * 5
+
+
+class FakePool:
+    """Serves groups whose tokens carry the version last pushed; pushes take `push_s` seconds."""
+
+    def __init__(self, push_s: float):
+        self.push_s = push_s
+        self.version = 1
+        self.events: list[tuple[str, int]] = []
+        self.next_id = 0
+
+    def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
+        self.events.append(("pull", self.version))
+        groups = []
+        for _ in range(max_groups):
+            trajectories = [
+                rollout_pb2.Trajectory(
+                    prompt_ids=[1, 5, 6],
+                    completion_ids=[7, 2],
+                    behavior_logprobs=[-1.0, -0.5],
+                    versions=[self.version] * 2,
+                    reward=float(i),
+                )
+                for i in range(2)
+            ]
+            groups.append(
+                rollout_pb2.Group(
+                    group_id=self.next_id, prompt_id=f"p{self.next_id}", trajectories=trajectories
+                )
+            )
+            self.next_id += 1
+        return groups
+
+    def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
+        time.sleep(self.push_s)
+        self.version = version
+        self.events.append(("push", version))
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_path):
+    steps, push_s = 6, 0.4
+    cfg = load_config(
+        CONFIG,
+        [
+            f"train.mode={mode}",
+            f"rollout.max_staleness={0 if mode == 'sync' else 8}",
+            "rollout.batch_groups=2",
+            "rollout.group_size=2",
+            "train.routing_replay=false",
+            f"train.steps={steps}",
+            "train.checkpoint_every=100",
+        ],
+    )
+    pool = FakePool(push_s)
+    mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
+    state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
+    progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
+    pushed = []
+
+    def push(version, params):
+        pushed.append(version)
+        pool.update_weights(version, "unused")
+
+    with (
+        weight_sync.WeightPusher(push) as pusher,
+        metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
+    ):
+        parts = main.LoopParts(
+            pool=pool,
+            pusher=pusher,
+            ckpt=None,
+            writer=writer,
+            graphdef=None,
+            step_fn=_slow_step(0.0),
+            ref_logp_fn=None,
+            mesh=mesh,
+            spec=main.batch_spec(cfg),
+        )
+        start = time.monotonic()
+        state, progress = main.train_loop(cfg, parts, state, progress)
+        wall = time.monotonic() - start
+    records = metrics.read_jsonl(writer.jsonl_path)
+    assert progress.version == steps + 1 and pushed[-1] == steps + 1  # flushed on return
+    assert pushed == sorted(set(pushed))
+    assert all(r.get("push_s", push_s) >= push_s for r in records)  # absent before the first
+    if mode == "sync":
+        # Every push lands before the next pull: pulls alternate with pushes, all at lag 0.
+        assert pool.events == [
+            e for v in range(1, steps + 1) for e in (("pull", v), ("push", v + 1))
+        ]
+        assert [r["lag_max"] for r in records] == [0] * steps
+        assert wall >= steps * push_s
+    else:
+        # The loop never waits for a push: pushes queue behind the one in flight and the newest
+        # supersedes the rest.
+        assert wall < steps * push_s / 2
+        assert len(pushed) < steps and records[-1]["pushes_superseded"] == steps - len(pushed)
+        assert max(r["lag_max"] for r in records) > 0

@@ -1,0 +1,191 @@
+"""Weight pushes off the trainer's critical path: a host copy of the params on the loop's thread,
+then the orbax save and ``UpdateWeights`` on a background thread.
+
+The loop copies the params to host memory right after a step (``host_copy``), before the next step
+is dispatched: that step donates the device buffers. ``WeightPusher.submit`` hands the copy to the
+pusher thread, which runs at most one push at a time; a push submitted while another is running
+waits, and a newer one replaces it (it is counted as superseded), so the servers always get the
+newest weights and versions only increase. A failed push is re-raised in the loop at its next
+``submit``, ``check`` or ``wait``. Synchronous mode calls ``wait`` after every ``submit``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from train import checkpointing
+from train.remote import ServerPool
+
+log = logging.getLogger("train")
+
+# Weights directories kept besides the newest: a restarting server reloads the one it last had.
+KEEP_WEIGHTS = 2
+
+
+def host_copy(params: Any) -> Any:
+    """The params as NumPy arrays that own their memory (safe after the device buffers are donated).
+
+    With several processes every process must call this (it gathers the shards of all of them).
+    """
+    if jax.process_count() > 1:
+        params = multihost_utils.process_allgather(params, tiled=True)
+    else:
+        params = jax.device_get(params)
+    # On CPU `device_get` can return views of the device buffers: copy those.
+    return jax.tree.map(lambda x: x if x.flags.owndata else np.array(x), params)
+
+
+def push_weights(
+    pool: ServerPool,
+    params: Any,
+    version: int,
+    weights_dir: str,
+    *,
+    new_admission_epoch: bool = False,
+) -> None:
+    """Saves ``params`` as ``<weights_dir>/v<version>`` and makes every server load it; removes
+    weights directories older than the last ``KEEP_WEIGHTS`` versions."""
+    path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
+    checkpointing.save_weights(path, params)
+    pool.update_weights(version, path, new_admission_epoch=new_admission_epoch)
+    for old in os.listdir(weights_dir):
+        if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - KEEP_WEIGHTS:
+            shutil.rmtree(os.path.join(weights_dir, old), ignore_errors=True)
+
+
+class WeightPusher:
+    """Runs ``push(version, params)`` on a background thread, one push at a time.
+
+    Args:
+      push: saves and publishes one version (``push_weights`` bound to a pool and directory).
+
+    Attributes (read them through ``metrics``): the duration of the last finished push, the last
+    pushed version, and how many submitted pushes a newer one superseded.
+    """
+
+    def __init__(self, push: Callable[[int, Any], None]):
+        self._push = push
+        self._cond = threading.Condition()
+        self._pending: tuple[int, Any] | None = None
+        self._busy = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._failed_version = -1
+        self._submitted = -1
+        self._pushed = -1
+        self._push_s: float | None = None
+        self._superseded = 0
+        self._thread = threading.Thread(target=self._run, name="weight-pusher", daemon=True)
+        self._thread.start()
+
+    def submit(self, version: int, params: Any) -> None:
+        """Queues ``params`` (a host copy) as ``version``; returns at once.
+
+        Raises:
+          ValueError: ``version`` is not newer than the last submitted one.
+          RuntimeError: an earlier push failed (chained to its error) or the pusher is closed.
+        """
+        with self._cond:
+            self._raise_if_failed_locked()
+            if self._closed:
+                raise RuntimeError("the weight pusher is closed")
+            if version <= self._submitted:
+                raise ValueError(
+                    f"weights version {version} is not newer than the last pushed {self._submitted}"
+                )
+            if self._pending is not None:
+                self._superseded += 1
+            self._pending = (version, params)
+            self._submitted = version
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raises RuntimeError (chained to the cause) if a push has failed."""
+        with self._cond:
+            self._raise_if_failed_locked()
+
+    def wait(self) -> None:
+        """Blocks until every submitted version is pushed (or superseded and the newer pushed).
+
+        Raises:
+          RuntimeError: a push failed (chained to its error).
+        """
+        with self._cond:
+            while (self._pending is not None or self._busy) and self._error is None:
+                self._cond.wait()
+            self._raise_if_failed_locked()
+
+    def metrics(self) -> dict[str, float | None]:
+        """``push_s`` (the last finished push, save + UpdateWeights; None before the first),
+        ``pushed_version`` and ``pushes_superseded``."""
+        with self._cond:
+            return {
+                "push_s": self._push_s,
+                "pushed_version": self._pushed if self._pushed >= 0 else None,
+                "pushes_superseded": self._superseded,
+            }
+
+    def close(self) -> None:
+        """Waits for the pending push, then stops the thread.
+
+        Raises:
+          RuntimeError: a push failed (chained to its error).
+        """
+        try:
+            self.wait()
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join(timeout=10)
+
+    def __enter__(self) -> WeightPusher:
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # already failing: flush what we can, but do not hide the original error
+            self.close()
+        except RuntimeError as e:
+            log.error("weight push failed while stopping: %s", e.__cause__ or e)
+
+    def _raise_if_failed_locked(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(
+                f"pushing weights version {self._failed_version} failed: {self._error!r}"
+            ) from self._error
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:
+                    return
+                (version, params), self._pending = self._pending, None
+                self._busy = True
+            start = time.monotonic()
+            try:
+                self._push(version, params)
+            except BaseException as e:  # surfaces in the loop's thread
+                with self._cond:
+                    self._error, self._failed_version = e, version
+                    self._busy, self._pending = False, None
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._busy = False
+                self._pushed, self._push_s = version, time.monotonic() - start
+                self._cond.notify_all()
