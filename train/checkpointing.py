@@ -134,8 +134,14 @@ class Checkpointer:
 
 
 def save_weights(path: str, params: Any) -> None:
-    """The params alone, in the format the rollout server's ``UpdateWeights`` loads."""
-    with ocp.StandardCheckpointer() as checkpointer:
+    """The params alone, in the format the rollout server's ``UpdateWeights`` loads.
+
+    Written by the calling process alone (no cross-process barrier): with several JAX processes
+    only process 0 pushes weights, from host copies of the whole params.
+    """
+    me = jax.process_index()
+    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+    with ocp.StandardCheckpointer(multiprocessing_options=alone) as checkpointer:
         checkpointer.save(_absolute(path), params, force=True)
         checkpointer.wait_until_finished()
 

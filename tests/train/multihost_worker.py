@@ -1,0 +1,160 @@
+"""One process of the two-process trainer test: only process 0 talks to the (fake) servers.
+
+Run as ``python tests/train/multihost_worker.py PORT PROCESS_ID OUT_DIR`` (one CPU device each): joins
+a 2-process ``jax.distributed`` job on 127.0.0.1:PORT (gloo), then
+
+- ``pulling.next_batch`` twice, with a ``FakePool`` on process 0 and None on process 1 (the second
+  batch's prompt ids are long, so the JSON part takes a larger padded size);
+- ``main.sync_weights`` with params sharded over both processes: process 0 finds its server at
+  version 7, pushes version 8 and writes the weights alone; both get version 8 back;
+
+and writes what it got to OUT_DIR/p{PROCESS_ID}.npz and .json. ``reference`` computes the same
+batches in one process, for the test to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+SPEC_ARGS = dict(batch_groups=3, group_size=2, seq_len=12, routing_lk=(2, 2), max_staleness=1)
+TRAINER_VERSION = 3
+
+
+def _trajectory(seed: int, version: int):
+    from rollout_server.proto import rollout_pb2
+
+    rng = np.random.default_rng(seed)
+    p, c = 3, int(rng.integers(1, 6))
+    routing = rng.integers(0, 8, (p + c, 2, 2)).astype(np.uint8)
+    return rollout_pb2.Trajectory(
+        prompt_ids=rng.integers(3, 20, p).tolist(),
+        completion_ids=rng.integers(3, 20, c).tolist(),
+        behavior_logprobs=(-rng.random(c)).tolist(),
+        versions=[version] * c,
+        routing=rollout_pb2.Routing(
+            data=routing.tobytes(), shape=list(routing.shape), dtype="uint8"
+        ),
+        reward=float(rng.integers(0, 2)),
+    )
+
+
+def fake_groups(round_: int) -> list:
+    """One batch's worth of pulls: three fresh groups, one too stale, one already trained."""
+    from rollout_server.proto import rollout_pb2
+
+    long = "x" * 700 * round_  # round 1: > 1 KiB of prompt ids in the JSON part
+    specs = [("a", 3), ("stale", 1), ("dup", 3), ("b", 2), ("c", 3)]
+    return [
+        rollout_pb2.Group(
+            group_id=10 * round_ + i,
+            prompt_id=f"{name}{round_}{long}" if name != "dup" else "dup",
+            trajectories=[_trajectory(100 * round_ + 10 * i + j, v) for j in range(2)],
+        )
+        for i, (name, v) in enumerate(specs)
+    ]
+
+
+class FakePool:
+    """Serves `fake_groups` two at a time; a server at version 7 that records weight pushes."""
+
+    def __init__(self):
+        self.queue = fake_groups(0) + fake_groups(1)
+        self.pushes: list[tuple[int, str, bool]] = []
+
+    def pull(self, max_groups: int, timeout_s: float) -> list:
+        n = min(max_groups, 2)
+        out, self.queue = self.queue[:n], self.queue[n:]
+        return out
+
+    def versions(self) -> list[int]:
+        return [7]
+
+    def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
+        self.pushes.append((version, path, new_admission_epoch))
+
+
+def progress():
+    from train import checkpointing
+
+    return checkpointing.Progress(
+        version=TRAINER_VERSION, min_version=1, rng_key=(0, 0), recent_prompt_ids=("dup",)
+    )
+
+
+def record(pulled) -> tuple[dict[str, np.ndarray], dict]:
+    """A PulledBatch as (arrays, JSON-able facts)."""
+    import dataclasses
+
+    batch = {k: np.asarray(v) for k, v in vars(pulled.batch).items() if v is not None}
+    s = pulled.stats
+    facts = {
+        **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
+        "lags": s.lags.tolist(),
+        "lag_hist": s.lag_hist.tolist(),
+        "prompt_ids": list(s.prompt_ids),
+        "dropped": pulled.dropped,
+        "duplicates": pulled.duplicates,
+    }
+    return batch, facts
+
+
+def reference() -> list[tuple[dict[str, np.ndarray], dict]]:
+    """Both batches as one process gets them (no broadcast)."""
+    from train import batching, pulling
+
+    pool, spec = FakePool(), batching.BatchSpec(**SPEC_ARGS)
+    return [
+        record(pulling.next_batch(pool, spec, progress(), timeout_s=0.1, stall_s=5))
+        for _ in range(2)
+    ]
+
+
+def main(port: int, process_id: int, out_dir: str) -> None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=f"127.0.0.1:{port}",
+        num_processes=2,
+        process_id=process_id,
+        initialization_timeout=60,
+    )
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from sat_jax.train_step import TrainState
+    from train import batching, main, pulling
+
+    assert jax.process_count() == 2 and jax.device_count() == 2, jax.devices()
+    pool = FakePool() if process_id == 0 else None
+    spec = batching.BatchSpec(**SPEC_ARGS)
+    arrays, facts = {}, {}
+    for round_ in range(2):
+        got = pulling.next_batch(pool, spec, progress(), timeout_s=0.1, stall_s=5)
+        batch, fact = record(got)
+        arrays.update({f"{round_}/{k}": v for k, v in batch.items()})
+        facts[str(round_)] = fact
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    w = np.arange(8, dtype=np.float32)
+    sharded = jax.make_array_from_callback(
+        w.shape, NamedSharding(mesh, PartitionSpec("data")), lambda idx: w[idx]
+    )
+    state = TrainState(params={"w": sharded}, opt_state=(), step=np.int32(0))
+    weights_dir = pathlib.Path(out_dir) / "weights"
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    synced = main.sync_weights(pool, state, progress(), str(weights_dir))
+    facts["synced"] = [synced.version, synced.min_version]
+    if pool is not None:
+        facts["pushes"] = pool.pushes
+    out = pathlib.Path(out_dir)
+    np.savez(out / f"p{process_id}.npz", **arrays)
+    (out / f"p{process_id}.json").write_text(json.dumps(facts))
+    jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
