@@ -199,8 +199,10 @@ class TrainConfig:
         decay to 0 over `steps`, and linear warm-up steps.
       adam_b1, adam_b2, weight_decay, grad_clip: AdamW and global-norm clipping (0 = off).
       mesh: the device mesh of the train step.
-      run_dir: logs, checkpoints, plots and weights for the server; "" = "runs/<name>".
-      checkpoint_dir: orbax checkpoints, a local path or "gs://..."; "" = "<run_dir>/checkpoints".
+      run_dir: logs, checkpoints, plots and weights for the server; a local directory (the
+        server loads weights from it); "" = "runs/<name>".
+      checkpoint_dir: orbax checkpoints, a local path or a URL such as "gs://bucket/path" (passed
+        to orbax unchanged: etils epath with GCS credentials); "" = "<run_dir>/checkpoints".
       checkpoint_every: save a full checkpoint every k updates (and at the end).
       keep_checkpoints: how many checkpoints to keep.
       warmup_sft_steps: supervised warm-up steps on the task before RL (0 = none); the result is
@@ -276,6 +278,11 @@ class TrainConfig:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"servers: {address!r} is not host:port")
+        if "://" in self.run_dir:
+            raise ValueError(
+                f"run_dir must be a local directory, got {self.run_dir!r}; put checkpoints on a "
+                "URL with checkpoint_dir"
+            )
         if self.mode == "sync" and self.weight_sync_interval != 1:
             raise ValueError("mode 'sync' needs weight_sync_interval = 1")
 

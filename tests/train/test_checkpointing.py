@@ -1,4 +1,5 @@
-"""Checkpoints: round trip onto the shardings, keep-N, progress, and a kill mid-save."""
+"""Checkpoints: round trip onto the shardings, keep-N, progress, a kill mid-save, and a gs:// directory
+reaching orbax unchanged."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import optax
 import pytest
 
 from sat_jax import sharding
+from sat_jax.experiment import load_config
 from sat_jax.model import ModelConfig
 from sat_jax.train_step import init_train_state
-from train import checkpointing
+from train import checkpointing, main
 
 MODEL_CFG = ModelConfig.preset("tiny")
 OPTIMIZER = optax.adamw(1e-3, b2=0.98)
@@ -76,3 +78,31 @@ def test_weights_for_the_server(tmp_path, state_and_mesh):
         lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), back, state.params
     )
     assert all(jax.tree.leaves(same))
+
+
+def test_url_checkpoint_dir_reaches_orbax_unchanged(tmp_path, monkeypatch):
+    """No network: orbax's manager is replaced by a recorder. The real one resolves the URL with
+    etils epath (TensorFlow's gfile or gcsfs for gs://) and needs GCS credentials."""
+    opened = []
+
+    class RecordingManager:
+        def __init__(self, directory, **kwargs):
+            opened.append(directory)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(checkpointing.ocp, "CheckpointManager", RecordingManager)
+    monkeypatch.chdir(tmp_path)
+    url = "gs://bucket/sat-jax/run-1/checkpoints"
+    cfg = load_config(None, [f"train.checkpoint_dir={url}", "train.run_dir=runs/gs_test"])
+    run_dir, ckpt_dir, weights_dir = main.run_paths(cfg)
+    assert ckpt_dir == url
+    assert (run_dir, weights_dir) == ("runs/gs_test", "runs/gs_test/weights")
+    with checkpointing.Checkpointer(ckpt_dir, keep=2):
+        pass
+    assert opened == [url]
+    assert not list(tmp_path.rglob("gs*")), "a local directory was made for the URL"
+    # Local paths still become absolute (orbax needs them so).
+    checkpointing.Checkpointer("rel/ckpt", keep=2).close()
+    assert opened[-1] == str(tmp_path / "rel" / "ckpt")

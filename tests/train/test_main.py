@@ -58,6 +58,7 @@ def _env() -> dict[str, str]:
         ("train.loss.sat.quantile=1.5", "train.loss.sat"),
         ("train.steps=many", "train.steps"),
         ("train.weight_sync_interval=4", "train.weight_sync_interval"),
+        ("train.run_dir=gs://bucket/run", "run_dir"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(override, key, capsys):
