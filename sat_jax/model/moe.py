@@ -100,7 +100,7 @@ def route(
     if replay_ids_tk is None:
         weights_tk, ids_tk = jax.lax.top_k(probs_te, k)
     else:
-        ids_tk = replay_ids_tk.astype(jnp.int32)
+        ids_tk = jnp.asarray(replay_ids_tk, jnp.int32)  # NumPy ids too, under jit
         weights_tk = jnp.take_along_axis(probs_te, ids_tk, axis=-1)
     if norm_topk_prob:
         weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)

@@ -346,3 +346,18 @@ def test_router_shift_ratio_matches_set_definition(rec, cur, mask):
     want = missing / slots if slots else 0.0
     got = float(_shift_jit(rec_btlk, cur_btlk, np.array([mask])))
     assert got == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "blocked"])
+def test_numpy_replay_ids_work_under_jit(tiny, dispatch):
+    # Recorded routing arrives from the rollout queue as NumPy uint8; the blocked path indexes
+    # with the ids, which must become jax arrays before tracing reaches it.
+    tokens = _tokens()
+    own = np.asarray(_forward(tiny, tokens).routing_btlk)
+    graphdef, state = nnx.split(tiny)
+    run = jax.jit(
+        lambda s: (
+            nnx.merge(graphdef, s).forward(tokens, replay_routing=own, dispatch=dispatch).logits_btv
+        )
+    )
+    np.testing.assert_allclose(run(state), _forward(tiny, tokens).logits_btv, rtol=1e-5, atol=1e-5)
