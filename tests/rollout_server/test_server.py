@@ -325,15 +325,21 @@ def _push(stub, tmp, version, *, new_epoch=False):
     assert stub.UpdateWeights(request, timeout=60).version == version
 
 
-def _settles_at(stub, queued):
+def _settles_at(server, queued, timeout_s=240):
     """Waits until `queued` groups are queued, none running and admission closed; then checks
-    that no further group starts."""
+    that no further group starts. (The first generation compiles: a generous timeout.)"""
+    stub = server.rollout_stub()
 
     def settled():
         s = stats(stub)
         return s.groups_queued == queued and s.groups_running == 0 and not s.admission_open
 
-    wait_for(settled)
+    try:
+        wait_for(settled, timeout_s=timeout_s)
+    except AssertionError:
+        raise AssertionError(
+            f"not settled at {queued}: {stats(stub)}\n{server.log()[-3000:]}"
+        ) from None
     time.sleep(1.0)
     assert settled(), stats(stub)
 
@@ -350,14 +356,14 @@ def test_waits_for_weights_then_runs_max_staleness_plus_1_batches_ahead(server_f
     assert (s.groups_produced, s.prompts_drawn, s.admission_open) == (0, 0, False)
     assert "waiting for the first UpdateWeights" in server.log()
     _push(stub, tmp_path, 1)
-    _settles_at(stub, AHEAD)  # (max_staleness + 1)·batch groups of the first weights
+    _settles_at(server, AHEAD)  # (max_staleness + 1)·batch groups of the first weights
     assert _min_versions(_pull_all(stub, AHEAD)) == [1] * AHEAD
-    _settles_at(stub, 0)  # pulling alone admits nothing ...
+    _settles_at(server, 0)  # pulling alone admits nothing ...
     _push(stub, tmp_path, 2)
-    _settles_at(stub, BATCH_GROUPS)  # ... each new version admits one more batch
+    _settles_at(server, BATCH_GROUPS)  # ... each new version admits one more batch
     # A trainer that (re)connects starts a new epoch: the queued groups no longer count.
     _push(stub, tmp_path, 3, new_epoch=True)
-    _settles_at(stub, BATCH_GROUPS + AHEAD)
+    _settles_at(server, BATCH_GROUPS + AHEAD)
     got = _min_versions(_pull_all(stub, BATCH_GROUPS + AHEAD))
     assert got == [2] * BATCH_GROUPS + [3] * AHEAD
 
@@ -365,7 +371,7 @@ def test_waits_for_weights_then_runs_max_staleness_plus_1_batches_ahead(server_f
 def test_groups_of_the_initial_weights_do_not_use_the_budget(server_factory, tmp_path):
     server = _admission_server(server_factory, tmp_path, "server.wait_for_weights=false")
     stub = server.rollout_stub()
-    _settles_at(stub, AHEAD)  # version 0: the server's random weights
+    _settles_at(server, AHEAD)  # version 0: the server's random weights
     _push(stub, tmp_path, 1)
-    _settles_at(stub, 2 * AHEAD)  # still (max_staleness + 1)·batch groups of version 1
+    _settles_at(server, 2 * AHEAD)  # still (max_staleness + 1)·batch groups of version 1
     assert _min_versions(_pull_all(stub, 2 * AHEAD)) == [0] * AHEAD + [1] * AHEAD
