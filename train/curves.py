@@ -5,12 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import matplotlib
 import numpy as np
-
-matplotlib.use("Agg")  # files only; no display on servers
-
-import matplotlib.pyplot as plt
+from matplotlib.figure import Figure  # no pyplot: no global backend switch for an importer
 
 PANELS = (
     ("reward_mean", "reward (train batch)"),
@@ -23,7 +19,8 @@ PANELS = (
 
 def plot_curves(records: Sequence[dict[str, Any]], path: str, *, title: str = "") -> None:
     """Writes one panel per metric of ``PANELS`` (records without a metric are skipped)."""
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(3.6 * len(PANELS), 3.0))
+    fig = Figure(figsize=(3.6 * len(PANELS), 3.0))
+    axes = fig.subplots(1, len(PANELS))
     for ax, (key, label) in zip(axes, PANELS, strict=True):
         points = sorted((r["step"], r[key]) for r in records if r.get(key) is not None)
         if points:
@@ -45,7 +42,6 @@ def plot_curves(records: Sequence[dict[str, Any]], path: str, *, title: str = ""
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def _moving_average(ys: np.ndarray, window: int) -> np.ndarray:

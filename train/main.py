@@ -4,7 +4,9 @@ build mesh → base policy (init + cached supervised warm-up) → restore or sta
 child when ``train.servers`` is empty) → sync weights → loop: pull → lag-tag/drop → step → push
 weights every n updates → checkpoint every k → metrics. See SPEC §7.
 
-Versions: this trainer publishes the warm-up policy as version 1 and every applied update adds one
+Versions: this trainer publishes the warm-up policy as version 1 and every consumed batch adds one
+(a skipped step too, so the servers' admission stays one batch per version; in sync mode the
+unchanged params are republished under it)
 (a server holds its own random weights as version 0 and, by default, generates nothing until the
 first push). Lag = trainer version − token version. The first push of every trainer start opens a
 new admission epoch on the servers: they admit (max_staleness + 1) · batch groups of that version
@@ -205,7 +207,10 @@ def advance(
     recent = (progress.recent_prompt_ids + stats.prompt_ids)[-checkpointing.RECENT_PROMPTS :]
     return dataclasses.replace(
         progress,
-        version=progress.version + (0 if skipped else 1),
+        # One version per consumed batch, skipped or not: the servers' admission budget grows by
+        # a batch per version, so a skipped step that kept the version would shrink their lead
+        # for good (and stall sync mode, whose server waits for the next version).
+        version=progress.version + 1,
         rng_key=tuple(int(x) for x in np.asarray(jax.random.key_data(rng))),
         groups_trained=progress.groups_trained + stats.groups,
         tokens_trained=progress.tokens_trained + stats.tokens,
@@ -376,7 +381,9 @@ def train_loop(
         skipped = bool(step_metrics["step_skipped"])
         progress = advance(progress, stats, pulled.dropped, skipped, rng)
         step = int(state.step)
-        if not skipped and step % t.weight_sync_interval == 0:
+        # A skipped step republishes the unchanged params under the new version in sync mode,
+        # where the server generates nothing until it sees that version.
+        if (skipped and t.mode == "sync") or (not skipped and step % t.weight_sync_interval == 0):
             # The host copy is taken now: the next step donates these device buffers.
             params = weight_sync.host_copy(state.params)  # a collective with several processes
             if parts.pusher is not None:

@@ -351,3 +351,54 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         assert wall < steps * push_s / 2
         assert len(pushed) < steps and records[-1]["pushes_superseded"] == steps - len(pushed)
         assert max(r["lag_max"] for r in records) > 0
+
+
+def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path):
+    # A non-finite or empty step consumes its batch; the server (max_staleness 0) only generates
+    # the next one for the next version, so the trainer must publish one even without an update.
+    steps = 3
+    cfg = load_config(
+        CONFIG,
+        [
+            "train.mode=sync",
+            "rollout.max_staleness=0",
+            "rollout.batch_groups=2",
+            "rollout.group_size=2",
+            "train.routing_replay=false",
+            f"train.steps={steps}",
+            "train.checkpoint_every=100",
+        ],
+    )
+    pool = FakePool(0.0)
+    calls = []
+
+    def step_fn(state, batch):  # the second call is skipped (as train_step does on a NaN)
+        calls.append(len(calls))
+        skipped = len(calls) == 2
+        return state.replace(step=state.step + (0 if skipped else 1)), {
+            "step_skipped": np.bool_(skipped)
+        }
+
+    state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
+    progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
+    with (
+        weight_sync.WeightPusher(lambda v, p: pool.update_weights(v, "unused")) as pusher,
+        metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
+    ):
+        parts = main.LoopParts(
+            pool=pool,
+            pusher=pusher,
+            ckpt=None,
+            writer=writer,
+            graphdef=None,
+            step_fn=step_fn,
+            ref_logp_fn=None,
+            mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
+            spec=main.batch_spec(cfg),
+        )
+        state, progress = main.train_loop(cfg, parts, state, progress)
+    assert len(calls) == steps + 1 and progress.steps_skipped == 1
+    assert progress.version == steps + 2  # one per consumed batch
+    # Pulls alternate with pushes through the skipped step: every batch is at lag 0.
+    assert pool.events == [e for v in range(1, steps + 2) for e in (("pull", v), ("push", v + 1))]
+    assert [r["lag_max"] for r in metrics.read_jsonl(writer.jsonl_path)] == [0] * (steps + 1)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import subprocess
+import sys
 
 import numpy as np
 
@@ -35,3 +37,12 @@ def test_writer_sinks_and_curves(tmp_path):
     curves.plot_curves(records, str(png), title="t")
     assert png.read_bytes()[:4] == b"\x89PNG"
     json.dumps(records)  # the log stays plain JSON
+
+
+def test_importing_the_trainer_leaves_matplotlib_alone():
+    # curves.py draws on a bare Figure: importing train.main in a notebook must not load pyplot
+    # or switch its backend (which silently stops inline figures).
+    code = "import sys, train.main; print('matplotlib.pyplot' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
