@@ -5,15 +5,13 @@ Every side runs in a child process with the same compile flags; the children are
 
 from __future__ import annotations
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import portpicker
 import pytest
 
+from tests import workers
 from tests.sat_jax import multihost_worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -27,40 +25,11 @@ FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_
 
 
 def _env(devices: int) -> dict[str, str]:
-    return {
-        **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
+    return workers.cpu_env(f"--xla_force_host_platform_device_count={devices} {FAST_COMPILE}")
 
 
 def _run(jobs: list[tuple[list[str], dict[str, str]]]) -> None:
-    """Starts all jobs, waits for all (bounded), kills whatever is left, asserts rc == 0."""
-    procs = []
-    try:
-        for args, env in jobs:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(WORKER), *args],
-                    cwd=REPO,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    text=True,
-                )
-            )
-        for p in procs:
-            try:
-                log = p.communicate(timeout=TIMEOUT_S)[0]
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"worker {p.args} timed out after {TIMEOUT_S}s")
-            assert p.returncode == 0, f"worker {p.args} failed (rc={p.returncode}):\n{log[-4000:]}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    workers.run_all(WORKER, jobs, TIMEOUT_S)
 
 
 @pytest.mark.slow

@@ -4,16 +4,14 @@ servers and pushes weights; every process gets the same batch, stats and synced 
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import subprocess
-import sys
 
 import jax
 import numpy as np
 import portpicker
 import pytest
 
+from tests import workers
 from tests.train import multihost_worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -24,35 +22,9 @@ TIMEOUT_S = 180
 @pytest.mark.slow
 def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> None:
     port = portpicker.pick_unused_port()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(port), str(pid), str(tmp_path)],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for pid in range(2)
-    ]
-    try:
-        for p in procs:
-            try:
-                log = p.communicate(timeout=TIMEOUT_S)[0]
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"worker {p.args} timed out after {TIMEOUT_S}s")
-            assert p.returncode == 0, f"worker {p.args} failed (rc={p.returncode}):\n{log[-4000:]}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
+    env = workers.cpu_env("--xla_force_host_platform_device_count=1")
+    jobs = [([str(port), str(pid), str(tmp_path)], env) for pid in range(2)]
+    workers.run_all(WORKER, jobs, TIMEOUT_S)
 
     facts = [json.loads((tmp_path / f"p{pid}.json").read_text()) for pid in range(2)]
     arrays = [dict(np.load(tmp_path / f"p{pid}.npz")) for pid in range(2)]
