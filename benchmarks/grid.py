@@ -394,7 +394,14 @@ def load_cells(out: pathlib.Path) -> dict[Cell, tuple[dict, list[dict]]]:
     return found
 
 
-def summarize(records: list[dict]) -> dict[str, float]:
+def sat_reach(method: str) -> float:
+    """The largest SAT threshold q at which SAT can still change a gradient: beyond it every gated
+    token (|d| > q) already lies outside PPO's window, where both clips are flat."""
+    cfg, _ = loss_config(method)
+    return max(math.log1p(cfg.clip_high), -math.log1p(-cfg.clip_low))
+
+
+def summarize(records: list[dict], reach: float) -> dict[str, float]:
 
     acc = [(r["step"], r["accuracy"]) for r in records if "accuracy" in r]
     steps = [r for r in records if "mismatch_abs_mean" in r]
@@ -410,6 +417,7 @@ def summarize(records: list[dict]) -> dict[str, float]:
         "mismatch_lq": float(np.mean([r["mismatch_abs_mean"] for r in last_quarter])),
         "skipped": float(sum(r.get("step_skipped", 0.0) for r in steps)),
         "gate": float(np.mean([r.get("sat_gate_rate", 0.0) for r in last_quarter])),
+        "sat_live": float(np.mean([r.get("sat_q", 0.0) < reach for r in steps])),
         "lag": float(np.mean([r["lag"] for r in steps])),
     }
 
@@ -425,7 +433,7 @@ def report(out: pathlib.Path, methods: list[str], lags: list[int], wall_s: float
     cells = load_cells(out)
     if not cells:
         raise SystemExit(f"grid: no finished cells under {out / 'cells'}")
-    summary = {c: summarize(recs) for c, (_, recs) in cells.items()}
+    summary = {c: summarize(recs, sat_reach(c.method)) for c, (_, recs) in cells.items()}
     seeds = sorted({c.seed for c in cells})
     steps = max(len(recs) - 1 for _, recs in cells.values())
     cpu_s = sum(head["seconds"] for head, _ in cells.values())
@@ -459,9 +467,14 @@ def report(out: pathlib.Path, methods: list[str], lags: list[int], wall_s: float
     lines += [
         "",
         "**Last-quarter mean of `mismatch_abs_mean`** (|logp − behavior_logp| over completion "
-        "tokens; mean ± std over seeds) and the SAT gate rate there",
+        "tokens; mean ± std over seeds); for SAT methods also the fraction of steps on which SAT "
+        "could act at all (its threshold q below max(log(1 + ε_high), −log(1 − ε_low)); above it "
+        "every token SAT gates is already outside PPO's window, where the contracted window gives "
+        "the same value and gradient)",
         "",
-        "| method | " + " | ".join(f"lag {lag} mismatch | lag {lag} gate" for lag in lags) + " |",
+        "| method | "
+        + " | ".join(f"lag {lag} mismatch | lag {lag} SAT can act" for lag in lags)
+        + " |",
         "| --- | " + " | ".join("---: | ---:" for _ in lags) + " |",
     ]
     for m in methods:
@@ -469,7 +482,8 @@ def report(out: pathlib.Path, methods: list[str], lags: list[int], wall_s: float
         for lag in lags:
             got = [summary[c] for c in cells if c.method == m and c.lag == lag]
             row.append(_mean_std([s["mismatch_lq"] for s in got], ".2e") if got else "—")
-            row.append(_mean_std([s["gate"] for s in got], ".3f") if got else "—")
+            live = got and loss_config(m)[0].sat.enabled
+            row.append(_mean_std([s["sat_live"] for s in got], ".0%") if live else "—")
         lines.append("| " + " | ".join(row) + " |")
     text = "\n".join(lines) + "\n"
     (out / "grid.md").write_text(text)

@@ -103,3 +103,10 @@ def test_two_cell_smoke_run_writes_tables_and_pictures(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(2 finished before)" in again.stdout
     assert sorted(p.stat().st_mtime_ns for p in (out / "cells").iterdir()) == mtimes
+
+
+def test_sat_reach_is_where_the_contracted_window_still_bites():
+    import math
+
+    assert grid.sat_reach("GRPO+SAT") == pytest.approx(-math.log(0.8))  # the wider, low side
+    assert grid.sat_reach("GSPO+SAT+R3") == pytest.approx(math.log1p(4e-4))
