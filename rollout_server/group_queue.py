@@ -38,6 +38,17 @@ class GroupQueue:
             self._items.extendleft(reversed(items))
             self._cond.notify_all()
 
+    def wait(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for an item without taking it; True when one is there."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not self._items:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
     def get_many(self, n: int, timeout_s: float) -> list[Any]:
         """Up to `n` items; waits up to `timeout_s` for the first, never for more."""
         deadline = time.monotonic() + timeout_s

@@ -178,20 +178,27 @@ class RolloutLoop:
     # The trainer's side.
 
     def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
-        """Up to `max_groups` finished groups (waiting up to `timeout_s` for the first)."""
-        groups = self.queue.get_many(max_groups, timeout_s)
-        # Keep the response under the gRPC message limit; the rest stays queued, in order.
-        total, keep = 0, 0
-        for g in groups:
-            total += g.ByteSize() + 16
-            if keep and total > self._max_response_bytes:
-                break
-            keep += 1
-        if keep < len(groups):
-            self.queue.unget(groups[keep:])
-            groups = groups[:keep]
-        if groups:
-            with self._lock:
+        """Up to `max_groups` finished groups (waiting up to `timeout_s` for the first).
+
+        Taking groups off the queue and counting them as consumed happen under the loop's lock,
+        in one step: in between, admission would see them in neither count and start a group
+        too many (one that a sync-mode trainer then drops as stale, stalling the run).
+        """
+        if not self.queue.wait(timeout_s):
+            return []
+        with self._lock:
+            groups = self.queue.get_many(max_groups, 0.0)
+            # Keep the response under the gRPC message limit; the rest stays queued, in order.
+            total, keep = 0, 0
+            for g in groups:
+                total += g.ByteSize() + 16
+                if keep and total > self._max_response_bytes:
+                    break
+                keep += 1
+            if keep < len(groups):
+                self.queue.unget(groups[keep:])
+                groups = groups[:keep]
+            if groups:
                 self._state.consumed += len(groups)
                 for g in groups:
                     self._unfinished.pop(g.group_id, None)

@@ -3,9 +3,13 @@ epochs `install_weights` starts, `wait_for_weights`, and the epoch surviving a r
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from rollout_server.persistence import RolloutState, StateStore
+from rollout_server.proto import rollout_pb2
 from rollout_server.rollout import RolloutLoop, admission_budget
 from sat_jax.experiment import RolloutConfig, TaskConfig
 from sat_jax.tasks import CharTokenizer, exact_match_reward, prompt_dataset
@@ -94,3 +98,41 @@ def test_epochs_and_waiting_for_weights(tmp_path):
 def test_without_waiting_the_initial_weights_generate():
     loop = _loop(StateStore(""), FakeEngine(), wait=False)
     assert loop.stats()["admission_open"]
+
+
+def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
+    # Sync-mode shape: max_staleness 0, the batch of v1 finished and queued, so admission is
+    # closed. While a Pull takes the groups off the queue, admission must not find them in
+    # neither `queued` nor `consumed` (it would start a group of the old version too many).
+    cfg = RolloutConfig(batch_groups=B, max_staleness=0)
+    loop = RolloutLoop(
+        driver=FakeDriver(),
+        engine=FakeEngine(),
+        prompts=prompt_dataset(TaskConfig()),
+        reward_fn=exact_match_reward,
+        tokenizer=CharTokenizer("0123456789+-="),
+        cfg=cfg,
+        store=StateStore(str(tmp_path)),
+    )
+    loop.install_weights(1, "/ckpt/v1", params=None)
+    for i in range(B):
+        loop.queue.put(rollout_pb2.Group(group_id=i, prompt_id=f"p{i}"))
+    assert not loop.stats()["admission_open"]
+    seen: list[bool] = []
+    take = loop.queue.get_many
+
+    def get_many_then_look(n, timeout_s):
+        items = take(n, timeout_s)
+        # The rollout loop's thread checks admission right now (it takes the loop's lock).
+        probe = threading.Thread(target=lambda: seen.append(loop._may_dispatch()))
+        probe.start()
+        probe.join(timeout=0.3)
+        return items
+
+    loop.queue.get_many = get_many_then_look
+    assert len(loop.pull(B, timeout_s=1.0)) == B
+    assert loop.persisted.consumed == B
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert seen == [False]
