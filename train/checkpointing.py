@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from typing import Any
 
 import jax
@@ -78,6 +79,13 @@ def abstract_train_state(
     )
 
 
+# One orbax save or restore at a time in this process: the trainer's checkpoints (main thread) and
+# weight pushes (the pusher's thread) would otherwise run together, and orbax's completion
+# signalling is not safe across concurrent operations of one process (a save then waits for a
+# signal that never comes, until its 300 s timeout).
+_ORBAX_LOCK = threading.Lock()
+
+
 class Checkpointer:
     """An orbax ``CheckpointManager`` for (``TrainState``, ``Progress``), keep-N, synchronous saves.
 
@@ -105,22 +113,26 @@ class Checkpointer:
         """Writes checkpoint ``step`` (atomically; a no-op when ``step`` already exists)."""
         if step in self._manager.all_steps():
             return
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), progress=ocp.args.JsonSave(progress.to_json())
-            ),
-        )
-        self._manager.wait_until_finished()
+        with _ORBAX_LOCK:
+            self._manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(state),
+                    progress=ocp.args.JsonSave(progress.to_json()),
+                ),
+            )
+            self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, Progress]:
         """Reads checkpoint ``step`` into the shardings ``abstract_state`` carries."""
-        out = self._manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state), progress=ocp.args.JsonRestore()
-            ),
-        )
+        with _ORBAX_LOCK:
+            out = self._manager.restore(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    progress=ocp.args.JsonRestore(),
+                ),
+            )
         return out["state"], Progress.from_json(out["progress"])
 
     def close(self) -> None:
@@ -141,7 +153,7 @@ def save_weights(path: str, params: Any) -> None:
     """
     me = jax.process_index()
     alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-    with ocp.StandardCheckpointer(multiprocessing_options=alone) as checkpointer:
+    with _ORBAX_LOCK, ocp.StandardCheckpointer(multiprocessing_options=alone) as checkpointer:
         checkpointer.save(_absolute(path), params, force=True)
         checkpointer.wait_until_finished()
 
