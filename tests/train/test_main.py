@@ -195,6 +195,21 @@ def _slow_step(seconds: float):
     return step
 
 
+def _loop_parts(cfg, pool, pusher, writer, step_fn, *, ckpt=None) -> main.LoopParts:
+    """What ``train_loop`` needs around a test's pool and step, on one device, without eval."""
+    return main.LoopParts(
+        pool=pool,
+        pusher=pusher,
+        ckpt=ckpt,
+        writer=writer,
+        graphdef=None,
+        step_fn=step_fn,
+        ref_logp_fn=None,
+        mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
+        spec=main.batch_spec(cfg),
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, staleness", [("async", 1), ("sync", 0)])
 def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, monkeypatch):
@@ -218,7 +233,6 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
     _, _, weights_dir = main.run_paths(cfg)
     os.makedirs(weights_dir)
     push = functools.partial(_push_to, weights_dir=weights_dir)
-    mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
     state = TrainState(params=_random_params(cfg), opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     with (
@@ -230,17 +244,7 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
     ):
         server.wait_ready(timeout_s=150)
         progress = main.sync_weights(pool, state, progress, weights_dir)
-        parts = main.LoopParts(
-            pool=pool,
-            pusher=pusher,
-            ckpt=ckpt,
-            writer=writer,
-            graphdef=None,
-            step_fn=_slow_step(1.5),
-            ref_logp_fn=None,
-            mesh=mesh,
-            spec=main.batch_spec(cfg),
-        )
+        parts = _loop_parts(cfg, pool, pusher, writer, _slow_step(1.5), ckpt=ckpt)
         state, progress = main.train_loop(cfg, parts, state, progress)
         path = writer.jsonl_path
     lags = [r["lag_max"] for r in metrics.read_jsonl(path)]
@@ -307,7 +311,6 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         ],
     )
     pool = FakePool(push_s)
-    mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
     state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     pushed = []
@@ -320,17 +323,7 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         weight_sync.WeightPusher(push) as pusher,
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
-        parts = main.LoopParts(
-            pool=pool,
-            pusher=pusher,
-            ckpt=None,
-            writer=writer,
-            graphdef=None,
-            step_fn=_slow_step(0.0),
-            ref_logp_fn=None,
-            mesh=mesh,
-            spec=main.batch_spec(cfg),
-        )
+        parts = _loop_parts(cfg, pool, pusher, writer, _slow_step(0.0))
         start = time.monotonic()
         state, progress = main.train_loop(cfg, parts, state, progress)
         wall = time.monotonic() - start
@@ -385,17 +378,7 @@ def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path
         weight_sync.WeightPusher(lambda v, p: pool.update_weights(v, "unused")) as pusher,
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
-        parts = main.LoopParts(
-            pool=pool,
-            pusher=pusher,
-            ckpt=None,
-            writer=writer,
-            graphdef=None,
-            step_fn=step_fn,
-            ref_logp_fn=None,
-            mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
-            spec=main.batch_spec(cfg),
-        )
+        parts = _loop_parts(cfg, pool, pusher, writer, step_fn)
         state, progress = main.train_loop(cfg, parts, state, progress)
     assert len(calls) == steps + 1 and progress.steps_skipped == 1
     assert progress.version == steps + 2  # one per consumed batch
