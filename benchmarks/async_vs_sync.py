@@ -1,4 +1,4 @@
-"""Async vs synchronous end-to-end throughput of the trainer + one local rollout server (SPEC §9).
+"""Async vs synchronous end-to-end throughput of the trainer + one local rollout server (docs/DESIGN.md §9).
 
     python benchmarks/async_vs_sync.py [--steps 40] [--config configs/arith_tiny.yaml] [--no-pin] [--repeats 3] [k=v ...]
 

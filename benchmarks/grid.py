@@ -7,7 +7,7 @@
 Every cell — an objective (GRPO: token ratio; GSPO: sequence ratio) × a variant (plain, + SAT,
 + R3, + SAT + R3, + TIS, + DPPO-TV) × a configured lag n × a seed — trains the arithmetic task's
 `make run` base policy (the cached supervised warm-up of `configs/arith_tiny.yaml`) with the
-library's own jitted, sharded train step, and logs the SPEC §4 metrics per step and held-out
+library's own jitted, sharded train step, and logs the docs/DESIGN.md §4 metrics per step and held-out
 greedy accuracy every `--eval-every` steps.
 
 Configured lag, exactly: the trainer publishes its weights every n updates, and a batch is generated

@@ -1,5 +1,5 @@
 """Rollout-server speeds: engine decode vs a naive recompute decoder vs HF generate; weight swap
-time vs checkpoint bytes; Pull throughput over real gRPC and routing bytes per token (SPEC §9).
+time vs checkpoint bytes; Pull throughput over real gRPC and routing bytes per token (docs/DESIGN.md §9).
 
 Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` for a smoke run.
 

@@ -1,4 +1,4 @@
-"""JetStream rollout server over the sat_jax MoE policy (SPEC §6).
+"""JetStream rollout server over the sat_jax MoE policy (docs/DESIGN.md §6).
 
     sat-serve --config configs/arith_tiny.yaml server.port=9000     # or: python -m rollout_server
 

@@ -1,6 +1,6 @@
 """The rollout loop: prompts (grain) → G samples each → rewards → finished groups in a queue.
 
-Admission control (SPEC §6) bounds staleness: a new group starts only while
+Admission control (docs/DESIGN.md §6) bounds staleness: a new group starts only while
     (max_staleness + version + 1) · batch_groups − (consumed + queued + running) > 0
 with `version` and the group counts measured from the start of the current admission epoch, and
 queued + running stays within the queue's capacity, so the queue never overflows.
@@ -61,7 +61,7 @@ def admission_budget(
         (max_staleness + version − epoch_version + 1) · batch_groups
             − (consumed + queued + running − epoch_used)
 
-    i.e. SPEC §6's rule with versions and groups counted from the current admission epoch.
+    i.e. docs/DESIGN.md §6's rule with versions and groups counted from the current admission epoch.
 
     Args:
       cfg: `max_staleness` and `batch_groups`.

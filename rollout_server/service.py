@@ -1,6 +1,6 @@
 """The gRPC servicers: our Rollout service and JetStream's Orchestrator with input validation.
 
-Every malformed request gets INVALID_ARGUMENT and changes nothing (SPEC §10); JetStream 0.2.2
+Every malformed request gets INVALID_ARGUMENT and changes nothing (docs/DESIGN.md §10); JetStream 0.2.2
 would crash or silently truncate on some of them (see /work/shared/JETSTREAM.md).
 """
 

@@ -146,7 +146,7 @@ class RolloutConfig:
       group_size: G samples per prompt.
       max_new_tokens: completion length limit (EOS included).
       temperature, top_p, top_k: the sampler; top_p = 1 and top_k = 0 disable truncation.
-      batch_groups: groups per trainer step (the `batch` of SPEC §6's admission rule).
+      batch_groups: groups per trainer step (the `batch` of docs/DESIGN.md §6's admission rule).
       max_staleness: versions a group may lag; admission keeps
         (max_staleness + version + 1)·batch_groups − (consumed + queued + running) > 0, counted
         from the server's first trainer weights (so (max_staleness + 1)·batch_groups groups of
@@ -177,7 +177,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """The trainer (SPEC §7): servers, schedule, optimizer, staleness policy, checkpoints.
+    """The trainer (docs/DESIGN.md §7): servers, schedule, optimizer, staleness policy, checkpoints.
 
     The batch (`rollout.batch_groups` groups of `rollout.group_size`) and the staleness bound
     (`rollout.max_staleness`) are shared with the server's admission rule and live in `rollout`.

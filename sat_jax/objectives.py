@@ -1,6 +1,6 @@
 """Policy-gradient objectives for asynchronous RL: PPO/GRPO, GSPO and SAT, with stabilizers.
 
-Equation numbers refer to "Stale but Stable" (arXiv 2607.18722) as restated in SPEC.md §3:
+Equation numbers refer to "Stale but Stable" (arXiv 2607.18722) as restated in docs/DESIGN.md §3:
 
 * (3.1) token-level clipped surrogate  S = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A);
 * (3.2) GSPO: the sequence ratio ρ_b = exp(mean_t d_bt) replaces r for every token of b;
@@ -38,7 +38,7 @@ _KL_ESTIMATORS = ("k1", "k2", "k3")
 # verl: exp() of a larger log-ratio overflows float32 and would turn the clamp's zero gradient NaN.
 _KL_LOG_RATIO_CLAMP = 20.0
 _K3_CLAMP = 10.0
-# SPEC §4: a token counts as an importance-sampling outlier when |r − 1| > 1.5.
+# docs/DESIGN.md §4: a token counts as an importance-sampling outlier when |r − 1| > 1.5.
 _IS_DEVIATION_THRESHOLD = 1.5
 # Largest denominator used to read the quantile level as a fraction (0.9 -> 9/10), so that
 # ceil(level·n) is exact integer arithmetic without int64: (n mod den)·num stays below 2**31.
@@ -47,7 +47,7 @@ _MAX_LEVEL_DENOMINATOR = 10_000
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SATConfig:
-    """Staleness-adaptive trust region (SPEC §3.3).
+    """Staleness-adaptive trust region (docs/DESIGN.md §3.3).
 
     Attributes:
       enabled: apply SAT. ``PolicyLossConfig`` defaults to ``SATConfig(enabled=False)``.
@@ -77,7 +77,7 @@ class PolicyLossConfig:
       clip_high: ε_high (``clip_high > clip_low`` is "clip-higher").
       loss_agg: ``"token_mean"`` (Σ mask·ℓ / Σ mask) or ``"seq_mean_token_mean"`` (mean over
         responses with at least one active token of each response's token mean).
-      sat: the SAT contraction (SPEC §3.3); disabled by default.
+      sat: the SAT contraction (docs/DESIGN.md §3.3); disabled by default.
       dual_clip: c > 1: for A < 0 the surrogate is floored at c·A (dual-clip PPO). None = off.
       tis_cap: truncated importance sampling: S is weighted by min(exp(old − behavior), cap),
         detached. Needs ``old_logp``. None = off.
@@ -232,7 +232,7 @@ def masked_quantile(
 def sat_contraction(
     log_ratio: ArrayLike, threshold: ArrayLike, *, exponent: float = 2.0
 ) -> tuple[jax.Array, jax.Array]:
-    """SAT's endpoint factors (c_low, c_high) = (c₋, c₊) of SPEC §3.3 steps 3–4, detached.
+    """SAT's endpoint factors (c_low, c_high) = (c₋, c₊) of docs/DESIGN.md §3.3 steps 3–4, detached.
 
     The gate fires iff q > 0 and |d| > q (strictly); there c₊ = ψ(max(d, 0); q) and
     c₋ = ψ(max(−d, 0); q) with ψ(u; q) = 1/(1 + (u/q)^p), so only the side of sign(d) contracts;
@@ -541,7 +541,7 @@ def policy_loss_terms(
             loss_sum = loss_sum + cfg.kl_coef * kl_sum
     sums["loss"], counts["loss"] = jax.lax.stop_gradient(loss_sum), loss_count
 
-    # SPEC §4 mismatch diagnostics, always against the behavior policy, token level.
+    # docs/DESIGN.md §4 mismatch diagnostics, always against the behavior policy, token level.
     behavior_log_ratio = jax.lax.stop_gradient(jnp.where(active, lp - behavior, 0.0))
     behavior_ratio_log = clamp(behavior_log_ratio)
     mean_metric("mismatch_abs_mean", jnp.abs(behavior_log_ratio))
@@ -592,7 +592,7 @@ def policy_loss(
     old_logp: ArrayLike | None = None,
     ref_logp: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The policy-gradient loss (PPO/GRPO, GSPO, SAT, stabilizers) and its metrics (SPEC §3–4).
+    """The policy-gradient loss (PPO/GRPO, GSPO, SAT, stabilizers) and its metrics (docs/DESIGN.md §3–4).
 
     loss = −aggregate(S) [+ kl_coef·aggregate(KL)], S per eqs. (3.1)–(3.6): ratios from
     d = logp − old_logp (token) or its per-response mean (GSPO); with SAT, the clip endpoints
@@ -609,7 +609,7 @@ def policy_loss(
       ref_logp: optional reference-policy log-probs for the KL penalty / ``kl_ref`` metric.
 
     Returns:
-      (loss, metrics): a float32 scalar and a dict of float32 scalars with the SPEC §4 names
+      (loss, metrics): a float32 scalar and a dict of float32 scalars with the docs/DESIGN.md §4 names
       (``mismatch_abs_mean``, ``is_deviation_frac``, ``kl_k3``, ``clip_frac_low``,
       ``clip_frac_high``, ``sat_q``, ``sat_gate_rate``, ``sat_eps_low_mean``,
       ``sat_eps_high_mean``, ``sat_c_min``) plus ``loss``, ``pg_loss``, ``ratio_mean``,

@@ -1,4 +1,4 @@
-"""The asynchronous SAT-GRPO trainer (SPEC §7): ``sat-train --config configs/NAME.yaml [k=v ...]``.
+"""The asynchronous SAT-GRPO trainer (docs/DESIGN.md §7): ``sat-train --config configs/NAME.yaml [k=v ...]``.
 
 Modules, in data-flow order:
 

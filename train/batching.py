@@ -1,7 +1,7 @@
 """Pulled trajectory groups → one fixed-shape ``TrainBatch``, with lag tagging and the staleness policy.
 
 Lag of a completion token = trainer version − the version of the weights that generated it
-(SPEC §2). A group whose oldest token lags more than ``max_staleness`` versions is dropped or kept
+(docs/DESIGN.md §2). A group whose oldest token lags more than ``max_staleness`` versions is dropped or kept
 by ``stale_policy``; either way it is counted. A group holding a token older than ``min_version``
 (weights this trainer never published, e.g. a server's random initial weights) is always dropped.
 

@@ -2,7 +2,7 @@
 
 build mesh → base policy (init + cached supervised warm-up) → restore or start → servers (a local
 child when ``train.servers`` is empty) → sync weights → loop: pull → lag-tag/drop → step → push
-weights every n updates → checkpoint every k → metrics. See SPEC §7.
+weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7.
 
 Versions: this trainer publishes the warm-up policy as version 1 and every consumed batch adds one
 (a skipped step too, so the servers' admission stays one batch per version; in sync mode the
@@ -414,7 +414,7 @@ def train_loop(
 def loop_scalars(
     stats: batching.BatchStats, progress: checkpointing.Progress, duplicates: int
 ) -> dict[str, float]:
-    """The trainer-side metrics of SPEC §4 for one step (the step's own come from train_step)."""
+    """The trainer-side metrics of docs/DESIGN.md §4 for one step (the step's own come from train_step)."""
     return {
         "reward_mean": stats.reward_mean,
         "response_length": stats.response_len_mean,

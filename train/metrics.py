@@ -1,7 +1,7 @@
 """Where the trainer's per-step metrics go: TensorBoard event files, a JSON-lines log (read back for
 ``curves.png``), a console progress line, and optionally Weights & Biases.
 
-Scalars are logged under their SPEC §4 names; the lag histogram goes to TensorBoard as a histogram
+Scalars are logged under their docs/DESIGN.md §4 names; the lag histogram goes to TensorBoard as a histogram
 (``lag``) and to the JSON log as ``lag_hist`` counts.
 """
 

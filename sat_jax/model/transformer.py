@@ -4,7 +4,7 @@ Dimension letters used in tensor names:
   B batch, T positions, S cache positions, D d_model, V vocab, L MoE layers, K experts per token,
   E experts, G key/value heads, H head_dim.
 
-Contract (SPEC §5):
+Contract (docs/DESIGN.md §5):
   logits_btv = model(tokens_bt)
   logits_btv, routing_btlk = model(tokens_bt, return_routing=True)   # uint8 ids when E <= 256
 `Transformer.forward` returns the full `ModelOutput` (aux loss, expert load) for the trainer.
@@ -296,7 +296,7 @@ class Transformer(nnx.Module):
         replay_routing: jax.Array | None = None,
         return_routing: bool = False,
     ) -> jax.Array | tuple[jax.Array, jax.Array]:
-        """The SPEC contract: float32 logits [B, T, V], or (logits, routing ids [B, T, L, K]).
+        """The documented contract (docs/DESIGN.md §5): float32 logits [B, T, V], or (logits, routing ids [B, T, L, K]).
 
         The routing ids are the router's own top-k under the current params in
         `config.routing_dtype` (under replay, the experts used are the replayed ones). Arguments
@@ -398,7 +398,7 @@ def token_logprobs(
 def router_shift_ratio(
     recorded_btlk: jax.Array, current_btlk: jax.Array, mask_bt: jax.Array
 ) -> jax.Array:
-    """Fraction of recorded top-k experts not in the current top-k set (SPEC §4).
+    """Fraction of recorded top-k experts not in the current top-k set (docs/DESIGN.md §4).
 
     Averaged over active tokens, MoE layers and the K recorded slots.
 

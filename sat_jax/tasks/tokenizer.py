@@ -35,7 +35,7 @@ class CharTokenizer:
         """[V] bool: the ids a completion may contain (every tokenizer id but pad and bos).
 
         The rollout engine samples only from these, so the trainer's log-probs must renormalize
-        over the same set for the behavior and trainer policies to match (SPEC §6).
+        over the same set for the behavior and trainer policies to match (docs/DESIGN.md §6).
         """
         if model_vocab_size < self.vocab_size:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""A slow float64 NumPy reference of SPEC §3, written from the equations (token by token).
+"""A slow float64 NumPy reference of docs/DESIGN.md §3, written from the equations (token by token).
 
 It shares no code with ``sat_jax.objectives``: the quantile is a full sort, ψ and the clip are
 spelled out per token, and the gradient with respect to ``logp`` is derived by hand from the

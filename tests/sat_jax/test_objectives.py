@@ -1,4 +1,4 @@
-"""Tests of sat_jax.objectives against the float64 reference written from SPEC §3's equations."""
+"""Tests of sat_jax.objectives against the float64 reference written from docs/DESIGN.md §3's equations."""
 
 import dataclasses
 
@@ -17,7 +17,7 @@ from .objectives_reference import quantile_inverted_cdf, reference_policy_loss
 # float32 implementation vs float64 reference: ~1e-6 relative rounding per op, a few ops deep.
 RTOL, ATOL = 2e-5, 1e-6
 
-SPEC_METRICS = (
+REQUIRED_METRICS = (
     "mismatch_abs_mean",
     "is_deviation_frac",
     "kl_k3",
@@ -149,7 +149,7 @@ def test_spec_contract_call_verbatim():
         b["logp"], b["behavior_logp"], b["advantages"], b["mask"], cfg, old_logp=None, ref_logp=None
     )
     assert loss.shape == () and loss.dtype == jnp.float32
-    assert set(SPEC_METRICS) <= set(metrics)
+    assert set(REQUIRED_METRICS) <= set(metrics)
     assert all(jnp.shape(v) == () for v in metrics.values())
 
 
@@ -171,7 +171,7 @@ def test_clip_fractions_and_mismatch_by_hand():
 
 
 # ------------------------------------------------------------------------------------------
-# SAT properties (SPEC §3.3).
+# SAT properties (docs/DESIGN.md §3.3).
 # ------------------------------------------------------------------------------------------
 
 

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 
-SPEC_ARGS = dict(batch_groups=3, group_size=2, seq_len=12, routing_lk=(2, 2), max_staleness=1)
+SPEC_KWARGS = dict(batch_groups=3, group_size=2, seq_len=12, routing_lk=(2, 2), max_staleness=1)
 TRAINER_VERSION = 3
 
 
@@ -106,7 +106,7 @@ def reference() -> list[tuple[dict[str, np.ndarray], dict]]:
     """Both batches as one process gets them (no broadcast)."""
     from train import batching, pulling
 
-    pool, spec = FakePool(), batching.BatchSpec(**SPEC_ARGS)
+    pool, spec = FakePool(), batching.BatchSpec(**SPEC_KWARGS)
     return [
         record(pulling.next_batch(pool, spec, progress(), timeout_s=0.1, stall_s=5))
         for _ in range(2)
@@ -130,7 +130,7 @@ def main(port: int, process_id: int, out_dir: str) -> None:
 
     assert jax.process_count() == 2 and jax.device_count() == 2, jax.devices()
     pool = FakePool() if process_id == 0 else None
-    spec = batching.BatchSpec(**SPEC_ARGS)
+    spec = batching.BatchSpec(**SPEC_KWARGS)
     arrays, facts = {}, {}
     for round_ in range(2):
         got = pulling.next_batch(pool, spec, progress(), timeout_s=0.1, stall_s=5)
