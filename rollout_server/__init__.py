@@ -14,7 +14,8 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
   queue, with admission control and a state file so a restart loses no prompt.
 - `weights`: UpdateWeights' checkpoint-root policy and orbax loading.
 - `service`, `metrics`, `server`: the gRPC servicers, Prometheus gauges, and the process.
-- `client`: channel options and array views for the trainer (grpc + generated code only).
+- `routing_codec`: the routing ids' wire format, encoded here and decoded by the trainer.
+- `client`: channel options and a stub for the trainer (grpc + generated code only).
 
 Imports sat_jax; sat_jax never imports this package. Importing the package itself pulls in
 nothing heavy, so `rollout_server.client` stays usable without JetStream.

@@ -1,4 +1,4 @@
-"""Client helpers for the Rollout service: channel options, a stub, and array views.
+"""Client helpers for the Rollout service: channel options and a stub.
 
 Only grpc and the generated modules: the trainer can use this without JetStream.
 """
@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+from rollout_server.routing_codec import decode_routing
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -39,13 +40,6 @@ def connect(
 
 
 def routing_array(trajectory: rollout_pb2.Trajectory) -> np.ndarray:
-    """The trajectory's routing ids as an array [T, L, K] (uint8 or uint16).
-
-    Raises:
-      ValueError: unknown dtype or a byte count that does not match the shape.
-    """
-    r = trajectory.routing
-    if r.dtype not in ("uint8", "uint16"):
-        raise ValueError(f"unknown routing dtype {r.dtype!r}")
-    wire = np.dtype(r.dtype).newbyteorder("<")
-    return np.frombuffer(r.data, wire).astype(r.dtype).reshape(tuple(r.shape))
+    """Deprecated alias of `routing_codec.decode_routing(trajectory.routing)`; goes once the
+    trainer calls `decode_routing`."""
+    return decode_routing(trajectory.routing)

@@ -28,13 +28,13 @@ import time
 from typing import Any
 
 import grain
-import numpy as np
 
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
 from rollout_server.engine import MoEEngine
 from rollout_server.group_queue import GroupQueue
 from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.proto import rollout_pb2
+from rollout_server.routing_codec import encode_routing
 from sat_jax.experiment import RolloutConfig
 from sat_jax.tasks import CharTokenizer
 from sat_jax.tasks.rewards import RewardFn
@@ -346,19 +346,13 @@ class RolloutLoop:
         for i in range(self._cfg.group_size):
             s = group.samples[i]
             text = self._tokenizer.decode(s.completion_ids)
-            routing = np.ascontiguousarray(s.routing)
-            wire_dtype = np.dtype(routing.dtype).newbyteorder("<")
             trajectories.append(
                 rollout_pb2.Trajectory(
                     prompt_ids=s.prompt_ids.tolist(),
                     completion_ids=s.completion_ids.tolist(),
                     behavior_logprobs=s.logprobs.tolist(),
                     versions=s.versions.tolist(),
-                    routing=rollout_pb2.Routing(
-                        data=routing.astype(wire_dtype).tobytes(),
-                        shape=list(routing.shape),
-                        dtype=np.dtype(routing.dtype).name,
-                    ),
+                    routing=encode_routing(s.routing),
                     reward=self._reward(text, record),
                     finish_reason=_FINISH[s.finish_reason],
                     completion_text=text,

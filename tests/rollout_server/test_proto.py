@@ -4,9 +4,7 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
-
-from rollout_server.client import channel_options, routing_array
+from rollout_server.client import channel_options
 from rollout_server.proto import regenerate, rollout_pb2
 
 
@@ -36,14 +34,3 @@ def test_message_limits():
     opts = dict(channel_options())
     assert opts["grpc.max_send_message_length"] >= 256 * 1024 * 1024
     assert opts["grpc.max_receive_message_length"] >= 256 * 1024 * 1024
-
-
-def test_routing_round_trip_uint16():
-    ids = np.arange(5 * 3 * 8, dtype=np.uint16).reshape(5, 3, 8) * 300
-    t = rollout_pb2.Trajectory(
-        routing=rollout_pb2.Routing(
-            data=ids.astype("<u2").tobytes(), shape=list(ids.shape), dtype="uint16"
-        )
-    )
-    t2 = rollout_pb2.Trajectory.FromString(t.SerializeToString())
-    np.testing.assert_array_equal(routing_array(t2), ids)

@@ -21,7 +21,7 @@ CFG = RolloutConfig(batch_groups=B, max_staleness=1)
 @pytest.mark.parametrize(
     "staleness, version, epoch_version, consumed, epoch_used, queued, running, budget",
     [
-        (1, 0, 0, 0, 0, 0, 0, 2 * B),  # docs/DESIGN.md §6 as written: (s + v + 1)·B before any epoch
+        (1, 0, 0, 0, 0, 0, 0, 2 * B),  # DESIGN.md §6 as written: (s + v + 1)·B before any epoch
         (1, 1, 1, 0, 0, 0, 0, 2 * B),  # first trainer weights v1: (s + 1)·B groups of v1
         (1, 1, 1, 8, 8, 0, 0, 2 * B),  # ... whatever was consumed before the epoch
         (1, 1, 1, 8, 8, 3, 1, B),  # groups dispatched in the epoch count

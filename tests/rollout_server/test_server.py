@@ -17,8 +17,8 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-from rollout_server.client import routing_array
 from rollout_server.proto import rollout_pb2
+from rollout_server.routing_codec import decode_routing
 from rollout_server.weights import save_params
 from sat_jax.tasks import CharTokenizer
 from tests.rollout_server.conftest import ServerProcess, random_params, stats, wait_for
@@ -88,7 +88,7 @@ def _check_trajectory(t: rollout_pb2.Trajectory, group: rollout_pb2.Group) -> No
         assert eos_at == [n - 1]
     else:
         assert t.finish_reason == rollout_pb2.FINISH_REASON_LENGTH and not eos_at and n == MAX_NEW
-    routing = routing_array(t)
+    routing = decode_routing(t.routing)
     assert routing.dtype == np.uint8 and t.routing.dtype == "uint8"
     assert routing.shape == (len(prompt) + n, 2, 2)  # tiny: 2 MoE layers, top-2 of 8
     assert routing.max() < 8
