@@ -92,11 +92,11 @@ class RolloutServer:
     def _reload(self, version: int, path: str) -> bool:
         """Installs the persisted weights; False (logged) when they cannot be loaded."""
         try:
-            real = weights.resolve_under_root(path, self.cfg.server.checkpoint_root)
-            self.engine.swap_params(
-                version, weights.load_params(real, self.engine.current_params()[1])
+            real, params = weights.load_under_root(
+                path, self.cfg.server.checkpoint_root, self.engine.current_params()[1]
             )
-        except (weights.CheckpointPathError, ValueError) as e:
+            self.engine.swap_params(version, params)
+        except ValueError as e:  # CheckpointPathError, or params swap_params refuses
             log.error("cannot restore the persisted weights (%s); starting from version 0", e)
             return False
         log.info("restored weights version %d from %s", version, real)

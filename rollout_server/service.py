@@ -92,10 +92,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                     f"version {request.version} is older than the current version {current}",
                 )
             try:
-                path = weights.resolve_under_root(request.checkpoint_path, self._root)
                 start = time.perf_counter()
-                params = await asyncio.to_thread(
-                    weights.load_params, path, self._engine.current_params()[1]
+                path, params = await asyncio.to_thread(
+                    weights.load_under_root,
+                    request.checkpoint_path,
+                    self._root,
+                    self._engine.current_params()[1],
                 )
                 loaded = time.perf_counter()
                 await asyncio.to_thread(
@@ -106,7 +108,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                     new_epoch=request.new_admission_epoch,
                 )
                 swapped = time.perf_counter()
-            except (weights.CheckpointPathError, ValueError) as e:
+            except ValueError as e:  # CheckpointPathError, or params swap_params refuses
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         log.info(
             "weights swapped: version %d -> %d from %s (load %.3fs, swap %.3fs)",

@@ -1,9 +1,9 @@
-"""Weights checkpoints for `UpdateWeights`: path policy and orbax loading.
+"""Weights for `UpdateWeights`: which paths the server may load, and loading them (docs/DESIGN.md
+§6, §10).
 
-Format (what the trainer writes): an orbax `StandardCheckpointer` directory holding the policy's
-params as a plain nested dict, `nnx.to_pure_dict(nnx.state(model))`:
-
-    ocp.StandardCheckpointer().save(path, params); checkpointer.wait_until_finished()
+The format is `sat_jax.params_io`'s, written by the trainer with `params_io.save_params`. The
+server loads only directories inside its configured checkpoint root (symlinks resolved), so a
+client cannot make it read arbitrary files; every refusal is a `CheckpointPathError`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import os
 import pathlib
 from typing import Any
 
-import jax
-import orbax.checkpoint as ocp
+from sat_jax import params_io
 
 
 class CheckpointPathError(ValueError):
@@ -39,24 +38,23 @@ def resolve_under_root(path: str, root: str) -> pathlib.Path:
     return real
 
 
-def load_params(path: pathlib.Path, like: Any) -> Any:
-    """Restores params shaped (and sharded) like `like`.
+def load_under_root(path: str, root: str, like: Any) -> tuple[pathlib.Path, Any]:
+    """Loads the weights at `path`, which must lie inside `root`.
+
+    Args:
+      path: the checkpoint directory a client named.
+      root: the server's checkpoint root ("" = loading disabled).
+      like: the engine's current params (shapes, dtypes and shardings to restore into).
+
+    Returns:
+      (the resolved path, the params shaped and sharded like `like`).
 
     Raises:
-      CheckpointPathError: the directory is not a checkpoint of params of that structure.
+      CheckpointPathError: the path is refused (see `resolve_under_root`) or is not a checkpoint
+        of params of that structure.
     """
-    abstract = jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
-    )
+    real = resolve_under_root(path, root)
     try:
-        with ocp.StandardCheckpointer() as checkpointer:
-            return checkpointer.restore(path, abstract)
+        return real, params_io.load_params(real, like)
     except Exception as e:  # orbax raises many types for a bad or mismatched checkpoint
-        raise CheckpointPathError(f"cannot restore params from {str(path)!r}: {e}") from e
-
-
-def save_params(path: str | pathlib.Path, params: Any) -> None:
-    """Writes `params` in the format `load_params` reads (for tests and benchmarks)."""
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(pathlib.Path(path).absolute(), params)
-        checkpointer.wait_until_finished()
+        raise CheckpointPathError(f"cannot restore params from {str(real)!r}: {e}") from e

@@ -7,14 +7,13 @@ to a temporary name and renames (or commits) it when complete, so a kill mid-sav
 previous checkpoint as the latest. Only the newest ``keep`` checkpoints are kept.
 
 Server weights (what ``UpdateWeights`` loads) are a separate, simpler format: the params alone,
-written with ``save_weights``.
+written with ``sat_jax.params_io.save_params``. Both share ``params_io.ORBAX_LOCK``: one orbax
+operation at a time in the process.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
 from typing import Any
 
 import jax
@@ -23,7 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from sat_jax import sharding
+from sat_jax import params_io, sharding
 from sat_jax.model import ModelConfig
 from sat_jax.train_step import TrainState, train_state_shardings
 
@@ -79,13 +78,6 @@ def abstract_train_state(
     )
 
 
-# One orbax save or restore at a time in this process: the trainer's checkpoints (main thread) and
-# weight pushes (the pusher's thread) would otherwise run together, and orbax's completion
-# signalling is not safe across concurrent operations of one process (a save then waits for a
-# signal that never comes, until its 300 s timeout).
-_ORBAX_LOCK = threading.Lock()
-
-
 class Checkpointer:
     """An orbax ``CheckpointManager`` for (``TrainState``, ``Progress``), keep-N, synchronous saves.
 
@@ -96,7 +88,7 @@ class Checkpointer:
 
     def __init__(self, directory: str, *, keep: int):
         self._manager = ocp.CheckpointManager(
-            _absolute(directory),
+            params_io.absolute(directory),
             options=ocp.CheckpointManagerOptions(
                 max_to_keep=keep, enable_async_checkpointing=False, create=True
             ),
@@ -113,7 +105,7 @@ class Checkpointer:
         """Writes checkpoint ``step`` (atomically; a no-op when ``step`` already exists)."""
         if step in self._manager.all_steps():
             return
-        with _ORBAX_LOCK:
+        with params_io.ORBAX_LOCK:
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -125,7 +117,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, Progress]:
         """Reads checkpoint ``step`` into the shardings ``abstract_state`` carries."""
-        with _ORBAX_LOCK:
+        with params_io.ORBAX_LOCK:
             out = self._manager.restore(
                 step,
                 args=ocp.args.Composite(
@@ -143,20 +135,3 @@ class Checkpointer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def save_weights(path: str, params: Any) -> None:
-    """The params alone, in the format the rollout server's ``UpdateWeights`` loads.
-
-    Written by the calling process alone (no cross-process barrier): with several JAX processes
-    only process 0 pushes weights, from host copies of the whole params.
-    """
-    me = jax.process_index()
-    alone = ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
-    with _ORBAX_LOCK, ocp.StandardCheckpointer(multiprocessing_options=alone) as checkpointer:
-        checkpointer.save(_absolute(path), params, force=True)
-        checkpointer.wait_until_finished()
-
-
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)

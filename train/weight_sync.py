@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from train import checkpointing
+from sat_jax import params_io
 from train.remote import ServerPool
 
 log = logging.getLogger("train")
@@ -56,7 +56,7 @@ def push_weights(
     """Saves ``params`` as ``<weights_dir>/v<version>`` and makes every server load it; removes
     weights directories older than the last ``KEEP_WEIGHTS`` versions."""
     path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
-    checkpointing.save_weights(path, params)
+    params_io.save_params(path, params)
     pool.update_weights(version, path, new_admission_epoch=new_admission_epoch)
     for old in os.listdir(weights_dir):
         if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - KEEP_WEIGHTS:

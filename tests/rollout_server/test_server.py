@@ -19,7 +19,7 @@ from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
 from rollout_server.proto import rollout_pb2
 from rollout_server.routing_codec import decode_routing
-from rollout_server.weights import save_params
+from sat_jax.params_io import save_params
 from sat_jax.tasks import CharTokenizer
 from tests.rollout_server.conftest import ServerProcess, random_params, stats, wait_for
 

@@ -1,4 +1,4 @@
-"""rollout_server.weights: the checkpoint-root policy and orbax round trip."""
+"""rollout_server.weights: the checkpoint-root policy, and loading refusals as CheckpointPathError."""
 
 import os
 
@@ -7,12 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from rollout_server.weights import (
-    CheckpointPathError,
-    load_params,
-    resolve_under_root,
-    save_params,
-)
+from rollout_server.weights import CheckpointPathError, load_under_root, resolve_under_root
+from sat_jax.params_io import save_params
 
 
 def test_resolve_under_root(tmp_path):
@@ -36,13 +32,20 @@ def test_resolve_under_root(tmp_path):
         resolve_under_root(str(root / "a"), "")
 
 
-def test_save_load_round_trip_and_mismatch(tmp_path):
+def test_load_under_root_round_trip_and_refusals(tmp_path):
+    root = tmp_path / "root"
     params = {"w": jnp.arange(6.0).reshape(2, 3), "inner": {"b": jnp.ones(3, jnp.float32)}}
-    save_params(tmp_path / "ck", params)
-    back = load_params(tmp_path / "ck", params)
+    save_params(root / "ck", params)
+    real, back = load_under_root(str(root / "ck"), str(root), params)
+    assert real == root / "ck"
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
-    with pytest.raises(CheckpointPathError):
-        load_params(tmp_path / "ck", {"w": jnp.zeros((4, 4))})
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointPathError):
-        load_params(tmp_path / "empty", params)
+    with pytest.raises(CheckpointPathError, match="cannot restore params"):
+        load_under_root(str(root / "ck"), str(root), {"w": jnp.zeros((4, 4))})
+    (root / "empty").mkdir()
+    with pytest.raises(CheckpointPathError, match="cannot restore params"):
+        load_under_root(str(root / "empty"), str(root), params)
+    save_params(tmp_path / "outside", params)
+    with pytest.raises(CheckpointPathError, match="outside the checkpoint root"):
+        load_under_root(str(tmp_path / "outside"), str(root), params)
+    with pytest.raises(CheckpointPathError, match="no checkpoint root"):
+        load_under_root(str(root / "ck"), "", params)

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from sat_jax import sharding
+from sat_jax import params_io, sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import ModelConfig
 from sat_jax.train_step import init_train_state
@@ -67,17 +67,26 @@ def test_unfinished_save_is_ignored(tmp_path, state_and_mesh):
     again.close()
 
 
-def test_weights_for_the_server(tmp_path, state_and_mesh):
-    state, _ = state_and_mesh
-    checkpointing.save_weights(str(tmp_path / "v1"), state.params)
-    checkpointing.save_weights(str(tmp_path / "v1"), state.params)  # overwrite is allowed
-    from rollout_server import weights
+def test_checkpoints_share_the_params_io_lock(tmp_path, state_and_mesh, monkeypatch):
+    """Checkpoints (the loop's thread) and weight pushes (the pusher's) take one process-wide lock:
+    concurrent orbax operations of one process can wait forever on each other's signals."""
+    state, mesh = state_and_mesh
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=2)
+    held = []
+    manager = ckpt._manager
+    for name in ("save", "restore"):
+        real = getattr(manager, name)
 
-    back = weights.load_params(tmp_path / "v1", state.params)
-    same = jax.tree.map(
-        lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), back, state.params
-    )
-    assert all(jax.tree.leaves(same))
+        def recording(*args, _real=real, _name=name, **kwargs):
+            held.append((_name, params_io.ORBAX_LOCK.locked()))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(manager, name, recording)
+    ckpt.save(1, state, checkpointing.Progress(version=1, min_version=1, rng_key=(0, 1)))
+    ckpt.restore(1, checkpointing.abstract_train_state(MODEL_CFG, OPTIMIZER, mesh))
+    ckpt.close()
+    assert held == [("save", True), ("restore", True)]
+    assert not params_io.ORBAX_LOCK.locked()
 
 
 def test_url_checkpoint_dir_reaches_orbax_unchanged(tmp_path, monkeypatch):

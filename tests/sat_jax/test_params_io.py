@@ -1,0 +1,108 @@
+"""sat_jax.params_io: the server-weights format round trip, onto `like`'s shardings; overwrite; one
+process writes; URLs reach orbax unchanged; every orbax call holds the process-wide lock."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sat_jax import params_io
+
+
+def _params(scale: float = 1.0) -> dict:
+    return {
+        "w": jnp.arange(8.0 * 3).reshape(8, 3) * scale,
+        "inner": {"b": jnp.ones(4, jnp.bfloat16) * scale},
+    }
+
+
+def test_round_trip_and_overwrite(tmp_path):
+    params_io.save_params(tmp_path / "v1", _params())
+    params_io.save_params(str(tmp_path / "v1"), _params(2.0))  # a re-push replaces the version
+    back = params_io.load_params(tmp_path / "v1", _params())
+    jax.tree.map(np.testing.assert_array_equal, back, _params(2.0))
+    assert back["inner"]["b"].dtype == jnp.bfloat16
+
+
+def test_host_copies_load_onto_the_shardings_of_like(tmp_path):
+    params_io.save_params(tmp_path / "v1", jax.tree.map(np.asarray, _params()))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    like = {
+        "w": jax.ShapeDtypeStruct(
+            (8, 3), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec("fsdp"))
+        ),
+        "inner": {
+            "b": jax.ShapeDtypeStruct(
+                (4,), jnp.bfloat16, sharding=NamedSharding(mesh, PartitionSpec())
+            )
+        },
+    }
+    back = params_io.load_params(tmp_path / "v1", like)
+    assert back["w"].sharding == like["w"].sharding
+    assert back["inner"]["b"].sharding == like["inner"]["b"].sharding
+    jax.tree.map(np.testing.assert_array_equal, back, _params())
+
+
+@pytest.mark.parametrize(
+    "like",
+    [
+        {"w": jnp.zeros((4, 4))},  # another structure
+        {"w": jnp.zeros((2, 2)), "inner": {"b": jnp.ones(4, jnp.bfloat16)}},  # another shape
+    ],
+)
+def test_mismatched_or_missing_checkpoints_raise(tmp_path, like):
+    params_io.save_params(tmp_path / "v1", _params())
+    with pytest.raises(Exception):  # noqa: B017  (orbax's types vary; the server wraps them)
+        params_io.load_params(tmp_path / "v1", like)
+    with pytest.raises(Exception):  # noqa: B017
+        params_io.load_params(tmp_path / "missing", _params())
+
+
+class _Recorder:
+    """Stands in for `ocp.StandardCheckpointer`: records calls and whether the lock was held."""
+
+    calls: ClassVar[list[tuple]] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def save(self, path, params, force=False):
+        self.calls.append(("save", path, force, params_io.ORBAX_LOCK.locked(), self.kwargs))
+
+    def wait_until_finished(self):
+        pass
+
+    def restore(self, path, abstract):
+        self.calls.append(("restore", path, params_io.ORBAX_LOCK.locked()))
+        return abstract
+
+
+def test_paths_processes_and_the_lock(tmp_path, monkeypatch):
+    """No network: a URL is only checked to reach orbax unchanged; local paths become absolute."""
+    monkeypatch.setattr(params_io.ocp, "StandardCheckpointer", _Recorder)
+    monkeypatch.setattr(_Recorder, "calls", [])
+    monkeypatch.chdir(tmp_path)
+    url = "gs://bucket/run/weights/v3"
+    params_io.save_params(url, {"w": np.zeros(2)})
+    params_io.save_params("rel/v3", {"w": np.zeros(2)})
+    params_io.load_params(url, {"w": jnp.zeros(2)})
+    (save_url, save_rel, restore) = _Recorder.calls
+    assert save_url[:4] == ("save", url, True, True)
+    assert save_rel[1] == str(tmp_path / "rel" / "v3")
+    assert restore == ("restore", url, True)
+    me = jax.process_index()
+    options = save_url[4]["multiprocessing_options"]
+    assert options.primary_host == me and set(options.active_processes) == {me}
+    assert not params_io.ORBAX_LOCK.locked()
+    assert not list(tmp_path.rglob("gs*")), "a local directory was made for the URL"
