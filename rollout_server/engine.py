@@ -373,6 +373,26 @@ class MoEEngine(engine_api.Engine):
     def max_prefill_length(self) -> int:
         return self._max_prefill
 
+    def check_prompt_length(self, n_tokens: int, *, add_bos: bool) -> None:
+        """Checks that a prompt of `n_tokens` fits one prefill.
+
+        Args:
+          n_tokens: the prompt's token count as encoded (without BOS).
+          add_bos: JetStream prepends BOS (it does unless the request continues a session).
+
+        Raises:
+          ValueError: the prompt is empty, or longer than `max_prefill_length` with its BOS.
+        """
+        total = n_tokens + int(add_bos)
+        if total == 0:
+            raise ValueError("the prompt is empty")
+        if total > self._max_prefill:
+            with_bos = " (with BOS)" if add_bos else ""
+            raise ValueError(
+                f"the prompt has {total} tokens{with_bos}; max_prefill_length is "
+                f"{self._max_prefill}"
+            )
+
     @property
     def mesh(self) -> jax.sharding.Mesh:
         return self._mesh

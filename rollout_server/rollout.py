@@ -272,11 +272,7 @@ class RolloutLoop:
                 self._state.iterator = self._iter.get_state()
             try:
                 ids = self._tokenizer.encode(record["text"])
-                if len(ids) + 1 > self._engine.max_prefill_length:
-                    raise ValueError(
-                        f"{len(ids) + 1} tokens with BOS exceed max_prefill_length "
-                        f"{self._engine.max_prefill_length}"
-                    )
+                self._engine.check_prompt_length(len(ids), add_bos=True)
             except ValueError as e:
                 self.prompts_skipped += 1
                 log.warning("skipping prompt %s: %s", record["id"], e)

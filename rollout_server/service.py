@@ -162,7 +162,6 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
             return f"session_cache longer than {MAX_SESSION_CACHE} characters"
         if not 1 <= request.max_tokens <= engine.max_decode_length:
             return f"max_tokens must be in [1, {engine.max_decode_length}]"
-        bos = 0 if request.session_cache else 1
         if which == "token_content":
             if request.session_cache:
                 return "token_content cannot be combined with session_cache"
@@ -176,13 +175,10 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
                 n = len(engine.tokenizer.encode(request.text_content.text))
             except ValueError as e:
                 return str(e)
-        if n + bos == 0:
-            return "the prompt is empty"
-        if n + bos > engine.max_prefill_length:
-            return (
-                f"the prompt has {n + bos} tokens (with BOS); the limit is "
-                f"{engine.max_prefill_length}"
-            )
+        try:
+            engine.check_prompt_length(n, add_bos=not request.session_cache)
+        except ValueError as e:
+            return str(e)
         return None
 
     async def Decode(

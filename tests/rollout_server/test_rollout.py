@@ -4,15 +4,16 @@ epochs `install_weights` starts, `wait_for_weights`, and the epoch surviving a r
 from __future__ import annotations
 
 import threading
-import time
 
+import grain
 import pytest
 
+from rollout_server.engine import MoEEngine
 from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.proto import rollout_pb2
 from rollout_server.rollout import RolloutLoop, admission_budget
 from sat_jax.experiment import RolloutConfig, TaskConfig
-from sat_jax.tasks import CharTokenizer, exact_match_reward, prompt_dataset
+from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
 
 B = 4
 CFG = RolloutConfig(batch_groups=B, max_staleness=1)
@@ -124,15 +125,56 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
     def get_many_then_look(n, timeout_s):
         items = take(n, timeout_s)
         # The rollout loop's thread checks admission right now (it takes the loop's lock).
+        # The join gives a probe that is not blocked time to look; one that waits for the lock
+        # looks after the pull, and must then see the groups consumed.
         probe = threading.Thread(target=lambda: seen.append(loop._may_dispatch()))
         probe.start()
+        probes.append(probe)
         probe.join(timeout=0.3)
         return items
 
+    probes: list[threading.Thread] = []
     loop.queue.get_many = get_many_then_look
     assert len(loop.pull(B, timeout_s=1.0)) == B
     assert loop.persisted.consumed == B
-    deadline = time.monotonic() + 5
-    while not seen and time.monotonic() < deadline:
-        time.sleep(0.01)
+    [probe] = probes
+    probe.join()
     assert seen == [False]
+
+
+class ShortPromptEngine(FakeEngine):
+    """Takes prompts of at most 4 tokens with BOS, with the real engine's check."""
+
+    _max_prefill = 4
+    check_prompt_length = MoEEngine.check_prompt_length
+
+
+class RecordingDriver(FakeDriver):
+    def __init__(self):
+        self.requests = []
+
+    def place_request_on_prefill_queue(self, request):
+        self.requests.append(request)
+
+
+def test_prompts_longer_than_a_prefill_are_skipped(tmp_path):
+    driver = RecordingDriver()
+    loop = RolloutLoop(
+        driver=driver,
+        engine=ShortPromptEngine(),
+        prompts=grain.MapDataset.source(
+            [Prompt(id="long", text="123+4=", answer="127"), Prompt(id="ok", text="1=", answer="1")]
+        ).to_iter_dataset(),
+        reward_fn=exact_match_reward,
+        tokenizer=CharTokenizer("0123456789+-="),
+        cfg=CFG,
+        store=StateStore(str(tmp_path)),
+        wait_for_weights=False,
+    )
+    loop._dispatch_next()  # 6 tokens + BOS > 4: skipped, nothing submitted
+    assert loop.prompts_skipped == 1 and driver.requests == []
+    assert loop.stats()["groups_running"] == 0
+    loop._dispatch_next()  # 2 tokens + BOS: G samples submitted
+    assert loop.prompts_skipped == 1 and len(driver.requests) == CFG.group_size
+    want = CharTokenizer("0123456789+-=").encode("1=")  # without BOS: JetStream prepends it
+    assert all(r.prefill_content == want for r in driver.requests)
