@@ -1,9 +1,13 @@
-"""Pulled trajectory groups → one fixed-shape ``TrainBatch``, with lag tagging and the staleness policy.
+"""Pulled trajectory groups → one fixed-shape ``TrainBatch``: the staleness policy, lag tagging and
+the batch's stats (docs/DESIGN.md §7.1, the data path of one batch, steps 2 and 3).
 
 Lag of a completion token = trainer version − the version of the weights that generated it
-(docs/DESIGN.md §2). A group whose oldest token lags more than ``max_staleness`` versions is dropped or kept
-by ``stale_policy``; either way it is counted. A group holding a token older than ``min_version``
-(weights this trainer never published, e.g. a server's random initial weights) is always dropped.
+(docs/DESIGN.md §2, §7.2). ``select_groups`` is the one place that decides which pulled groups are
+trained: a group already trained (its prompt id is among the recent ones) is a duplicate; a group
+holding a token older than ``min_version`` (weights this trainer never published, e.g. a server's
+random initial weights) is always dropped; a group whose oldest token lags more than
+``max_staleness`` versions is dropped or kept by ``stale_policy``. Every case is counted, and the
+counts travel with the kept groups (``Selection``) into the batch's ``BatchStats``.
 
 Every batch has the same shape ``[rows, seq_len]`` with ``rows = batch_groups · group_size`` and
 ``seq_len`` = longest prompt + longest completion, so the jitted step compiles once; missing rows
@@ -16,12 +20,13 @@ completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_lo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import json
+from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from rollout_server.client import routing_array
 from rollout_server.proto import rollout_pb2
+from rollout_server.routing_codec import decode_routing
 from sat_jax.advantages import group_advantages
 from sat_jax.train_step import TrainBatch
 
@@ -31,7 +36,8 @@ LAG_BINS = 9
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BatchSpec:
-    """The fixed shape of every batch and how groups become rows.
+    """The fixed shape of every batch and how groups become rows (built from the experiment's
+    config, which holds the defaults).
 
     Attributes:
       batch_groups: groups per batch.
@@ -48,11 +54,11 @@ class BatchSpec:
     group_size: int
     seq_len: int
     routing_lk: tuple[int, int] | None
+    routing_dtype: str
     max_staleness: int
-    routing_dtype: str = "uint8"
-    stale_policy: str = "drop"
-    estimator: str = "grpo"
-    normalize_std: bool = True
+    stale_policy: str
+    estimator: str
+    normalize_std: bool
 
     @property
     def rows(self) -> int:
@@ -60,27 +66,63 @@ class BatchSpec:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Selection:
+    """Pulled groups after the duplicate check and the staleness policy: the ones to train and
+    how many were not.
+
+    Attributes:
+      kept: the groups to train, in pull order.
+      stale_dropped: groups dropped for staleness (incl. tokens older than ``min_version``).
+      stale_kept: kept groups over ``max_staleness`` (the "keep" policy).
+      duplicates: groups skipped because their prompt id was trained recently.
+    """
+
+    kept: tuple[rollout_pb2.Group, ...]
+    stale_dropped: int
+    stale_kept: int
+    duplicates: int
+
+    @classmethod
+    def empty(cls) -> Selection:
+        return cls(kept=(), stale_dropped=0, stale_kept=0, duplicates=0)
+
+    def __add__(self, other: Selection) -> Selection:
+        """Both selections' groups (``self``'s first) and summed counts."""
+        return Selection(
+            **{
+                f.name: getattr(self, f.name) + getattr(other, f.name)
+                for f in dataclasses.fields(self)
+            }
+        )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class BatchStats:
     """Host-side facts about one assembled batch (lags over the trained completion tokens).
 
     Attributes:
-      groups: groups in the batch; stale_dropped: groups dropped for staleness (incl. pre-sync);
-      stale_kept: groups over ``max_staleness`` kept by the "keep" policy.
-      lags: int [N] lag of every trained completion token (for the histogram).
-      lag_hist: int [LAG_BINS] counts of lag 0, 1, ..., and ≥ LAG_BINS − 1.
+      groups: groups in the batch.
+      stale_dropped, stale_kept, duplicates: the ``Selection`` counts of the groups pulled for it.
       reward_mean, response_len_mean: over the trained trajectories (0 when none).
       tokens: trained completion tokens; prompt_ids: the trained groups' stable prompt ids.
+      lags: int64 [tokens], the lag of every trained completion token (``token_lags``); the
+        histogram, mean and max below derive from it.
     """
 
     groups: int
     stale_dropped: int
     stale_kept: int
-    lags: np.ndarray
-    lag_hist: np.ndarray
+    duplicates: int
     reward_mean: float
     response_len_mean: float
     tokens: int
     prompt_ids: tuple[str, ...]
+    lags: np.ndarray
+
+    @property
+    def lag_hist(self) -> np.ndarray:
+        """int [LAG_BINS] counts of lag 0, 1, ..., and ≥ LAG_BINS − 1."""
+        return np.bincount(np.clip(self.lags, 0, LAG_BINS - 1), minlength=LAG_BINS)
 
     @property
     def lag_mean(self) -> float:
@@ -90,23 +132,55 @@ class BatchStats:
     def lag_max(self) -> int:
         return int(self.lags.max()) if self.lags.size else 0
 
+    def to_json(self) -> bytes:
+        """Every field but ``lags`` as JSON (for the multi-host broadcast, docs/DESIGN.md §7.3)."""
+        fields = dataclasses.fields(self)
+        return json.dumps(
+            {f.name: getattr(self, f.name) for f in fields if f.name != "lags"}
+        ).encode()
 
-def group_lag(group: rollout_pb2.Group, trainer_version: int) -> int:
-    """The largest token lag of a group (0 for a group without completion tokens)."""
-    versions = [v for t in group.trajectories for v in t.versions]
-    return trainer_version - min(versions) if versions else 0
+    @classmethod
+    def from_json(cls, data: bytes, *, lags: np.ndarray) -> BatchStats:
+        """The inverse of ``to_json``, with the ``lags`` given separately."""
+        fields = json.loads(data)
+        return cls(
+            **{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}, lags=lags
+        )
+
+
+def token_lags(lag_bt: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """int64 [N] lags of the trained tokens, in row-major order, from per-token lags [R, T] and the
+    loss mask [R, T]; the one place ``BatchStats.lags`` comes from."""
+    return np.asarray(lag_bt)[np.asarray(loss_mask) > 0].astype(np.int64)
 
 
 def select_groups(
-    groups: Sequence[rollout_pb2.Group], spec: BatchSpec, trainer_version: int, min_version: int
-) -> tuple[list[rollout_pb2.Group], int, int]:
-    """Applies the staleness policy: ``(kept groups, stale_dropped, stale_kept)``."""
-    kept, dropped, stale_kept = [], 0, 0
+    groups: Sequence[rollout_pb2.Group],
+    spec: BatchSpec,
+    *,
+    trainer_version: int,
+    min_version: int,
+    seen: Collection[str],
+) -> Selection:
+    """Applies the duplicate check and the staleness policy (see the module docstring) to pulled
+    groups; the only place either runs (docs/DESIGN.md §7.1, step 2).
+
+    Args:
+      groups: pulled groups.
+      spec: ``max_staleness`` and ``stale_policy``.
+      trainer_version: version of the weights being trained.
+      min_version: groups with a token of an older version are dropped.
+      seen: recently trained prompt ids; groups with one of them are skipped as duplicates.
+    """
+    kept, dropped, stale_kept, duplicates = [], 0, 0, 0
     for group in groups:
-        versions = [v for t in group.trajectories for v in t.versions]
-        if versions and min(versions) < min_version:
+        # A group without completion tokens has lag 0.
+        oldest = min((v for t in group.trajectories for v in t.versions), default=None)
+        if group.prompt_id in seen:
+            duplicates += 1
+        elif oldest is not None and oldest < min_version:
             dropped += 1
-        elif group_lag(group, trainer_version) > spec.max_staleness:
+        elif oldest is not None and trainer_version - oldest > spec.max_staleness:
             if spec.stale_policy == "drop":
                 dropped += 1
             else:
@@ -114,36 +188,35 @@ def select_groups(
                 stale_kept += 1
         else:
             kept.append(group)
-    return kept, dropped, stale_kept
+    return Selection(
+        kept=tuple(kept), stale_dropped=dropped, stale_kept=stale_kept, duplicates=duplicates
+    )
 
 
 def assemble_batch(
-    groups: Sequence[rollout_pb2.Group],
-    spec: BatchSpec,
-    *,
-    trainer_version: int,
-    min_version: int = 0,
+    selection: Selection, spec: BatchSpec, *, trainer_version: int
 ) -> tuple[TrainBatch, BatchStats]:
-    """Builds the padded ``TrainBatch`` (NumPy arrays) of the groups the staleness policy keeps.
+    """Builds the padded ``TrainBatch`` (NumPy arrays) of the selected groups and its stats
+    (docs/DESIGN.md §7.1, step 3).
 
     Args:
-      groups: pulled groups, at most ``spec.batch_groups`` of ``spec.group_size`` trajectories.
-      spec: the batch shape and policies.
-      trainer_version: version of the weights being trained.
-      min_version: tokens of older versions are from weights this trainer never had: dropped.
+      selection: ``select_groups``' result; at most ``spec.batch_groups`` kept groups of
+        ``spec.group_size`` trajectories.
+      spec: the batch shape.
+      trainer_version: version of the weights being trained (for the lags).
 
     Returns:
       ``(batch, stats)``: tokens [R, T] int32, loss_mask / behavior_logp / advantages [R, T]
       float32, routing [R, T, L, K] (when ``spec.routing_lk``); rows past the kept trajectories
-      are padding (mask 0).
+      are padding (mask 0). ``stats`` carries the selection's counts.
 
     Raises:
       ValueError: too many groups, a group of the wrong size, or a trajectory longer than
         ``seq_len`` or with mismatched per-token fields.
     """
-    if len(groups) > spec.batch_groups:
-        raise ValueError(f"{len(groups)} groups for a batch of {spec.batch_groups}")
-    kept, dropped, stale_kept = select_groups(groups, spec, trainer_version, min_version)
+    kept = selection.kept
+    if len(kept) > spec.batch_groups:
+        raise ValueError(f"{len(kept)} groups for a batch of {spec.batch_groups}")
     R, T = spec.rows, spec.seq_len
     tokens = np.zeros((R, T), np.int32)
     mask = np.zeros((R, T), np.float32)
@@ -169,36 +242,40 @@ def assemble_batch(
             _fill_row(row, traj, spec, tokens, mask, behavior, lag_bt, routing, trainer_version)
             rewards[row], group_ids[row], active[row] = traj.reward, g, True
             lengths.append(len(traj.completion_ids))
-    per_row = np.asarray(
-        group_advantages(
-            rewards,
-            group_ids,
-            num_groups=spec.batch_groups,
-            estimator=spec.estimator,
-            normalize_std=spec.normalize_std,
-            where=active,
-        )
-    )
     batch = TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=behavior,
-        advantages=(per_row[:, None] * mask).astype(np.float32),
+        advantages=_advantages(rewards, group_ids, active, spec)[:, None] * mask,
         routing=None if routing is None else routing.astype(spec.routing_dtype),
     )
-    lags = lag_bt[mask > 0]
     stats = BatchStats(
         groups=len(kept),
-        stale_dropped=dropped,
-        stale_kept=stale_kept,
-        lags=lags,
-        lag_hist=np.bincount(np.clip(lags, 0, LAG_BINS - 1), minlength=LAG_BINS),
+        stale_dropped=selection.stale_dropped,
+        stale_kept=selection.stale_kept,
+        duplicates=selection.duplicates,
         reward_mean=float(rewards[active].mean()) if active.any() else 0.0,
         response_len_mean=float(np.mean(lengths)) if lengths else 0.0,
         tokens=int(mask.sum()),
         prompt_ids=tuple(g.prompt_id for g in kept),
+        lags=token_lags(lag_bt, mask),
     )
     return batch, stats
+
+
+def _advantages(
+    rewards: np.ndarray, group_ids: np.ndarray, active: np.ndarray, spec: BatchSpec
+) -> np.ndarray:
+    """float32 [R] group-relative advantage of each row (0 on padding rows)."""
+    per_row = group_advantages(
+        rewards,
+        group_ids,
+        num_groups=spec.batch_groups,
+        estimator=spec.estimator,
+        normalize_std=spec.normalize_std,
+        where=active,
+    )
+    return np.asarray(per_row, np.float32)
 
 
 def _fill_row(
@@ -226,7 +303,7 @@ def _fill_row(
     behavior[row, p : p + c] = traj.behavior_logprobs
     lag_bt[row, p : p + c] = trainer_version - np.asarray(traj.versions, np.int64)
     if routing is not None:
-        ids = routing_array(traj)
+        ids = decode_routing(traj.routing)
         if ids.shape[1:] != routing.shape[2:] or ids.shape[0] > spec.seq_len:
             raise ValueError(
                 f"routing shape {ids.shape} does not fit [T, L, K] = {routing.shape[1:]}"

@@ -1,25 +1,25 @@
-"""The next batch: pull groups until a batch's worth pass the staleness policy, assemble it, and,
-with several JAX processes, broadcast it from process 0 (the only one that talks to the servers)
-to every process.
+"""The next batch (docs/DESIGN.md §7.1, steps 1 to 4): pull groups until a batch's worth
+pass the staleness policy, assemble them, and, with several JAX processes, broadcast the batch from
+process 0 (the only one that talks to the servers) to every process.
 
-Broadcast (``broadcast_pulled``): the batch's arrays and the per-token lags go as one pytree of
-fixed-shape arrays (``multihost_utils.broadcast_one_to_all``); the small rest (counters, reward
-and length means, prompt ids) as JSON bytes, padded to a power of two so that only a few shapes
-ever compile. Every process then holds the same ``PulledBatch``.
+Broadcast (``broadcast_pulled``, docs/DESIGN.md §7.1 step 4, §7.3): the batch's arrays and the
+per-token lags [R, T] go as one pytree of fixed-shape arrays
+(``multihost_utils.broadcast_one_to_all``); the rest of the ``BatchStats`` as its JSON
+(``BatchStats.to_json``), padded to a power of two so that only a few shapes ever compile. Every
+process then holds the same ``PulledBatch``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
-from typing import Any
 
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from sat_jax.train_step import TrainBatch
 from train import batching, checkpointing
 from train.remote import ServerPool
 
@@ -34,15 +34,12 @@ class PulledBatch:
 
     Attributes:
       batch: the ``TrainBatch`` as NumPy arrays (``batching.assemble_batch``).
-      stats: its ``BatchStats``.
-      dropped: groups pulled for it but dropped by the staleness policy.
-      duplicates: groups pulled for it but skipped as already trained.
+      stats: its ``BatchStats``, including how many pulled groups were dropped as stale or
+        skipped as duplicates.
     """
 
-    batch: Any
+    batch: TrainBatch
     stats: batching.BatchStats
-    dropped: int
-    duplicates: int
 
 
 def pull_batch(
@@ -52,36 +49,42 @@ def pull_batch(
     *,
     timeout_s: float,
     stall_s: float,
-) -> tuple[list[Any], int, int]:
-    """Pulls until ``spec.batch_groups`` groups pass the staleness policy and were not trained
-    before; returns ``(groups, stale_dropped, duplicates)``.
+) -> batching.Selection:
+    """Pulls until ``spec.batch_groups`` groups pass ``batching.select_groups`` (the staleness
+    policy and the duplicate check); returns them with the counts of the rest.
+
+    Args:
+      pool: the servers.
+      spec: the batch shape and staleness policy.
+      progress: the trainer version, ``min_version`` and recently trained prompt ids.
+      timeout_s: how long one pull may wait for groups.
+      stall_s: how long the servers may answer without sending a group.
 
     Raises:
       RuntimeError: the servers answered but sent no group for ``stall_s`` seconds.
     """
-    seen = set(progress.recent_prompt_ids)
-    kept: list[Any] = []
-    dropped = duplicates = 0
+    seen = frozenset(progress.recent_prompt_ids)
+    selection = batching.Selection.empty()
     last_group = time.monotonic()
-    while len(kept) < spec.batch_groups:
-        pulled = pool.pull(spec.batch_groups - len(kept), timeout_s)
-        fresh = [g for g in pulled if g.prompt_id not in seen]
-        duplicates += len(pulled) - len(fresh)
-        ok, n_dropped, _ = batching.select_groups(
-            fresh, spec, progress.version, progress.min_version
+    while len(selection.kept) < spec.batch_groups:
+        pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s)
+        selection += batching.select_groups(
+            pulled,
+            spec,
+            trainer_version=progress.version,
+            min_version=progress.min_version,
+            seen=seen,
         )
-        kept += ok
-        dropped += n_dropped
         if pulled:
             last_group = time.monotonic()
             continue
-        log.info("waiting for rollout groups (%d of %d)", len(kept), spec.batch_groups)
+        log.info("waiting for rollout groups (%d of %d)", len(selection.kept), spec.batch_groups)
         if time.monotonic() - last_group > stall_s:
             raise RuntimeError(
                 f"no rollout group for {stall_s:.0f}s although the servers answer: is their "
                 "admission closed (a server of another run, or weights never pushed)?"
             )
-    return kept, dropped, duplicates
+    return selection
 
 
 def next_batch(
@@ -113,13 +116,9 @@ def next_batch(
         )
     pulled = None
     if pool is not None:
-        groups, dropped, duplicates = pull_batch(
-            pool, spec, progress, timeout_s=timeout_s, stall_s=stall_s
-        )
-        batch, stats = batching.assemble_batch(
-            groups, spec, trainer_version=progress.version, min_version=progress.min_version
-        )
-        pulled = PulledBatch(batch=batch, stats=stats, dropped=dropped, duplicates=duplicates)
+        selection = pull_batch(pool, spec, progress, timeout_s=timeout_s, stall_s=stall_s)
+        batch, stats = batching.assemble_batch(selection, spec, trainer_version=progress.version)
+        pulled = PulledBatch(batch=batch, stats=stats)
     if jax.process_count() == 1:
         return pulled
     return broadcast_pulled(pulled, spec)
@@ -130,43 +129,19 @@ def broadcast_pulled(pulled: PulledBatch | None, spec: batching.BatchSpec) -> Pu
     with its batch, the others with None)."""
     source = jax.process_index() == 0
     if source:
-        lag_bt = np.zeros(pulled.batch.tokens.shape, np.int32)
-        lag_bt[pulled.batch.loss_mask > 0] = pulled.stats.lags
-        arrays = (pulled.batch, lag_bt)
-        s = pulled.stats
-        meta = {
-            "groups": s.groups,
-            "stale_dropped": s.stale_dropped,
-            "stale_kept": s.stale_kept,
-            "reward_mean": s.reward_mean,
-            "response_len_mean": s.response_len_mean,
-            "tokens": s.tokens,
-            "prompt_ids": list(s.prompt_ids),
-            "dropped": pulled.dropped,
-            "duplicates": pulled.duplicates,
-        }
-        blob = json.dumps(meta).encode()
+        batch, blob = pulled.batch, pulled.stats.to_json()
     else:  # shapes and dtypes only: an empty batch of the same spec
-        empty, _ = batching.assemble_batch([], spec, trainer_version=0)
-        arrays = (empty, np.zeros(empty.tokens.shape, np.int32))
+        batch, _ = batching.assemble_batch(batching.Selection.empty(), spec, trainer_version=0)
         blob = b""
-    batch, lag_bt = multihost_utils.broadcast_one_to_all(arrays, is_source=source)
-    meta = json.loads(broadcast_bytes(blob, is_source=source))
-    lags = lag_bt[batch.loss_mask > 0].astype(np.int64)
-    stats = batching.BatchStats(
-        groups=meta["groups"],
-        stale_dropped=meta["stale_dropped"],
-        stale_kept=meta["stale_kept"],
-        lags=lags,
-        lag_hist=np.bincount(np.clip(lags, 0, batching.LAG_BINS - 1), minlength=batching.LAG_BINS),
-        reward_mean=meta["reward_mean"],
-        response_len_mean=meta["response_len_mean"],
-        tokens=meta["tokens"],
-        prompt_ids=tuple(meta["prompt_ids"]),
+    lag_bt = np.zeros(batch.tokens.shape, np.int32)
+    if source:  # the inverse of batching.token_lags
+        lag_bt[batch.loss_mask > 0] = pulled.stats.lags
+    batch, lag_bt = multihost_utils.broadcast_one_to_all((batch, lag_bt), is_source=source)
+    stats = batching.BatchStats.from_json(
+        broadcast_bytes(blob, is_source=source),
+        lags=batching.token_lags(lag_bt, batch.loss_mask),
     )
-    return PulledBatch(
-        batch=batch, stats=stats, dropped=meta["dropped"], duplicates=meta["duplicates"]
-    )
+    return PulledBatch(batch=batch, stats=stats)
 
 
 def broadcast_bytes(data: bytes, *, is_source: bool) -> bytes:

@@ -1,8 +1,11 @@
-"""The trainer's side of the rollout servers: pulling groups and pushing weights over gRPC.
+"""The trainer's side of the rollout servers (docs/DESIGN.md §6.2 protocol; §7.1 steps 1
+and 6, pull and push): pulling groups and pushing weights over gRPC.
 
-Knows the servers only through the generated proto client. A server that does not answer is
-retried with exponential backoff (capped at ``retry_max_s``) and a log line per failure; the pool
-gives up only when no server has answered for ``server_wait_s``.
+Knows the servers only through the generated proto client. Every RPC goes through one retry loop
+(``ServerPool._call``): a server that does not answer is retried with exponential backoff (capped
+at ``retry_max_s``) and a log line per failure; the pool gives up when the servers have failed
+without a single answer for ``server_wait_s``. A reply or request over the gRPC message limit
+(``server.max_message_bytes``) is not retried: it would fail the same way every time.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import grpc
+from google.protobuf.message import Message
 
 from rollout_server.client import connect
 from rollout_server.proto import rollout_pb2
@@ -25,10 +29,20 @@ _TRANSIENT = (
     grpc.StatusCode.CANCELLED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 )
+# gRPC reports a message over the size limit (either way) as RESOURCE_EXHAUSTED with this text.
+_TOO_LARGE = "larger than max"
+# Deadline of one RPC beyond what the request itself waits for.
+_PULL_SLACK_S = 30.0
+_UPDATE_WEIGHTS_S = 120.0
+_HEALTH_S = 10.0
 
 
 class ServersDownError(RuntimeError):
     """No rollout server answered for ``server_wait_s`` seconds."""
+
+
+class MessageTooLargeError(RuntimeError):
+    """A request or reply exceeded the gRPC message limit (``server.max_message_bytes``)."""
 
 
 class ServerPool:
@@ -37,8 +51,10 @@ class ServerPool:
     Args:
       addresses: "host:port" of each server.
       token: the shared token for ``UpdateWeights`` ("" = none).
+      max_message_bytes: the gRPC message limit both ways (``server.max_message_bytes``).
       retry_max_s: the longest wait between retries of a down server.
-      server_wait_s: how long all servers may stay down before ``ServersDownError``.
+      server_wait_s: how long one call may keep failing (no server answering) before
+        ``ServersDownError``; counted from its first failure, not from the last answer.
       on_retry: called before each retry; may raise to stop waiting (e.g. when a local server
         process has exited).
     """
@@ -47,21 +63,22 @@ class ServerPool:
         self,
         addresses: Sequence[str],
         *,
-        token: str = "",
-        retry_max_s: float = 10.0,
-        server_wait_s: float = 600.0,
+        token: str,
+        max_message_bytes: int,
+        retry_max_s: float,
+        server_wait_s: float,
         on_retry: Callable[[], None] | None = None,
     ):
         if not addresses:
             raise ValueError("ServerPool needs at least one address")
         self.addresses = tuple(addresses)
         self._token = token
+        self._max_message_bytes = max_message_bytes
         self._retry_max_s = retry_max_s
         self._server_wait_s = server_wait_s
         self._on_retry = on_retry
-        self._conns = [connect(a) for a in self.addresses]
+        self._conns = [connect(a, max_message_bytes) for a in self.addresses]
         self._next = 0
-        self._last_ok = time.monotonic()
 
     def close(self) -> None:
         for channel, _ in self._conns:
@@ -74,24 +91,16 @@ class ServerPool:
         self.close()
 
     def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
-        """Up to ``max_groups`` groups from the next server that answers (possibly none)."""
-        backoff = 0.5
-        for _ in self._forever():
-            i = self._next
-            self._next = (self._next + 1) % len(self._conns)
-            # With several servers, a short wait on each keeps one slow server from stalling us.
-            wait = timeout_s if len(self._conns) == 1 else min(timeout_s, 1.0)
-            try:
-                response = self._conns[i][1].Pull(
-                    rollout_pb2.PullRequest(max_groups=max_groups, timeout_s=wait),
-                    timeout=wait + 30.0,
-                )
-            except grpc.RpcError as e:
-                backoff = self._failed(i, "Pull", e, backoff)
-                continue
-            self._last_ok = time.monotonic()
-            return list(response.groups)
-        raise AssertionError("unreachable")
+        """Up to ``max_groups`` groups from the next server that answers (possibly none).
+
+        Raises:
+          ServersDownError, MessageTooLargeError, grpc.RpcError: as in ``_call``.
+        """
+        # With several servers, a short wait on each keeps one slow server from stalling us.
+        wait = timeout_s if len(self._conns) == 1 else min(timeout_s, 1.0)
+        request = rollout_pb2.PullRequest(max_groups=max_groups, timeout_s=wait)
+        response = self._call("Pull", request, deadline_s=wait + _PULL_SLACK_S, server=None)
+        return list(response.groups)
 
     def update_weights(
         self, version: int, checkpoint_path: str, *, new_admission_epoch: bool = False
@@ -106,6 +115,7 @@ class ServerPool:
 
         Raises:
           grpc.RpcError: a server refused the update (e.g. a version older than its own).
+          ServersDownError, MessageTooLargeError: as in ``_call``.
         """
         request = rollout_pb2.UpdateWeightsRequest(
             version=version,
@@ -113,50 +123,63 @@ class ServerPool:
             token=self._token,
             new_admission_epoch=new_admission_epoch,
         )
-        for i, (_, stub) in enumerate(self._conns):
-            backoff = 0.5
-            for _ in self._forever():
-                try:
-                    stub.UpdateWeights(request, timeout=120.0)
-                    self._last_ok = time.monotonic()
-                    break
-                except grpc.RpcError as e:
-                    backoff = self._failed(i, "UpdateWeights", e, backoff)
+        for i in range(len(self._conns)):
+            self._call("UpdateWeights", request, deadline_s=_UPDATE_WEIGHTS_S, server=i)
 
     def versions(self) -> list[int]:
         """Each server's current weights version (waiting for down servers)."""
-        out = []
-        for i, (_, stub) in enumerate(self._conns):
-            backoff = 0.5
-            for _ in self._forever():
-                try:
-                    out.append(int(stub.Health(rollout_pb2.HealthRequest(), timeout=10.0).version))
-                    self._last_ok = time.monotonic()
-                    break
-                except grpc.RpcError as e:
-                    backoff = self._failed(i, "Health", e, backoff)
-        return out
+        request = rollout_pb2.HealthRequest()
+        return [
+            int(self._call("Health", request, deadline_s=_HEALTH_S, server=i).version)
+            for i in range(len(self._conns))
+        ]
 
-    def _forever(self):
+    def _call(
+        self, rpc: str, request: Message, *, deadline_s: float, server: int | None
+    ) -> Message:
+        """The response of ``rpc`` on ``server``, retried until it answers; with ``server=None``,
+        each attempt goes to the next server in turn.
+
+        Raises:
+          ServersDownError: every attempt failed for ``server_wait_s``.
+          MessageTooLargeError: the request or the reply is over ``max_message_bytes``.
+          grpc.RpcError: a non-transient error (the server refused the request).
+        """
+        backoff, failing_since = min(0.5, self._retry_max_s), None
         while True:
-            yield
-            if time.monotonic() - self._last_ok > self._server_wait_s:
+            i = server
+            if i is None:
+                i, self._next = self._next, (self._next + 1) % len(self._conns)
+            try:
+                return getattr(self._conns[i][1], rpc)(request, timeout=deadline_s)
+            except grpc.RpcError as e:
+                self._raise_unless_transient(i, rpc, e)
+                code = e.code()
+            now = time.monotonic()
+            failing_since = now if failing_since is None else failing_since
+            if now - failing_since > self._server_wait_s:
                 raise ServersDownError(
                     f"no rollout server answered for {self._server_wait_s:.0f}s: {self.addresses}"
                 )
+            if self._on_retry is not None:
+                self._on_retry()
+            log.warning(
+                "rollout server %s is down (%s: %s); retrying in %.1fs",
+                self.addresses[i],
+                rpc,
+                code.name,
+                backoff,
+            )
+            time.sleep(backoff)
+            backoff = min(2 * backoff, self._retry_max_s)
 
-    def _failed(self, i: int, rpc: str, error: grpc.RpcError, backoff: float) -> float:
-        code = error.code()
+    def _raise_unless_transient(self, i: int, rpc: str, error: grpc.RpcError) -> None:
+        code, details = error.code(), error.details() or ""
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in details:
+            raise MessageTooLargeError(
+                f"{rpc} with rollout server {self.addresses[i]}: a message is over the gRPC limit "
+                f"of {self._max_message_bytes} bytes ({details}); raise server.max_message_bytes "
+                "(it sets the limit of the trainer and of the servers)"
+            ) from error
         if code not in _TRANSIENT:
             raise error
-        if self._on_retry is not None:
-            self._on_retry()
-        log.warning(
-            "rollout server %s is down (%s: %s); retrying in %.1fs",
-            self.addresses[i],
-            rpc,
-            code.name,
-            backoff,
-        )
-        time.sleep(backoff)
-        return min(2 * backoff, self._retry_max_s)

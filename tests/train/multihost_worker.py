@@ -20,7 +20,17 @@ import sys
 
 import numpy as np
 
-SPEC_KWARGS = dict(batch_groups=3, group_size=2, seq_len=12, routing_lk=(2, 2), max_staleness=1)
+SPEC_KWARGS = dict(
+    batch_groups=3,
+    group_size=2,
+    seq_len=12,
+    routing_lk=(2, 2),
+    routing_dtype="uint8",
+    max_staleness=1,
+    stale_policy="drop",
+    estimator="grpo",
+    normalize_std=True,
+)
 TRAINER_VERSION = 3
 
 
@@ -86,20 +96,22 @@ def progress():
 
 
 def record(pulled) -> tuple[dict[str, np.ndarray], dict]:
-    """A PulledBatch as (arrays, JSON-able facts)."""
+    """A PulledBatch as (arrays, JSON-able facts): every field of its stats, whatever they are,
+    and the lag summaries derived from them."""
     import dataclasses
 
     batch = {k: np.asarray(v) for k, v in vars(pulled.batch).items() if v is not None}
     s = pulled.stats
-    facts = {
-        **{f.name: getattr(s, f.name) for f in dataclasses.fields(s)},
-        "lags": s.lags.tolist(),
-        "lag_hist": s.lag_hist.tolist(),
-        "prompt_ids": list(s.prompt_ids),
-        "dropped": pulled.dropped,
-        "duplicates": pulled.duplicates,
-    }
+    facts = {f.name: _jsonable(getattr(s, f.name)) for f in dataclasses.fields(s)}
+    facts |= {"lag_hist": s.lag_hist.tolist(), "lag_mean": s.lag_mean, "lag_max": s.lag_max}
+    facts["lags_dtype"] = str(s.lags.dtype)
     return batch, facts
+
+
+def _jsonable(value):
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return list(value) if isinstance(value, tuple) else value
 
 
 def reference() -> list[tuple[dict[str, np.ndarray], dict]]:

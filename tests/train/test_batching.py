@@ -1,12 +1,15 @@
-"""Batch assembly: alignment, fixed shapes, lag tagging, the staleness policy and advantages."""
+"""Batch assembly: alignment, fixed shapes, lag tagging, the staleness policy, advantages, and the
+counts that reach ``BatchStats`` on the live path (``pulling.next_batch``)."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
 
 from rollout_server.proto import rollout_pb2
-from train import batching
+from train import batching, pulling
 
 L, K = 2, 2
 
@@ -36,13 +39,31 @@ def make_group(
 
 
 def spec(**kw) -> batching.BatchSpec:
-    base = dict(batch_groups=3, group_size=2, seq_len=10, routing_lk=(L, K), max_staleness=1)
+    base = dict(
+        batch_groups=3,
+        group_size=2,
+        seq_len=10,
+        routing_lk=(L, K),
+        routing_dtype="uint8",
+        max_staleness=1,
+        stale_policy="drop",
+        estimator="grpo",
+        normalize_std=True,
+    )
     return batching.BatchSpec(**(base | kw))
+
+
+def assemble(groups, batch_spec, *, trainer_version, min_version=0, seen=()):
+    """select_groups then assemble_batch, as the live path does."""
+    selection = batching.select_groups(
+        groups, batch_spec, trainer_version=trainer_version, min_version=min_version, seen=seen
+    )
+    return batching.assemble_batch(selection, batch_spec, trainer_version=trainer_version)
 
 
 def test_alignment_shapes_and_advantages():
     groups = [make_group(7, [1.0, 0.0], [[5, 5], [5, 5, 5]])]
-    batch, stats = batching.assemble_batch(groups, spec(), trainer_version=5)
+    batch, stats = assemble(groups, spec(), trainer_version=5)
     assert batch.tokens.shape == (6, 10) and batch.routing.shape == (6, 10, L, K)
     np.testing.assert_array_equal(batch.tokens[0, :5], [1, 5, 6, 10, 11])
     np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1, 1, 0, 0, 0, 0, 0])
@@ -69,7 +90,7 @@ def test_staleness_policy(policy, kept, dropped, stale_kept):
         make_group(2, [1, 0], [[8, 9], [8]]),  # lag 1: within max_staleness
         make_group(3, [1, 0], [[7, 8], [8]]),  # lag 2: stale
     ]
-    batch, stats = batching.assemble_batch(groups, spec(stale_policy=policy), trainer_version=9)
+    batch, stats = assemble(groups, spec(stale_policy=policy), trainer_version=9)
     assert (stats.groups, stats.stale_dropped, stats.stale_kept) == (kept, dropped, stale_kept)
     expected_lags = [0, 0, 0, 1, 0, 1] + ([2, 1, 1] if policy == "keep" else [])
     np.testing.assert_array_equal(np.sort(stats.lags), np.sort(expected_lags))
@@ -81,22 +102,20 @@ def test_staleness_policy(policy, kept, dropped, stale_kept):
 
 def test_pre_sync_versions_are_dropped():
     groups = [make_group(1, [1, 0], [[0, 1], [1]]), make_group(2, [1, 0], [[1], [1]])]
-    _, stats = batching.assemble_batch(groups, spec(), trainer_version=1, min_version=1)
+    _, stats = assemble(groups, spec(), trainer_version=1, min_version=1)
     assert stats.groups == 1 and stats.stale_dropped == 1 and stats.prompt_ids == ("p2",)
 
 
 def test_lag_histogram_last_bin_collects_old_tokens():
     groups = [make_group(1, [1, 0], [[0], [100]])]
-    _, stats = batching.assemble_batch(groups, spec(stale_policy="keep"), trainer_version=100)
+    _, stats = assemble(groups, spec(stale_policy="keep"), trainer_version=100)
     assert stats.lag_hist[-1] == 1 and stats.lag_hist[0] == 1
 
 
 def test_equal_rewards_give_zero_advantage_and_empty_batch_is_all_padding():
-    batch, _ = batching.assemble_batch(
-        [make_group(1, [1, 1], [[2], [2]])], spec(), trainer_version=2
-    )
+    batch, _ = assemble([make_group(1, [1, 1], [[2], [2]])], spec(), trainer_version=2)
     assert np.all(batch.advantages == 0)
-    batch, stats = batching.assemble_batch([], spec(routing_lk=None), trainer_version=0)
+    batch, stats = assemble([], spec(routing_lk=None), trainer_version=0)
     assert batch.routing is None and batch.loss_mask.sum() == 0 and stats.lag_max == 0
 
 
@@ -109,15 +128,77 @@ def test_equal_rewards_give_zero_advantage_and_empty_batch_is_all_padding():
 )
 def test_malformed_groups_are_rejected(group, message):
     with pytest.raises(ValueError, match=message):
-        batching.assemble_batch([group], spec(), trainer_version=1)
+        assemble([group], spec(), trainer_version=1)
 
 
 def test_same_shapes_for_every_batch():
-    a, _ = batching.assemble_batch([make_group(1, [1, 0], [[1], [1]])], spec(), trainer_version=1)
-    b, _ = batching.assemble_batch(
+    a, _ = assemble([make_group(1, [1, 0], [[1], [1]])], spec(), trainer_version=1)
+    b, _ = assemble(
         [make_group(i, [1, 0], [[1] * 5, [1]]) for i in range(3)], spec(), trainer_version=1
     )
     for x, y in zip(
         (a.tokens, a.loss_mask, a.routing), (b.tokens, b.loss_mask, b.routing), strict=True
     ):
         assert x.shape == y.shape and x.dtype == y.dtype
+
+
+def test_duplicates_and_counts_reach_the_stats():
+    groups = [
+        make_group(1, [1, 0], [[9], [9]]),
+        make_group(2, [1, 0], [[9], [9]]),  # trained recently: a duplicate
+        make_group(3, [1, 0], [[5], [9]]),  # lag 4: stale
+    ]
+    _, stats = assemble(groups, spec(), trainer_version=9, seen={"p2"})
+    assert (stats.groups, stats.stale_dropped, stats.duplicates) == (1, 1, 1)
+    assert stats.prompt_ids == ("p1",)
+
+
+def test_selections_add_up_in_pull_order():
+    a = batching.select_groups(
+        [make_group(1, [1, 0], [[9], [9]]), make_group(2, [1, 0], [[1], [1]])],
+        spec(),
+        trainer_version=9,
+        min_version=0,
+        seen=(),
+    )
+    b = batching.select_groups(
+        [make_group(3, [1, 0], [[9], [9]])], spec(), trainer_version=9, min_version=0, seen={"p3"}
+    )
+    both = batching.Selection.empty() + a + b
+    assert [g.prompt_id for g in both.kept] == ["p1"]
+    assert (both.stale_dropped, both.stale_kept, both.duplicates) == (1, 0, 1)
+
+
+def test_too_many_groups_are_rejected():
+    selection = dataclasses.replace(
+        batching.Selection.empty(), kept=tuple(make_group(i, [1, 0], [[1], [1]]) for i in range(4))
+    )
+    with pytest.raises(ValueError, match="4 groups for a batch of 3"):
+        batching.assemble_batch(selection, spec(), trainer_version=1)
+
+
+def test_stats_json_round_trip():
+    """What the multi-host broadcast does: the JSON of the stats and the lags as [R, T]."""
+    groups = [make_group(1, [1, 0], [[7, 9], [8]]), make_group(2, [0.25, 0], [[9], [9]])]
+    batch, stats = assemble(groups, spec(stale_policy="keep"), trainer_version=9, seen={"x"})
+    lag_bt = np.zeros(batch.tokens.shape, np.int32)
+    lag_bt[batch.loss_mask > 0] = stats.lags
+    back = batching.BatchStats.from_json(
+        stats.to_json(), lags=batching.token_lags(lag_bt, batch.loss_mask)
+    )
+    assert dataclasses.replace(back, lags=None) == dataclasses.replace(stats, lags=None)
+    np.testing.assert_array_equal(back.lags, stats.lags)
+    assert back.lags.dtype == np.int64 and (back.lag_max, back.stale_kept) == (2, 1)
+
+
+def test_live_path_counts_each_pulled_group_once():
+    """The policy runs once, in pull_batch: its counts are the batch's stats."""
+    from tests.train import multihost_worker
+
+    pool, progress = multihost_worker.FakePool(), multihost_worker.progress()
+    pulled = pulling.next_batch(
+        pool, batching.BatchSpec(**multihost_worker.SPEC_KWARGS), progress, timeout_s=0.1, stall_s=5
+    )
+    s = pulled.stats
+    assert (s.groups, s.stale_dropped, s.stale_kept, s.duplicates) == (3, 1, 0, 1)
+    assert s.prompt_ids == ("a0", "b0", "c0")

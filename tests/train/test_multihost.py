@@ -29,7 +29,7 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
     facts = [json.loads((tmp_path / f"p{pid}.json").read_text()) for pid in range(2)]
     arrays = [dict(np.load(tmp_path / f"p{pid}.npz")) for pid in range(2)]
     for round_, (want_arrays, want_facts) in enumerate(multihost_worker.reference()):
-        assert want_facts["groups"] == 3 and want_facts["dropped"] == 1
+        assert want_facts["groups"] == 3 and want_facts["stale_dropped"] == 1
         assert want_facts["duplicates"] == 1 and "routing" in want_arrays
         for pid in range(2):
             assert facts[pid][str(round_)] == json.loads(json.dumps(want_facts)), (pid, round_)
@@ -42,7 +42,7 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
     assert facts[0]["synced"] == facts[1]["synced"] == [8, 8]
     [(version, path, new_epoch)] = facts[0]["pushes"]
     assert (version, new_epoch) == (8, True) and path.endswith("weights/v8")
-    from rollout_server import weights
+    from sat_jax import params_io
 
-    back = weights.load_params(pathlib.Path(path), {"w": jax.numpy.zeros(8, np.float32)})
+    back = params_io.load_params(pathlib.Path(path), {"w": jax.numpy.zeros(8, np.float32)})
     np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(8, dtype=np.float32))

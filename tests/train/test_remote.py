@@ -1,9 +1,11 @@
 """ServerPool against an in-process fake Rollout service: round robin, retries while a server is
-down (with a log line), weight pushes to every server, and giving up after server_wait_s."""
+down (with a log line), weight pushes to every server, giving up after server_wait_s, and the
+message size limit (server.max_message_bytes) reaching the trainer's channel."""
 
 from __future__ import annotations
 
 import logging
+import time
 from concurrent import futures
 
 import grpc
@@ -11,11 +13,20 @@ import portpicker
 import pytest
 
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
-from train.remote import ServerPool, ServersDownError
+from train.remote import MessageTooLargeError, ServerPool, ServersDownError
+
+MiB = 1024 * 1024
+
+
+def pool(addresses, **kw) -> ServerPool:
+    """A ServerPool with the test's settings, overridable per test."""
+    base = dict(token="", max_message_bytes=8 * MiB, retry_max_s=0.1, server_wait_s=30.0)
+    return ServerPool(addresses, **(base | kw))
 
 
 class FakeRollout(rollout_pb2_grpc.RolloutServicer):
-    def __init__(self):
+    def __init__(self, payload_bytes: int = 0):
+        self.payload_bytes = payload_bytes
         self.next_id = 0
         self.updates: list[tuple[int, str, bool]] = []
         self.version = 0
@@ -23,7 +34,14 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
     def Pull(self, request, context):
         groups = []
         for _ in range(request.max_groups):
-            groups.append(rollout_pb2.Group(group_id=self.next_id, prompt_id=f"p{self.next_id}"))
+            traj = rollout_pb2.Trajectory(
+                routing=rollout_pb2.Routing(data=b"\x01" * self.payload_bytes)
+            )
+            groups.append(
+                rollout_pb2.Group(
+                    group_id=self.next_id, prompt_id=f"p{self.next_id}", trajectories=[traj]
+                )
+            )
             self.next_id += 1
         return rollout_pb2.PullResponse(groups=groups)
 
@@ -38,51 +56,75 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.HealthResponse(live=True, version=self.version)
 
 
-@pytest.fixture
-def fake():
-    servicer = FakeRollout()
-    server = grpc.server(futures.ThreadPoolExecutor(2))
+def serve(servicer: FakeRollout):
+    """Starts ``servicer`` on a free loopback port (sending up to 64 MiB); yields its address."""
+    options = [("grpc.max_send_message_length", 64 * MiB)]
+    server = grpc.server(futures.ThreadPoolExecutor(2), options=options)
     rollout_pb2_grpc.add_RolloutServicer_to_server(servicer, server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        yield servicer, f"127.0.0.1:{port}"
+        yield f"127.0.0.1:{port}"
     finally:
         server.stop(0)
+
+
+@pytest.fixture
+def fake():
+    servicer = FakeRollout()
+    for address in serve(servicer):
+        yield servicer, address
+
+
+@pytest.fixture
+def large():
+    """A server whose groups are ~2 MiB each."""
+    yield from serve(FakeRollout(payload_bytes=2 * MiB))
 
 
 def test_pull_skips_a_down_server_with_a_log_line(fake, caplog):
     servicer, address = fake
     dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
-    with ServerPool([dead, address], retry_max_s=0.1, server_wait_s=30) as pool:
+    with pool([dead, address]) as p:
         with caplog.at_level(logging.WARNING, logger="train"):
-            groups = pool.pull(3, timeout_s=0.1)
+            groups = p.pull(3, timeout_s=0.1)
         assert [g.prompt_id for g in groups] == ["p0", "p1", "p2"]
         assert f"rollout server {dead} is down" in caplog.text
 
 
 def test_update_weights_reaches_every_server_and_refusals_raise(fake):
     servicer, address = fake
-    with ServerPool([address, address]) as pool:
-        pool.update_weights(3, "/ckpt/v3", new_admission_epoch=True)
-        pool.update_weights(4, "/ckpt/v4")
+    with pool([address, address]) as p:
+        p.update_weights(3, "/ckpt/v3", new_admission_epoch=True)
+        p.update_weights(4, "/ckpt/v4")
         assert servicer.updates == [
             (3, "/ckpt/v3", True),
             (3, "/ckpt/v3", True),
             (4, "/ckpt/v4", False),
             (4, "/ckpt/v4", False),
         ]
-        assert pool.versions() == [4, 4]
+        assert p.versions() == [4, 4]
         with pytest.raises(grpc.RpcError) as info:
-            pool.update_weights(2, "/ckpt/v2")
+            p.update_weights(2, "/ckpt/v2")
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_gives_up_when_every_server_stays_down():
     dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
-    with ServerPool([dead], retry_max_s=0.1, server_wait_s=1.0) as pool:
+    with pool([dead], server_wait_s=1.0) as p:
         with pytest.raises(ServersDownError, match="no rollout server answered"):
-            pool.pull(1, timeout_s=0.1)
+            p.pull(1, timeout_s=0.1)
+
+
+def test_server_wait_counts_from_the_first_failure_not_the_last_answer():
+    """A pool idle for longer than server_wait_s still retries a server that just went down."""
+    dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
+    retries = []
+    with pool([dead], server_wait_s=0.5, on_retry=lambda: retries.append(1)) as p:
+        time.sleep(0.6)  # idle: no call in flight, so nothing has failed yet
+        with pytest.raises(ServersDownError):
+            p.pull(1, timeout_s=0.1)
+    assert len(retries) >= 2
 
 
 def test_on_retry_can_stop_the_wait():
@@ -91,6 +133,17 @@ def test_on_retry_can_stop_the_wait():
     def local_server_exited():
         raise RuntimeError("the rollout server exited with -9")
 
-    with ServerPool([dead], server_wait_s=600, on_retry=local_server_exited) as pool:
+    with pool([dead], server_wait_s=600, on_retry=local_server_exited) as p:
         with pytest.raises(RuntimeError, match="exited with -9"):
-            pool.pull(1, timeout_s=0.1)
+            p.pull(1, timeout_s=0.1)
+
+
+def test_a_reply_over_the_message_limit_fails_at_once_naming_the_setting(large, caplog):
+    with pool([large], max_message_bytes=1 * MiB, server_wait_s=600) as p:
+        with caplog.at_level(logging.WARNING, logger="train"):
+            with pytest.raises(MessageTooLargeError, match="server.max_message_bytes") as info:
+                p.pull(1, timeout_s=0.1)
+    assert "larger than max" in str(info.value) and "is down" not in caplog.text
+    with pool([large], max_message_bytes=8 * MiB) as p:
+        [group] = p.pull(1, timeout_s=0.1)
+    assert len(group.trajectories[0].routing.data) == 2 * MiB
