@@ -89,9 +89,11 @@ class RolloutLoop:
       cfg: group size, sampling length and admission parameters.
       store: where the loop's state persists.
       wait_for_weights: admit nothing until trainer weights are installed (by `install_weights`
-        or restored from `store`); False = generate with the engine's initial weights too.
+        or restored from `store`); False = generate with the engine's initial weights too
+        (`ServerConfig.wait_for_weights`).
       max_response_bytes: a Pull returns fewer groups rather than exceed this many bytes
-        (a single larger group is still returned, and then fails at the gRPC limit).
+        (a single larger group is still returned, and then fails at the gRPC limit); the server
+        derives it from `ServerConfig.max_message_bytes`.
     """
 
     def __init__(
@@ -104,8 +106,8 @@ class RolloutLoop:
         tokenizer: CharTokenizer,
         cfg: RolloutConfig,
         store: StateStore,
-        wait_for_weights: bool = True,
-        max_response_bytes: int = 200 * 1024 * 1024,
+        wait_for_weights: bool,
+        max_response_bytes: int,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store

@@ -14,6 +14,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from sat_jax.experiment import RolloutConfig
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
@@ -22,6 +24,11 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+
+    @classmethod
+    def from_rollout(cls, cfg: RolloutConfig) -> SamplingConfig:
+        """The sampler of an experiment's `RolloutConfig` (where its defaults live)."""
+        return cls(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:

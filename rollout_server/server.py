@@ -37,6 +37,9 @@ from sat_jax.tasks import CharTokenizer, make_reward, prompt_dataset
 
 log = logging.getLogger("rollout_server")
 
+# What a PullResponse may add to its groups' bytes and stay under the gRPC message limit.
+_PULL_RESPONSE_HEADROOM_BYTES = 1024 * 1024
+
 
 class RolloutServer:
     """Everything the process runs; `start()` inside an asyncio loop, `stop()` to end."""
@@ -52,7 +55,7 @@ class RolloutServer:
             slots=s.slots,
             max_prefill_length=s.max_prefill_length,
             max_decode_length=r.max_new_tokens,
-            sampling=SamplingConfig(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p),
+            sampling=SamplingConfig.from_rollout(r),
             seed=s.seed,
         )
         store = StateStore(s.state_dir)
@@ -82,7 +85,7 @@ class RolloutServer:
             cfg=r,
             store=store,
             wait_for_weights=s.wait_for_weights,
-            max_response_bytes=s.max_message_bytes - 1024 * 1024,
+            max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
         )
         self.metrics = ServerMetrics(
             self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()

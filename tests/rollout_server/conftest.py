@@ -19,6 +19,7 @@ from flax import nnx
 
 from rollout_server.client import channel_options
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+from sat_jax.experiment import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = REPO / "configs" / "arith_tiny.yaml"
@@ -26,6 +27,8 @@ CONFIG = REPO / "configs" / "arith_tiny.yaml"
 JAX_CACHE = pathlib.Path(tempfile.gettempdir()) / "sat_jax_rollout_test_jax_cache"
 # Every test server uses these shapes, so later processes hit the compilation cache.
 SHAPES = ["server.slots=4", "rollout.max_new_tokens=6", "rollout.group_size=2"]
+# The test servers' gRPC message limit, for the clients' channels.
+MAX_MESSAGE_BYTES = load_config(str(CONFIG), SHAPES).server.max_message_bytes
 
 
 class ServerProcess:
@@ -64,7 +67,7 @@ class ServerProcess:
         raise AssertionError(f"server not ready after {timeout_s}s:\n{self.log()}")
 
     def channel(self) -> grpc.Channel:
-        return grpc.insecure_channel(self.address, options=channel_options())
+        return grpc.insecure_channel(self.address, options=channel_options(MAX_MESSAGE_BYTES))
 
     def rollout_stub(self) -> rollout_pb2_grpc.RolloutStub:
         return rollout_pb2_grpc.RolloutStub(self.channel())

@@ -14,6 +14,7 @@ from flax import nnx
 
 from rollout_server.engine import FailedPrefix, MoEEngine, unpack_step
 from rollout_server.sampling import SamplingConfig, sample, sampling_logprobs
+from sat_jax.experiment import RolloutConfig
 from sat_jax.model import ModelConfig, Transformer, token_logprobs
 from sat_jax.tasks import CharTokenizer
 
@@ -247,7 +248,8 @@ def test_engine_validates_config():
             slots=2,
             max_prefill_length=20,
             max_decode_length=4,
-            sampling=SamplingConfig(),
+            sampling=SamplingConfig.from_rollout(RolloutConfig()),
+            seed=0,
         )
 
 

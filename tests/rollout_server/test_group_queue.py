@@ -63,7 +63,8 @@ def test_pull_stays_under_the_byte_limit():
     loop = RolloutLoop(
         driver=None, engine=None, prompts=prompt_dataset(TaskConfig()),
         reward_fn=exact_match_reward, tokenizer=CharTokenizer("0123456789"),
-        cfg=RolloutConfig(), store=StateStore(""), max_response_bytes=2500,
+        cfg=RolloutConfig(), store=StateStore(""), wait_for_weights=True,
+        max_response_bytes=2500,
     )  # fmt: skip
     for i in range(5):
         loop.queue.put(rollout_pb2.Group(group_id=i, prompt_text="x" * 1000))

@@ -6,6 +6,7 @@ import sys
 
 from rollout_server.client import channel_options
 from rollout_server.proto import regenerate, rollout_pb2
+from sat_jax.experiment import ServerConfig
 
 
 def test_committed_modules_match_fresh_generation(tmp_path):
@@ -31,6 +32,8 @@ def test_package_is_distinct_from_jetstream():
 
 
 def test_message_limits():
-    opts = dict(channel_options())
-    assert opts["grpc.max_send_message_length"] >= 256 * 1024 * 1024
-    assert opts["grpc.max_receive_message_length"] >= 256 * 1024 * 1024
+    limit = ServerConfig().max_message_bytes
+    assert limit >= 256 * 1024 * 1024  # real batches, far above gRPC's 4 MB default
+    opts = dict(channel_options(limit))
+    assert opts["grpc.max_send_message_length"] == limit
+    assert opts["grpc.max_receive_message_length"] == limit

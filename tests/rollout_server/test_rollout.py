@@ -12,7 +12,7 @@ from rollout_server.engine import MoEEngine
 from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.proto import rollout_pb2
 from rollout_server.rollout import RolloutLoop, admission_budget
-from sat_jax.experiment import RolloutConfig, TaskConfig
+from sat_jax.experiment import RolloutConfig, ServerConfig, TaskConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
 
 B = 4
@@ -55,16 +55,25 @@ class FakeDriver:
     tokens_generated = 0
 
 
-def _loop(store: StateStore, engine: FakeEngine, *, wait: bool) -> RolloutLoop:
+def _loop(
+    store: StateStore,
+    engine: FakeEngine,
+    *,
+    wait: bool,
+    cfg: RolloutConfig = CFG,
+    driver: FakeDriver | None = None,
+    prompts: grain.IterDataset | None = None,
+) -> RolloutLoop:
     return RolloutLoop(
-        driver=FakeDriver(),
+        driver=FakeDriver() if driver is None else driver,
         engine=engine,
-        prompts=prompt_dataset(TaskConfig()),
+        prompts=prompt_dataset(TaskConfig()) if prompts is None else prompts,
         reward_fn=exact_match_reward,
         tokenizer=CharTokenizer("0123456789+-="),
-        cfg=CFG,
+        cfg=cfg,
         store=store,
         wait_for_weights=wait,
+        max_response_bytes=ServerConfig().max_message_bytes,
     )
 
 
@@ -106,15 +115,7 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
     # closed. While a Pull takes the groups off the queue, admission must not find them in
     # neither `queued` nor `consumed` (it would start a group of the old version too many).
     cfg = RolloutConfig(batch_groups=B, max_staleness=0)
-    loop = RolloutLoop(
-        driver=FakeDriver(),
-        engine=FakeEngine(),
-        prompts=prompt_dataset(TaskConfig()),
-        reward_fn=exact_match_reward,
-        tokenizer=CharTokenizer("0123456789+-="),
-        cfg=cfg,
-        store=StateStore(str(tmp_path)),
-    )
+    loop = _loop(StateStore(str(tmp_path)), FakeEngine(), wait=True, cfg=cfg)
     loop.install_weights(1, "/ckpt/v1", params=None)
     for i in range(B):
         loop.queue.put(rollout_pb2.Group(group_id=i, prompt_id=f"p{i}"))
@@ -159,17 +160,16 @@ class RecordingDriver(FakeDriver):
 
 def test_prompts_longer_than_a_prefill_are_skipped(tmp_path):
     driver = RecordingDriver()
-    loop = RolloutLoop(
+    prompts = [
+        Prompt(id="long", text="123+4=", answer="127"),
+        Prompt(id="ok", text="1=", answer="1"),
+    ]
+    loop = _loop(
+        StateStore(str(tmp_path)),
+        ShortPromptEngine(),
+        wait=False,
         driver=driver,
-        engine=ShortPromptEngine(),
-        prompts=grain.MapDataset.source(
-            [Prompt(id="long", text="123+4=", answer="127"), Prompt(id="ok", text="1=", answer="1")]
-        ).to_iter_dataset(),
-        reward_fn=exact_match_reward,
-        tokenizer=CharTokenizer("0123456789+-="),
-        cfg=CFG,
-        store=StateStore(str(tmp_path)),
-        wait_for_weights=False,
+        prompts=grain.MapDataset.source(prompts).to_iter_dataset(),
     )
     loop._dispatch_next()  # 6 tokens + BOS > 4: skipped, nothing submitted
     assert loop.prompts_skipped == 1 and driver.requests == []

@@ -10,6 +10,7 @@ import pytest
 
 from rollout_server.client import connect
 from rollout_server.proto import rollout_pb2
+from tests.rollout_server.conftest import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.slow  # starts server processes
 
@@ -26,10 +27,10 @@ def test_tls_server(server_factory, tmp_path):
     server = server_factory(
         [f"server.tls_cert={cert}", f"server.tls_key={key}", "rollout.batch_groups=1"]
     )
-    channel, stub = connect(server.address, root_certificates=cert.read_bytes())
+    channel, stub = connect(server.address, MAX_MESSAGE_BYTES, root_certificates=cert.read_bytes())
     assert stub.Health(rollout_pb2.HealthRequest(), timeout=30).live
     channel.close()
-    plain, stub = connect(server.address)
+    plain, stub = connect(server.address, MAX_MESSAGE_BYTES)
     with pytest.raises(grpc.RpcError) as e:
         stub.Health(rollout_pb2.HealthRequest(), timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
