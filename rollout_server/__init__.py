@@ -13,7 +13,8 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 - `rollout`, `group_queue`, `persistence`: prompts → groups of G samples → rewards → a bounded
   queue, with admission control and a state file so a restart loses no prompt.
 - `weights`: UpdateWeights' checkpoint-root policy; loading through `sat_jax.params_io`.
-- `service`, `metrics`, `server`: the gRPC servicers, Prometheus gauges, and the process.
+- `service`, `metrics`, `process`: the gRPC servicers, Prometheus gauges, and the running server.
+- `server`: the `sat-serve` command (config errors are one line and exit 2).
 - `routing_codec`: the routing ids' wire format, encoded here and decoded by the trainer.
 - `client`: channel options and a stub for the trainer (grpc + generated code only).
 

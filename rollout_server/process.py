@@ -1,0 +1,173 @@
+"""The running rollout server (docs/DESIGN.md §6), which `sat-serve` starts once its config is
+valid.
+
+build model → engine → JetStream driver (our subclass) → rollout loop → one gRPC server with
+JetStream's Orchestrator service and our Rollout service → serve until SIGINT/SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
+
+# isort: split
+
+import grpc
+import prometheus_client as prom
+from flax import nnx
+from jetstream.core.proto import jetstream_pb2_grpc
+
+from rollout_server import weights
+from rollout_server.client import channel_options
+from rollout_server.driver import RolloutDriver
+from rollout_server.engine import MoEEngine
+from rollout_server.metrics import ServerMetrics
+from rollout_server.persistence import StateStore
+from rollout_server.proto import rollout_pb2_grpc
+from rollout_server.rollout import RolloutLoop
+from rollout_server.sampling import SamplingConfig
+from rollout_server.service import RolloutService, ValidatingOrchestrator
+from sat_jax.experiment import ExperimentConfig
+from sat_jax.model import Transformer
+from sat_jax.tasks import CharTokenizer, make_reward, prompt_dataset
+
+log = logging.getLogger("rollout_server")
+
+# What a PullResponse may add to its groups' bytes and stay under the gRPC message limit.
+_PULL_RESPONSE_HEADROOM_BYTES = 1024 * 1024
+
+
+class RolloutServer:
+    """Everything the process runs; `start()` inside an asyncio loop, `stop()` to end."""
+
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+        s, r = cfg.server, cfg.rollout
+        self.tokenizer = CharTokenizer(cfg.task.alphabet)
+        model = Transformer(cfg.model, rngs=nnx.Rngs(s.seed))
+        self.engine = MoEEngine(
+            model,
+            tokenizer=self.tokenizer,
+            slots=s.slots,
+            max_prefill_length=s.max_prefill_length,
+            max_decode_length=r.max_new_tokens,
+            sampling=SamplingConfig.from_rollout(r),
+            seed=s.seed,
+        )
+        store = StateStore(s.state_dir)
+        persisted = store.load()
+        if persisted.checkpoint_path and not self._reload(
+            persisted.version, persisted.checkpoint_path
+        ):
+            # Back to the initial weights: the next UpdateWeights starts a fresh admission epoch.
+            persisted.version, persisted.checkpoint_path = 0, ""
+            persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
+            store.save(persisted)
+        params = self.engine.load_params()
+        self.driver = RolloutDriver(
+            prefill_engines=[self.engine],
+            generate_engines=[self.engine],
+            prefill_params=[params],
+            generate_params=[params],
+            interleaved_mode=True,
+            jax_padding=False,
+        )
+        self.loop = RolloutLoop(
+            driver=self.driver,
+            engine=self.engine,
+            prompts=prompt_dataset(cfg.task),
+            reward_fn=make_reward(cfg.task.reward),
+            tokenizer=self.tokenizer,
+            cfg=r,
+            store=store,
+            wait_for_weights=s.wait_for_weights,
+            max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
+        )
+        self.metrics = ServerMetrics(
+            self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()
+        )
+        self.grpc_server: grpc.aio.Server | None = None
+
+    def _reload(self, version: int, path: str) -> bool:
+        """Installs the persisted weights; False (logged) when they cannot be loaded."""
+        try:
+            real, params = weights.load_under_root(
+                path, self.cfg.server.checkpoint_root, self.engine.current_params()[1]
+            )
+            self.engine.swap_params(version, params)
+        except ValueError as e:  # CheckpointPathError, or params swap_params refuses
+            log.error("cannot restore the persisted weights (%s); starting from version 0", e)
+            return False
+        log.info("restored weights version %d from %s", version, real)
+        return True
+
+    async def start(self) -> None:
+        """Binds (failing if the port is taken), then starts serving and generating."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
+        s = self.cfg.server
+        # gRPC enables SO_REUSEPORT by default: a second server would silently share the port.
+        options = [*channel_options(s.max_message_bytes), ("grpc.so_reuseport", 0)]
+        self.grpc_server = grpc.aio.server(options=options)
+        jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
+            ValidatingOrchestrator(self.driver, self.engine, max_prefill_backlog=4 * s.slots),
+            self.grpc_server,
+        )
+        rollout_pb2_grpc.add_RolloutServicer_to_server(
+            RolloutService(
+                loop=self.loop,
+                engine=self.engine,
+                driver=self.driver,
+                checkpoint_root=s.checkpoint_root,
+                token=s.token,
+                metrics=self.metrics,
+            ),
+            self.grpc_server,
+        )
+        address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"
+        if s.tls_cert:
+            with open(s.tls_key, "rb") as key, open(s.tls_cert, "rb") as cert:
+                credentials = grpc.ssl_server_credentials([(key.read(), cert.read())])
+            self.port = self.grpc_server.add_secure_port(address, credentials)
+        else:
+            self.port = self.grpc_server.add_insecure_port(address)
+        if s.metrics_port:
+            self.metrics.serve(s.metrics_port, s.host)
+        await self.grpc_server.start()
+        self.loop.start()
+        log.info(
+            "serving on %s:%d (metrics port %d), weights version %d",
+            s.host,
+            self.port,
+            s.metrics_port,
+            self.engine.version,
+        )
+        if s.wait_for_weights and not self.loop.persisted.checkpoint_path:
+            log.info("waiting for the first UpdateWeights before generating")
+
+    async def stop(self) -> None:
+        self.loop.stop()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace=1)
+        self.driver.stop()
+
+
+async def serve(cfg: ExperimentConfig) -> None:
+    """Runs the server until SIGINT or SIGTERM."""
+    server = RolloutServer(cfg)
+    await server.start()
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    await done.wait()
+    log.info("stopping")
+    await server.stop()
