@@ -1,0 +1,195 @@
+"""sat_jax.sampler against the full forward: greedy argmax step by step, sampled tokens' log-probs
+(a float64 NumPy log-softmax over the vocab mask), recorded routing, EOS masking and padding."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sat_jax import sampler, sharding
+from sat_jax.model import ModelConfig
+from sat_jax.tasks import CharTokenizer
+
+MODEL_CFG = ModelConfig.preset("tiny", vocab_size=24)
+TOKENIZER = CharTokenizer("0123456789+-*=() ")
+EOS = TOKENIZER.eos_id
+MAX_NEW = 5
+PROMPTS = [TOKENIZER.encode(t, bos=True) for t in ("1+2=", "13-4=", "7=", "21+30=", "5*5=", "0=")]
+LOGP_TOL = 1e-5  # float32 forward and log-softmax vs a float64 log-softmax of the same logits
+
+
+@pytest.fixture(scope="module")
+def model():
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    return sharding.init_sharded(MODEL_CFG, mesh, 0)
+
+
+def _batch(extra: int = 2) -> tuple[np.ndarray, np.ndarray]:
+    return sampler.pad_prompts(PROMPTS, max(map(len, PROMPTS)) + MAX_NEW + extra)
+
+
+def _logits(graphdef, params, tokens_bt) -> np.ndarray:
+    return np.asarray(nnx.merge(graphdef, params)(np.asarray(tokens_bt)), np.float64)
+
+
+def _completion(tokens_bt, lengths_b, b: int) -> list[int]:
+    return np.asarray(tokens_bt)[b, lengths_b[b] : lengths_b[b] + MAX_NEW].tolist()
+
+
+def test_pad_prompts_left_aligns_and_refuses_a_long_prompt():
+    tokens, lengths = sampler.pad_prompts([[1, 5], [1, 6, 7]], 4)
+    np.testing.assert_array_equal(tokens, [[1, 5, 0, 0], [1, 6, 7, 0]])
+    np.testing.assert_array_equal(lengths, [2, 3])
+    assert tokens.dtype == lengths.dtype == np.int32
+    with pytest.raises(ValueError, match="exceeds seq_len 2"):
+        sampler.pad_prompts([[1, 5, 6]], 2)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_greedy_is_the_argmax_of_the_full_forward_step_by_step(model, masked):
+    graphdef, params = model
+    tokens, lengths = _batch()
+    vocab_mask = TOKENIZER.sampleable_mask(MODEL_CFG.vocab_size) if masked else None
+    out = sampler.sample(
+        graphdef,
+        params,
+        tokens,
+        lengths,
+        None,
+        max_new_tokens=MAX_NEW,
+        temperature=1.0,
+        vocab_mask=vocab_mask,
+        eos_id=EOS,
+        greedy=True,
+    )
+    assert out.logp_bt is None and out.routing_btlk is None
+    allowed = np.ones(MODEL_CFG.vocab_size, bool) if vocab_mask is None else vocab_mask
+    for b in range(len(PROMPTS)):
+        ids = list(PROMPTS[b])
+        for _ in range(MAX_NEW):  # one full forward per token, as a reader would decode
+            logits = _logits(graphdef, params, np.asarray([ids], np.int32))[0, -1]
+            ids.append(int(np.argmax(np.where(allowed, logits, -np.inf))))
+            if ids[-1] == EOS:
+                break
+        got = _completion(out.tokens_bt, lengths, b)
+        new = ids[len(PROMPTS[b]) :]
+        assert got == new + [0] * (MAX_NEW - len(new)), (b, got, new)
+
+
+def test_sampled_logprobs_and_routing_are_the_full_forward_at_the_sampled_tokens(model):
+    graphdef, params = model
+    tokens, lengths = _batch()
+    vocab_mask = TOKENIZER.sampleable_mask(MODEL_CFG.vocab_size)
+    out = sampler.sample(
+        graphdef,
+        params,
+        tokens,
+        lengths,
+        jax.random.key(3),
+        max_new_tokens=MAX_NEW,
+        temperature=1.0,
+        vocab_mask=vocab_mask,
+        eos_id=EOS,
+        return_logp=True,
+        return_routing=True,
+    )
+    got_tokens, mask = np.asarray(out.tokens_bt), np.asarray(out.mask_bt)
+    logits_btv = _logits(graphdef, params, got_tokens)
+    masked = np.where(vocab_mask, logits_btv, -np.inf)
+    log_softmax = masked - np.logaddexp.reduce(masked, axis=-1, keepdims=True)
+    expected = np.zeros_like(mask, np.float64)
+    rows, cols = np.nonzero(mask)
+    expected[rows, cols] = log_softmax[rows, cols - 1, got_tokens[rows, cols]]
+    np.testing.assert_allclose(np.asarray(out.logp_bt), expected, rtol=0, atol=LOGP_TOL)
+    assert np.all(vocab_mask[got_tokens[mask > 0]])  # only sampleable ids were drawn
+    _, routing = nnx.merge(graphdef, params)(got_tokens, return_routing=True)
+    np.testing.assert_array_equal(np.asarray(out.routing_btlk), np.asarray(routing))
+    # The trainer's view of the same tokens, replaying the recorded ids, is the same policy.
+    replayed = sampler.logprobs(graphdef, params, got_tokens, out.routing_btlk, 1.0, vocab_mask)
+    np.testing.assert_allclose(np.asarray(replayed) * mask, expected, rtol=0, atol=LOGP_TOL)
+
+
+def test_a_key_fixes_the_sample_and_temperature_scales_the_recorded_logprobs(model):
+    graphdef, params = model
+    tokens, lengths = _batch()
+    vocab_mask = TOKENIZER.sampleable_mask(MODEL_CFG.vocab_size)
+    kwargs = dict(max_new_tokens=MAX_NEW, vocab_mask=vocab_mask, eos_id=EOS, return_logp=True)
+    draw = lambda seed, t: sampler.sample(
+        graphdef, params, tokens, lengths, jax.random.key(seed), temperature=t, **kwargs
+    )
+    a, again, other = draw(0, 1.0), draw(0, 1.0), draw(1, 1.0)
+    np.testing.assert_array_equal(np.asarray(a.tokens_bt), np.asarray(again.tokens_bt))
+    assert not np.array_equal(np.asarray(a.tokens_bt), np.asarray(other.tokens_bt))
+    hot = draw(0, 2.0)
+    got_tokens, mask = np.asarray(hot.tokens_bt), np.asarray(hot.mask_bt)
+    masked = np.where(vocab_mask, _logits(graphdef, params, got_tokens) / 2.0, -np.inf)
+    log_softmax = masked - np.logaddexp.reduce(masked, axis=-1, keepdims=True)
+    rows, cols = np.nonzero(mask)
+    np.testing.assert_allclose(
+        np.asarray(hot.logp_bt)[rows, cols],
+        log_softmax[rows, cols - 1, got_tokens[rows, cols]],
+        rtol=0,
+        atol=LOGP_TOL,
+    )
+
+
+@pytest.mark.parametrize(
+    "allowed, length",
+    [
+        ((EOS,), 1),  # EOS first: the mask covers it alone, the rest is padding
+        ((5, 6), MAX_NEW),  # EOS impossible: the whole limit
+    ],
+)
+def test_the_mask_ends_at_the_first_eos_and_padding_follows(model, allowed, length):
+    graphdef, params = model
+    tokens, lengths = _batch()
+    vocab_mask = np.isin(np.arange(MODEL_CFG.vocab_size), allowed)
+    out = sampler.sample(
+        graphdef,
+        params,
+        tokens,
+        lengths,
+        jax.random.key(0),
+        max_new_tokens=MAX_NEW,
+        temperature=1.0,
+        vocab_mask=vocab_mask,
+        eos_id=EOS,
+        return_logp=True,
+    )
+    got, mask = np.asarray(out.tokens_bt), np.asarray(out.mask_bt)
+    for b in range(len(PROMPTS)):
+        np.testing.assert_array_equal(got[b, : lengths[b]], PROMPTS[b])  # the prompt is kept
+        expected = np.zeros(got.shape[1], np.float32)
+        expected[lengths[b] : lengths[b] + length] = 1.0
+        np.testing.assert_array_equal(mask[b], expected)
+        assert np.all(got[b, lengths[b] + length :] == 0)
+    assert np.all(np.asarray(out.logp_bt)[mask == 0] == 0)
+
+
+def test_a_mixed_batch_pads_each_row_after_its_own_first_eos(model):
+    graphdef, params = model
+    tokens, lengths = _batch()
+    vocab_mask = np.isin(np.arange(MODEL_CFG.vocab_size), (EOS, 5))
+    out = sampler.sample(
+        graphdef,
+        params,
+        tokens,
+        lengths,
+        jax.random.key(7),
+        max_new_tokens=MAX_NEW,
+        temperature=4.0,  # flat: rows end at different steps
+        vocab_mask=vocab_mask,
+        eos_id=EOS,
+    )
+    got, mask = np.asarray(out.tokens_bt), np.asarray(out.mask_bt)
+    ends = set()
+    for b in range(len(PROMPTS)):
+        completion = _completion(got, lengths, b)
+        n = completion.index(EOS) + 1 if EOS in completion else MAX_NEW
+        ends.add(n)
+        assert set(completion[:n]) <= {EOS, 5} and EOS not in completion[: n - 1]
+        assert completion[n:] == [0] * (MAX_NEW - n)
+        assert mask[b].sum() == n and mask[b, lengths[b] : lengths[b] + n].all()
+    assert len(ends) > 1, ends
