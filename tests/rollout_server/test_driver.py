@@ -63,10 +63,15 @@ def test_anything_else_still_propagates(monkeypatch, error, free_slots):
 
 def test_stops_when_the_driver_stops(monkeypatch):
     driver = make_driver(free_slots=2)
+    calls = []
 
     def loop(self, idx):
-        self.live = False
+        calls.append(idx)
+        self.live = False  # the driver stops while the loop runs, which then hits the race
         raise AssertionError(RACE)
 
     monkeypatch.setattr(orchestrator.Driver, "_generate_thread", loop)
-    driver._generate_thread(0)  # returns instead of spinning
+    assert driver._generate_thread(0) is None  # returns instead of restarting or raising
+    assert calls == [0]
+    driver._generate_thread(0)  # a stopped driver does not start the loop again
+    assert calls == [0]

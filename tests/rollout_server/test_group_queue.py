@@ -1,7 +1,6 @@
 """rollout_server.group_queue and persistence: bounded FIFO and atomic state file."""
 
 import threading
-import time
 
 import pytest
 
@@ -20,12 +19,28 @@ def test_fifo_bounded_and_batched():
     assert q.get_many(5, 0.05) == []
 
 
+class _SignallingCondition(threading.Condition):
+    """Sets `waiting` whenever a thread starts waiting on it."""
+
+    def __init__(self):
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout=None):
+        self.waiting.set()
+        return super().wait(timeout)
+
+
 def test_get_many_wakes_on_put():
     q = GroupQueue(3)
-    threading.Timer(0.1, q.put, args=("x",)).start()
-    start = time.monotonic()
-    assert q.get_many(1, 10) == ["x"]
-    assert time.monotonic() - start < 5
+    q._cond = cond = _SignallingCondition()
+    got = []
+    getter = threading.Thread(target=lambda: got.append(q.get_many(1, 3600)))
+    getter.start()
+    assert cond.waiting.wait(60)  # the getter is blocked on the empty queue ...
+    q.put("x")  # ... and a put wakes it long before its hour is up (pytest-timeout: a hang fails)
+    getter.join()
+    assert got == [["x"]]
 
 
 def test_state_store_round_trip(tmp_path):

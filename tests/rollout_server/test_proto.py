@@ -1,12 +1,13 @@
 """The committed generated modules match a fresh grpcio-tools generation; size limits are set."""
 
-import pathlib
 import subprocess
 import sys
 
 from rollout_server.client import channel_options
 from rollout_server.proto import regenerate, rollout_pb2
 from sat_jax.experiment import ServerConfig
+
+GENERATED = ("rollout_pb2.py", "rollout_pb2_grpc.py")
 
 
 def test_committed_modules_match_fresh_generation(tmp_path):
@@ -19,11 +20,13 @@ def test_committed_modules_match_fresh_generation(tmp_path):
         cwd=regenerate.REPO_ROOT,
     )
     assert out.returncode == 0, out.stderr
-    for line in out.stdout.split():
-        fresh = pathlib.Path(line)
-        committed = regenerate.PROTO_DIR / fresh.name
-        assert committed.read_text() == fresh.read_text(), (
-            f"{committed.name} is stale: run python -m rollout_server.proto.regenerate"
+    fresh_dir = tmp_path / "rollout_server" / "proto"
+    assert out.stdout.split() == [str(fresh_dir / name) for name in GENERATED]
+    for name in GENERATED:
+        fresh, committed = fresh_dir / name, regenerate.PROTO_DIR / name
+        assert fresh.is_file(), f"regeneration wrote no {name}"
+        assert committed.read_bytes() == fresh.read_bytes(), (
+            f"{name} is stale: run python -m rollout_server.proto.regenerate"
         )
 
 
