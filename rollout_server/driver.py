@@ -76,6 +76,7 @@ class RolloutDriver(orchestrator.Driver):
         super().__init__(*args, **kwargs)
 
     def prefill_backlog_size(self) -> int:
+        """Requests waiting for a prefill."""
         return self._prefill_backlog.qsize()
 
     def _generate_thread(self, idx: int) -> None:

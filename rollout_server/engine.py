@@ -153,6 +153,7 @@ class MoEEngine(engine_api.Engine):
 
     @property
     def version(self) -> int:
+        """The weights version now in use."""
         return self._current[0]
 
     def current_params(self) -> tuple[int, Any]:
@@ -263,6 +264,7 @@ class MoEEngine(engine_api.Engine):
     # The JetStream Engine API (0.2.2 signatures; extra kwargs of later versions are ignored).
 
     def load_params(self, *args, **kwargs) -> Any:
+        """The current params (JetStream captures them once; the engine ignores them later)."""
         return self._current[1]
 
     def prefill(
@@ -323,6 +325,7 @@ class MoEEngine(engine_api.Engine):
     def generate(
         self, params: Any, decode_state: DecodeState, **kwargs
     ) -> tuple[DecodeState, engine_api.ResultTokens]:
+        """One step for every slot under the current (version, params); `params` is ignored."""
         version, current = self._current
         state, data = self._generate_fn(current, decode_state, jnp.int32(version))
         return state, engine_api.ResultTokens(
@@ -334,6 +337,7 @@ class MoEEngine(engine_api.Engine):
         )
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """An empty KV cache with every slot free (exhausted until an insert)."""
         c = self.config
         shape = (c.num_layers, self._slots, self.cache_length, c.num_kv_heads, c.head_dim)
         cache = KVCache(

@@ -44,6 +44,7 @@ class ServerMetrics:
         )
 
     def observe_swap(self, version: int, seconds: float) -> None:
+        """Records one UpdateWeights' load + swap time."""
         self._swap_seconds.observe(seconds)
 
     def serve(self, port: int, host: str) -> None:

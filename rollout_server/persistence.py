@@ -17,16 +17,18 @@ _FILE = "rollout_state.json"
 
 @dataclasses.dataclass(kw_only=True)
 class RolloutState:
-    """Attributes:
-    iterator: the grain iterator state after the last prompt drawn.
-    unfinished: dispatched prompts whose groups are not pulled yet, in dispatch order, each
-      {"group_id", "id", "text", "answer"}.
-    consumed: groups pulled so far.
-    next_group_id: the next group id to assign.
-    version, checkpoint_path: the weights last installed by UpdateWeights ("" = none yet).
-    epoch_version, epoch_used: where the current admission epoch began: the weights version and
-      the groups dispatched until then (consumed + queued + running), which admission no longer
-      counts (see `rollout.admission_budget`).
+    """The persisted counters and positions of the rollout loop.
+
+    Attributes:
+      iterator: the grain iterator state after the last prompt drawn.
+      unfinished: dispatched prompts whose groups are not pulled yet, in dispatch order, each
+        {"group_id", "id", "text", "answer"}.
+      consumed: groups pulled so far.
+      next_group_id: the next group id to assign.
+      version, checkpoint_path: the weights last installed by UpdateWeights ("" = none yet).
+      epoch_version, epoch_used: where the current admission epoch began: the weights version and
+        the groups dispatched until then (consumed + queued + running), which admission no
+        longer counts (see `rollout.admission_budget`, docs/DESIGN.md §6).
     """
 
     iterator: dict[str, Any] | None = None
@@ -48,12 +50,14 @@ class StateStore:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def load(self) -> RolloutState:
+        """The saved state, or a fresh one when nothing was saved."""
         if self.path is None or not self.path.exists():
             return RolloutState()
         doc = json.loads(self.path.read_text())
         return RolloutState(**doc)
 
     def save(self, state: RolloutState) -> None:
+        """Replaces the saved state atomically (write, fsync, rename)."""
         if self.path is None:
             return
         tmp = self.path.with_suffix(".tmp")

@@ -154,6 +154,7 @@ class RolloutServer:
             log.info("waiting for the first UpdateWeights before generating")
 
     async def stop(self) -> None:
+        """Stops the rollout loop, the gRPC server (1 s grace) and the driver."""
         self.loop.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1)

@@ -61,7 +61,8 @@ def admission_budget(
         (max_staleness + version − epoch_version + 1) · batch_groups
             − (consumed + queued + running − epoch_used)
 
-    i.e. docs/DESIGN.md §6's rule with versions and groups counted from the current admission epoch.
+    i.e. docs/DESIGN.md §6's rule with versions and groups counted from the current admission
+    epoch.
 
     Args:
       cfg: `max_staleness` and `batch_groups`.
@@ -135,24 +136,29 @@ class RolloutLoop:
 
     @property
     def persisted(self) -> RolloutState:
+        """The state the loop persists (live: tests and the server read it)."""
         return self._state
 
     # Life cycle.
 
     def start(self) -> None:
+        """Starts the loop's thread."""
         self._thread.start()
 
     def stop(self) -> None:
+        """Stops the loop and waits (up to 10 s) for its thread."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
 
     def alive(self) -> bool:
+        """Whether the loop's thread runs and has not been asked to stop."""
         return self._thread.is_alive() and not self._stop.is_set()
 
     # Counters.
 
     def stats(self) -> dict[str, Any]:
+        """The counters of `StatsResponse` (version, groups, tokens, admission_open, ...)."""
         with self._lock:
             elapsed = max(time.monotonic() - self._started, 1e-9)
             tokens = self._driver.tokens_generated

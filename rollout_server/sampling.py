@@ -2,7 +2,8 @@
 
 The log-prob is taken under the exact distribution the token was drawn from: logits / temperature,
 truncated to the top-k tokens and then to the smallest top-p nucleus, renormalized. That is the
-behavior policy μ of docs/DESIGN.md §2 (with top_p = 1 and top_k = 0 it is log_softmax(logits / T)).
+behavior policy μ of docs/DESIGN.md §2 (with top_p = 1 and top_k = 0 it is
+log_softmax(logits / T)).
 
 Dimension letters: B rows (slots), V vocab.
 """

@@ -1,7 +1,8 @@
 """The gRPC servicers: our Rollout service and JetStream's Orchestrator with input validation.
 
-Every malformed request gets INVALID_ARGUMENT and changes nothing (docs/DESIGN.md §10); JetStream 0.2.2
-would crash or silently truncate on some of them (see /work/shared/JETSTREAM.md).
+The protocol is docs/DESIGN.md §6's. Every malformed request gets INVALID_ARGUMENT and changes
+nothing (§10); JetStream 0.2.2's own Orchestrator would crash or silently truncate on some of them
+(see `jetstream_compat` for the fixes made at import).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def Pull(
         self, request: rollout_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.PullResponse:
+        """Up to `max_groups` finished groups, waiting up to `timeout_s` for the first."""
         if not 1 <= request.max_groups <= MAX_PULL_GROUPS:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"max_groups must be in [1, {MAX_PULL_GROUPS}]"
@@ -78,6 +80,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def UpdateWeights(
         self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
+        """Loads the checkpoint (inside the checkpoint root) and swaps it in as `version`."""
         if self._token and not hmac.compare_digest(request.token.encode(), self._token.encode()):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad or missing token")
         if not 0 <= request.version <= MAX_VERSION:
@@ -127,11 +130,13 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def Stats(
         self, request: rollout_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.StatsResponse:
+        """The rollout loop's counters."""
         return rollout_pb2.StatsResponse(**self._loop.stats())
 
     async def Health(
         self, request: rollout_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.HealthResponse:
+        """Whether the rollout loop runs, and the weights version."""
         return rollout_pb2.HealthResponse(
             live=bool(self._driver.live and self._loop.alive()), version=self._engine.version
         )
@@ -184,6 +189,8 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
     async def Decode(
         self, request: jetstream_pb2.DecodeRequest, context: grpc.aio.ServicerContext | None = None
     ):
+        """JetStream's Decode after `validate` (INVALID_ARGUMENT) and the backlog bound
+        (RESOURCE_EXHAUSTED)."""
         error = self.validate(request)
         if error is not None:
             if context is None:

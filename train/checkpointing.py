@@ -52,19 +52,22 @@ class Progress:
     recent_prompt_ids: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
+        """The fields as a JSON-able dict (tuples as lists)."""
         return {
             k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
         }
 
     @classmethod
     def from_json(cls, doc: dict[str, Any]) -> Progress:
+        """The inverse of `to_json`."""
         return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in doc.items()})
 
 
 def abstract_train_state(
     model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> TrainState:
-    """``ShapeDtypeStruct``s of a ``TrainState`` carrying their target shardings (nothing allocated)."""
+    """``ShapeDtypeStruct``s of a ``TrainState`` carrying their target shardings (nothing
+    allocated)."""
     _, abstract_params = sharding.abstract_model(model_cfg)
     shapes = jax.eval_shape(
         lambda p: TrainState(
@@ -96,9 +99,11 @@ class Checkpointer:
         )
 
     def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step, or None."""
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """The steps of the complete checkpoints kept, oldest first."""
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: TrainState, progress: Progress) -> None:
@@ -128,6 +133,7 @@ class Checkpointer:
         return out["state"], Progress.from_json(out["progress"])
 
     def close(self) -> None:
+        """Closes the orbax manager."""
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:

@@ -1,4 +1,4 @@
-"""rollout_server.jetstream_compat: the three JetStream 0.2.2 fixes of /work/shared/JETSTREAM.md."""
+"""rollout_server.jetstream_compat: the three JetStream 0.2.2 fixes its docstring lists."""
 
 import logging
 import subprocess

@@ -1,5 +1,6 @@
-"""Admission (docs/DESIGN.md §6) counted from the admission epoch, without a server: the budget formula, the
-epochs `install_weights` starts, `wait_for_weights`, and the epoch surviving a restart."""
+"""Admission (docs/DESIGN.md §6) counted from the admission epoch, without a server: the budget
+formula, the epochs `install_weights` starts, `wait_for_weights`, the epoch surviving a restart, and
+prompts too long for a prefill."""
 
 from __future__ import annotations
 

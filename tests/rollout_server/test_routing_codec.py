@@ -1,4 +1,4 @@
-"""The routing wire format: encode ∘ decode is the identity, and malformed messages are refused."""
+"""The routing wire format: decode ∘ encode is the identity; malformed messages are refused."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""rollout_server.weights: the checkpoint-root policy, and loading refusals as CheckpointPathError."""
+"""rollout_server.weights: the checkpoint-root policy; loading refusals are CheckpointPathError."""
 
 import os
 

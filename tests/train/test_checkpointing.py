@@ -1,5 +1,5 @@
-"""Checkpoints: round trip onto the shardings, keep-N, progress, a kill mid-save, and a gs:// directory
-reaching orbax unchanged."""
+"""Checkpoints: round trip onto the shardings, keep-N, progress, a kill mid-save, the orbax lock
+shared with weight pushes, and a gs:// directory reaching orbax unchanged."""
 
 from __future__ import annotations
 
