@@ -6,11 +6,11 @@ Only grpc and the generated modules: the trainer can use this without JetStream.
 from __future__ import annotations
 
 import grpc
-import numpy as np
 
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
-from rollout_server.routing_codec import decode_routing
+from rollout_server.proto import rollout_pb2_grpc
 
+# ServerConfig.max_message_bytes is the one home of this limit; this default goes (and the
+# parameters become required) once train/local_server.py and benchmarks/rollout.py pass it.
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
@@ -28,8 +28,16 @@ def connect(
     *,
     root_certificates: bytes | None = None,
 ) -> tuple[grpc.Channel, rollout_pb2_grpc.RolloutStub]:
-    """A channel to `address` ("host:port") and a Rollout stub on it; TLS when
-    `root_certificates` (PEM) is given."""
+    """A channel to a rollout server and a Rollout stub on it.
+
+    Args:
+      address: "host:port".
+      max_message_bytes: the gRPC message limit both ways (`server.max_message_bytes`).
+      root_certificates: PEM certificates to verify the server with (TLS); None = plaintext.
+
+    Returns:
+      (the channel, the stub); the caller closes the channel.
+    """
     options = channel_options(max_message_bytes)
     if root_certificates is None:
         channel = grpc.insecure_channel(address, options=options)
@@ -37,9 +45,3 @@ def connect(
         credentials = grpc.ssl_channel_credentials(root_certificates=root_certificates)
         channel = grpc.secure_channel(address, credentials, options=options)
     return channel, rollout_pb2_grpc.RolloutStub(channel)
-
-
-def routing_array(trajectory: rollout_pb2.Trajectory) -> np.ndarray:
-    """Deprecated alias of `routing_codec.decode_routing(trajectory.routing)`; goes once the
-    trainer calls `decode_routing`."""
-    return decode_routing(trajectory.routing)
