@@ -12,7 +12,7 @@ from sat_jax import params_io, sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import ModelConfig
 from sat_jax.train_step import init_train_state
-from train import checkpointing, main
+from train import checkpointing, setup
 
 MODEL_CFG = ModelConfig.preset("tiny")
 OPTIMIZER = optax.adamw(1e-3, b2=0.98)
@@ -105,7 +105,7 @@ def test_url_checkpoint_dir_reaches_orbax_unchanged(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     url = "gs://bucket/sat-jax/run-1/checkpoints"
     cfg = load_config(None, [f"train.checkpoint_dir={url}", "train.run_dir=runs/gs_test"])
-    run_dir, ckpt_dir, weights_dir = main.run_paths(cfg)
+    run_dir, ckpt_dir, weights_dir = setup.run_paths(cfg)
     assert ckpt_dir == url
     assert (run_dir, weights_dir) == ("runs/gs_test", "runs/gs_test/weights")
     with checkpointing.Checkpointer(ckpt_dir, keep=2):
