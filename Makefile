@@ -17,10 +17,11 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# The main job: supervised warm-up (cached in runs/sft_cache), a local rollout server, then async
-# SAT-GRPO with routing replay on CPU; prints held-out accuracy before/after, writes runs/arith_tiny/.
+# The main job (configs/arith_main.yaml): supervised warm-up (cached in runs/sft_cache), a local
+# rollout server, then async SAT-GRPO with routing replay on CPU; prints held-out accuracy
+# before/after, writes runs/arith_main/.
 run: $(STAMP)
-	$(PY) -m train --config configs/arith_tiny.yaml rollout.group_size=8 rollout.batch_groups=16 server.slots=32
+	$(PY) -m train --config configs/arith_main.yaml
 
 test: $(STAMP)
 	$(PY) -m ruff check .

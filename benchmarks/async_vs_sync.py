@@ -1,10 +1,11 @@
 """Async vs synchronous end-to-end throughput of the trainer + one local rollout server (docs/DESIGN.md §9).
 
-    python benchmarks/async_vs_sync.py [--steps 40] [--config configs/arith_tiny.yaml] [--no-pin] [--repeats 3] [k=v ...]
+    python benchmarks/async_vs_sync.py [--steps 40] [--config configs/arith_main.yaml] [--no-pin] [--repeats 3] [k=v ...]
 
-Runs the same experiment three times — synchronous (generation waits for every new version),
-async with weight_sync_interval n = 1 and async with n = 8 — each as `python -m train` with its
-own rollout server, and reads the runs' metrics logs. With two or more cores the server and the
+Runs the same experiment (by default the main job's, `configs/arith_main.yaml`, without its
+warm-up and evaluation) three times — synchronous (generation waits for every new version), async
+with weight_sync_interval n = 1 and async with n = 8 — each as `python -m train` with its own
+rollout server, and reads the runs' metrics logs. With two or more cores the server and the
 trainer are pinned to one core each in every mode (``--no-pin`` lets them share): the isolated
 timings then measure what each side has while they overlap, so the ideal below is reachable.
 Prints a Markdown table:
@@ -33,6 +34,7 @@ from train.local_server import LocalServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SKIP = 5  # first steps: compilation and queue fill
+SERVER_START_S = 600  # a loaded machine compiles the server's engine slowly
 
 
 def run_mode(
@@ -59,7 +61,7 @@ def run_mode(
         with LocalServer(config, overrides, str(run_dir / "server.log")) as server:
             if pin:
                 os.sched_setaffinity(0, cores[1:2])
-            server.wait_ready()
+            server.wait_ready(timeout_s=SERVER_START_S)
             cmd = [sys.executable, "-m", "train", "--config", config, *overrides]
             cmd.append(f"train.servers=[{server.address}]")
             print(f"# {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
@@ -81,10 +83,17 @@ def mean(records: list[dict], key: str) -> float:
     return sum(r[key] for r in timed) / len(timed)
 
 
-def main() -> None:
+MODES = {
+    "sync": ["train.mode=sync", "rollout.max_staleness=0", "train.weight_sync_interval=1"],
+    "async n=1": ["rollout.max_staleness=1", "train.weight_sync_interval=1"],
+    "async n=8": ["rollout.max_staleness=8", "train.weight_sync_interval=8"],
+}
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--config", default=str(REPO / "configs" / "arith_tiny.yaml"))
+    parser.add_argument("--config", default=str(REPO / "configs" / "arith_main.yaml"))
     parser.add_argument(
         "--no-pin",
         dest="pin",
@@ -95,28 +104,33 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     args.pin = args.pin and len(os.sched_getaffinity(0)) >= 2
-    modes = {
-        "sync": ["train.mode=sync", "rollout.max_staleness=0", "train.weight_sync_interval=1"],
-        "async n=1": ["rollout.max_staleness=1", "train.weight_sync_interval=1"],
-        "async n=8": ["rollout.max_staleness=8", "train.weight_sync_interval=8"],
-    }
+    return args
+
+
+def run_repeat(args: argparse.Namespace, rep: int) -> dict[str, list[dict]]:
+    """One run of every mode, in order; their metrics records by mode."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return {
+            name: run_mode(
+                f"{name.replace(' ', '_').replace('=', '')}_{rep}",
+                args.config,
+                [*args.overrides, *extra],
+                args.steps,
+                pathlib.Path(tmp),
+                args.pin,
+            )
+            for name, extra in MODES.items()
+        }
+
+
+def main() -> None:
+    args = parse_args()
     # Repeats interleave the modes, so slow phases of a shared machine hit every mode alike; each
     # repeat's ratios use its own sync run, and the table shows medians over repeats.
-    rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in modes}
+    rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in MODES}
     ideals, timings = [], []
     for rep in range(args.repeats):
-        with tempfile.TemporaryDirectory() as tmp:
-            results = {
-                name: run_mode(
-                    f"{name.replace(' ', '_').replace('=', '')}_{rep}",
-                    args.config,
-                    [*args.overrides, *extra],
-                    args.steps,
-                    pathlib.Path(tmp),
-                    args.pin,
-                )
-                for name, extra in modes.items()
-            }
+        results = run_repeat(args, rep)
         sync = results["sync"]
         t_rollout, t_train = mean(sync, "pull_wait_s"), mean(sync, "step_s")
         ideal = (t_rollout + t_train) / max(t_rollout, t_train)
@@ -133,6 +147,16 @@ def main() -> None:
             file=sys.stderr,
             flush=True,
         )
+    print_table(args, rows, ideals, timings)
+
+
+def print_table(
+    args: argparse.Namespace,
+    rows: dict[str, list[tuple[float, float, float]]],
+    ideals: list[float],
+    timings: list[tuple[float, float]],
+) -> None:
+    """The Markdown table of the module docstring, medians over the repeats."""
     med = statistics.median
     print(
         f"T_rollout = {med(t for t, _ in timings):.3f} s/batch, T_train = "

@@ -6,7 +6,7 @@
 
 Every cell — an objective (GRPO: token ratio; GSPO: sequence ratio) × a variant (plain, + SAT,
 + R3, + SAT + R3, + TIS, + DPPO-TV) × a configured lag n × a seed — trains the arithmetic task's
-`make run` base policy (the cached supervised warm-up of `configs/arith_tiny.yaml`) with the
+`make run` base policy (the cached supervised warm-up of `configs/arith_main.yaml`) with the
 library's own jitted, sharded train step, and logs the docs/DESIGN.md §4 metrics per step and held-out
 greedy accuracy every `--eval-every` steps.
 
@@ -14,9 +14,10 @@ Configured lag, exactly: the trainer publishes its weights every n updates, and 
 by the weights published last before its generation starts, one batch ahead of the trainer (as a
 pipelined async server does). Update u ≥ 1 therefore trains on tokens of version n·⌊(u − 1)/n⌋: lag
 1 at n = 1 (one-step off-policy), lags 1…8 (mean 4.5) at n = 8. Rollouts are sampled in-process
-(temperature 1 over the tokenizer's ids, full recompute) with behavior log-probs and expert ids
-recorded from the behavior weights — the same quantities the rollout server records — so the lag is
-exact and seeds are reproducible, and 72 runs fit in about two hours on 2 cores. (The real
+by `sat_jax.sampler` (temperature 1 over the tokenizer's ids, full recompute) with behavior
+log-probs and expert ids recorded from the behavior weights — the same quantities the rollout
+server records — so the lag is exact and seeds are reproducible (see benchmarks/RESULTS.md for the
+grid's run time). (The real
 server + trainer pipeline, whose lag depends on timing, is what `make run` and
 `benchmarks/async_vs_sync.py` exercise.)
 
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import json
 import math
 import os
@@ -39,24 +39,15 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from sat_jax import objectives, sharding
+from sat_jax import objectives, sampler, sharding
 from sat_jax.advantages import group_advantages
 from sat_jax.experiment import load_config
-from sat_jax.tasks import CharTokenizer
+from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
-from sat_jax.train_step import (
-    TrainBatch,
-    create_train_state,
-    make_train_step,
-    next_token_logprobs,
-    shard_batch,
-)
-from train import main as trainer
-from train import warmup
+from sat_jax.train_step import TrainBatch, create_train_state, make_train_step, shard_batch
+from train import evaluation, setup
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -76,8 +67,8 @@ VARIANTS = {
     "+DPPO-TV": ({"dppo_tv_delta": DPPO_TV_DELTA}, False),
 }
 METHODS = tuple(f"{base}{v}" for base in ("GRPO", "GSPO") for v in VARIANTS)
-# The trainer's defaults for the arithmetic main job (`make run`), shared by every cell.
-BASE_OVERRIDES = ("rollout.group_size=8", "rollout.batch_groups=16")
+# The main job's config (`make run`), shared by every cell.
+CONFIG = REPO / "configs" / "arith_main.yaml"
 PROMPT_SEED_OFFSET = 3_000_017  # the RL prompt stream of seed s: task.seed + offset + s
 # A run has collapsed when its final held-out accuracy fell below half of its best.
 COLLAPSE_FRACTION = 0.5
@@ -117,19 +108,19 @@ class Runner:
 
     def __init__(self, overrides: list[str], *, eval_problems: int):
 
-        self.cfg = load_config(str(REPO / "configs/arith_tiny.yaml"), [*BASE_OVERRIDES, *overrides])
+        self.cfg = load_config(str(CONFIG), overrides)
         self.mesh = sharding.make_mesh(self.cfg.train.mesh)
-        self.graphdef, self.base_params = trainer.base_policy(self.cfg, self.mesh)
+        self.graphdef, self.base_params = setup.base_policy(self.cfg, self.mesh)
         self.tokenizer = CharTokenizer(self.cfg.task.alphabet)
-        self.vocab_mask = trainer.sampleable_mask(self.cfg)
-        self.eval_set = warmup.held_out_problems(self.cfg.task, eval_problems)
+        self.vocab_mask = setup.sampleable_mask(self.cfg)
+        self.eval_set = evaluation.held_out_problems(self.cfg.task, eval_problems)
         self._steps: dict[str, Any] = {}
         prompt_len = 1 + 2 * self.cfg.task.max_digits + 2  # BOS a op b =
         self.seq_len = prompt_len + self.cfg.rollout.max_new_tokens
 
     def accuracy(self, params) -> float:
 
-        return warmup.greedy_accuracy(
+        return evaluation.greedy_accuracy(
             self.graphdef,
             params,
             self.eval_set,
@@ -142,7 +133,7 @@ class Runner:
             loss_cfg, replay = loss_config(method)
             self._steps[method] = make_train_step(
                 self.cfg.model,
-                trainer.make_optimizer(self.cfg.train),
+                setup.make_optimizer(self.cfg.train),
                 loss_cfg,
                 self.mesh,
                 routing_replay=replay,
@@ -155,28 +146,27 @@ class Runner:
         """One batch of ``batch_groups`` prompts × ``group_size`` samples from ``params``."""
 
         r = self.cfg.rollout
-        stream = warmup.task_stream(self.cfg.task, PROMPT_SEED_OFFSET + seed)
+        stream = arithmetic_task(self.cfg.task, seed_offset=PROMPT_SEED_OFFSET + seed)
         problems = [stream.problem(step * r.batch_groups + i) for i in range(r.batch_groups)]
         rows = [p for p in problems for _ in range(r.group_size)]
-        tokens = np.zeros((len(rows), self.seq_len), np.int32)
-        lengths = np.zeros(len(rows), np.int32)
-        for b, p in enumerate(rows):
-            ids = self.tokenizer.encode(p.text, bos=True)
-            tokens[b, : len(ids)], lengths[b] = ids, len(ids)
+        prompts = [self.tokenizer.encode(p.text, bos=True) for p in rows]
+        tokens, lengths = sampler.pad_prompts(prompts, self.seq_len)
         out = jax.device_get(
-            _sample(
+            sampler.sample(
                 self.graphdef,
                 params,
                 tokens,
                 lengths,
                 key,
-                r.max_new_tokens,
-                r.temperature,
-                self.vocab_mask,
-                self.tokenizer.eos_id,
+                max_new_tokens=r.max_new_tokens,
+                temperature=r.temperature,
+                vocab_mask=self.vocab_mask,
+                eos_id=self.tokenizer.eos_id,
+                return_logp=True,
+                return_routing=True,
             )
         )
-        tokens, loss_mask, logp, routing = out
+        tokens, loss_mask, logp, routing = out.tokens_bt, out.mask_bt, out.logp_bt, out.routing_btlk
         rewards = np.asarray(
             [
                 exact_match_reward(self.tokenizer.decode(tokens[b, lengths[b] :]), p.answer)
@@ -202,7 +192,7 @@ class Runner:
 
     def proximal_logp(self, params, batch, replay: bool):
         return np.asarray(
-            _logp(
+            sampler.logprobs(
                 self.graphdef,
                 params,
                 batch.tokens,
@@ -219,7 +209,7 @@ class Runner:
         step_fn = self.step_fn(cell.method)
         state = create_train_state(
             self.cfg.model,
-            trainer.make_optimizer(self.cfg.train),
+            setup.make_optimizer(self.cfg.train),
             self.mesh,
             _copy(self.base_params),
         )
@@ -261,48 +251,6 @@ def behavior_version(update: int, lag: int) -> int:
 def _copy(tree):
 
     return jax.tree.map(lambda x: x.copy(), tree)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "max_new", "temperature", "eos_id"))
-def _sample(graphdef, params, tokens, lengths, key, max_new, temperature, vocab_mask, eos_id):
-    """Temperature sampling over ``vocab_mask`` by full recompute; returns ``(tokens, loss_mask,
-    behavior_logp, routing)``, aligned as ``TrainBatch`` fields (padding after EOS)."""
-
-    model = nnx.merge(graphdef, params)
-    rows = jnp.arange(tokens.shape[0])
-    floor = jnp.finfo(jnp.float32).min
-
-    def body(s, carry):
-        tokens, key = carry
-        key, sub = jax.random.split(key)
-        pos = lengths + s
-        logits = model(tokens)[rows, pos - 1] / temperature
-        logits = jnp.where(vocab_mask, logits, floor)
-        nxt = jax.random.categorical(sub, logits).astype(tokens.dtype)
-        return tokens.at[rows, pos].set(nxt), key
-
-    tokens, _ = jax.lax.fori_loop(0, max_new, body, (tokens, key))
-    cols = jnp.arange(tokens.shape[1])[None, :]
-    completion = (cols >= lengths[:, None]) & (cols < (lengths + max_new)[:, None])
-    is_eos = completion & (tokens == eos_id)
-    first_eos = jnp.min(jnp.where(is_eos, cols, tokens.shape[1]), axis=1, keepdims=True)
-    loss_mask = completion & (cols <= first_eos)
-    tokens = jnp.where(completion & ~loss_mask, 0, tokens)  # pad after EOS
-    out = model.forward(tokens)
-    logp = next_token_logprobs(
-        out.logits_btv, tokens, temperature=temperature, vocab_mask=vocab_mask
-    )
-    mask = loss_mask.astype(jnp.float32)
-    return tokens, mask, logp * mask, out.routing_btlk
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
-def _logp(graphdef, params, tokens, routing, temperature, vocab_mask):
-
-    out = nnx.merge(graphdef, params).forward(tokens, replay_routing=routing)
-    return next_token_logprobs(
-        out.logits_btv, tokens, temperature=temperature, vocab_mask=vocab_mask
-    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import yaml
 from sat_jax.model.config import PRESETS, ModelConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.sharding import MeshConfig
+from sat_jax.tasks.tokenizer import CharTokenizer
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
@@ -184,7 +185,8 @@ class TrainConfig:
 
     Attributes:
       servers: rollout server addresses ("host:port"); empty = start one local server process
-        with this experiment's config.
+        with this experiment's config (its `server.checkpoint_root` and `server.state_dir`
+        default to `run_dir` and "<run_dir>/server").
       mode: "async" (generation keeps running while the trainer steps) or "sync" (generation
         waits for the new weights: needs `rollout.max_staleness = 0` and
         `weight_sync_interval = 1`, so every trained token has lag 0).
@@ -206,7 +208,8 @@ class TrainConfig:
       checkpoint_every: save a full checkpoint every k updates (and at the end).
       keep_checkpoints: how many checkpoints to keep.
       warmup_sft_steps: supervised warm-up steps on the task before RL (0 = none); the result is
-        cached under "runs/sft_cache/".
+        cached under `sft_cache_dir`.
+      sft_cache_dir: where warm-up results are cached, one directory per warm-up setting.
       sft_batch, sft_learning_rate: the warm-up's batch size and Adam rate.
       eval_problems: held-out problems for greedy exact-match accuracy (0 = no evaluation).
       eval_every: evaluate every k updates during RL (0 = only before and after).
@@ -239,6 +242,7 @@ class TrainConfig:
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     warmup_sft_steps: int = 0
+    sft_cache_dir: str = "runs/sft_cache"
     sft_batch: int = 64
     sft_learning_rate: float = 3e-3
     eval_problems: int = 200
@@ -314,10 +318,11 @@ class ExperimentConfig:
                 f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
             )
-        if len(self.task.alphabet) + 3 > self.model.vocab_size:
+        needed = CharTokenizer(self.task.alphabet).vocab_size
+        if needed > self.model.vocab_size:
             raise ValueError(
-                f"task.alphabet needs {len(self.task.alphabet) + 3} token ids, "
-                f"model.vocab_size is {self.model.vocab_size}"
+                f"task.alphabet needs {needed} token ids, model.vocab_size is "
+                f"{self.model.vocab_size}"
             )
 
 

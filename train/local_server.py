@@ -105,7 +105,7 @@ class LocalServer:
                 f"see {self.log_path}:\n{self._tail()}"
             )
 
-    def wait_ready(self, timeout_s: float = 600.0) -> None:
+    def wait_ready(self, *, timeout_s: float) -> None:
         """Raises RuntimeError (with the log's tail) if the child exits or never answers."""
         channel, stub = connect(self.address)
         deadline = time.monotonic() + timeout_s

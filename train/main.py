@@ -2,7 +2,9 @@
 
 build mesh → base policy (init + cached supervised warm-up) → restore or start → servers (a local
 child when ``train.servers`` is empty) → sync weights → loop: pull → lag-tag/drop → step → push
-weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7.
+weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
+(optimizer, base policy, batch shape, server pool, ...) live in ``train.setup``; this module is
+the job that runs them, and the command line.
 
 Versions: this trainer publishes the warm-up policy as version 1 and every consumed batch adds one
 (a skipped step too, so the servers' admission stays one batch per version; in sync mode the
@@ -43,7 +45,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import sys
@@ -56,20 +57,17 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sat_jax import sharding
-from sat_jax.experiment import ConfigError, ExperimentConfig, TrainConfig, load_config
-from sat_jax.tasks import CharTokenizer
+from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.train_step import (
     TrainBatch,
     TrainState,
     create_train_state,
     make_train_step,
-    next_token_logprobs,
     shard_batch,
 )
-from train import batching, checkpointing, curves, metrics, pulling, warmup, weight_sync
+from train import batching, checkpointing, curves, evaluation, metrics, pulling, setup, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool
 
@@ -85,55 +83,6 @@ class RunResult:
     accuracy_before: float | None
     accuracy_after: float | None
     run_dir: str
-
-
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping → AdamW (β₂ = 0.98 by default) with the configured LR schedule."""
-    decay_steps = max(cfg.steps - cfg.lr_warmup_steps, 1)
-    peak = cfg.learning_rate
-    decay = {
-        "constant": optax.constant_schedule(peak),
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
-        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
-    }[cfg.lr_schedule]
-    schedule = (
-        optax.join_schedules(
-            [optax.linear_schedule(0.0, peak, cfg.lr_warmup_steps), decay], [cfg.lr_warmup_steps]
-        )
-        if cfg.lr_warmup_steps
-        else decay
-    )
-    adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
-
-
-def run_paths(cfg: ExperimentConfig) -> tuple[str, str, str]:
-    """``(run_dir, checkpoint_dir, weights_dir)``."""
-    run_dir = cfg.train.run_dir or os.path.join("runs", cfg.name)
-    ckpt_dir = cfg.train.checkpoint_dir or os.path.join(run_dir, "checkpoints")
-    return run_dir, ckpt_dir, os.path.join(run_dir, "weights")
-
-
-def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
-    """Random init (``train.seed``), then the cached supervised warm-up when configured."""
-    graphdef, params = sharding.init_sharded(cfg.model, mesh, cfg.train.seed)
-    t = cfg.train
-    if t.warmup_sft_steps:
-        start = time.monotonic()
-        params, cached = warmup.cached_warmup(
-            os.path.join("runs", "sft_cache"),
-            cfg.model,
-            cfg.task,
-            params,
-            init_seed=t.seed,
-            steps=t.warmup_sft_steps,
-            batch=t.sft_batch,
-            learning_rate=t.sft_learning_rate,
-            seq_len=cfg.server.max_prefill_length + cfg.rollout.max_new_tokens,
-        )
-        how = "loaded from runs/sft_cache" if cached else f"{t.warmup_sft_steps} steps"
-        log.info("supervised warm-up: %s (%.1fs)", how, time.monotonic() - start)
-    return graphdef, params
 
 
 def start_or_resume(
@@ -174,6 +123,7 @@ def sync_weights(
         ahead = max(pool.versions())
         if ahead >= progress.version and ahead > 0:
             progress = dataclasses.replace(progress, version=ahead + 1, min_version=ahead + 1)
+        os.makedirs(weights_dir, exist_ok=True)
         weight_sync.push_weights(
             pool, params, progress.version, weights_dir, new_admission_epoch=True
         )
@@ -185,25 +135,13 @@ def sync_weights(
     return progress
 
 
-def evaluate(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any) -> float | None:
-    if not cfg.train.eval_problems or cfg.task.source != "arithmetic":
-        return None
-    return warmup.greedy_accuracy(
-        graphdef,
-        params,
-        warmup.held_out_problems(cfg.task, cfg.train.eval_problems),
-        CharTokenizer(cfg.task.alphabet),
-        max_new_tokens=cfg.rollout.max_new_tokens,
-    )
-
-
 def advance(
     progress: checkpointing.Progress,
     stats: batching.BatchStats,
-    dropped: int,
     skipped: bool,
     rng: jax.Array,
 ) -> checkpointing.Progress:
+    """The progress after one consumed batch."""
     recent = (progress.recent_prompt_ids + stats.prompt_ids)[-checkpointing.RECENT_PROMPTS :]
     return dataclasses.replace(
         progress,
@@ -214,72 +152,47 @@ def advance(
         rng_key=tuple(int(x) for x in np.asarray(jax.random.key_data(rng))),
         groups_trained=progress.groups_trained + stats.groups,
         tokens_trained=progress.tokens_trained + stats.tokens,
-        stale_dropped=progress.stale_dropped + dropped,
+        stale_dropped=progress.stale_dropped + stats.stale_dropped,
         steps_skipped=progress.steps_skipped + int(skipped),
         recent_prompt_ids=recent,
     )
 
 
 def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) -> RunResult:
-    """The whole job; see the module docstring."""
+    """The whole job: build → restore → sync → loop → final checkpoint and evaluation (see the
+    module docstring)."""
     t = cfg.train
     lead = jax.process_index() == 0  # talks to the servers, writes metrics and weights
-    run_dir, ckpt_dir, weights_dir = run_paths(cfg)
+    run_dir, ckpt_dir, weights_dir = setup.run_paths(cfg)
     with contextlib.ExitStack() as stack:
         # A local server starts first: its start-up overlaps the warm-up and the first evaluation.
         server = None
         if lead and not t.servers:
-            os.makedirs(run_dir, exist_ok=True)
-            log_path = os.path.join(run_dir, "server.log")
-            server = stack.enter_context(LocalServer(config_path, overrides, log_path))
+            server = stack.enter_context(start_local_server(cfg, config_path, overrides, run_dir))
         mesh = sharding.make_mesh(t.mesh)
-        optimizer = make_optimizer(t)
-        graphdef, params = base_policy(cfg, mesh)
+        optimizer = setup.make_optimizer(t)
+        graphdef, params = setup.base_policy(cfg, mesh)
         ckpt = stack.enter_context(checkpointing.Checkpointer(ckpt_dir, keep=t.keep_checkpoints))
         state, progress = start_or_resume(cfg, ckpt, optimizer, mesh, params)
-        writer = None
-        if lead:
-            writer = stack.enter_context(
-                metrics.MetricsWriter(
-                    os.path.join(run_dir, "logs"),
-                    total_steps=t.steps,
-                    wandb_project=cfg.name if t.wandb else "",
-                )
-            )
+        writer = stack.enter_context(open_writer(cfg, run_dir)) if lead else None
         acc_before = evaluate_and_log(cfg, graphdef, state, writer, "before")
-        pool = stack.enter_context(connect(cfg, server)) if lead else None
-        if lead:
-            os.makedirs(weights_dir, exist_ok=True)
+        pool = stack.enter_context(setup.connect(cfg, server)) if lead else None
         progress = sync_weights(pool, state, progress, weights_dir)
         pusher = None
-        if lead:
-            pusher = stack.enter_context(
-                weight_sync.WeightPusher(
-                    lambda version, p: weight_sync.push_weights(pool, p, version, weights_dir)
-                )
-            )
+        if pool is not None:
+            push = lambda version, p: weight_sync.push_weights(pool, p, version, weights_dir)
+            pusher = stack.enter_context(weight_sync.WeightPusher(push))
+        step_fn, ref_logp_fn = make_step_fns(cfg, optimizer, mesh, graphdef, params)
         parts = LoopParts(
             pool=pool,
             pusher=pusher,
             ckpt=ckpt,
             writer=writer,
             graphdef=graphdef,
-            step_fn=make_train_step(
-                cfg.model,
-                optimizer,
-                t.loss,
-                mesh,
-                routing_replay=t.routing_replay,
-                temperature=cfg.rollout.temperature,
-                vocab_mask=sampleable_mask(cfg),
-            ),
-            ref_logp_fn=make_ref_logp(
-                graphdef, params, mesh, cfg.rollout.temperature, sampleable_mask(cfg)
-            )
-            if t.loss.kl_coef > 0
-            else None,
+            step_fn=step_fn,
+            ref_logp_fn=ref_logp_fn,
             mesh=mesh,
-            spec=batch_spec(cfg),
+            spec=setup.batch_spec(cfg),
         )
         state, progress = train_loop(cfg, parts, state, progress)  # returns with pushes landed
         ckpt.save(int(state.step), state, progress)
@@ -297,18 +210,55 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
     )
 
 
-def connect(cfg: ExperimentConfig, server: LocalServer | None) -> ServerPool:
-    """The configured servers, or the local child once it answers."""
-    t = cfg.train
-    if server is not None:
-        server.wait_ready()
-    return ServerPool(
-        t.servers or (server.address,),
-        token=cfg.server.token,
-        retry_max_s=t.retry_max_s,
-        server_wait_s=t.server_wait_s,
-        on_retry=None if server is None else server.restart_if_exited,
+def start_local_server(
+    cfg: ExperimentConfig, config_path: str | None, overrides: list[str], run_dir: str
+) -> LocalServer:
+    """A rollout server child with the trainer's own config, logging to ``<run_dir>/server.log``.
+
+    Unless the config names them, the child's checkpoint root is the run directory (the weights
+    are pushed under it) and its state persists in ``<run_dir>/server`` (a restarted child resumes).
+    """
+    os.makedirs(run_dir, exist_ok=True)
+    child = []
+    if not cfg.server.checkpoint_root:
+        child.append(f"server.checkpoint_root={run_dir}")
+    if not cfg.server.state_dir:
+        child.append(f"server.state_dir={os.path.join(run_dir, 'server')}")
+    return LocalServer(config_path, [*overrides, *child], os.path.join(run_dir, "server.log"))
+
+
+def open_writer(cfg: ExperimentConfig, run_dir: str) -> metrics.MetricsWriter:
+    """TensorBoard, ``metrics.jsonl`` (under ``<run_dir>/logs``) and, when asked, W&B."""
+    return metrics.MetricsWriter(
+        os.path.join(run_dir, "logs"),
+        total_steps=cfg.train.steps,
+        wandb_project=cfg.name if cfg.train.wandb else "",
     )
+
+
+def make_step_fns(
+    cfg: ExperimentConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: jax.sharding.Mesh,
+    graphdef: nnx.GraphDef,
+    ref_params: Any,
+) -> tuple[Callable, Callable[[np.ndarray], np.ndarray] | None]:
+    """The jitted train step and, when the loss has a KL penalty, the reference policy's (the base
+    policy's) log-probs; both renormalize over the ids the servers sample from."""
+    vocab_mask = setup.sampleable_mask(cfg)
+    temperature = cfg.rollout.temperature
+    step_fn = make_train_step(
+        cfg.model,
+        optimizer,
+        cfg.train.loss,
+        mesh,
+        routing_replay=cfg.train.routing_replay,
+        temperature=temperature,
+        vocab_mask=vocab_mask,
+    )
+    if cfg.train.loss.kl_coef <= 0:
+        return step_fn, None
+    return step_fn, setup.make_ref_logp(graphdef, ref_params, mesh, temperature, vocab_mask)
 
 
 def evaluate_and_log(
@@ -320,7 +270,7 @@ def evaluate_and_log(
 ) -> float | None:
     """Held-out greedy accuracy, printed and logged at the current step (by the process with the
     ``writer``; every process evaluates)."""
-    accuracy = evaluate(cfg, graphdef, state.params)
+    accuracy = evaluation.held_out_accuracy(cfg, graphdef, state.params)
     if writer is not None:
         print(f"held-out greedy accuracy {when}: {_fmt(accuracy)}", flush=True)
         writer.write(int(state.step), {"accuracy": accuracy}, console=False)
@@ -379,42 +329,56 @@ def train_loop(
         state, step_metrics = parts.step_fn(state, shard_batch(batch, parts.mesh))
         step_metrics = jax.device_get(step_metrics)
         skipped = bool(step_metrics["step_skipped"])
-        progress = advance(progress, stats, pulled.dropped, skipped, rng)
+        progress = advance(progress, stats, skipped, rng)
         step = int(state.step)
-        # A skipped step republishes the unchanged params under the new version in sync mode,
-        # where the server generates nothing until it sees that version.
-        if (skipped and t.mode == "sync") or (not skipped and step % t.weight_sync_interval == 0):
-            # The host copy is taken now: the next step donates these device buffers.
-            params = weight_sync.host_copy(state.params)  # a collective with several processes
-            if parts.pusher is not None:
-                parts.pusher.submit(progress.version, params)
-                if t.mode == "sync":
-                    parts.pusher.wait()
+        publish_if_due(cfg, parts, state, progress, skipped)
         if not skipped and step % t.checkpoint_every == 0:
             parts.ckpt.save(step, state, progress)
         accuracy = None
         if t.eval_every and step % t.eval_every == 0 and not skipped:
-            accuracy = evaluate(cfg, parts.graphdef, state.params)
+            accuracy = evaluation.held_out_accuracy(cfg, parts.graphdef, state.params)
         if parts.writer is not None:
-            scalars = {
-                **step_metrics,
-                **loop_scalars(stats, progress, pulled.duplicates),
-                **parts.pusher.metrics(),
+            timing = {
                 "tokens_per_s": stats.tokens / max(time.monotonic() - start, 1e-9),
                 "pull_wait_s": got_batch - start,
                 "step_s": time.monotonic() - got_batch,
-                "accuracy": accuracy,
             }
+            scalars = {**step_metrics, **loop_scalars(stats, progress), **timing}
+            scalars.update(parts.pusher.metrics(), accuracy=accuracy)
             parts.writer.write(step, scalars, stats.lags)
     if parts.pusher is not None:
         parts.pusher.wait()
     return state, progress
 
 
-def loop_scalars(
-    stats: batching.BatchStats, progress: checkpointing.Progress, duplicates: int
-) -> dict[str, float]:
-    """The trainer-side metrics of docs/DESIGN.md §4 for one step (the step's own come from train_step)."""
+def publish_if_due(
+    cfg: ExperimentConfig,
+    parts: LoopParts,
+    state: TrainState,
+    progress: checkpointing.Progress,
+    skipped: bool,
+) -> None:
+    """Hands the params to the pusher as ``progress.version`` every ``weight_sync_interval``
+    updates (sync mode: after every step, skipped or not, and waits for the push).
+
+    A skipped step republishes the unchanged params under the new version in sync mode, where the
+    server generates nothing until it sees that version.
+    """
+    t = cfg.train
+    step = int(state.step)
+    if not ((skipped and t.mode == "sync") or (not skipped and step % t.weight_sync_interval == 0)):
+        return
+    # The host copy is taken now: the next step donates these device buffers.
+    params = weight_sync.host_copy(state.params)  # a collective with several processes
+    if parts.pusher is not None:
+        parts.pusher.submit(progress.version, params)
+        if t.mode == "sync":
+            parts.pusher.wait()
+
+
+def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -> dict[str, float]:
+    """The trainer-side metrics of docs/DESIGN.md §4 for one step (the step's own come from
+    train_step)."""
     return {
         "reward_mean": stats.reward_mean,
         "response_length": stats.response_len_mean,
@@ -423,53 +387,10 @@ def loop_scalars(
         "stale_dropped": progress.stale_dropped,
         "stale_kept": stats.stale_kept,
         "steps_skipped": progress.steps_skipped,
-        "duplicates_skipped": duplicates,
+        "duplicates_skipped": stats.duplicates,
         "groups": stats.groups,
         "version": progress.version,
     }
-
-
-def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
-    """Fixed batch shape: every prompt fits the server's prefill, every completion its limit."""
-    m = cfg.model
-    return batching.BatchSpec(
-        batch_groups=cfg.rollout.batch_groups,
-        group_size=cfg.rollout.group_size,
-        seq_len=cfg.server.max_prefill_length + cfg.rollout.max_new_tokens,
-        routing_lk=(m.num_moe_layers, m.num_experts_per_tok) if cfg.train.routing_replay else None,
-        routing_dtype=np.dtype(m.routing_dtype).name,
-        max_staleness=cfg.rollout.max_staleness,
-        stale_policy=cfg.train.stale_policy,
-        estimator=cfg.train.advantage_estimator,
-        normalize_std=cfg.train.normalize_std,
-    )
-
-
-def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
-    """[V] bool: the ids the server samples from, over which the trainer renormalizes too."""
-    return CharTokenizer(cfg.task.alphabet).sampleable_mask(cfg.model.vocab_size)
-
-
-def make_ref_logp(
-    graphdef: nnx.GraphDef,
-    ref_params: Any,
-    mesh: jax.sharding.Mesh,
-    temperature: float,
-    vocab_mask: np.ndarray,
-) -> Callable[[np.ndarray], np.ndarray]:
-    """Reference-policy (the warm-up policy) log-probs of a batch's tokens, for the KL penalty.
-
-    The result is replicated over ``mesh``, so every process reads the whole [B, T] array.
-    """
-
-    @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec()))
-    def ref_logp(tokens_bt: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, ref_params)(tokens_bt)
-        return next_token_logprobs(
-            logits, tokens_bt, temperature=temperature, vocab_mask=vocab_mask
-        )
-
-    return lambda tokens: np.asarray(ref_logp(tokens))
 
 
 def cli(argv: list[str] | None = None) -> None:

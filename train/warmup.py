@@ -1,20 +1,19 @@
-"""Supervised warm-up on the arithmetic task (a weak base policy for RL) and held-out greedy accuracy.
+"""Supervised warm-up on the arithmetic task: a weak base policy for RL (docs/DESIGN.md §7).
 
 Warm-up sequences are ``BOS prompt answer EOS`` — exactly what the rollout server feeds the policy
 (``BOS prompt``) followed by the completion that earns reward 1 — with the loss on the answer and
-EOS tokens. The result is cached under ``runs/sft_cache/<hash of everything it depends on>/``, so
-only the first run pays for it.
+EOS tokens. The result is cached under ``<train.sft_cache_dir>/<hash of everything it depends
+on>/``, so only the first run pays for it.
 
-Problems come from disjoint seed streams: the server's prompts use ``task.seed``, the warm-up
-``task.seed + SFT_SEED_OFFSET`` and the held-out evaluation ``task.seed + EVAL_SEED_OFFSET``.
+The warm-up's problems come from their own seed stream, ``task.seed + SFT_SEED_OFFSET``, disjoint
+from the server's prompts (``task.seed``) and the held-out evaluation's (``train.evaluation``).
 
-Dimension letters: N problems, B batch, T sequence, V vocabulary.
+Dimension letters: B batch, T sequence.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import json
 import os
@@ -31,29 +30,10 @@ from flax import nnx
 from sat_jax import sharding
 from sat_jax.experiment import TaskConfig
 from sat_jax.model import ModelConfig
-from sat_jax.tasks import ArithmeticTask, CharTokenizer, Prompt
+from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
 from sat_jax.train_step import next_token_logprobs
 
 SFT_SEED_OFFSET = 2_000_003
-EVAL_SEED_OFFSET = 1_000_003
-
-
-def task_stream(task: TaskConfig, offset: int) -> ArithmeticTask:
-    """The arithmetic problems of ``task`` under seed ``task.seed + offset``."""
-    if task.source != "arithmetic":
-        raise ValueError("the warm-up and the held-out evaluation need task.source = 'arithmetic'")
-    return ArithmeticTask(
-        seed=task.seed + offset,
-        min_digits=task.min_digits,
-        max_digits=task.max_digits,
-        operators=task.operators,
-    )
-
-
-def held_out_problems(task: TaskConfig, n: int) -> list[Prompt]:
-    """``n`` evaluation problems, disjoint in stream from the training prompts."""
-    stream = task_stream(task, EVAL_SEED_OFFSET)
-    return [stream.problem(i) for i in range(n)]
 
 
 def encode_supervised(
@@ -98,7 +78,7 @@ def supervised_warmup(
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    stream = task_stream(task, SFT_SEED_OFFSET)
+    stream = arithmetic_task(task, seed_offset=SFT_SEED_OFFSET)
     opt_state = optimizer.init(params)
     for s in range(steps):
         problems = [stream.problem(s * batch + i) for i in range(batch)]
@@ -159,66 +139,3 @@ def cached_warmup(
         checkpointer.save(path, params)  # orbax renames a finished temporary directory
         checkpointer.wait_until_finished()
     return params, False
-
-
-def greedy_completions(
-    graphdef: nnx.GraphDef,
-    params: Any,
-    problems: Sequence[Prompt],
-    tokenizer: CharTokenizer,
-    *,
-    max_new_tokens: int,
-) -> list[str]:
-    """Greedy (argmax) completions of ``BOS prompt``, decoded up to the first EOS."""
-    prompts = [tokenizer.encode(p.text, bos=True) for p in problems]
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    seq_len = int(lengths.max()) + max_new_tokens
-    tokens = np.zeros((len(problems), seq_len), np.int32)
-    for b, p in enumerate(prompts):
-        tokens[b, : len(p)] = p
-    out = np.asarray(_greedy(graphdef, params, tokens, lengths, max_new_tokens))
-    # The model's vocabulary may be larger than the tokenizer's: such ids become U+FFFD (a miss).
-    out = np.where(out < tokenizer.vocab_size, out, -1)
-    texts = []
-    for b in range(len(problems)):
-        ids = out[b, lengths[b] : lengths[b] + max_new_tokens].tolist()
-        stop = ids.index(tokenizer.eos_id) if tokenizer.eos_id in ids else len(ids)
-        texts.append("".join("\ufffd" if i < 0 else tokenizer.decode([i]) for i in ids[:stop]))
-    return texts
-
-
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _greedy(
-    graphdef: nnx.GraphDef,
-    params: Any,
-    tokens_bt: jax.Array,
-    lengths_b: jax.Array,
-    max_new_tokens: int,
-) -> jax.Array:
-    # Full recompute per token: the task's sequences are a few dozen tokens, and causal
-    # attention makes the padding after each row's cursor irrelevant.
-    rows = jnp.arange(tokens_bt.shape[0])
-
-    def body(s: int, tokens: jax.Array) -> jax.Array:
-        logits_btv = nnx.merge(graphdef, params)(tokens)
-        pos_b = lengths_b + s
-        nxt = jnp.argmax(logits_btv[rows, pos_b - 1], axis=-1).astype(tokens.dtype)
-        return tokens.at[rows, pos_b].set(nxt)
-
-    return jax.lax.fori_loop(0, max_new_tokens, body, tokens_bt)
-
-
-def greedy_accuracy(
-    graphdef: nnx.GraphDef,
-    params: Any,
-    problems: Sequence[Prompt],
-    tokenizer: CharTokenizer,
-    *,
-    max_new_tokens: int,
-) -> float:
-    """Exact-match accuracy of greedy completions (the task's reward, 0/1)."""
-    completions = greedy_completions(
-        graphdef, params, problems, tokenizer, max_new_tokens=max_new_tokens
-    )
-    hits = [c.strip() == p.answer.strip() for c, p in zip(completions, problems, strict=True)]
-    return float(np.mean(hits)) if hits else 0.0

@@ -4,7 +4,12 @@ Shared by the rollout server and the trainer; nothing here imports grpc or jetst
 """
 
 from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
-from sat_jax.tasks.pipeline import arithmetic_dataset, file_dataset, prompt_dataset
+from sat_jax.tasks.pipeline import (
+    arithmetic_dataset,
+    arithmetic_task,
+    file_dataset,
+    prompt_dataset,
+)
 from sat_jax.tasks.rewards import exact_match_reward, make_reward, math_reward
 from sat_jax.tasks.tokenizer import CharTokenizer
 
@@ -13,6 +18,7 @@ __all__ = [
     "CharTokenizer",
     "Prompt",
     "arithmetic_dataset",
+    "arithmetic_task",
     "exact_match_reward",
     "file_dataset",
     "make_reward",

@@ -10,12 +10,30 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grain
 
-from sat_jax.experiment import TaskConfig
 from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
+
+if TYPE_CHECKING:  # sat_jax.experiment imports this package (the tokenizer's id count)
+    from sat_jax.experiment import TaskConfig
+
+
+def arithmetic_task(cfg: TaskConfig, *, seed_offset: int) -> ArithmeticTask:
+    """The arithmetic problems of `cfg` under seed `cfg.seed + seed_offset`.
+
+    Offsets give disjoint problem streams of one task: the rollout server's prompts use offset 0,
+    the trainer's supervised warm-up and held-out evaluation their own.
+    """
+    if cfg.source != "arithmetic":
+        raise ValueError(f"arithmetic problems need task.source 'arithmetic', got {cfg.source!r}")
+    return ArithmeticTask(
+        seed=cfg.seed + seed_offset,
+        min_digits=cfg.min_digits,
+        max_digits=cfg.max_digits,
+        operators=cfg.operators,
+    )
 
 
 def arithmetic_dataset(task: ArithmeticTask) -> grain.IterDataset:
@@ -86,14 +104,7 @@ def file_dataset(
 def prompt_dataset(cfg: TaskConfig) -> grain.IterDataset:
     """The pipeline `cfg.source` names."""
     if cfg.source == "arithmetic":
-        return arithmetic_dataset(
-            ArithmeticTask(
-                seed=cfg.seed,
-                min_digits=cfg.min_digits,
-                max_digits=cfg.max_digits,
-                operators=cfg.operators,
-            )
-        )
+        return arithmetic_dataset(arithmetic_task(cfg, seed_offset=0))
     return file_dataset(
         cfg.path,
         prompt_key=cfg.prompt_key,

@@ -1,7 +1,12 @@
 """sat_jax.experiment: defaults only in dataclasses, YAML + dotted overrides, errors name the key."""
 
-import pytest
+import functools
+import pathlib
 
+import pytest
+import yaml
+
+from sat_jax import experiment
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import PRESETS
 
@@ -79,12 +84,40 @@ def test_tls_needs_cert_and_key():
         load_config(None, ["server.tls_cert=/x.pem"])
 
 
-def test_shipped_config_loads():
-    import pathlib
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
-    path = pathlib.Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"
-    cfg = load_config(str(path), [])
+
+def test_shipped_configs_load():
+    cfg = load_config(str(CONFIGS / "arith_tiny.yaml"), [])
     assert cfg.name == "arith_tiny" and cfg.model == PRESETS["tiny"]
+    main = load_config(str(CONFIGS / "arith_main.yaml"), [])
+    assert main.name == "arith_main" and main.model == PRESETS["tiny"]
+    # The main job's shapes live in its config, not on a command line.
+    assert (main.rollout.group_size, main.rollout.batch_groups, main.server.slots) == (8, 16, 32)
+    assert main.train.warmup_sft_steps > 0 and main.train.sft_cache_dir == "runs/sft_cache"
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_configs_hold_only_overrides(path):
+    # Every key of a shipped config changes a default (of the dataclasses or the model preset).
+    flat: dict = {}
+    experiment._flatten(yaml.safe_load(path.read_text()), "", flat)
+    preset = flat.get("model.preset")
+    assert preset != "tiny", f"{path.name}: model.preset repeats its default 'tiny'"
+    # Model fields default to the chosen preset's.
+    defaults = load_config(None, [f"model.preset={preset}"] if preset else [])
+    for key, value in flat.items():
+        if key == "model.preset":
+            continue
+        default = functools.reduce(getattr, key.split("."), defaults)
+        assert value != default, f"{path.name}: {key} repeats its default {default!r}"
+
+
+def test_the_vocabulary_must_hold_the_tokenizers_ids():
+    # 17 characters + pad, bos, eos = 20 ids.
+    assert load_config(None, ["model.vocab_size=20"]).model.vocab_size == 20
+    with pytest.raises(ConfigError, match="needs 20 token ids, model.vocab_size is 19"):
+        load_config(None, ["model.vocab_size=19"])
 
 
 @pytest.mark.parametrize("text,value", [("5e-4", 5e-4), ("1E3", 1000.0), ("2.5e+1", 25.0)])

@@ -18,6 +18,7 @@ import pathlib
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jax
@@ -30,9 +31,8 @@ from sat_jax import sharding
 from sat_jax.experiment import load_config
 from sat_jax.train_step import TrainState
 from tests.train.conftest import JAX_CACHE
-from train import checkpointing, main, metrics, weight_sync
+from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer
-from train.remote import ServerPool
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CONFIG = str(REPO / "configs" / "arith_tiny.yaml")
@@ -83,6 +83,26 @@ def test_python_m_train_rejects_an_unknown_key():
     ), proc.stderr
 
 
+@pytest.mark.parametrize(
+    "overrides, child",
+    [
+        ([], ["server.checkpoint_root=RUN", "server.state_dir=RUN/server"]),
+        (["server.checkpoint_root=/ck", "server.state_dir=/st"], []),
+    ],
+)
+def test_the_local_server_loads_weights_from_the_run_dir_unless_configured(
+    overrides, child, monkeypatch, tmp_path
+):
+    started = []
+    monkeypatch.setattr(main, "LocalServer", lambda *args: started.append(args))
+    run_dir = str(tmp_path / "run")
+    cfg = load_config(None, overrides)
+    main.start_local_server(cfg, "c.yaml", overrides, run_dir)
+    child = [c.replace("RUN", run_dir) for c in child]
+    assert started == [("c.yaml", [*overrides, *child], os.path.join(run_dir, "server.log"))]
+    assert os.path.isdir(run_dir)
+
+
 def _records(run_dir: pathlib.Path) -> list[dict]:
     path = run_dir / "logs" / "metrics.jsonl"
     if not path.exists():
@@ -102,6 +122,7 @@ def test_sync_run_survives_sigkill_and_resumes(tmp_path):
         "rollout.max_staleness=0",
         "rollout.batch_groups=4",
         "rollout.group_size=4",
+        "server.slots=8",
         f"server.checkpoint_root={tmp_path}",
         f"server.state_dir={tmp_path / 'server'}",
     ]
@@ -206,7 +227,7 @@ def _loop_parts(cfg, pool, pusher, writer, step_fn, *, ckpt=None) -> main.LoopPa
         step_fn=step_fn,
         ref_logp_fn=None,
         mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
-        spec=main.batch_spec(cfg),
+        spec=setup.batch_spec(cfg),
     )
 
 
@@ -227,25 +248,27 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
         "train.steps=5",
         "train.checkpoint_every=100",
         "train.eval_problems=0",
+        "train.server_wait_s=120",
         f"train.run_dir={tmp_path / 'run'}",
     ]
     cfg = load_config(CONFIG, overrides)
-    _, _, weights_dir = main.run_paths(cfg)
-    os.makedirs(weights_dir)
+    _, _, weights_dir = setup.run_paths(cfg)
     push = functools.partial(_push_to, weights_dir=weights_dir)
     state = TrainState(params=_random_params(cfg), opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     with (
         LocalServer(CONFIG, overrides, str(tmp_path / "server.log")) as server,
-        ServerPool([server.address], server_wait_s=120) as pool,
-        weight_sync.WeightPusher(functools.partial(push, pool)) as pusher,
         checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt,
         metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=5, console=None) as writer,
     ):
         server.wait_ready(timeout_s=150)
-        progress = main.sync_weights(pool, state, progress, weights_dir)
-        parts = _loop_parts(cfg, pool, pusher, writer, _slow_step(1.5), ckpt=ckpt)
-        state, progress = main.train_loop(cfg, parts, state, progress)
+        with (
+            setup.connect(cfg, server) as pool,  # the pool `make run` builds from the config
+            weight_sync.WeightPusher(functools.partial(push, pool)) as pusher,
+        ):
+            progress = main.sync_weights(pool, state, progress, weights_dir)
+            parts = _loop_parts(cfg, pool, pusher, writer, _slow_step(1.5), ckpt=ckpt)
+            state, progress = main.train_loop(cfg, parts, state, progress)
         path = writer.jsonl_path
     lags = [r["lag_max"] for r in metrics.read_jsonl(path)]
     assert len(lags) == 5 and progress.version == 6
@@ -259,10 +282,13 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
 
 
 class FakePool:
-    """Serves groups whose tokens carry the version last pushed; pushes take `push_s` seconds."""
+    """Serves groups whose tokens carry the version last pushed. A push sleeps ``push_s`` (so a
+    loop that did not wait for it would pull before it lands) and, when ``gate`` is given, first
+    waits for it to be set."""
 
-    def __init__(self, push_s: float):
+    def __init__(self, push_s: float, gate: threading.Event | None = None):
         self.push_s = push_s
+        self.gate = gate
         self.version = 1
         self.events: list[tuple[str, int]] = []
         self.next_id = 0
@@ -290,14 +316,29 @@ class FakePool:
         return groups
 
     def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
+        if self.gate is not None:
+            assert self.gate.wait(120), "the push was never released: the loop waited for it"
         time.sleep(self.push_s)
         self.version = version
         self.events.append(("push", version))
 
 
+def _step_opening(gate: threading.Event, at_call: int):
+    """A no-op train step that sets ``gate`` on its ``at_call``-th call."""
+    calls = []
+
+    def step(state: TrainState, batch):
+        calls.append(len(calls))
+        if len(calls) == at_call:
+            gate.set()
+        return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
+
+    return step
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_path):
-    steps, push_s = 6, 0.4
+    steps = 6
     cfg = load_config(
         CONFIG,
         [
@@ -310,7 +351,11 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
             "train.checkpoint_every=100",
         ],
     )
-    pool = FakePool(push_s)
+    # Async: the first push is held until the loop runs its last step, which it reaches only if
+    # it never waits for a push. Sync: pushes are slow enough that a loop not waiting for one
+    # would pull before it landed.
+    gate = threading.Event()
+    pool = FakePool(0.2, gate) if mode == "async" else FakePool(0.2)
     state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     pushed = []
@@ -323,27 +368,26 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         weight_sync.WeightPusher(push) as pusher,
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
-        parts = _loop_parts(cfg, pool, pusher, writer, _slow_step(0.0))
-        start = time.monotonic()
+        parts = _loop_parts(cfg, pool, pusher, writer, _step_opening(gate, steps))
         state, progress = main.train_loop(cfg, parts, state, progress)
-        wall = time.monotonic() - start
     records = metrics.read_jsonl(writer.jsonl_path)
     assert progress.version == steps + 1 and pushed[-1] == steps + 1  # flushed on return
     assert pushed == sorted(set(pushed))
-    assert all(r.get("push_s", push_s) >= push_s for r in records)  # absent before the first
     if mode == "sync":
-        # Every push lands before the next pull: pulls alternate with pushes, all at lag 0.
+        # Every push lands before the next pull: pulls alternate with pushes, all at lag 0, and
+        # each step's record carries the push it waited for.
         assert pool.events == [
             e for v in range(1, steps + 1) for e in (("pull", v), ("push", v + 1))
         ]
         assert [r["lag_max"] for r in records] == [0] * steps
-        assert wall >= steps * push_s
+        assert [r["pushed_version"] for r in records] == [r["version"] for r in records]
     else:
-        # The loop never waits for a push: pushes queue behind the one in flight and the newest
-        # supersedes the rest.
-        assert wall < steps * push_s / 2
-        assert len(pushed) < steps and records[-1]["pushes_superseded"] == steps - len(pushed)
-        assert max(r["lag_max"] for r in records) > 0
+        # Every pull ran while the first push was held: the loop never waited for a push. The
+        # pushes queued behind it were superseded by the newest.
+        assert [e for e in pool.events if e[0] == "pull"] == [("pull", 1)] * steps
+        assert pushed[0] == 2 and len(pushed) < steps
+        assert records[-1]["pushes_superseded"] == steps - len(pushed)
+        assert [r["lag_max"] for r in records] == list(range(steps))
 
 
 def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path):

@@ -40,9 +40,9 @@ def test_writer_sinks_and_curves(tmp_path):
 
 
 def test_importing_the_trainer_leaves_matplotlib_alone():
-    # curves.py draws on a bare Figure: importing train.main in a notebook must not load pyplot
-    # or switch its backend (which silently stops inline figures).
-    code = "import sys, train.main; print('matplotlib.pyplot' in sys.modules)"
+    # curves.py draws on a bare Figure: importing the trainer (train.setup in a notebook) must not
+    # load pyplot or switch its backend (which silently stops inline figures).
+    code = "import sys, train.main, train.setup; print('matplotlib.pyplot' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip().splitlines()[-1] == "False"

@@ -9,6 +9,7 @@ from sat_jax.tasks import (
     ArithmeticTask,
     CharTokenizer,
     arithmetic_dataset,
+    arithmetic_task,
     exact_match_reward,
     file_dataset,
     make_reward,
@@ -144,3 +145,12 @@ def test_file_pipeline_errors(tmp_path):
 def test_prompt_dataset_from_config(tmp_path):
     it = iter(prompt_dataset(TaskConfig(seed=4)))
     assert next(it) == ArithmeticTask(seed=4).problem(0)
+
+
+def test_arithmetic_task_offsets_the_seed_and_needs_the_arithmetic_source():
+    cfg = TaskConfig(seed=4, max_digits=3, operators="*")
+    assert arithmetic_task(cfg, seed_offset=7) == ArithmeticTask(
+        seed=11, max_digits=3, operators="*"
+    )
+    with pytest.raises(ValueError, match="task.source 'arithmetic'"):
+        arithmetic_task(TaskConfig(source="file", path="p.jsonl"), seed_offset=0)

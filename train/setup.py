@@ -1,0 +1,142 @@
+"""What the trainer builds from an ``ExperimentConfig`` before its loop (docs/DESIGN.md §7, §8):
+the optimizer, the run's directories, the base policy, the batch shape, the sampleable ids, the
+reference policy's log-probs and the server pool.
+
+Pure builders, shared by ``train.main`` (the job), the benchmarks, the notebook and the tests; none
+of them starts a loop. ``base_policy`` runs (or loads) the cached supervised warm-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sat_jax import sharding
+from sat_jax.experiment import ExperimentConfig, TrainConfig
+from sat_jax.tasks import CharTokenizer
+from sat_jax.train_step import next_token_logprobs
+from train import batching, warmup
+from train.local_server import LocalServer
+from train.remote import ServerPool
+
+log = logging.getLogger("train")
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Global-norm clipping → AdamW (β₂ = 0.98 by default) with the configured LR schedule."""
+    decay_steps = max(cfg.steps - cfg.lr_warmup_steps, 1)
+    peak = cfg.learning_rate
+    decay = {
+        "constant": optax.constant_schedule(peak),
+        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
+        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
+    }[cfg.lr_schedule]
+    schedule = (
+        optax.join_schedules(
+            [optax.linear_schedule(0.0, peak, cfg.lr_warmup_steps), decay], [cfg.lr_warmup_steps]
+        )
+        if cfg.lr_warmup_steps
+        else decay
+    )
+    adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay)
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
+
+
+def run_paths(cfg: ExperimentConfig) -> tuple[str, str, str]:
+    """``(run_dir, checkpoint_dir, weights_dir)``; empty ``train.run_dir`` and
+    ``train.checkpoint_dir`` mean ``runs/<name>`` and ``<run_dir>/checkpoints``."""
+    run_dir = cfg.train.run_dir or os.path.join("runs", cfg.name)
+    ckpt_dir = cfg.train.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    return run_dir, ckpt_dir, os.path.join(run_dir, "weights")
+
+
+def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
+    """Random init (``train.seed``), then the supervised warm-up when configured, cached under
+    ``train.sft_cache_dir``."""
+    graphdef, params = sharding.init_sharded(cfg.model, mesh, cfg.train.seed)
+    t = cfg.train
+    if t.warmup_sft_steps:
+        start = time.monotonic()
+        params, cached = warmup.cached_warmup(
+            t.sft_cache_dir,
+            cfg.model,
+            cfg.task,
+            params,
+            init_seed=t.seed,
+            steps=t.warmup_sft_steps,
+            batch=t.sft_batch,
+            learning_rate=t.sft_learning_rate,
+            seq_len=cfg.server.max_prefill_length + cfg.rollout.max_new_tokens,
+        )
+        how = f"loaded from {t.sft_cache_dir}" if cached else f"{t.warmup_sft_steps} steps"
+        log.info("supervised warm-up: %s (%.1fs)", how, time.monotonic() - start)
+    return graphdef, params
+
+
+def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
+    """Fixed batch shape: every prompt fits the server's prefill, every completion its limit."""
+    m = cfg.model
+    return batching.BatchSpec(
+        batch_groups=cfg.rollout.batch_groups,
+        group_size=cfg.rollout.group_size,
+        seq_len=cfg.server.max_prefill_length + cfg.rollout.max_new_tokens,
+        routing_lk=(m.num_moe_layers, m.num_experts_per_tok) if cfg.train.routing_replay else None,
+        routing_dtype=np.dtype(m.routing_dtype).name,
+        max_staleness=cfg.rollout.max_staleness,
+        stale_policy=cfg.train.stale_policy,
+        estimator=cfg.train.advantage_estimator,
+        normalize_std=cfg.train.normalize_std,
+    )
+
+
+def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
+    """[V] bool: the ids the server samples from, over which the trainer renormalizes too."""
+    return CharTokenizer(cfg.task.alphabet).sampleable_mask(cfg.model.vocab_size)
+
+
+def make_ref_logp(
+    graphdef: nnx.GraphDef,
+    ref_params: Any,
+    mesh: jax.sharding.Mesh,
+    temperature: float,
+    vocab_mask: np.ndarray,
+) -> Callable[[np.ndarray], np.ndarray]:
+    """Reference-policy (the warm-up policy) log-probs of a batch's tokens, for the KL penalty.
+
+    The result is replicated over ``mesh``, so every process reads the whole [B, T] array.
+    """
+
+    @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    def ref_logp(tokens_bt: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, ref_params)(tokens_bt)
+        return next_token_logprobs(
+            logits, tokens_bt, temperature=temperature, vocab_mask=vocab_mask
+        )
+
+    return lambda tokens: np.asarray(ref_logp(tokens))
+
+
+def connect(cfg: ExperimentConfig, server: LocalServer | None) -> ServerPool:
+    """The configured servers (``train.servers``), or the local child once it answers; a crashed
+    child is restarted from the pool's retry loop."""
+    t = cfg.train
+    if server is not None:
+        server.wait_ready(timeout_s=t.server_wait_s)
+    return ServerPool(
+        t.servers or (server.address,),
+        token=cfg.server.token,
+        max_message_bytes=cfg.server.max_message_bytes,
+        retry_max_s=t.retry_max_s,
+        server_wait_s=t.server_wait_s,
+        on_retry=None if server is None else server.restart_if_exited,
+    )
