@@ -1,17 +1,21 @@
 """Policy-gradient objectives for asynchronous RL: PPO/GRPO, GSPO and SAT, with stabilizers.
 
-Equation numbers refer to "Stale but Stable" (arXiv 2607.18722) as restated in docs/DESIGN.md §3:
+Equation numbers are those of "Stale but Stable" (arXiv 2607.18722) as restated in docs/DESIGN.md §3
+(notation §2, stabilizers §3.4, aggregation and (sum, count) terms §3.5, metrics §4). Per active
+token (b, t), with d = logp − old_logp, r = exp(d) and sg = stop_gradient:
 
-* (3.1) token-level clipped surrogate  S = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A);
-* (3.2) GSPO: the sequence ratio ρ_b = exp(mean_t d_bt) replaces r for every token of b;
-* (3.3)–(3.6) SAT: q = inverted-CDF quantile of |sg(d)| over active tokens, ψ(u; q) = 1/(1+(u/q)^p),
-  and, where q > 0 and |sg(d)| > q, the endpoint on the side of sign(d) contracts:
-  ε̃_high = ε_high·ψ(max(d, 0)), ε̃_low = ε_low·ψ(max(−d, 0)); everything SAT computes is detached.
+* (3.1) PPO/GRPO: S = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), loss = −aggregate(S);
+* (3.2) GSPO: s_b = mean_t d_bt, and ρ_b = exp(s_b) replaces r for every token of b;
+* (3.3) SAT's threshold q = sg(inverted-CDF quantile of |sg(d)| over active tokens), d := s_b in GSPO;
+* (3.4) ψ(u; q) = 1 / (1 + (u/q)^p);
+* (3.5) where q > 0 and |sg(d)| > q: c₊ = ψ(max(d, 0); q), c₋ = ψ(max(−d, 0); q); elsewhere 1;
+* (3.6) ε̃_high = ε_high·c₊, ε̃_low = ε_low·c₋ (detached) replace ε in (3.1).
 
 The kernels are shaped like ``optax.losses``: per-token and unreduced, hyperparameters
 keyword-only, the mask passed as ``where=``. :func:`policy_loss` is the thin reducing wrapper; it is
 built on :func:`policy_loss_terms`, which keeps every reduction as a (sum, count) pair so
-microbatches and hosts combine exactly (:meth:`PolicyLossTerms.merge`).
+microbatches and hosts combine exactly (:meth:`PolicyLossTerms.merge`), and :func:`sat_threshold`
+gives microbatches their batch's q.
 
 Shapes: ``B`` responses, ``T`` tokens; every per-token array is ``[B, T]``.
 """
@@ -110,37 +114,26 @@ class PolicyLossConfig:
         _check_choice("ratio_level", self.ratio_level, _RATIO_LEVELS)
         _check_choice("loss_agg", self.loss_agg, _LOSS_AGGS)
         _check_choice("kl_estimator", self.kl_estimator, _KL_ESTIMATORS)
-        if not 0.0 <= self.clip_low < 1.0:
-            raise ValueError(f"PolicyLossConfig.clip_low must be in [0, 1), got {self.clip_low!r}")
-        if not self.clip_high >= 0.0:
-            raise ValueError(f"PolicyLossConfig.clip_high must be >= 0, got {self.clip_high!r}")
-        if not isinstance(self.sat, SATConfig):
-            raise ValueError(f"PolicyLossConfig.sat must be a SATConfig, got {self.sat!r}")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(
-                f"PolicyLossConfig.dual_clip must be > 1 or None, got {self.dual_clip!r}"
-            )
-        if self.tis_cap is not None and not self.tis_cap > 0.0:
-            raise ValueError(f"PolicyLossConfig.tis_cap must be > 0 or None, got {self.tis_cap!r}")
-        if self.icepop_range is not None:
-            if (
-                len(self.icepop_range) != 2
-                or not 0.0 <= self.icepop_range[0] <= self.icepop_range[1]
-            ):
-                raise ValueError(
-                    "PolicyLossConfig.icepop_range must be (alpha, beta) with 0 <= alpha <= beta, "
-                    f"got {self.icepop_range!r}"
-                )
-        if self.dppo_tv_delta is not None and not self.dppo_tv_delta >= 0.0:
-            raise ValueError(
-                f"PolicyLossConfig.dppo_tv_delta must be >= 0 or None, got {self.dppo_tv_delta!r}"
-            )
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"PolicyLossConfig.kl_coef must be >= 0, got {self.kl_coef!r}")
-        if self.log_ratio_clamp is not None and not self.log_ratio_clamp > 0.0:
-            raise ValueError(
-                f"PolicyLossConfig.log_ratio_clamp must be > 0 or None, got {self.log_ratio_clamp!r}"
-            )
+        dual, tis, icepop = self.dual_clip, self.tis_cap, self.icepop_range
+        tv, clamp = self.dppo_tv_delta, self.log_ratio_clamp
+        rules = {  # field: (value, valid, what a valid value is)
+            "clip_low": (self.clip_low, 0.0 <= self.clip_low < 1.0, "in [0, 1)"),
+            "clip_high": (self.clip_high, self.clip_high >= 0.0, ">= 0"),
+            "sat": (self.sat, isinstance(self.sat, SATConfig), "a SATConfig"),
+            "dual_clip": (dual, dual is None or dual > 1.0, "> 1 or None"),
+            "tis_cap": (tis, tis is None or tis > 0.0, "> 0 or None"),
+            "icepop_range": (
+                icepop,
+                icepop is None or (len(icepop) == 2 and 0.0 <= icepop[0] <= icepop[1]),
+                "(alpha, beta) with 0 <= alpha <= beta",
+            ),
+            "dppo_tv_delta": (tv, tv is None or tv >= 0.0, ">= 0 or None"),
+            "kl_coef": (self.kl_coef, self.kl_coef >= 0.0, ">= 0"),
+            "log_ratio_clamp": (clamp, clamp is None or clamp > 0.0, "> 0 or None"),
+        }
+        for name, (value, valid, want) in rules.items():
+            if not valid:
+                raise ValueError(f"PolicyLossConfig.{name} must be {want}, got {value!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -191,8 +184,8 @@ def masked_quantile(
     Sorting the active values ascending, this is the element at 1-indexed position ceil(level·n),
     NumPy's ``method="inverted_cdf"``. It is found by a two-pass radix select on the order-preserving
     uint32 image of float32: pass 1 histograms the high 16 bits (65,536 bins) and locates the bin
-    holding rank k; pass 2 histograms the low 16 bits of the entries in that bin. Two passes over the
-    data instead of a sort (~40× faster on CPU at 1M entries) or a 32-step bisection.
+    holding rank k; pass 2 histograms the low 16 bits of the entries in that bin: two passes over the
+    data instead of a sort or a 32-step bisection (benchmarks/objective_overhead.py compares them).
 
     Args:
       x: float array, any shape (NaN is not allowed among active entries).
@@ -229,10 +222,15 @@ def masked_quantile(
     return jnp.where(n > 0, value, 0.0)
 
 
+def _sat_gate(d: jax.Array, q: jax.Array) -> jax.Array:
+    """Where SAT fires (eq. 3.5): q > 0 and |d| > q, strictly; d and q detached float32."""
+    return (q > 0) & (jnp.abs(d) > q)
+
+
 def sat_contraction(
     log_ratio: ArrayLike, threshold: ArrayLike, *, exponent: float = 2.0
 ) -> tuple[jax.Array, jax.Array]:
-    """SAT's endpoint factors (c_low, c_high) = (c₋, c₊) of docs/DESIGN.md §3.3 steps 3–4, detached.
+    """SAT's endpoint factors (c_low, c_high) = (c₋, c₊) of eqs. (3.4)–(3.5), detached.
 
     The gate fires iff q > 0 and |d| > q (strictly); there c₊ = ψ(max(d, 0); q) and
     c₋ = ψ(max(−d, 0); q) with ψ(u; q) = 1/(1 + (u/q)^p), so only the side of sign(d) contracts;
@@ -248,7 +246,7 @@ def sat_contraction(
     """
     d = jax.lax.stop_gradient(jnp.asarray(log_ratio, jnp.float32))
     q = jax.lax.stop_gradient(jnp.asarray(threshold, jnp.float32))
-    gate = (q > 0) & (jnp.abs(d) > q)
+    gate = _sat_gate(d, q)
     safe_q = jnp.where(q > 0, q, 1.0)
 
     def psi(u):
@@ -323,17 +321,21 @@ def sat_clipped_surrogate_loss(
     )
 
 
-def sequence_log_ratio(log_ratio: ArrayLike, *, where: ArrayLike | None = None) -> jax.Array:
-    """GSPO's s_b = mean over active tokens of d_bt, broadcast to [B, T] (eq. 3.2).
+def sequence_log_ratio(
+    log_ratio: ArrayLike, *, where: ArrayLike | None = None, keepdims: bool = False
+) -> jax.Array:
+    """GSPO's s_b = mean over active tokens of d_bt (eq. 3.2), broadcast to [B, T].
 
     Differentiable: the gradient reaches every active token of b through the mean. A response with
-    no active token gets 0.
+    no active token gets 0. With ``keepdims`` the result stays [B, 1] (broadcast it at use: a
+    function of s_b then costs B evaluations, not B·T).
     """
     d = jnp.asarray(log_ratio, jnp.float32)
     active = _active(where, d)
     total = jnp.sum(jnp.where(active, d, 0.0), axis=-1, keepdims=True)
-    count = jnp.sum(active, axis=-1, keepdims=True)
-    return jnp.broadcast_to(total / jnp.maximum(count, 1), d.shape)
+    count = jnp.sum(active, axis=-1, keepdims=True, dtype=jnp.int32)
+    s_b1 = total / jnp.maximum(count, 1)
+    return s_b1 if keepdims else jnp.broadcast_to(s_b1, d.shape)
 
 
 def kl_penalty(
@@ -451,119 +453,165 @@ def _aggregate(per_token: jax.Array, active: jax.Array, loss_agg: LossAgg):
     return jnp.sum(per_seq_mean), jnp.sum(per_seq_count > 0, dtype=jnp.int32)
 
 
-def policy_loss_terms(
-    logp: ArrayLike,
-    behavior_logp: ArrayLike,
-    advantages: ArrayLike,
-    mask: ArrayLike,
-    cfg: PolicyLossConfig,
-    old_logp: ArrayLike | None = None,
-    ref_logp: ArrayLike | None = None,
-) -> PolicyLossTerms:
-    """The loss of :func:`policy_loss` and its metrics as (sum, count) pairs; same arguments."""
-    lp = jnp.asarray(logp, jnp.float32)
-    behavior = jnp.asarray(behavior_logp, jnp.float32)
-    active = jnp.asarray(mask) > 0
-    if not lp.shape == behavior.shape == active.shape == jnp.shape(advantages):
-        raise ValueError(
-            "policy_loss: logp, behavior_logp, advantages and mask must share one [B, T] shape, got "
-            f"{lp.shape}, {behavior.shape}, {jnp.shape(advantages)}, {active.shape}"
-        )
-    needs_old = [
-        n for n, on in (("tis_cap", cfg.tis_cap), ("icepop_range", cfg.icepop_range)) if on
-    ]
-    if needs_old and old_logp is None:
-        raise ValueError(f"policy_loss: {needs_old[0]} is set but old_logp is None")
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    """The wrapper's inputs as float32 [B, T] arrays; ``adv`` is 0 on padding, ``active`` bool."""
+
+    logp: jax.Array
+    behavior: jax.Array
+    old: jax.Array  # old_logp, or behavior_logp when none is given
+    adv: jax.Array
+    active: jax.Array
+
+
+def _check_shapes(fn: str, **arrays: ArrayLike) -> None:
+    shapes = {name: jnp.shape(x) for name, x in arrays.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"{fn}: {', '.join(shapes)} must share one [B, T] shape, got {shapes}")
+
+
+def _prepare(logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q) -> _Batch:
+    """Checks the arguments of :func:`policy_loss_terms` against ``cfg`` and converts them."""
+    _check_shapes(
+        "policy_loss", logp=logp, behavior_logp=behavior_logp, advantages=advantages, mask=mask
+    )
+    if old_logp is None and (cfg.tis_cap is not None or cfg.icepop_range is not None):
+        option = "tis_cap" if cfg.tis_cap is not None else "icepop_range"
+        raise ValueError(f"policy_loss: {option} is set but old_logp is None")
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError("policy_loss: kl_coef > 0 but ref_logp is None")
+    if sat_q is not None and jnp.shape(sat_q) != ():
+        raise ValueError(f"policy_loss: sat_q must be a scalar, got shape {jnp.shape(sat_q)}")
+    behavior, active = jnp.asarray(behavior_logp, jnp.float32), jnp.asarray(mask) > 0
     old = behavior if old_logp is None else jnp.asarray(old_logp, jnp.float32)
     adv = jnp.where(active, jnp.asarray(advantages, jnp.float32), 0.0)
+    return _Batch(jnp.asarray(logp, jnp.float32), behavior, old, adv, active)
 
-    # d = logp − old_logp (token) or GSPO's s_b broadcast; padding is zeroed so garbage there
-    # (−inf log-probs, NaN advantages) can reach neither the loss nor the gradient.
-    log_ratio = jnp.where(active, lp - old, 0.0)
-    quantile_counts = active  # each active token once; per-response counts for GSPO
-    if cfg.ratio_level == "sequence":
-        # Kept as [B, 1] and broadcast at use: B exps instead of B·T, and SAT's token-level
-        # quantile of |s_b| becomes a quantile of B values weighted by their token counts.
-        tokens_b1 = jnp.sum(active, axis=-1, keepdims=True, dtype=jnp.int32)
-        log_ratio = jnp.sum(log_ratio, axis=-1, keepdims=True) / jnp.maximum(tokens_b1, 1)
-        quantile_counts = tokens_b1
-    clamp = lambda x: (
-        x if cfg.log_ratio_clamp is None else jnp.clip(x, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-    )
-    ratio = jnp.exp(clamp(log_ratio))
 
-    sums, counts, mins, totals = {}, {}, {}, {}
+def _log_ratio(logp: jax.Array, old: jax.Array, active: jax.Array, ratio_level: RatioLevel):
+    """(d, weight of each d in SAT's quantile): d_bt [B, T] (eq. 3.1) or GSPO's s_b [B, 1] (3.2).
 
-    token_metrics = {}  # name -> per-token value; all reduced together at the end
+    Padding is zeroed so garbage there (−inf log-probs) reaches neither the loss nor the gradient.
+    s_b stays [B, 1] and broadcasts at use: B exps instead of B·T, and the token-level quantile of
+    |s_b| is a quantile of B values, each counted once per active token of its response.
+    """
+    d = jnp.where(active, logp - old, 0.0)
+    if ratio_level == "token":
+        return d, active
+    s_b1 = sequence_log_ratio(d, where=active, keepdims=True)
+    return s_b1, jnp.sum(active, axis=-1, keepdims=True, dtype=jnp.int32)
 
-    def mean_metric(name, value):
-        token_metrics[name] = value
 
-    c_low = c_high = jnp.ones(lp.shape, jnp.float32)
-    eps_low, eps_high = cfg.clip_low, cfg.clip_high
-    q = jnp.zeros((), jnp.float32)
-    gate = jnp.zeros(lp.shape, bool)
-    c_min = jnp.ones((), jnp.float32)
-    if cfg.sat.enabled:
-        d_sg = jax.lax.stop_gradient(log_ratio)
-        q = masked_quantile(jnp.abs(d_sg), cfg.sat.quantile, counts=quantile_counts)
-        c_low, c_high = sat_contraction(d_sg, q, exponent=cfg.sat.exponent)
-        eps_low, eps_high = cfg.clip_low * c_low, cfg.clip_high * c_high
-        gate = (q > 0) & (jnp.abs(d_sg) > q)
-        c_min = jnp.min(jnp.where(active, jnp.minimum(c_low, c_high), 1.0), initial=1.0)
-    per_token = clipped_surrogate_loss(
-        ratio, adv, clip_low=eps_low, clip_high=eps_high, dual_clip=cfg.dual_clip, where=active
-    )
+def _clamp(log_ratio: jax.Array, limit: float | None) -> jax.Array:
+    return log_ratio if limit is None else jnp.clip(log_ratio, -limit, limit)
 
+
+def sat_threshold(
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    mask: ArrayLike,
+    cfg: PolicyLossConfig,
+    *,
+    old_logp: ArrayLike | None = None,
+) -> jax.Array:
+    """SAT's threshold q of a batch (eq. 3.3): the one :func:`policy_loss` computes for it.
+
+    q is the exact inverted-CDF ``cfg.sat.quantile`` of |d| over the active tokens, with d the
+    token log-ratio logp − old_logp (``cfg.ratio_level == "token"``) or its per-response mean
+    s_b, counted once per active token of the response (``"sequence"``). Give it as ``sat_q=`` to
+    every microbatch of the batch so that all contract with the full batch's threshold.
+
+    Args:
+      logp, behavior_logp, mask: as in :func:`policy_loss`, [B, T].
+      cfg: a :class:`PolicyLossConfig`.
+      old_logp: optional proximal log-probs, [B, T]; ``behavior_logp`` when None.
+
+    Returns:
+      A float32 scalar under stop_gradient; 0 when SAT is disabled or no token is active.
+    """
+    _check_shapes("sat_threshold", logp=logp, behavior_logp=behavior_logp, mask=mask)
+    if not cfg.sat.enabled:
+        return jnp.zeros((), jnp.float32)
+    old = jnp.asarray(behavior_logp if old_logp is None else old_logp, jnp.float32)
+    active = jnp.asarray(mask) > 0
+    d, counts = _log_ratio(jnp.asarray(logp, jnp.float32), old, active, cfg.ratio_level)
+    q = masked_quantile(jnp.abs(jax.lax.stop_gradient(d)), cfg.sat.quantile, counts=counts)
+    return jax.lax.stop_gradient(q)
+
+
+@dataclasses.dataclass(frozen=True)
+class _TrustRegion:
+    """ε̃ = (ε_low·c₋, ε_high·c₊) and SAT's diagnostics, detached; [B, T], or [B, 1] for GSPO."""
+
+    eps_low: jax.Array | float  # the Python float ε_low when SAT is disabled
+    eps_high: jax.Array | float
+    c_low: jax.Array
+    c_high: jax.Array
+    q: jax.Array
+    gate: jax.Array
+    c_min: jax.Array
+
+
+def _trust_region(d: jax.Array, active: jax.Array, cfg: PolicyLossConfig, q: ArrayLike):
+    """The clip bounds of eq. (3.1), contracted by SAT (eqs. 3.4–3.6) with threshold q if enabled."""
+    if not cfg.sat.enabled:  # q is ignored (sat_threshold gives 0 then)
+        ones, no_gate = jnp.ones(active.shape, jnp.float32), jnp.zeros(active.shape, bool)
+        q, c_min = jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
+        return _TrustRegion(cfg.clip_low, cfg.clip_high, ones, ones, q, no_gate, c_min)
+    d_sg, q = jax.lax.stop_gradient(d), jax.lax.stop_gradient(jnp.asarray(q, jnp.float32))
+    c_low, c_high = sat_contraction(d_sg, q, exponent=cfg.sat.exponent)
+    c_min = jnp.min(jnp.where(active, jnp.minimum(c_low, c_high), 1.0), initial=1.0)
+    eps_low, eps_high = cfg.clip_low * c_low, cfg.clip_high * c_high
+    return _TrustRegion(eps_low, eps_high, c_low, c_high, q, _sat_gate(d_sg, q), c_min)
+
+
+def _stabilize(per_token: jax.Array, ratio: jax.Array, batch: _Batch, cfg: PolicyLossConfig):
+    """Applies the docs/DESIGN.md §3.4 stabilizers to −S; returns it and their per-token metrics."""
+    metrics = {}
     if cfg.dppo_tv_delta is not None:
-        tv_masked = active & dppo_tv_mask(lp, old, ratio, adv, delta=cfg.dppo_tv_delta)
+        mask = dppo_tv_mask(batch.logp, batch.old, ratio, batch.adv, delta=cfg.dppo_tv_delta)
+        tv_masked = batch.active & mask
         per_token = jnp.where(tv_masked, jax.lax.stop_gradient(per_token), per_token)
-        mean_metric("dppo_tv_masked_frac", tv_masked)
+        metrics["dppo_tv_masked_frac"] = tv_masked
     if cfg.tis_cap is not None:
-        weight = truncated_importance_weights(old, behavior, cap=cfg.tis_cap)
-        per_token = jnp.where(active, per_token * weight, 0.0)
-        mean_metric("tis_weight_mean", weight)
+        weight = truncated_importance_weights(batch.old, batch.behavior, cap=cfg.tis_cap)
+        per_token = jnp.where(batch.active, per_token * weight, 0.0)
+        metrics["tis_weight_mean"] = weight
     if cfg.icepop_range is not None:
         low, high = cfg.icepop_range
-        weight = icepop_weights(old, behavior, low=low, high=high)
-        per_token = jnp.where(active, per_token * weight, 0.0)
-        mean_metric("icepop_kept_frac", weight > 0)
+        weight = icepop_weights(batch.old, batch.behavior, low=low, high=high)
+        per_token = jnp.where(batch.active, per_token * weight, 0.0)
+        metrics["icepop_kept_frac"] = weight > 0
+    return per_token, metrics
 
-    loss_sum, loss_count = _aggregate(per_token, active, cfg.loss_agg)
-    sums["pg_loss"], counts["pg_loss"] = jax.lax.stop_gradient(loss_sum), loss_count
-    if ref_logp is not None:
-        kl = kl_penalty(lp, ref_logp, estimator=cfg.kl_estimator, where=active)
-        kl_sum, _ = _aggregate(kl, active, cfg.loss_agg)
-        sums["kl_ref"], counts["kl_ref"] = jax.lax.stop_gradient(kl_sum), loss_count
-        if cfg.kl_coef > 0:
-            loss_sum = loss_sum + cfg.kl_coef * kl_sum
-    sums["loss"], counts["loss"] = jax.lax.stop_gradient(loss_sum), loss_count
 
-    # docs/DESIGN.md §4 mismatch diagnostics, always against the behavior policy, token level.
-    behavior_log_ratio = jax.lax.stop_gradient(jnp.where(active, lp - behavior, 0.0))
-    behavior_ratio_log = clamp(behavior_log_ratio)
-    mean_metric("mismatch_abs_mean", jnp.abs(behavior_log_ratio))
-    mean_metric(
-        "is_deviation_frac", jnp.abs(jnp.exp(behavior_ratio_log) - 1.0) > _IS_DEVIATION_THRESHOLD
-    )
-    mean_metric("kl_k3", jnp.exp(behavior_ratio_log) - 1.0 - behavior_ratio_log)
-
-    r_sg = jax.lax.stop_gradient(ratio)
-    mean_metric("clip_frac_low", (adv < 0) & (r_sg < 1.0 - eps_low))
-    mean_metric("clip_frac_high", (adv > 0) & (r_sg > 1.0 + eps_high))
+def _diagnostics(ratio: jax.Array, region: _TrustRegion, batch: _Batch, cfg: PolicyLossConfig):
+    """The per-token docs/DESIGN.md §4 metrics, each to be averaged over active tokens."""
+    # The mismatch diagnostics are always against the behavior policy, at token level.
+    mismatch = jax.lax.stop_gradient(jnp.where(batch.active, batch.logp - batch.behavior, 0.0))
+    clamped = _clamp(mismatch, cfg.log_ratio_clamp)
+    r_sg, adv = jax.lax.stop_gradient(ratio), batch.adv
+    metrics = {
+        "mismatch_abs_mean": jnp.abs(mismatch),
+        "is_deviation_frac": jnp.abs(jnp.exp(clamped) - 1.0) > _IS_DEVIATION_THRESHOLD,
+        "kl_k3": jnp.exp(clamped) - 1.0 - clamped,
+        "clip_frac_low": (adv < 0) & (r_sg < 1.0 - region.eps_low),
+        "clip_frac_high": (adv > 0) & (r_sg > 1.0 + region.eps_high),
+    }
     if cfg.dual_clip is not None:
-        mean_metric("dual_clip_frac", (adv < 0) & (r_sg > cfg.dual_clip))
-    mean_metric("ratio_mean", r_sg)
+        metrics["dual_clip_frac"] = (adv < 0) & (r_sg > cfg.dual_clip)
+    metrics["ratio_mean"] = r_sg
+    metrics["sat_gate_rate"] = region.gate
+    metrics["sat_eps_low_mean"] = region.c_low  # times ε in _metric_terms
+    metrics["sat_eps_high_mean"] = region.c_high
+    return metrics
 
-    sums["sat_q"], counts["sat_q"] = q, jnp.ones((), jnp.int32)
-    mean_metric("sat_gate_rate", gate)
-    mean_metric("sat_eps_low_mean", c_low)
-    mean_metric("sat_eps_high_mean", c_high)
 
+def _metric_terms(token_metrics: dict, region: _TrustRegion, active: jax.Array, cfg):
+    """(sums, counts) of the metrics: ``sat_q`` and the active-token means of ``token_metrics``."""
+    sums, counts = {"sat_q": region.q}, {"sat_q": jnp.ones((), jnp.int32)}
     # One fused reduction per metric. Boolean metrics are counted as (active & flag): on CPU XLA
-    # that is ~2.5× faster than summing where(active, flag, 0.0) in float32.
+    # that is much faster than summing where(active, flag, 0.0) in float32.
     n_active = jnp.sum(active, dtype=jnp.int32)
     for name, value in token_metrics.items():
         value = jax.lax.stop_gradient(value)
@@ -575,11 +623,61 @@ def policy_loss_terms(
     # ε·mean(c) rather than mean(ε·c): equal, and exact (ε itself) whenever nothing contracts.
     sums["sat_eps_low_mean"] = cfg.clip_low * sums["sat_eps_low_mean"]
     sums["sat_eps_high_mean"] = cfg.clip_high * sums["sat_eps_high_mean"]
-    mins["sat_c_min"] = c_min
-    totals["active_tokens"] = jnp.sum(active, dtype=jnp.int32)
+    return sums, counts
 
+
+def policy_loss_terms(
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    cfg: PolicyLossConfig,
+    *,
+    old_logp: ArrayLike | None = None,
+    ref_logp: ArrayLike | None = None,
+    sat_q: ArrayLike | None = None,
+) -> PolicyLossTerms:
+    """The loss of :func:`policy_loss` and its metrics as (sum, count) pairs; same arguments.
+
+    Microbatches of one batch that all get the batch's ``sat_q`` (:func:`sat_threshold`) merge to
+    the full batch's loss and metrics (docs/DESIGN.md §3.5); the merged ``sat_q`` metric is then
+    that shared q.
+    """
+    batch = _prepare(logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q)
+    if sat_q is None:
+        sat_q = sat_threshold(logp, behavior_logp, mask, cfg, old_logp=old_logp)
+    d, _ = _log_ratio(batch.logp, batch.old, batch.active, cfg.ratio_level)
+    ratio = jnp.exp(_clamp(d, cfg.log_ratio_clamp))
+    region = _trust_region(d, batch.active, cfg, sat_q)
+    per_token = clipped_surrogate_loss(
+        ratio,
+        batch.adv,
+        clip_low=region.eps_low,
+        clip_high=region.eps_high,
+        dual_clip=cfg.dual_clip,
+        where=batch.active,
+    )
+    per_token, stabilizer_metrics = _stabilize(per_token, ratio, batch, cfg)
+
+    loss_sum, loss_count = _aggregate(per_token, batch.active, cfg.loss_agg)
+    sums = {"pg_loss": jax.lax.stop_gradient(loss_sum)}
+    if ref_logp is not None:
+        kl = kl_penalty(batch.logp, ref_logp, estimator=cfg.kl_estimator, where=batch.active)
+        kl_sum, _ = _aggregate(kl, batch.active, cfg.loss_agg)
+        sums["kl_ref"] = jax.lax.stop_gradient(kl_sum)
+        if cfg.kl_coef > 0:
+            loss_sum = loss_sum + cfg.kl_coef * kl_sum
+    sums["loss"] = jax.lax.stop_gradient(loss_sum)
+
+    token_metrics = {**stabilizer_metrics, **_diagnostics(ratio, region, batch, cfg)}
+    metric_sums, metric_counts = _metric_terms(token_metrics, region, batch.active, cfg)
     return PolicyLossTerms(
-        loss_sum=loss_sum, loss_count=loss_count, sums=sums, counts=counts, mins=mins, totals=totals
+        loss_sum=loss_sum,
+        loss_count=loss_count,
+        sums={**sums, **metric_sums},
+        counts={**dict.fromkeys(sums, loss_count), **metric_counts},
+        mins={"sat_c_min": region.c_min},
+        totals={"active_tokens": jnp.sum(batch.active, dtype=jnp.int32)},
     )
 
 
@@ -589,8 +687,10 @@ def policy_loss(
     advantages: ArrayLike,
     mask: ArrayLike,
     cfg: PolicyLossConfig,
+    *,
     old_logp: ArrayLike | None = None,
     ref_logp: ArrayLike | None = None,
+    sat_q: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy-gradient loss (PPO/GRPO, GSPO, SAT, stabilizers) and its metrics (docs/DESIGN.md §3–4).
 
@@ -605,8 +705,12 @@ def policy_loss(
       advantages: per token (or per response broadcast), float [B, T].
       mask: 1 on active (completion, non-padding) tokens, 0 elsewhere, [B, T].
       cfg: a :class:`PolicyLossConfig`.
-      old_logp: optional proximal log-probs; ``behavior_logp`` when None.
-      ref_logp: optional reference-policy log-probs for the KL penalty / ``kl_ref`` metric.
+      old_logp: optional proximal log-probs, [B, T]; ``behavior_logp`` when None.
+      ref_logp: optional reference-policy log-probs for the KL penalty / ``kl_ref`` metric, [B, T].
+      sat_q: optional SAT threshold q (a scalar, detached) used instead of the one computed from
+        this call's tokens, e.g. :func:`sat_threshold` of the whole batch when this call sees a
+        microbatch. Ignored when SAT is disabled (``sat_threshold`` then gives 0), so callers can
+        pass it unconditionally.
 
     Returns:
       (loss, metrics): a float32 scalar and a dict of float32 scalars with the docs/DESIGN.md §4 names
@@ -618,6 +722,13 @@ def policy_loss(
       An all-padding batch gives loss 0 and zero gradient.
     """
     terms = policy_loss_terms(
-        logp, behavior_logp, advantages, mask, cfg, old_logp=old_logp, ref_logp=ref_logp
+        logp,
+        behavior_logp,
+        advantages,
+        mask,
+        cfg,
+        old_logp=old_logp,
+        ref_logp=ref_logp,
+        sat_q=sat_q,
     )
     return terms.reduce()

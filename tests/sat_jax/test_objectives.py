@@ -1,6 +1,7 @@
 """Tests of sat_jax.objectives against the float64 reference written from docs/DESIGN.md §3's equations."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -46,10 +47,17 @@ def make_batch(seed, B=6, T=12, scale=0.4, mask_p=0.75, with_old=False, with_ref
     return out
 
 
-def _value_and_grad(logp, behavior_logp, advantages, mask, old_logp, ref_logp, *, cfg):
+def _value_and_grad(logp, behavior_logp, advantages, mask, old_logp, ref_logp, sat_q, *, cfg):
     def f(lp):
         return objectives.policy_loss(
-            lp, behavior_logp, advantages, mask, cfg, old_logp=old_logp, ref_logp=ref_logp
+            lp,
+            behavior_logp,
+            advantages,
+            mask,
+            cfg,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            sat_q=sat_q,
         )
 
     (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logp)
@@ -60,7 +68,7 @@ def _value_and_grad(logp, behavior_logp, advantages, mask, old_logp, ref_logp, *
 _jitted_value_and_grad = jax.jit(_value_and_grad, static_argnames=("cfg",))
 
 
-def loss_and_grad(batch, cfg, jit=True):
+def loss_and_grad(batch, cfg, jit=True, sat_q=None):
     """(loss, metrics, d loss / d logp); jit=False runs op by op."""
     args = {k: jnp.asarray(v) for k, v in batch.items()}
     fn = _jitted_value_and_grad if jit else _value_and_grad
@@ -71,6 +79,7 @@ def loss_and_grad(batch, cfg, jit=True):
         args["mask"],
         args.get("old_logp"),
         args.get("ref_logp"),
+        sat_q,
         cfg=cfg,
     )
 
@@ -416,20 +425,152 @@ def test_jit_matches_eager(name):
         np.testing.assert_allclose(m0[k], m1[k], rtol=1e-6, atol=1e-8, err_msg=k)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
-@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
-def test_microbatch_terms_merge_to_full_batch(agg, ratio_level):
-    cfg = PolicyLossConfig(loss_agg=agg, ratio_level=ratio_level, dual_clip=2.0)
-    b = {k: jnp.asarray(v) for k, v in make_batch(12, B=8).items()}
-    terms = lambda sl: objectives.policy_loss_terms(
-        b["logp"][sl], b["behavior_logp"][sl], b["advantages"][sl], b["mask"][sl], cfg
+MICROBATCH_CONFIGS = {
+    "ppo_dual": PolicyLossConfig(dual_clip=2.0),
+    "ppo_dual_seqmean": PolicyLossConfig(dual_clip=2.0, loss_agg="seq_mean_token_mean"),
+    "gspo_dual": PolicyLossConfig(ratio_level="sequence", dual_clip=2.0),
+    "sat": CONFIGS["sat"],
+    "sat_seqmean": CONFIGS["sat_seqmean"],
+    "gspo_sat": CONFIGS["gspo_sat"],
+    "gspo_sat_token_mean": PolicyLossConfig(ratio_level="sequence", sat=SAT),
+    "everything": CONFIGS["everything"],
+}
+
+
+@pytest.mark.parametrize("n_micro", [2, 4])
+@pytest.mark.parametrize("name", sorted(MICROBATCH_CONFIGS))
+def test_microbatches_with_the_batch_threshold_merge_to_full_batch(name, n_micro):
+    """Row microbatches given the full batch's q (sat_threshold) merge to the full batch.
+
+    Loss, gradient (Σ of the microbatches' d loss_sum / merged loss_count) and every metric agree
+    to float32 rounding of the reordered sums (rtol 1e-6); ``sat_q`` is the shared q.
+    """
+    cfg = MICROBATCH_CONFIGS[name]
+    b = {k: jnp.asarray(v) for k, v in make_batch(12, B=8, with_old=True, with_ref=True).items()}
+    extra = {k: b[k] for k in ("old_logp", "ref_logp")}
+    q = objectives.sat_threshold(
+        b["logp"], b["behavior_logp"], b["mask"], cfg, old_logp=b["old_logp"]
     )
-    full_loss, full_metrics = terms(slice(None)).reduce()
-    merged_loss, merged_metrics = terms(slice(0, 3)).merge(terms(slice(3, None))).reduce()
-    np.testing.assert_allclose(merged_loss, full_loss, rtol=1e-6)
+
+    def terms(lp, rows):
+        return objectives.policy_loss_terms(
+            lp[rows],
+            b["behavior_logp"][rows],
+            b["advantages"][rows],
+            b["mask"][rows],
+            cfg,
+            **{k: v[rows] for k, v in extra.items()},
+            sat_q=q,
+        )
+
+    full_loss, full_metrics, full_grad = loss_and_grad(b, cfg)
+    parts = [slice(i, i + 8 // n_micro) for i in range(0, 8, 8 // n_micro)]
+    merged = functools.reduce(lambda x, y: x.merge(y), (terms(b["logp"], s) for s in parts))
+    grad = sum(jax.grad(lambda lp, s=s: terms(lp, s).loss_sum)(b["logp"]) for s in parts)
+    loss, metrics = merged.reduce()
+    np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
+    np.testing.assert_allclose(grad / merged.loss_count, full_grad, rtol=1e-6, atol=1e-9)
+    assert set(metrics) == set(full_metrics)
     for k in full_metrics:
-        if k != "sat_q":
-            np.testing.assert_allclose(merged_metrics[k], full_metrics[k], rtol=1e-6, err_msg=k)
+        np.testing.assert_allclose(metrics[k], full_metrics[k], rtol=1e-6, atol=1e-9, err_msg=k)
+    assert float(metrics["sat_q"]) == pytest.approx(float(q), rel=1e-6)
+
+
+# ------------------------------------------------------------------------------------------
+# The batch threshold: sat_threshold and sat_q.
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_old", [False, True])
+@pytest.mark.parametrize("name", ["sat", "sat_p3_q75", "gspo_sat", "everything"])
+def test_sat_threshold_is_the_reference_quantile(name, with_old):
+    cfg = CONFIGS[name]
+    batch = make_batch(14, with_old=with_old or cfg.tis_cap is not None, with_ref=True)
+    _, ref_metrics, _ = reference_policy_loss(**batch, cfg=cfg)
+    q = objectives.sat_threshold(
+        batch["logp"], batch["behavior_logp"], batch["mask"], cfg, old_logp=batch.get("old_logp")
+    )
+    assert q.shape == () and q.dtype == jnp.float32
+    np.testing.assert_allclose(q, ref_metrics["sat_q"], rtol=RTOL, atol=ATOL)
+    if cfg.ratio_level == "token":  # d = logp − old_logp rounds alike; q is a selection, exact
+        assert float(q) == np.float32(ref_metrics["sat_q"])
+    grad = jax.grad(
+        lambda lp: objectives.sat_threshold(lp, batch["behavior_logp"], batch["mask"], cfg)
+    )(jnp.asarray(batch["logp"]))
+    assert np.all(np.asarray(grad) == 0.0)
+
+
+def test_sat_threshold_without_sat_or_tokens_is_zero():
+    b = make_batch(15)
+    off = objectives.sat_threshold(b["logp"], b["behavior_logp"], b["mask"], PolicyLossConfig())
+    empty = objectives.sat_threshold(
+        b["logp"], b["behavior_logp"], np.zeros_like(b["mask"]), CONFIGS["sat"]
+    )
+    assert float(off) == 0.0 and float(empty) == 0.0
+    with pytest.raises(ValueError, match="shape"):
+        objectives.sat_threshold(b["logp"], b["behavior_logp"][:, :3], b["mask"], CONFIGS["sat"])
+
+
+@pytest.mark.parametrize("jit", [True, False])
+@pytest.mark.parametrize(
+    "name", ["sat", "sat_p3_q75", "sat_dual", "gspo_sat", "kl_k3", "everything"]
+)
+def test_given_batch_threshold_is_bit_identical(name, jit):
+    """policy_loss(..., sat_q=sat_threshold(...)) is policy_loss(...), bit for bit."""
+    cfg = CONFIGS[name]
+    batch = make_batch(16, **needs(cfg))
+    q = objectives.sat_threshold(
+        batch["logp"], batch["behavior_logp"], batch["mask"], cfg, old_logp=batch.get("old_logp")
+    )
+    loss0, m0, g0 = loss_and_grad(batch, cfg, jit=jit)
+    loss1, m1, g1 = loss_and_grad(batch, cfg, jit=jit, sat_q=q)
+    assert np.array_equal(loss0, loss1) and np.array_equal(g0, g1)
+    assert set(m0) == set(m1)
+    for k in m0:
+        assert np.array_equal(m0[k], m1[k]), k
+
+
+def test_sat_q_is_ignored_without_sat():
+    """sat_threshold gives 0 when SAT is off, so callers may pass sat_q unconditionally."""
+    batch = make_batch(17)
+    cfg = PolicyLossConfig()
+    loss0, m0, g0 = loss_and_grad(batch, cfg, jit=False)
+    loss1, m1, g1 = loss_and_grad(batch, cfg, jit=False, sat_q=jnp.float32(0.3))
+    assert np.array_equal(loss0, loss1) and np.array_equal(g0, g1)
+    assert all(np.array_equal(m0[k], m1[k]) for k in m0) and float(m1["sat_q"]) == 0.0
+
+
+def test_sat_q_replaces_the_computed_threshold():
+    batch = make_batch(18, scale=0.8)
+    sat, ppo = CONFIGS["sat"], PolicyLossConfig()
+    # A threshold above every |d|: the strict gate never fires and SAT is PPO.
+    loss, metrics, grad = loss_and_grad(batch, sat, sat_q=jnp.float32(1e30))
+    loss_ppo, _, grad_ppo = loss_and_grad(batch, ppo)
+    np.testing.assert_allclose(loss, loss_ppo, rtol=1e-6)
+    np.testing.assert_allclose(grad, grad_ppo, rtol=1e-6)
+    assert float(metrics["sat_q"]) == np.float32(1e30) and float(metrics["sat_gate_rate"]) == 0.0
+    # A smaller threshold than the batch's contracts more tokens.
+    q = objectives.sat_threshold(batch["logp"], batch["behavior_logp"], batch["mask"], sat)
+    _, m_half, _ = loss_and_grad(batch, sat, sat_q=q / 2)
+    _, m_batch, _ = loss_and_grad(batch, sat)
+    assert float(m_half["sat_gate_rate"]) > float(m_batch["sat_gate_rate"])
+    with pytest.raises(ValueError, match="sat_q"):
+        objectives.policy_loss(
+            batch["logp"],
+            batch["behavior_logp"],
+            batch["advantages"],
+            batch["mask"],
+            sat,
+            sat_q=jnp.ones(2),
+        )
+
+
+def test_old_and_ref_logp_are_keyword_only():
+    b = make_batch(19, with_old=True)
+    args = (b["logp"], b["behavior_logp"], b["advantages"], b["mask"], PolicyLossConfig())
+    for fn in (objectives.policy_loss, objectives.policy_loss_terms):
+        with pytest.raises(TypeError):
+            fn(*args, b["old_logp"])
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -532,33 +673,6 @@ def test_missing_inputs_are_named():
         )
 
 
-def test_optax_train_step_example():
-    """The README's optax example, run: a few steps raise the surrogate on a fixed batch."""
-    import optax
-
-    b = {k: jnp.asarray(v) for k, v in make_batch(13).items()}
-    cfg = PolicyLossConfig(sat=SATConfig(enabled=True))
-    params = {"logits_bias": jnp.zeros(b["logp"].shape)}
-    optimizer = optax.adamw(1e-2)
-    opt_state = optimizer.init(params)
-
-    @jax.jit
-    def train_step(params, opt_state):
-        def loss_fn(p):
-            logp = b["logp"] + p["logits_bias"]
-            return objectives.policy_loss(logp, b["behavior_logp"], b["advantages"], b["mask"], cfg)
-
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    losses = []
-    for _ in range(5):
-        params, opt_state, loss = train_step(params, opt_state)
-        losses.append(float(loss))
-    assert losses[-1] < losses[0]
-
-
 @pytest.mark.parametrize("level", [0.1, 0.5, 0.9, 1.0])
 def test_quantile_counts_equal_repetition(level):
     rng = np.random.default_rng(4)
@@ -576,3 +690,6 @@ def test_sequence_log_ratio_is_the_masked_row_mean():
     np.testing.assert_allclose(objectives.sequence_log_ratio(d, where=mask), want, rtol=1e-6)
     grad = jax.grad(lambda x: jnp.sum(objectives.sequence_log_ratio(x, where=mask)[:, 0]))(d)
     np.testing.assert_allclose(grad, [[0.5, 0.5, 0.0], [1 / 3] * 3, [0.0] * 3], rtol=1e-6)
+    kept = objectives.sequence_log_ratio(d, where=mask, keepdims=True)
+    assert kept.shape == (3, 1)
+    np.testing.assert_array_equal(kept[:, 0], objectives.sequence_log_ratio(d, where=mask)[:, 0])
