@@ -1,0 +1,774 @@
+"""The stability frontier: where fixed-clip GRPO collapses as learning rate and lag grow, and how
+far SAT and R3 push it.
+
+    python benchmarks/frontier.py --out runs/frontier [--steps 160] [--seeds 3] [--lags 8 16 1]
+        [--lrs 1e-3 1.5e-3 2e-3] [--workers 2] [--knob-lr auto] [--set key=value ...]
+    python benchmarks/frontier.py --out runs/frontier --report-only
+    python benchmarks/frontier.py --smoke            (a few tiny cells into a temporary directory)
+
+Every run is a cell of `benchmarks/grid.py` — the same task, base policy, exact configured lag and
+in-process sampler (its ``Runner``) — with two more axes: the learning rate, and SAT's quantile and
+exponent. Three phases run in order, each spread over the worker processes, so a cut-off keeps
+the most important cells:
+
+1. the GRPO family (GRPO, + SAT, + R3, + SAT + R3) × ``--lags`` × ``--lrs`` × seeds;
+2. SAT's knobs: GRPO + SAT at ``--knob-lag`` and ``--knob-lr`` (``auto``: the smallest learning
+   rate at which plain GRPO is unstable there, from phase 1), quantile × exponent;
+3. GSPO and GSPO + SAT with a window wide enough that SAT's threshold can fall inside it
+   (``GSPO_WIDE_CLIP``; GSPO's own 3e-4/4e-4 never lets SAT act, see RESULTS.md).
+
+Per step a run logs the grid's metrics plus the 0.99 quantile of |d| = |logp − behavior_logp| over
+the batch's completion tokens (``--tail-every``; log-probs as the loss sees them, replayed routing
+for R3), and held-out greedy accuracy every ``--eval-every`` steps. A run stops early once
+``--stop-after`` consecutive evaluations lie below ``COLLAPSE_FRACTION`` × its best.
+
+Definitions (docs/DESIGN.md §4 metrics). A run is *stable* when its final accuracy is at least
+``STABLE_FRACTION`` × its best (step 0 included) and fewer than ``STORM_FRACTION`` of its steps
+were skipped for a non-finite loss or gradient; it has *collapsed* when its final accuracy is
+below ``COLLAPSE_FRACTION`` × its best or it had such a storm. Its *steps to collapse* are the first
+evaluation after its best that lies below ``COLLAPSE_FRACTION`` × best (or the step the storm
+reached ``STORM_FRACTION``). A cell (method, lag, learning rate) is stable when at least
+``STABLE_SEEDS`` of its seeds (2 of 3) are; the *largest stable learning rate* is the largest one
+of the sweep at which the cell and every smaller rate are stable. A run can be stable without
+learning (a rate too large to improve on the base policy but not large enough to lose it), so the
+report also gives the largest rate whose seed-mean final accuracy *keeps* ``STABLE_FRACTION`` of the
+best seed-mean final accuracy of any method and rate at that lag.
+
+Output in ``--out``: ``cells/<cell>.jsonl`` (one finished run each; a rerun skips finished cells),
+``frontier.md`` (the tables), ``frontier_summary.json`` (one row per cell),
+``frontier_heatmap.png`` and ``frontier_q_reach.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import numpy as np
+
+# benchmarks/ scripts run by path and import each other so, never as a package (JetStream
+# installs a top-level `benchmarks` package).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import grid
+
+from sat_jax import objectives
+from sat_jax.train_step import create_train_state, make_train_step, shard_batch
+from train import main as trainer
+
+GRPO_FAMILY = ("GRPO", "GRPO+SAT", "GRPO+R3", "GRPO+SAT+R3")
+# GSPO's sequence log-ratio |s_b| has a 0.9 quantile of 0.03–0.13 at lr 1e-3 (RESULTS.md, the
+# comparison grid) and 0.16–0.75 at 2e-3, lag 8 (a pilot), beyond a window of 2e-3–5e-2 on nearly
+# every step; GRPO's own window is the narrowest that puts q inside it on part of the steps.
+GSPO_WIDE_CLIP = 0.2
+GSPO_WIDE = ("GSPOwide", "GSPOwide+SAT")
+METHODS = GRPO_FAMILY + GSPO_WIDE
+DEFAULT_SAT = (0.9, 2.0)  # (quantile, exponent): SATConfig's defaults
+STABLE_FRACTION = 0.8
+COLLAPSE_FRACTION = grid.COLLAPSE_FRACTION
+STORM_FRACTION = 0.05
+STABLE_SEEDS = 2 / 3  # the fraction of a cell's seeds
+TAIL_WINDOW = 20  # steps of |d| q99 averaged "just before collapse"
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    method: str
+    lag: int
+    lr: float
+    seed: int
+    quantile: float = DEFAULT_SAT[0]
+    exponent: float = DEFAULT_SAT[1]
+
+    @property
+    def knobs(self) -> tuple[float, float]:
+        return (self.quantile, self.exponent)
+
+    @property
+    def name(self) -> str:
+        knob = "" if self.knobs == DEFAULT_SAT else f"_q{self.quantile:g}_p{self.exponent:g}"
+        return f"{self.method}_lag{self.lag}_lr{self.lr:g}{knob}_seed{self.seed}"
+
+
+def loss_config(method: str, quantile: float = 0.9, exponent: float = 2.0):
+    """The ``PolicyLossConfig`` and routing-replay switch of a frontier method and SAT knobs."""
+    if method not in METHODS:
+        raise ValueError(f"unknown frontier method {method!r}; choose from {', '.join(METHODS)}")
+    cfg, replay = grid.loss_config(method.replace("GSPOwide", "GSPO"))
+    if method.startswith("GSPOwide"):
+        cfg = dataclasses.replace(cfg, clip_low=GSPO_WIDE_CLIP, clip_high=GSPO_WIDE_CLIP)
+    if cfg.sat.enabled:
+        cfg = dataclasses.replace(
+            cfg, sat=objectives.SATConfig(quantile=quantile, exponent=exponent)
+        )
+    return cfg, replay
+
+
+def sat_reach(cfg: objectives.PolicyLossConfig) -> float:
+    """``grid.sat_reach`` for a config: SAT can act only while its threshold q lies below it."""
+    return max(math.log1p(cfg.clip_high), -math.log1p(-cfg.clip_low))
+
+
+class Runner(grid.Runner):
+    """``grid.Runner`` with the learning rate and SAT knobs per cell, and the |d| tail logged."""
+
+    def __init__(self, overrides: list[str], *, eval_problems: int):
+        super().__init__(overrides, eval_problems=eval_problems)
+        self.base_accuracy = self.accuracy(self.base_params)  # step 0 of every cell
+
+    def optimizer(self, lr: float):
+        return trainer.make_optimizer(dataclasses.replace(self.cfg.train, learning_rate=lr))
+
+    def cell_step_fn(self, cell: Cell):
+        key = (cell.method, cell.lr, cell.knobs)
+        if key not in self._steps:
+            loss_cfg, replay = loss_config(cell.method, *cell.knobs)
+            self._steps[key] = make_train_step(
+                self.cfg.model,
+                self.optimizer(cell.lr),
+                loss_cfg,
+                self.mesh,
+                routing_replay=replay,
+                temperature=self.cfg.rollout.temperature,
+                vocab_mask=self.vocab_mask,
+            )
+        return self._steps[key]
+
+    def run(
+        self,
+        cell: Cell,
+        *,
+        steps: int,
+        eval_every: int,
+        log_every: int,
+        tail_every: int,
+        stop_after: int,
+    ) -> list[dict]:
+        """Trains one cell (``grid.Runner.run``'s loop); returns its records."""
+        _, replay = loss_config(cell.method, *cell.knobs)
+        step_fn = self.cell_step_fn(cell)
+        state = create_train_state(
+            self.cfg.model, self.optimizer(cell.lr), self.mesh, grid._copy(self.base_params)
+        )
+        key = jax.random.key(cell.seed)
+        published = prev = grid._copy(state.params)
+        version, below = 0, 0
+        records = [{"step": 0, "accuracy": self.base_accuracy}]
+        best = self.base_accuracy
+        start = time.monotonic()
+        for u in range(steps):
+            if grid.behavior_version(u, cell.lag) != version:
+                published, version = prev, u - 1
+            key, sample_key = jax.random.split(key)
+            batch, reward, length = self.batch(published, u, cell.seed, sample_key)
+            tail = {}
+            if tail_every and u % tail_every == 0:
+                logp = self.proximal_logp(state.params, batch, replay)
+                d = np.abs(logp - batch.behavior_logp)[batch.loss_mask > 0]
+                tail = {"d_abs_q99": float(np.quantile(d, 0.99)), "d_abs_max": float(d.max())}
+            prev = grid._copy(state.params)
+            state, metrics = step_fn(state, shard_batch(batch, self.mesh))
+            record = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            record.update(step=u + 1, lag=u - version, reward_mean=reward, **tail)
+            record["response_length"] = length
+            if (u + 1) % eval_every == 0 or u + 1 == steps:
+                record["accuracy"] = acc = self.accuracy(state.params)
+                best = max(best, acc)
+                below = below + 1 if acc < COLLAPSE_FRACTION * best else 0
+            records.append(record)
+            if log_every and (u + 1) % log_every == 0:
+                print(
+                    f"  {cell.name}: step {u + 1}/{steps} reward {reward:.3f} mismatch "
+                    f"{record['mismatch_abs_mean']:.2e} acc {record.get('accuracy', math.nan):.3f}"
+                    f" ({time.monotonic() - start:.0f}s)",
+                    flush=True,
+                )
+            if stop_after and below >= stop_after:
+                break  # collapsed and not recovering: the rest of the budget goes elsewhere
+        return records
+
+
+# ----------------------------------------------------------------------------------------------
+# Summaries: pure functions of a run's records (unit-tested on synthetic records).
+
+
+def summarize_run(records: list[dict], reach: float) -> dict:
+    """One run's accuracy, stability, steps to collapse, mismatch tail and SAT reach."""
+    acc = [(r["step"], r["accuracy"]) for r in records if "accuracy" in r]
+    steps = [r for r in records if "mismatch_abs_mean" in r]
+    best_step, best = max(acc, key=lambda sa: (sa[1], -sa[0]))  # the first best
+    final = acc[-1][1]
+    bad = np.cumsum(
+        [r.get("step_skipped", 0.0) > 0 or not math.isfinite(r.get("loss", 0.0)) for r in steps]
+    )
+    storm_at = max(math.ceil(STORM_FRACTION * len(steps)), 1)
+    storm_step = next((r["step"] for r, b in zip(steps, bad, strict=True) if b >= storm_at), None)
+    collapsed = storm_step is not None or final < COLLAPSE_FRACTION * best
+    collapse_step = None
+    if collapsed:
+        drops = [s for s, a in acc if s > best_step and a < COLLAPSE_FRACTION * best]
+        collapse_step = min([s for s in ([*drops[:1], storm_step]) if s is not None], default=None)
+    end = collapse_step if collapse_step is not None else steps[-1]["step"] if steps else 0
+    tail = [
+        r["d_abs_q99"] for r in steps if "d_abs_q99" in r and end - TAIL_WINDOW < r["step"] <= end
+    ]
+    return {
+        "base": acc[0][1],
+        "best": best,
+        "final": final,
+        "steps": steps[-1]["step"] if steps else 0,
+        "skipped": int(bad[-1]) if len(bad) else 0,
+        "stable": storm_step is None and final >= STABLE_FRACTION * best,
+        "collapsed": collapsed,
+        "collapse_step": collapse_step,
+        "tail_q99": float(np.mean(tail)) if tail else math.nan,
+        "sat_live": float(np.mean([r.get("sat_q", 0.0) < reach for r in steps])) if steps else 0.0,
+    }
+
+
+def summarize_cell(runs: list[dict]) -> dict:
+    """Seeds of one (method, lag, lr, knobs) cell: means, stds and counts."""
+    col = lambda k: [r[k] for r in runs]
+    std = lambda xs: float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
+    n_stable = sum(col("stable"))
+    return {
+        "seeds": len(runs),
+        "stable_seeds": n_stable,
+        "collapsed_seeds": sum(col("collapsed")),
+        "stable": n_stable >= STABLE_SEEDS * len(runs) - 1e-9,
+        "final_mean": float(np.mean(col("final"))),
+        "final_std": std(col("final")),
+        "best_mean": float(np.mean(col("best"))),
+        "best_std": std(col("best")),
+        "collapse_steps": [r["collapse_step"] for r in runs if r["collapse_step"] is not None],
+        "tail_q99_collapsed": _nanmean([r["tail_q99"] for r in runs if r["collapsed"]]),
+        "tail_q99_stable": _nanmean([r["tail_q99"] for r in runs if not r["collapsed"]]),
+        "sat_live": float(np.mean(col("sat_live"))),
+    }
+
+
+def largest_stable_lr(stable_by_lr: dict[float, bool]) -> float | None:
+    """The largest rate at which the cell and every smaller rate of the sweep are stable."""
+    found = None
+    for lr in sorted(stable_by_lr):
+        if not stable_by_lr[lr]:
+            break
+        found = lr
+    return found
+
+
+def keeping_lrs(table: dict[tuple, dict]) -> dict:
+    """Per (method, lag): the largest rate keeping ``STABLE_FRACTION`` of the lag's best seed-mean
+    final accuracy (there and below); and that best per lag. Default SAT knobs only."""
+    rows = {k: g for k, g in table.items() if k[3] == DEFAULT_SAT}
+    best: dict[int, float] = {}
+    for (_, lag, _, _), g in rows.items():
+        best[lag] = max(best.get(lag, 0.0), g["final_mean"])
+    by: dict[tuple, dict[float, bool]] = {}
+    for (m, lag, lr, _), g in rows.items():
+        by.setdefault((m, lag), {})[lr] = g["final_mean"] >= STABLE_FRACTION * best[lag]
+    return {"best": best, "lr": {k: largest_stable_lr(v) for k, v in by.items()}}
+
+
+def _nanmean(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return float(np.mean(xs)) if xs else math.nan
+
+
+# ----------------------------------------------------------------------------------------------
+# Phases, workers, resumption.
+
+
+def phase_cells(args: argparse.Namespace, phase: str, knob_lr: float | None) -> list[Cell]:
+    """The cells of one phase, most important first; every seed of a cell before the next."""
+    seeds = range(args.seeds)
+    if phase == "main":
+        return [
+            Cell(m, lag, lr, s)
+            for lag in args.lags  # in the order given: the lag that matters most first
+            for lr in sorted(args.lrs)
+            for m in args.methods
+            for s in seeds
+        ]
+    if phase == "knobs":
+        return [
+            Cell("GRPO+SAT", args.knob_lag, knob_lr, s, q, p)
+            for q in args.knob_quantiles
+            for p in args.knob_exponents
+            for s in seeds
+        ]
+    return [
+        Cell(m, lag, lr, s)
+        for lag in args.gspo_lags
+        for lr in sorted(args.lrs)
+        for m in args.gspo_methods
+        for s in seeds
+    ]
+
+
+def cell_path(out: pathlib.Path, cell: Cell) -> pathlib.Path:
+    return out / "cells" / f"{cell.name}.jsonl"
+
+
+def run_worker(args: argparse.Namespace, cells: list[Cell]) -> None:
+    """Claims unfinished cells one at a time (a claim file per cell), so workers stay balanced."""
+    runner = None
+    for cell in cells:
+        path = cell_path(args.out, cell)
+        claim = path.with_suffix(".claim")
+        if path.exists():
+            continue
+        try:
+            os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue
+        runner = runner or Runner(args.set, eval_problems=args.eval_problems)
+        start = time.monotonic()
+        records = runner.run(
+            cell,
+            steps=args.steps,
+            eval_every=args.eval_every,
+            log_every=args.log_every,
+            tail_every=args.tail_every,
+            stop_after=args.stop_after,
+        )
+        cfg, _ = loss_config(cell.method, *cell.knobs)
+        head = {
+            "cell": dataclasses.asdict(cell),
+            "seconds": round(time.monotonic() - start, 1),
+            "reach": sat_reach(cfg),
+            "clip": [cfg.clip_low, cfg.clip_high],
+        }
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("\n".join(json.dumps(x) for x in [head, *records]) + "\n")
+        os.replace(tmp, path)  # a finished cell appears atomically
+        claim.unlink()
+        got = summarize_run(records, head["reach"])
+        print(
+            f"[worker {args.worker}] {cell.name}: best {got['best']:.3f} final {got['final']:.3f}"
+            f"{' COLLAPSED at ' + str(got['collapse_step']) if got['collapsed'] else ''}, "
+            f"{head['seconds']:.0f}s",
+            flush=True,
+        )
+
+
+def run_phase(args: argparse.Namespace, phase: str, knob_lr: float | None) -> None:
+    cells = phase_cells(args, phase, knob_lr)
+    todo = [c for c in cells if not cell_path(args.out, c).exists()]
+    print(f"frontier: phase {phase}: {len(cells)} runs, {len(todo)} to do", flush=True)
+    if not todo:
+        return
+    (args.out / "cells").mkdir(parents=True, exist_ok=True)
+    for stale in (args.out / "cells").glob("*.claim"):  # left by a run that was cut off
+        stale.unlink()
+    if args.workers <= 1:
+        run_worker(args, cells)
+        return
+    env = dict(os.environ)
+    # One core per worker: XLA's CPU thread pool would otherwise oversubscribe the machine.
+    env["XLA_FLAGS"] = (
+        env.get("XLA_FLAGS", "")
+        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+    ).strip()
+    extra = ["--phase", phase, "--knob-lr", repr(knob_lr)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, *sys.argv[1:], *extra, "--worker", f"{w}/{args.workers}"],
+            env=env,
+            cwd=grid.REPO,
+        )
+        for w in range(args.workers)
+    ]
+    try:
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if any(codes):
+        raise SystemExit(f"frontier: a worker failed (exit codes {codes}); finished cells are kept")
+
+
+def pick_knob_lr(args: argparse.Namespace) -> float:
+    """``--knob-lr`` or, for ``auto``, the smallest rate at which plain GRPO is unstable at the
+    knob lag (the frontier), else the largest rate of the sweep."""
+    if args.knob_lr != "auto":
+        return float(args.knob_lr)
+    stable = cell_table(load_runs(args.out))
+    for lr in sorted(args.lrs):
+        got = stable.get(("GRPO", args.knob_lag, lr, DEFAULT_SAT))
+        if got is not None and not got["stable"]:
+            return lr
+    return max(args.lrs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The report.
+
+
+def load_runs(out: pathlib.Path) -> dict[Cell, dict]:
+    """Finished runs under ``out/cells``: cell -> ``summarize_run`` (+ the records, the head)."""
+    found = {}
+    for path in sorted((out / "cells").glob("*.jsonl")):
+        lines = [json.loads(x) for x in path.read_text().splitlines() if x]
+        head, records = lines[0], lines[1:]
+        found[Cell(**head["cell"])] = {
+            **summarize_run(records, head["reach"]),
+            "records": records,
+            "head": head,
+        }
+    return found
+
+
+def cell_table(runs: dict[Cell, dict]) -> dict[tuple, dict]:
+    """(method, lag, lr, knobs) -> ``summarize_cell`` of its seeds."""
+    by_cell: dict[tuple, list[dict]] = {}
+    for c, got in runs.items():
+        by_cell.setdefault((c.method, c.lag, c.lr, c.knobs), []).append(got)
+    return {k: summarize_cell(v) for k, v in sorted(by_cell.items())}
+
+
+def _ms(mean: float, std: float, fmt: str = ".3f") -> str:
+    return f"{format(mean, fmt)} ± {format(std, fmt)}"
+
+
+def _lr_cell(got: dict | None, seeds: int = 3) -> str:
+    if got is None:
+        return "—"
+    mark = f" † {got['collapsed_seeds']}/{got['seeds']}" if got["collapsed_seeds"] else ""
+    few = f" (n = {got['seeds']})" if got["seeds"] != seeds else ""
+    return f"{_ms(got['final_mean'], got['final_std'])}{mark}{few}"
+
+
+def report(args: argparse.Namespace, wall_s: float | None) -> str:
+    runs = load_runs(args.out)
+    if not runs:
+        raise SystemExit(f"frontier: no finished runs under {args.out / 'cells'}")
+    table = cell_table(runs)
+    wall_path = args.out / "wall_seconds.json"
+    if wall_s is not None:
+        wall_path.write_text(json.dumps(wall_s))
+    elif wall_path.exists():  # a report-only rerun keeps the study's own wall time
+        wall_s = json.loads(wall_path.read_text())
+    run_s = sum(g["head"]["seconds"] for g in runs.values())
+    steps = sum(g["steps"] for g in runs.values())
+    lrs = sorted({k[2] for k in table})
+    methods = [m for m in METHODS if any(k[0] == m for k in table)]
+    lags = sorted({k[1] for k in table})
+    base = runs[next(iter(runs))]["base"]
+    lines = [
+        f"{len(runs)} runs ({steps} RL steps in all, at most {args.steps} per run; seeds "
+        f"{sorted({c.seed for c in runs})}); held-out accuracy of the base policy {base:.3f}; run "
+        f"time summed over runs {run_s / 60:.0f} min"
+        + (f", wall {wall_s / 60:.0f} min" if wall_s else "")
+        + ".",
+        "",
+        f"**Final held-out accuracy** (mean ± std over seeds; † k/n: k of n seeds collapsed, i.e. "
+        f"final < {COLLAPSE_FRACTION:g} × best or a skipped-step storm; **bold**: the cell is stable, "
+        "≥ 2/3 of its seeds with final ≥ "
+        f"{STABLE_FRACTION:g} × best) and the **largest stable "
+        "learning rate** (stable there and at every smaller rate; — none)",
+        "",
+        "| method | lag | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | largest stable lr |",
+        "| --- | ---: | " + " | ".join("---:" for _ in lrs) + " | ---: |",
+    ]
+    frontier = {}
+    for m in methods:
+        for lag in lags:
+            row = {lr: table.get((m, lag, lr, DEFAULT_SAT)) for lr in lrs}
+            if not any(row.values()):
+                continue
+            ran = {lr: g["stable"] for lr, g in row.items() if g is not None}
+            frontier[(m, lag)] = largest_stable_lr(ran)
+            cells = [
+                f"**{_lr_cell(g, args.seeds)}**" if g and g["stable"] else _lr_cell(g, args.seeds)
+                for g in row.values()
+            ]
+            best = frontier[(m, lag)]
+            lines.append(
+                f"| {m} | {lag} | "
+                + " | ".join(cells)
+                + f" | {'—' if best is None else f'{best:g}'} |"
+            )
+    lines += [
+        "",
+        "**Largest stable learning rate** per method and lag (of the sweep "
+        + ", ".join(f"{lr:g}" for lr in lrs)
+        + "; — : not stable even at the smallest)",
+        "",
+        "| method | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
+        "| --- | " + " | ".join("---:" for _ in lags) + " |",
+    ]
+    for m in methods:
+        got = [frontier.get((m, lag), "n/a") for lag in lags]
+        text = ["—" if x is None else x if isinstance(x, str) else f"{x:g}" for x in got]
+        lines.append(f"| {m} | " + " | ".join(text) + " |")
+    keeps = keeping_lrs(table)
+    lines += [
+        "",
+        f"**Largest learning rate that keeps {STABLE_FRACTION:g} of the lag's best** seed-mean final "
+        "accuracy (the best over every method and rate at that lag, in the column's head), at that "
+        "rate and every smaller one; it separates the rates that still learn from those that only "
+        "hold the base policy",
+        "",
+        "| method | "
+        + " | ".join(f"lag {lag} (best {keeps['best'].get(lag, math.nan):.3f})" for lag in lags)
+        + " |",
+        "| --- | " + " | ".join("---:" for _ in lags) + " |",
+    ]
+    for m in methods:
+        got = [keeps["lr"].get((m, lag), "n/a") for lag in lags]
+        text = ["—" if x is None else x if isinstance(x, str) else f"{x:g}" for x in got]
+        lines.append(f"| {m} | " + " | ".join(text) + " |")
+    lines += [
+        "",
+        "**Steps to collapse** of the collapsed seeds (the first evaluation after the best below "
+        f"{COLLAPSE_FRACTION:g} × best) and the **mismatch tail**: the 0.99 quantile of "
+        f"|logp − behavior_logp| over completion tokens, mean over the {TAIL_WINDOW} steps before "
+        "collapse (collapsed seeds) or over the last "
+        f"{TAIL_WINDOW} steps (the others); for SAT methods the fraction of steps on which SAT could "
+        "act (q below max(log(1 + ε_high), −log(1 − ε_low)))",
+        "",
+        "| method | lag | lr | steps to collapse | q99 \\|d\\| before collapse | q99 \\|d\\| (not "
+        "collapsed) | SAT can act |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
+    for (m, lag, lr, knobs), g in sorted(table.items(), key=order):
+        if knobs != DEFAULT_SAT:
+            continue
+        live = f"{g['sat_live']:.0%}" if "SAT" in m else "—"
+        lines.append(
+            f"| {m} | {lag} | {lr:g} | {', '.join(map(str, sorted(g['collapse_steps']))) or '—'} | "
+            f"{_fmt(g['tail_q99_collapsed'])} | {_fmt(g['tail_q99_stable'])} | {live} |"
+        )
+    knob_rows = {k: g for k, g in table.items() if k[0] == "GRPO+SAT" and k[1] == args.knob_lag}
+    knob_lrs = sorted({k[2] for k, g in knob_rows.items() if k[3] != DEFAULT_SAT})
+    for lr in knob_lrs:
+        qs = sorted({k[3][0] for k in knob_rows if k[2] == lr})
+        ps = sorted({k[3][1] for k in knob_rows if k[2] == lr})
+        plain = table.get(("GRPO", args.knob_lag, lr, DEFAULT_SAT))
+        lines += [
+            "",
+            f"**SAT's knobs**: GRPO + SAT at lag {args.knob_lag}, lr {lr:g}; final accuracy (mean ± "
+            "std, † collapsed seeds, **bold** stable) and the fraction of steps SAT could act; "
+            f"plain GRPO there: {_lr_cell(plain, args.seeds)}",
+            "",
+            "| quantile \\ exponent | " + " | ".join(f"p = {p:g}" for p in ps) + " |",
+            "| --- | " + " | ".join("---:" for _ in ps) + " |",
+        ]
+        for q in qs:
+            cells = []
+            for p in ps:
+                g = knob_rows.get(("GRPO+SAT", args.knob_lag, lr, (q, p)))
+                text = _lr_cell(g, args.seeds) + (f" (acts {g['sat_live']:.0%})" if g else "")
+                cells.append(f"**{text}**" if g and g["stable"] else text)
+            lines.append(f"| q = {q:g} | " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    (args.out / "frontier.md").write_text(text)
+    rows = [
+        {"method": k[0], "lag": k[1], "lr": k[2], "quantile": k[3][0], "exponent": k[3][1], **g}
+        for k, g in table.items()
+    ]
+    (args.out / "frontier_summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    plot_heatmap(rows, args.out / "frontier_heatmap.png")
+    plot_q_reach(runs, args.out / "frontier_q_reach.png")
+    return text
+
+
+def _fmt(x: float) -> str:
+    return "—" if not math.isfinite(x) else f"{x:.2f}"
+
+
+def plot_heatmap(rows: list[dict], path: pathlib.Path) -> None:
+    """Final accuracy over learning rate × lag, one panel per method: the seed mean, the stable
+    seeds (bold: a stable cell) and † the collapsed seeds."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if (r["quantile"], r["exponent"]) == DEFAULT_SAT]
+    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    lrs = sorted({r["lr"] for r in rows})
+    lags = sorted({r["lag"] for r in rows})
+    top = max(r["final_mean"] for r in rows)
+    ncols = min(len(methods), 3)
+    nrows = -(-len(methods) // ncols)
+    fig, axes = plt.subplots(
+        nrows,
+        ncols,
+        figsize=(0.9 + 0.75 * len(lrs) * ncols, 0.5 + (0.5 + 0.55 * len(lags)) * nrows),
+        squeeze=False,
+    )
+    for k, ax in enumerate(axes.flat):
+        if k >= len(methods):
+            ax.axis("off")
+            continue
+        acc = np.full((len(lags), len(lrs)), np.nan)
+        for r in rows:
+            if r["method"] == methods[k]:
+                i, j = lags.index(r["lag"]), lrs.index(r["lr"])
+                acc[i, j] = r["final_mean"]
+                label = f"{r['final_mean']:.2f}\n{r['stable_seeds']}/{r['seeds']}"
+                label += f" †{r['collapsed_seeds']}" if r["collapsed_seeds"] else ""
+                weight = "bold" if r["stable"] else "normal"
+                ax.text(j, i, label, ha="center", va="center", fontsize=6.5, fontweight=weight)
+        ax.imshow(acc, cmap="RdYlGn", vmin=0.0, vmax=top, origin="lower", aspect="auto")
+        ax.set_xticks(range(len(lrs)), [f"{lr * 1e3:g}" for lr in lrs], fontsize=7)
+        ax.set_yticks(range(len(lags)), [str(x) for x in lags], fontsize=7)
+        ax.set_title(methods[k], fontsize=9)
+        ax.set_xlabel("learning rate (× 1e-3)", fontsize=7)
+        ax.set_ylabel("lag", fontsize=7)
+    fig.suptitle(
+        "final held-out accuracy (seed mean); k/n seeds stable (bold: stable cell); † collapsed",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def plot_q_reach(runs: dict[Cell, dict], path: pathlib.Path) -> None:
+    """SAT's threshold q against the clip's reach over training: rows SAT methods, columns rates,
+    a line per lag (the mean over the seeds still running at each step)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sat = {c: g for c, g in runs.items() if "SAT" in c.method and c.knobs == DEFAULT_SAT}
+    methods = [m for m in METHODS if any(c.method == m for c in sat)]
+    if not methods:
+        return
+    lrs = sorted({c.lr for c in sat})
+    lrs = sorted({lrs[0], lrs[len(lrs) // 2], lrs[-1]})  # the ends and the middle of the sweep
+    fig, axes = plt.subplots(
+        len(methods), len(lrs), figsize=(3.6 * len(lrs), 2.5 * len(methods)), squeeze=False
+    )
+    for row, m in zip(axes, methods, strict=True):
+        for ax, lr in zip(row, lrs, strict=True):
+            reach = None
+            for i, lag in enumerate(sorted({c.lag for c in sat if c.method == m})):
+                by_step: dict[int, list[float]] = {}
+                for c, g in sat.items():
+                    if (c.method, c.lag, c.lr) == (m, lag, lr):
+                        reach = g["head"]["reach"]
+                        for r in g["records"]:
+                            if "sat_q" in r and r["step"] > 1:  # step 1 is on-policy: q = 0
+                                by_step.setdefault(r["step"], []).append(r["sat_q"])
+                if by_step:
+                    xs = sorted(by_step)
+                    ys = [np.mean(by_step[x]) for x in xs]
+                    ax.plot(xs, ys, color=f"C{i}", lw=0.8, label=f"q, lag {lag}")
+            if reach is not None:
+                ax.axhline(reach, color="k", ls="--", lw=1, label="reach of ε")
+            ax.set_yscale("log")
+            ax.set_title(f"{m}, lr {lr:g}", fontsize=8)
+            ax.set_xlabel("step", fontsize=7)
+            ax.tick_params(labelsize=7)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle("SAT's threshold q (seed mean) against the clip's reach: SAT acts below the line")
+    fig.tight_layout()
+    fig.savefig(path, dpi=60)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point.
+
+SMOKE = [
+    "--steps", "4", "--seeds", "1", "--lags", "2", "--lrs", "1e-3", "--methods", "GRPO+SAT",
+    "--knob-lag", "2", "--knob-quantiles", "0.8", "--knob-exponents", "1", "--gspo-lags", "2",
+    "--gspo-methods", "GSPOwide+SAT", "--workers", "1", "--eval-every", "2",
+    "--eval-problems", "16", "--stop-after", "0", "--tail-every", "1",
+    "--set", "train.warmup_sft_steps=0", "rollout.batch_groups=4", "rollout.group_size=4",
+]  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=pathlib.Path, help="output directory (required unless --smoke)")
+    p.add_argument("--smoke", action="store_true", help="a few tiny cells (a test of the script)")
+    p.add_argument("--steps", type=int, default=160, help="RL updates per run (at most)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds per cell (0..n-1)")
+    p.add_argument("--lags", type=int, nargs="+", default=[8, 16, 1], help="configured lags n")
+    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1.5e-3, 2e-3])
+    p.add_argument("--methods", nargs="+", default=list(GRPO_FAMILY), help="phase 1 methods")
+    p.add_argument("--knob-lag", type=int, default=8)
+    p.add_argument("--knob-lr", default="auto", help="a rate, or auto (GRPO's frontier)")
+    p.add_argument("--knob-quantiles", type=float, nargs="*", default=[0.8, 0.9, 0.95])
+    p.add_argument("--knob-exponents", type=float, nargs="*", default=[1.0, 2.0, 4.0])
+    p.add_argument("--gspo-methods", nargs="*", default=list(GSPO_WIDE), help="phase 3 methods")
+    p.add_argument("--gspo-lags", type=int, nargs="*", default=[8])
+    p.add_argument("--workers", type=int, default=2, help="parallel worker processes")
+    p.add_argument("--eval-every", type=int, default=20, help="held-out accuracy period")
+    p.add_argument("--eval-problems", type=int, default=300, help="held-out problems")
+    p.add_argument("--tail-every", type=int, default=2, help="|d| q99 period (0 = off)")
+    p.add_argument("--stop-after", type=int, default=2, help="evaluations below the collapse line")
+    p.add_argument("--log-every", type=int, default=50, help="progress line period (steps)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the report")
+    p.add_argument("--phase", default="", help=argparse.SUPPRESS)
+    p.add_argument("--worker", default="", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        given = sys.argv[1:] if argv is None else argv
+        args = p.parse_args([*SMOKE, *given])  # flags given with --smoke still win
+        args.out = args.out or pathlib.Path(tempfile.mkdtemp(prefix="frontier_smoke_"))
+    if args.out is None:
+        p.error("--out is required (or --smoke)")
+    for name in ("steps", "seeds", "workers", "eval_every", "eval_problems"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if any(lag < 1 for lag in [*args.lags, *args.gspo_lags, args.knob_lag]):
+        p.error("lags must be >= 1")
+    if any(not lr > 0 for lr in args.lrs):
+        p.error(f"--lrs must be > 0, got {args.lrs}")
+    try:
+        for m in [*args.methods, *args.gspo_methods]:
+            loss_config(m)
+        for q in args.knob_quantiles:
+            for e in args.knob_exponents:
+                objectives.SATConfig(quantile=q, exponent=e)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.worker:
+        knob_lr = None if args.knob_lr == "None" else float(args.knob_lr)
+        run_worker(args, phase_cells(args, args.phase, knob_lr))
+        return
+    wall = None
+    if not args.report_only:
+        start = time.monotonic()
+        run_phase(args, "main", None)
+        knob_lr = pick_knob_lr(args)
+        print(f"frontier: SAT's knobs at lr {knob_lr:g}", flush=True)
+        if args.knob_quantiles and args.knob_exponents:
+            run_phase(args, "knobs", knob_lr)
+        if args.gspo_methods and args.gspo_lags:
+            run_phase(args, "gspo", None)
+        wall = time.monotonic() - start
+        if (args.out / "wall_seconds.json").exists():  # a resumed study adds to its first part
+            wall += json.loads((args.out / "wall_seconds.json").read_text())
+    print(report(args, wall))
+    print(f"frontier: output in {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The stability frontier (benchmarks/frontier.py): its summary rules on synthetic runs, its method
+table, and the ``--smoke`` run."""
+
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import frontier  # noqa: E402
+
+
+def run(accuracy: dict[int, float], steps: int, *, skipped=(), q99=0.1) -> list[dict]:
+    """Synthetic records: ``accuracy`` at its steps, ``skipped`` steps with a NaN loss."""
+    records = [{"step": 0, "accuracy": accuracy[0]}]
+    for s in range(1, steps + 1):
+        r = {"step": s, "mismatch_abs_mean": 0.05, "loss": 0.1, "step_skipped": 0.0}
+        r["d_abs_q99"] = q99(s) if callable(q99) else q99
+        r["sat_q"] = 0.1 if s % 2 else 0.3
+        if s in skipped:
+            r.update(loss=math.nan, step_skipped=1.0)
+        if s in accuracy:
+            r["accuracy"] = accuracy[s]
+        records.append(r)
+    return records
+
+
+def test_a_run_that_keeps_its_accuracy_is_stable():
+    got = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.28}, 40), reach=0.2)
+    assert got["stable"] and not got["collapsed"] and got["collapse_step"] is None
+    assert (got["best"], got["final"], got["base"]) == (0.3, 0.28, 0.2)
+    assert got["sat_live"] == 0.5  # q = 0.1 < 0.2 on odd steps only
+
+
+def test_a_drift_below_the_stable_line_is_unstable_but_not_collapsed():
+    got = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.2}, 40), reach=0.2)
+    assert not got["stable"] and not got["collapsed"]  # 0.2 < 0.8·0.3, but > 0.5·0.3
+
+
+def test_steps_to_collapse_is_the_first_evaluation_after_the_best_below_half():
+    acc = {0: 0.2, 20: 0.14, 40: 0.3, 60: 0.2, 80: 0.1, 100: 0.05}  # 0.14 < 0.15 is before best
+    q99 = lambda s: 1.0 if s > 60 else 0.5
+    got = frontier.summarize_run(run(acc, 100, q99=q99), reach=0.2)
+    assert got["collapsed"] and not got["stable"]
+    assert got["collapse_step"] == 80
+    # The tail is averaged over the TAIL_WINDOW steps ending at the collapse: 61..80 are 1.0.
+    assert frontier.TAIL_WINDOW == 20 and got["tail_q99"] == pytest.approx(1.0)
+
+
+def test_a_recovered_dip_is_not_a_collapse():
+    got = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.1, 60: 0.29}, 60), reach=0.2)
+    assert not got["collapsed"] and got["stable"] and got["collapse_step"] is None
+
+
+def test_a_skipped_step_storm_is_a_collapse_even_with_good_accuracy():
+    storm = frontier.summarize_run(run({0: 0.2, 100: 0.3}, 100, skipped=range(30, 36)), reach=0.2)
+    assert storm["collapsed"] and not storm["stable"] and storm["skipped"] == 6
+    assert storm["collapse_step"] == 34  # the 5th bad step reaches 5% of 100
+    one = frontier.summarize_run(run({0: 0.2, 100: 0.3}, 100, skipped=[50]), reach=0.2)
+    assert one["stable"] and one["skipped"] == 1  # one skipped step is no storm
+
+
+def test_a_cell_needs_two_of_three_stable_seeds():
+    ok = frontier.summarize_run(run({0: 0.2, 20: 0.3}, 20), reach=0.2)
+    bad = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.05}, 40), reach=0.2)
+    assert frontier.summarize_cell([ok, ok, bad])["stable"]
+    cell = frontier.summarize_cell([ok, bad, bad])
+    assert not cell["stable"] and cell["stable_seeds"] == 1 and cell["collapsed_seeds"] == 2
+    assert cell["collapse_steps"] == [40, 40]
+    assert cell["final_mean"] == pytest.approx((0.3 + 0.05 + 0.05) / 3)
+
+
+@pytest.mark.parametrize(
+    "stable, expected",
+    [
+        ({1e-3: True, 2e-3: True, 3e-3: False}, 2e-3),
+        ({1e-3: True, 2e-3: False, 3e-3: True}, 1e-3),  # a lucky larger rate does not count
+        ({1e-3: False, 2e-3: True}, None),
+        ({3e-3: True, 1e-3: True}, 3e-3),  # order of the sweep does not matter
+    ],
+)
+def test_largest_stable_lr(stable, expected):
+    assert frontier.largest_stable_lr(stable) == expected
+
+
+def test_methods_and_knobs_map_to_the_loss_configs():
+    cfg, replay = frontier.loss_config("GRPO+SAT+R3", quantile=0.8, exponent=4.0)
+    assert (cfg.ratio_level, cfg.sat.quantile, cfg.sat.exponent) == ("token", 0.8, 4.0) and replay
+    cfg, replay = frontier.loss_config("GSPOwide+SAT")
+    assert cfg.ratio_level == "sequence" and cfg.sat.enabled and not replay
+    assert cfg.clip_low == cfg.clip_high == frontier.GSPO_WIDE_CLIP
+    assert frontier.sat_reach(cfg) == pytest.approx(-math.log1p(-frontier.GSPO_WIDE_CLIP))
+    cfg, _ = frontier.loss_config("GRPO", quantile=0.5)
+    assert not cfg.sat.enabled  # knobs only reach SAT methods
+    with pytest.raises(ValueError, match="unknown frontier method"):
+        frontier.loss_config("GSPO")
+    assert frontier.Cell("GRPO+SAT", 8, 2e-3, 1).name == "GRPO+SAT_lag8_lr0.002_seed1"
+    assert frontier.Cell("GRPO+SAT", 8, 2e-3, 1, 0.8, 4.0).name.endswith("_q0.8_p4_seed1")
+
+
+@pytest.mark.slow  # a subprocess that trains three tiny runs
+def test_smoke_run_writes_tables_pictures_and_per_step_fields(tmp_path):
+    out = tmp_path / "frontier"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as users run it
+    cmd = [sys.executable, str(REPO / "benchmarks" / "frontier.py"), "--smoke", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    names = sorted(p.name for p in (out / "cells").iterdir())
+    assert names == [
+        "GRPO+SAT_lag2_lr0.001_q0.8_p1_seed0.jsonl",
+        "GRPO+SAT_lag2_lr0.001_seed0.jsonl",
+        "GSPOwide+SAT_lag2_lr0.001_seed0.jsonl",
+    ]
+    lines = (out / "cells" / names[1]).read_text().splitlines()
+    head, records = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+    assert head["cell"]["lr"] == 1e-3 and head["reach"] == pytest.approx(-math.log(0.8))
+    steps = [r for r in records if "lag" in r]
+    assert [r["lag"] for r in steps] == [0, 1, 2, 1]
+    assert all(r["d_abs_q99"] >= 0 and "sat_q" in r and "step_skipped" in r for r in steps)
+    assert steps[0]["d_abs_q99"] < 1e-4  # lag 0: behavior = current weights
+    assert [r["step"] for r in records if "accuracy" in r] == [0, 2, 4]
+    table = (out / "frontier.md").read_text()
+    assert "| GRPO+SAT | 2 |" in table and "SAT's knobs" in table and "| q = 0.8 |" in table
+    summary = json.loads((out / "frontier_summary.json").read_text())
+    assert {(r["method"], r["quantile"], r["exponent"]) for r in summary} == {
+        ("GRPO+SAT", 0.9, 2.0),
+        ("GRPO+SAT", 0.8, 1.0),
+        ("GSPOwide+SAT", 0.9, 2.0),
+    }
+    assert all(r["seeds"] == 1 and "final_mean" in r and "stable" in r for r in summary)
+    assert (out / "frontier_heatmap.png").stat().st_size > 0
+    assert (out / "frontier_q_reach.png").stat().st_size > 0
+
+
+def test_knob_rate_auto_is_plain_grpos_frontier_at_the_knob_lag(tmp_path):
+    (tmp_path / "cells").mkdir()
+    ok = run({0: 0.2, 20: 0.3}, 20)
+    bad = run({0: 0.2, 20: 0.3, 40: 0.05}, 40)
+    for lr, recs in ((1e-3, ok), (1.5e-3, bad), (2e-3, bad)):
+        for seed in range(3):
+            cell = frontier.Cell("GRPO", 8, lr, seed)
+            head = {"cell": frontier.dataclasses.asdict(cell), "seconds": 1.0, "reach": 0.2}
+            text = "\n".join(json.dumps(x) for x in [head, *recs])
+            frontier.cell_path(tmp_path, cell).write_text(text + "\n")
+    args = frontier.parse_args(["--out", str(tmp_path), "--lrs", "1e-3", "1.5e-3", "2e-3"])
+    assert frontier.pick_knob_lr(args) == 1.5e-3
+    args.knob_lag = 16  # nothing ran there: the largest rate
+    assert frontier.pick_knob_lr(args) == 2e-3
+    args.knob_lr = "1e-3"
+    assert frontier.pick_knob_lr(args) == 1e-3
