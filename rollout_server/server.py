@@ -3,7 +3,9 @@
 
 The config is read and validated before anything heavy is imported or started: a bad file, key or
 value prints one line, `sat-serve: config error: <message naming the key>`, and exits with code 2.
-`rollout_server.process` then builds and runs the server.
+`rollout_server.process` then builds and runs the server; a `state_dir` another server holds
+prints one line and exits with code 2, and a failed generation step exits with code 1 once the
+state is saved.
 """
 
 from __future__ import annotations
@@ -40,8 +42,14 @@ def main(argv: list[str] | None = None) -> None:
     # Imported only now: JetStream pulls in TensorFlow (seconds, and log lines on stderr), which a
     # config error should not wait for or print.
     from rollout_server import process
+    from rollout_server.persistence import StateDirLockedError
 
-    asyncio.run(process.serve(cfg))
+    try:
+        code = asyncio.run(process.serve(cfg))
+    except StateDirLockedError as e:
+        print(f"sat-serve: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code)
 
 
 def _one_line(error: Exception) -> str:
