@@ -29,6 +29,8 @@ from rollout_server.engine import MoEEngine, unpack_step
 
 log = logging.getLogger(__name__)
 
+_RACE = "must have some requests inserted"  # JetStream 0.2.2's free-slot race (see below)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FinishedSample:
@@ -102,9 +104,9 @@ class RolloutDriver(orchestrator.Driver):
             try:
                 return super()._generate_thread(idx)
             except Exception as e:
-                race = isinstance(e, AssertionError) and "must have some requests inserted" in str(e)
+                race = isinstance(e, AssertionError) and _RACE in str(e)
                 if race and slots.qsize() >= capacity:
-                    log.warning("JetStream generate loop %d hit its free-slot race; restarting", idx)
+                    log.warning("generate loop %d hit the free-slot race; restarting it", idx)
                     continue
                 log.error("generate loop %d failed", idx, exc_info=e)
                 if self.on_fatal is not None:
