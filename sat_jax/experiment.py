@@ -152,11 +152,8 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key must be set together")
         if self.max_message_bytes < 1024 * 1024:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
-        if not 64 * 1024 <= self.max_request_bytes <= self.max_message_bytes:
-            raise ValueError(
-                "max_request_bytes must be in [64 KiB, max_message_bytes], "
-                f"got {self.max_request_bytes}"
-            )
+        if self.max_request_bytes < 64 * 1024:
+            raise ValueError(f"max_request_bytes must be >= 64 KiB, got {self.max_request_bytes}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
