@@ -76,13 +76,13 @@ def test_every_rpc_but_health_needs_the_token(server_factory, tmp_path):
     raw_decode = jetstream_pb2_grpc.OrchestratorStub(server.raw_channel())
     pull = rollout_pb2.PullRequest(max_groups=AHEAD, timeout_s=1)
     update = rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path="x", token="nope")
-    for metadata in (None, wrong):
+    for md in (None, wrong):
         for call in [
-            lambda: raw.Pull(pull, timeout=30, metadata=metadata),
-            lambda: raw.Ack(rollout_pb2.AckRequest(group_ids=[0]), metadata=metadata),
-            lambda: raw.Stats(rollout_pb2.StatsRequest(), timeout=30, metadata=metadata),
-            lambda: raw.UpdateWeights(update, timeout=30, metadata=metadata),
-            lambda: list(raw_decode.Decode(decode, timeout=30, metadata=metadata)),
+            lambda md=md: raw.Pull(pull, timeout=30, metadata=md),
+            lambda md=md: raw.Ack(rollout_pb2.AckRequest(group_ids=[0]), metadata=md),
+            lambda md=md: raw.Stats(rollout_pb2.StatsRequest(), timeout=30, metadata=md),
+            lambda md=md: raw.UpdateWeights(update, timeout=30, metadata=md),
+            lambda md=md: list(raw_decode.Decode(decode, timeout=30, metadata=md)),
         ]:
             assert _code(call) == grpc.StatusCode.UNAUTHENTICATED
     assert raw.Health(rollout_pb2.HealthRequest(), timeout=30).live
@@ -133,8 +133,8 @@ def test_no_group_is_lost_to_abandoned_pulls_or_killed_clients(server_factory, t
     stub = server.rollout_stub()
     # Before any weights no group exists: these Pulls wait, and are abandoned while waiting ...
     waiting = _client(server.address)
+    pull = rollout_pb2.PullRequest(max_groups=AHEAD, timeout_s=60)
     for _ in range(2):  # ... by their deadline
-        pull = rollout_pb2.PullRequest(max_groups=AHEAD, timeout_s=60)
         assert _code(lambda: stub.Pull(pull, timeout=1)) == grpc.StatusCode.DEADLINE_EXCEEDED
     waiting.kill()  # ... and by a killed client
     waiting.wait()
