@@ -41,13 +41,18 @@ _PULL_RESPONSE_HEADROOM_BYTES = 1024 * 1024
 
 
 class RolloutServer:
-    """Everything the process runs; `start()` inside an asyncio loop, `stop()` to end."""
+    """Everything the process runs; `start()` inside an asyncio loop, `stop()` to end.
 
-    def __init__(self, cfg: ExperimentConfig):
+    Args:
+      cfg: the experiment.
+      store: the state store of `server.state_dir`, holding its lock (`sat-serve` opens it before
+        importing anything heavy, so a second server on the directory fails at once).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, store: StateStore):
         self.cfg = cfg
         s, r = cfg.server, cfg.rollout
-        # First: a second server on the same state_dir stops here (StateDirLockedError).
-        self.store = store = StateStore(s.state_dir)
+        self.store = store
         self.fatal: BaseException | None = None
         self.tokenizer = CharTokenizer(cfg.task.alphabet)
         model = Transformer(cfg.model, rngs=nnx.Rngs(s.seed))
@@ -181,10 +186,11 @@ class RolloutServer:
         self.store.close()
 
 
-async def serve(cfg: ExperimentConfig) -> int:
-    """Runs the server until SIGINT or SIGTERM (exit code 0), or until generation fails (the
-    state is saved and the exit code is 1: a supervisor restarts the server where it was)."""
-    server = RolloutServer(cfg)
+async def serve(cfg: ExperimentConfig, store: StateStore) -> int:
+    """Runs the server (with `store`, see `RolloutServer`) until SIGINT or SIGTERM (exit code 0),
+    or until generation fails (the state is saved and the exit code is 1: a supervisor restarts
+    the server where it was)."""
+    server = RolloutServer(cfg, store)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
 

@@ -17,6 +17,7 @@ import sys
 
 import yaml
 
+from rollout_server.persistence import StateDirLockedError, StateStore
 from sat_jax.experiment import ConfigError, load_config
 
 
@@ -39,17 +40,16 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("rollout_server").setLevel(logging.INFO)
+    try:  # a state_dir another server holds: one line, before anything heavy
+        store = StateStore(cfg.server.state_dir)
+    except (StateDirLockedError, OSError) as e:
+        print(f"sat-serve: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
     # Imported only now: JetStream pulls in TensorFlow (seconds, and log lines on stderr), which a
     # config error should not wait for or print.
     from rollout_server import process
-    from rollout_server.persistence import StateDirLockedError
 
-    try:
-        code = asyncio.run(process.serve(cfg))
-    except StateDirLockedError as e:
-        print(f"sat-serve: {_one_line(e)}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(code)
+    sys.exit(asyncio.run(process.serve(cfg, store)))
 
 
 def _one_line(error: Exception) -> str:

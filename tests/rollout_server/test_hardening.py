@@ -158,8 +158,8 @@ def test_no_group_is_lost_to_abandoned_pulls_or_killed_clients(server_factory, t
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert out.returncode == 2, out.stderr
-    assert out.stderr.splitlines()[-1].startswith("sat-serve: state_dir "), out.stderr
-    assert "in use by another server" in out.stderr
+    [line] = out.stderr.splitlines()
+    assert line.startswith("sat-serve: state_dir ") and "in use by another server" in line, line
     assert stub.Health(rollout_pb2.HealthRequest(), timeout=30).live
 
 
