@@ -21,6 +21,8 @@ from rollout_server.client import connect
 from rollout_server.proto import rollout_pb2
 
 _PR_SET_PDEATHSIG = 1
+# The readiness probe only sends Health: gRPC's own 4 MiB message limit is plenty.
+_PROBE_MESSAGE_BYTES = 4 * 1024 * 1024
 
 log = logging.getLogger("train")
 
@@ -108,7 +110,9 @@ class LocalServer:
     def wait_ready(self, *, timeout_s: float, root_certificates: bytes | None = None) -> None:
         """Raises RuntimeError (with the log's tail) if the child exits or never answers
         (``root_certificates``: the CA when it serves TLS)."""
-        channel, stub = connect(self.address, root_certificates=root_certificates)
+        channel, stub = connect(
+            self.address, _PROBE_MESSAGE_BYTES, root_certificates=root_certificates
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:
