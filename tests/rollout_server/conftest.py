@@ -48,8 +48,10 @@ class ServerProcess:
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         )
+        # Its own state_dir unless the test names one (the config's is shared, and locked).
+        state = f"server.state_dir={tmp / f'state-{self.port}'}"
         cmd = [sys.executable, "-m", "rollout_server", "--config", str(CONFIG),
-               f"server.port={self.port}", *SHAPES, *overrides]  # fmt: skip
+               f"server.port={self.port}", state, *SHAPES, *overrides]  # fmt: skip
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT

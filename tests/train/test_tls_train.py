@@ -62,7 +62,11 @@ def test_a_tls_trainer_trains_against_a_tls_server(tmp_path):
         "server.token=s3cret",
         f"server.checkpoint_root={tmp_path}",
     ]
-    server_only = [f"server.tls_cert={cert}", f"server.tls_key={key}"]
+    server_only = [
+        f"server.tls_cert={cert}",
+        f"server.tls_key={key}",
+        f"server.state_dir={tmp_path / 'state'}",
+    ]
     run_dir = tmp_path / "run"
     with LocalServer(CONFIG, [*shared, *server_only], str(tmp_path / "server.log")) as server:
         server.wait_ready(timeout_s=150, root_certificates=open(cert, "rb").read())
