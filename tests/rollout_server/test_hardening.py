@@ -1,7 +1,7 @@
 """The hardened server live (docs/DESIGN.md §6.2, §10): the token on every RPC but health checks,
-no group lost to an abandoned Pull or a killed client, a 64 MB request refused without stalling
-Health, long Pulls that block neither Health, Stats nor UpdateWeights, and one server per
-state_dir."""
+version jumps and foreign admission epochs refused, no group lost to an abandoned Pull or a killed
+client, a 64 MB request refused without stalling Health, long Pulls that block neither Health,
+Stats nor UpdateWeights, and one server per state_dir."""
 
 from __future__ import annotations
 
@@ -64,7 +64,9 @@ def _code(call) -> grpc.StatusCode:
 
 
 def test_every_rpc_but_health_needs_the_token(server_factory, tmp_path):
-    server = _server(server_factory, tmp_path, "server.wait_for_weights=false")
+    server = _server(
+        server_factory, tmp_path, "server.wait_for_weights=false", "server.max_version_jump=5"
+    )
     stub = server.rollout_stub()
     wait_for(lambda: stats(stub).groups_queued == AHEAD)  # the initial weights' groups
     before = stats(stub)
@@ -93,8 +95,21 @@ def test_every_rpc_but_health_needs_the_token(server_factory, tmp_path):
     # The token in UpdateWeights' own field is still accepted (metadata or field).
     path = tmp_path / "ckpt" / "v1"
     save_params(path, random_params("tiny", seed=1))
-    field = rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path=str(path), token=TOKEN)
+    field = rollout_pb2.UpdateWeightsRequest(
+        version=1, checkpoint_path=str(path), token=TOKEN, new_admission_epoch=True, run_id="run-a"
+    )
     assert raw.UpdateWeights(field, timeout=120).version == 1
+    # Beyond server.max_version_jump, or a new epoch from a run other than the attached one:
+    # refused, and the version stays.
+    for request, code in [
+        (rollout_pb2.UpdateWeightsRequest(version=1 + 6, checkpoint_path=str(path)),
+         grpc.StatusCode.INVALID_ARGUMENT),
+        (rollout_pb2.UpdateWeightsRequest(version=2, checkpoint_path=str(path),
+                                          new_admission_epoch=True, run_id="run-b"),
+         grpc.StatusCode.FAILED_PRECONDITION),
+    ]:  # fmt: skip
+        assert _code(lambda r=request: stub.UpdateWeights(r, timeout=120)) == code
+    assert stats(stub).version == 1
     # A 64 MB request is refused by the receive limit, and Health answers meanwhile.
     huge = jetstream_pb2.DecodeRequest(
         text_content=jetstream_pb2.DecodeRequest.TextContent(text="1" * (64 << 20)), max_tokens=2
