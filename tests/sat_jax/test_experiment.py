@@ -140,3 +140,19 @@ def test_unreadable_or_malformed_file_is_one_config_error(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"missing\.yaml: cannot read the config"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("server.lease_s=0", "server: lease_s"),
+        ("server.max_request_bytes=1000", "server: max_request_bytes"),
+        ("server.max_concurrent_rpcs=0", "server: max_concurrent_rpcs"),
+        ("server.max_version_jump=0", "server: max_version_jump"),
+    ],
+)
+def test_hardening_keys_are_checked(override, names):
+    with pytest.raises(ConfigError, match=f"^{names}"):
+        load_config(None, [override])
+    assert load_config(None, ["server.metrics_host=0.0.0.0"]).server.metrics_host == "0.0.0.0"
+    assert load_config(None, []).server.metrics_host == "127.0.0.1"
