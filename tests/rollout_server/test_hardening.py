@@ -6,6 +6,8 @@ Stats nor UpdateWeights, and one server per state_dir."""
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
+import json
 import subprocess
 import sys
 import time
@@ -196,3 +198,47 @@ def test_long_pulls_block_neither_health_stats_nor_update_weights(server_factory
         wait_for(lambda: sum(len(p.result().groups) for p in pulls if p.done()) == AHEAD, 300)
         stub.Ack(rollout_pb2.AckRequest(group_ids=list(range(AHEAD))), timeout=30)
         server.stop()  # ends the Pulls still waiting
+
+
+_FAILING_GENERATE = """
+import sys
+from rollout_server.engine import MoEEngine
+
+real, calls = MoEEngine.generate, []
+
+def generate(self, *args, **kwargs):  # out of memory (say) on the 5th decode step
+    calls.append(1)
+    if len(calls) == 5:
+        raise MemoryError("RESOURCE_EXHAUSTED: out of memory while allocating")
+    return real(self, *args, **kwargs)
+
+MoEEngine.generate = generate
+from rollout_server.server import main
+main(sys.argv[1:])
+"""
+
+
+def test_a_failed_generate_step_exits_cleanly_with_the_state_saved(tmp_path):
+    # JetStream would SIGKILL the process (exit -9, state of the last save only); the server
+    # stops instead, saves its state and exits with code 1 for a supervisor to restart it.
+    state = tmp_path / "state"
+    out = subprocess.run(
+        [sys.executable, "-c", _FAILING_GENERATE, "--config", "configs/arith_tiny.yaml",
+         f"server.state_dir={state}", "server.wait_for_weights=false", "server.port=0",
+         "server.slots=4", "rollout.max_new_tokens=6", "rollout.group_size=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert "generation failed" in out.stderr and "exiting with code 1" in out.stderr
+    saved = json.loads((state / "rollout_state.json").read_text())
+    assert saved["unfinished"]  # the groups in flight are re-issued by the next start
+    assert not (state / "lock").exists() or _lock_free(state / "lock")
+
+
+def _lock_free(path) -> bool:
+    with open(path) as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+    return True
