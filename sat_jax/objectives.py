@@ -23,7 +23,6 @@ Shapes: ``B`` responses, ``T`` tokens; every per-token array is ``[B, T]``.
 from __future__ import annotations
 
 import dataclasses
-import fractions
 from typing import Literal
 
 import jax
@@ -31,22 +30,23 @@ import jax.numpy as jnp
 from flax import struct
 from jax.typing import ArrayLike
 
+from sat_jax.quantile import masked_quantile
+from sat_jax.stabilizers import (
+    KL_ESTIMATORS,
+    KLEstimator,
+    dppo_tv_mask,
+    icepop_weights,
+    kl_penalty,
+    truncated_importance_weights,
+)
+
 RatioLevel = Literal["token", "sequence"]
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
-KLEstimator = Literal["k1", "k2", "k3"]
 
 _RATIO_LEVELS = ("token", "sequence")
 _LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
-_KL_ESTIMATORS = ("k1", "k2", "k3")
-# The k3 ("low_var_kl") estimator is clamped to ±10 after its log-ratio is clamped to ±20, as in
-# verl: exp() of a larger log-ratio overflows float32 and would turn the clamp's zero gradient NaN.
-_KL_LOG_RATIO_CLAMP = 20.0
-_K3_CLAMP = 10.0
 # docs/DESIGN.md §4: a token counts as an importance-sampling outlier when |r − 1| > 1.5.
 _IS_DEVIATION_THRESHOLD = 1.5
-# Largest denominator used to read the quantile level as a fraction (0.9 -> 9/10), so that
-# ceil(level·n) is exact integer arithmetic without int64: (n mod den)·num stays below 2**31.
-_MAX_LEVEL_DENOMINATOR = 10_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -113,7 +113,7 @@ class PolicyLossConfig:
     def __post_init__(self):
         _check_choice("ratio_level", self.ratio_level, _RATIO_LEVELS)
         _check_choice("loss_agg", self.loss_agg, _LOSS_AGGS)
-        _check_choice("kl_estimator", self.kl_estimator, _KL_ESTIMATORS)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         dual, tis, icepop = self.dual_clip, self.tis_cap, self.icepop_range
         tv, clamp = self.dppo_tv_delta, self.log_ratio_clamp
         rules = {  # field: (value, valid, what a valid value is)
@@ -150,76 +150,6 @@ def _active(where: ArrayLike | None, like: jax.Array) -> jax.Array:
     if where is None:
         return jnp.ones(like.shape, bool)
     return jnp.asarray(where) > 0
-
-
-def _quantile_rank(level: float, n: jax.Array) -> jax.Array:
-    """ceil(level·n) in exact int32 arithmetic, level read as the nearest fraction num/den."""
-    frac = fractions.Fraction(level).limit_denominator(_MAX_LEVEL_DENOMINATOR)
-    num, den = frac.numerator, frac.denominator
-    return (n // den) * num + ((n % den) * num + den - 1) // den
-
-
-def _ordered_key(x: jax.Array) -> jax.Array:
-    """Maps float32 to uint32 so that unsigned order equals float order (−0 sorts before +0)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    negative = bits >> 31 == 1
-    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def _key_to_float(key: jax.Array) -> jax.Array:
-    negative = key >> 31 == 0
-    bits = jnp.where(negative, ~key, key & jnp.uint32(0x7FFFFFFF))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def masked_quantile(
-    x: ArrayLike,
-    level: float,
-    *,
-    where: ArrayLike | None = None,
-    counts: ArrayLike | None = None,
-) -> jax.Array:
-    """Exact inverted-CDF quantile inf{v : F̂(v) ≥ level} of ``x`` over the active entries.
-
-    Sorting the active values ascending, this is the element at 1-indexed position ceil(level·n),
-    NumPy's ``method="inverted_cdf"``. It is found by a two-pass radix select on the order-preserving
-    uint32 image of float32: pass 1 histograms the high 16 bits (65,536 bins) and locates the bin
-    holding rank k; pass 2 histograms the low 16 bits of the entries in that bin: two passes over the
-    data instead of a sort or a 32-step bisection (benchmarks/objective_overhead.py compares them).
-
-    Args:
-      x: float array, any shape (NaN is not allowed among active entries).
-      level: quantile level in (0, 1]; read as the nearest fraction with denominator ≤ 10⁴ so
-        ceil(level·n) is exact (0.9 is 9/10).
-      where: optional mask of the same shape; entries where it is ≤ 0 are ignored.
-      counts: optional non-negative integer multiplicity of each entry (e.g. the number of active
-        tokens of each response, for a token-level quantile of per-response values); default 1.
-
-    Returns:
-      A float32 scalar; 0 when no entry is active. Not differentiable (use under stop_gradient).
-    """
-    if not 0.0 < level <= 1.0:
-        raise ValueError(f"masked_quantile: level must be in (0, 1], got {level!r}")
-    x = jnp.asarray(x, jnp.float32)
-    count = _active(where, x).astype(jnp.int32)
-    if counts is not None:
-        count = count * jnp.broadcast_to(jnp.asarray(counts, jnp.int32), x.shape)
-    x, count = x.reshape(-1), count.reshape(-1)
-    n = jnp.sum(count)
-    rank = _quantile_rank(level, n)  # 1-indexed
-    key = _ordered_key(x)
-    high = (key >> 16).astype(jnp.int32)
-    low = (key & jnp.uint32(0xFFFF)).astype(jnp.int32)
-
-    cum_high = jnp.cumsum(jnp.zeros(1 << 16, jnp.int32).at[high].add(count))
-    bin_high = jnp.searchsorted(cum_high, rank, side="left")
-    below = jnp.where(bin_high > 0, cum_high[jnp.maximum(bin_high - 1, 0)], 0)
-    in_bin = count * (high == bin_high)
-    cum_low = jnp.cumsum(jnp.zeros(1 << 16, jnp.int32).at[low].add(in_bin)) + below
-    bin_low = jnp.searchsorted(cum_low, rank, side="left")
-
-    value = _key_to_float((bin_high.astype(jnp.uint32) << 16) | bin_low.astype(jnp.uint32))
-    return jnp.where(n > 0, value, 0.0)
 
 
 def _sat_gate(d: jax.Array, q: jax.Array) -> jax.Array:
@@ -336,69 +266,6 @@ def sequence_log_ratio(
     count = jnp.sum(active, axis=-1, keepdims=True, dtype=jnp.int32)
     s_b1 = total / jnp.maximum(count, 1)
     return s_b1 if keepdims else jnp.broadcast_to(s_b1, d.shape)
-
-
-def kl_penalty(
-    logp: ArrayLike,
-    ref_logp: ArrayLike,
-    *,
-    estimator: KLEstimator = "k3",
-    where: ArrayLike | None = None,
-) -> jax.Array:
-    """Per-token estimate of KL(π ‖ π_ref) from samples of π: k1, k2 or k3 (``low_var_kl``).
-
-    k1 = log π − log π_ref; k2 = ½(log π − log π_ref)²; k3 = e^x − x − 1 with
-    x = clip(log π_ref − log π, ±20), the result clipped to ±10. Returns [B, T], 0 where inactive.
-    """
-    _check_choice("kl_estimator", estimator, _KL_ESTIMATORS)
-    lp = jnp.asarray(logp, jnp.float32)
-    active = _active(where, lp)
-    diff = jnp.where(active, lp - jnp.asarray(ref_logp, jnp.float32), 0.0)
-    if estimator == "k1":
-        kl = diff
-    elif estimator == "k2":
-        kl = 0.5 * jnp.square(diff)
-    else:
-        x = jnp.clip(-diff, -_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP)
-        kl = jnp.clip(jnp.exp(x) - x - 1.0, -_K3_CLAMP, _K3_CLAMP)
-    return jnp.where(active, kl, 0.0)
-
-
-def truncated_importance_weights(
-    old_logp: ArrayLike, behavior_logp: ArrayLike, *, cap: float
-) -> jax.Array:
-    """TIS weights w = min(exp(old_logp − behavior_logp), cap), detached. [B, T]."""
-    log_k = jnp.asarray(old_logp, jnp.float32) - jnp.asarray(behavior_logp, jnp.float32)
-    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_k), cap))
-
-
-def icepop_weights(
-    old_logp: ArrayLike, behavior_logp: ArrayLike, *, low: float, high: float
-) -> jax.Array:
-    """IcePop weights w = k·1[low ≤ k ≤ high], k = exp(old_logp − behavior_logp), detached."""
-    log_k = jnp.asarray(old_logp, jnp.float32) - jnp.asarray(behavior_logp, jnp.float32)
-    k = jnp.exp(log_k)
-    return jax.lax.stop_gradient(jnp.where((k >= low) & (k <= high), k, 0.0))
-
-
-def dppo_tv_mask(
-    logp: ArrayLike,
-    old_logp: ArrayLike,
-    ratio: ArrayLike,
-    advantages: ArrayLike,
-    *,
-    delta: float,
-) -> jax.Array:
-    """DPPO-TV: True where a token's gradient is to be zeroed (outward and TV distance > δ).
-
-    Outward means A·(r − 1) > 0; the distance is |exp(logp) − exp(old_logp)| of the sampled token.
-    Detached boolean [B, T].
-    """
-    lp = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
-    r = jax.lax.stop_gradient(jnp.asarray(ratio, jnp.float32))
-    outward = jnp.asarray(advantages, jnp.float32) * (r - 1.0) > 0
-    distance = jnp.abs(jnp.exp(lp) - jnp.exp(jnp.asarray(old_logp, jnp.float32)))
-    return outward & (distance > delta)
 
 
 # --------------------------------------------------------------------------------------------
