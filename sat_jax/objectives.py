@@ -27,9 +27,9 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.typing import ArrayLike
 
+from sat_jax.loss_terms import LossAgg, PolicyLossTerms, aggregate
 from sat_jax.quantile import masked_quantile
 from sat_jax.stabilizers import (
     KL_ESTIMATORS,
@@ -41,10 +41,11 @@ from sat_jax.stabilizers import (
 )
 
 RatioLevel = Literal["token", "sequence"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean"]
+ThresholdScope = Literal["batch", "microbatch"]
 
 _RATIO_LEVELS = ("token", "sequence")
 _LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
+_THRESHOLD_SCOPES = ("batch", "microbatch")
 # docs/DESIGN.md §4: a token counts as an importance-sampling outlier when |r − 1| > 1.5.
 _IS_DEVIATION_THRESHOLD = 1.5
 
@@ -58,13 +59,23 @@ class SATConfig:
       quantile: level of the inverted-CDF quantile of |d| over active tokens, in (0, 1]. At 1.0 the
         threshold is the largest |d|, so the strict gate never fires and SAT equals the base loss.
       exponent: p in ψ(u; q) = 1 / (1 + (u/q)^p), > 0.
+      threshold_scope: what q is the quantile over when the train step accumulates gradients
+        over microbatches (docs/DESIGN.md §3.3): ``"batch"`` (every active token of the batch,
+        exactly the single-step q) or ``"microbatch"`` (each microbatch's own tokens, as a
+        Megatron-style implementation computes it). The loss functions do not read it.
     """
 
     enabled: bool = True
     quantile: float = 0.9
     exponent: float = 2.0
+    threshold_scope: ThresholdScope = "batch"
 
     def __post_init__(self):
+        if self.threshold_scope not in _THRESHOLD_SCOPES:
+            raise ValueError(
+                f"SATConfig.threshold_scope must be one of {_THRESHOLD_SCOPES}, "
+                f"got {self.threshold_scope!r}"
+            )
         if not 0.0 < self.quantile <= 1.0:
             raise ValueError(f"SATConfig.quantile must be in (0, 1], got {self.quantile!r}")
         if not self.exponent > 0.0:
@@ -179,12 +190,11 @@ def sat_contraction(
     gate = _sat_gate(d, q)
     safe_q = jnp.where(q > 0, q, 1.0)
 
-    def psi(u):
-        # u/q can overflow to inf for huge |d|; ψ then is exactly 0, never NaN.
-        return 1.0 / (1.0 + jnp.power(u / safe_q, exponent))
-
-    c_high = jnp.where(gate, psi(jnp.maximum(d, 0.0)), 1.0)
-    c_low = jnp.where(gate, psi(jnp.maximum(-d, 0.0)), 1.0)
+    # u/q can overflow to inf for huge |d|; ψ then is exactly 0, never NaN. ψ(|d|) is computed once
+    # and given to the side of sign(d): the other side's ψ(0) is exactly 1, as where the gate is off.
+    psi = 1.0 / (1.0 + jnp.power(jnp.abs(d) / safe_q, exponent))
+    c_high = jnp.where(gate & (d > 0), psi, 1.0)
+    c_low = jnp.where(gate & (d < 0), psi, 1.0)
     return c_low, c_high
 
 
@@ -273,53 +283,6 @@ def sequence_log_ratio(
 # --------------------------------------------------------------------------------------------
 
 
-@struct.dataclass
-class PolicyLossTerms:
-    """Unreduced loss and metrics, as pairs that add up across microbatches and hosts.
-
-    ``loss_sum / loss_count`` is the loss; ``sums[k] / counts[k]`` is metric k; ``mins`` reduce by
-    minimum and ``totals`` by sum. For gradient accumulation differentiate ``loss_sum`` of each
-    microbatch and divide by the merged ``loss_count``.
-    """
-
-    loss_sum: jax.Array
-    loss_count: jax.Array
-    sums: dict[str, jax.Array]
-    counts: dict[str, jax.Array]
-    mins: dict[str, jax.Array]
-    totals: dict[str, jax.Array]
-
-    def merge(self, other: PolicyLossTerms) -> PolicyLossTerms:
-        """Combines the terms of two disjoint parts of one batch."""
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        return PolicyLossTerms(
-            loss_sum=self.loss_sum + other.loss_sum,
-            loss_count=self.loss_count + other.loss_count,
-            sums=add(self.sums, other.sums),
-            counts=add(self.counts, other.counts),
-            mins=jax.tree.map(jnp.minimum, self.mins, other.mins),
-            totals=add(self.totals, other.totals),
-        )
-
-    def reduce(self) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(loss, metrics): every ratio with its denominator clamped to ≥ 1 (empty ⇒ 0, never NaN)."""
-        safe = lambda s, c: s / jnp.maximum(c, 1).astype(s.dtype)
-        loss = safe(self.loss_sum, self.loss_count)
-        metrics = {k: safe(self.sums[k], self.counts[k]) for k in self.sums}
-        metrics.update(self.mins)
-        metrics.update({k: v.astype(jnp.float32) for k, v in self.totals.items()})
-        return loss, metrics
-
-
-def _aggregate(per_token: jax.Array, active: jax.Array, loss_agg: LossAgg):
-    """(sum, count) of a per-token loss under ``loss_agg``; inactive tokens are already 0."""
-    if loss_agg == "token_mean":
-        return jnp.sum(per_token), jnp.sum(active, dtype=jnp.int32)
-    per_seq_count = jnp.sum(active, axis=-1, dtype=jnp.int32)
-    per_seq_mean = jnp.sum(per_token, axis=-1) / jnp.maximum(per_seq_count, 1)
-    return jnp.sum(per_seq_mean), jnp.sum(per_seq_count > 0, dtype=jnp.int32)
-
-
 @dataclasses.dataclass(frozen=True)
 class _Batch:
     """The wrapper's inputs as float32 [B, T] arrays; ``adv`` is 0 on padding, ``active`` bool."""
@@ -401,8 +364,10 @@ def sat_threshold(
         return jnp.zeros((), jnp.float32)
     old = jnp.asarray(behavior_logp if old_logp is None else old_logp, jnp.float32)
     active = jnp.asarray(mask) > 0
-    d, counts = _log_ratio(jnp.asarray(logp, jnp.float32), old, active, cfg.ratio_level)
-    q = masked_quantile(jnp.abs(jax.lax.stop_gradient(d)), cfg.sat.quantile, counts=counts)
+    d, weight = _log_ratio(jnp.asarray(logp, jnp.float32), old, active, cfg.ratio_level)
+    # A token-level weight is the mask itself: as ``where`` it takes the faster unweighted path.
+    by = {"where": weight} if cfg.ratio_level == "token" else {"counts": weight}
+    q = masked_quantile(jnp.abs(jax.lax.stop_gradient(d)), cfg.sat.quantile, **by)
     return jax.lax.stop_gradient(q)
 
 
@@ -526,11 +491,11 @@ def policy_loss_terms(
     )
     per_token, stabilizer_metrics = _stabilize(per_token, ratio, batch, cfg)
 
-    loss_sum, loss_count = _aggregate(per_token, batch.active, cfg.loss_agg)
+    loss_sum, loss_count = aggregate(per_token, batch.active, cfg.loss_agg)
     sums = {"pg_loss": jax.lax.stop_gradient(loss_sum)}
     if ref_logp is not None:
         kl = kl_penalty(batch.logp, ref_logp, estimator=cfg.kl_estimator, where=batch.active)
-        kl_sum, _ = _aggregate(kl, batch.active, cfg.loss_agg)
+        kl_sum, _ = aggregate(kl, batch.active, cfg.loss_agg)
         sums["kl_ref"] = jax.lax.stop_gradient(kl_sum)
         if cfg.kl_coef > 0:
             loss_sum = loss_sum + cfg.kl_coef * kl_sum

@@ -18,7 +18,7 @@ from flax import nnx, struct
 
 from sat_jax.model.config import ModelConfig
 from sat_jax.model.layers import Attention, DenseMLP, RMSNorm, fan_in_init, make_param
-from sat_jax.model.moe import MoE, MoEOutput
+from sat_jax.model.moe import MoE, MoEOutput, balance_from_stats
 
 
 @struct.dataclass
@@ -32,6 +32,8 @@ class ModelOutput:
       aux_loss: scalar, `router_aux_loss_coef * balance_loss`, ready to add to the loss.
       balance_loss: scalar, the load-balancing loss averaged over MoE layers (0 without MoE).
       expert_load_le: [L, E] fraction of active token-slots per expert, per MoE layer.
+      router_frac_le, router_prob_le: [L, E] f and P of the balance loss per MoE layer
+        (`moe.router_stats`): gradient accumulation rebuilds the batch's balance loss from them.
     """
 
     logits_btv: jax.Array
@@ -39,6 +41,8 @@ class ModelOutput:
     aux_loss: jax.Array
     balance_loss: jax.Array
     expert_load_le: jax.Array
+    router_frac_le: jax.Array
+    router_prob_le: jax.Array
 
 
 @struct.dataclass
@@ -273,18 +277,22 @@ class Transformer(nnx.Module):
             replay_btlk=replay_routing,
             dispatch=dispatch,
         )
-        if trunk.moe:
-            balance = jnp.mean(jnp.stack([o.balance_loss for o in trunk.moe]))
-            load_le = jnp.stack([o.load_e for o in trunk.moe])
-        else:
-            balance = jnp.zeros((), jnp.float32)
-            load_le = jnp.zeros((0, c.num_experts), jnp.float32)
+
+        def per_layer(name: str) -> jax.Array:
+            if not trunk.moe:
+                return jnp.zeros((0, c.num_experts), jnp.float32)
+            return jnp.stack([getattr(o, name) for o in trunk.moe])
+
+        frac_le, prob_le = per_layer("router_frac_e"), per_layer("router_prob_e")
+        balance = balance_from_stats(frac_le, prob_le)
         return ModelOutput(
             logits_btv=self._logits(trunk.x_btd),
             routing_btlk=self._routing(trunk, b, t),
             aux_loss=c.router_aux_loss_coef * balance,
             balance_loss=balance,
-            expert_load_le=load_le,
+            expert_load_le=per_layer("load_e"),
+            router_frac_le=frac_le,
+            router_prob_le=prob_le,
         )
 
     def __call__(
@@ -410,10 +418,22 @@ def router_shift_ratio(
     Returns:
       Scalar float32 in [0, 1]; 0 when nothing is active or there are no MoE layers.
     """
+    return router_shift_from_counts(*router_shift_counts(recorded_btlk, current_btlk, mask_bt))
+
+
+def router_shift_from_counts(missing: jax.Array, slots: jax.Array) -> jax.Array:
+    """missing / slots of `router_shift_counts` (summed over microbatches), 0 when slots is 0."""
+    return jnp.where(slots > 0, missing / jnp.maximum(slots, 1.0), 0.0)
+
+
+def router_shift_counts(
+    recorded_btlk: jax.Array, current_btlk: jax.Array, mask_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(missing, slots) of `router_shift_ratio` as float32 sums, which add across microbatches."""
     rec = recorded_btlk.astype(jnp.int32)
     cur = current_btlk.astype(jnp.int32)
     found_btlk = jnp.any(rec[..., :, None] == cur[..., None, :], axis=-1)
     weight_bt = mask_bt.astype(jnp.float32)
     missing = jnp.sum(jnp.sum(~found_btlk, axis=(2, 3)) * weight_bt)
     slots = jnp.sum(weight_bt) * rec.shape[2] * rec.shape[3]
-    return jnp.where(slots > 0, missing / jnp.maximum(slots, 1.0), 0.0)
+    return missing, slots
