@@ -93,11 +93,9 @@ def next_token_logprobs(
     to them does (e.g. ``CharTokenizer.sampleable_mask``); without it the behavior and trainer
     log-probs of the same weights differ by the probability mass of the excluded ids.
     """
-    if vocab_mask is not None:
-        # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
-        floor = jnp.finfo(logits_btv.dtype).min
-        logits_btv = jnp.where(jnp.asarray(vocab_mask, bool), logits_btv, floor)
-    logp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:], temperature=temperature)
+    logp = token_logprobs(
+        logits_btv[:, :-1], tokens_bt[:, 1:], temperature=temperature, vocab_mask=vocab_mask
+    )
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
@@ -174,10 +172,15 @@ def _forward(
     """(logp [B, T] of the batch's tokens, the model's output) under ``params``."""
     model = nnx.merge(graphdef, params)
     out = model.forward(batch.tokens, replay_routing=batch.routing if routing_replay else None)
-    logp_bt = next_token_logprobs(
-        out.logits_btv, batch.tokens, temperature=temperature, vocab_mask=vocab_mask
+    # Scored chunk by chunk from the hidden states: out.logits_btv is never used, so under jit
+    # no [B, T, V] float32 buffer is built (docs/DESIGN.md §5).
+    logp_bt = model.target_logprobs(
+        out.hidden_btd[:, :-1],
+        batch.tokens[:, 1:],
+        temperature=temperature,
+        vocab_mask=vocab_mask,
     )
-    return logp_bt, out
+    return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 
 
 def _policy_terms(logp_bt, batch: TrainBatch, loss_cfg, sat_q=None) -> objectives.PolicyLossTerms:
