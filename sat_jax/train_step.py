@@ -430,9 +430,26 @@ def make_train_step(
         vocab_mask=None if vocab_mask is None else np.asarray(vocab_mask, bool),
         microbatches=microbatches,
     )
-    return jax.jit(
+    jitted = jax.jit(
         step_fn,
         in_shardings=(state_sh, data_sh),
         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
+    return _under_mesh(jitted, mesh)
+
+
+class _under_mesh:
+    """``fn`` traced and run with ``mesh`` as the ambient mesh, so the model's activation
+    constraints (``sharding.constrain_batch``) see it; ``lower`` is forwarded the same way."""
+
+    def __init__(self, fn: Any, mesh: Mesh):
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args)

@@ -329,9 +329,18 @@ class Transformer(nnx.Module):
                 replay = jnp.moveaxis(replay_btlk[:, :, moe_seen : moe_seen + end - start], 2, 0)
 
             def body(x, xs, graphdef=graphdef):
-                return _layer_step(
-                    nnx.merge(graphdef, xs[0]), x, positions_bt, mask_bt, xs[1], dispatch, c
+                from sat_jax.sharding import constrain_batch  # sat_jax.sharding imports us
+
+                x, stats = _layer_step(
+                    nnx.merge(graphdef, xs[0]),
+                    constrain_batch(x),
+                    positions_bt,
+                    mask_bt,
+                    xs[1],
+                    dispatch,
+                    c,
                 )
+                return constrain_batch(x), stats
 
             body = jax.checkpoint(body) if c.remat == "layer" else body
             x_btd, run_stats = jax.lax.scan(body, x_btd, (stacked, replay))
