@@ -151,10 +151,12 @@ def compiled_temp_bytes(
     """Per-device temporary bytes of the compiled train step, from XLA's memory analysis.
 
     Lowers ``train_step.make_train_step`` (AdamW, SAT on, no routing replay) for a [batch,
-    seq_len] batch on a mesh of the available devices, from shapes only (nothing is allocated
+    seq_len] batch on a mesh of the first devices (all of them for a -1 axis), from shapes only (nothing is allocated
     besides what compilation needs).
     """
-    mesh = sharding.make_mesh(mesh_cfg)
+    sizes = [getattr(mesh_cfg, name) for name in sharding.MESH_AXES]
+    count = jax.device_count() if -1 in sizes else math.prod(sizes)
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:count])
     optimizer = optax.adamw(1e-4)
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig())
     step = train_step.make_train_step(
