@@ -140,3 +140,18 @@ def test_unreadable_or_malformed_file_is_one_config_error(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"missing\.yaml: cannot read the config"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+def test_scale_keys_load_and_are_validated() -> None:
+    overrides = ["train.microbatches=4", "model.remat=layer"]
+    cfg = load_config(None, [*overrides, "train.loss.sat.threshold_scope=microbatch"])
+    assert (cfg.train.microbatches, cfg.model.remat) == (4, "layer")
+    assert cfg.train.loss.sat.threshold_scope == "microbatch"
+    for bad, key in [
+        ("train.microbatches=3", "train.microbatches"),
+        ("train.loss.sat.threshold_scope=token", "threshold_scope"),
+        ("model.remat=full", "remat"),
+        ("model.attention=flash", "attention"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [bad])
