@@ -212,6 +212,9 @@ class TrainConfig:
       stale_policy: what happens to a group with a token older than `rollout.max_staleness`
         versions: "drop" (counted in `stale_dropped`) or "keep" (trained, still counted).
       routing_replay: replay the rollout's recorded expert ids in the train step (R3).
+      microbatches: k, the batch is split into k microbatches whose gradients are accumulated
+        (docs/DESIGN.md §5): loss, gradient and metrics equal the one-pass step's; the batch size
+        must be divisible by k. SAT's threshold scope is `loss.sat.threshold_scope`.
       loss: the policy objective; SAT on by default.
       advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
       learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"
@@ -245,6 +248,7 @@ class TrainConfig:
     weight_sync_interval: int = 1
     stale_policy: str = "drop"
     routing_replay: bool = True
+    microbatches: int = 1
     loss: PolicyLossConfig = _SAT_LOSS
     advantage_estimator: str = "grpo"
     normalize_std: bool = True
@@ -283,7 +287,8 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("steps", "weight_sync_interval", "checkpoint_every", "keep_checkpoints"):
+        positive = ("steps", "weight_sync_interval", "microbatches", "checkpoint_every")
+        for name in (*positive, "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("lr_warmup_steps", "warmup_sft_steps", "eval_problems", "eval_every"):
@@ -337,6 +342,12 @@ class ExperimentConfig:
                 f"server.max_prefill_length + rollout.max_new_tokens "
                 f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
+            )
+        batch = self.rollout.batch_groups * self.rollout.group_size
+        if batch % self.train.microbatches:
+            raise ValueError(
+                f"train.microbatches ({self.train.microbatches}) must divide the batch "
+                f"(rollout.batch_groups · rollout.group_size = {batch})"
             )
         needed = CharTokenizer(self.task.alphabet).vocab_size
         if needed > self.model.vocab_size:

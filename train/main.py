@@ -262,6 +262,7 @@ def make_step_fns(
         routing_replay=cfg.train.routing_replay,
         temperature=temperature,
         vocab_mask=vocab_mask,
+        microbatches=cfg.train.microbatches,
     )
     if cfg.train.loss.kl_coef <= 0:
         return step_fn, None

@@ -156,3 +156,18 @@ def test_hardening_keys_are_checked(override, names):
         load_config(None, [override])
     assert load_config(None, ["server.metrics_host=0.0.0.0"]).server.metrics_host == "0.0.0.0"
     assert load_config(None, []).server.metrics_host == "127.0.0.1"
+
+
+def test_scale_keys_load_and_are_validated() -> None:
+    overrides = ["train.microbatches=4", "model.remat=layer"]
+    cfg = load_config(None, [*overrides, "train.loss.sat.threshold_scope=microbatch"])
+    assert (cfg.train.microbatches, cfg.model.remat) == (4, "layer")
+    assert cfg.train.loss.sat.threshold_scope == "microbatch"
+    for bad, key in [
+        ("train.microbatches=3", "train.microbatches"),
+        ("train.loss.sat.threshold_scope=token", "threshold_scope"),
+        ("model.remat=full", "remat"),
+        ("model.attention=flash", "attention"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [bad])

@@ -125,3 +125,25 @@ def test_bad_arguments_are_clear_errors(args: tuple[str, ...], message: str) -> 
     if args[1] == "nope":  # one subprocess run is enough to cover the CLI error path
         res = _cli(*args)
         assert res.returncode == 2 and message in res.stderr
+
+
+def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:
+    args = ["--preset", "tiny", "--mesh", "fsdp=8", "--batch", "8", "--seq-len", "64"]
+    assert plan.main([*args, "--compile", "--set", "remat=layer"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:-2] == plan.format_plan("tiny", _plan("tiny", "fsdp=8")).splitlines()
+    label, _, value = lines[-1].partition(": ")
+    assert label == "compiled temp bytes per device" and int(value) > 0
+    # Sharding the 8 rows over 8 devices must shrink each device's share (the scanned layers'
+    # carry keeps its batch sharding).
+    one_row = plan.compiled_temp_bytes(
+        ModelConfig.preset("tiny", remat="layer"), sharding.MeshConfig.parse("fsdp=8"), 8, 64
+    )
+    eight_rows = plan.compiled_temp_bytes(
+        ModelConfig.preset("tiny", remat="layer"), sharding.MeshConfig(fsdp=1), 8, 64
+    )
+    assert one_row == int(value) and one_row < eight_rows / 2
+
+
+def test_compile_needs_a_batch_shape() -> None:
+    assert plan.main(["--preset", "tiny", "--mesh", "fsdp=1", "--compile"]) == 2
