@@ -19,9 +19,10 @@ re-synced to that version (to a higher number if a server already moved past it,
 older tokens are dropped).
 
 Weight pushes (orbax save + ``UpdateWeights``) run on a background thread
-(``weight_sync.WeightPusher``): the loop only takes a host copy of the params after the step and
-goes on pulling; at most one push is in flight, a newer version supersedes one still queued, and
-a failed push stops the loop at its next step. Pushes are flushed before the final checkpoint and
+(``weight_sync.WeightPusher``): the loop only takes a host copy of the params after the step (in
+the serving dtype, each process its own shards) and goes on pulling; at most one push is in
+flight, a newer version supersedes one still queued (one process only), and a failed push stops
+the loop at its next step. Pushes are flushed before the final checkpoint and
 evaluation.
 
 Synchronous mode (``train.mode=sync``) is the same loop with ``rollout.max_staleness = 0`` and a push
@@ -30,9 +31,10 @@ groups only once the weights they need are in, so generation waits for the new w
 trained token has lag 0.
 
 Several JAX processes (multi-host): only process 0 talks to the servers. It pulls and assembles
-each batch and broadcasts it (``pulling.next_batch``); it alone pushes weights (every process takes
-part in gathering the params to host) and writes metrics; every process saves the checkpoints
-(orbax coordinates them).
+each batch and broadcasts it (``pulling.next_batch``), calls ``UpdateWeights`` and writes metrics.
+Every process writes its own shards of each weights version (nothing is gathered; process 0
+finalizes it) and of the checkpoints (orbax coordinates them); pushes are drained before a
+checkpoint, so all processes enter orbax's barriers in one order.
 
 Delivery: the servers lease pulled groups until this trainer acknowledges them, which it does
 once their batch's step has run (docs/DESIGN.md §6.2); a group pulled and not yet trained when the
@@ -116,25 +118,26 @@ def sync_weights(
     state: TrainState,
     progress: checkpointing.Progress,
     weights_dir: str,
+    dtype: Any = None,
 ) -> checkpointing.Progress:
     """Pushes the current params to every server as ``progress.version`` (or, if a server is past
     it, as a fresh higher version, and from then on tokens of older versions are dropped), opening
-    a new admission epoch. Every process calls it; process 0 (the one with ``pool``) pushes, and
-    every process gets its version back."""
-    params = weight_sync.host_copy(state.params)  # a collective with several processes
+    a new admission epoch. Every process calls it and writes its own shards (in ``dtype``, the
+    serving dtype, if given); process 0 (the one with ``pool``) picks the version and calls
+    ``UpdateWeights``, and every process gets its version back."""
     if pool is not None:
         ahead = max(pool.versions())
         if ahead >= progress.version and ahead > 0:
             progress = dataclasses.replace(progress, version=ahead + 1, min_version=ahead + 1)
-        os.makedirs(weights_dir, exist_ok=True)
-        weight_sync.push_weights(
-            pool, params, progress.version, weights_dir, new_admission_epoch=True
-        )
-        log.info("servers synced to weights version %d", progress.version)
     if jax.process_count() > 1:
         versions = np.array([progress.version, progress.min_version], np.int32)
         version, min_version = multihost_utils.broadcast_one_to_all(versions).tolist()
         progress = dataclasses.replace(progress, version=version, min_version=min_version)
+    os.makedirs(weights_dir, exist_ok=True)
+    params = weight_sync.host_copy(state.params, dtype)
+    weight_sync.push_weights(pool, params, progress.version, weights_dir, new_admission_epoch=True)
+    if pool is not None:
+        log.info("servers synced to weights version %d", progress.version)
     return progress
 
 
@@ -184,11 +187,10 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         pool = None
         if lead:
             pool = stack.enter_context(setup.connect(cfg, server, run=setup.run_id(run_dir)))
-        progress = sync_weights(pool, state, progress, weights_dir)
-        pusher = None
-        if pool is not None:
-            push = lambda version, p: weight_sync.push_weights(pool, p, version, weights_dir)
-            pusher = stack.enter_context(weight_sync.WeightPusher(push))
+        progress = sync_weights(pool, state, progress, weights_dir, serving_dtype(cfg))
+        push = lambda version, p: weight_sync.push_weights(pool, p, version, weights_dir)
+        single = jax.process_count() == 1
+        pusher = stack.enter_context(weight_sync.WeightPusher(push, supersede=single))
         step_fn, ref_logp_fn = make_step_fns(cfg, optimizer, mesh, graphdef, params)
         parts = LoopParts(
             pool=pool,
@@ -289,7 +291,8 @@ def evaluate_and_log(
 class LoopParts:
     """What the loop uses, built once by ``run`` (a record, not a framework).
 
-    ``pool``, ``pusher`` and ``writer`` exist on process 0 only (None on the others).
+    ``pool`` and ``writer`` exist on process 0 only (None on the others); ``pusher`` on every
+    process (each writes its own shards).
     """
 
     pool: ServerPool | None
@@ -343,6 +346,8 @@ def train_loop(
         step = int(state.step)
         publish_if_due(cfg, parts, state, progress, skipped)
         if not skipped and step % t.checkpoint_every == 0:
+            if parts.pusher is not None and jax.process_count() > 1:
+                parts.pusher.wait()  # one order of orbax barriers on every process
             parts.ckpt.save(step, state, progress)
         accuracy = None
         if t.eval_every and step % t.eval_every == 0 and not skipped:
@@ -354,7 +359,7 @@ def train_loop(
                 "step_s": time.monotonic() - got_batch,
             }
             scalars = {**step_metrics, **loop_scalars(stats, progress), **timing}
-            scalars.update(parts.pusher.metrics(), accuracy=accuracy)
+            scalars.update(parts.pusher.metrics() if parts.pusher else {}, accuracy=accuracy)
             parts.writer.write(step, scalars, stats)
     if parts.pusher is not None:
         parts.pusher.wait()
@@ -381,11 +386,17 @@ def publish_if_due(
     if not ((skipped and t.mode == "sync") or (not skipped and step % t.weight_sync_interval == 0)):
         return
     # The host copy is taken now: the next step donates these device buffers.
-    params = weight_sync.host_copy(state.params)  # a collective with several processes
+    params = weight_sync.host_copy(state.params, serving_dtype(cfg))
     if parts.pusher is not None:
         parts.pusher.submit(progress.version, params)
         if t.mode == "sync":
             parts.pusher.wait()
+
+
+def serving_dtype(cfg: ExperimentConfig) -> str | None:
+    """The dtype the servers serve in (``server.dtype``), the weights are pushed in; None (each
+    param's own dtype) where the config has none."""
+    return getattr(cfg.server, "dtype", None)
 
 
 def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -> dict[str, float]:

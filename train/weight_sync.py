@@ -1,12 +1,16 @@
 """Weight pushes off the trainer's critical path: a host copy of the params on the loop's thread,
-then the orbax save and ``UpdateWeights`` on a background thread.
+then the orbax save and ``UpdateWeights`` on a background thread (docs/DESIGN.md §7.1, §7.3).
 
 The loop copies the params to host memory right after a step (``host_copy``), before the next step
-is dispatched: that step donates the device buffers. ``WeightPusher.submit`` hands the copy to the
-pusher thread, which runs at most one push at a time; a push submitted while another is running
-waits, and a newer one replaces it (it is counted as superseded), so the servers always get the
-newest weights and versions only increase. A failed push is re-raised in the loop at its next
-``submit``, ``check`` or ``wait``. Synchronous mode calls ``wait`` after every ``submit``.
+is dispatched: that step donates the device buffers. The copy keeps the params' sharding: each
+process copies only its own devices' shards (cast to the serving dtype first), and every process
+writes only those (``sat_jax.params_io.save_params``); nothing is gathered. ``WeightPusher.submit``
+hands the copy to the pusher thread, which runs at most one push at a time; a push submitted while
+another is running waits, and with one process a newer one replaces it (it is counted as
+superseded), so the servers always get the newest weights and versions only increase. With several
+processes every process must write every version, so nothing is superseded: ``submit`` waits for
+the slot instead. A failed push is re-raised in the loop at its next ``submit``, ``check`` or
+``wait``. Synchronous mode calls ``wait`` after every ``submit``.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from sat_jax import params_io
 from train.remote import ServerPool
@@ -32,21 +36,31 @@ log = logging.getLogger("train")
 KEEP_WEIGHTS = 2
 
 
-def host_copy(params: Any) -> Any:
-    """The params as NumPy arrays that own their memory (safe after the device buffers are donated).
+def host_copy(params: Any, dtype: Any = None) -> Any:
+    """The params in host memory, safe after the device buffers are donated, without a gather.
 
-    With several processes every process must call this (it gathers the shards of all of them).
+    A jax array becomes a jax array of the same sharding in the devices' ``pinned_host`` memory
+    (each process holds only its own shards); anything else becomes a NumPy array that owns its
+    memory. No collective: each process copies what it has.
+
+    Args:
+      params: a pytree of arrays.
+      dtype: the serving dtype to cast floating-point leaves to (on device, before the copy);
+        None keeps each leaf's dtype.
     """
-    if jax.process_count() > 1:
-        params = multihost_utils.process_allgather(params, tiled=True)
-    else:
-        params = jax.device_get(params)
-    # On CPU `device_get` can return views of the device buffers: copy those.
-    return jax.tree.map(lambda x: x if x.flags.owndata else np.array(x), params)
+
+    def one(x: Any) -> Any:
+        if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(dtype)
+        if not isinstance(x, jax.Array):
+            return np.array(x)
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"), may_alias=False)
+
+    return jax.tree.map(one, params)
 
 
 def push_weights(
-    pool: ServerPool,
+    pool: ServerPool | None,
     params: Any,
     version: int,
     weights_dir: str,
@@ -54,9 +68,14 @@ def push_weights(
     new_admission_epoch: bool = False,
 ) -> None:
     """Saves ``params`` as ``<weights_dir>/v<version>`` and makes every server load it; removes
-    weights directories older than the last ``KEEP_WEIGHTS`` versions."""
+    weights directories older than the last ``KEEP_WEIGHTS`` versions.
+
+    Every process calls it (each writes its own shards); only the one with ``pool`` (process 0)
+    calls ``UpdateWeights`` and removes old directories, once the save is finalized."""
     path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
     params_io.save_params(path, params)
+    if pool is None:
+        return
     pool.update_weights(version, path, new_admission_epoch=new_admission_epoch)
     for old in os.listdir(weights_dir):
         if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - KEEP_WEIGHTS:
@@ -68,13 +87,17 @@ class WeightPusher:
 
     Args:
       push: saves and publishes one version (``push_weights`` bound to a pool and directory).
+      supersede: let a newer submitted version replace one still waiting (one process); False:
+        ``submit`` waits until the waiting one has started, so every version is pushed (several
+        processes, which must all write the same versions).
 
     Attributes (read them through ``metrics``): the duration of the last finished push, the last
     pushed version, and how many submitted pushes a newer one superseded.
     """
 
-    def __init__(self, push: Callable[[int, Any], None]):
+    def __init__(self, push: Callable[[int, Any], None], *, supersede: bool = True):
         self._push = push
+        self._supersede = supersede
         self._cond = threading.Condition()
         self._pending: tuple[int, Any] | None = None
         self._busy = False
@@ -89,13 +112,16 @@ class WeightPusher:
         self._thread.start()
 
     def submit(self, version: int, params: Any) -> None:
-        """Queues ``params`` (a host copy) as ``version``; returns at once.
+        """Queues ``params`` (a host copy) as ``version``; returns at once (without superseding:
+        once the version queued before it, if any, has started).
 
         Raises:
           ValueError: ``version`` is not newer than the last submitted one.
           RuntimeError: an earlier push failed (chained to its error) or the pusher is closed.
         """
         with self._cond:
+            while not self._supersede and self._pending is not None and self._error is None:
+                self._cond.wait()
             self._raise_if_failed_locked()
             if self._closed:
                 raise RuntimeError("the weight pusher is closed")
@@ -176,6 +202,7 @@ class WeightPusher:
                     return
                 (version, params), self._pending = self._pending, None
                 self._busy = True
+                self._cond.notify_all()
             start = time.monotonic()
             try:
                 self._push(version, params)

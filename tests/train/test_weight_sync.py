@@ -1,5 +1,6 @@
 """The background weight pusher: one push in flight, newer versions supersede queued ones, versions
-stay monotone, errors surface in the caller, close flushes; saves precede UpdateWeights; host copies
+stay monotone (or, without superseding, every version is pushed), errors surface in the caller,
+close flushes; saves precede UpdateWeights; host copies keep the sharding, take the serving dtype and
 survive buffer donation. Pushes block on events the test releases: no wall-clock assertions."""
 
 from __future__ import annotations
@@ -124,12 +125,49 @@ def test_exit_on_an_error_does_not_hide_it():
             raise KeyError("the loop's own error")
 
 
-def test_host_copy_survives_donation():
-    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.ones(4, jnp.bfloat16)}}
+def test_host_copy_survives_donation_and_keeps_the_sharding():
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": {"c": jnp.ones(4, jnp.bfloat16)}, "n": 5}
     want = jax.tree.map(np.array, params)
+    shardings = {"w": params["w"].sharding, "c": params["b"]["c"].sharding}
     copy = host_copy(params)
     step = jax.jit(lambda p: jax.tree.map(lambda x: x * 0 - 7, p), donate_argnums=0)
-    jax.block_until_ready(step(params))
+    jax.block_until_ready(step({"w": params["w"], "b": params["b"]}))
     for got, expected in zip(jax.tree.leaves(copy), jax.tree.leaves(want), strict=True):
-        assert isinstance(got, np.ndarray) and got.flags.owndata
-        np.testing.assert_array_equal(got, expected)
+        np.testing.assert_array_equal(np.asarray(got), expected)
+        assert np.asarray(got).dtype == expected.dtype
+    for got, sharding in ((copy["w"], shardings["w"]), (copy["b"]["c"], shardings["c"])):
+        assert isinstance(got, jax.Array)
+        assert got.sharding == sharding.with_memory_kind("pinned_host")
+    assert isinstance(copy["n"], np.ndarray) and copy["n"].flags.owndata
+
+
+def test_host_copy_casts_floats_to_the_serving_dtype():
+    params = {"w": jnp.linspace(-1, 1, 8, dtype=jnp.float32), "i": jnp.arange(3, dtype=jnp.int32)}
+    copy = host_copy(params, "bfloat16")
+    assert copy["w"].dtype == jnp.bfloat16 and copy["i"].dtype == jnp.int32
+    want = np.asarray(params["w"].astype(jnp.bfloat16))
+    np.testing.assert_array_equal(np.asarray(copy["w"]), want)
+
+
+def test_without_superseding_every_version_is_pushed_in_order():
+    push = Recorder(blocking=True)
+    with WeightPusher(push, supersede=False) as pusher:
+        pusher.submit(1, "p1")
+        assert push.started.wait(30)
+        pusher.submit(2, "p2")  # queued behind the running v1
+        third = threading.Thread(target=pusher.submit, args=(3, "p3"))
+        third.start()  # waits: the slot holds v2 until v1 finishes
+        third.join(timeout=0.5)
+        assert third.is_alive() and push.pushes == []
+        push.release.set()
+        third.join(timeout=30)
+        pusher.wait()
+    assert push.pushes == [(1, "p1"), (2, "p2"), (3, "p3")]
+    assert pusher.metrics()["pushes_superseded"] == 0
+
+
+def test_push_weights_without_a_pool_only_saves(tmp_path):
+    params = {"w": np.arange(4, dtype=np.float32)}
+    push_weights(None, params, 1, str(tmp_path))
+    back = params_io.load_params(tmp_path / "v1", {"w": jnp.zeros(4, jnp.float32)})
+    np.testing.assert_array_equal(np.asarray(back["w"]), params["w"])
