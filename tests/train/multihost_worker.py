@@ -5,8 +5,10 @@ a 2-process ``jax.distributed`` job on 127.0.0.1:PORT (gloo), then
 
 - ``pulling.next_batch`` twice, with a ``FakePool`` on process 0 and None on process 1 (the second
   batch's prompt ids are long, so the JSON part takes a larger padded size);
-- ``main.sync_weights`` with params sharded over both processes: process 0 finds its server at
-  version 7, pushes version 8 and writes the weights alone; both get version 8 back;
+- ``main.sync_weights`` with params sharded over both processes (``W_SIZE`` random float32s, pushed
+  in bfloat16): process 0 finds its server at version 7 and pushes version 8; each process writes
+  its own half of the weights (``process_allgather`` is made to fail, and the bytes of each host
+  copy are recorded); both get version 8 back;
 
 and writes what it got to OUT_DIR/p{PROCESS_ID}.npz and .json. ``reference`` computes the same
 batches in one process, for the test to compare.
@@ -34,6 +36,12 @@ SPEC_KWARGS = dict(
     num_experts=8,
 )
 TRAINER_VERSION = 3
+W_SIZE = 1 << 16
+
+
+def weights() -> np.ndarray:
+    """The sharded parameter the processes push (float32, random so it does not compress)."""
+    return np.random.default_rng(0).standard_normal(W_SIZE).astype(np.float32)
 
 
 def _trajectory(seed: int, version: int):
@@ -127,6 +135,29 @@ def reference() -> list[tuple[dict[str, np.ndarray], dict]]:
     ]
 
 
+def _record_host_copies() -> list[int]:
+    """Makes ``process_allgather`` fail and ``weight_sync.host_copy`` record the bytes of every
+    host copy it makes in this process (the list returned)."""
+    from jax.experimental import multihost_utils
+
+    from train import weight_sync
+
+    def no_gather(*args, **kwargs):
+        raise AssertionError("process_allgather called on the weight-push path")
+
+    copied: list[int] = []
+    host_copy = weight_sync.host_copy
+
+    def recording(params, dtype=None):
+        out = host_copy(params, dtype)
+        copied.append(sum(s.data.nbytes for x in out.values() for s in x.addressable_shards))
+        return out
+
+    multihost_utils.process_allgather = no_gather
+    weight_sync.host_copy = recording
+    return copied
+
+
 def main(port: int, process_id: int, out_dir: str) -> None:
     import jax
 
@@ -153,15 +184,17 @@ def main(port: int, process_id: int, out_dir: str) -> None:
         facts[str(round_)] = fact
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
-    w = np.arange(8, dtype=np.float32)
+    w = weights()
     sharded = jax.make_array_from_callback(
         w.shape, NamedSharding(mesh, PartitionSpec("data")), lambda idx: w[idx]
     )
     state = TrainState(params={"w": sharded}, opt_state=(), step=np.int32(0))
     weights_dir = pathlib.Path(out_dir) / "weights"
     weights_dir.mkdir(parents=True, exist_ok=True)
-    synced = main.sync_weights(pool, state, progress(), str(weights_dir))
+    host_bytes = _record_host_copies()
+    synced = main.sync_weights(pool, state, progress(), str(weights_dir), "bfloat16")
     facts["synced"] = [synced.version, synced.min_version]
+    facts["host_bytes"] = host_bytes
     if pool is not None:
         facts["pushes"] = pool.pushes
     out = pathlib.Path(out_dir)

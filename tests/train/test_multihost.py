@@ -1,5 +1,6 @@
 """Two trainer processes (jax.distributed, gloo, one CPU device each): process 0 alone pulls from the
-servers and pushes weights; every process gets the same batch, stats and synced version."""
+servers and calls UpdateWeights; every process gets the same batch, stats and synced version, and
+writes its own half of the weights (no gather)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,22 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
     assert facts[0]["synced"] == facts[1]["synced"] == [8, 8]
     [(version, path, new_epoch)] = facts[0]["pushes"]
     assert (version, new_epoch) == (8, True) and path.endswith("weights/v8")
+    assert "pushes" not in facts[1]
+    # Each process copied only its half to host, in bfloat16, and wrote about half of the bytes.
+    half = multihost_worker.W_SIZE // 2 * 2
+    assert facts[0]["host_bytes"] == facts[1]["host_bytes"] == [half]
+    written = [_bytes_under(pathlib.Path(path) / f"ocdbt.process_{pid}") for pid in range(2)]
+    total = _bytes_under(pathlib.Path(path))
+    # (compressed, so less than `half` each), the rest of the directory being metadata.
+    assert all(0.4 * sum(written) <= b <= 0.6 * sum(written) for b in written), written
+    assert sum(written) >= 0.9 * total and sum(written) >= half, (written, total)
     from sat_jax import params_io
 
-    back = params_io.load_params(pathlib.Path(path), {"w": jax.numpy.zeros(8, np.float32)})
-    np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(8, dtype=np.float32))
+    like = {"w": jax.numpy.zeros(multihost_worker.W_SIZE, jax.numpy.bfloat16)}
+    back = params_io.load_params(pathlib.Path(path), like)
+    want = multihost_worker.weights().astype(jax.numpy.bfloat16)
+    np.testing.assert_array_equal(np.asarray(back["w"]), want)
+
+
+def _bytes_under(root: pathlib.Path) -> int:
+    return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
