@@ -1,7 +1,8 @@
 """Weights for `UpdateWeights`: which paths the server may load, and loading them (docs/DESIGN.md
 §6, §10).
 
-The format is `sat_jax.params_io`'s, written by the trainer with `params_io.save_params`. The
+The format is `sat_jax.params_io`'s, written by the trainer with `params_io.save_params` (each
+trainer process its own shards); the server restores it into its engine's own shardings. The
 server loads only directories inside its configured checkpoint root (symlinks resolved), so a
 client cannot make it read arbitrary files; every refusal is a `CheckpointPathError`.
 """
