@@ -62,22 +62,15 @@ def export_run(
         (pathlib.Path(tokenizer_dir) / n).is_file() for n in hf_export.TOKENIZER_FILES
     ):
         raise ExportError(f"task.tokenizer_path: no tokenizer files in {tokenizer_dir}")
-    if not os.path.isdir(ckpt_dir):
-        raise ExportError(f"no checkpoint directory {ckpt_dir} (has the run saved one?)")
-    optimizer = setup.make_optimizer(cfg.train)
     mesh = sharding.make_mesh(cfg.train.mesh)
-    with checkpointing.Checkpointer(ckpt_dir, keep=cfg.train.keep_checkpoints) as ckpt:
-        steps = ckpt.all_steps()
-        if not steps:
-            raise ExportError(f"no checkpoint in {ckpt_dir}")
-        step = steps[-1] if step is None else step
-        if step not in steps:
-            raise ExportError(f"--step {step}: no such checkpoint in {ckpt_dir} (have {steps})")
-        abstract = checkpointing.abstract_train_state(cfg.model, optimizer, mesh)
-        state, _ = ckpt.restore(step, abstract)
+    optimizer = setup.make_optimizer(cfg.train)
+    try:
+        step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
+    except checkpointing.CheckpointNotFound as e:
+        raise ExportError(f"--step: {e}" if step is not None else str(e)) from None
     eos, bos = stop_ids(cfg)
     hf_export.export_qwen3_moe(
-        state.params,
+        params,
         cfg.model,
         out,
         eos_token_ids=eos,
