@@ -137,6 +137,28 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
+def config_from_dir(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory's ``config.json``, with ``hf_path`` set to it.
+
+    Raises:
+      FileNotFoundError: the directory has no config.json.
+      ValueError: the config is not a supported Qwen3-MoE one (see ``config_from_hf``).
+    """
+    path = pathlib.Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}/config.json is not JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}/config.json is not a JSON object")
+    try:
+        return config_from_hf(hf, **{"hf_path": str(path), **overrides})
+    except KeyError as e:
+        raise ValueError(f"{path}/config.json lacks {e.args[0]!r}") from e
+
+
 def _hf_source(path: tuple[Any, ...], cfg: ModelConfig) -> tuple[list[str], Callable]:
     """HF tensor names and a function (their arrays -> ours) for one of our parameter paths."""
     t = lambda w: w.T
