@@ -26,7 +26,8 @@ from flax import nnx
 
 from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
-from sat_jax.model import RUNTIME_FIELDS, hf
+from sat_jax.model import hf
+from sat_jax.model.config import RUNTIME_FIELDS
 from sat_jax.tasks import Prompt
 from sat_jax.tasks.pipeline import read_prompt_rows
 from train import checkpointing, evaluation, setup

@@ -13,6 +13,15 @@ from typing import Any
 import jax.numpy as jnp
 
 DISPATCH_PATHS = ("auto", "ragged", "dense", "blocked")
+# Fields a config may set beside `hf_path`: how the model runs, not what it is.
+RUNTIME_FIELDS = (
+    "dtype",
+    "param_dtype",
+    "dispatch",
+    "max_seq_len",
+    "router_aux_loss_coef",
+    "remat",
+)
 
 # Anything `jnp.dtype` accepts: jnp.float32, "bfloat16", np.dtype("float32"), ...
 DTypeLike = Any
@@ -45,7 +54,11 @@ class ModelConfig:
         and shape, see `sat_jax.model.moe.resolve_dispatch`).
       router_aux_loss_coef: weight of the load-balancing loss in `ModelOutput.aux_loss`.
       dtype: compute dtype of matmuls; norms, softmaxes, the router and logits stay float32.
-      param_dtype: storage dtype of the parameters.
+      param_dtype: storage dtype of the parameters (the trainer's master weights).
+      hf_path: a Hugging Face Qwen3-MoE checkpoint directory (config.json, safetensors, tokenizer
+        files) or "". When set, `sat_jax.experiment.load_config` takes the architecture from its
+        config.json (only the runtime fields in `RUNTIME_FIELDS` may be overridden) and the
+        server and trainer start from its weights (docs/DESIGN.md §11).
     """
 
     vocab_size: int
@@ -69,6 +82,7 @@ class ModelConfig:
     router_aux_loss_coef: float = 0.0
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    hf_path: str = ""
 
     def __post_init__(self) -> None:
         positive = (

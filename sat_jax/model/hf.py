@@ -137,6 +137,28 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
+def config_from_dir(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory's ``config.json``, with ``hf_path`` set to it.
+
+    Raises:
+      FileNotFoundError: the directory has no config.json.
+      ValueError: the config is not a supported Qwen3-MoE one (see ``config_from_hf``).
+    """
+    path = pathlib.Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}/config.json is not JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}/config.json is not a JSON object")
+    try:
+        return config_from_hf(hf, **{"hf_path": str(path), **overrides})
+    except KeyError as e:
+        raise ValueError(f"{path}/config.json lacks {e.args[0]!r}") from e
+
+
 # Our layout of one HF tensor, both ways: (to_ours(hf_view, our_shape), to_hf(ours)). Every
 # to_ours is a transpose/reshape of the memory-mapped array, i.e. a view: nothing is read until a
 # device's slice of it is indexed.
@@ -323,10 +345,7 @@ def load_qwen3_moe(
     """
     from sat_jax import sharding  # sat_jax.sharding imports sat_jax.model
 
-    path = pathlib.Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()), **config_overrides)
+    cfg = config_from_dir(path, **config_overrides)
     shardings = None
     if mesh is not None:
         shardings = sharding.param_shardings(sharding.abstract_model(cfg)[1], mesh)
