@@ -16,6 +16,7 @@ is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -61,7 +62,8 @@ def policy_params(
             arch = hf.config_from_dir(hf_dir)
         except (OSError, ValueError) as e:
             raise EvalInputError(f"--hf: {e}") from None
-        keep = {f: getattr(cfg.model, f) for f in (*RUNTIME_FIELDS, "hf_path")}
+        runtime = [f.name for f in dataclasses.fields(cfg.model) if f.name in RUNTIME_FIELDS]
+        keep = {f: getattr(cfg.model, f) for f in (*runtime, "hf_path")}
         if arch.replace(**keep) != cfg.model:
             raise EvalInputError(f"--hf: {hf_dir}/config.json is not the config's architecture")
         return "hf", *hf.load_params(hf_dir, cfg.model, shardings)
@@ -87,7 +89,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--problems", type=int, default=100, help="how many problems")
     parser.add_argument("--out", help="JSON file (default <run_dir>/eval/<step-N|hf>.json)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         if args.k < 1 or args.problems < 1:
             raise EvalInputError(f"--k and --problems must be >= 1, got {args.k}, {args.problems}")

@@ -87,7 +87,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         step, out = export_run(cfg, args.out, step=args.step)
