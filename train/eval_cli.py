@@ -104,7 +104,9 @@ def cli(argv: list[str] | None = None) -> None:
     out = pathlib.Path(args.out or os.path.join(setup.run_paths(cfg)[0], "eval", f"{label}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"policy": label, **result.to_json()}, indent=2))
-    print(f"policy {label}, {args.k} samples per problem\n{result.table()}\nwrote {out}", flush=True)
+    print(
+        f"policy {label}, {args.k} samples per problem\n{result.table()}\nwrote {out}", flush=True
+    )
 
 
 if __name__ == "__main__":
