@@ -254,23 +254,21 @@ def test_engine_validates_config():
 
 
 @pytest.mark.parametrize(
-    ("n_tokens", "add_bos", "error"),
+    ("n_tokens", "error"),
     [
-        (15, True, None),  # 16 with BOS: exactly max_prefill_length
-        (16, False, None),  # a session continuation gets no BOS
-        (0, True, None),  # BOS alone
-        (16, True, r"17 tokens \(with BOS\); max_prefill_length is 16"),
-        (17, False, "17 tokens; max_prefill_length is 16"),
-        (0, False, "the prompt is empty"),
+        (16, None),  # exactly max_prefill_length (prompt ids as the tokenizer made them)
+        (1, None),
+        (17, "17 tokens; max_prefill_length is 16"),
+        (0, "the prompt is empty"),
     ],
 )
-def test_check_prompt_length(n_tokens, add_bos, error):
+def test_check_prompt_length(n_tokens, error):
     engine = _engine()
     if error is None:
-        engine.check_prompt_length(n_tokens, add_bos=add_bos)
+        engine.check_prompt_length(n_tokens)
     else:
         with pytest.raises(ValueError, match=error):
-            engine.check_prompt_length(n_tokens, add_bos=add_bos)
+            engine.check_prompt_length(n_tokens)
 
 
 def test_failed_prefill_never_raises_and_leaves_slot_empty():
