@@ -7,7 +7,7 @@ Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` fo
   jitted naive decoder that recomputes the full forward of the whole padded sequence every step,
   and against `transformers` `Qwen3MoeForCausalLM.generate` (random weights, same config, KV
   cache, sampling) when transformers and torch are installed. Same B, prompt and new tokens.
-- swap: `weights.load_params` (orbax restore) and `MoEEngine.swap_params` for checkpoints of the
+- swap: `params_io.load_params` (orbax restore) and `MoEEngine.swap_params` for checkpoints of the
   tiny preset and of wider tiny variants, against the checkpoint's bytes.
 - pull: a `PullResponse` of Qwen3-30B-A3B-shaped trajectories (48 MoE layers, top-8, uint8
   routing) served by an in-process gRPC server with the same 256 MB limits; MB/s of the client's
@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rollout_server import weights
 from rollout_server.client import channel_options, connect
 from rollout_server.engine import MoEEngine
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
-from rollout_server.sampling import SamplingConfig, sample
+from sat_jax import params_io
+from sat_jax.decoding import SamplingConfig, sample
+from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.tasks import CharTokenizer
 
@@ -55,6 +56,10 @@ def _timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+# The server's message limit (its one home is ServerConfig).
+MAX_MESSAGE_BYTES = ServerConfig().max_message_bytes
+
+
 def bench_engine(
     cfg: ModelConfig, slots: int, prompt_len: int, new_tokens: int, repeats: int
 ) -> float:
@@ -64,7 +69,7 @@ def bench_engine(
         slots=slots,
         max_prefill_length=16,
         max_decode_length=new_tokens,
-        sampling=SamplingConfig(),
+        sampling=SamplingConfig.from_rollout(RolloutConfig()),
     )
     ids = np.array([TOK.bos_id, *([5] * (prompt_len - 1))], np.int32)
     padded = np.pad(ids, (0, 16 - len(ids)))
@@ -96,7 +101,7 @@ def bench_naive(
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     total = prompt_len + new_tokens
-    sampling = SamplingConfig()
+    sampling = SamplingConfig.from_rollout(RolloutConfig())
 
     @jax.jit
     def step(params, seq_bt, t, key):
@@ -180,14 +185,14 @@ def bench_swap(cfg: ModelConfig, repeats: int) -> tuple[int, float, float]:
         slots=2,
         max_prefill_length=16,
         max_decode_length=4,
-        sampling=SamplingConfig(),
+        sampling=SamplingConfig.from_rollout(RolloutConfig()),
     )
     with tempfile.TemporaryDirectory() as tmp:
         path = pathlib.Path(tmp) / "ckpt"
-        weights.save_params(path, params)
+        params_io.save_params(path, params)
         like = engine.current_params()[1]
-        load_s = _timed(lambda: jax.block_until_ready(weights.load_params(path, like)), repeats)
-        new = weights.load_params(path, like)
+        load_s = _timed(lambda: jax.block_until_ready(params_io.load_params(path, like)), repeats)
+        new = params_io.load_params(path, like)
         swap_s = _timed(lambda: engine.swap_params(1, new), repeats)
     return nbytes, load_s, swap_s
 
@@ -230,12 +235,14 @@ def bench_pull(
         ]
     )
     size = response.ByteSize()
-    server = grpc.server(concurrent.futures.ThreadPoolExecutor(2), options=channel_options())
+    server = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(2), options=channel_options(MAX_MESSAGE_BYTES)
+    )
     rollout_pb2_grpc.add_RolloutServicer_to_server(_FixedRollout(response), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        channel, stub = connect(f"127.0.0.1:{port}")
+        channel, stub = connect(f"127.0.0.1:{port}", MAX_MESSAGE_BYTES)
         secs = _timed(lambda: stub.Pull(rollout_pb2.PullRequest(max_groups=groups)), repeats)
         channel.close()
     finally:

@@ -9,12 +9,8 @@ import grpc
 
 from rollout_server.proto import rollout_pb2_grpc
 
-# ServerConfig.max_message_bytes is the one home of this limit; this default goes (and the
-# parameters become required) once train/local_server.py and benchmarks/rollout.py pass it.
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
-
-def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """gRPC options raising the 4 MB default message limit both ways (for real batches)."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -24,7 +20,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 
 def connect(
     address: str,
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_message_bytes: int,
     *,
     root_certificates: bytes | None = None,
 ) -> tuple[grpc.Channel, rollout_pb2_grpc.RolloutStub]:

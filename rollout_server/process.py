@@ -28,8 +28,8 @@ from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
 from rollout_server.proto import rollout_pb2_grpc
 from rollout_server.rollout import RolloutLoop
-from rollout_server.sampling import SamplingConfig
 from rollout_server.service import RolloutService, ValidatingOrchestrator
+from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig
 from sat_jax.model import Transformer, hf
 from sat_jax.model.config import runtime_overrides

@@ -13,8 +13,6 @@ import asyncio
 import logging
 import sys
 
-import yaml
-
 from sat_jax.experiment import ConfigError, load_config
 
 
@@ -26,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ConfigError, OSError, yaml.YAMLError) as e:
+    except ConfigError as e:
         print(f"sat-serve: config error: {_one_line(e)}", file=sys.stderr)
         sys.exit(2)
     # JetStream logs every generate step through the root logger at INFO: keep the root at

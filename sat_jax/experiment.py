@@ -408,8 +408,13 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
     """
     flat: dict[str, Any] = {}
     if path:
-        with open(path) as f:
-            doc = yaml.safe_load(f)
+        try:
+            with open(path) as f:
+                doc = yaml.safe_load(f)
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config: {e.strerror}") from e
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {' '.join(str(e).split())}") from e
         if doc is not None and not isinstance(doc, Mapping):
             raise ConfigError(f"{path}: the top level must be a mapping")
         _flatten(doc or {}, "", flat)

@@ -21,6 +21,8 @@ from rollout_server.client import connect
 from rollout_server.proto import rollout_pb2
 
 _PR_SET_PDEATHSIG = 1
+# The readiness probe only sends Health: gRPC's own 4 MiB message limit is plenty.
+_PROBE_MESSAGE_BYTES = 4 * 1024 * 1024
 
 log = logging.getLogger("train")
 
@@ -107,7 +109,7 @@ class LocalServer:
 
     def wait_ready(self, *, timeout_s: float) -> None:
         """Raises RuntimeError (with the log's tail) if the child exits or never answers."""
-        channel, stub = connect(self.address)
+        channel, stub = connect(self.address, _PROBE_MESSAGE_BYTES)
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:

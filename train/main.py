@@ -346,7 +346,7 @@ def train_loop(
             }
             scalars = {**step_metrics, **loop_scalars(stats, progress), **timing}
             scalars.update(parts.pusher.metrics(), accuracy=accuracy)
-            parts.writer.write(step, scalars, stats.lags)
+            parts.writer.write(step, scalars, stats)
     if parts.pusher is not None:
         parts.pusher.wait()
     return state, progress
@@ -402,7 +402,7 @@ def cli(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
-    except (ConfigError, OSError) as e:
+    except ConfigError as e:
         print(f"sat-train: config error: {e}", file=sys.stderr)
         sys.exit(2)
     logging.basicConfig(

@@ -1,8 +1,9 @@
 """Where the trainer's per-step metrics go: TensorBoard event files, a JSON-lines log (read back for
 ``curves.png``), a console progress line, and optionally Weights & Biases.
 
-Scalars are logged under their docs/DESIGN.md §4 names; the lag histogram goes to TensorBoard as a histogram
-(``lag``) and to the JSON log as ``lag_hist`` counts.
+Scalars are logged under their docs/DESIGN.md §4 names; a batch's lags (``BatchStats``, the one
+place they are counted) go to TensorBoard as a histogram (``lag``) and to the JSON log as
+``BatchStats.lag_hist`` counts (lags 0 … 7, then one bin for everything older).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any, TextIO
 
 import numpy as np
 from tensorboardX import SummaryWriter
+
+from train.batching import BatchStats
 
 # The console line shows these, in this order, when present.
 CONSOLE_KEYS = (
@@ -68,21 +71,22 @@ class MetricsWriter:
         self,
         step: int,
         scalars: Mapping[str, float | None],
-        lags: np.ndarray | None = None,
+        stats: BatchStats | None = None,
         *,
         console: bool = True,
     ) -> None:
-        """Logs ``scalars`` (None values are left out) and the lag values of the step's trained
-        tokens at ``step``; ``console=False`` keeps it off the progress line."""
+        """Logs ``scalars`` (None values are left out) and the lags of the step's batch ``stats``
+        at ``step``; ``console=False`` keeps it off the progress line."""
         clean = {k: float(v) for k, v in scalars.items() if v is not None}
-        if not clean and lags is None:
+        if not clean and stats is None:
             return
         for key, value in clean.items():
             self._tb.add_scalar(key, value, step)
         record: dict[str, Any] = {"step": step, "time": time.time(), **clean}
-        if lags is not None and lags.size:
+        if stats is not None and stats.lags.size:
+            lags = stats.lags
             self._tb.add_histogram("lag", lags, step, bins=np.arange(-0.5, lags.max() + 1.5))
-            record["lag_hist"] = np.bincount(lags).tolist()
+            record["lag_hist"] = stats.lag_hist.tolist()
         self._jsonl.write(json.dumps(_finite(record)) + "\n")
         self._jsonl.flush()
         if self._wandb is not None:

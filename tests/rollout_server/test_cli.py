@@ -23,7 +23,10 @@ COMMANDS = {
     [
         (["server.bogus=1"], "server.bogus: unknown key"),
         (["server.port=abc"], "server.port: expected int, got 'abc'"),
-        (["--config", "configs/missing.yaml"], "No such file or directory: 'configs/missing.yaml'"),
+        (
+            ["--config", "configs/missing.yaml"],
+            "configs/missing.yaml: cannot read the config: No such file or directory",
+        ),
         (["server.slots"], "'server.slots' is not key=value"),
     ],
 )

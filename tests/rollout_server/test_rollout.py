@@ -147,7 +147,7 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
 class ShortPromptEngine(FakeEngine):
     """Takes prompts of at most 4 tokens (BOS included), with the real engine's check."""
 
-    _max_prefill = 4
+    core = types.SimpleNamespace(max_prefill_length=4)
     check_prompt_length = MoEEngine.check_prompt_length
 
 

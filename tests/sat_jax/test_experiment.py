@@ -134,6 +134,16 @@ def test_non_floats_are_rejected_naming_the_key(text):
         load_config(None, [f"train.learning_rate={text}"])
 
 
+def test_unreadable_or_malformed_file_is_one_config_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("rollout:\n  group_size: [1,\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: not valid YAML") as err:
+        load_config(str(bad))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"missing\.yaml: cannot read the config"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
 # A Qwen3-MoE config.json (the loader reads only this file).
 HF_CONFIG = dict(
     model_type="qwen3_moe",

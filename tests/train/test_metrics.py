@@ -10,6 +10,21 @@ import sys
 import numpy as np
 
 from train import curves, metrics
+from train.batching import LAG_BINS, BatchStats
+
+
+def _stats(lags: np.ndarray) -> BatchStats:
+    return BatchStats(
+        groups=1,
+        stale_dropped=0,
+        stale_kept=0,
+        duplicates=0,
+        reward_mean=0.5,
+        response_len_mean=float(lags.size),
+        tokens=lags.size,
+        prompt_ids=("p",),
+        lags=lags,
+    )
 
 
 def test_writer_sinks_and_curves(tmp_path):
@@ -19,7 +34,7 @@ def test_writer_sinks_and_curves(tmp_path):
             writer.write(
                 step,
                 {"reward_mean": 0.25 * step, "lag_mean": 0.5, "lag_max": 1, "sat_gate_rate": 0.1},
-                np.array([0, 1, 1, 0]),
+                _stats(np.array([0, 1, 1, 0, 12])),
             )
         writer.write(2, {"accuracy": 0.5, "skip_me": None}, console=False)
     events = [p for p in tmp_path.iterdir() if p.name.startswith("events.out.tfevents")]
@@ -29,7 +44,11 @@ def test_writer_sinks_and_curves(tmp_path):
         f.write('{"step": 3, "rew')
     records = metrics.read_jsonl(writer.jsonl_path)
     assert [r["step"] for r in records] == [1, 2, 2]
-    assert records[0]["lag_hist"] == [2, 2] and records[2] == {**records[2], "accuracy": 0.5}
+    # The batch's own histogram: lags past the last bin are counted in it.
+    assert records[0]["lag_hist"] == [2, 2] + [0] * (LAG_BINS - 3) + [1] and records[2] == {
+        **records[2],
+        "accuracy": 0.5,
+    }
     assert "skip_me" not in records[2]
     lines = console.getvalue().splitlines()
     assert len(lines) == 2 and lines[1].startswith("[##########..........] 2/4 reward_mean=0.5")
