@@ -5,6 +5,7 @@ prompts too long for a prefill."""
 from __future__ import annotations
 
 import threading
+import types
 
 import grain
 import pytest
