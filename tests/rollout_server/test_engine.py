@@ -197,6 +197,33 @@ def test_swap_rejects_mismatched_params():
     assert engine.version == 0
 
 
+def test_swap_casts_float32_weights_to_the_serving_dtype():
+    # A bfloat16 server (server.dtype) takes the float32 trainer's weights, cast on the way in.
+    model = _model()
+    graphdef, state = nnx.split(model)
+    bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.to_pure_dict(state))
+    bf16_model = nnx.merge(graphdef, bf16)
+    engine = MoEEngine(
+        bf16_model,
+        tokenizer=TOK,
+        slots=2,
+        max_prefill_length=16,
+        max_decode_length=4,
+        sampling=SamplingConfig(),
+    )
+    f32 = nnx.to_pure_dict(state)
+    engine.swap_params(3, f32)
+    got = jax.tree_util.tree_leaves(engine.current_params()[1])
+    want = jax.tree_util.tree_leaves(f32)
+    assert all(g.dtype == jnp.bfloat16 for g in got)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w.astype(jnp.bfloat16)))
+    ints = jax.tree_util.tree_map(lambda x: x.astype(jnp.int32), f32)
+    with pytest.raises(ValueError, match="does not match"):
+        engine.swap_params(4, ints)
+    assert engine.version == 3
+
+
 def _numpy_sampling_logprobs(logits, temperature, top_k, top_p):
     """float64 reference written from the definitions, not the implementation."""
     x = logits.astype(np.float64) / temperature
