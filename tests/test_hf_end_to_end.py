@@ -20,18 +20,19 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
 
 import numpy as np
+import portpicker
 import pytest
 import yaml
 
 from rollout_server.proto import rollout_pb2
 from sat_jax.experiment import load_config
 from tests import hf_fixtures
-from train.local_server import LocalServer
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -110,32 +111,70 @@ def setup(tmp_path_factory):
     return d, path, template, {*d.eos_ids, *stops}
 
 
-def _pull_groups(server: LocalServer, want: int) -> tuple[list, rollout_pb2.StatsResponse]:
+class _Server:
+    """`python -m rollout_server --config CFG ...` on a free port, sampling with the checkpoint's
+    own weights (no trainer); stopped with SIGTERM."""
+
+    def __init__(self, config: pathlib.Path, tmp: pathlib.Path):
+        self.port = portpicker.pick_unused_port()
+        self.log_path = tmp / "server.log"
+        cmd = [sys.executable, "-m", "rollout_server", "--config", str(config),
+               f"server.port={self.port}", "server.wait_for_weights=false",
+               f"server.state_dir={tmp / 'state'}"]  # fmt: skip
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=tmp, env=_env(), stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "serving on" not in self.log():
+            assert self.proc.poll() is None, f"server exited:\n{self.log()}"
+            assert time.monotonic() < deadline, f"server not ready:\n{self.log()}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _pull_groups(server: _Server, want: int) -> tuple[list, rollout_pb2.StatsResponse]:
     from rollout_server.client import connect
 
     cfg = load_config(None, [])
-    channel, stub = connect(server.address, cfg.server.max_message_bytes)
+    channel, stub = connect(f"127.0.0.1:{server.port}", cfg.server.max_message_bytes)
     try:
         groups: list = []
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 400
         while len(groups) < want and time.monotonic() < deadline:
-            server.check_alive()
+            assert server.proc.poll() is None, server.log()
             reply = stub.Pull(rollout_pb2.PullRequest(max_groups=want, timeout_s=10), timeout=30)
             groups += list(reply.groups)
         stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=10)
     finally:
         channel.close()
-    assert len(groups) >= want, f"only {len(groups)} groups"
+    assert len(groups) >= want, f"only {len(groups)} groups:\n{server.log()}"
     return groups, stats
 
 
 def test_serve_pull_matches_the_template_and_transformers_logprobs(setup, tmp_path):
     d, config, template, stops = setup
-    overrides = ["server.wait_for_weights=false", f"server.state_dir={tmp_path / 'state'}"]
-    with LocalServer(str(config), overrides, str(tmp_path / "server.log")) as server:
-        server.wait_ready(timeout_s=300)
+    server = _Server(config, tmp_path)
+    try:
+        server.wait_ready(timeout_s=400)
         # Every good prompt is dispatched (10 groups admitted), so the long one is drawn too.
         groups, stats = _pull_groups(server, 8)
+    finally:
+        server.stop()
     assert stats.rows_skipped == 1 and stats.prompts_skipped == 1, stats
     log = (tmp_path / "server.log").read_text()
     assert "skipped 1 of 10 rows (1 without 'answer')" in log
