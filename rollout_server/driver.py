@@ -84,6 +84,9 @@ class RolloutDriver(orchestrator.Driver):
     ) -> tuple[np.ndarray, int]:
         """JetStream's padding, without its BOS: prompt ids are exactly the tokenizer's
         (`Tokenizer.encode_prompt` adds a BOS when the tokenizer has one; docs/DESIGN.md §11)."""
+        if not isinstance(request.prefill_content, str):
+            # JetStream pads an array (its BOS concatenation used to make a list one).
+            request.prefill_content = np.asarray(request.prefill_content, np.int32)
         return super()._process_prefill_content(request, tokenizer, False, max_length)
 
     def _generate_thread(self, idx: int) -> None:
