@@ -12,12 +12,16 @@ version of the params that produced its logits; after a swap, the first token of
 comes from the old params' logits and every later one from the new params. KV entries computed
 before a swap are kept, not recomputed (the usual in-flight update).
 
-Sampling is restricted to the tokenizer's ids other than pad and bos (`sampleable_ids`); the
-behavior log-prob is under that restricted, temperature/top-k/top-p-adjusted distribution.
+Sampling is restricted to `sat_jax.tasks.sampleable_mask` (every tokenizer id, embedding rows past
+the tokenizer never; the character tokenizer also excludes pad and bos); the behavior log-prob is
+under that restricted, temperature/top-k/top-p-adjusted distribution. Prompts are the tokenizer's
+ids as they are: JetStream's BOS is never prepended (`RolloutDriver`, docs/DESIGN.md §11).
 
 The engine owns `(version, params)` and passes params into the core's jitted functions as
-arguments, so `swap_params` changes weights between two steps without recompiling. The `params`
-JetStream passes back into `prefill`/`generate` (captured once by its threads) are ignored.
+arguments, so `swap_params` changes weights between two steps without recompiling; weights of
+another float dtype are cast to the engine's serving dtype (e.g. float32 trainer weights served in
+bfloat16). The `params` JetStream passes back into `prefill`/`generate` (captured once by its
+threads) are ignored.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from rollout_server.jetstream_tokenizer import JetStreamCharTokenizer
+from rollout_server.jetstream_tokenizer import JetStreamTokenizer
 from sat_jax.decoding import (
     LENGTH_COL,
     TOKEN_COL,
@@ -48,7 +52,7 @@ from sat_jax.decoding import (
     unpack_step,
 )
 from sat_jax.model import Transformer
-from sat_jax.tasks import CharTokenizer
+from sat_jax.tasks import Tokenizer, sampleable_mask
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +69,9 @@ class MoEEngine(engine_api.Engine):
 
     Args:
       model: the policy; its params become version `version`.
-      tokenizer: the character tokenizer (its vocab must fit the model's).
+      tokenizer: prompts' and completions' tokenizer (its ids must fit the model's vocab).
       slots: concurrent decodes.
-      max_prefill_length: longest prompt incl. BOS; a power of two in [16, 32768].
+      max_prefill_length: longest prompt; a power of two in [16, 32768].
       max_decode_length: most tokens generated per request.
       sampling: temperature / top-k / top-p.
       seed: sampling PRNG seed.
@@ -78,7 +82,7 @@ class MoEEngine(engine_api.Engine):
         self,
         model: Transformer,
         *,
-        tokenizer: CharTokenizer,
+        tokenizer: Tokenizer,
         slots: int,
         max_prefill_length: int,
         max_decode_length: int,
@@ -89,18 +93,12 @@ class MoEEngine(engine_api.Engine):
         n = max_prefill_length
         if n < 16 or n > 32768 or n & (n - 1):
             raise ValueError(f"max_prefill_length must be a power of two in [16, 32768], got {n}")
-        if tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(
-                f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
-                f"{model.config.vocab_size}"
-            )
         self.config = model.config
         self.tokenizer = tokenizer
         self.sampling = sampling
         self._slot_prompts: list[tuple[np.ndarray, np.ndarray] | None] = [None] * slots
         graphdef, state = nnx.split(model)
-        # Sampling covers the tokenizer's ids (the model's vocab may be padded larger) except pad
-        # and bos, which never belong in a completion; the trainer renormalizes over the same set.
+        # The trainer renormalizes over the same set (raises if the tokenizer outgrows the model).
         self.core = DecodeCore(
             graphdef,
             model.config,
@@ -108,7 +106,7 @@ class MoEEngine(engine_api.Engine):
             max_prefill_length=max_prefill_length,
             max_decode_length=max_decode_length,
             sampling=sampling,
-            sampleable_v=tokenizer.sampleable_mask(model.config.vocab_size),
+            sampleable_v=sampleable_mask(tokenizer, model.config.vocab_size),
             seed=seed,
         )
         # Committed placement now, so swapped-in params (device_put onto these shardings) hit
@@ -148,8 +146,9 @@ class MoEEngine(engine_api.Engine):
         versions occupy memory.
 
         Raises:
-          ValueError: the tree structure or a leaf's shape/dtype differs from the current params,
-            or the version is outside [0, 2**31).
+          ValueError: the tree structure or a leaf's shape differs from the current params, a
+            leaf's dtype differs other than float for float, or the version is outside
+            [0, 2**31).
         """
         if not 0 <= version < 2**31:
             raise ValueError(f"version must be in [0, 2**31), got {version}")
@@ -160,14 +159,14 @@ class MoEEngine(engine_api.Engine):
             if old_def != new_def:
                 raise ValueError("new params have a different tree structure")
             for o, n in zip(old_leaves, new_leaves, strict=True):
-                if o.shape != n.shape or o.dtype != np.dtype(n.dtype):
+                if o.shape != n.shape or not _castable(np.dtype(n.dtype), o.dtype):
                     raise ValueError(
                         f"param leaf {n.shape}/{n.dtype} does not match {o.shape}/{o.dtype}"
                     )
             placed = jax.tree_util.tree_unflatten(
                 old_def,
                 [
-                    jax.device_put(n, o.sharding)
+                    jax.device_put(n, o.sharding).astype(o.dtype)
                     for o, n in zip(old_leaves, new_leaves, strict=True)
                 ],
             )
@@ -257,12 +256,10 @@ class MoEEngine(engine_api.Engine):
         return None
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-        return tokenizer_pb2.TokenizerParameters(path="sat_jax.tasks.CharTokenizer")
+        return tokenizer_pb2.TokenizerParameters(path=type(self.tokenizer).__name__)
 
-    def build_tokenizer(
-        self, metadata: tokenizer_pb2.TokenizerParameters
-    ) -> JetStreamCharTokenizer:
-        return JetStreamCharTokenizer(self.tokenizer)
+    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
+        return JetStreamTokenizer(self.tokenizer)
 
     @property
     def max_concurrent_decodes(self) -> int:
@@ -276,23 +273,17 @@ class MoEEngine(engine_api.Engine):
     def max_prefill_length(self) -> int:
         return self.core.max_prefill_length
 
-    def check_prompt_length(self, n_tokens: int, *, add_bos: bool) -> None:
-        """Checks that a prompt of `n_tokens` fits one prefill.
-
-        Args:
-          n_tokens: the prompt's token count as encoded (without BOS).
-          add_bos: JetStream prepends BOS (it does unless the request continues a session).
+    def check_prompt_length(self, n_tokens: int) -> None:
+        """Checks that a prompt of `n_tokens` (as the tokenizer encodes it) fits one prefill.
 
         Raises:
-          ValueError: the prompt is empty, or longer than `max_prefill_length` with its BOS.
+          ValueError: the prompt is empty, or longer than `max_prefill_length`.
         """
-        total = n_tokens + int(add_bos)
-        if total == 0:
+        if n_tokens == 0:
             raise ValueError("the prompt is empty")
-        if total > self.core.max_prefill_length:
-            with_bos = " (with BOS)" if add_bos else ""
+        if n_tokens > self.core.max_prefill_length:
             raise ValueError(
-                f"the prompt has {total} tokens{with_bos}; max_prefill_length is "
+                f"the prompt has {n_tokens} tokens; max_prefill_length is "
                 f"{self.core.max_prefill_length}"
             )
 
@@ -303,6 +294,11 @@ class MoEEngine(engine_api.Engine):
     @property
     def colocated_cpus(self) -> None:
         return None
+
+
+def _castable(new: np.dtype, old: np.dtype) -> bool:
+    """Whether a swapped-in leaf of dtype `new` may replace one of `old` (equal, or both float)."""
+    return new == old or (jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(old, jnp.floating))
 
 
 __all__ = ["FailedPrefix", "MoEEngine", "unpack_step"]

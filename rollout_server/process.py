@@ -1,7 +1,7 @@
 """The running rollout server (docs/DESIGN.md §6), which `sat-serve` starts once its config is
 valid.
 
-build model → engine → JetStream driver (our subclass) → rollout loop → one gRPC server with
+build tokenizer and model (`model.hf_path`'s weights, or a random init) → engine → JetStream driver (our subclass) → rollout loop → one gRPC server with
 JetStream's Orchestrator service and our Rollout service → serve until SIGINT/SIGTERM.
 """
 
@@ -31,13 +31,23 @@ from rollout_server.rollout import RolloutLoop
 from rollout_server.service import RolloutService, ValidatingOrchestrator
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig
-from sat_jax.model import Transformer
-from sat_jax.tasks import CharTokenizer, make_reward, prompt_dataset
+from sat_jax.model import Transformer, hf
+from sat_jax.model.config import runtime_overrides
+from sat_jax.tasks import make_reward, make_tokenizer, prompt_source
 
 log = logging.getLogger("rollout_server")
 
 # What a PullResponse may add to its groups' bytes and stay under the gRPC message limit.
 _PULL_RESPONSE_HEADROOM_BYTES = 1024 * 1024
+
+
+def initial_model(cfg: ExperimentConfig) -> Transformer:
+    """The weights the server holds as version 0, in `server.dtype`: `model.hf_path`'s (no random
+    init), else a random init (`server.seed`)."""
+    model_cfg = cfg.serving_model
+    if model_cfg.hf_path:
+        return hf.load_qwen3_moe(model_cfg.hf_path, **runtime_overrides(model_cfg))
+    return Transformer(model_cfg, rngs=nnx.Rngs(cfg.server.seed))
 
 
 class RolloutServer:
@@ -46,10 +56,9 @@ class RolloutServer:
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
         s, r = cfg.server, cfg.rollout
-        self.tokenizer = CharTokenizer(cfg.task.alphabet)
-        model = Transformer(cfg.model, rngs=nnx.Rngs(s.seed))
+        self.tokenizer = make_tokenizer(cfg)
         self.engine = MoEEngine(
-            model,
+            initial_model(cfg),
             tokenizer=self.tokenizer,
             slots=s.slots,
             max_prefill_length=s.max_prefill_length,
@@ -67,6 +76,7 @@ class RolloutServer:
             persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
             store.save(persisted)
         params = self.engine.load_params()
+        prompts, rows_skipped = prompt_source(cfg.task)
         self.driver = RolloutDriver(
             prefill_engines=[self.engine],
             generate_engines=[self.engine],
@@ -78,13 +88,14 @@ class RolloutServer:
         self.loop = RolloutLoop(
             driver=self.driver,
             engine=self.engine,
-            prompts=prompt_dataset(cfg.task),
+            prompts=prompts,
             reward_fn=make_reward(cfg.task.reward),
             tokenizer=self.tokenizer,
             cfg=r,
             store=store,
             wait_for_weights=s.wait_for_weights,
             max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
+            rows_skipped=rows_skipped,
         )
         self.metrics = ServerMetrics(
             self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()

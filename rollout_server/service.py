@@ -177,11 +177,11 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
             n = len(ids)
         else:
             try:
-                n = len(engine.tokenizer.encode(request.text_content.text))
+                n = len(engine.tokenizer.encode_prompt(request.text_content.text))
             except ValueError as e:
                 return str(e)
         try:
-            engine.check_prompt_length(n, add_bos=not request.session_cache)
+            engine.check_prompt_length(n)
         except ValueError as e:
             return str(e)
         return None

@@ -25,7 +25,7 @@ from sat_jax.model import hf
 from sat_jax.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.sharding import MeshConfig
-from sat_jax.tasks.tokenizer import CharTokenizer
+from sat_jax.tasks.tokenizer import CharTokenizer, check_tokenizer
 
 REWARDS = ("exact_match", "math", "gsm8k")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -350,6 +350,11 @@ class ExperimentConfig:
                 f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
             )
+        if self.model.hf_path and self.train.warmup_sft_steps:
+            raise ValueError(
+                "train.warmup_sft_steps: the supervised warm-up is for the arithmetic demo; "
+                "with model.hf_path the starting weights are the checkpoint's (set 0)"
+            )
         if self.tokenizer_kind == "char":
             needed = CharTokenizer(self.task.alphabet).vocab_size
             if needed > self.model.vocab_size:
@@ -421,7 +426,12 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
             flat[key.strip()] = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{key.strip()}: cannot parse {text!r}: {e}") from e
-    return _build(ExperimentConfig, flat, "")
+    cfg = _build(ExperimentConfig, flat, "")
+    try:
+        check_tokenizer(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return cfg
 
 
 def _flatten(doc: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:

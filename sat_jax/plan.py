@@ -4,7 +4,9 @@
     python -m sat_jax.plan --config configs/qwen3_30b_a3b_gsm8k.yaml   # its model and train.mesh
 
 prints total and active parameter counts and the per-device bytes of parameters, gradients and the
-Adam moments (m and v, float32). Shapes come from ``nnx.eval_shape`` and shardings from the rules in
+optimizer state. Shapes come from ``nnx.eval_shape`` (the optimizer state's shapes and dtypes from
+``jax.eval_shape`` of the trainer's real ``optimizer.init``: Adam's m and v are float32 whatever the
+parameter dtype, ``sat_jax.optimizer``) and shardings from the rules in
 ``sat_jax.sharding`` applied to the mesh's axis sizes, so the numbers are exactly what
 ``init_train_state`` would place on each device (per-device bytes of a parameter = its bytes divided
 by the product of the mesh axes its ``PartitionSpec`` shards it over).
@@ -21,14 +23,16 @@ import math
 import sys
 from collections.abc import Sequence
 
+import jax
 import numpy as np
+import optax
 from flax import nnx
+from jax.sharding import PartitionSpec
 
 from sat_jax import sharding
-from sat_jax.experiment import load_config
+from sat_jax.experiment import TrainConfig, load_config
 from sat_jax.model import ModelConfig
-
-ADAM_MOMENT_BYTES = 4  # m and v are kept in float32 whatever the parameter dtype.
+from sat_jax.optimizer import make_optimizer
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -41,7 +45,8 @@ class MemoryPlan:
       active_params: parameters one token uses (non-expert + K/E of the expert weights).
       param_bytes: per-device bytes of the parameters (in ``param_dtype``).
       grad_bytes: per-device bytes of the gradients (same dtype and sharding as the params).
-      adam_bytes: per-device bytes of Adam's m and v together (float32, sharded like the params).
+      adam_bytes: per-device bytes of the optimizer state (Adam's m and v, sharded like the
+        params, and its replicated counters), in the dtypes its ``init`` gives.
     """
 
     mesh: dict[str, int]
@@ -62,7 +67,10 @@ class MemoryPlan:
 
 
 def plan_memory(
-    model_cfg: ModelConfig, mesh_cfg: sharding.MeshConfig, num_devices: int | None = None
+    model_cfg: ModelConfig,
+    mesh_cfg: sharding.MeshConfig,
+    num_devices: int | None = None,
+    optimizer: optax.GradientTransformation | None = None,
 ) -> MemoryPlan:
     """Counts parameters and per-device bytes of ``model_cfg`` sharded on ``mesh_cfg``.
 
@@ -70,6 +78,7 @@ def plan_memory(
       model_cfg: the model config.
       mesh_cfg: mesh axis sizes; a ``-1`` axis needs ``num_devices``.
       num_devices: total devices; default the product of the (explicit) axis sizes.
+      optimizer: whose state to count; default the trainer's (``make_optimizer(TrainConfig())``).
 
     Returns:
       A ``MemoryPlan``.
@@ -83,7 +92,7 @@ def plan_memory(
     _, abstract = sharding.abstract_model(model_cfg)
     specs = dict(nnx.to_flat_state(nnx.State(sharding.param_specs(abstract, mesh))))
     total = expert = 0
-    param_bytes = adam_bytes = 0
+    param_bytes = 0
     for path, var in nnx.to_flat_state(abstract):
         value = var.get_value()
         numel = math.prod(value.shape)
@@ -93,7 +102,6 @@ def plan_memory(
         if "exp" in logical and "mlp" in logical:
             expert += numel
         param_bytes += numel * np.dtype(value.dtype).itemsize // shards
-        adam_bytes += 2 * numel * ADAM_MOMENT_BYTES // shards
     k, e = model_cfg.num_experts_per_tok, max(model_cfg.num_experts, 1)
     return MemoryPlan(
         mesh=dict(mesh.shape),
@@ -101,7 +109,31 @@ def plan_memory(
         active_params=total - expert + expert * k // e,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
-        adam_bytes=adam_bytes,
+        adam_bytes=_optimizer_bytes(optimizer or make_optimizer(TrainConfig()), abstract, mesh),
+    )
+
+
+def _optimizer_bytes(
+    optimizer: optax.GradientTransformation, abstract: nnx.State, mesh: jax.sharding.AbstractMesh
+) -> int:
+    """Per-device bytes of ``optimizer.init``'s state (``jax.eval_shape``): param-like leaves
+    sharded like their params, the rest replicated (as ``train_step.train_state_shardings``)."""
+    is_spec = lambda x: isinstance(x, PartitionSpec)
+    state = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract))
+    specs = optax.tree_map_params(
+        optimizer,
+        lambda _, spec: spec,
+        state,
+        sharding.param_specs(abstract, mesh),
+        transform_non_params=lambda _: PartitionSpec(),
+        is_leaf=is_spec,
+    )
+    sizes = dict(mesh.shape)
+    return sum(
+        math.prod(x.shape) * np.dtype(x.dtype).itemsize // _num_shards(spec, sizes)
+        for x, spec in zip(
+            jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=is_spec), strict=True
+        )
     )
 
 
@@ -128,7 +160,7 @@ def format_plan(name: str, plan: MemoryPlan) -> str:
         "per device:",
         f"  params         {_gib(plan.param_bytes)}",
         f"  gradients      {_gib(plan.grad_bytes)}",
-        f"  adam m+v (f32) {_gib(plan.adam_bytes)}",
+        f"  optimizer      {_gib(plan.adam_bytes)}",
         f"  total          {_gib(plan.total_bytes)}  (activations not included)",
     ]
     return "\n".join(rows)
@@ -154,12 +186,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.mesh is None or args.overrides:
                 raise ValueError("--preset needs --mesh and takes no key=value overrides")
             name, model_cfg = args.preset, ModelConfig.preset(args.preset)
-            mesh_cfg = sharding.MeshConfig.parse(args.mesh)
+            mesh_cfg, train_cfg = sharding.MeshConfig.parse(args.mesh), TrainConfig()
         else:
             cfg = load_config(args.config, args.overrides)
-            name, model_cfg = cfg.name, cfg.model
+            name, model_cfg, train_cfg = cfg.name, cfg.model, cfg.train
             mesh_cfg = sharding.MeshConfig.parse(args.mesh) if args.mesh else cfg.train.mesh
-        plan = plan_memory(model_cfg, mesh_cfg, args.devices)
+        plan = plan_memory(model_cfg, mesh_cfg, args.devices, make_optimizer(train_cfg))
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -27,7 +27,15 @@ from flax import nnx
 from sat_jax import decoding
 from sat_jax.experiment import ExperimentConfig, TaskConfig
 from sat_jax.model import ModelConfig
-from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task, make_reward
+from sat_jax.tasks import (
+    CharTokenizer,
+    Prompt,
+    Tokenizer,
+    arithmetic_task,
+    make_reward,
+    make_tokenizer,
+    sampleable_mask,
+)
 
 EVAL_SEED_OFFSET = 1_000_003
 # Slots of the greedy helpers below, which have no server config to take them from.
@@ -126,7 +134,7 @@ class Evaluator:
         return cls(
             graphdef,
             cfg.model,
-            **_char_codec(CharTokenizer(cfg.task.alphabet), cfg.model, cfg.rollout.stop_token_ids),
+            **_codec(make_tokenizer(cfg), cfg.model),
             reward_fn=make_reward(cfg.task.reward),
             max_new_tokens=cfg.rollout.max_new_tokens,
             max_prefill_length=cfg.server.max_prefill_length,
@@ -178,14 +186,14 @@ class Evaluator:
         )
 
 
-def _char_codec(tok: CharTokenizer, model_cfg: ModelConfig, stops: Sequence[int]) -> dict:
-    """The tokenizer arguments of ``Evaluator`` for the character tokenizer (BOS-prefixed
-    prompts)."""
+def _codec(tok: Tokenizer, model_cfg: ModelConfig) -> dict:
+    """The tokenizer arguments of ``Evaluator``: prompts, decoding, stops and sampleable ids
+    exactly as the rollout server uses them."""
     return dict(
-        encode_prompt=lambda text: tok.encode(text, bos=True),
+        encode_prompt=tok.encode_prompt,
         decode=tok.decode,
-        stop_ids=(tok.eos_id, *stops),
-        sampleable_v=tok.sampleable_mask(model_cfg.vocab_size),
+        stop_ids=tuple(sorted(tok.stop_ids)),
+        sampleable_v=sampleable_mask(tok, model_cfg.vocab_size),
     )
 
 
@@ -196,7 +204,7 @@ def _char_evaluator(
     return Evaluator(
         graphdef,
         model_cfg,
-        **_char_codec(CharTokenizer(alphabet), model_cfg, ()),
+        **_codec(CharTokenizer(alphabet), model_cfg),
         reward_fn=make_reward("exact_match"),
         max_new_tokens=max_new_tokens,
         max_prefill_length=prefill,

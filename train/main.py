@@ -60,6 +60,7 @@ from jax.experimental import multihost_utils
 
 from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
+from sat_jax.optimizer import make_optimizer
 from sat_jax.train_step import (
     TrainBatch,
     TrainState,
@@ -170,7 +171,7 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         if lead and not t.servers:
             server = stack.enter_context(start_local_server(cfg, config_path, overrides, run_dir))
         mesh = sharding.make_mesh(t.mesh)
-        optimizer = setup.make_optimizer(t)
+        optimizer = make_optimizer(t)
         graphdef, params = setup.base_policy(cfg, mesh)
         ckpt = stack.enter_context(checkpointing.Checkpointer(ckpt_dir, keep=t.keep_checkpoints))
         state, progress = start_or_resume(cfg, ckpt, optimizer, mesh, params)

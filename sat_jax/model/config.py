@@ -181,6 +181,13 @@ class ModelConfig:
         return PRESETS[name].replace(**overrides)
 
 
+def runtime_overrides(cfg: ModelConfig) -> dict[str, Any]:
+    """`cfg`'s `RUNTIME_FIELDS` and `hf_path`: what to pass `hf.load_qwen3_moe` so that the
+    loaded module's config equals `cfg`."""
+    names = (*RUNTIME_FIELDS, "hf_path")
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
+
+
 PRESETS: dict[str, ModelConfig] = {
     # Compiles in seconds on CPU; every model test uses it.
     "tiny": ModelConfig(

@@ -197,6 +197,33 @@ def test_swap_rejects_mismatched_params():
     assert engine.version == 0
 
 
+def test_swap_casts_float32_weights_to_the_serving_dtype():
+    # A bfloat16 server (server.dtype) takes the float32 trainer's weights, cast on the way in.
+    model = _model()
+    graphdef, state = nnx.split(model)
+    bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.to_pure_dict(state))
+    bf16_model = nnx.merge(graphdef, bf16)
+    engine = MoEEngine(
+        bf16_model,
+        tokenizer=TOK,
+        slots=2,
+        max_prefill_length=16,
+        max_decode_length=4,
+        sampling=SamplingConfig(),
+    )
+    f32 = nnx.to_pure_dict(state)
+    engine.swap_params(3, f32)
+    got = jax.tree_util.tree_leaves(engine.current_params()[1])
+    want = jax.tree_util.tree_leaves(f32)
+    assert all(g.dtype == jnp.bfloat16 for g in got)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w.astype(jnp.bfloat16)))
+    ints = jax.tree_util.tree_map(lambda x: x.astype(jnp.int32), f32)
+    with pytest.raises(ValueError, match="does not match"):
+        engine.swap_params(4, ints)
+    assert engine.version == 3
+
+
 def _numpy_sampling_logprobs(logits, temperature, top_k, top_p):
     """float64 reference written from the definitions, not the implementation."""
     x = logits.astype(np.float64) / temperature
@@ -254,23 +281,21 @@ def test_engine_validates_config():
 
 
 @pytest.mark.parametrize(
-    ("n_tokens", "add_bos", "error"),
+    ("n_tokens", "error"),
     [
-        (15, True, None),  # 16 with BOS: exactly max_prefill_length
-        (16, False, None),  # a session continuation gets no BOS
-        (0, True, None),  # BOS alone
-        (16, True, r"17 tokens \(with BOS\); max_prefill_length is 16"),
-        (17, False, "17 tokens; max_prefill_length is 16"),
-        (0, False, "the prompt is empty"),
+        (16, None),  # exactly max_prefill_length (prompt ids as the tokenizer made them)
+        (1, None),
+        (17, "17 tokens; max_prefill_length is 16"),
+        (0, "the prompt is empty"),
     ],
 )
-def test_check_prompt_length(n_tokens, add_bos, error):
+def test_check_prompt_length(n_tokens, error):
     engine = _engine()
     if error is None:
-        engine.check_prompt_length(n_tokens, add_bos=add_bos)
+        engine.check_prompt_length(n_tokens)
     else:
         with pytest.raises(ValueError, match=error):
-            engine.check_prompt_length(n_tokens, add_bos=add_bos)
+            engine.check_prompt_length(n_tokens)
 
 
 def test_failed_prefill_never_raises_and_leaves_slot_empty():

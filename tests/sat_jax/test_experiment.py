@@ -165,8 +165,33 @@ HF_CONFIG = dict(
 
 @pytest.fixture
 def hf_dir(tmp_path):
+    # The loader checks that tokenizer files exist; it does not load them.
     (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 1 }}"}))
     return tmp_path
+
+
+def test_hf_tokenizer_files_are_checked_naming_the_key(hf_dir, tmp_path_factory):
+    bare = tmp_path_factory.mktemp("bare")
+    with pytest.raises(ConfigError, match=r"^task\.tokenizer_path: no tokenizer files in .*bare"):
+        load_config(None, [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}"])
+    (hf_dir / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: no tokenizer files in"):
+        load_config(None, [f"model.hf_path={hf_dir}"])
+    (bare / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^task\.chat_template: the tokenizer in .* has no chat"):
+        load_config(
+            None,
+            [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}", "task.chat_template=true"],
+        )
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}"])
+    assert cfg.tokenizer_path == str(bare)
+    with pytest.raises(ConfigError, match=r"^ExperimentConfig: train\.warmup_sft_steps: "):
+        load_config(
+            None,
+            [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}", "train.warmup_sft_steps=5"],
+        )
 
 
 def test_hf_path_takes_the_architecture_from_config_json(hf_dir):
@@ -236,12 +261,12 @@ def test_tokenizer_and_precision_keys_name_the_key(overrides, match):
         load_config(None, overrides)
 
 
-def test_tokenizer_and_precision_keys():
+def test_tokenizer_and_precision_keys(hf_dir):
     cfg = load_config(
         None,
         [
             "task.tokenizer=hf",
-            "task.tokenizer_path=/tok",
+            f"task.tokenizer_path={hf_dir}",
             "task.chat_template=true",
             "task.system_prompt=Be brief.",
             "task.reward=gsm8k",
@@ -249,7 +274,7 @@ def test_tokenizer_and_precision_keys():
             "server.dtype=bfloat16",
         ],
     )
-    assert cfg.tokenizer_kind == "hf" and cfg.tokenizer_path == "/tok"
+    assert cfg.tokenizer_kind == "hf" and cfg.tokenizer_path == str(hf_dir)
     assert cfg.task.chat_template and cfg.task.system_prompt == "Be brief."
     assert cfg.rollout.stop_token_ids == (5, 7) and cfg.task.reward == "gsm8k"
     assert cfg.serving_model.param_dtype == jnp.bfloat16
