@@ -29,8 +29,9 @@ from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import hf
 from sat_jax.model.config import RUNTIME_FIELDS
+from sat_jax.optimizer import make_optimizer
 from sat_jax.tasks import Prompt
-from sat_jax.tasks.pipeline import read_prompt_rows
+from sat_jax.tasks.pipeline import read_prompts
 from train import checkpointing, evaluation, setup
 
 
@@ -39,15 +40,14 @@ class EvalInputError(Exception):
 
 
 def problems_of(cfg: ExperimentConfig, n: int) -> list[Prompt]:
-    """The first ``n`` evaluation problems of the task."""
+    """The first ``n`` evaluation problems of the task (file rows lacking a column are skipped)."""
     if cfg.task.source == "arithmetic":
         return evaluation.held_out_problems(cfg.task, n)
     t = cfg.task
-    rows = [r for r in read_prompt_rows(t.path) if t.prompt_key in r and t.answer_key in r]
-    return [
-        Prompt(id=str(r.get(t.id_key, i)), text=str(r[t.prompt_key]), answer=str(r[t.answer_key]))
-        for i, r in enumerate(rows[:n])
-    ]
+    prompts, _ = read_prompts(
+        t.path, prompt_key=t.prompt_key, answer_key=t.answer_key, id_key=t.id_key
+    )
+    return prompts[:n]
 
 
 def policy_params(
@@ -69,7 +69,7 @@ def policy_params(
         return "hf", *hf.load_params(hf_dir, cfg.model, shardings)
     _, ckpt_dir, _ = setup.run_paths(cfg)
     try:
-        optimizer = setup.make_optimizer(cfg.train)
+        optimizer = make_optimizer(cfg.train)
         step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
         return f"step-{step}", graphdef, params
     except checkpointing.CheckpointNotFound as e:
