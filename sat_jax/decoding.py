@@ -31,7 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
+from jax.sharding import NamedSharding
 
+from sat_jax import sharding
 from sat_jax.experiment import RolloutConfig
 from sat_jax.model import KVCache, ModelConfig
 
@@ -132,6 +134,9 @@ class DecodeCore:
       sampling: temperature / top-k / top-p.
       sampleable_v: [V] bool, the ids sampling may produce.
       seed: sampling PRNG seed.
+      mesh: shard the KV cache over this mesh (KV heads over ``tensor`` by the rules of
+        ``sat_jax.sharding``); the params come in their own shardings (``param_shardings`` on the
+        same mesh) and the computation follows them. None: whatever the params' devices are.
     """
 
     def __init__(
@@ -145,6 +150,7 @@ class DecodeCore:
         sampling: SamplingConfig,
         sampleable_v: np.ndarray,
         seed: int = 0,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         if np.shape(sampleable_v) != (config.vocab_size,):
             raise ValueError(
@@ -159,6 +165,7 @@ class DecodeCore:
         self.sampling = sampling
         self.sampleable_v = np.asarray(sampleable_v, bool)
         self.seed = seed
+        self.mesh = mesh
         self.prefill = jax.jit(self._prefill)
         self.insert = jax.jit(self._insert, donate_argnums=(1,))
         self.generate = jax.jit(self._generate, donate_argnums=(1,))
@@ -167,6 +174,19 @@ class DecodeCore:
                 generated_b=state.generated_b.at[slot].set(self.max_decode_length)
             )
         )
+
+    def _shard_cache(self, cache: KVCache) -> KVCache:
+        """The cache [L, B, S, G, H] with KV heads over the mesh's ``tensor`` axis (no-op
+        without a mesh)."""
+        if self.mesh is None:
+            return cache
+        spec = sharding.logical_to_spec(
+            ("layers", None, "length", "kv_heads", "head_dim"),
+            shape=cache.k_lbsgh.shape,
+            mesh=self.mesh,
+        )
+        put = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return cache.replace(k_lbsgh=put(cache.k_lbsgh), v_lbsgh=put(cache.v_lbsgh))
 
     def _prefill(
         self, params: Any, tokens_p: jax.Array, true_length: jax.Array, version: jax.Array
@@ -178,7 +198,7 @@ class DecodeCore:
             model.init_cache(1, p), tokens_p[None], mask_bt=mask_1p, return_routing=True
         )
         return Prefix(
-            cache=out.cache,
+            cache=self._shard_cache(out.cache),
             logits_v=out.logits_btv[0, true_length - 1],
             routing_plk=out.routing_btlk[0],
             true_length=true_length,
@@ -199,7 +219,7 @@ class DecodeCore:
             lengths_b=c.lengths_b.at[slot].set(prefix.true_length),
         )
         return DecodeState(
-            cache=cache,
+            cache=self._shard_cache(cache),
             logits_bv=state.logits_bv.at[slot].set(prefix.logits_v),
             logits_version_b=state.logits_version_b.at[slot].set(prefix.version),
             generated_b=state.generated_b.at[slot].set(0),
@@ -226,7 +246,7 @@ class DecodeCore:
             out.routing_blk.astype(jnp.int32).reshape(b, -1),
         ]
         new_state = DecodeState(
-            cache=out.cache,
+            cache=self._shard_cache(out.cache),
             logits_bv=out.logits_bv,
             logits_version_b=jnp.where(active_b, version, state.logits_version_b),
             generated_b=generated_b,
@@ -244,7 +264,7 @@ class DecodeCore:
             lengths_b=jnp.zeros((self.slots,), jnp.int32),
         )
         return DecodeState(
-            cache=cache,
+            cache=jax.jit(self._shard_cache)(cache),
             logits_bv=jnp.zeros((self.slots, c.vocab_size), jnp.float32),
             logits_version_b=jnp.full((self.slots,), version, jnp.int32),
             # Empty slots count as exhausted, so they emit nothing valid until an insert.

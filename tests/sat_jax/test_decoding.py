@@ -4,6 +4,7 @@ the tokens and behavior log-probs of a full forward pass, and ends at a stop id 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import decoding
+from sat_jax import decoding, sharding
 from sat_jax.model import ModelConfig, Transformer
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
@@ -101,3 +102,44 @@ def test_bad_prompts_and_masks_are_errors() -> None:
             sampling=decoding.SamplingConfig(),
             sampleable_v=np.ones(3, bool),
         )
+
+
+def _steps(core: decoding.DecodeCore, params, steps: int) -> tuple[list[dict], Any]:
+    """Three prompts into slots 0..2, then ``steps`` generate steps; host view of every step."""
+    state = core.init_state()
+    for slot, ids in enumerate(PROMPTS[:3]):
+        state = core.insert(core.prefill_prompt(params, ids), state, jnp.int32(slot))
+    rows = []
+    for _ in range(steps):
+        state, data = core.generate(params, state, jnp.int32(0))
+        rows.append(decoding.unpack_step(data, CFG.num_moe_layers, CFG.num_experts_per_tok))
+    return rows, state
+
+
+@pytest.mark.parametrize("sampling", [decoding.SamplingConfig(top_k=1), decoding.SamplingConfig()])
+def test_sharded_core_equals_one_device(sampling: decoding.SamplingConfig) -> None:
+    """8 simulated devices (expert=4, tensor=2): same tokens, routing ids, log-probs (1e-5)."""
+    graphdef, params = _model()
+    one = jax.device_put(params, jax.devices()[0])
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1, expert=4, tensor=2))
+    shardings = sharding.param_shardings(sharding.abstract_model(CFG)[1], mesh)
+    sharded = jax.device_put(params, shardings)
+    want, _ = _steps(_core(sampling, slots=4), one, MAX_NEW)
+    core = decoding.DecodeCore(
+        graphdef,
+        CFG,
+        slots=4,
+        max_prefill_length=8,
+        max_decode_length=MAX_NEW,
+        sampling=sampling,
+        sampleable_v=SAMPLEABLE,
+        mesh=mesh,
+    )
+    got, state = _steps(core, sharded, MAX_NEW)
+    for w, g in zip(want, got, strict=True):
+        for key in ("token", "valid", "length", "version", "routing"):
+            np.testing.assert_array_equal(g[key], w[key], err_msg=key)
+        np.testing.assert_allclose(g["logp"], w["logp"], atol=1e-5)
+    cache_spec = state.cache.k_lbsgh.sharding.spec
+    assert cache_spec[3] == "tensor", cache_spec  # KV heads over tensor
+    assert len(state.cache.k_lbsgh.sharding.device_set) == 8
