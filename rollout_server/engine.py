@@ -65,7 +65,7 @@ class FailedPrefix:
 
 
 class MoEEngine(engine_api.Engine):
-    """JetStream engine for `sat_jax.model.Transformer` (interleaved mode, one device).
+    """JetStream engine for `sat_jax.model.Transformer` (interleaved mode, one mesh).
 
     Args:
       model: the policy; its params become version `version`.
@@ -76,6 +76,8 @@ class MoEEngine(engine_api.Engine):
       sampling: temperature / top-k / top-p.
       seed: sampling PRNG seed.
       version: version number of the initial params.
+      mesh: the mesh the params are sharded over (`server.mesh`); the KV cache is sharded on it
+        too (`DecodeCore`). Default: one device.
     """
 
     def __init__(
@@ -89,6 +91,7 @@ class MoEEngine(engine_api.Engine):
         sampling: SamplingConfig,
         seed: int = 0,
         version: int = 0,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         n = max_prefill_length
         if n < 16 or n > 32768 or n & (n - 1):
@@ -108,6 +111,7 @@ class MoEEngine(engine_api.Engine):
             sampling=sampling,
             sampleable_v=sampleable_mask(tokenizer, model.config.vocab_size),
             seed=seed,
+            mesh=mesh,
         )
         # Committed placement now, so swapped-in params (device_put onto these shardings) hit
         # the same compiled executables.
@@ -116,7 +120,7 @@ class MoEEngine(engine_api.Engine):
         )
         self._current = (int(version), params)
         self._swap_lock = threading.Lock()
-        self._mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+        self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
 
     @property
     def max_decode_length(self) -> int:

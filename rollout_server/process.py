@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 
 from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
@@ -16,6 +17,7 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 
 import grpc
+import jax
 import prometheus_client as prom
 from flax import nnx
 from jetstream.core.proto import jetstream_pb2_grpc
@@ -29,6 +31,7 @@ from rollout_server.persistence import StateStore
 from rollout_server.proto import rollout_pb2_grpc
 from rollout_server.rollout import RolloutLoop
 from rollout_server.service import RolloutService, ValidatingOrchestrator
+from sat_jax import sharding
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig
 from sat_jax.model import Transformer, hf
@@ -41,13 +44,21 @@ log = logging.getLogger("rollout_server")
 _PULL_RESPONSE_HEADROOM_BYTES = 1024 * 1024
 
 
-def initial_model(cfg: ExperimentConfig) -> Transformer:
-    """The weights the server holds as version 0, in `server.dtype`: `model.hf_path`'s (no random
-    init), else a random init (`server.seed`)."""
+def serving_mesh(cfg: ExperimentConfig) -> jax.sharding.Mesh:
+    """The engine's mesh (`server.mesh`): its explicit sizes over the first devices, or every
+    device when an axis is -1."""
+    sizes = [getattr(cfg.server.mesh, a) for a in sharding.MESH_AXES]
+    devices = jax.devices() if -1 in sizes else jax.devices()[: math.prod(sizes)]
+    return sharding.make_mesh(cfg.server.mesh, devices)
+
+
+def initial_model(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Transformer:
+    """The weights the server holds as version 0, in `server.dtype`, each in its sharding on
+    `mesh`: `model.hf_path`'s (no random init), else a random init (`server.seed`)."""
     model_cfg = cfg.serving_model
     if model_cfg.hf_path:
-        return hf.load_qwen3_moe(model_cfg.hf_path, **runtime_overrides(model_cfg))
-    return Transformer(model_cfg, rngs=nnx.Rngs(cfg.server.seed))
+        return hf.load_qwen3_moe(model_cfg.hf_path, mesh=mesh, **runtime_overrides(model_cfg))
+    return nnx.merge(*sharding.init_sharded(model_cfg, mesh, cfg.server.seed))
 
 
 class RolloutServer:
@@ -57,8 +68,10 @@ class RolloutServer:
         self.cfg = cfg
         s, r = cfg.server, cfg.rollout
         self.tokenizer = make_tokenizer(cfg)
+        mesh = serving_mesh(cfg)
         self.engine = MoEEngine(
-            initial_model(cfg),
+            initial_model(cfg, mesh),
+            mesh=mesh,
             tokenizer=self.tokenizer,
             slots=s.slots,
             max_prefill_length=s.max_prefill_length,

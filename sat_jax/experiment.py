@@ -33,6 +33,7 @@ _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 # Frozen defaults of TrainConfig (shared instances are safe: the dataclasses are immutable).
 _SAT_LOSS = PolicyLossConfig(sat=SATConfig(enabled=True))
 _ONE_AXIS_MESH = MeshConfig()
+_ONE_DEVICE_MESH = MeshConfig(fsdp=1)
 
 
 class ConfigError(ValueError):
@@ -129,6 +130,9 @@ class ServerConfig:
       tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
       dtype: storage dtype of the served weights ("" = `model.param_dtype`); pushed weights are
         cast to it, e.g. float32 trainer weights served in bfloat16 (docs/DESIGN.md §11).
+      mesh: the engine's device mesh, the trainer's `MeshConfig` and logical-axis rules (params
+        by the rules, the KV cache's heads over `tensor`); the default is one device, and a -1
+        axis takes every device (docs/DESIGN.md §12).
     """
 
     host: str = "127.0.0.1"
@@ -146,6 +150,7 @@ class ServerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     dtype: str = ""
+    mesh: MeshConfig = _ONE_DEVICE_MESH
 
     def __post_init__(self) -> None:
         if self.dtype:

@@ -16,7 +16,6 @@ is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import pathlib
@@ -28,7 +27,7 @@ from flax import nnx
 from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import hf
-from sat_jax.model.config import RUNTIME_FIELDS
+from sat_jax.model.config import runtime_overrides
 from sat_jax.optimizer import make_optimizer
 from sat_jax.tasks import Prompt
 from sat_jax.tasks.pipeline import read_prompts
@@ -62,9 +61,7 @@ def policy_params(
             arch = hf.config_from_dir(hf_dir)
         except (OSError, ValueError) as e:
             raise EvalInputError(f"--hf: {e}") from None
-        runtime = [f.name for f in dataclasses.fields(cfg.model) if f.name in RUNTIME_FIELDS]
-        keep = {f: getattr(cfg.model, f) for f in (*runtime, "hf_path")}
-        if arch.replace(**keep) != cfg.model:
+        if arch.replace(**runtime_overrides(cfg.model)) != cfg.model:
             raise EvalInputError(f"--hf: {hf_dir}/config.json is not the config's architecture")
         return "hf", *hf.load_params(hf_dir, cfg.model, shardings)
     _, ckpt_dir, _ = setup.run_paths(cfg)
