@@ -123,6 +123,11 @@ class MoEEngine(engine_api.Engine):
         self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
 
     @property
+    def prefill_calls(self) -> int:
+        """Prefills run so far; a group's G requests of one prompt share one (`DecodeCore`)."""
+        return self.core.prefill_calls
+
+    @property
     def max_decode_length(self) -> int:
         """Most tokens generated per request."""
         return self.core.max_decode_length
@@ -201,9 +206,7 @@ class MoEEngine(engine_api.Engine):
             if not 0 < true_length <= tokens_p.shape[0] <= self.max_prefill_length:
                 raise ValueError(f"bad prefill: {tokens_p.shape} tokens, true_length {true_length}")
             version, current = self._current
-            prefix = self.core.prefill(
-                current, jnp.asarray(tokens_p), jnp.int32(true_length), jnp.int32(version)
-            )
+            prefix = self.core.prefill_once(current, tokens_p, true_length, version)
             return prefix.replace(prompt_ids=tokens_p[:true_length].copy())
         except Exception as e:
             log.exception("prefill failed")

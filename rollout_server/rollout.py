@@ -178,6 +178,7 @@ class RolloutLoop:
                 "prompts_drawn": self.prompts_drawn,
                 "prompts_skipped": self.prompts_skipped,
                 "rows_skipped": self.rows_skipped,
+                "prefill_calls": self._engine.prefill_calls,
                 "admission_open": self._admission_open_locked(),
             }
 

@@ -75,10 +75,14 @@ def test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id() -> N
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_are_the_behavior_policy(temperature: float) -> None:
+    """Also: a group's samples share one prefill, each still the behavior policy's."""
     _, params = _model()
     core = _core(decoding.SamplingConfig(temperature=temperature))
-    done = decoding.complete(core, params, PROMPTS)
-    for prompt, c in zip(PROMPTS, done, strict=True):
+    prompts = [p for p in PROMPTS for _ in range(3)]  # groups of 3 samples per prompt
+    done = decoding.complete(core, params, prompts)
+    assert core.prefill_calls == len(PROMPTS)  # one prefill per group
+    assert len({c.ids for c in done}) > len(PROMPTS)  # the samples of a group differ
+    for prompt, c in zip(prompts, done, strict=True):
         assert len(c.ids) == MAX_NEW
         ref = _reference_logp(prompt, c.ids, temperature)
         want = ref[np.arange(len(c.ids)), list(c.ids)]
