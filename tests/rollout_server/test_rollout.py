@@ -44,6 +44,8 @@ def test_admission_budget(
 
 
 class FakeEngine:
+    prefill_calls = 0
+
     def __init__(self):
         self.version = 0
         self.swaps: list[int] = []
