@@ -261,12 +261,14 @@ class DecodeCore:
         return new_state, jnp.concatenate(columns, axis=1)
 
     def init_state(self, version: int = 0) -> DecodeState:
-        """An empty KV cache with every slot free (exhausted until an insert)."""
+        """An empty KV cache (in ``param_dtype``, the serving dtype) with every slot free
+        (exhausted until an insert)."""
         c = self.config
         shape = (c.num_layers, self.slots, self.cache_length, c.num_kv_heads, c.head_dim)
+        # Stored in the serving dtype (the params'), e.g. bfloat16 whatever the compute dtype.
         cache = KVCache(
-            k_lbsgh=jnp.zeros(shape, c.dtype),
-            v_lbsgh=jnp.zeros(shape, c.dtype),
+            k_lbsgh=jnp.zeros(shape, c.params_dtype),
+            v_lbsgh=jnp.zeros(shape, c.params_dtype),
             lengths_b=jnp.zeros((self.slots,), jnp.int32),
         )
         return DecodeState(

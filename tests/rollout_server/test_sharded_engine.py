@@ -1,6 +1,7 @@
 """`server.mesh`: the engine on 8 simulated devices (expert=4, tensor=2) gives the same tokens,
 behavior log-probs (1e-5) and routing ids as on one device, with params and KV cache sharded, and
-swapped-in weights land on the same shardings (tests/conftest.py gives 8 CPU devices)."""
+swapped-in weights land on the same shardings (tests/conftest.py gives 8 CPU devices); a
+bfloat16 server keeps its KV cache in bfloat16."""
 
 from __future__ import annotations
 
@@ -69,3 +70,12 @@ def test_sharded_engine_equals_one_device_and_swaps_onto_its_shardings() -> None
     np.testing.assert_array_equal(
         np.asarray(swapped["embedding_vd"]), host["embedding_vd"].astype(np.float32)
     )
+
+
+def test_bfloat16_serving_keeps_its_kv_cache_in_bfloat16() -> None:
+    engine = _engine(["server.dtype=bfloat16", "server.mesh.tensor=2"])
+    state = engine.init_decode_state()
+    assert state.cache.k_lbsgh.dtype == state.cache.v_lbsgh.dtype == np.dtype("bfloat16")
+    rows = _run(engine, steps=3)
+    assert all(r["valid"][:3].all() and np.isfinite(r["logp"][:3]).all() for r in rows)
+    assert all((r["logp"][:3] <= 0).all() for r in rows)
