@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from sat_jax.experiment import ConfigError, load_config
+from sat_jax.model import hf
 from sat_jax.tasks import CharTokenizer, make_tokenizer, sampleable_mask
-from sat_jax.tasks.hf_tokenizer import HFTokenizer, checkpoint_eos_ids
+from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests import hf_fixtures
 
 transformers = pytest.importorskip("transformers")
@@ -56,7 +57,7 @@ def test_stop_ids_are_the_checkpoints_eos_set_plus_the_configured_ones(tmp_path,
     im_end, endoftext = hf_fixtures.eos_ids(transformers.AutoTokenizer.from_pretrained(tok_dir))
     (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 5}))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [endoftext, 6]}))
-    assert checkpoint_eos_ids(str(tmp_path)) == {5, 6, endoftext}
+    assert set(hf.eos_token_ids(str(tmp_path))) == {5, 6, endoftext}
     tok = HFTokenizer(str(tok_dir), stop_ids=(9,), checkpoint=str(tmp_path))
     assert tok.stop_ids == {im_end, endoftext, 5, 6, 9}
     assert tok.eos_id == im_end
