@@ -7,6 +7,7 @@ with the answer symbolically ("1/2" == "0.5" == "\\frac12"); `gsm8k_reward` take
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Callable
@@ -57,6 +58,10 @@ def _math_equal(gold_latex: str, guess_latex: str) -> bool | None:
     from math_verify import parse, verify  # imported only when used (slow to import)
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    if timeout is None:
+        # Without a timeout math-verify warns on every call; the choice is deliberate here.
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     gold = parse(gold_latex, parsing_timeout=timeout)
     guess = parse(guess_latex, parsing_timeout=timeout)
     if not gold or not guess:
