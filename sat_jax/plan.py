@@ -1,6 +1,7 @@
 """Memory plan of a preset on a mesh, from shapes alone (no allocation, no devices).
 
     python -m sat_jax.plan --preset qwen3_30b_a3b --mesh fsdp=64
+    python -m sat_jax.plan --config configs/qwen3_30b_a3b_gsm8k.yaml   # its model and train.mesh
 
 prints total and active parameter counts and the per-device bytes of parameters, gradients and the
 optimizer state. Shapes come from ``nnx.eval_shape`` (the optimizer state's shapes and dtypes from
@@ -29,7 +30,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from sat_jax import sharding
-from sat_jax.experiment import TrainConfig
+from sat_jax.experiment import TrainConfig, load_config
 from sat_jax.model import ModelConfig
 from sat_jax.optimizer import make_optimizer
 
@@ -152,7 +153,7 @@ def format_plan(name: str, plan: MemoryPlan) -> str:
     """A short human-readable table of ``plan``."""
     mesh = ", ".join(f"{a}={s}" for a, s in plan.mesh.items())
     rows = [
-        f"preset           {name}",
+        f"model            {name}",
         f"mesh             {mesh} ({plan.num_devices} devices)",
         f"total params     {plan.total_params:,} ({plan.total_params / 1e9:.2f} B)",
         f"active params    {plan.active_params:,} ({plan.active_params / 1e9:.2f} B)",
@@ -170,18 +171,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m sat_jax.plan", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--preset", required=True, help="a ModelConfig preset name")
-    parser.add_argument("--mesh", required=True, help="axis sizes, e.g. fsdp=64 or data=2,fsdp=32")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--preset", help="a ModelConfig preset name")
+    source.add_argument("--config", help="an experiment YAML: its model and train.mesh")
+    parser.add_argument(
+        "--mesh",
+        help="axis sizes, e.g. fsdp=64 or data=2,fsdp=32 (default with --config: train.mesh)",
+    )
     parser.add_argument("--devices", type=int, default=None, help="device count for a -1 axis")
-    args = parser.parse_args(argv)
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of --config")
+    args = parser.parse_intermixed_args(argv)
     try:
-        model_cfg = ModelConfig.preset(args.preset)
-        mesh_cfg = sharding.MeshConfig.parse(args.mesh)
-        plan = plan_memory(model_cfg, mesh_cfg, args.devices)
+        if args.config is None:
+            if args.mesh is None or args.overrides:
+                raise ValueError("--preset needs --mesh and takes no key=value overrides")
+            name, model_cfg = args.preset, ModelConfig.preset(args.preset)
+            mesh_cfg, train_cfg = sharding.MeshConfig.parse(args.mesh), TrainConfig()
+        else:
+            cfg = load_config(args.config, args.overrides)
+            name, model_cfg, train_cfg = cfg.name, cfg.model, cfg.train
+            mesh_cfg = sharding.MeshConfig.parse(args.mesh) if args.mesh else cfg.train.mesh
+        plan = plan_memory(model_cfg, mesh_cfg, args.devices, make_optimizer(train_cfg))
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_plan(args.preset, plan))
+    print(format_plan(name, plan))
     return 0
 
 

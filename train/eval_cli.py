@@ -16,6 +16,7 @@ is one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -28,8 +29,9 @@ from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import hf
 from sat_jax.model.config import RUNTIME_FIELDS
+from sat_jax.optimizer import make_optimizer
 from sat_jax.tasks import Prompt
-from sat_jax.tasks.pipeline import read_prompt_rows
+from sat_jax.tasks.pipeline import read_prompts
 from train import checkpointing, evaluation, setup
 
 
@@ -38,15 +40,14 @@ class EvalInputError(Exception):
 
 
 def problems_of(cfg: ExperimentConfig, n: int) -> list[Prompt]:
-    """The first ``n`` evaluation problems of the task."""
+    """The first ``n`` evaluation problems of the task (file rows lacking a column are skipped)."""
     if cfg.task.source == "arithmetic":
         return evaluation.held_out_problems(cfg.task, n)
     t = cfg.task
-    rows = [r for r in read_prompt_rows(t.path) if t.prompt_key in r and t.answer_key in r]
-    return [
-        Prompt(id=str(r.get(t.id_key, i)), text=str(r[t.prompt_key]), answer=str(r[t.answer_key]))
-        for i, r in enumerate(rows[:n])
-    ]
+    prompts, _ = read_prompts(
+        t.path, prompt_key=t.prompt_key, answer_key=t.answer_key, id_key=t.id_key
+    )
+    return prompts[:n]
 
 
 def policy_params(
@@ -61,13 +62,14 @@ def policy_params(
             arch = hf.config_from_dir(hf_dir)
         except (OSError, ValueError) as e:
             raise EvalInputError(f"--hf: {e}") from None
-        keep = {f: getattr(cfg.model, f) for f in (*RUNTIME_FIELDS, "hf_path")}
+        runtime = [f.name for f in dataclasses.fields(cfg.model) if f.name in RUNTIME_FIELDS]
+        keep = {f: getattr(cfg.model, f) for f in (*runtime, "hf_path")}
         if arch.replace(**keep) != cfg.model:
             raise EvalInputError(f"--hf: {hf_dir}/config.json is not the config's architecture")
         return "hf", *hf.load_params(hf_dir, cfg.model, shardings)
     _, ckpt_dir, _ = setup.run_paths(cfg)
     try:
-        optimizer = setup.make_optimizer(cfg.train)
+        optimizer = make_optimizer(cfg.train)
         step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
         return f"step-{step}", graphdef, params
     except checkpointing.CheckpointNotFound as e:
@@ -87,7 +89,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--problems", type=int, default=100, help="how many problems")
     parser.add_argument("--out", help="JSON file (default <run_dir>/eval/<step-N|hf>.json)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         if args.k < 1 or args.problems < 1:
             raise EvalInputError(f"--k and --problems must be >= 1, got {args.k}, {args.problems}")

@@ -21,8 +21,9 @@ import sys
 
 from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
-from sat_jax.model import hf, hf_export
-from sat_jax.tasks import CharTokenizer
+from sat_jax.model import hf_export
+from sat_jax.optimizer import make_optimizer
+from sat_jax.tasks import make_tokenizer
 from train import checkpointing, setup
 
 
@@ -31,14 +32,11 @@ class ExportError(Exception):
 
 
 def stop_ids(cfg: ExperimentConfig) -> tuple[tuple[int, ...], int | None]:
-    """(eos ids, bos id) the export records: the checkpoint's eos set and
-    ``rollout.stop_token_ids`` for an HF tokenizer, the character tokenizer's eos/bos otherwise."""
-    if cfg.tokenizer_kind == "char":
-        tok = CharTokenizer(cfg.task.alphabet)
-        return (tok.eos_id, *cfg.rollout.stop_token_ids), tok.bos_id
-    eos = hf.eos_token_ids(cfg.model.hf_path) if cfg.model.hf_path else ()
-    merged = tuple(dict.fromkeys((*eos, *cfg.rollout.stop_token_ids)))
-    return merged, None
+    """(eos ids, bos id) the export records: the tokenizer's stop set (an HF checkpoint's eos set
+    and ``rollout.stop_token_ids``), its own eos first; its bos, None when it has none."""
+    tok = make_tokenizer(cfg)
+    eos = (tok.eos_id, *sorted(tok.stop_ids - {tok.eos_id}))
+    return eos, None if tok.bos_id == tok.pad_id else tok.bos_id
 
 
 def export_run(
@@ -63,7 +61,7 @@ def export_run(
     ):
         raise ExportError(f"task.tokenizer_path: no tokenizer files in {tokenizer_dir}")
     mesh = sharding.make_mesh(cfg.train.mesh)
-    optimizer = setup.make_optimizer(cfg.train)
+    optimizer = make_optimizer(cfg.train)
     try:
         step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
     except checkpointing.CheckpointNotFound as e:
@@ -87,7 +85,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="output directory (new or empty)")
     parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
         step, out = export_run(cfg, args.out, step=args.step)

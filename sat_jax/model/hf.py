@@ -353,18 +353,6 @@ def load_qwen3_moe(
     return nnx.merge(graphdef, params)
 
 
-def eos_token_ids(path: str | pathlib.Path) -> tuple[int, ...]:
-    """A checkpoint's eos set: ``eos_token_id`` of generation_config.json and config.json (an
-    int or a list in either), in that order, without repeats."""
-    ids: list[int] = []
-    for name in ("generation_config.json", "config.json"):
-        file = pathlib.Path(path) / name
-        if file.is_file():
-            value = json.loads(file.read_text()).get("eos_token_id")
-            ids += [] if value is None else [value] if isinstance(value, int) else list(value)
-    return tuple(dict.fromkeys(int(i) for i in ids))
-
-
 def load_tokenizer(path: str | pathlib.Path) -> Any:
     """``transformers.AutoTokenizer.from_pretrained(path)``; needs the optional ``transformers``."""
     try:

@@ -128,6 +128,21 @@ def test_bad_arguments_are_clear_errors(args: tuple[str, ...], message: str) -> 
         assert res.returncode == 2 and message in res.stderr
 
 
+def test_cli_config_of_the_pod_setup() -> None:
+    """The paper's pod config: its model and train.mesh (fsdp=16 x expert=4), from the YAML."""
+    config = str(REPO / "configs" / "qwen3_30b_a3b_gsm8k.yaml")
+    assert plan.main(["--config", config]) == 0
+    want = plan.plan_memory(
+        ModelConfig.preset("qwen3_30b_a3b"), sharding.MeshConfig(fsdp=16, expert=4)
+    )
+    assert want.num_devices == 64 and want.total_params == 30_532_122_624
+    res = _cli("--config", config)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == plan.format_plan("qwen3_30b_a3b_gsm8k", want)
+    assert plan.main(["--config", config, "model.bogus=1"]) == 2
+    assert plan.main(["--preset", "tiny"]) == 2  # a preset needs --mesh
+
+
 def test_optimizer_state_dtypes_come_from_its_init():
     # bfloat16 master weights: params and gradients halve, the float32 moments do not.
     cfg = ModelConfig.preset("tiny")

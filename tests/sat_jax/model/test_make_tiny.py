@@ -27,7 +27,8 @@ def test_make_tiny_writes_a_checkpoint_and_tokenizer(tmp_path: pathlib.Path) -> 
     assert tok.bos_token_id is None
     im_end, eot = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     assert tok.eos_token_id == im_end
-    assert hf.eos_token_ids(out) == (im_end, eot)
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == [im_end, eot]
     ids = tok.apply_chat_template(
         [{"role": "user", "content": "Tom has 3 apples."}], add_generation_prompt=True
     )
