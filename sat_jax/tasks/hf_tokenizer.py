@@ -18,8 +18,6 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sat_jax.model import hf
-
 # Any one of these makes a directory a tokenizer (fast tokenizers, SentencePiece, GPT-2 BPE).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
@@ -64,6 +62,21 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
+def checkpoint_eos_ids(path: str) -> frozenset[int]:
+    """Every `eos_token_id` of `path`'s config.json and generation_config.json (each an int, a
+    list of ints, or absent); empty when `path` is ""."""
+    if not path:
+        return frozenset()
+    ids: set[int] = set()
+    for name in ("config.json", "generation_config.json"):
+        value = _read_json(pathlib.Path(path) / name).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(int(i) for i in value)
+    return frozenset(ids)
+
+
 class HFTokenizer:
     """`transformers.AutoTokenizer` of a local directory, as a `Tokenizer`.
 
@@ -103,8 +116,7 @@ class HFTokenizer:
         self.chat_template = chat_template
         self.system_prompt = system_prompt
         own_eos = {self._tok.eos_token_id} - {None}
-        checkpoint_eos = hf.eos_token_ids(checkpoint) if checkpoint else ()
-        stops = own_eos | set(checkpoint_eos) | set(stop_ids)
+        stops = own_eos | checkpoint_eos_ids(checkpoint) | set(stop_ids)
         if not stops:
             raise ValueError(
                 f"{path_key}: the tokenizer in {path} has no eos token; set rollout.stop_token_ids"
