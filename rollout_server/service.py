@@ -177,7 +177,8 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
             n = len(ids)
         else:
             try:
-                n = len(engine.tokenizer.encode_prompt(request.text_content.text))
+                text = request.text_content.text  # empty: no prompt, whatever a BOS adds
+                n = len(engine.tokenizer.encode_prompt(text)) if text else 0
             except ValueError as e:
                 return str(e)
         try:

@@ -175,9 +175,11 @@ def test_serve_pull_matches_the_template_and_transformers_logprobs(setup, tmp_pa
         groups, stats = _pull_groups(server, 8)
     finally:
         server.stop()
-    assert stats.rows_skipped == 1 and stats.prompts_skipped == 1, stats
+    # The long prompt is drawn at least once (every 9 draws); each draw is skipped and counted.
+    assert stats.rows_skipped == 1 and stats.prompts_skipped >= 1, stats
     log = (tmp_path / "server.log").read_text()
     assert "skipped 1 of 10 rows (1 without 'answer')" in log
+    assert "reward failed" not in log and "Traceback" not in log, log
     size = len(d.tokenizer)
     finishes = []
     for g in groups:

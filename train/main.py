@@ -1,12 +1,12 @@
 """``sat-train --config configs/NAME.yaml [dotted.key=value ...]``: the async SAT-GRPO trainer.
 
-build mesh → base policy (init + cached supervised warm-up) → restore or start → servers (a local
-child when ``train.servers`` is empty) → sync weights → loop: pull → lag-tag/drop → step → push
-weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
+build mesh → base policy (``model.hf_path``'s weights, or init + cached supervised warm-up) →
+restore or start → servers (a local child when ``train.servers`` is empty) → sync weights → loop:
+pull → lag-tag/drop → step → push weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
 (optimizer, base policy, batch shape, server pool, ...) live in ``train.setup``; this module is
 the job that runs them, and the command line.
 
-Versions: this trainer publishes the warm-up policy as version 1 and every consumed batch adds one
+Versions: this trainer publishes the base policy as version 1 and every consumed batch adds one
 (a skipped step too, so the servers' admission stays one batch per version; in sync mode the
 unchanged params are republished under it)
 (a server holds its own random weights as version 0 and, by default, generates nothing until the

@@ -23,7 +23,6 @@ from jax.sharding import NamedSharding, PartitionSpec
 from sat_jax import sharding
 from sat_jax.experiment import ExperimentConfig
 from sat_jax.model import hf
-from sat_jax.model.config import runtime_overrides
 from sat_jax.tasks import make_tokenizer
 from sat_jax.tasks import sampleable_mask as tokenizer_mask
 from sat_jax.train_step import next_token_logprobs
@@ -69,12 +68,11 @@ def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.Gra
 
 
 def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
-    """``model.hf_path``'s weights in ``model.param_dtype``, placed on their shardings."""
+    """``model.hf_path``'s weights in ``model.param_dtype``, each read straight into its sharding."""
     start = time.monotonic()
-    model = hf.load_qwen3_moe(cfg.model.hf_path, **runtime_overrides(cfg.model))
-    graphdef, state = nnx.split(model)
     _, abstract = sharding.abstract_model(cfg.model)
-    params = jax.device_put(nnx.to_pure_dict(state), sharding.param_shardings(abstract, mesh))
+    shardings = sharding.param_shardings(abstract, mesh)
+    graphdef, params = hf.load_params(cfg.model.hf_path, cfg.model, shardings)
     log.info("loaded %s (%.1fs)", cfg.model.hf_path, time.monotonic() - start)
     return graphdef, params
 

@@ -7,7 +7,9 @@ with the answer symbolically ("1/2" == "0.5" == "\\frac12"); `gsm8k_reward` take
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from collections.abc import Callable
 
 RewardFn = Callable[[str, str], float]
@@ -37,17 +39,34 @@ def math_reward(completion: str, answer: str) -> float:
 
     A completion without a boxed answer scores 0. The answer may itself be boxed or plain.
     """
-    from math_verify import parse, verify  # imported only when used (slow to import)
-
     boxed = last_boxed(completion)
     if boxed is None:
         return 0.0
     gold_text = answer if "\\boxed{" in answer else f"\\boxed{{{answer}}}"
-    gold = parse(f"${gold_text}$")
-    guess = parse(f"$\\boxed{{{boxed}}}$")
-    if not gold or not guess:
+    same = _math_equal(f"${gold_text}$", f"$\\boxed{{{boxed}}}$")
+    if same is None:
         return float(boxed.strip() == (last_boxed(gold_text) or "").strip())
-    return float(verify(gold, guess))
+    return float(same)
+
+
+def _math_equal(gold_latex: str, guess_latex: str) -> bool | None:
+    """math-verify's verdict on two LaTeX strings; None when either does not parse.
+
+    math-verify's timeouts use `signal.alarm`, which works only on the main thread; elsewhere (the
+    rollout server scores on its loop thread) they are off, and completions are short anyway.
+    """
+    from math_verify import parse, verify  # imported only when used (slow to import)
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    if timeout is None:
+        # Without a timeout math-verify warns on every call; the choice is deliberate here.
+        for name in ("math_verify.parser", "math_verify.grader"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    gold = parse(gold_latex, parsing_timeout=timeout)
+    guess = parse(guess_latex, parsing_timeout=timeout)
+    if not gold or not guess:
+        return None
+    return verify(gold, guess, timeout_seconds=timeout)
 
 
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
@@ -66,17 +85,13 @@ def gsm8k_reward(completion: str, answer: str) -> float:
     the completion's answer is its last `\\boxed{}`, or else its last number. Thousands
     separators are dropped on both sides.
     """
-    from math_verify import parse, verify
-
     reference = answer.rsplit("####", 1)[-1].strip().replace(",", "")
     guess = last_boxed(completion)
     guess = last_number(completion) if guess is None else guess.replace(",", "")
     if guess is None or not reference:
         return 0.0
-    gold, mine = parse(f"${reference}$"), parse(f"${guess}$")
-    if not gold or not mine:
-        return float(guess.strip() == reference)
-    return float(verify(gold, mine))
+    same = _math_equal(f"${reference}$", f"${guess}$")
+    return float(guess.strip() == reference) if same is None else float(same)
 
 
 def make_reward(name: str) -> RewardFn:

@@ -1,6 +1,7 @@
 """sat_jax.tasks: tokenizer, arithmetic generator, rewards, grain pipelines with resumable state."""
 
 import json
+import threading
 
 import pytest
 
@@ -188,3 +189,14 @@ def test_rows_without_the_prompt_or_answer_are_skipped_and_counted(tmp_path, cap
 def test_gsm8k_reward(completion, answer, expected):
     assert gsm8k_reward(completion, answer) == expected
     assert make_reward("gsm8k") is gsm8k_reward
+
+
+def test_math_rewards_work_off_the_main_thread():
+    # The rollout server scores on its loop thread, where math-verify's signal timeouts fail.
+    got = []
+    worker = threading.Thread(
+        target=lambda: got.extend([gsm8k_reward("so 7", "#### 7"), math_reward("\\boxed{7}", "7")])
+    )
+    worker.start()
+    worker.join()
+    assert got == [1.0, 1.0]
