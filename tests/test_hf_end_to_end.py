@@ -32,6 +32,7 @@ import yaml
 
 from rollout_server.proto import rollout_pb2
 from sat_jax.experiment import load_config
+from sat_jax.model import hf
 from tests import hf_fixtures
 
 torch = pytest.importorskip("torch")
@@ -205,7 +206,9 @@ def test_serve_pull_matches_the_template_and_transformers_logprobs(setup, tmp_pa
 
 
 def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
-    _, config, _, _ = setup
+    """Then sat-export of the trained run loads in transformers (weights moved, logits equal
+    ours within 1e-4, same tokenizer) and sat-eval prints avg@K and pass@K."""
+    d, config, template, _ = setup
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "--config", str(config), "train.steps=2",
            "server.dtype=bfloat16", f"train.run_dir={run_dir}"]  # fmt: skip
@@ -222,3 +225,27 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
     # bfloat16 serving vs float32 training: the behavior/trainer log-prob gap is bfloat16
     # rounding, far from the gap of unrelated weights (which is O(1) nats here).
     assert all(r["mismatch_abs_mean"] < 0.1 for r in steps), steps
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", *args, "--config", str(config), f"train.run_dir={run_dir}"]
+        return subprocess.run(
+            cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+        )
+
+    export_dir = tmp_path / "export"
+    proc = command("train.export", "--out", str(export_dir))
+    assert proc.returncode == 0, proc.stderr
+    trained = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+    assert tok("Tom has 3 apples")["input_ids"] == d.tokenizer("Tom has 3 apples")["input_ids"]
+    base, moved = d.model.state_dict(), trained.state_dict()
+    assert any(not torch.equal(moved[k], base[k]) for k in base), "training changed no weight"
+    ids = next(iter(template.values()))
+    with torch.no_grad():
+        want = trained(torch.tensor([ids])).logits.numpy()
+    ours = hf.load_qwen3_moe(export_dir)
+    got = np.asarray(ours(np.asarray([ids], np.int32)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    proc = command("train.eval_cli", "--k", "2", "--problems", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
