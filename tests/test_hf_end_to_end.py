@@ -211,7 +211,10 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
     d, config, template, _ = setup
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "--config", str(config), "train.steps=2",
-           "server.dtype=bfloat16", f"train.run_dir={run_dir}"]  # fmt: skip
+           "server.dtype=bfloat16", f"train.run_dir={run_dir}",
+           # Random weights earn reward 0, so GRPO's gradient is 0: weight decay still moves
+           # every weight, which the export below must show.
+           "train.weight_decay=0.1"]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
     )
@@ -233,7 +236,7 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
         )
 
     export_dir = tmp_path / "export"
-    proc = command("train.export", "--out", str(export_dir))
+    proc = command("train.export", "--out", str(export_dir), "train.weight_decay=0.1")
     assert proc.returncode == 0, proc.stderr
     trained = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(export_dir)
@@ -246,6 +249,6 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
     ours = hf.load_qwen3_moe(export_dir)
     got = np.asarray(ours(np.asarray([ids], np.int32)))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    proc = command("train.eval_cli", "--k", "2", "--problems", "4")
+    proc = command("train.eval_cli", "--k", "2", "--problems", "4", "train.weight_decay=0.1")
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
