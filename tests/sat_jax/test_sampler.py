@@ -66,16 +66,18 @@ def test_greedy_is_the_argmax_of_the_full_forward_step_by_step(model, masked):
     )
     assert out.logp_bt is None and out.routing_btlk is None
     allowed = np.ones(MODEL_CFG.vocab_size, bool) if vocab_mask is None else vocab_mask
+    # One full forward over each produced sequence: by causality, position len + s - 1 sees exactly
+    # the prompt and the first s completion tokens, which is what decoding token s saw.
     for b in range(len(PROMPTS)):
-        ids = list(PROMPTS[b])
-        for _ in range(MAX_NEW):  # one full forward per token, as a reader would decode
-            logits = _logits(graphdef, params, np.asarray([ids], np.int32))[0, -1]
-            ids.append(int(np.argmax(np.where(allowed, logits, -np.inf))))
-            if ids[-1] == EOS:
-                break
         got = _completion(out.tokens_bt, lengths, b)
-        new = ids[len(PROMPTS[b]) :]
-        assert got == new + [0] * (MAX_NEW - len(new)), (b, got, new)
+        n_new = got.index(EOS) + 1 if EOS in got else MAX_NEW
+        assert got[n_new:] == [0] * (MAX_NEW - n_new), (b, got)
+        ids = [*PROMPTS[b], *got[:n_new]]
+        logits = _logits(graphdef, params, np.asarray([ids], np.int32))[0]
+        for s in range(n_new):
+            pos = len(PROMPTS[b]) + s - 1
+            want = int(np.argmax(np.where(allowed, logits[pos], -np.inf)))
+            assert got[s] == want, (b, s, got, want)
 
 
 def test_sampled_logprobs_and_routing_are_the_full_forward_at_the_sampled_tokens(model):
