@@ -22,16 +22,28 @@ import numpy as np
 
 from sat_jax import objectives
 
+BATCH_KINDS = ("mixed", "active")
 
-def make_batch(active_tokens: int, seed: int = 0):
-    """Responses of random length in [T/2, T] (mean 3T/4 active) with about `active_tokens` in all."""
+
+def make_batch(active_tokens: int, seed: int = 0, kind: str = "mixed"):
+    """About `active_tokens` active tokens in rows of T = 1024.
+
+    "mixed": responses of random length in [T/2, T] (mean 3T/4 active), log-ratios ~N(0, 0.3);
+    "active": every token active, log-ratios ~N(0, 0.05) (a near-on-policy batch).
+    """
     rng = np.random.default_rng(seed)
     T = 1024
-    B = max(1, round(active_tokens / (0.75 * T)))
-    lengths = rng.integers(T // 2, T + 1, size=B)
+    if kind == "mixed":
+        B = max(1, round(active_tokens / (0.75 * T)))
+        lengths = rng.integers(T // 2, T + 1, size=B)
+        scale = 0.3
+    else:
+        B = max(1, round(active_tokens / T))
+        lengths = np.full(B, T)
+        scale = 0.05
     mask = (np.arange(T)[None, :] < lengths[:, None]).astype(np.float32)
     logp = np.log(rng.uniform(0.05, 0.99, (B, T))).astype(np.float32)
-    behavior = (logp + 0.3 * rng.standard_normal((B, T))).astype(np.float32)
+    behavior = (logp + scale * rng.standard_normal((B, T))).astype(np.float32)
     adv = np.repeat(rng.standard_normal((B, 1)), T, axis=1).astype(np.float32)
     return tuple(jnp.asarray(x) for x in (logp, behavior, adv, mask))
 
@@ -102,55 +114,58 @@ def main() -> None:
         f"backend={jax.default_backend()} jax={jax.__version__} python={platform.python_version()}"
     )
     time_losses(args.tokens, args.repeats)
-    time_quantiles(args.tokens[0], max(5, args.repeats // 2))
+    for kind in BATCH_KINDS:
+        time_quantiles(args.tokens[0], max(5, args.repeats // 2), kind)
     if args.train_step:
         time_train_step(*args.step_batch, repeats=max(3, args.repeats // 4))
 
 
 def time_losses(sizes: list[int], repeats: int) -> None:
-    """PPO vs SAT loss + gradient, with and without metrics, per size and ratio level."""
+    """PPO vs SAT loss + gradient, with and without metrics, per size, batch kind and ratio level."""
     sat = objectives.SATConfig(enabled=True, quantile=0.9, exponent=2.0)
     rows = []
     for tokens in sizes:
-        batch = make_batch(tokens)
-        active = int(jnp.sum(batch[3]))
-        for level in ("token", "sequence"):
-            ppo_cfg = objectives.PolicyLossConfig(ratio_level=level)
-            sat_cfg = objectives.PolicyLossConfig(ratio_level=level, sat=sat)
-            fns = {
-                "ppo": loss_and_grad_fn(ppo_cfg),
-                "sat": loss_and_grad_fn(sat_cfg),
-                "ppo+m": loss_and_grad_fn(ppo_cfg, with_metrics=True),
-                "sat+m": loss_and_grad_fn(sat_cfg, with_metrics=True),
-            }
-            ms = time_interleaved(fns, dict.fromkeys(fns, batch), repeats)
-            rows.append((f"{active:,}", level, ms))
-            print(
-                f"  {active:,} tokens {level}: "
-                + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
-                flush=True,
-            )
+        for kind in BATCH_KINDS:
+            batch = make_batch(tokens, kind=kind)
+            active = int(jnp.sum(batch[3]))
+            for level in ("token", "sequence"):
+                ppo_cfg = objectives.PolicyLossConfig(ratio_level=level)
+                sat_cfg = objectives.PolicyLossConfig(ratio_level=level, sat=sat)
+                fns = {
+                    "ppo": loss_and_grad_fn(ppo_cfg),
+                    "sat": loss_and_grad_fn(sat_cfg),
+                    "ppo+m": loss_and_grad_fn(ppo_cfg, with_metrics=True),
+                    "sat+m": loss_and_grad_fn(sat_cfg, with_metrics=True),
+                }
+                ms = time_interleaved(fns, dict.fromkeys(fns, batch), repeats)
+                rows.append((f"{active:,}", kind, level, ms))
+                print(
+                    f"  {active:,} tokens {kind} {level}: "
+                    + ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items()),
+                    flush=True,
+                )
 
     print(
-        "\n| active tokens | ratio level | PPO loss+grad (ms) | SAT loss+grad (ms) | SAT/PPO "
+        "\n| active tokens | batch | ratio level | PPO loss+grad (ms) | SAT loss+grad (ms) | SAT/PPO "
         "| PPO with metrics (ms) | SAT with metrics (ms) | SAT/PPO with metrics |"
     )
-    print("|---|---|---|---|---|---|---|---|")
-    for active, level, ms in rows:
+    print("|---|---|---|---|---|---|---|---|---|")
+    for active, kind, level, ms in rows:
         print(
-            f"| {active} | {level} | {ms['ppo']:.2f} | {ms['sat']:.2f} | {ms['sat'] / ms['ppo']:.2f} "
-            f"| {ms['ppo+m']:.2f} | {ms['sat+m']:.2f} | {ms['sat+m'] / ms['ppo+m']:.2f} |"
+            f"| {active} | {kind} | {level} | {ms['ppo']:.2f} | {ms['sat']:.2f} "
+            f"| {ms['sat'] / ms['ppo']:.2f} | {ms['ppo+m']:.2f} | {ms['sat+m']:.2f} "
+            f"| {ms['sat+m'] / ms['ppo+m']:.2f} |"
         )
 
 
-def time_quantiles(tokens: int, repeats: int) -> None:
+def time_quantiles(tokens: int, repeats: int, kind: str = "mixed") -> None:
     """The exact 0.9-quantile of |d| by three algorithms (checked equal) against PPO's step."""
-    batch = make_batch(tokens)
+    batch = make_batch(tokens, kind=kind)
     abs_d = jnp.abs(batch[0] - batch[1])
     quantile_fns = {
         "sort": jax.jit(sort_quantile),
         "bisection (32 passes)": jax.jit(bisection_quantile),
-        "radix select (2 passes, library)": jax.jit(radix_quantile),
+        "radix select (2 histogram passes, library)": jax.jit(radix_quantile),
     }
     values = {name: float(fn(abs_d, batch[3])) for name, fn in quantile_fns.items()}
     assert len(set(values.values())) == 1, f"quantile algorithms disagree: {values}"
@@ -161,7 +176,8 @@ def time_quantiles(tokens: int, repeats: int) -> None:
     )
     active = int(jnp.sum(batch[3]))
     print(
-        f"\nExact 0.9-quantile of |d| over {active:,} active tokens (all agree: {values['sort']:.6g})"
+        f"\nExact 0.9-quantile of |d| over {active:,} active tokens, {kind} batch "
+        f"(all agree: {values['sort']:.6g})"
     )
     print("| algorithm | ms | × PPO loss+grad |")
     print("|---|---|---|")

@@ -29,6 +29,8 @@ from rollout_server.engine import MoEEngine, unpack_step
 
 log = logging.getLogger(__name__)
 
+_RACE = "must have some requests inserted"  # JetStream 0.2.2's free-slot race (see below)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FinishedSample:
@@ -72,6 +74,8 @@ class RolloutDriver(orchestrator.Driver):
 
     def __init__(self, *args, **kwargs):
         self.tokens_generated = 0
+        # Called (on the generate thread) with the error of a failed generate loop; None = log.
+        self.on_fatal: Callable[[BaseException], None] | None = None
         self._counter_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
@@ -97,17 +101,28 @@ class RolloutDriver(orchestrator.Driver):
         this point we must have some requests inserted into the slots" fires and JetStream
         SIGKILLs the process (seen twice in ~7 `make run`s, when a batch drains at admission
         close). When it fires every slot is free and nothing is in flight, so starting the loop
-        again with a fresh decode state loses nothing. Any other error still propagates.
+        again with a fresh decode state loses nothing.
+
+        Any other error (e.g. out of memory inside `generate()` while two weight copies exist)
+        ends the loop: it is logged and handed to `on_fatal` (the server then stops and exits
+        with its state saved) instead of reaching JetStream's thread wrapper, which SIGKILLs the
+        process.
         """
         slots = self._generate_slots[idx]
         capacity = self._generate_engines[idx].max_concurrent_decodes
         while self.live:
             try:
                 return super()._generate_thread(idx)
-            except AssertionError as e:
-                if "must have some requests inserted" not in str(e) or slots.qsize() < capacity:
-                    raise
-                log.warning("JetStream generate loop %d hit its free-slot race; restarting it", idx)
+            except Exception as e:
+                race = isinstance(e, AssertionError) and _RACE in str(e)
+                if race and slots.qsize() >= capacity:
+                    log.warning("generate loop %d hit the free-slot race; restarting it", idx)
+                    continue
+                log.error("generate loop %d failed", idx, exc_info=e)
+                if self.on_fatal is not None:
+                    self.on_fatal(e)
+                return None
+        return None
 
     def _detokenize_thread(self, idx: int) -> None:
         backlog = self._detokenize_backlogs[idx]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -37,6 +38,14 @@ class GroupQueue:
         with self._cond:
             self._items.extendleft(reversed(items))
             self._cond.notify_all()
+
+    def remove_if(self, predicate: Callable[[Any], bool]) -> list[Any]:
+        """Takes out (and returns, in order) every item for which `predicate` is true."""
+        with self._cond:
+            taken = [item for item in self._items if predicate(item)]
+            if taken:
+                self._items = collections.deque(i for i in self._items if not predicate(i))
+            return taken
 
     def wait(self, timeout_s: float) -> bool:
         """Waits up to `timeout_s` for an item without taking it; True when one is there."""

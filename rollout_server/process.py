@@ -23,7 +23,7 @@ from flax import nnx
 from jetstream.core.proto import jetstream_pb2_grpc
 
 from rollout_server import weights
-from rollout_server.client import channel_options
+from rollout_server.auth import TokenInterceptor
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.metrics import ServerMetrics
@@ -62,11 +62,19 @@ def initial_model(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Transformer
 
 
 class RolloutServer:
-    """Everything the process runs; `start()` inside an asyncio loop, `stop()` to end."""
+    """Everything the process runs; `start()` inside an asyncio loop, `stop()` to end.
 
-    def __init__(self, cfg: ExperimentConfig):
+    Args:
+      cfg: the experiment.
+      store: the state store of `server.state_dir`, holding its lock (`sat-serve` opens it before
+        importing anything heavy, so a second server on the directory fails at once).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, store: StateStore):
         self.cfg = cfg
         s, r = cfg.server, cfg.rollout
+        self.store = store
+        self.fatal: BaseException | None = None
         self.tokenizer = make_tokenizer(cfg)
         mesh = serving_mesh(cfg)
         self.engine = MoEEngine(
@@ -79,7 +87,6 @@ class RolloutServer:
             sampling=SamplingConfig.from_rollout(r),
             seed=s.seed,
         )
-        store = StateStore(s.state_dir)
         persisted = store.load()
         if persisted.checkpoint_path and not self._reload(
             persisted.version, persisted.checkpoint_path
@@ -109,11 +116,13 @@ class RolloutServer:
             wait_for_weights=s.wait_for_weights,
             max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
             rows_skipped=rows_skipped,
+            lease_s=s.lease_s,
         )
         self.metrics = ServerMetrics(
             self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()
         )
         self.grpc_server: grpc.aio.Server | None = None
+        self.service: RolloutService | None = None
 
     def _reload(self, version: int, path: str) -> bool:
         """Installs the persisted weights; False (logged) when they cannot be loaded."""
@@ -138,24 +147,36 @@ class RolloutServer:
 
     async def _start(self) -> None:
         s = self.cfg.server
-        # gRPC enables SO_REUSEPORT by default: a second server would silently share the port.
-        options = [*channel_options(s.max_message_bytes), ("grpc.so_reuseport", 0)]
-        self.grpc_server = grpc.aio.server(options=options)
-        jetstream_pb2_grpc.add_OrchestratorServicer_to_server(
-            ValidatingOrchestrator(self.driver, self.engine, max_prefill_backlog=4 * s.slots),
-            self.grpc_server,
+        options = [
+            ("grpc.max_send_message_length", s.max_message_bytes),
+            # Requests are small: a larger one is refused before it is parsed.
+            ("grpc.max_receive_message_length", s.max_request_bytes),
+            # gRPC enables SO_REUSEPORT by default: a second server would silently share the port.
+            ("grpc.so_reuseport", 0),
+        ]
+        self.grpc_server = grpc.aio.server(
+            options=options,
+            interceptors=[TokenInterceptor(s.token)] if s.token else None,
+            maximum_concurrent_rpcs=s.max_concurrent_rpcs,
         )
-        rollout_pb2_grpc.add_RolloutServicer_to_server(
-            RolloutService(
-                loop=self.loop,
-                engine=self.engine,
-                driver=self.driver,
-                checkpoint_root=s.checkpoint_root,
-                token=s.token,
-                metrics=self.metrics,
-            ),
-            self.grpc_server,
+        orchestrator = ValidatingOrchestrator(
+            self.driver,
+            self.engine,
+            max_prefill_backlog=4 * s.slots,
+            max_prefill_length=s.max_prefill_length,
         )
+        jetstream_pb2_grpc.add_OrchestratorServicer_to_server(orchestrator, self.grpc_server)
+        self.service = RolloutService(
+            loop=self.loop,
+            engine=self.engine,
+            driver=self.driver,
+            checkpoint_root=s.checkpoint_root,
+            token=s.token,
+            max_version_jump=s.max_version_jump,
+            pull_threads=s.grpc_threads,
+            metrics=self.metrics,
+        )
+        rollout_pb2_grpc.add_RolloutServicer_to_server(self.service, self.grpc_server)
         address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"
         if s.tls_cert:
             with open(s.tls_key, "rb") as key, open(s.tls_cert, "rb") as cert:
@@ -164,7 +185,7 @@ class RolloutServer:
         else:
             self.port = self.grpc_server.add_insecure_port(address)
         if s.metrics_port:
-            self.metrics.serve(s.metrics_port, s.host)
+            self.metrics.serve(s.metrics_port, s.metrics_host)
         await self.grpc_server.start()
         self.loop.start()
         log.info(
@@ -178,21 +199,37 @@ class RolloutServer:
             log.info("waiting for the first UpdateWeights before generating")
 
     async def stop(self) -> None:
-        """Stops the rollout loop, the gRPC server (1 s grace) and the driver."""
+        """Stops the rollout loop (saving its state), the gRPC server (1 s grace), the driver,
+        and releases the state directory."""
         self.loop.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1)
+        if self.service is not None:
+            self.service.close()
         self.driver.stop()
+        self.store.close()
 
 
-async def serve(cfg: ExperimentConfig) -> None:
-    """Runs the server until SIGINT or SIGTERM."""
-    server = RolloutServer(cfg)
-    await server.start()
+async def serve(cfg: ExperimentConfig, store: StateStore) -> int:
+    """Runs the server (with `store`, see `RolloutServer`) until SIGINT or SIGTERM (exit code 0),
+    or until generation fails (the state is saved and the exit code is 1: a supervisor restarts
+    the server where it was)."""
+    server = RolloutServer(cfg, store)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_fatal(error: BaseException) -> None:  # called on a driver thread
+        server.fatal = error
+        loop.call_soon_threadsafe(done.set)
+
+    server.driver.on_fatal = on_fatal
+    await server.start()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
     await done.wait()
     log.info("stopping")
     await server.stop()
+    if server.fatal is not None:
+        log.error("generation failed (%r); state saved, exiting with code 1", server.fatal)
+        return 1
+    return 0

@@ -13,8 +13,16 @@ drops) no longer count, so after `UpdateWeights(v)` starts an epoch exactly
 batch_groups more for each version after v. With `wait_for_weights` nothing is dispatched before
 the first trainer weights.
 
-Every dispatch and every pull saves the prompt position and the prompts not yet pulled
-(`persistence.StateStore`), so a restarted server re-issues them before drawing new ones.
+Delivery (docs/DESIGN.md §6.2): `pull` leases groups; only `ack` removes them for good and counts
+them as consumed. A lease not acknowledged within `lease_s` (a Pull abandoned by its client, a
+trainer killed before acknowledging) puts the groups back at the front of the queue, so every
+group reaches the trainer at least once; the trainer drops repeats by (server_id, group_id).
+Leased groups count as queued for admission and for the queue's capacity.
+
+Every dispatch and every acknowledgement saves the prompt position and the prompts not yet
+acknowledged (`persistence.StateStore`), so a restarted server re-issues them before drawing new
+ones. A failed save (e.g. a full disk) changes nothing in memory: it is logged and retried on the
+loop's next turn until one succeeds.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import grain
@@ -32,7 +41,7 @@ import grain
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
 from rollout_server.engine import MoEEngine
 from rollout_server.group_queue import GroupQueue
-from rollout_server.persistence import RolloutState, StateStore
+from rollout_server.persistence import RolloutState, StateStore, new_server_id
 from rollout_server.proto import rollout_pb2
 from rollout_server.routing_codec import encode_routing
 from sat_jax.experiment import RolloutConfig
@@ -68,7 +77,8 @@ def admission_budget(
       cfg: `max_staleness` and `batch_groups`.
       state: the persisted counters (`consumed`, `epoch_version`, `epoch_used`).
       version: the weights version the engine holds.
-      queued, running: finished groups not pulled yet, and groups being generated.
+      queued, running: finished groups not acknowledged yet (queued or leased), and groups being
+        generated.
 
     Returns:
       The budget in groups (0 or negative when admission is closed).
@@ -76,6 +86,11 @@ def admission_budget(
     versions = cfg.max_staleness + version - state.epoch_version + 1
     used = state.consumed + queued + running - state.epoch_used
     return versions * cfg.batch_groups - used
+
+
+class RunNotAttachedError(RuntimeError):
+    """A new admission epoch from a trainer run other than the attached one, which is still
+    active."""
 
 
 class RolloutLoop:
@@ -96,6 +111,7 @@ class RolloutLoop:
       max_response_bytes: a Pull returns fewer groups rather than exceed this many bytes
         (a single larger group is still returned, and then fails at the gRPC limit); the server
         derives it from `ServerConfig.max_message_bytes`.
+      lease_s: how long a pulled group waits for its acknowledgement before it is queued again.
       rows_skipped: prompt-file rows the pipeline skipped (no prompt or answer column), reported
         in `stats()`.
     """
@@ -112,6 +128,7 @@ class RolloutLoop:
         store: StateStore,
         wait_for_weights: bool,
         max_response_bytes: int,
+        lease_s: float,
         rows_skipped: int = 0,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
@@ -119,7 +136,14 @@ class RolloutLoop:
         self.queue = GroupQueue(cfg.queue_groups)
         self._wait_for_weights = wait_for_weights
         self._max_response_bytes = max_response_bytes
+        self._lease_s = lease_s
+        # group id -> (the group, when its lease ends), in lease order.
+        self._leased: dict[int, tuple[rollout_pb2.Group, float]] = {}
+        self._save_failed = False
+        self._run_seen = time.monotonic()  # the attached run's last call (or the start)
         self._state = store.load()
+        if not self._state.server_id:
+            self._state.server_id = new_server_id()
         self._iter = iter(prompts)
         if self._state.iterator is not None:
             self._iter.set_state(self._state.iterator)
@@ -151,10 +175,14 @@ class RolloutLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops the loop and waits (up to 10 s) for its thread."""
+        """Stops the loop, waits (up to 10 s) for its thread and saves the state once more if
+        the last save failed."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        with self._lock:
+            if self._save_failed:
+                self._save_locked()
 
     def alive(self) -> bool:
         """Whether the loop's thread runs and has not been asked to stop."""
@@ -173,6 +201,7 @@ class RolloutLoop:
                 "groups_consumed": self._state.consumed,
                 "groups_queued": len(self.queue),
                 "groups_running": len(self._running),
+                "groups_leased": len(self._leased),
                 "tokens_generated": tokens,
                 "tokens_per_s": tokens / elapsed,
                 "prompts_drawn": self.prompts_drawn,
@@ -185,7 +214,7 @@ class RolloutLoop:
     def _admission_open_locked(self) -> bool:
         if self._wait_for_weights and not self._state.checkpoint_path:
             return False
-        queued, running = len(self.queue), len(self._running)
+        queued, running = len(self.queue) + len(self._leased), len(self._running)
         budget = admission_budget(
             self._cfg, self._state, version=self._engine.version, queued=queued, running=running
         )
@@ -193,13 +222,18 @@ class RolloutLoop:
 
     # The trainer's side.
 
-    def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
-        """Up to `max_groups` finished groups (waiting up to `timeout_s` for the first).
+    def pull(
+        self, max_groups: int, timeout_s: float, *, ack: Sequence[int] = (), run_id: str = ""
+    ) -> list[rollout_pb2.Group]:
+        """Acknowledges `ack` (as `ack` does), then leases up to `max_groups` finished groups
+        (waiting up to `timeout_s` for the first).
 
-        Taking groups off the queue and counting them as consumed happen under the loop's lock,
-        in one step: in between, admission would see them in neither count and start a group
-        too many (one that a sync-mode trainer then drops as stale, stalling the run).
+        Taking groups off the queue and leasing them happen under the loop's lock, in one step:
+        in between, admission would see them in no count and start a group too many.
         """
+        if ack:
+            self.ack(ack, run_id=run_id)
+        self._touch(run_id)
         if not self.queue.wait(timeout_s):
             return []
         with self._lock:
@@ -214,31 +248,101 @@ class RolloutLoop:
             if keep < len(groups):
                 self.queue.unget(groups[keep:])
                 groups = groups[:keep]
-            if groups:
-                self._state.consumed += len(groups)
-                for g in groups:
-                    self._unfinished.pop(g.group_id, None)
-                self._save_locked()
+            until = time.monotonic() + self._lease_s
+            for g in groups:
+                self._leased[g.group_id] = (g, until)
         return groups
 
+    def ack(self, group_ids: Sequence[int], *, run_id: str = "") -> int:
+        """Removes the groups `group_ids` for good (leased ones, or ones whose lease expired and
+        that wait in the queue again) and counts them as consumed; unknown ids (already
+        acknowledged) are ignored. Returns how many were removed."""
+        self._touch(run_id)
+        ids = set(group_ids)
+        with self._lock:
+            done = [i for i in ids if self._leased.pop(i, None) is not None]
+            requeued = self.queue.remove_if(lambda g: g.group_id in ids)
+            done += [g.group_id for g in requeued]
+            if done:
+                self._state.consumed += len(done)
+                for i in done:
+                    self._unfinished.pop(i, None)
+                self._save_locked()
+        return len(done)
+
+    def release(self, groups: Sequence[rollout_pb2.Group]) -> None:
+        """Ends the leases of `groups` now (their Pull's reply was never sent): they are queued
+        again, at the front, in order."""
+        with self._lock:
+            back = [g for g in groups if self._leased.pop(g.group_id, None) is not None]
+            if back:
+                self.queue.unget(back)
+
+    def _expire_leases(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            expired = [g for g, until in self._leased.values() if until <= now]
+            if not expired:
+                return
+            for g in expired:
+                del self._leased[g.group_id]
+            self.queue.unget(expired)
+        log.warning("%d pulled groups were not acknowledged in time; queued again", len(expired))
+
+    def _touch(self, run_id: str) -> None:
+        if run_id and run_id == self._state.run_id:
+            self._run_seen = time.monotonic()
+
     def install_weights(
-        self, version: int, checkpoint_path: str, params: Any, *, new_epoch: bool = False
+        self,
+        version: int,
+        checkpoint_path: str,
+        params: Any,
+        *,
+        new_epoch: bool = False,
+        run_id: str = "",
     ) -> None:
         """Swaps `params` into the engine as `version` and records them so a restart reloads them.
 
         Admission is held while this runs, so no group is admitted between the swap and the
-        new budget. The first trainer weights, or `new_epoch`, start an admission epoch.
+        new budget. The first trainer weights, or `new_epoch`, start an admission epoch, and the
+        run that starts one (`run_id`) becomes the attached run.
 
         Raises:
+          RunNotAttachedError: `new_epoch` from a run other than the attached one while that one
+            has called within the last `lease_s` seconds (nothing changes).
           ValueError: from `MoEEngine.swap_params` (params of another structure, bad version).
         """
         with self._lock:
+            new_epoch = new_epoch or not self._state.checkpoint_path
+            self._check_attached_locked(new_epoch, run_id)
             self._engine.swap_params(version, params)
-            if new_epoch or not self._state.checkpoint_path:
+            if new_epoch:
                 self._state.epoch_version = version
-                self._state.epoch_used = self._state.consumed + len(self.queue) + len(self._running)
+                used = len(self.queue) + len(self._leased) + len(self._running)
+                self._state.epoch_used = self._state.consumed + used
+                self._state.run_id = run_id
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
+            self._touch(run_id)
             self._save_locked()
+
+    def check_attached(self, new_epoch: bool, run_id: str) -> None:
+        """Raises `RunNotAttachedError` if an update from `run_id` (starting a new admission
+        epoch or not) would be refused by `install_weights`."""
+        with self._lock:
+            self._check_attached_locked(new_epoch or not self._state.checkpoint_path, run_id)
+
+    def _check_attached_locked(self, new_epoch: bool, run_id: str) -> None:
+        attached = self._state.run_id
+        if not (new_epoch and attached and run_id != attached):
+            return
+        idle = time.monotonic() - self._run_seen
+        if idle < self._lease_s:
+            raise RunNotAttachedError(
+                f"the server is attached to trainer run {attached!r} (last call {idle:.0f}s "
+                f"ago); another run may start an admission epoch once it has been silent for "
+                f"{self._lease_s:.0f}s"
+            )
 
     # The loop.
 
@@ -248,6 +352,8 @@ class RolloutLoop:
         while not self._stop.is_set():
             try:
                 self._collect(timeout_s=0.02)
+                self._expire_leases()
+                self._retry_failed_save()
                 while not self._stop.is_set() and self._may_dispatch():
                     self._dispatch_next()
             except Exception:  # keep the loop alive; the error is in the log
@@ -376,6 +482,7 @@ class RolloutLoop:
                 )
             )
         return rollout_pb2.Group(
+            server_id=self._state.server_id,
             group_id=record["group_id"],
             prompt_id=record["id"],
             prompt_text=record["text"],
@@ -393,5 +500,21 @@ class RolloutLoop:
             return 0.0
 
     def _save_locked(self) -> None:
+        """Saves the state; a failure is logged and left to `_retry_failed_save` (the state in
+        memory stays as it is: nothing is undone or lost)."""
         self._state.unfinished = list(self._reissue) + list(self._unfinished.values())
-        self._store.save(self._state)
+        try:
+            self._store.save(self._state)
+        except OSError as e:
+            if not self._save_failed:
+                log.error("cannot save the rollout state (%s); retrying until it succeeds", e)
+            self._save_failed = True
+            return
+        if self._save_failed:
+            log.info("the rollout state is saved again")
+        self._save_failed = False
+
+    def _retry_failed_save(self) -> None:
+        with self._lock:
+            if self._save_failed:
+                self._save_locked()

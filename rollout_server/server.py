@@ -3,7 +3,9 @@
 
 The config is read and validated before anything heavy is imported or started: a bad file, key or
 value prints one line, `sat-serve: config error: <message naming the key>`, and exits with code 2.
-`rollout_server.process` then builds and runs the server.
+`rollout_server.process` then builds and runs the server; a `state_dir` another server holds
+prints one line and exits with code 2, and a failed generation step exits with code 1 once the
+state is saved.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import sys
 
+from rollout_server.persistence import StateDirLockedError, StateStore
 from sat_jax.experiment import ConfigError, load_config
 
 
@@ -35,11 +38,16 @@ def main(argv: list[str] | None = None) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("rollout_server").setLevel(logging.INFO)
+    try:  # a state_dir another server holds: one line, before anything heavy
+        store = StateStore(cfg.server.state_dir)
+    except (StateDirLockedError, OSError) as e:
+        print(f"sat-serve: {_one_line(e)}", file=sys.stderr)
+        sys.exit(2)
     # Imported only now: JetStream pulls in TensorFlow (seconds, and log lines on stderr), which a
     # config error should not wait for or print.
     from rollout_server import process
 
-    asyncio.run(process.serve(cfg))
+    sys.exit(asyncio.run(process.serve(cfg, store)))
 
 
 def _one_line(error: Exception) -> str:

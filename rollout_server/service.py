@@ -8,10 +8,12 @@ nothing (§10); JetStream 0.2.2's own Orchestrator would crash or silently trunc
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -22,10 +24,11 @@ from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2
 
 from rollout_server import weights
+from rollout_server.auth import has_token
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
-from rollout_server.rollout import RolloutLoop
+from rollout_server.rollout import RolloutLoop, RunNotAttachedError
 
 log = logging.getLogger(__name__)
 
@@ -33,17 +36,28 @@ MAX_PULL_GROUPS = 4096
 MAX_PULL_TIMEOUT_S = 600.0
 MAX_SESSION_CACHE = 1024
 MAX_VERSION = 2**31 - 1  # versions travel as int32 inside the engine
+# A Decode text longer than this many characters per prompt token the engine takes is refused
+# before it is tokenized (no tokenizer's tokens average that many characters).
+MAX_CHARS_PER_TOKEN = 32
 
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
-    """Pull / UpdateWeights / Stats / Health over a running `RolloutLoop` and `MoEEngine`.
+    """Pull / Ack / UpdateWeights / Stats / Health over a running `RolloutLoop` and `MoEEngine`.
+
+    Blocking work runs off the event loop on bounded executors of its own: Pulls (which wait for
+    groups) on `pull_threads` threads, acknowledgements on one, weight loads and swaps on another,
+    so no number of waiting Pulls delays an UpdateWeights, Stats or Health. The token of every RPC
+    but Health is checked by `auth.TokenInterceptor`; UpdateWeights checks it here (metadata or
+    its `token` field).
 
     Args:
       loop: the rollout loop.
       engine: the engine whose weights UpdateWeights swaps.
       driver: the JetStream driver (for liveness).
       checkpoint_root: only checkpoints under it are loaded ("" disables UpdateWeights).
-      token: the shared secret UpdateWeights must carry ("" = none required).
+      token: the shared secret ("" = none required).
+      max_version_jump: the most an UpdateWeights may raise the version by.
+      pull_threads: Pulls served at once (`server.grpc_threads`); more wait for a thread.
       metrics: an optional `ServerMetrics`.
     """
 
@@ -55,16 +69,29 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         driver: RolloutDriver,
         checkpoint_root: str,
         token: str,
+        max_version_jump: int,
+        pull_threads: int,
         metrics=None,
     ):
         self._loop, self._engine, self._driver = loop, engine, driver
         self._root, self._token, self._metrics = checkpoint_root, token, metrics
+        self._max_jump = max_version_jump
         self._update_lock = asyncio.Lock()
+        self._pulls = ThreadPoolExecutor(pull_threads, thread_name_prefix="pull")
+        self._acks = ThreadPoolExecutor(1, thread_name_prefix="ack")
+        self._updates = ThreadPoolExecutor(1, thread_name_prefix="update-weights")
+
+    def close(self) -> None:
+        """Stops the executors (running work finishes; queued work is dropped)."""
+        for pool in (self._pulls, self._acks, self._updates):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     async def Pull(
         self, request: rollout_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.PullResponse:
-        """Up to `max_groups` finished groups, waiting up to `timeout_s` for the first."""
+        """Acknowledges `ack_group_ids`, then leases up to `max_groups` finished groups, waiting
+        up to `timeout_s` for the first. A Pull abandoned before its reply (deadline, cancelled,
+        client gone) gives its groups back at once."""
         if not 1 <= request.max_groups <= MAX_PULL_GROUPS:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"max_groups must be in [1, {MAX_PULL_GROUPS}]"
@@ -74,58 +101,127 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {MAX_PULL_TIMEOUT_S}]"
             )
-        groups = await asyncio.to_thread(self._loop.pull, request.max_groups, t)
+        if len(request.ack_group_ids) > MAX_PULL_GROUPS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} ack_group_ids"
+            )
+        pull = functools.partial(
+            self._loop.pull,
+            request.max_groups,
+            t,
+            ack=list(request.ack_group_ids),
+            run_id=request.run_id,
+        )
+        future = asyncio.get_running_loop().run_in_executor(self._pulls, pull)
+        try:
+            groups = await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(self._give_back)
+            raise
+        if context.cancelled() or context.done():
+            self._loop.release(groups)
+            return rollout_pb2.PullResponse()
         return rollout_pb2.PullResponse(groups=groups)
+
+    def _give_back(self, future: asyncio.Future) -> None:
+        if not future.cancelled() and future.exception() is None:
+            self._loop.release(future.result())
+
+    async def Ack(
+        self, request: rollout_pb2.AckRequest, context: grpc.aio.ServicerContext
+    ) -> rollout_pb2.AckResponse:
+        """Removes the acknowledged groups for good (they count as consumed)."""
+        if len(request.group_ids) > MAX_PULL_GROUPS:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} group_ids"
+            )
+        ack = functools.partial(self._loop.ack, list(request.group_ids), run_id=request.run_id)
+        acked = await asyncio.get_running_loop().run_in_executor(self._acks, ack)
+        return rollout_pb2.AckResponse(acked=acked)
 
     async def UpdateWeights(
         self, request: rollout_pb2.UpdateWeightsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.UpdateWeightsResponse:
         """Loads the checkpoint (inside the checkpoint root) and swaps it in as `version`."""
-        if self._token and not hmac.compare_digest(request.token.encode(), self._token.encode()):
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "bad or missing token")
+        if self._token and not (
+            has_token(context.invocation_metadata(), self._token)
+            or hmac.compare_digest(request.token.encode(), self._token.encode())
+        ):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "bad or missing token")
         if not 0 <= request.version <= MAX_VERSION:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"version must be in [0, {MAX_VERSION}]"
             )
         async with self._update_lock:
             current = self._engine.version
-            if request.version < current:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"version {request.version} is older than the current version {current}",
-                )
+            error = self._refusal(request, current)
+            if error is not None:
+                await context.abort(*error)
             try:
-                start = time.perf_counter()
-                path, params = await asyncio.to_thread(
-                    weights.load_under_root,
-                    request.checkpoint_path,
-                    self._root,
-                    self._engine.current_params()[1],
-                )
-                loaded = time.perf_counter()
-                await asyncio.to_thread(
-                    self._loop.install_weights,
-                    request.version,
-                    str(path),
-                    params,
-                    new_epoch=request.new_admission_epoch,
-                )
-                swapped = time.perf_counter()
+                load_s, swap_s, path = await self._load_and_install(request)
             except ValueError as e:  # CheckpointPathError, or params swap_params refuses
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            except RunNotAttachedError as e:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
         log.info(
             "weights swapped: version %d -> %d from %s (load %.3fs, swap %.3fs)",
             current,
             request.version,
             path,
-            loaded - start,
-            swapped - loaded,
+            load_s,
+            swap_s,
         )
         if self._metrics is not None:
-            self._metrics.observe_swap(request.version, swapped - start)
+            self._metrics.observe_swap(request.version, load_s + swap_s)
         return rollout_pb2.UpdateWeightsResponse(
-            version=request.version, load_s=loaded - start, swap_s=swapped - loaded
+            version=request.version, load_s=load_s, swap_s=swap_s
         )
+
+    def _refusal(
+        self, request: rollout_pb2.UpdateWeightsRequest, current: int
+    ) -> tuple[grpc.StatusCode, str] | None:
+        """Why an UpdateWeights to `request.version` from `current` is refused, or None."""
+        if request.version < current:
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"version {request.version} is older than the current version {current}",
+            )
+        if request.version - current > self._max_jump:
+            return (
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"version {request.version} jumps more than server.max_version_jump = "
+                f"{self._max_jump} past the current version {current}",
+            )
+        try:
+            self._loop.check_attached(request.new_admission_epoch, request.run_id)
+        except RunNotAttachedError as e:
+            return grpc.StatusCode.FAILED_PRECONDITION, str(e)
+        return None
+
+    async def _load_and_install(
+        self, request: rollout_pb2.UpdateWeightsRequest
+    ) -> tuple[float, float, str]:
+        """Loads and installs the weights on the weights executor; (load s, swap s, path)."""
+        loop = asyncio.get_running_loop()
+        start = time.perf_counter()
+        load = functools.partial(
+            weights.load_under_root,
+            request.checkpoint_path,
+            self._root,
+            self._engine.current_params()[1],
+        )
+        path, params = await loop.run_in_executor(self._updates, load)
+        loaded = time.perf_counter()
+        install = functools.partial(
+            self._loop.install_weights,
+            request.version,
+            str(path),
+            params,
+            new_epoch=request.new_admission_epoch,
+            run_id=request.run_id,
+        )
+        await loop.run_in_executor(self._updates, install)
+        return loaded - start, time.perf_counter() - loaded, str(path)
 
     async def Stats(
         self, request: rollout_pb2.StatsRequest, context: grpc.aio.ServicerContext
@@ -150,12 +246,22 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
       engine: for the vocabulary, prompt and decode limits.
       max_prefill_backlog: Decode requests beyond this many queued prefills are refused
         (RESOURCE_EXHAUSTED); JetStream's own backlog is unbounded.
+      max_prefill_length: the engine's longest prompt in tokens; a text longer than
+        `MAX_CHARS_PER_TOKEN` times it is refused before it is tokenized.
     """
 
-    def __init__(self, driver: RolloutDriver, engine: MoEEngine, max_prefill_backlog: int):
+    def __init__(
+        self,
+        driver: RolloutDriver,
+        engine: MoEEngine,
+        *,
+        max_prefill_backlog: int,
+        max_prefill_length: int,
+    ):
         super().__init__(driver=driver)
         self._engine = engine
         self._max_backlog = max_prefill_backlog
+        self._max_text_chars = MAX_CHARS_PER_TOKEN * max_prefill_length
 
     def validate(self, request: jetstream_pb2.DecodeRequest) -> str | None:
         """The reason `request` is invalid, or None."""
@@ -176,8 +282,11 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
                 return f"token ids must be in [0, {vocab})"
             n = len(ids)
         else:
+            text = request.text_content.text
+            if len(text) > self._max_text_chars:
+                return f"text_content longer than {self._max_text_chars} characters"
             try:
-                text = request.text_content.text  # empty: no prompt, whatever a BOS adds
+                # Empty: no prompt, whatever BOS the tokenizer would add.
                 n = len(engine.tokenizer.encode_prompt(text)) if text else 0
             except ValueError as e:
                 return str(e)
@@ -191,8 +300,8 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
         self, request: jetstream_pb2.DecodeRequest, context: grpc.aio.ServicerContext | None = None
     ):
         """JetStream's Decode after `validate` (INVALID_ARGUMENT) and the backlog bound
-        (RESOURCE_EXHAUSTED)."""
-        error = self.validate(request)
+        (RESOURCE_EXHAUSTED); validation (tokenizing) runs off the event loop."""
+        error = await asyncio.get_running_loop().run_in_executor(None, self.validate, request)
         if error is not None:
             if context is None:
                 raise ValueError(error)

@@ -114,7 +114,9 @@ class ServerConfig:
       host: bind address; anything but loopback requires `token`.
       port: gRPC port for JetStream's Orchestrator and our Rollout service.
       metrics_port: Prometheus port; 0 disables it.
-      token: shared secret `UpdateWeights` must present ("" = none, loopback only).
+      metrics_host: the Prometheus port's bind address (loopback unless set otherwise).
+      token: shared secret every RPC but Health must carry as gRPC metadata
+        `authorization: Bearer <token>` ("" = none, loopback only; docs/DESIGN.md §10).
       checkpoint_root: `UpdateWeights` loads checkpoints only under this directory ("" refuses
         every path).
       state_dir: where prompt position and unpulled prompts persist ("" = no persistence).
@@ -124,8 +126,13 @@ class ServerConfig:
       slots: concurrent decodes (the decode batch).
       max_prefill_length: longest prompt in tokens (as the tokenizer encodes it); a power of two
         in [16, 32768] (JetStream). Longer prompts are skipped and counted.
-      max_message_bytes: gRPC message size limit, both directions.
-      grpc_threads: worker threads of the gRPC server.
+      max_message_bytes: gRPC message size limit of replies (a Pull's groups).
+      max_request_bytes: the largest request the server reads (its gRPC receive limit); the
+        largest legitimate one (a Decode prompt, a Pull's acknowledgements) is well under 1 MiB.
+      grpc_threads: threads that wait for and hand out groups (Pull); UpdateWeights has its own.
+      max_concurrent_rpcs: RPCs served at once; more are refused with RESOURCE_EXHAUSTED.
+      lease_s: a pulled group not acknowledged within this many seconds returns to the queue.
+      max_version_jump: UpdateWeights may raise the weights version by at most this much.
       seed: sampling PRNG seed.
       tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
       dtype: storage dtype of the served weights ("" = `model.param_dtype`); pushed weights are
@@ -138,6 +145,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 9000
     metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
     token: str = ""
     checkpoint_root: str = ""
     state_dir: str = ""
@@ -145,7 +153,11 @@ class ServerConfig:
     slots: int = 8
     max_prefill_length: int = 32
     max_message_bytes: int = 256 * 1024 * 1024
+    max_request_bytes: int = 4 * 1024 * 1024
     grpc_threads: int = 8
+    max_concurrent_rpcs: int = 64
+    lease_s: float = 300.0
+    max_version_jump: int = 1_000_000
     seed: int = 0
     tls_cert: str = ""
     tls_key: str = ""
@@ -160,8 +172,11 @@ class ServerConfig:
         for name in ("port", "metrics_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
-        if self.slots <= 0 or self.grpc_threads <= 0:
-            raise ValueError("slots and grpc_threads must be positive")
+        for name in ("slots", "grpc_threads", "max_concurrent_rpcs", "max_version_jump"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
         n = self.max_prefill_length
         if n < 16 or n > 32768 or n & (n - 1):
             raise ValueError(f"max_prefill_length must be a power of two in [16, 32768], got {n}")
@@ -169,6 +184,8 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key must be set together")
         if self.max_message_bytes < 1024 * 1024:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+        if self.max_request_bytes < 64 * 1024:
+            raise ValueError(f"max_request_bytes must be >= 64 KiB, got {self.max_request_bytes}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -232,6 +249,9 @@ class TrainConfig:
       stale_policy: what happens to a group with a token older than `rollout.max_staleness`
         versions: "drop" (counted in `stale_dropped`) or "keep" (trained, still counted).
       routing_replay: replay the rollout's recorded expert ids in the train step (R3).
+      microbatches: k, the batch is split into k microbatches whose gradients are accumulated
+        (docs/DESIGN.md §5): loss, gradient and metrics equal the one-pass step's; the batch size
+        must be divisible by k. SAT's threshold scope is `loss.sat.threshold_scope`.
       loss: the policy objective; SAT on by default.
       advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
       learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"
@@ -253,6 +273,8 @@ class TrainConfig:
       pull_timeout_s: how long one Pull waits for groups.
       retry_max_s: the longest backoff between retries while a server is down.
       server_wait_s: give up when no server answered, or none sent a group, for this long.
+      tls_ca: PEM file of the CA (or self-signed certificate) to verify the servers with; set,
+        the trainer connects over TLS ("" = plaintext).
       seed: the trainer's PRNG seed.
       wandb: also log to Weights & Biases (needs the `wandb` package).
     """
@@ -263,6 +285,7 @@ class TrainConfig:
     weight_sync_interval: int = 1
     stale_policy: str = "drop"
     routing_replay: bool = True
+    microbatches: int = 1
     loss: PolicyLossConfig = _SAT_LOSS
     advantage_estimator: str = "grpo"
     normalize_std: bool = True
@@ -287,6 +310,7 @@ class TrainConfig:
     pull_timeout_s: float = 30.0
     retry_max_s: float = 10.0
     server_wait_s: float = 600.0
+    tls_ca: str = ""
     seed: int = 0
     wandb: bool = False
 
@@ -300,7 +324,8 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("steps", "weight_sync_interval", "checkpoint_every", "keep_checkpoints"):
+        positive = ("steps", "weight_sync_interval", "microbatches", "checkpoint_every")
+        for name in (*positive, "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("lr_warmup_steps", "warmup_sft_steps", "eval_problems", "eval_every"):
@@ -354,6 +379,12 @@ class ExperimentConfig:
                 f"server.max_prefill_length + rollout.max_new_tokens "
                 f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
+            )
+        batch = self.rollout.batch_groups * self.rollout.group_size
+        if batch % self.train.microbatches:
+            raise ValueError(
+                f"train.microbatches ({self.train.microbatches}) must divide the batch "
+                f"(rollout.batch_groups · rollout.group_size = {batch})"
             )
         if self.model.hf_path and self.train.warmup_sft_steps:
             raise ValueError(

@@ -23,30 +23,31 @@ Shapes: ``B`` responses, ``T`` tokens; every per-token array is ``[B, T]``.
 from __future__ import annotations
 
 import dataclasses
-import fractions
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-from flax import struct
 from jax.typing import ArrayLike
 
+from sat_jax.loss_terms import LossAgg, PolicyLossTerms, aggregate
+from sat_jax.quantile import masked_quantile
+from sat_jax.stabilizers import (
+    KL_ESTIMATORS,
+    KLEstimator,
+    dppo_tv_mask,
+    icepop_weights,
+    kl_penalty,
+    truncated_importance_weights,
+)
+
 RatioLevel = Literal["token", "sequence"]
-LossAgg = Literal["token_mean", "seq_mean_token_mean"]
-KLEstimator = Literal["k1", "k2", "k3"]
+ThresholdScope = Literal["batch", "microbatch"]
 
 _RATIO_LEVELS = ("token", "sequence")
 _LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
-_KL_ESTIMATORS = ("k1", "k2", "k3")
-# The k3 ("low_var_kl") estimator is clamped to ±10 after its log-ratio is clamped to ±20, as in
-# verl: exp() of a larger log-ratio overflows float32 and would turn the clamp's zero gradient NaN.
-_KL_LOG_RATIO_CLAMP = 20.0
-_K3_CLAMP = 10.0
+_THRESHOLD_SCOPES = ("batch", "microbatch")
 # docs/DESIGN.md §4: a token counts as an importance-sampling outlier when |r − 1| > 1.5.
 _IS_DEVIATION_THRESHOLD = 1.5
-# Largest denominator used to read the quantile level as a fraction (0.9 -> 9/10), so that
-# ceil(level·n) is exact integer arithmetic without int64: (n mod den)·num stays below 2**31.
-_MAX_LEVEL_DENOMINATOR = 10_000
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -58,13 +59,23 @@ class SATConfig:
       quantile: level of the inverted-CDF quantile of |d| over active tokens, in (0, 1]. At 1.0 the
         threshold is the largest |d|, so the strict gate never fires and SAT equals the base loss.
       exponent: p in ψ(u; q) = 1 / (1 + (u/q)^p), > 0.
+      threshold_scope: what q is the quantile over when the train step accumulates gradients
+        over microbatches (docs/DESIGN.md §3.3): ``"batch"`` (every active token of the batch,
+        exactly the single-step q) or ``"microbatch"`` (each microbatch's own tokens, as a
+        Megatron-style implementation computes it). The loss functions do not read it.
     """
 
     enabled: bool = True
     quantile: float = 0.9
     exponent: float = 2.0
+    threshold_scope: ThresholdScope = "batch"
 
     def __post_init__(self):
+        if self.threshold_scope not in _THRESHOLD_SCOPES:
+            raise ValueError(
+                f"SATConfig.threshold_scope must be one of {_THRESHOLD_SCOPES}, "
+                f"got {self.threshold_scope!r}"
+            )
         if not 0.0 < self.quantile <= 1.0:
             raise ValueError(f"SATConfig.quantile must be in (0, 1], got {self.quantile!r}")
         if not self.exponent > 0.0:
@@ -113,7 +124,7 @@ class PolicyLossConfig:
     def __post_init__(self):
         _check_choice("ratio_level", self.ratio_level, _RATIO_LEVELS)
         _check_choice("loss_agg", self.loss_agg, _LOSS_AGGS)
-        _check_choice("kl_estimator", self.kl_estimator, _KL_ESTIMATORS)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         dual, tis, icepop = self.dual_clip, self.tis_cap, self.icepop_range
         tv, clamp = self.dppo_tv_delta, self.log_ratio_clamp
         rules = {  # field: (value, valid, what a valid value is)
@@ -152,76 +163,6 @@ def _active(where: ArrayLike | None, like: jax.Array) -> jax.Array:
     return jnp.asarray(where) > 0
 
 
-def _quantile_rank(level: float, n: jax.Array) -> jax.Array:
-    """ceil(level·n) in exact int32 arithmetic, level read as the nearest fraction num/den."""
-    frac = fractions.Fraction(level).limit_denominator(_MAX_LEVEL_DENOMINATOR)
-    num, den = frac.numerator, frac.denominator
-    return (n // den) * num + ((n % den) * num + den - 1) // den
-
-
-def _ordered_key(x: jax.Array) -> jax.Array:
-    """Maps float32 to uint32 so that unsigned order equals float order (−0 sorts before +0)."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    negative = bits >> 31 == 1
-    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def _key_to_float(key: jax.Array) -> jax.Array:
-    negative = key >> 31 == 0
-    bits = jnp.where(negative, ~key, key & jnp.uint32(0x7FFFFFFF))
-    return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-
-def masked_quantile(
-    x: ArrayLike,
-    level: float,
-    *,
-    where: ArrayLike | None = None,
-    counts: ArrayLike | None = None,
-) -> jax.Array:
-    """Exact inverted-CDF quantile inf{v : F̂(v) ≥ level} of ``x`` over the active entries.
-
-    Sorting the active values ascending, this is the element at 1-indexed position ceil(level·n),
-    NumPy's ``method="inverted_cdf"``. It is found by a two-pass radix select on the order-preserving
-    uint32 image of float32: pass 1 histograms the high 16 bits (65,536 bins) and locates the bin
-    holding rank k; pass 2 histograms the low 16 bits of the entries in that bin: two passes over the
-    data instead of a sort or a 32-step bisection (benchmarks/objective_overhead.py compares them).
-
-    Args:
-      x: float array, any shape (NaN is not allowed among active entries).
-      level: quantile level in (0, 1]; read as the nearest fraction with denominator ≤ 10⁴ so
-        ceil(level·n) is exact (0.9 is 9/10).
-      where: optional mask of the same shape; entries where it is ≤ 0 are ignored.
-      counts: optional non-negative integer multiplicity of each entry (e.g. the number of active
-        tokens of each response, for a token-level quantile of per-response values); default 1.
-
-    Returns:
-      A float32 scalar; 0 when no entry is active. Not differentiable (use under stop_gradient).
-    """
-    if not 0.0 < level <= 1.0:
-        raise ValueError(f"masked_quantile: level must be in (0, 1], got {level!r}")
-    x = jnp.asarray(x, jnp.float32)
-    count = _active(where, x).astype(jnp.int32)
-    if counts is not None:
-        count = count * jnp.broadcast_to(jnp.asarray(counts, jnp.int32), x.shape)
-    x, count = x.reshape(-1), count.reshape(-1)
-    n = jnp.sum(count)
-    rank = _quantile_rank(level, n)  # 1-indexed
-    key = _ordered_key(x)
-    high = (key >> 16).astype(jnp.int32)
-    low = (key & jnp.uint32(0xFFFF)).astype(jnp.int32)
-
-    cum_high = jnp.cumsum(jnp.zeros(1 << 16, jnp.int32).at[high].add(count))
-    bin_high = jnp.searchsorted(cum_high, rank, side="left")
-    below = jnp.where(bin_high > 0, cum_high[jnp.maximum(bin_high - 1, 0)], 0)
-    in_bin = count * (high == bin_high)
-    cum_low = jnp.cumsum(jnp.zeros(1 << 16, jnp.int32).at[low].add(in_bin)) + below
-    bin_low = jnp.searchsorted(cum_low, rank, side="left")
-
-    value = _key_to_float((bin_high.astype(jnp.uint32) << 16) | bin_low.astype(jnp.uint32))
-    return jnp.where(n > 0, value, 0.0)
-
-
 def _sat_gate(d: jax.Array, q: jax.Array) -> jax.Array:
     """Where SAT fires (eq. 3.5): q > 0 and |d| > q, strictly; d and q detached float32."""
     return (q > 0) & (jnp.abs(d) > q)
@@ -249,12 +190,11 @@ def sat_contraction(
     gate = _sat_gate(d, q)
     safe_q = jnp.where(q > 0, q, 1.0)
 
-    def psi(u):
-        # u/q can overflow to inf for huge |d|; ψ then is exactly 0, never NaN.
-        return 1.0 / (1.0 + jnp.power(u / safe_q, exponent))
-
-    c_high = jnp.where(gate, psi(jnp.maximum(d, 0.0)), 1.0)
-    c_low = jnp.where(gate, psi(jnp.maximum(-d, 0.0)), 1.0)
+    # u/q can overflow to inf for huge |d|; ψ then is exactly 0, never NaN. ψ(|d|) is computed once
+    # and given to the side of sign(d): the other side's ψ(0) is exactly 1, as where the gate is off.
+    psi = 1.0 / (1.0 + jnp.power(jnp.abs(d) / safe_q, exponent))
+    c_high = jnp.where(gate & (d > 0), psi, 1.0)
+    c_low = jnp.where(gate & (d < 0), psi, 1.0)
     return c_low, c_high
 
 
@@ -338,119 +278,9 @@ def sequence_log_ratio(
     return s_b1 if keepdims else jnp.broadcast_to(s_b1, d.shape)
 
 
-def kl_penalty(
-    logp: ArrayLike,
-    ref_logp: ArrayLike,
-    *,
-    estimator: KLEstimator = "k3",
-    where: ArrayLike | None = None,
-) -> jax.Array:
-    """Per-token estimate of KL(π ‖ π_ref) from samples of π: k1, k2 or k3 (``low_var_kl``).
-
-    k1 = log π − log π_ref; k2 = ½(log π − log π_ref)²; k3 = e^x − x − 1 with
-    x = clip(log π_ref − log π, ±20), the result clipped to ±10. Returns [B, T], 0 where inactive.
-    """
-    _check_choice("kl_estimator", estimator, _KL_ESTIMATORS)
-    lp = jnp.asarray(logp, jnp.float32)
-    active = _active(where, lp)
-    diff = jnp.where(active, lp - jnp.asarray(ref_logp, jnp.float32), 0.0)
-    if estimator == "k1":
-        kl = diff
-    elif estimator == "k2":
-        kl = 0.5 * jnp.square(diff)
-    else:
-        x = jnp.clip(-diff, -_KL_LOG_RATIO_CLAMP, _KL_LOG_RATIO_CLAMP)
-        kl = jnp.clip(jnp.exp(x) - x - 1.0, -_K3_CLAMP, _K3_CLAMP)
-    return jnp.where(active, kl, 0.0)
-
-
-def truncated_importance_weights(
-    old_logp: ArrayLike, behavior_logp: ArrayLike, *, cap: float
-) -> jax.Array:
-    """TIS weights w = min(exp(old_logp − behavior_logp), cap), detached. [B, T]."""
-    log_k = jnp.asarray(old_logp, jnp.float32) - jnp.asarray(behavior_logp, jnp.float32)
-    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(log_k), cap))
-
-
-def icepop_weights(
-    old_logp: ArrayLike, behavior_logp: ArrayLike, *, low: float, high: float
-) -> jax.Array:
-    """IcePop weights w = k·1[low ≤ k ≤ high], k = exp(old_logp − behavior_logp), detached."""
-    log_k = jnp.asarray(old_logp, jnp.float32) - jnp.asarray(behavior_logp, jnp.float32)
-    k = jnp.exp(log_k)
-    return jax.lax.stop_gradient(jnp.where((k >= low) & (k <= high), k, 0.0))
-
-
-def dppo_tv_mask(
-    logp: ArrayLike,
-    old_logp: ArrayLike,
-    ratio: ArrayLike,
-    advantages: ArrayLike,
-    *,
-    delta: float,
-) -> jax.Array:
-    """DPPO-TV: True where a token's gradient is to be zeroed (outward and TV distance > δ).
-
-    Outward means A·(r − 1) > 0; the distance is |exp(logp) − exp(old_logp)| of the sampled token.
-    Detached boolean [B, T].
-    """
-    lp = jax.lax.stop_gradient(jnp.asarray(logp, jnp.float32))
-    r = jax.lax.stop_gradient(jnp.asarray(ratio, jnp.float32))
-    outward = jnp.asarray(advantages, jnp.float32) * (r - 1.0) > 0
-    distance = jnp.abs(jnp.exp(lp) - jnp.exp(jnp.asarray(old_logp, jnp.float32)))
-    return outward & (distance > delta)
-
-
 # --------------------------------------------------------------------------------------------
 # The reducing wrapper.
 # --------------------------------------------------------------------------------------------
-
-
-@struct.dataclass
-class PolicyLossTerms:
-    """Unreduced loss and metrics, as pairs that add up across microbatches and hosts.
-
-    ``loss_sum / loss_count`` is the loss; ``sums[k] / counts[k]`` is metric k; ``mins`` reduce by
-    minimum and ``totals`` by sum. For gradient accumulation differentiate ``loss_sum`` of each
-    microbatch and divide by the merged ``loss_count``.
-    """
-
-    loss_sum: jax.Array
-    loss_count: jax.Array
-    sums: dict[str, jax.Array]
-    counts: dict[str, jax.Array]
-    mins: dict[str, jax.Array]
-    totals: dict[str, jax.Array]
-
-    def merge(self, other: PolicyLossTerms) -> PolicyLossTerms:
-        """Combines the terms of two disjoint parts of one batch."""
-        add = lambda a, b: jax.tree.map(jnp.add, a, b)
-        return PolicyLossTerms(
-            loss_sum=self.loss_sum + other.loss_sum,
-            loss_count=self.loss_count + other.loss_count,
-            sums=add(self.sums, other.sums),
-            counts=add(self.counts, other.counts),
-            mins=jax.tree.map(jnp.minimum, self.mins, other.mins),
-            totals=add(self.totals, other.totals),
-        )
-
-    def reduce(self) -> tuple[jax.Array, dict[str, jax.Array]]:
-        """(loss, metrics): every ratio with its denominator clamped to ≥ 1 (empty ⇒ 0, never NaN)."""
-        safe = lambda s, c: s / jnp.maximum(c, 1).astype(s.dtype)
-        loss = safe(self.loss_sum, self.loss_count)
-        metrics = {k: safe(self.sums[k], self.counts[k]) for k in self.sums}
-        metrics.update(self.mins)
-        metrics.update({k: v.astype(jnp.float32) for k, v in self.totals.items()})
-        return loss, metrics
-
-
-def _aggregate(per_token: jax.Array, active: jax.Array, loss_agg: LossAgg):
-    """(sum, count) of a per-token loss under ``loss_agg``; inactive tokens are already 0."""
-    if loss_agg == "token_mean":
-        return jnp.sum(per_token), jnp.sum(active, dtype=jnp.int32)
-    per_seq_count = jnp.sum(active, axis=-1, dtype=jnp.int32)
-    per_seq_mean = jnp.sum(per_token, axis=-1) / jnp.maximum(per_seq_count, 1)
-    return jnp.sum(per_seq_mean), jnp.sum(per_seq_count > 0, dtype=jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -534,8 +364,10 @@ def sat_threshold(
         return jnp.zeros((), jnp.float32)
     old = jnp.asarray(behavior_logp if old_logp is None else old_logp, jnp.float32)
     active = jnp.asarray(mask) > 0
-    d, counts = _log_ratio(jnp.asarray(logp, jnp.float32), old, active, cfg.ratio_level)
-    q = masked_quantile(jnp.abs(jax.lax.stop_gradient(d)), cfg.sat.quantile, counts=counts)
+    d, weight = _log_ratio(jnp.asarray(logp, jnp.float32), old, active, cfg.ratio_level)
+    # A token-level weight is the mask itself: as ``where`` it takes the faster unweighted path.
+    by = {"where": weight} if cfg.ratio_level == "token" else {"counts": weight}
+    q = masked_quantile(jnp.abs(jax.lax.stop_gradient(d)), cfg.sat.quantile, **by)
     return jax.lax.stop_gradient(q)
 
 
@@ -659,11 +491,11 @@ def policy_loss_terms(
     )
     per_token, stabilizer_metrics = _stabilize(per_token, ratio, batch, cfg)
 
-    loss_sum, loss_count = _aggregate(per_token, batch.active, cfg.loss_agg)
+    loss_sum, loss_count = aggregate(per_token, batch.active, cfg.loss_agg)
     sums = {"pg_loss": jax.lax.stop_gradient(loss_sum)}
     if ref_logp is not None:
         kl = kl_penalty(batch.logp, ref_logp, estimator=cfg.kl_estimator, where=batch.active)
-        kl_sum, _ = _aggregate(kl, batch.active, cfg.loss_agg)
+        kl_sum, _ = aggregate(kl, batch.active, cfg.loss_agg)
         sums["kl_ref"] = jax.lax.stop_gradient(kl_sum)
         if cfg.kl_coef > 0:
             loss_sum = loss_sum + cfg.kl_coef * kl_sum

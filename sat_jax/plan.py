@@ -1,7 +1,9 @@
-"""Memory plan of a preset on a mesh, from shapes alone (no allocation, no devices).
+"""Memory plan of a preset or an experiment config on a mesh, from shapes alone (no allocation).
 
     python -m sat_jax.plan --preset qwen3_30b_a3b --mesh fsdp=64
     python -m sat_jax.plan --config configs/qwen3_30b_a3b_gsm8k.yaml   # its model and train.mesh
+    python -m sat_jax.plan --preset small --mesh fsdp=8 --batch 8 --seq-len 2048 --compile \
+        --set remat=layer   # with XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU
 
 prints total and active parameter counts and the per-device bytes of parameters, gradients and the
 optimizer state. Shapes come from ``nnx.eval_shape`` (the optimizer state's shapes and dtypes from
@@ -9,7 +11,10 @@ optimizer state. Shapes come from ``nnx.eval_shape`` (the optimizer state's shap
 parameter dtype, ``sat_jax.optimizer``) and shardings from the rules in
 ``sat_jax.sharding`` applied to the mesh's axis sizes, so the numbers are exactly what
 ``init_train_state`` would place on each device (per-device bytes of a parameter = its bytes divided
-by the product of the mesh axes its ``PartitionSpec`` shards it over).
+by the product of the mesh axes its ``PartitionSpec`` shards it over). With ``--compile`` it also
+lowers and compiles the real train step (the trainer's optimizer, the default SAT loss) for a
+[batch, seq-len] batch on the mesh's devices and prints XLA's memory analysis of it:
+``compiled temp bytes per device: N`` (activations and other temporaries).
 
 Active parameters: every parameter except the routed experts' weights (those with both an "exp" and
 an "mlp" axis), plus K/E of those.
@@ -24,12 +29,14 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
+import yaml
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from sat_jax import sharding
+from sat_jax import objectives, sharding, train_step
 from sat_jax.experiment import TrainConfig, load_config
 from sat_jax.model import ModelConfig
 from sat_jax.optimizer import make_optimizer
@@ -166,8 +173,63 @@ def format_plan(name: str, plan: MemoryPlan) -> str:
     return "\n".join(rows)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
+def compiled_temp_bytes(
+    model_cfg: ModelConfig,
+    mesh_cfg: sharding.MeshConfig,
+    batch: int,
+    seq_len: int,
+    *,
+    microbatches: int = 1,
+    optimizer: optax.GradientTransformation | None = None,
+) -> int:
+    """Per-device temporary bytes of the compiled train step, from XLA's memory analysis.
+
+    Lowers ``train_step.make_train_step`` (``optimizer``, default the trainer's; SAT on, no
+    routing replay) for a [batch,
+    seq_len] batch on a mesh of the first devices (all of them for a -1 axis), from shapes only (nothing is allocated
+    besides what compilation needs).
+    """
+    sizes = [getattr(mesh_cfg, name) for name in sharding.MESH_AXES]
+    count = jax.device_count() if -1 in sizes else math.prod(sizes)
+    mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:count])
+    optimizer = optimizer or make_optimizer(TrainConfig())
+    loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig())
+    step = train_step.make_train_step(
+        model_cfg, optimizer, loss_cfg, mesh, routing_replay=False, microbatches=microbatches
+    )
+    _, abstract = sharding.abstract_model(model_cfg)
+    params = nnx.to_pure_dict(abstract)
+    state = train_step.TrainState(
+        params=params,
+        opt_state=jax.eval_shape(optimizer.init, params),
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    with_sharding = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    state = jax.tree.map(
+        with_sharding, state, train_step.train_state_shardings(model_cfg, optimizer, mesh)
+    )
+    f32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
+    data = train_step.TrainBatch(
+        tokens=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        loss_mask=f32,
+        behavior_logp=f32,
+        advantages=f32,
+    )
+    data = jax.tree.map(with_sharding, data, train_step.batch_shardings(data, mesh))
+    return step.lower(state, data).compile().memory_analysis().temp_size_in_bytes
+
+
+def _model_config(preset: str, settings: Sequence[str]) -> ModelConfig:
+    overrides = {}
+    for item in settings:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r} is not field=value")
+        overrides[key.strip()] = yaml.safe_load(text)
+    return ModelConfig.preset(preset, **overrides)
+
+
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m sat_jax.plan", description=__doc__.split("\n")[0]
     )
@@ -180,22 +242,60 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--devices", type=int, default=None, help="device count for a -1 axis")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of --config")
-    args = parser.parse_intermixed_args(argv)
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="ModelConfig override"
+    )
+    parser.add_argument("--compile", action="store_true", help="compile the train step too")
+    parser.add_argument("--batch", type=int, default=None, help="B, rows of the batch")
+    parser.add_argument("--seq-len", type=int, default=None, help="T, tokens per row")
+    parser.add_argument("--microbatches", type=int, default=1, help="gradient accumulation k")
+    return parser.parse_intermixed_args(argv)
+
+
+def _configs(args: argparse.Namespace) -> tuple[str, ModelConfig, sharding.MeshConfig, TrainConfig]:
+    """(name, model, mesh, train config) from --preset/--set/--mesh or --config and overrides."""
+    if args.config is None:
+        if args.mesh is None or args.overrides:
+            raise ValueError("--preset needs --mesh and takes no key=value overrides")
+        model_cfg = _model_config(args.preset, args.set)
+        return args.preset, model_cfg, sharding.MeshConfig.parse(args.mesh), TrainConfig()
+    if args.set:
+        raise ValueError("--set is for --preset; give a --config model.FIELD=VALUE instead")
+    cfg = load_config(args.config, args.overrides)
+    mesh_cfg = sharding.MeshConfig.parse(args.mesh) if args.mesh else cfg.train.mesh
+    return cfg.name, cfg.model, mesh_cfg, cfg.train
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    args = _parse(argv)
     try:
-        if args.config is None:
-            if args.mesh is None or args.overrides:
-                raise ValueError("--preset needs --mesh and takes no key=value overrides")
-            name, model_cfg = args.preset, ModelConfig.preset(args.preset)
-            mesh_cfg, train_cfg = sharding.MeshConfig.parse(args.mesh), TrainConfig()
-        else:
-            cfg = load_config(args.config, args.overrides)
-            name, model_cfg, train_cfg = cfg.name, cfg.model, cfg.train
-            mesh_cfg = sharding.MeshConfig.parse(args.mesh) if args.mesh else cfg.train.mesh
-        plan = plan_memory(model_cfg, mesh_cfg, args.devices, make_optimizer(train_cfg))
+        name, model_cfg, mesh_cfg, train_cfg = _configs(args)
+        optimizer = make_optimizer(train_cfg)
+        plan = plan_memory(model_cfg, mesh_cfg, args.devices, optimizer)
+        if args.compile and (args.batch is None or args.seq_len is None):
+            raise ValueError("--compile needs --batch and --seq-len")
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(format_plan(name, plan))
+    if args.compile:
+        try:
+            temp = compiled_temp_bytes(
+                model_cfg,
+                mesh_cfg,
+                args.batch,
+                args.seq_len,
+                microbatches=args.microbatches,
+                optimizer=optimizer,
+            )
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(
+            f"batch            [{args.batch}, {args.seq_len}], {args.microbatches} microbatch(es)"
+        )
+        print(f"compiled temp bytes per device: {temp}")
     return 0
 
 

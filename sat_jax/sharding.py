@@ -301,6 +301,22 @@ def batch_spec(batch_size: int, mesh: AnyMesh | Mapping[str, int], ndim: int = 1
     return PartitionSpec(axes, *(None,) * (ndim - 1))
 
 
+def constrain_batch(x: jax.Array) -> jax.Array:
+    """``x`` [B, ...] constrained to dimension 0 over the batch axes of the ambient mesh.
+
+    A no-op outside ``jax.set_mesh`` (``make_train_step`` traces under its mesh) or when those
+    axes do not divide B. Scan carries need it: XLA's propagation can leave a loop's carry
+    replicated, which would run every row on every device.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    sizes = _axis_sizes(mesh)
+    if x.shape[0] % math.prod(sizes[a] for a in batch_axes(sizes)):
+        return x
+    return jax.lax.with_sharding_constraint(x, batch_spec(x.shape[0], sizes, x.ndim))
+
+
 def abstract_model(model_cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """``(graphdef, abstract state)`` of a ``Transformer`` via ``nnx.eval_shape`` (no allocation)."""
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))

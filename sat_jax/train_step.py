@@ -28,7 +28,16 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sat_jax import objectives, sharding
-from sat_jax.model import ModelConfig, router_shift_ratio, token_logprobs
+from sat_jax.loss_terms import loss_count
+from sat_jax.model import (
+    ModelConfig,
+    ModelOutput,
+    router_shift_counts,
+    router_shift_from_counts,
+    router_shift_ratio,
+    token_logprobs,
+)
+from sat_jax.model.moe import balance_from_stats
 
 Metrics = dict[str, jax.Array]
 
@@ -84,11 +93,9 @@ def next_token_logprobs(
     to them does (``sat_jax.tasks.sampleable_mask``); without it the behavior and trainer
     log-probs of the same weights differ by the probability mass of the excluded ids.
     """
-    if vocab_mask is not None:
-        # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
-        floor = jnp.finfo(logits_btv.dtype).min
-        logits_btv = jnp.where(jnp.asarray(vocab_mask, bool), logits_btv, floor)
-    logp = token_logprobs(logits_btv[:, :-1], tokens_bt[:, 1:], temperature=temperature)
+    logp = token_logprobs(
+        logits_btv[:, :-1], tokens_bt[:, 1:], temperature=temperature, vocab_mask=vocab_mask
+    )
     return jnp.pad(logp, ((0, 0), (1, 0)))
 
 
@@ -102,6 +109,7 @@ def train_step(
     routing_replay: bool,
     temperature: float = 1.0,
     vocab_mask: Any = None,
+    microbatches: int = 1,
 ) -> tuple[TrainState, Metrics]:
     """One policy-gradient update.
 
@@ -120,6 +128,9 @@ def train_step(
       temperature: sampling temperature the behavior log-probs were taken at.
       vocab_mask: optional [V] bool of the ids the sampler draws from (see
         ``next_token_logprobs``).
+      microbatches: k; accumulate the gradient over k microbatches of B/k rows (B divisible by
+        k). Loss, gradient and metrics equal the one-pass step's (SAT's q per
+        ``loss_cfg.sat.threshold_scope``; docs/DESIGN.md §3.3 and §5).
 
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
@@ -129,42 +140,170 @@ def train_step(
     """
     if routing_replay and batch.routing is None:
         raise ValueError("routing_replay=True needs TrainBatch.routing [B, T, L, K]")
-    mask_bt = batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
+    if batch.tokens.shape[0] % microbatches:
+        raise ValueError(
+            f"microbatches={microbatches} must divide the batch size {batch.tokens.shape[0]}"
+        )
+    batch = batch.replace(loss_mask=batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0))
+    forward = functools.partial(
+        _forward,
+        graphdef=graphdef,
+        routing_replay=routing_replay,
+        temperature=temperature,
+        vocab_mask=vocab_mask,
+    )
+    if microbatches == 1:
+        grads, metrics = _one_pass(state.params, batch, forward, loss_cfg)
+    else:
+        coef = nnx.merge(graphdef, state.params).config.router_aux_loss_coef
+        grads, metrics = _accumulated(state.params, batch, forward, loss_cfg, microbatches, coef)
+    return _apply(state, grads, metrics, optimizer, batch.loss_mask)
+
+
+def _forward(
+    params: Any,
+    batch: TrainBatch,
+    *,
+    graphdef: nnx.GraphDef,
+    routing_replay: bool,
+    temperature: float,
+    vocab_mask: Any,
+) -> tuple[jax.Array, ModelOutput]:
+    """(logp [B, T] of the batch's tokens, the model's output) under ``params``."""
+    model = nnx.merge(graphdef, params)
+    out = model.forward(batch.tokens, replay_routing=batch.routing if routing_replay else None)
+    # Scored chunk by chunk from the hidden states: out.logits_btv is never used, so under jit
+    # no [B, T, V] float32 buffer is built (docs/DESIGN.md §5).
+    logp_bt = model.target_logprobs(
+        out.hidden_btd[:, :-1],
+        batch.tokens[:, 1:],
+        temperature=temperature,
+        vocab_mask=vocab_mask,
+    )
+    return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
+
+
+def _policy_terms(logp_bt, batch: TrainBatch, loss_cfg, sat_q=None) -> objectives.PolicyLossTerms:
+    return objectives.policy_loss_terms(
+        logp_bt,
+        batch.behavior_logp,
+        batch.advantages,
+        batch.loss_mask,
+        loss_cfg,
+        old_logp=batch.old_logp,
+        ref_logp=batch.ref_logp,
+        sat_q=sat_q,
+    )
+
+
+def _one_pass(params: Any, batch: TrainBatch, forward: Callable, loss_cfg) -> tuple[Any, Metrics]:
+    """Gradient and metrics of the whole batch in one ``value_and_grad``."""
 
     def loss_fn(params: Any) -> tuple[jax.Array, Metrics]:
-        model = nnx.merge(graphdef, params)
-        out = model.forward(batch.tokens, replay_routing=batch.routing if routing_replay else None)
-        logp_bt = next_token_logprobs(
-            out.logits_btv, batch.tokens, temperature=temperature, vocab_mask=vocab_mask
-        )
-        loss, metrics = objectives.policy_loss(
-            logp_bt,
-            batch.behavior_logp,
-            batch.advantages,
-            mask_bt,
-            loss_cfg,
-            old_logp=batch.old_logp,
-            ref_logp=batch.ref_logp,
-        )
+        logp_bt, out = forward(params, batch)
+        loss, metrics = _policy_terms(logp_bt, batch, loss_cfg).reduce()
         # ModelOutput.aux_loss is already weighted by config.router_aux_loss_coef (0 = off).
-        total = loss + out.aux_loss
-        metrics = {
-            **metrics,
-            "aux_loss": out.aux_loss,
-            "balance_loss": out.balance_loss,
-            "total_loss": total,
-        }
+        metrics = _with_aux(loss, metrics, out.aux_loss, out.balance_loss)
         if batch.routing is not None:
             metrics["router_shift_ratio"] = router_shift_ratio(
-                batch.routing, out.routing_btlk, mask_bt
+                batch.routing, out.routing_btlk, batch.loss_mask
             )
-        return total, metrics
+        return metrics["total_loss"], metrics
 
-    (total, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return grads, metrics
+
+
+def _split(tree: Any, k: int) -> Any:
+    """[B, ...] leaves → [k, B/k, ...]; microbatch j holds rows j, j + k, ... so that each device's
+    contiguous block of the batch-sharded rows keeps a share of every microbatch."""
+    return jax.tree.map(lambda x: jnp.swapaxes(x.reshape(-1, k, *x.shape[1:]), 0, 1), tree)
+
+
+def _unsplit(x: jax.Array) -> jax.Array:
+    """The inverse of ``_split`` for one array."""
+    return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+
+def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, loss_cfg, coef):
+    """(sat_q, router f [L, E]) of the whole batch, from a forward pass without gradient.
+
+    q needs the current policy's logp of every token before any microbatch's gradient (its |d| is
+    of logp − old_logp, and logp moves with the params); the balance loss's f_e weighs every
+    microbatch's gradient of P_e. Each is None when not needed (SAT off or per-microbatch scope;
+    no aux loss), and then the extra forward pass is skipped.
+    """
+    sat = loss_cfg.sat
+    need_q = sat.enabled and sat.threshold_scope == "batch"
+    if not need_q and coef == 0:
+        return None, None
+
+    def one(_, mb: TrainBatch):
+        logp_bt, out = forward(params, mb)
+        return None, (logp_bt, out.router_frac_le)
+
+    _, (logp_kbt, frac_kle) = jax.lax.scan(one, None, micro)
+    sat_q = None
+    if need_q:
+        sat_q = objectives.sat_threshold(
+            _unsplit(logp_kbt),
+            batch.behavior_logp,
+            batch.loss_mask,
+            loss_cfg,
+            old_logp=batch.old_logp,
+        )
+    return sat_q, jnp.mean(frac_kle, axis=0)
+
+
+def _accumulated(params, batch: TrainBatch, forward, loss_cfg, k: int, coef: float):
+    """Gradient and metrics of the batch summed over k microbatches (one compiled ``scan`` body).
+
+    Each microbatch differentiates loss_sum / loss_count(batch) + coef·E·Σ f_e·P_e^mb / k with
+    the batch's f (the balance loss is bilinear in f and P, and P of the batch is the mean of the
+    k equal-size microbatches' P), so the summed gradient is the one-pass gradient.
+    """
+    micro = _split(batch, k)
+    sat_q, frac_le = _batch_statistics(params, batch, micro, forward, loss_cfg, coef)
+    count = jnp.maximum(loss_count(batch.loss_mask, loss_cfg.loss_agg), 1).astype(jnp.float32)
+
+    def objective(p: Any, mb: TrainBatch):
+        logp_bt, out = forward(p, mb)
+        terms = _policy_terms(logp_bt, mb, loss_cfg, sat_q)
+        value = terms.loss_sum / count
+        if coef:
+            value = value + coef * balance_from_stats(frac_le, out.router_prob_le) / k
+        shift = (jnp.zeros(()), jnp.zeros(()))
+        if mb.routing is not None:
+            shift = router_shift_counts(mb.routing, out.routing_btlk, mb.loss_mask)
+        return value, (terms, out.router_frac_le, out.router_prob_le, shift)
+
+    def step(acc: Any, mb: TrainBatch):
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, mb)
+        return jax.tree.map(jnp.add, acc, grads), aux
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    grads, (terms_k, frac_kle, prob_kle, (missing_k, slots_k)) = jax.lax.scan(step, zeros, micro)
+    unstacked = [jax.tree.map(lambda x, i=i: x[i], terms_k) for i in range(k)]
+    loss, metrics = functools.reduce(objectives.PolicyLossTerms.merge, unstacked).reduce()
+    balance = balance_from_stats(jnp.mean(frac_kle, axis=0), jnp.mean(prob_kle, axis=0))
+    metrics = _with_aux(loss, metrics, coef * balance, balance)
+    if batch.routing is not None:
+        shift = router_shift_from_counts(jnp.sum(missing_k), jnp.sum(slots_k))
+        metrics["router_shift_ratio"] = shift
+    return grads, metrics
+
+
+def _with_aux(loss: jax.Array, metrics: Metrics, aux: jax.Array, balance: jax.Array) -> Metrics:
+    """The policy metrics plus the router aux terms and ``total_loss`` = loss + aux."""
+    return {**metrics, "aux_loss": aux, "balance_loss": balance, "total_loss": loss + aux}
+
+
+def _apply(state: TrainState, grads: Any, metrics: Metrics, optimizer, mask_bt) -> tuple:
+    """The optimizer update, skipped when the loss or gradient is not finite or nothing is active."""
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    ok = jnp.isfinite(total) & jnp.isfinite(grad_norm) & (jnp.sum(mask_bt) > 0)
+    ok = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm) & (jnp.sum(mask_bt) > 0)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     new_state = TrainState(
         params=keep(params, state.params),
@@ -256,6 +395,7 @@ def make_train_step(
     routing_replay: bool,
     temperature: float = 1.0,
     vocab_mask: Any = None,
+    microbatches: int = 1,
 ) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
     """Jitted ``train_step`` for ``model_cfg`` on ``mesh``.
 
@@ -272,6 +412,7 @@ def make_train_step(
       routing_replay: replay ``TrainBatch.routing`` (R3).
       temperature: sampling temperature of the behavior log-probs.
       vocab_mask: optional [V] bool of the ids the sampler draws from.
+      microbatches: gradient accumulation over this many microbatches (see ``train_step``).
 
     Returns:
       ``step(state, batch) -> (state, metrics)``.
@@ -287,10 +428,28 @@ def make_train_step(
         routing_replay=routing_replay,
         temperature=temperature,
         vocab_mask=None if vocab_mask is None else np.asarray(vocab_mask, bool),
+        microbatches=microbatches,
     )
-    return jax.jit(
+    jitted = jax.jit(
         step_fn,
         in_shardings=(state_sh, data_sh),
         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
+    return _under_mesh(jitted, mesh)
+
+
+class _under_mesh:
+    """``fn`` traced and run with ``mesh`` as the ambient mesh, so the model's activation
+    constraints (``sharding.constrain_batch``) see it; ``lower`` is forwarded the same way."""
+
+    def __init__(self, fn: Any, mesh: Mesh):
+        self.fn, self.mesh = fn, mesh
+
+    def __call__(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn(*args)
+
+    def lower(self, *args: Any) -> Any:
+        with jax.set_mesh(self.mesh):
+            return self.fn.lower(*args)

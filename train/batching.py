@@ -3,7 +3,10 @@ the batch's stats (docs/DESIGN.md §7.1, the data path of one batch, steps 2 and
 
 Lag of a completion token = trainer version − the version of the weights that generated it
 (docs/DESIGN.md §2, §7.2). ``select_groups`` is the one place that decides which pulled groups are
-trained: a group already trained (its prompt id is among the recent ones) is a duplicate; a group
+trained: a group whose token ids or routing ids are out of range (the vocabulary, the experts) is
+rejected (logged); a group already trained (its name, ``group_key``, or its prompt id is among the
+recent ones: a server re-delivers a group whose acknowledgement it did not get) is a duplicate; a
+group
 holding a token older than ``min_version`` (weights this trainer never published, e.g. a server's
 random initial weights) is always dropped; a group whose oldest token lags more than
 ``max_staleness`` versions is dropped or kept by ``stale_policy``. Every case is counted, and the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Collection, Sequence
 
 import numpy as np
@@ -30,8 +34,15 @@ from rollout_server.routing_codec import decode_routing
 from sat_jax.advantages import group_advantages
 from sat_jax.train_step import TrainBatch
 
+log = logging.getLogger("train")
+
 # Lag histogram bins 0, 1, ..., LAG_BINS - 2 and a last bin for everything older.
 LAG_BINS = 9
+
+
+def group_key(group: rollout_pb2.Group) -> str:
+    """The name of a pulled group, unique across servers and their restarts: server id/group id."""
+    return f"{group.server_id}/{group.group_id}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -48,6 +59,8 @@ class BatchSpec:
       max_staleness: the largest lag a kept group may have under the "drop" policy.
       stale_policy: "drop" or "keep".
       estimator, normalize_std: ``group_advantages`` options.
+      vocab_size: token ids must be in [0, vocab_size).
+      num_experts: routing ids must be in [0, num_experts).
     """
 
     batch_groups: int
@@ -59,6 +72,8 @@ class BatchSpec:
     stale_policy: str
     estimator: str
     normalize_std: bool
+    vocab_size: int
+    num_experts: int
 
     @property
     def rows(self) -> int:
@@ -74,13 +89,17 @@ class Selection:
       kept: the groups to train, in pull order.
       stale_dropped: groups dropped for staleness (incl. tokens older than ``min_version``).
       stale_kept: kept groups over ``max_staleness`` (the "keep" policy).
-      duplicates: groups skipped because their prompt id was trained recently.
+      duplicates: groups skipped because they (or their prompt id) were trained recently.
+      invalid: groups rejected for token or routing ids out of range.
+      pulled: every pulled group (to acknowledge once the batch is trained).
     """
 
     kept: tuple[rollout_pb2.Group, ...]
     stale_dropped: int
     stale_kept: int
     duplicates: int
+    invalid: int = 0
+    pulled: tuple[rollout_pb2.Group, ...] = ()
 
     @classmethod
     def empty(cls) -> Selection:
@@ -102,9 +121,11 @@ class BatchStats:
 
     Attributes:
       groups: groups in the batch.
-      stale_dropped, stale_kept, duplicates: the ``Selection`` counts of the groups pulled for it.
+      stale_dropped, stale_kept, duplicates, invalid: the ``Selection`` counts of the groups
+        pulled for it.
       reward_mean, response_len_mean: over the trained trajectories (0 when none).
-      tokens: trained completion tokens; prompt_ids: the trained groups' stable prompt ids.
+      tokens: trained completion tokens; prompt_ids: the trained groups' stable prompt ids;
+        group_keys: their ``group_key``s.
       lags: int64 [tokens], the lag of every trained completion token (``token_lags``); the
         histogram, mean and max below derive from it.
     """
@@ -113,10 +134,12 @@ class BatchStats:
     stale_dropped: int
     stale_kept: int
     duplicates: int
+    invalid: int
     reward_mean: float
     response_len_mean: float
     tokens: int
     prompt_ids: tuple[str, ...]
+    group_keys: tuple[str, ...]
     lags: np.ndarray
 
     @property
@@ -161,6 +184,7 @@ def select_groups(
     trainer_version: int,
     min_version: int,
     seen: Collection[str],
+    seen_groups: Collection[str] = (),
 ) -> Selection:
     """Applies the duplicate check and the staleness policy (see the module docstring) to pulled
     groups; the only place either runs (docs/DESIGN.md §7.1, step 2).
@@ -171,12 +195,17 @@ def select_groups(
       trainer_version: version of the weights being trained.
       min_version: groups with a token of an older version are dropped.
       seen: recently trained prompt ids; groups with one of them are skipped as duplicates.
+      seen_groups: ``group_key``s of recently trained groups; those are skipped as duplicates.
     """
-    kept, dropped, stale_kept, duplicates = [], 0, 0, 0
+    kept, dropped, stale_kept, duplicates, invalid = [], 0, 0, 0, 0
     for group in groups:
         # A group without completion tokens has lag 0.
         oldest = min((v for t in group.trajectories for v in t.versions), default=None)
-        if group.prompt_id in seen:
+        problem = out_of_range(group, spec)
+        if problem is not None:
+            invalid += 1
+            log.warning("rejecting group %s from the server: %s", group_key(group), problem)
+        elif group.prompt_id in seen or group_key(group) in seen_groups:
             duplicates += 1
         elif oldest is not None and oldest < min_version:
             dropped += 1
@@ -189,8 +218,31 @@ def select_groups(
         else:
             kept.append(group)
     return Selection(
-        kept=tuple(kept), stale_dropped=dropped, stale_kept=stale_kept, duplicates=duplicates
+        kept=tuple(kept),
+        stale_dropped=dropped,
+        stale_kept=stale_kept,
+        duplicates=duplicates,
+        invalid=invalid,
+        pulled=tuple(groups),
     )
+
+
+def out_of_range(group: rollout_pb2.Group, spec: BatchSpec) -> str | None:
+    """What is out of range in `group` (a token id outside the vocabulary, a routing id outside
+    the experts, routing that cannot be decoded), or None."""
+    for traj in group.trajectories:
+        ids = np.asarray([*traj.prompt_ids, *traj.completion_ids], np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= spec.vocab_size):
+            return f"a token id outside [0, {spec.vocab_size})"
+        if spec.routing_lk is None:
+            continue
+        try:
+            routing = decode_routing(traj.routing)
+        except ValueError as e:
+            return f"unreadable routing ({e})"
+        if routing.size and routing.max() >= spec.num_experts:
+            return f"a routing id outside [0, {spec.num_experts})"
+    return None
 
 
 def assemble_batch(
@@ -254,10 +306,12 @@ def assemble_batch(
         stale_dropped=selection.stale_dropped,
         stale_kept=selection.stale_kept,
         duplicates=selection.duplicates,
+        invalid=selection.invalid,
         reward_mean=float(rewards[active].mean()) if active.any() else 0.0,
         response_len_mean=float(np.mean(lengths)) if lengths else 0.0,
         tokens=int(mask.sum()),
         prompt_ids=tuple(g.prompt_id for g in kept),
+        group_keys=tuple(group_key(g) for g in kept),
         lags=token_lags(lag_bt, mask),
     )
     return batch, stats

@@ -41,6 +41,8 @@ class Progress:
       rng_key: ``jax.random.key_data`` of the loop's PRNG key.
       groups_trained, tokens_trained, stale_dropped, steps_skipped: running totals.
       recent_prompt_ids: the last ``RECENT_PROMPTS`` trained prompt ids, oldest first.
+      recent_group_keys: the last ``RECENT_PROMPTS`` trained groups' ``batching.group_key``s
+        (a server re-delivers a group whose acknowledgement a crash lost: it is skipped).
     """
 
     version: int
@@ -51,6 +53,7 @@ class Progress:
     stale_dropped: int = 0
     steps_skipped: int = 0
     recent_prompt_ids: tuple[str, ...] = ()
+    recent_group_keys: tuple[str, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         """The fields as a JSON-able dict (tuples as lists)."""

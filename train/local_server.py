@@ -107,9 +107,12 @@ class LocalServer:
                 f"see {self.log_path}:\n{self._tail()}"
             )
 
-    def wait_ready(self, *, timeout_s: float) -> None:
-        """Raises RuntimeError (with the log's tail) if the child exits or never answers."""
-        channel, stub = connect(self.address, _PROBE_MESSAGE_BYTES)
+    def wait_ready(self, *, timeout_s: float, root_certificates: bytes | None = None) -> None:
+        """Raises RuntimeError (with the log's tail) if the child exits or never answers
+        (``root_certificates``: the CA when it serves TLS)."""
+        channel, stub = connect(
+            self.address, _PROBE_MESSAGE_BYTES, root_certificates=root_certificates
+        )
         deadline = time.monotonic() + timeout_s
         try:
             while time.monotonic() < deadline:

@@ -36,10 +36,13 @@ class PulledBatch:
       batch: the ``TrainBatch`` as NumPy arrays (``batching.assemble_batch``).
       stats: its ``BatchStats``, including how many pulled groups were dropped as stale or
         skipped as duplicates.
+      pulled: every group pulled for it, to acknowledge once it is trained (process 0 only;
+        empty on the others).
     """
 
     batch: TrainBatch
     stats: batching.BatchStats
+    pulled: tuple = ()
 
 
 def pull_batch(
@@ -64,6 +67,7 @@ def pull_batch(
       RuntimeError: the servers answered but sent no group for ``stall_s`` seconds.
     """
     seen = frozenset(progress.recent_prompt_ids)
+    seen_groups = set(progress.recent_group_keys)
     selection = batching.Selection.empty()
     last_group = time.monotonic()
     while len(selection.kept) < spec.batch_groups:
@@ -74,7 +78,9 @@ def pull_batch(
             trainer_version=progress.version,
             min_version=progress.min_version,
             seen=seen,
+            seen_groups=seen_groups,
         )
+        seen_groups.update(batching.group_key(g) for g in pulled)  # a re-delivery in this batch
         if pulled:
             last_group = time.monotonic()
             continue
@@ -118,7 +124,7 @@ def next_batch(
     if pool is not None:
         selection = pull_batch(pool, spec, progress, timeout_s=timeout_s, stall_s=stall_s)
         batch, stats = batching.assemble_batch(selection, spec, trainer_version=progress.version)
-        pulled = PulledBatch(batch=batch, stats=stats)
+        pulled = PulledBatch(batch=batch, stats=stats, pulled=selection.pulled)
     if jax.process_count() == 1:
         return pulled
     return broadcast_pulled(pulled, spec)

@@ -6,6 +6,11 @@ Knows the servers only through the generated proto client. Every RPC goes throug
 at ``retry_max_s``) and a log line per failure; the pool gives up when the servers have failed
 without a single answer for ``server_wait_s``. A reply or request over the gRPC message limit
 (``server.max_message_bytes``) is not retried: it would fail the same way every time.
+
+Every call carries the shared token as gRPC metadata (``authorization: Bearer <token>``) and the
+run id; with a CA (``train.tls_ca``) the channels are TLS. Pulled groups are leased by their
+server until acknowledged (docs/DESIGN.md §6.2): ``ack`` queues their ids, which ride on the next
+Pull to the same server; ``flush_acks`` sends the rest with the Ack RPC.
 """
 
 from __future__ import annotations
@@ -17,8 +22,9 @@ from collections.abc import Callable, Sequence
 import grpc
 from google.protobuf.message import Message
 
-from rollout_server.client import connect
+from rollout_server.client import bearer_metadata, connect
 from rollout_server.proto import rollout_pb2
+from train.batching import group_key
 
 log = logging.getLogger("train")
 
@@ -50,7 +56,10 @@ class ServerPool:
 
     Args:
       addresses: "host:port" of each server.
-      token: the shared token for ``UpdateWeights`` ("" = none).
+      token: the shared token every call carries ("" = none).
+      run_id: this trainer run's id (stable across its restarts; the servers let only the
+        attached run start an admission epoch).
+      root_certificates: PEM CA certificates: connect over TLS (None = plaintext).
       max_message_bytes: the gRPC message limit both ways (``server.max_message_bytes``).
       retry_max_s: the longest wait between retries of a down server.
       server_wait_s: how long one call may keep failing (no server answering) before
@@ -64,6 +73,8 @@ class ServerPool:
         addresses: Sequence[str],
         *,
         token: str,
+        run_id: str = "",
+        root_certificates: bytes | None = None,
         max_message_bytes: int,
         retry_max_s: float,
         server_wait_s: float,
@@ -73,14 +84,22 @@ class ServerPool:
             raise ValueError("ServerPool needs at least one address")
         self.addresses = tuple(addresses)
         self._token = token
+        self._metadata = bearer_metadata(token)
+        self._run_id = run_id
         self._max_message_bytes = max_message_bytes
         self._retry_max_s = retry_max_s
         self._server_wait_s = server_wait_s
         self._on_retry = on_retry
-        self._conns = [connect(a, max_message_bytes) for a in self.addresses]
+        self._conns = [
+            connect(a, max_message_bytes, root_certificates=root_certificates)
+            for a in self.addresses
+        ]
         self._next = 0
+        self._origin: dict[str, int] = {}  # group key -> the server it came from, until acked
+        self._acks: list[list[int]] = [[] for _ in self.addresses]  # per server, not yet sent
 
     def close(self) -> None:
+        """Closes the channels (call ``flush_acks`` first to send pending acknowledgements)."""
         for channel, _ in self._conns:
             channel.close()
 
@@ -98,9 +117,35 @@ class ServerPool:
         """
         # With several servers, a short wait on each keeps one slow server from stalling us.
         wait = timeout_s if len(self._conns) == 1 else min(timeout_s, 1.0)
-        request = rollout_pb2.PullRequest(max_groups=max_groups, timeout_s=wait)
-        response = self._call("Pull", request, deadline_s=wait + _PULL_SLACK_S, server=None)
+        sent: dict[int, list[int]] = {}
+
+        def request(i: int) -> rollout_pb2.PullRequest:
+            sent[i] = list(self._acks[i])
+            return rollout_pb2.PullRequest(
+                max_groups=max_groups, timeout_s=wait, ack_group_ids=sent[i], run_id=self._run_id
+            )
+
+        i, response = self._call("Pull", request, deadline_s=wait + _PULL_SLACK_S, server=None)
+        del self._acks[i][: len(sent[i])]  # delivered with the Pull
+        for g in response.groups:
+            self._origin[group_key(g)] = i
         return list(response.groups)
+
+    def ack(self, groups: Sequence[rollout_pb2.Group]) -> None:
+        """Acknowledges pulled ``groups`` (sent with the next Pull to their server, or by
+        ``flush_acks``); groups not pulled through this pool are ignored."""
+        for g in groups:
+            i = self._origin.pop(group_key(g), None)
+            if i is not None:
+                self._acks[i].append(g.group_id)
+
+    def flush_acks(self) -> None:
+        """Sends every pending acknowledgement now (the Ack RPC, retried like any call)."""
+        for i, ids in enumerate(self._acks):
+            if ids:
+                request = rollout_pb2.AckRequest(group_ids=ids, run_id=self._run_id)
+                self._call("Ack", request, deadline_s=_HEALTH_S, server=i)
+                self._acks[i] = []
 
     def update_weights(
         self, version: int, checkpoint_path: str, *, new_admission_epoch: bool = False
@@ -122,6 +167,7 @@ class ServerPool:
             checkpoint_path=checkpoint_path,
             token=self._token,
             new_admission_epoch=new_admission_epoch,
+            run_id=self._run_id,
         )
         for i in range(len(self._conns)):
             self._call("UpdateWeights", request, deadline_s=_UPDATE_WEIGHTS_S, server=i)
@@ -130,15 +176,21 @@ class ServerPool:
         """Each server's current weights version (waiting for down servers)."""
         request = rollout_pb2.HealthRequest()
         return [
-            int(self._call("Health", request, deadline_s=_HEALTH_S, server=i).version)
+            int(self._call("Health", request, deadline_s=_HEALTH_S, server=i)[1].version)
             for i in range(len(self._conns))
         ]
 
     def _call(
-        self, rpc: str, request: Message, *, deadline_s: float, server: int | None
-    ) -> Message:
-        """The response of ``rpc`` on ``server``, retried until it answers; with ``server=None``,
-        each attempt goes to the next server in turn.
+        self,
+        rpc: str,
+        request: Message | Callable[[int], Message],
+        *,
+        deadline_s: float,
+        server: int | None,
+    ) -> tuple[int, Message]:
+        """(the server that answered, its response of ``rpc``), retried until one answers; with
+        ``server=None``, each attempt goes to the next server in turn. ``request`` may be a
+        function of the server's index.
 
         Raises:
           ServersDownError: every attempt failed for ``server_wait_s``.
@@ -150,8 +202,10 @@ class ServerPool:
             i = server
             if i is None:
                 i, self._next = self._next, (self._next + 1) % len(self._conns)
+            message = request(i) if callable(request) else request
             try:
-                return getattr(self._conns[i][1], rpc)(request, timeout=deadline_s)
+                stub = self._conns[i][1]
+                return i, getattr(stub, rpc)(message, timeout=deadline_s, metadata=self._metadata)
             except grpc.RpcError as e:
                 self._raise_unless_transient(i, rpc, e)
                 code = e.code()

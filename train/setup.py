@@ -12,6 +12,7 @@ import functools
 import logging
 import os
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from rollout_server.client import read_ca
 from sat_jax import sharding
 from sat_jax.experiment import ExperimentConfig
 from sat_jax.model import hf
@@ -39,6 +41,20 @@ def run_paths(cfg: ExperimentConfig) -> tuple[str, str, str]:
     run_dir = cfg.train.run_dir or os.path.join("runs", cfg.name)
     ckpt_dir = cfg.train.checkpoint_dir or os.path.join(run_dir, "checkpoints")
     return run_dir, ckpt_dir, os.path.join(run_dir, "weights")
+
+
+def run_id(run_dir: str) -> str:
+    """This run's id: random, made on the run's first start and kept in ``<run_dir>/run_id``, so
+    a restarted trainer of the same run is the same run to the servers."""
+    path = os.path.join(run_dir, "run_id")
+    if not os.path.exists(path):
+        os.makedirs(run_dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(uuid.uuid4().hex)
+        os.replace(tmp, path)
+    with open(path) as f:
+        return f.read().strip()
 
 
 def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
@@ -90,6 +106,8 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         stale_policy=cfg.train.stale_policy,
         estimator=cfg.train.advantage_estimator,
         normalize_std=cfg.train.normalize_std,
+        vocab_size=m.vocab_size,
+        num_experts=m.num_experts,
     )
 
 
@@ -121,15 +139,19 @@ def make_ref_logp(
     return lambda tokens: np.asarray(ref_logp(tokens))
 
 
-def connect(cfg: ExperimentConfig, server: LocalServer | None) -> ServerPool:
+def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "") -> ServerPool:
     """The configured servers (``train.servers``), or the local child once it answers; a crashed
-    child is restarted from the pool's retry loop."""
+    child is restarted from the pool's retry loop. Calls carry ``server.token`` and the run's id
+    ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca`` the channels are TLS."""
     t = cfg.train
+    ca = read_ca(t.tls_ca)
     if server is not None:
-        server.wait_ready(timeout_s=t.server_wait_s)
+        server.wait_ready(timeout_s=t.server_wait_s, root_certificates=ca)
     return ServerPool(
         t.servers or (server.address,),
         token=cfg.server.token,
+        run_id=run,
+        root_certificates=ca,
         max_message_bytes=cfg.server.max_message_bytes,
         retry_max_s=t.retry_max_s,
         server_wait_s=t.server_wait_s,

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class RolloutStub:
-    """Missing associated documentation comment in .proto file."""
+    """With server.token set, every RPC but Health carries gRPC metadata "authorization: Bearer <token>"
+    (UNAUTHENTICATED otherwise; UpdateWeights also accepts its `token` field).
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -38,6 +40,11 @@ class RolloutStub:
                 '/satjax.rollout.v1.Rollout/Pull',
                 request_serializer=rollout__server_dot_proto_dot_rollout__pb2.PullRequest.SerializeToString,
                 response_deserializer=rollout__server_dot_proto_dot_rollout__pb2.PullResponse.FromString,
+                _registered_method=True)
+        self.Ack = channel.unary_unary(
+                '/satjax.rollout.v1.Rollout/Ack',
+                request_serializer=rollout__server_dot_proto_dot_rollout__pb2.AckRequest.SerializeToString,
+                response_deserializer=rollout__server_dot_proto_dot_rollout__pb2.AckResponse.FromString,
                 _registered_method=True)
         self.UpdateWeights = channel.unary_unary(
                 '/satjax.rollout.v1.Rollout/UpdateWeights',
@@ -57,10 +64,21 @@ class RolloutStub:
 
 
 class RolloutServicer:
-    """Missing associated documentation comment in .proto file."""
+    """With server.token set, every RPC but Health carries gRPC metadata "authorization: Bearer <token>"
+    (UNAUTHENTICATED otherwise; UpdateWeights also accepts its `token` field).
+    """
 
     def Pull(self, request, context):
-        """Up to max_groups finished groups, waiting up to timeout_s for at least one.
+        """Up to max_groups finished groups, waiting up to timeout_s for at least one. The groups are
+        leased, not consumed: they return to the queue unless acknowledged (ack_group_ids of a later
+        Pull, or Ack) within the server's lease time (docs/DESIGN.md §6.2).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ack(self, request, context):
+        """Acknowledges pulled groups: they leave the server for good and count as consumed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,6 +114,11 @@ def add_RolloutServicer_to_server(servicer, server):
                     request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.PullRequest.FromString,
                     response_serializer=rollout__server_dot_proto_dot_rollout__pb2.PullResponse.SerializeToString,
             ),
+            'Ack': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ack,
+                    request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.AckRequest.FromString,
+                    response_serializer=rollout__server_dot_proto_dot_rollout__pb2.AckResponse.SerializeToString,
+            ),
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
                     request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.UpdateWeightsRequest.FromString,
@@ -120,7 +143,9 @@ def add_RolloutServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Rollout:
-    """Missing associated documentation comment in .proto file."""
+    """With server.token set, every RPC but Health carries gRPC metadata "authorization: Bearer <token>"
+    (UNAUTHENTICATED otherwise; UpdateWeights also accepts its `token` field).
+    """
 
     @staticmethod
     def Pull(request,
@@ -139,6 +164,33 @@ class Rollout:
             '/satjax.rollout.v1.Rollout/Pull',
             rollout__server_dot_proto_dot_rollout__pb2.PullRequest.SerializeToString,
             rollout__server_dot_proto_dot_rollout__pb2.PullResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ack(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/satjax.rollout.v1.Rollout/Ack',
+            rollout__server_dot_proto_dot_rollout__pb2.AckRequest.SerializeToString,
+            rollout__server_dot_proto_dot_rollout__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,

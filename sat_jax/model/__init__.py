@@ -7,6 +7,8 @@ from sat_jax.model.transformer import (
     ModelOutput,
     PrefillOutput,
     Transformer,
+    router_shift_counts,
+    router_shift_from_counts,
     router_shift_ratio,
     token_logprobs,
 )
@@ -19,6 +21,8 @@ __all__ = [
     "ModelOutput",
     "PrefillOutput",
     "Transformer",
+    "router_shift_counts",
+    "router_shift_from_counts",
     "router_shift_ratio",
     "token_logprobs",
 ]

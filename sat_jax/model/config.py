@@ -13,6 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 
 DISPATCH_PATHS = ("auto", "ragged", "dense", "blocked")
+ATTENTION_PATHS = ("auto", "fused", "blockwise", "dense")
+REMAT_POLICIES = ("none", "layer")
 # Fields a config may set beside `hf_path`: how the model runs, not what it is.
 RUNTIME_FIELDS = (
     "dtype",
@@ -20,6 +22,9 @@ RUNTIME_FIELDS = (
     "dispatch",
     "max_seq_len",
     "router_aux_loss_coef",
+    "attention",
+    "attention_block",
+    "logits_chunk",
     "remat",
 )
 
@@ -53,6 +58,15 @@ class ModelConfig:
         "blocked" (sort + block-padded batched matmul, for CPU), or "auto" (chosen per backend
         and shape, see `sat_jax.model.moe.resolve_dispatch`).
       router_aux_loss_coef: weight of the load-balancing loss in `ModelOutput.aux_loss`.
+      attention: path of the full forward's causal attention (`sat_jax.model.attention`):
+        "fused" (`jax.nn.dot_product_attention`, cuDNN on GPU), "blockwise" (online softmax,
+        memory linear in T), "dense" (the [T, T] scores), or "auto" (fused on GPU, else
+        blockwise). Decoding always attends densely over the cache.
+      attention_block: block length of the blockwise path.
+      logits_chunk: positions per chunk of `Transformer.target_logprobs` (the trainer's
+        log-probs of the sampled tokens): [B, chunk, V] float32 logits at a time.
+      remat: "layer" recomputes each decoder layer's activations in the backward pass
+        (`jax.checkpoint`), keeping only the residual stream between layers; "none" keeps all.
       dtype: compute dtype of matmuls; norms, softmaxes, the router and logits stay float32.
       param_dtype: storage dtype of the parameters (the trainer's master weights).
       hf_path: a Hugging Face Qwen3-MoE checkpoint directory (config.json, safetensors, tokenizer
@@ -80,6 +94,10 @@ class ModelConfig:
     max_seq_len: int
     dispatch: str = "auto"
     router_aux_loss_coef: float = 0.0
+    attention: str = "auto"
+    attention_block: int = 512
+    logits_chunk: int = 1024
+    remat: str = "none"
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
     hf_path: str = ""
@@ -95,6 +113,8 @@ class ModelConfig:
             "dense_dim",
             "max_seq_len",
             "decoder_sparse_step",
+            "attention_block",
+            "logits_chunk",
         )
         for name in positive:
             if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
@@ -128,6 +148,10 @@ class ModelConfig:
             raise ValueError(f"rms_norm_eps must be positive, got {self.rms_norm_eps}")
         if self.dispatch not in DISPATCH_PATHS:
             raise ValueError(f"dispatch must be one of {DISPATCH_PATHS}, got {self.dispatch!r}")
+        if self.attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention must be one of {ATTENTION_PATHS}, got {self.attention!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.router_aux_loss_coef < 0:
             raise ValueError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         for name in ("dtype", "param_dtype"):

@@ -18,12 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from sat_jax.model.attention import causal_attention, dense_attention
 from sat_jax.model.config import DTypeLike
 
 Initializer = Callable[[jax.Array, Sequence[int], DTypeLike], jax.Array]
-
-# Large finite negative so fully masked rows give a uniform softmax instead of NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def make_param(
@@ -163,19 +161,33 @@ class Attention(nnx.Module):
         Returns:
           [B, T, D] attention output after the output projection.
         """
+        out_btgrh = dense_attention(self._groups(q_btnh), k_bsgh, v_bsgh, allowed_bts, self.dtype)
+        return self._output(out_btgrh)
+
+    def attend_causal(
+        self,
+        q_btnh: jax.Array,
+        k_btgh: jax.Array,
+        v_btgh: jax.Array,
+        valid_bt: jax.Array,
+        *,
+        path: str,
+        block: int,
+    ) -> jax.Array:
+        """Causal self-attention of right-padded rows (``valid_bt`` [B, T] marks real tokens) by
+        `sat_jax.model.attention.causal_attention`'s ``path``; [B, T, D] after the projection."""
+        out_btgrh = causal_attention(
+            self._groups(q_btnh), k_btgh, v_btgh, valid_bt, path=path, block=block, dtype=self.dtype
+        )
+        return self._output(out_btgrh)
+
+    def _groups(self, q_btnh: jax.Array) -> jax.Array:
         b, t, n, h = q_btnh.shape
-        g = self.num_kv_heads
-        q_btgrh = q_btnh.reshape(b, t, g, n // g, h)
-        scores_bgrts = jnp.einsum(
-            "btgrh,bsgh->bgrts",
-            q_btgrh,
-            k_bsgh.astype(q_btnh.dtype),
-            preferred_element_type=jnp.float32,
-        ) * (h**-0.5)
-        scores_bgrts = jnp.where(allowed_bts[:, None, None], scores_bgrts, _MASK_VALUE)
-        probs_bgrts = jax.nn.softmax(scores_bgrts, axis=-1).astype(self.dtype)
-        out_btgrh = jnp.einsum("bgrts,bsgh->btgrh", probs_bgrts, v_bsgh.astype(self.dtype))
-        out_btnh = out_btgrh.reshape(b, t, n, h)
+        return q_btnh.reshape(b, t, self.num_kv_heads, n // self.num_kv_heads, h)
+
+    def _output(self, out_btgrh: jax.Array) -> jax.Array:
+        b, t, g, r, h = out_btgrh.shape
+        out_btnh = out_btgrh.reshape(b, t, g * r, h).astype(self.dtype)
         return jnp.einsum("btnh,nhd->btd", out_btnh, self.w_o_nhd[...].astype(self.dtype))
 
 

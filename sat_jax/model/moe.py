@@ -75,12 +75,16 @@ class MoEOutput:
         experts used unless replaying).
       balance_loss: scalar float32 load-balancing loss over active tokens (not yet weighted).
       load_e: [E] float32 fraction of active token-slots sent to each expert (sums to 1).
+      router_frac_e, router_prob_e: [E] the f_e and P_e of ``balance_loss`` (means over active
+        tokens, so microbatches of equal size average to the batch's; P_e carries the gradient).
     """
 
     y_btd: jax.Array
     topk_ids_btk: jax.Array
     balance_loss: jax.Array
     load_e: jax.Array
+    router_frac_e: jax.Array
+    router_prob_e: jax.Array
 
 
 def route(
@@ -238,12 +242,14 @@ def resolve_dispatch(
     return "dense" if num_tokens * num_experts <= CPU_BLOCKED_OVERHEAD * blocked_rows else "blocked"
 
 
-def balance_loss(probs_te: jax.Array, ids_tk: jax.Array, mask_t: jax.Array) -> jax.Array:
-    """Switch/Qwen load-balancing loss over active tokens: E * sum_e f_e * P_e.
+def router_stats(
+    probs_te: jax.Array, ids_tk: jax.Array, mask_t: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(f_e, P_e) of the load-balancing loss over active tokens, each [E] float32.
 
     f_e = fraction of active tokens whose K experts include e (sums to K, as in HF
-    `load_balancing_loss_func`), P_e = mean router probability of e over active tokens. Its
-    minimum, at perfectly uniform routing, is K. Gradients flow through P only.
+    `load_balancing_loss_func`), detached by construction (one-hot of ids); P_e = mean router
+    probability of e over active tokens, differentiable.
 
     Args:
       probs_te: [T, E] dense router softmax.
@@ -256,7 +262,23 @@ def balance_loss(probs_te: jax.Array, ids_tk: jax.Array, mask_t: jax.Array) -> j
     chosen_te = jnp.sum(jax.nn.one_hot(ids_tk, num_experts, dtype=jnp.float32), axis=1)
     f_e = jnp.einsum("te,t->e", chosen_te, m_t) / n
     p_e = jnp.einsum("te,t->e", probs_te, m_t) / n
-    return num_experts * jnp.sum(f_e * p_e)
+    return f_e, p_e
+
+
+def balance_from_stats(frac_le: jax.Array, prob_le: jax.Array) -> jax.Array:
+    """E · Σ_e f_e · P_e per layer, averaged over the L layers of [L, E] stats (0 when L = 0)."""
+    if frac_le.shape[0] == 0:
+        return jnp.zeros((), jnp.float32)
+    return jnp.mean(frac_le.shape[-1] * jnp.sum(frac_le * prob_le, axis=-1))
+
+
+def balance_loss(probs_te: jax.Array, ids_tk: jax.Array, mask_t: jax.Array) -> jax.Array:
+    """Switch/Qwen load-balancing loss over active tokens: E * sum_e f_e * P_e (`router_stats`).
+
+    Its minimum, at perfectly uniform routing, is K. Gradients flow through P only.
+    """
+    f_e, p_e = router_stats(probs_te, ids_tk, mask_t)
+    return balance_from_stats(f_e[None], p_e[None])
 
 
 def expert_load(ids_tk: jax.Array, mask_t: jax.Array, num_experts: int) -> jax.Array:
@@ -346,9 +368,12 @@ class MoE(nnx.Module):
             x_td.astype(self.dtype), routing.ids_tk, routing.weights_tk, experts
         )
         mask_t = mask_bt.reshape(b * t)
+        f_e, p_e = router_stats(routing.probs_te, routing.ids_tk, mask_t)
         return MoEOutput(
             y_btd=y_td.reshape(b, t, d),
             topk_ids_btk=topk_ids_tk.reshape(b, t, self.k),
-            balance_loss=balance_loss(routing.probs_te, routing.ids_tk, mask_t),
+            balance_loss=balance_from_stats(f_e[None], p_e[None]),
             load_e=expert_load(routing.ids_tk, mask_t, self.num_experts),
+            router_frac_e=f_e,
+            router_prob_e=p_e,
         )

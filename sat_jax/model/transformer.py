@@ -18,7 +18,7 @@ from flax import nnx, struct
 
 from sat_jax.model.config import ModelConfig
 from sat_jax.model.layers import Attention, DenseMLP, RMSNorm, fan_in_init, make_param
-from sat_jax.model.moe import MoE, MoEOutput
+from sat_jax.model.moe import MoE, MoEOutput, balance_from_stats
 
 
 @struct.dataclass
@@ -32,6 +32,11 @@ class ModelOutput:
       aux_loss: scalar, `router_aux_loss_coef * balance_loss`, ready to add to the loss.
       balance_loss: scalar, the load-balancing loss averaged over MoE layers (0 without MoE).
       expert_load_le: [L, E] fraction of active token-slots per expert, per MoE layer.
+      router_frac_le, router_prob_le: [L, E] f and P of the balance loss per MoE layer
+        (`moe.router_stats`): gradient accumulation rebuilds the batch's balance loss from them.
+      hidden_btd: [B, T, D] the final-normed hidden states `logits_btv` is projected from;
+        `Transformer.target_logprobs` scores targets from them chunk by chunk (when only that is
+        used under `jit`, the full logits are never computed).
     """
 
     logits_btv: jax.Array
@@ -39,6 +44,9 @@ class ModelOutput:
     aux_loss: jax.Array
     balance_loss: jax.Array
     expert_load_le: jax.Array
+    router_frac_le: jax.Array
+    router_prob_le: jax.Array
+    hidden_btd: jax.Array
 
 
 @struct.dataclass
@@ -206,21 +214,46 @@ class Transformer(nnx.Module):
         )
 
     def _logits(self, x_btd: jax.Array) -> jax.Array:
+        return self._project(self.final_norm(x_btd).astype(self.config.dtype))
+
+    def _project(self, h_btd: jax.Array) -> jax.Array:
+        """float32 logits [..., V] of final-normed hidden states [..., D]."""
         c = self.config
-        h_btd = self.final_norm(x_btd).astype(c.dtype)
         if self.lm_head_dv is None:
-            return jnp.einsum(
-                "btd,vd->btv",
-                h_btd,
-                self.embedding_vd[...].astype(c.dtype),
-                preferred_element_type=jnp.float32,
-            )
-        return jnp.einsum(
-            "btd,dv->btv",
-            h_btd,
-            self.lm_head_dv[...].astype(c.dtype),
-            preferred_element_type=jnp.float32,
-        )
+            w_dv = self.embedding_vd[...].astype(c.dtype).T
+        else:
+            w_dv = self.lm_head_dv[...].astype(c.dtype)
+        return jnp.einsum("...d,dv->...v", h_btd, w_dv, preferred_element_type=jnp.float32)
+
+    def target_logprobs(
+        self,
+        hidden_btd: jax.Array,
+        targets_bt: jax.Array,
+        *,
+        temperature: float = 1.0,
+        vocab_mask: jax.Array | None = None,
+    ) -> jax.Array:
+        """[B, T] float32 log softmax(logits / temperature) at ``targets_bt``, from the hidden
+        states of `ModelOutput.hidden_btd`, `config.logits_chunk` positions at a time.
+
+        Each chunk's [B, chunk, V] logits are recomputed in the backward pass (`jax.checkpoint`),
+        so no full float32 [B, T, V] buffer exists in either pass. ``vocab_mask`` ([V] bool)
+        renormalizes over those ids only, as a sampler restricted to them does.
+        """
+        b, t, d = hidden_btd.shape
+        c = min(self.config.logits_chunk, t)
+        n = -(-t // c)
+        pad = ((0, 0), (0, n * c - t))
+        h_nbcd = jnp.moveaxis(jnp.pad(hidden_btd, (*pad, (0, 0))).reshape(b, n, c, d), 1, 0)
+        y_nbc = jnp.moveaxis(jnp.pad(targets_bt, pad).reshape(b, n, c), 1, 0)
+
+        @jax.checkpoint
+        def one(h_bcd: jax.Array, y_bc: jax.Array) -> jax.Array:
+            logits_bcv = self._project(h_bcd)
+            return token_logprobs(logits_bcv, y_bc, temperature=temperature, vocab_mask=vocab_mask)
+
+        logp_nbc = jax.lax.map(lambda xs: one(*xs), (h_nbcd, y_nbc))
+        return jnp.moveaxis(logp_nbc, 0, 1).reshape(b, n * c)[:, :t]
 
     def _routing(self, trunk: _Trunk, b: int, t: int) -> jax.Array:
         c = self.config
@@ -264,29 +297,67 @@ class Transformer(nnx.Module):
                 f"replay_routing has shape {replay_routing.shape}, expected "
                 f"{(b, t, c.num_moe_layers, c.num_experts_per_tok)}"
             )
-        causal_tt = jnp.tril(jnp.ones((t, t), bool))
-        allowed_bts = causal_tt[None] & mask_bt[:, None, :]
-        trunk = self._trunk(
-            tokens_bt,
-            positions_bt,
-            mask_bt,
-            allowed_bts,
-            replay_btlk=replay_routing,
-            dispatch=dispatch,
-        )
-        if trunk.moe:
-            balance = jnp.mean(jnp.stack([o.balance_loss for o in trunk.moe]))
-            load_le = jnp.stack([o.load_e for o in trunk.moe])
-        else:
-            balance = jnp.zeros((), jnp.float32)
-            load_le = jnp.zeros((0, c.num_experts), jnp.float32)
+        x_btd = self.embedding_vd[...].astype(c.dtype)[tokens_bt]
+        x_btd, stats = self._scan_layers(x_btd, positions_bt, mask_bt, replay_routing, dispatch)
+        balance = balance_from_stats(stats.frac_le, stats.prob_le)
+        hidden_btd = self.final_norm(x_btd).astype(c.dtype)
         return ModelOutput(
-            logits_btv=self._logits(trunk.x_btd),
-            routing_btlk=self._routing(trunk, b, t),
+            logits_btv=self._project(hidden_btd),
+            routing_btlk=jnp.moveaxis(stats.ids_lbtk, 0, 2).astype(c.routing_dtype),
             aux_loss=c.router_aux_loss_coef * balance,
             balance_loss=balance,
-            expert_load_le=load_le,
+            expert_load_le=stats.load_le,
+            router_frac_le=stats.frac_le,
+            router_prob_le=stats.prob_le,
+            hidden_btd=hidden_btd,
         )
+
+    def _scan_layers(self, x_btd, positions_bt, mask_bt, replay_btlk, dispatch):
+        """The full forward's layers: each run of identical consecutive layers (all dense or all
+        MoE) is one `lax.scan` over its params stacked on the fly, so one layer of each kind is
+        compiled whatever the depth, and the param tree (HF names, checkpoints, sharding rules)
+        stays per layer. With `config.remat == "layer"` the scan body is `jax.checkpoint`ed."""
+        c = self.config
+        b, t = mask_bt.shape
+        stats, moe_seen = [], 0
+        for start, end in _runs([layer.is_moe for layer in self.layers]):
+            graphdef, _ = nnx.split(self.layers[start])
+            stacked = jax.tree.map(
+                lambda *xs: jnp.stack(xs), *[nnx.state(layer) for layer in self.layers[start:end]]
+            )
+            is_moe, replay = self.layers[start].is_moe, None
+            if is_moe and replay_btlk is not None:
+                replay = jnp.moveaxis(replay_btlk[:, :, moe_seen : moe_seen + end - start], 2, 0)
+
+            def body(x, xs, graphdef=graphdef):
+                from sat_jax.sharding import constrain_batch  # sat_jax.sharding imports us
+
+                x, stats = _layer_step(
+                    nnx.merge(graphdef, xs[0]),
+                    constrain_batch(x),
+                    positions_bt,
+                    mask_bt,
+                    xs[1],
+                    dispatch,
+                    c,
+                )
+                return constrain_batch(x), stats
+
+            body = jax.checkpoint(body) if c.remat == "layer" else body
+            x_btd, run_stats = jax.lax.scan(body, x_btd, (stacked, replay))
+            if is_moe:
+                stats.append(run_stats)
+                moe_seen += end - start
+        if not stats:
+            k, e = c.num_experts_per_tok, c.num_experts
+            empty = _LayerStats(
+                ids_lbtk=jnp.zeros((0, b, t, k), jnp.int32),
+                load_le=jnp.zeros((0, e), jnp.float32),
+                frac_le=jnp.zeros((0, e), jnp.float32),
+                prob_le=jnp.zeros((0, e), jnp.float32),
+            )
+            return x_btd, empty
+        return x_btd, jax.tree.map(lambda *xs: jnp.concatenate(xs), *stats)
 
     def __call__(
         self,
@@ -389,9 +460,20 @@ class Transformer(nnx.Module):
 
 
 def token_logprobs(
-    logits_btv: jax.Array, targets_bt: jax.Array, *, temperature: float = 1.0
+    logits_btv: jax.Array,
+    targets_bt: jax.Array,
+    *,
+    temperature: float = 1.0,
+    vocab_mask: jax.Array | None = None,
 ) -> jax.Array:
-    """[B, T] float32 log softmax(logits / temperature) at the targets (the sampler's scaling)."""
+    """[B, T] float32 log softmax(logits / temperature) at the targets (the sampler's scaling).
+
+    ``vocab_mask`` ([V] bool, optional) renormalizes over those ids only.
+    """
+    if vocab_mask is not None:
+        # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
+        floor = jnp.finfo(logits_btv.dtype).min
+        logits_btv = jnp.where(jnp.asarray(vocab_mask, bool), logits_btv, floor)
     logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
     return jnp.take_along_axis(logp_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
 
@@ -411,10 +493,57 @@ def router_shift_ratio(
     Returns:
       Scalar float32 in [0, 1]; 0 when nothing is active or there are no MoE layers.
     """
+    return router_shift_from_counts(*router_shift_counts(recorded_btlk, current_btlk, mask_bt))
+
+
+def router_shift_from_counts(missing: jax.Array, slots: jax.Array) -> jax.Array:
+    """missing / slots of `router_shift_counts` (summed over microbatches), 0 when slots is 0."""
+    return jnp.where(slots > 0, missing / jnp.maximum(slots, 1.0), 0.0)
+
+
+def router_shift_counts(
+    recorded_btlk: jax.Array, current_btlk: jax.Array, mask_bt: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """(missing, slots) of `router_shift_ratio` as float32 sums, which add across microbatches."""
     rec = recorded_btlk.astype(jnp.int32)
     cur = current_btlk.astype(jnp.int32)
     found_btlk = jnp.any(rec[..., :, None] == cur[..., None, :], axis=-1)
     weight_bt = mask_bt.astype(jnp.float32)
     missing = jnp.sum(jnp.sum(~found_btlk, axis=(2, 3)) * weight_bt)
     slots = jnp.sum(weight_bt) * rec.shape[2] * rec.shape[3]
-    return jnp.where(slots > 0, missing / jnp.maximum(slots, 1.0), 0.0)
+    return missing, slots
+
+
+@struct.dataclass
+class _LayerStats:
+    """Per-MoE-layer results of the full forward, stacked over layers ([L, ...])."""
+
+    ids_lbtk: jax.Array
+    load_le: jax.Array
+    frac_le: jax.Array
+    prob_le: jax.Array
+
+
+def _runs(kinds: list[bool]) -> list[tuple[int, int]]:
+    """[start, end) of each run of equal consecutive entries."""
+    starts = [i for i in range(len(kinds)) if i == 0 or kinds[i] != kinds[i - 1]]
+    return list(zip(starts, [*starts[1:], len(kinds)], strict=True))
+
+
+def _layer_step(layer, x_btd, positions_bt, mask_bt, replay_btk, dispatch, c: ModelConfig):
+    """One decoder layer of the full forward: (new residual stream, MoE stats or None)."""
+    qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
+    x_btd = x_btd + layer.attn.attend_causal(
+        qkv.q_btnh, qkv.k_btgh, qkv.v_btgh, mask_bt, path=c.attention, block=c.attention_block
+    )
+    h_btd = layer.mlp_norm(x_btd)
+    if not layer.is_moe:
+        return x_btd + layer.mlp(h_btd), None
+    out = layer.mlp(h_btd, mask_bt=mask_bt, replay_ids_btk=replay_btk, dispatch=dispatch)
+    stats = _LayerStats(
+        ids_lbtk=out.topk_ids_btk,
+        load_le=out.load_e,
+        frac_le=out.router_frac_e,
+        prob_le=out.router_prob_e,
+    )
+    return x_btd + out.y_btd, stats

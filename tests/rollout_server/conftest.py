@@ -17,7 +17,7 @@ import portpicker
 import pytest
 from flax import nnx
 
-from rollout_server.client import channel_options
+from rollout_server.client import bearer_metadata, channel_options
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax.experiment import load_config
 
@@ -35,6 +35,8 @@ class ServerProcess:
     """`python -m rollout_server --config configs/arith_tiny.yaml ...` on a free port."""
 
     def __init__(self, tmp: pathlib.Path, overrides: list[str]):
+        self.token = [o.split("=", 1)[1] for o in overrides if o.startswith("server.token=")]
+        self.token = self.token[-1] if self.token else ""
         self.port = portpicker.pick_unused_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = tmp / f"server-{self.port}.log"
@@ -46,8 +48,10 @@ class ServerProcess:
             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
         )
+        # Its own state_dir unless the test names one (the config's is shared, and locked).
+        state = f"server.state_dir={tmp / f'state-{self.port}'}"
         cmd = [sys.executable, "-m", "rollout_server", "--config", str(CONFIG),
-               f"server.port={self.port}", *SHAPES, *overrides]  # fmt: skip
+               f"server.port={self.port}", state, *SHAPES, *overrides]  # fmt: skip
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT
@@ -66,8 +70,13 @@ class ServerProcess:
             time.sleep(0.2)
         raise AssertionError(f"server not ready after {timeout_s}s:\n{self.log()}")
 
-    def channel(self) -> grpc.Channel:
+    def raw_channel(self) -> grpc.Channel:
+        """A channel whose calls carry no token."""
         return grpc.insecure_channel(self.address, options=channel_options(MAX_MESSAGE_BYTES))
+
+    def channel(self) -> grpc.Channel:
+        """A channel whose calls carry the server's token (when it has one)."""
+        return grpc.intercept_channel(self.raw_channel(), BearerToken(self.token))
 
     def rollout_stub(self) -> rollout_pb2_grpc.RolloutStub:
         return rollout_pb2_grpc.RolloutStub(self.channel())
@@ -90,6 +99,23 @@ class ServerProcess:
         self._log.close()
 
 
+class BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <token>` to every call (nothing for "")."""
+
+    def __init__(self, token: str):
+        self.metadata = list(bearer_metadata(token))
+
+    def _with_token(self, details):
+        metadata = [*(details.metadata or ()), *self.metadata]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+    def intercept_unary_stream(self, continuation, details, request):
+        return continuation(self._with_token(details), request)
+
+
 def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.2):
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -98,6 +124,23 @@ def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.2):
             return value
         time.sleep(interval_s)
     raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+def pull_all(stub, n, timeout_s=120.0):
+    """Pulls `n` groups, acknowledging each Pull's groups with the next and the last with Ack."""
+    groups = []
+
+    def pull():
+        acks = [g.group_id for g in groups]
+        request = rollout_pb2.PullRequest(
+            max_groups=n - len(groups), timeout_s=5, ack_group_ids=acks
+        )
+        groups.extend(stub.Pull(request, timeout=30).groups)
+        return len(groups) >= n
+
+    wait_for(pull, timeout_s=timeout_s, interval_s=0)
+    stub.Ack(rollout_pb2.AckRequest(group_ids=[g.group_id for g in groups]), timeout=30)
+    return groups
 
 
 def stats(stub: rollout_pb2_grpc.RolloutStub) -> rollout_pb2.StatsResponse:

@@ -55,6 +55,7 @@ def test_state_store_round_trip(tmp_path):
         unfinished=[{"group_id": 3, "id": "a", "text": "1+1=", "answer": "2"}],
     )
     store.save(state)
+    store.close()  # the directory's lock: one store at a time
     assert StateStore(str(tmp_path / "s")).load() == state
     StateStore("").save(state)  # no directory: nothing kept
     assert StateStore("").load() == RolloutState()
@@ -79,13 +80,14 @@ def test_pull_stays_under_the_byte_limit():
         driver=None, engine=None, prompts=prompt_dataset(TaskConfig()),
         reward_fn=exact_match_reward, tokenizer=CharTokenizer("0123456789"),
         cfg=RolloutConfig(), store=StateStore(""), wait_for_weights=True,
-        max_response_bytes=2500,
+        max_response_bytes=2500, lease_s=600,
     )  # fmt: skip
     for i in range(5):
         loop.queue.put(rollout_pb2.Group(group_id=i, prompt_text="x" * 1000))
     assert [g.group_id for g in loop.pull(5, 0)] == [0, 1]
-    assert [g.group_id for g in loop.pull(5, 0)] == [2, 3]
-    assert loop.persisted.consumed == 4
+    assert [g.group_id for g in loop.pull(5, 0, ack=[0, 1])] == [2, 3]
+    assert loop.persisted.consumed == 2  # leased groups count once acknowledged
+    assert loop.ack([2, 3, 3, 77]) == 2 and loop.persisted.consumed == 4
     big = rollout_pb2.Group(group_id=9, prompt_text="x" * 5000)
     loop.queue.get_many(5, 0)
     loop.queue.put(big)

@@ -1,4 +1,5 @@
-"""Killing the server (SIGKILL) loses no prompt: the restart re-issues every unpulled prompt."""
+"""Killing the server (SIGKILL) loses no prompt: the restart re-issues every prompt whose group was
+not acknowledged (pulled or not)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ pytestmark = pytest.mark.slow  # starts server processes
 BATCH = 4
 
 
-def test_sigkill_then_restart_reissues_unpulled_prompts(server_factory, tmp_path):
+def test_sigkill_then_restart_reissues_unacknowledged_prompts(server_factory, tmp_path):
     overrides = [
         f"server.state_dir={tmp_path / 'state'}",
         "server.checkpoint_root=",
@@ -30,12 +31,14 @@ def test_sigkill_then_restart_reissues_unpulled_prompts(server_factory, tmp_path
     pulled = stub.Pull(rollout_pb2.PullRequest(max_groups=2, timeout_s=10)).groups
     assert len(pulled) == 2
     pulled_ids = {g.prompt_id for g in pulled}
+    stub.Ack(rollout_pb2.AckRequest(group_ids=[g.group_id for g in pulled]))
+    [leased] = stub.Pull(rollout_pb2.PullRequest(max_groups=1, timeout_s=10)).groups  # no ack
     first.kill()
     state = json.loads((tmp_path / "state" / "rollout_state.json").read_text())
     assert state["consumed"] == 2
     drawn = {f"arith-0-{i}" for i in range(state["next_group_id"])}
     unfinished = {r["id"] for r in state["unfinished"]}
-    assert unfinished == drawn - pulled_ids and unfinished
+    assert unfinished == drawn - pulled_ids and leased.prompt_id in unfinished
 
     second = server_factory(overrides)
     stub = second.rollout_stub()

@@ -67,6 +67,7 @@ def _loop(
     cfg: RolloutConfig = CFG,
     driver: FakeDriver | None = None,
     prompts: grain.IterDataset | None = None,
+    lease_s: float = 600.0,
 ) -> RolloutLoop:
     return RolloutLoop(
         driver=FakeDriver() if driver is None else driver,
@@ -78,6 +79,7 @@ def _loop(
         store=store,
         wait_for_weights=wait,
         max_response_bytes=ServerConfig().max_message_bytes,
+        lease_s=lease_s,
     )
 
 
@@ -117,7 +119,7 @@ def test_without_waiting_the_initial_weights_generate():
 def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
     # Sync-mode shape: max_staleness 0, the batch of v1 finished and queued, so admission is
     # closed. While a Pull takes the groups off the queue, admission must not find them in
-    # neither `queued` nor `consumed` (it would start a group of the old version too many).
+    # neither `queued` nor `leased` (it would start a group of the old version too many).
     cfg = RolloutConfig(batch_groups=B, max_staleness=0)
     loop = _loop(StateStore(str(tmp_path)), FakeEngine(), wait=True, cfg=cfg)
     loop.install_weights(1, "/ckpt/v1", params=None)
@@ -141,10 +143,14 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
     probes: list[threading.Thread] = []
     loop.queue.get_many = get_many_then_look
     assert len(loop.pull(B, timeout_s=1.0)) == B
-    assert loop.persisted.consumed == B
+    assert loop.stats()["groups_leased"] == B and loop.persisted.consumed == 0
     [probe] = probes
     probe.join()
     assert seen == [False]
+    assert not loop.stats()["admission_open"]  # leased groups still count ...
+    assert loop.ack(list(range(B))) == B
+    assert loop.persisted.consumed == B
+    assert not loop.stats()["admission_open"]  # ... and then as consumed
 
 
 class ShortPromptEngine(FakeEngine):

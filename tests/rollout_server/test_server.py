@@ -17,11 +17,12 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-from rollout_server.proto import rollout_pb2
+from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server.routing_codec import decode_routing
 from sat_jax.params_io import save_params
 from sat_jax.tasks import CharTokenizer
 from tests.rollout_server.conftest import ServerProcess, random_params, stats, wait_for
+from tests.rollout_server.conftest import pull_all as _pull_all
 
 pytestmark = pytest.mark.slow  # starts server processes
 
@@ -56,23 +57,6 @@ def live(tmp_path_factory):
     server.tmp = tmp
     yield server
     assert server.stop() == 0, server.log()
-
-
-def _pull_all(stub, n, timeout_s=120.0):
-    groups = []
-    wait_for(
-        lambda: (
-            groups.extend(
-                stub.Pull(
-                    rollout_pb2.PullRequest(max_groups=n - len(groups), timeout_s=5), timeout=30
-                ).groups
-            )
-            or len(groups) >= n
-        ),
-        timeout_s=timeout_s,
-        interval_s=0,
-    )
-    return groups
 
 
 def _check_trajectory(t: rollout_pb2.Trajectory, group: rollout_pb2.Group) -> None:
@@ -126,8 +110,8 @@ def test_update_weights_and_versions(live):
     save_params(path, random_params("tiny", seed=1))
     bad_token = rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path=str(path), token="x")
     with pytest.raises(grpc.RpcError) as e:
-        stub.UpdateWeights(bad_token)
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        rollout_pb2_grpc.RolloutStub(live.raw_channel()).UpdateWeights(bad_token)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     outside = live.tmp / "elsewhere"
     save_params(outside, random_params("tiny", seed=2))
     for bad in [

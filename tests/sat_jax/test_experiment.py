@@ -279,3 +279,34 @@ def test_tokenizer_and_precision_keys(hf_dir):
     assert cfg.rollout.stop_token_ids == (5, 7) and cfg.task.reward == "gsm8k"
     assert cfg.serving_model.param_dtype == jnp.bfloat16
     assert cfg.model.param_dtype == jnp.float32  # the trainer's master weights
+
+
+@pytest.mark.parametrize(
+    "override, names",
+    [
+        ("server.lease_s=0", "server: lease_s"),
+        ("server.max_request_bytes=1000", "server: max_request_bytes"),
+        ("server.max_concurrent_rpcs=0", "server: max_concurrent_rpcs"),
+        ("server.max_version_jump=0", "server: max_version_jump"),
+    ],
+)
+def test_hardening_keys_are_checked(override, names):
+    with pytest.raises(ConfigError, match=f"^{names}"):
+        load_config(None, [override])
+    assert load_config(None, ["server.metrics_host=0.0.0.0"]).server.metrics_host == "0.0.0.0"
+    assert load_config(None, []).server.metrics_host == "127.0.0.1"
+
+
+def test_scale_keys_load_and_are_validated() -> None:
+    overrides = ["train.microbatches=4", "model.remat=layer"]
+    cfg = load_config(None, [*overrides, "train.loss.sat.threshold_scope=microbatch"])
+    assert (cfg.train.microbatches, cfg.model.remat) == (4, "layer")
+    assert cfg.train.loss.sat.threshold_scope == "microbatch"
+    for bad, key in [
+        ("train.microbatches=3", "train.microbatches"),
+        ("train.loss.sat.threshold_scope=token", "threshold_scope"),
+        ("model.remat=full", "remat"),
+        ("model.attention=flash", "attention"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [bad])

@@ -150,3 +150,25 @@ def test_optimizer_state_dtypes_come_from_its_init():
     bf16 = plan.plan_memory(cfg.replace(param_dtype="bfloat16"), sharding.MeshConfig(fsdp=1))
     assert bf16.param_bytes * 2 == f32.param_bytes
     assert bf16.adam_bytes == f32.adam_bytes == 8 * f32.total_params + 2 * 4
+
+
+def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:
+    args = ["--preset", "tiny", "--mesh", "fsdp=8", "--batch", "8", "--seq-len", "64"]
+    assert plan.main([*args, "--compile", "--set", "remat=layer"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:-2] == plan.format_plan("tiny", _plan("tiny", "fsdp=8")).splitlines()
+    label, _, value = lines[-1].partition(": ")
+    assert label == "compiled temp bytes per device" and int(value) > 0
+    # Sharding the 8 rows over 8 devices must shrink each device's share (the scanned layers'
+    # carry keeps its batch sharding).
+    one_row = plan.compiled_temp_bytes(
+        ModelConfig.preset("tiny", remat="layer"), sharding.MeshConfig.parse("fsdp=8"), 8, 64
+    )
+    eight_rows = plan.compiled_temp_bytes(
+        ModelConfig.preset("tiny", remat="layer"), sharding.MeshConfig(fsdp=1), 8, 64
+    )
+    assert one_row == int(value) and one_row < eight_rows / 2
+
+
+def test_compile_needs_a_batch_shape() -> None:
+    assert plan.main(["--preset", "tiny", "--mesh", "fsdp=1", "--compile"]) == 2

@@ -30,6 +30,8 @@ SPEC_KWARGS = dict(
     stale_policy="drop",
     estimator="grpo",
     normalize_std=True,
+    vocab_size=64,
+    num_experts=8,
 )
 TRAINER_VERSION = 3
 

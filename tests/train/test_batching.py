@@ -49,6 +49,8 @@ def spec(**kw) -> batching.BatchSpec:
         stale_policy="drop",
         estimator="grpo",
         normalize_std=True,
+        vocab_size=64,
+        num_experts=8,
     )
     return batching.BatchSpec(**(base | kw))
 

@@ -91,7 +91,8 @@ def test_checkpoints_share_the_params_io_lock(tmp_path, state_and_mesh, monkeypa
 
 def test_url_checkpoint_dir_reaches_orbax_unchanged(tmp_path, monkeypatch):
     """No network: orbax's manager is replaced by a recorder. The real one resolves the URL with
-    etils epath (TensorFlow's gfile or gcsfs for gs://) and needs GCS credentials."""
+    etils epath (TensorFlow's gfile or gcsfs for gs://) and needs GCS credentials; test_gcs.py
+    runs it against a local emulator."""
     opened = []
 
     class RecordingManager:

@@ -295,6 +295,7 @@ class FakePool:
         self.version = 1
         self.events: list[tuple[str, int]] = []
         self.next_id = 0
+        self.acked: list[int] = []
 
     def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
         self.events.append(("pull", self.version))
@@ -317,6 +318,12 @@ class FakePool:
             )
             self.next_id += 1
         return groups
+
+    def ack(self, groups) -> None:
+        self.acked.extend(g.group_id for g in groups)
+
+    def flush_acks(self) -> None:
+        pass
 
     def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
         if self.gate is not None:
@@ -432,3 +439,4 @@ def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path
     # Pulls alternate with pushes through the skipped step: every batch is at lag 0.
     assert pool.events == [e for v in range(1, steps + 2) for e in (("pull", v), ("push", v + 1))]
     assert [r["lag_max"] for r in metrics.read_jsonl(writer.jsonl_path)] == [0] * (steps + 1)
+    assert pool.acked == list(range(pool.next_id))  # every pulled group, once, after its step

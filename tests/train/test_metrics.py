@@ -19,10 +19,12 @@ def _stats(lags: np.ndarray) -> BatchStats:
         stale_dropped=0,
         stale_kept=0,
         duplicates=0,
+        invalid=0,
         reward_mean=0.5,
         response_len_mean=float(lags.size),
         tokens=lags.size,
         prompt_ids=("p",),
+        group_keys=("s/0",),
         lags=lags,
     )
 

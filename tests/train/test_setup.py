@@ -113,7 +113,9 @@ class _Recorder:
         return self
 
 
-def test_connect_passes_every_server_setting_of_the_config(monkeypatch):
+def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"PEM")
     recorder = _Recorder()
     monkeypatch.setattr(setup, "ServerPool", recorder)
     cfg = load_config(
@@ -124,12 +126,15 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch):
             "server.token=s3cret",
             "train.retry_max_s=2.5",
             "train.server_wait_s=42",
+            f"train.tls_ca={ca}",
         ],
     )
-    setup.connect(cfg, None)
+    setup.connect(cfg, None, run="run-7")
     assert recorder.kwargs == dict(
         addresses=("h1:1", "h2:2"),
         token="s3cret",
+        run_id="run-7",
+        root_certificates=b"PEM",
         max_message_bytes=3 * MiB,
         retry_max_s=2.5,
         server_wait_s=42.0,
@@ -145,7 +150,7 @@ def test_connect_waits_for_the_local_server_and_restarts_it_on_retry(monkeypatch
         address = "127.0.0.1:1234"
         ready = False
 
-        def wait_ready(self, *, timeout_s):
+        def wait_ready(self, *, timeout_s, root_certificates=None):
             self.ready = timeout_s
 
         def restart_if_exited(self):

@@ -1,0 +1,120 @@
+"""Delivery and healing of the rollout loop without a server (docs/DESIGN.md §6.2, §10): leases
+that expire or are given back, acknowledgements, failed state saves (ENOSPC), the state_dir lock,
+and which trainer run may start an admission epoch."""
+
+from __future__ import annotations
+
+import errno
+import json
+import time
+
+import numpy as np
+import pytest
+
+from rollout_server.driver import FinishedSample
+from rollout_server.persistence import StateDirLockedError, StateStore
+from rollout_server.proto import rollout_pb2
+from rollout_server.rollout import RunNotAttachedError
+from sat_jax.experiment import RolloutConfig
+from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop
+
+
+def _groups(loop, ids):
+    for i in ids:
+        loop.queue.put(rollout_pb2.Group(group_id=i, prompt_id=f"p{i}"))
+
+
+def test_an_unacknowledged_lease_expires_back_to_the_front():
+    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=0.05)
+    _groups(loop, range(4))
+    assert [g.group_id for g in loop.pull(2, 0)] == [0, 1]
+    loop._expire_leases()  # too early: still leased
+    assert loop.stats()["groups_leased"] == 2 and len(loop.queue) == 2
+    time.sleep(0.1)
+    loop._expire_leases()
+    assert loop.stats()["groups_leased"] == 0
+    assert [g.group_id for g in loop.pull(4, 0)] == [0, 1, 2, 3]  # pulled again, in order
+    assert loop.persisted.consumed == 0
+
+
+def test_ack_removes_groups_whether_leased_or_queued_again():
+    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=600)
+    _groups(loop, range(3))
+    pulled = loop.pull(3, 0)
+    loop.release(pulled[1:])  # their reply was never sent: back in the queue
+    assert len(loop.queue) == 2 and loop.stats()["groups_leased"] == 1
+    assert loop.ack([0, 1, 2]) == 3  # a late ack of a re-queued group still counts once
+    assert loop.ack([0, 1, 2]) == 0
+    assert len(loop.queue) == 0 and loop.persisted.consumed == 3
+
+
+class FullDisk(StateStore):
+    """A state store whose disk is full (ENOSPC) while `full` is set."""
+
+    full = True
+
+    def save(self, state):
+        if self.full:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().save(state)
+
+
+class LongPromptEngine(ShortPromptEngine):
+    _max_prefill = 64
+
+
+def _sample() -> FinishedSample:
+    return FinishedSample(
+        prompt_ids=np.array([1, 5, 6], np.int32),
+        completion_ids=np.array([7, 2], np.int32),
+        logprobs=np.zeros(2, np.float32),
+        versions=np.ones(2, np.int64),
+        routing=np.zeros((5, 1, 2), np.uint8),
+        finish_reason="eos",
+    )
+
+
+def test_a_full_disk_loses_and_strands_no_group(tmp_path):
+    store = FullDisk(str(tmp_path))
+    cfg = RolloutConfig(batch_groups=1, max_staleness=0, group_size=2)
+    driver = RecordingDriver()
+    loop = _loop(store, LongPromptEngine(), wait=False, cfg=cfg, driver=driver)
+    loop._dispatch_next()  # its save fails: the group still runs
+    assert loop.stats()["groups_running"] == 1 and len(driver.requests) == 2
+    for request in driver.requests:
+        loop._on_done(request, _sample())
+    loop._collect(timeout_s=1.0)
+    assert loop.stats()["groups_running"] == 0 and len(loop.queue) == 1
+    [group] = loop.pull(1, 0)
+    assert loop.ack([group.group_id]) == 1  # its save fails too: counted in memory
+    assert loop.persisted.consumed == 1 and not (tmp_path / "rollout_state.json").exists()
+    store.full = False
+    loop._retry_failed_save()  # the loop's next turn
+    saved = json.loads((tmp_path / "rollout_state.json").read_text())
+    assert saved["consumed"] == 1 and saved["unfinished"] == []
+    assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_second_store_on_a_directory_is_refused(tmp_path):
+    first = StateStore(str(tmp_path))
+    with pytest.raises(StateDirLockedError, match="in use by another server"):
+        StateStore(str(tmp_path))
+    first.close()
+    StateStore(str(tmp_path)).close()
+
+
+def test_only_the_attached_run_starts_an_admission_epoch():
+    engine = FakeEngine()
+    loop = _loop(StateStore(""), engine, wait=True, lease_s=0.2)
+    loop.install_weights(1, "/ckpt/v1", None, new_epoch=True, run_id="run-a")
+    loop.install_weights(2, "/ckpt/v2", None, new_epoch=True, run_id="run-a")  # its restart
+    before = (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps)
+    with pytest.raises(RunNotAttachedError, match="run-a"):
+        loop.install_weights(3, "/ckpt/v3", None, new_epoch=True, run_id="intruder")
+    with pytest.raises(RunNotAttachedError):
+        loop.check_attached(True, "")
+    assert (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps) == before
+    loop.install_weights(3, "/ckpt/v3", None, run_id="other")  # no new epoch: a plain update
+    time.sleep(0.3)  # run-a silent for the lease time: another run may attach
+    loop.install_weights(4, "/ckpt/v4", None, new_epoch=True, run_id="run-b")
+    assert (loop.persisted.run_id, loop.persisted.epoch_version) == ("run-b", 4)

@@ -1,0 +1,122 @@
+"""The trainer's side of delivery against an in-process fake Rollout service: the bearer token and
+run id on every call, acknowledgements riding on the next Pull (and flushed with Ack), groups
+with out-of-range token or routing ids rejected and counted, and re-delivered groups skipped by
+their name across a restart."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+
+from rollout_server.proto import rollout_pb2
+from rollout_server.routing_codec import encode_routing
+from tests.train.test_batching import spec
+from tests.train.test_remote import FakeRollout, pool, serve
+from train import batching, checkpointing, pulling
+
+VOCAB, EXPERTS = 64, 8
+
+
+def _group(group_id: int, *, token: int = 5, expert: int = 1) -> rollout_pb2.Group:
+    trajs = [
+        rollout_pb2.Trajectory(
+            prompt_ids=[1, token],
+            completion_ids=[7],
+            behavior_logprobs=[-0.5],
+            versions=[3],
+            routing=encode_routing(np.full((3, 2, 2), expert, np.uint8)),
+            reward=float(i),
+        )
+        for i in range(2)
+    ]
+    return rollout_pb2.Group(
+        server_id="srv", group_id=group_id, prompt_id=f"p{group_id}", trajectories=trajs
+    )
+
+
+class ScriptedRollout(FakeRollout):
+    """Serves `groups` in order (at most `max_groups` a Pull) and records what clients send."""
+
+    def __init__(self, groups):
+        super().__init__()
+        self.groups = list(groups)
+        self.metadata: list[tuple[str, str]] = []
+        self.pull_acks: list[list[int]] = []
+        self.acks: list[list[int]] = []
+        self.run_ids: set[str] = set()
+        self.fail_pulls = 0
+
+    def _record(self, context, run_id):
+        self.metadata.append((context._rpc_event.call_details.method.decode(),
+                              dict(context.invocation_metadata()).get("authorization", "")))  # fmt: skip
+        self.run_ids.add(run_id)
+
+    def Pull(self, request, context):
+        self._record(context, request.run_id)
+        self.pull_acks.append(list(request.ack_group_ids))
+        if self.fail_pulls:
+            self.fail_pulls -= 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, "down for a moment")
+        out, self.groups = self.groups[: request.max_groups], self.groups[request.max_groups :]
+        return rollout_pb2.PullResponse(groups=out)
+
+    def Ack(self, request, context):
+        self._record(context, request.run_id)
+        self.acks.append(list(request.group_ids))
+        return rollout_pb2.AckResponse(acked=len(request.group_ids))
+
+
+@pytest.fixture
+def scripted():
+    groups = [
+        _group(0),
+        _group(1, token=VOCAB),  # a token id past the vocabulary
+        _group(2, expert=EXPERTS),  # a routing id past the experts
+        _group(3),
+        _group(4),
+        _group(0),  # group 0 again (a re-delivery)
+        _group(5),
+    ]
+    servicer = ScriptedRollout(groups)
+    for address in serve(servicer):
+        yield servicer, address
+
+
+def test_bad_ids_are_rejected_and_acknowledgements_ride_on_pulls(scripted):
+    servicer, address = scripted
+    progress = checkpointing.Progress(version=3, min_version=1, rng_key=(0, 0))
+    batch_spec = spec(vocab_size=VOCAB, num_experts=EXPERTS, routing_lk=(2, 2))
+    with pool([address], token="s3cret", run_id="run-1") as p:
+        selection = pulling.pull_batch(p, batch_spec, progress, timeout_s=0.1, stall_s=5)
+        assert [g.group_id for g in selection.kept] == [0, 3, 4]
+        assert (selection.invalid, selection.duplicates) == (2, 0)
+        _, stats = batching.assemble_batch(selection, batch_spec, trainer_version=3)
+        assert stats.invalid == 2 and stats.group_keys == ("srv/0", "srv/3", "srv/4")
+        p.ack(selection.pulled)  # trained: acknowledged with the next Pull
+        progress = checkpointing.Progress(
+            version=4, min_version=1, rng_key=(0, 0), recent_group_keys=stats.group_keys
+        )
+        again = pulling.pull_batch(
+            p, spec(batch_groups=1, vocab_size=VOCAB, num_experts=EXPERTS), progress,
+            timeout_s=0.1, stall_s=5,
+        )  # fmt: skip
+        assert [g.group_id for g in again.kept] == [5] and again.duplicates == 1
+        assert sorted(servicer.pull_acks[-2]) == [0, 1, 2, 3, 4]
+        p.ack(again.pulled)
+        p.flush_acks()
+    assert servicer.acks == [[0, 5]]
+    assert {auth for _, auth in servicer.metadata} == {"Bearer s3cret"}
+    assert servicer.run_ids == {"run-1"}
+
+
+def test_a_failed_pull_keeps_its_acknowledgements_for_the_next(scripted):
+    servicer, address = scripted
+    with pool([address]) as p:
+        first = p.pull(2, 0.1)
+        p.ack(first)
+        p.ack([_group(99)])  # never pulled through this pool: ignored
+        servicer.fail_pulls = 1  # the next Pull fails (after reading its acks): retried
+        p.pull(1, 0.1)
+        p.flush_acks()  # nothing pending: no Ack call
+    assert servicer.pull_acks == [[], [0, 1], [0, 1]] and servicer.acks == []
