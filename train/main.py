@@ -396,8 +396,8 @@ def publish_if_due(
 
 def serving_dtype(cfg: ExperimentConfig) -> str | None:
     """The dtype the servers serve in (``server.dtype``), the weights are pushed in; None (each
-    param's own dtype) where the config has none."""
-    return getattr(cfg.server, "dtype", None)
+    param's own dtype, ``model.param_dtype``) when it is unset."""
+    return cfg.server.dtype or None
 
 
 def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -> dict[str, float]:
