@@ -44,6 +44,7 @@ import numpy as np
 from sat_jax import objectives, sampler, sharding
 from sat_jax.advantages import group_advantages
 from sat_jax.experiment import load_config
+from sat_jax.optimizer import make_optimizer
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
 from sat_jax.train_step import TrainBatch, create_train_state, make_train_step, shard_batch
@@ -133,7 +134,7 @@ class Runner:
             loss_cfg, replay = loss_config(method)
             self._steps[method] = make_train_step(
                 self.cfg.model,
-                setup.make_optimizer(self.cfg.train),
+                make_optimizer(self.cfg.train),
                 loss_cfg,
                 self.mesh,
                 routing_replay=replay,
@@ -209,7 +210,7 @@ class Runner:
         step_fn = self.step_fn(cell.method)
         state = create_train_state(
             self.cfg.model,
-            setup.make_optimizer(self.cfg.train),
+            make_optimizer(self.cfg.train),
             self.mesh,
             _copy(self.base_params),
         )

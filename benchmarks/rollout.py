@@ -36,8 +36,8 @@ from flax import nnx
 from rollout_server.client import channel_options, connect
 from rollout_server.engine import MoEEngine
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
-from rollout_server.sampling import SamplingConfig, sample
 from sat_jax import params_io
+from sat_jax.decoding import SamplingConfig, sample
 from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.tasks import CharTokenizer

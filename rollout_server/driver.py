@@ -37,8 +37,8 @@ class FinishedSample:
     """One completed sample of a rollout request.
 
     Attributes:
-      prompt_ids: [P] int32, BOS included.
-      completion_ids: [C] int32, EOS included when `finish_reason == "eos"`.
+      prompt_ids: [P] int32, exactly the tokenizer's prompt ids.
+      completion_ids: [C] int32, the stop id included when `finish_reason == "eos"`.
       logprobs: [C] float32 behavior log-probs.
       versions: [C] int64 weights version per completion token.
       routing: [P + C, L, K] expert ids in the model's routing dtype.
@@ -83,6 +83,16 @@ class RolloutDriver(orchestrator.Driver):
         """Requests waiting for a prefill."""
         return self._prefill_backlog.qsize()
 
+    def _process_prefill_content(
+        self, request: orchestrator.ActiveRequest, tokenizer: Any, is_bos: bool, max_length: int
+    ) -> tuple[np.ndarray, int]:
+        """JetStream's padding, without its BOS: prompt ids are exactly the tokenizer's
+        (`Tokenizer.encode_prompt` adds a BOS when the tokenizer has one; docs/DESIGN.md §11)."""
+        if not isinstance(request.prefill_content, str):
+            # JetStream pads an array (its BOS concatenation used to make a list one).
+            request.prefill_content = np.asarray(request.prefill_content, np.int32)
+        return super()._process_prefill_content(request, tokenizer, False, max_length)
+
     def _generate_thread(self, idx: int) -> None:
         """JetStream's generate loop, restarted after its one known race.
 
@@ -118,7 +128,7 @@ class RolloutDriver(orchestrator.Driver):
         backlog = self._detokenize_backlogs[idx]
         engine: MoEEngine = self._generate_engines[idx]
         free_slots = self._generate_slots[idx]
-        eos = engine.tokenizer.eos_id
+        stops = engine.tokenizer.stop_ids
         cfg = engine.config
         live: dict[int, orchestrator.ActiveRequest] = {}
         while self.live:
@@ -144,7 +154,7 @@ class RolloutDriver(orchestrator.Driver):
             emitted = 0
             for slot, request in list(live.items()):
                 try:
-                    done = self._advance(request, slot, step, eos, engine)
+                    done = self._advance(request, slot, step, stops, engine)
                 except Exception:
                     log.exception("request in slot %d failed; freeing the slot", slot)
                     self._fail(request)
@@ -161,7 +171,7 @@ class RolloutDriver(orchestrator.Driver):
         request: orchestrator.ActiveRequest,
         slot: int,
         step: dict[str, Any],
-        eos: int,
+        stops: frozenset[int],
         engine: MoEEngine,
     ) -> bool:
         """Adds this step's token of `slot` to `request`; True when the request is complete."""
@@ -178,7 +188,7 @@ class RolloutDriver(orchestrator.Driver):
             request.logprobs.append(float(step["logp"][slot]))
             request.versions.append(int(step["version"][slot]))
             request.routing.append(step["routing"][slot].copy())
-            if token == eos:
+            if token in stops:
                 return self._finish(request, "eos", engine)
             if len(request.tokens) >= request.max_tokens:
                 return self._finish(request, "length", engine)
@@ -187,10 +197,10 @@ class RolloutDriver(orchestrator.Driver):
         if channel is None or channel.cancelled():
             return True  # the client went away: free the slot now
         count = int(step["length"][slot])
-        if token == eos:  # JetStream drops the stop token from streams
+        if token in stops:  # JetStream drops the stop token from streams
             channel.close()
             return True
-        text = engine.tokenizer.decode([token], stop_at_eos=False)
+        text = engine.tokenizer.decode([token])
         channel.add_result([ReturnSample(text=[text], token_ids=[token])])
         if count >= request.max_tokens:
             channel.close()

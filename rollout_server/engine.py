@@ -1,9 +1,10 @@
 """A JetStream `Engine` over the sat_jax Flax MoE policy, with hot-swappable weights.
 
-Per generated token it returns, in extra int32 columns of `ResultTokens.data` (one host copy per
-step): the behavior log-prob bit-cast from float32, the weights version whose logits the token was
-sampled from, and the token's top-k expert ids per MoE layer (computed when the token is fed
-back through the model in the same step).
+A thin adapter: the jitted KV-cache work (prefill, insert into a slot, one sampling + decode step
+for every slot, with behavior log-probs, versions and routing ids in extra int32 columns of
+`ResultTokens.data`) is `sat_jax.decoding.DecodeCore`, the same code evaluation runs. This class
+adds what JetStream needs: its Engine API, the `(version, params)` in use and their swap, the
+tokenizer, and the prompt (ids and routing) of each slot kept on the host.
 
 JetStream 0.2.2's prefill emits no token: the prefix keeps the last prompt position's logits and
 `generate` samples from them, as MaxText's engine of that era did. So a token's version is the
@@ -11,15 +12,16 @@ version of the params that produced its logits; after a swap, the first token of
 comes from the old params' logits and every later one from the new params. KV entries computed
 before a swap are kept, not recomputed (the usual in-flight update).
 
-Sampling is restricted to the tokenizer's ids other than pad and bos (`sampleable_ids`); the
-behavior log-prob is under that restricted, temperature/top-k/top-p-adjusted distribution.
+Sampling is restricted to `sat_jax.tasks.sampleable_mask` (every tokenizer id, embedding rows past
+the tokenizer never; the character tokenizer also excludes pad and bos); the behavior log-prob is
+under that restricted, temperature/top-k/top-p-adjusted distribution. Prompts are the tokenizer's
+ids as they are: JetStream's BOS is never prepended (`RolloutDriver`, docs/DESIGN.md §11).
 
-The engine owns `(version, params)` and passes params into its jitted functions as arguments,
-so `swap_params` changes weights between two steps without recompiling. The `params` JetStream
-passes back into `prefill`/`generate` (captured once by its threads) are ignored.
-
-Dimension letters: B slots, P padded prompt length, S cache positions, V vocab, L MoE layers,
-K experts per token.
+The engine owns `(version, params)` and passes params into the core's jitted functions as
+arguments, so `swap_params` changes weights between two steps without recompiling; weights of
+another float dtype are cast to the engine's serving dtype (e.g. float32 trainer weights served in
+bfloat16). The `params` JetStream passes back into `prefill`/`generate` (captured once by its
+threads) are ignored.
 """
 
 from __future__ import annotations
@@ -31,34 +33,28 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
 
 # isort: split
 from jetstream.engine import engine_api, tokenizer_pb2
 
-from rollout_server.jetstream_tokenizer import JetStreamCharTokenizer
-from rollout_server.sampling import SamplingConfig, sample
-from sat_jax.model import KVCache, Transformer
-from sat_jax.tasks import CharTokenizer
+from rollout_server.jetstream_tokenizer import JetStreamTokenizer
+from sat_jax.decoding import (
+    LENGTH_COL,
+    TOKEN_COL,
+    VALID_COL,
+    DecodeCore,
+    DecodeState,
+    Prefix,
+    SamplingConfig,
+    unpack_step,
+)
+from sat_jax.model import Transformer
+from sat_jax.tasks import Tokenizer, sampleable_mask
 
 log = logging.getLogger(__name__)
-
-# Column layout of ResultTokens.data.
-TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, ROUTING_COL = 0, 1, 2, 3, 4, 5
-
-
-@struct.dataclass
-class Prefix:
-    """A prefilled prompt (batch 1): cache of P positions, last logits, prompt routing."""
-
-    cache: KVCache
-    logits_v: jax.Array
-    routing_plk: jax.Array
-    true_length: jax.Array
-    version: jax.Array
-    prompt_ids: np.ndarray
 
 
 class FailedPrefix:
@@ -68,64 +64,55 @@ class FailedPrefix:
         self.error = error
 
 
-@struct.dataclass
-class DecodeState:
-    """All slots: the KV cache, each slot's pending next-token logits and their version."""
-
-    cache: KVCache
-    logits_bv: jax.Array
-    logits_version_b: jax.Array
-    generated_b: jax.Array
-    key: jax.Array
-
-
 class MoEEngine(engine_api.Engine):
-    """JetStream engine for `sat_jax.model.Transformer` (interleaved mode, one device).
+    """JetStream engine for `sat_jax.model.Transformer` (interleaved mode, one mesh).
 
     Args:
       model: the policy; its params become version `version`.
-      tokenizer: the character tokenizer (its vocab must fit the model's).
+      tokenizer: prompts' and completions' tokenizer (its ids must fit the model's vocab).
       slots: concurrent decodes.
-      max_prefill_length: longest prompt incl. BOS; a power of two in [16, 32768].
+      max_prefill_length: longest prompt; a power of two in [16, 32768].
       max_decode_length: most tokens generated per request.
       sampling: temperature / top-k / top-p.
       seed: sampling PRNG seed.
       version: version number of the initial params.
+      mesh: the mesh the params are sharded over (`server.mesh`); the KV cache is sharded on it
+        too (`DecodeCore`). Default: one device.
     """
 
     def __init__(
         self,
         model: Transformer,
         *,
-        tokenizer: CharTokenizer,
+        tokenizer: Tokenizer,
         slots: int,
         max_prefill_length: int,
         max_decode_length: int,
         sampling: SamplingConfig,
         seed: int = 0,
         version: int = 0,
+        mesh: jax.sharding.Mesh | None = None,
     ):
         n = max_prefill_length
         if n < 16 or n > 32768 or n & (n - 1):
             raise ValueError(f"max_prefill_length must be a power of two in [16, 32768], got {n}")
-        if tokenizer.vocab_size > model.config.vocab_size:
-            raise ValueError(
-                f"tokenizer vocab {tokenizer.vocab_size} exceeds the model's "
-                f"{model.config.vocab_size}"
-            )
         self.config = model.config
         self.tokenizer = tokenizer
         self.sampling = sampling
-        self._slots = slots
-        self._max_prefill = max_prefill_length
-        self.max_decode_length = max_decode_length
-        self.cache_length = max_prefill_length + max_decode_length + 1
-        self._seed = seed
-        # Sampling covers the tokenizer's ids (the model's vocab may be padded larger) except pad
-        # and bos, which never belong in a completion; the trainer renormalizes over the same set.
-        self._sampleable_v = tokenizer.sampleable_mask(model.config.vocab_size)
+        self._slot_prompts: list[tuple[np.ndarray, np.ndarray] | None] = [None] * slots
         graphdef, state = nnx.split(model)
-        self._graphdef = graphdef
+        # The trainer renormalizes over the same set (raises if the tokenizer outgrows the model).
+        self.core = DecodeCore(
+            graphdef,
+            model.config,
+            slots=slots,
+            max_prefill_length=max_prefill_length,
+            max_decode_length=max_decode_length,
+            sampling=sampling,
+            sampleable_v=sampleable_mask(tokenizer, model.config.vocab_size),
+            seed=seed,
+            mesh=mesh,
+        )
         # Committed placement now, so swapped-in params (device_put onto these shardings) hit
         # the same compiled executables.
         params = jax.tree_util.tree_map(
@@ -133,21 +120,22 @@ class MoEEngine(engine_api.Engine):
         )
         self._current = (int(version), params)
         self._swap_lock = threading.Lock()
-        self._slot_prompts: list[tuple[np.ndarray, np.ndarray] | None] = [None] * slots
-        self._mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-        self._prefill_fn = jax.jit(self._prefill_impl)
-        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,))
-        self._generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,))
-        self._evict_fn = jax.jit(
-            lambda state, slot: state.replace(
-                generated_b=state.generated_b.at[slot].set(self.max_decode_length)
-            )
-        )
+        self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+
+    @property
+    def prefill_calls(self) -> int:
+        """Prefills run so far; a group's G requests of one prompt share one (`DecodeCore`)."""
+        return self.core.prefill_calls
+
+    @property
+    def max_decode_length(self) -> int:
+        """Most tokens generated per request."""
+        return self.core.max_decode_length
 
     @property
     def sampleable_ids(self) -> np.ndarray:
         """[V] bool: the token ids sampling may produce."""
-        return self._sampleable_v
+        return self.core.sampleable_v
 
     # Weights.
 
@@ -167,8 +155,9 @@ class MoEEngine(engine_api.Engine):
         versions occupy memory.
 
         Raises:
-          ValueError: the tree structure or a leaf's shape/dtype differs from the current params,
-            or the version is outside [0, 2**31).
+          ValueError: the tree structure or a leaf's shape differs from the current params, a
+            leaf's dtype differs other than float for float, or the version is outside
+            [0, 2**31).
         """
         if not 0 <= version < 2**31:
             raise ValueError(f"version must be in [0, 2**31), got {version}")
@@ -179,87 +168,19 @@ class MoEEngine(engine_api.Engine):
             if old_def != new_def:
                 raise ValueError("new params have a different tree structure")
             for o, n in zip(old_leaves, new_leaves, strict=True):
-                if o.shape != n.shape or o.dtype != np.dtype(n.dtype):
+                if o.shape != n.shape or not _castable(np.dtype(n.dtype), o.dtype):
                     raise ValueError(
                         f"param leaf {n.shape}/{n.dtype} does not match {o.shape}/{o.dtype}"
                     )
             placed = jax.tree_util.tree_unflatten(
                 old_def,
                 [
-                    jax.device_put(n, o.sharding)
+                    jax.device_put(n, o.sharding).astype(o.dtype)
                     for o, n in zip(old_leaves, new_leaves, strict=True)
                 ],
             )
             jax.block_until_ready(placed)
             self._current = (int(version), placed)
-
-    # Jitted kernels.
-
-    def _prefill_impl(
-        self, params: Any, tokens_p: jax.Array, true_length: jax.Array, version: jax.Array
-    ) -> Prefix:
-        model = nnx.merge(self._graphdef, params)
-        p = tokens_p.shape[0]
-        mask_1p = (jnp.arange(p) < true_length)[None]
-        out = model.prefill(
-            model.init_cache(1, p), tokens_p[None], mask_bt=mask_1p, return_routing=True
-        )
-        return Prefix(
-            cache=out.cache,
-            logits_v=out.logits_btv[0, true_length - 1],
-            routing_plk=out.routing_btlk[0],
-            true_length=true_length,
-            version=version,
-            prompt_ids=np.zeros((0,), np.int32),
-        )
-
-    def _insert_impl(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
-        c = state.cache
-        start = (0, slot, 0, 0, 0)
-        cache = KVCache(
-            k_lbsgh=jax.lax.dynamic_update_slice(
-                c.k_lbsgh, prefix.cache.k_lbsgh.astype(c.k_lbsgh.dtype), start
-            ),
-            v_lbsgh=jax.lax.dynamic_update_slice(
-                c.v_lbsgh, prefix.cache.v_lbsgh.astype(c.v_lbsgh.dtype), start
-            ),
-            lengths_b=c.lengths_b.at[slot].set(prefix.true_length),
-        )
-        return DecodeState(
-            cache=cache,
-            logits_bv=state.logits_bv.at[slot].set(prefix.logits_v),
-            logits_version_b=state.logits_version_b.at[slot].set(prefix.version),
-            generated_b=state.generated_b.at[slot].set(0),
-            key=state.key,
-        )
-
-    def _generate_impl(
-        self, params: Any, state: DecodeState, version: jax.Array
-    ) -> tuple[DecodeState, jax.Array]:
-        key, step_key = jax.random.split(state.key)
-        logits_bv = jnp.where(self._sampleable_v, state.logits_bv, -jnp.inf)
-        tokens_b, logp_b = sample(logits_bv, step_key, self.sampling)
-        active_b = state.generated_b < self.max_decode_length
-        model = nnx.merge(self._graphdef, params)
-        out = model.decode_step(state.cache, tokens_b, active_b=active_b, return_routing=True)
-        generated_b = state.generated_b + active_b.astype(jnp.int32)
-        b = tokens_b.shape[0]
-        columns = [
-            tokens_b[:, None],
-            active_b.astype(jnp.int32)[:, None],
-            generated_b[:, None],
-            jax.lax.bitcast_convert_type(logp_b, jnp.int32)[:, None],
-            state.logits_version_b[:, None],
-            out.routing_blk.astype(jnp.int32).reshape(b, -1),
-        ]
-        new_state = DecodeState(
-            cache=out.cache,
-            logits_bv=out.logits_bv,
-            logits_version_b=jnp.where(active_b, version, state.logits_version_b),
-            generated_b=generated_b,
-            key=key,
-        )
-        return new_state, jnp.concatenate(columns, axis=1)
 
     # The JetStream Engine API (0.2.2 signatures; extra kwargs of later versions are ignored).
 
@@ -282,12 +203,10 @@ class MoEEngine(engine_api.Engine):
             if existing_prefix is not None:
                 raise NotImplementedError("prefix continuation is not supported")
             tokens_p = np.asarray(padded_tokens, np.int32)
-            if tokens_p.ndim != 1 or not 0 < true_length <= tokens_p.shape[0] <= self._max_prefill:
+            if not 0 < true_length <= tokens_p.shape[0] <= self.max_prefill_length:
                 raise ValueError(f"bad prefill: {tokens_p.shape} tokens, true_length {true_length}")
             version, current = self._current
-            prefix = self._prefill_fn(
-                current, jnp.asarray(tokens_p), jnp.int32(true_length), jnp.int32(version)
-            )
+            prefix = self.core.prefill_once(current, tokens_p, true_length, version)
             return prefix.replace(prompt_ids=tokens_p[:true_length].copy())
         except Exception as e:
             log.exception("prefill failed")
@@ -307,13 +226,13 @@ class MoEEngine(engine_api.Engine):
                 np.asarray(prefix.prompt_ids),
                 np.asarray(prefix.routing_plk)[:n],
             )
-            return self._insert_fn(
+            return self.core.insert(
                 prefix.replace(prompt_ids=np.zeros((0,), np.int32)), decode_state, jnp.int32(slot)
             )
         except Exception:
             log.exception("insert into slot %d failed; the slot stays empty", slot)
             self._slot_prompts[slot] = None
-            return self._evict_fn(decode_state, jnp.int32(slot))
+            return self.core.evict(decode_state, jnp.int32(slot))
 
     def slot_prompt(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
         """(prompt ids [P], prompt routing [P, L, K]) of the request last inserted into `slot`."""
@@ -327,7 +246,7 @@ class MoEEngine(engine_api.Engine):
     ) -> tuple[DecodeState, engine_api.ResultTokens]:
         """One step for every slot under the current (version, params); `params` is ignored."""
         version, current = self._current
-        state, data = self._generate_fn(current, decode_state, jnp.int32(version))
+        state, data = self.core.generate(current, decode_state, jnp.int32(version))
         return state, engine_api.ResultTokens(
             data=data,
             tokens_idx=(TOKEN_COL, TOKEN_COL + 1),
@@ -338,36 +257,20 @@ class MoEEngine(engine_api.Engine):
 
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
         """An empty KV cache with every slot free (exhausted until an insert)."""
-        c = self.config
-        shape = (c.num_layers, self._slots, self.cache_length, c.num_kv_heads, c.head_dim)
-        cache = KVCache(
-            k_lbsgh=jnp.zeros(shape, c.dtype),
-            v_lbsgh=jnp.zeros(shape, c.dtype),
-            lengths_b=jnp.zeros((self._slots,), jnp.int32),
-        )
-        return DecodeState(
-            cache=cache,
-            logits_bv=jnp.zeros((self._slots, c.vocab_size), jnp.float32),
-            logits_version_b=jnp.full((self._slots,), self.version, jnp.int32),
-            # Empty slots count as exhausted, so they emit nothing valid until an insert.
-            generated_b=jnp.full((self._slots,), self.max_decode_length, jnp.int32),
-            key=jax.random.key(self._seed),
-        )
+        return self.core.init_state(self.version)
 
     def get_prefix_destination_sharding(self) -> Any:
         return None
 
     def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
-        return tokenizer_pb2.TokenizerParameters(path="sat_jax.tasks.CharTokenizer")
+        return tokenizer_pb2.TokenizerParameters(path=type(self.tokenizer).__name__)
 
-    def build_tokenizer(
-        self, metadata: tokenizer_pb2.TokenizerParameters
-    ) -> JetStreamCharTokenizer:
-        return JetStreamCharTokenizer(self.tokenizer)
+    def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
+        return JetStreamTokenizer(self.tokenizer)
 
     @property
     def max_concurrent_decodes(self) -> int:
-        return self._slots
+        return self.core.slots
 
     @property
     def samples_per_slot(self) -> int:
@@ -375,26 +278,20 @@ class MoEEngine(engine_api.Engine):
 
     @property
     def max_prefill_length(self) -> int:
-        return self._max_prefill
+        return self.core.max_prefill_length
 
-    def check_prompt_length(self, n_tokens: int, *, add_bos: bool) -> None:
-        """Checks that a prompt of `n_tokens` fits one prefill.
-
-        Args:
-          n_tokens: the prompt's token count as encoded (without BOS).
-          add_bos: JetStream prepends BOS (it does unless the request continues a session).
+    def check_prompt_length(self, n_tokens: int) -> None:
+        """Checks that a prompt of `n_tokens` (as the tokenizer encodes it) fits one prefill.
 
         Raises:
-          ValueError: the prompt is empty, or longer than `max_prefill_length` with its BOS.
+          ValueError: the prompt is empty, or longer than `max_prefill_length`.
         """
-        total = n_tokens + int(add_bos)
-        if total == 0:
+        if n_tokens == 0:
             raise ValueError("the prompt is empty")
-        if total > self._max_prefill:
-            with_bos = " (with BOS)" if add_bos else ""
+        if n_tokens > self.core.max_prefill_length:
             raise ValueError(
-                f"the prompt has {total} tokens{with_bos}; max_prefill_length is "
-                f"{self._max_prefill}"
+                f"the prompt has {n_tokens} tokens; max_prefill_length is "
+                f"{self.core.max_prefill_length}"
             )
 
     @property
@@ -406,18 +303,9 @@ class MoEEngine(engine_api.Engine):
         return None
 
 
-def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.ndarray]:
-    """Host-side view of one step's `ResultTokens.data` [B, 5 + L·K] int32.
+def _castable(new: np.dtype, old: np.dtype) -> bool:
+    """Whether a swapped-in leaf of dtype `new` may replace one of `old` (equal, or both float)."""
+    return new == old or (jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(old, jnp.floating))
 
-    Returns a dict of [B] arrays `token`, `valid`, `length`, `logp` (float32), `version`, and
-    `routing` [B, L, K] int32.
-    """
-    data = np.asarray(data)
-    return {
-        "token": data[:, TOKEN_COL],
-        "valid": data[:, VALID_COL].astype(bool),
-        "length": data[:, LENGTH_COL],
-        "logp": np.ascontiguousarray(data[:, LOGP_COL]).view(np.float32),
-        "version": data[:, VERSION_COL],
-        "routing": data[:, ROUTING_COL:].reshape(-1, num_moe_layers, k),
-    }
+
+__all__ = ["FailedPrefix", "MoEEngine", "unpack_step"]

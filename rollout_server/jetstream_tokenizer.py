@@ -1,4 +1,4 @@
-"""JetStream's `tokenizer_api.Tokenizer` over our character tokenizer."""
+"""JetStream's `tokenizer_api.Tokenizer` over a `sat_jax.tasks.Tokenizer`."""
 
 from __future__ import annotations
 
@@ -9,29 +9,34 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 from jetstream.engine import token_utils, tokenizer_api
 
-from sat_jax.tasks import CharTokenizer
+from sat_jax.tasks import Tokenizer
 
 
-class JetStreamCharTokenizer(tokenizer_api.Tokenizer):
-    """Adapter so JetStream's text `Decode` path and its padding use `CharTokenizer`."""
+class JetStreamTokenizer(tokenizer_api.Tokenizer):
+    """Adapter so JetStream's text `Decode` path and its padding use our tokenizer.
 
-    def __init__(self, tokenizer: CharTokenizer):
+    A text is encoded as a prompt (`encode_prompt`: chat template and BOS exactly as the
+    tokenizer itself adds them); JetStream's `is_bos` is ignored, it never prepends a BOS
+    (docs/DESIGN.md §11).
+    """
+
+    def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
 
     def encode(self, s: str, **kwargs) -> tuple[np.ndarray, int]:
-        """Ids of `s`, BOS-prefixed when `is_bos`, padded to JetStream's prefill buckets."""
-        ids = np.asarray(self.tokenizer.encode(s), np.int32)
+        """Prompt ids of `s`, padded to JetStream's prefill buckets."""
+        ids = np.asarray(self.tokenizer.encode_prompt(s), np.int32)
         return token_utils.pad_tokens(
             ids,
             self.bos_id,
             self.pad_id,
-            is_bos=kwargs.get("is_bos", True),
+            is_bos=False,
             max_prefill_length=kwargs.get("max_prefill_length"),
             jax_padding=kwargs.get("jax_padding", False),
         )
 
     def decode(self, token_ids: list[int], **kwargs) -> str:
-        return self.tokenizer.decode(token_ids, stop_at_eos=False)
+        return self.tokenizer.decode(token_ids)
 
     @property
     def pad_id(self) -> int:
@@ -43,8 +48,9 @@ class JetStreamCharTokenizer(tokenizer_api.Tokenizer):
 
     @property
     def bos_id(self) -> int:
+        """The tokenizer's bos (or pad) id; JetStream never prepends it here."""
         return self.tokenizer.bos_id
 
     @property
     def stop_tokens(self) -> set[int]:
-        return {self.tokenizer.eos_id}
+        return set(self.tokenizer.stop_ids)

@@ -1,7 +1,7 @@
 """The running rollout server (docs/DESIGN.md §6), which `sat-serve` starts once its config is
 valid.
 
-build model → engine → JetStream driver (our subclass) → rollout loop → one gRPC server with
+build tokenizer and model (`model.hf_path`'s weights, or a random init) → engine → JetStream driver (our subclass) → rollout loop → one gRPC server with
 JetStream's Orchestrator service and our Rollout service → serve until SIGINT/SIGTERM.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import signal
 
 from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
@@ -16,6 +17,7 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 
 import grpc
+import jax
 import prometheus_client as prom
 from flax import nnx
 from jetstream.core.proto import jetstream_pb2_grpc
@@ -28,16 +30,35 @@ from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
 from rollout_server.proto import rollout_pb2_grpc
 from rollout_server.rollout import RolloutLoop
-from rollout_server.sampling import SamplingConfig
 from rollout_server.service import RolloutService, ValidatingOrchestrator
+from sat_jax import sharding
+from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig
-from sat_jax.model import Transformer
-from sat_jax.tasks import CharTokenizer, make_reward, prompt_dataset
+from sat_jax.model import Transformer, hf
+from sat_jax.model.config import runtime_overrides
+from sat_jax.tasks import make_reward, make_tokenizer, prompt_source
 
 log = logging.getLogger("rollout_server")
 
 # What a PullResponse may add to its groups' bytes and stay under the gRPC message limit.
 _PULL_RESPONSE_HEADROOM_BYTES = 1024 * 1024
+
+
+def serving_mesh(cfg: ExperimentConfig) -> jax.sharding.Mesh:
+    """The engine's mesh (`server.mesh`): its explicit sizes over the first devices, or every
+    device when an axis is -1."""
+    sizes = [getattr(cfg.server.mesh, a) for a in sharding.MESH_AXES]
+    devices = jax.devices() if -1 in sizes else jax.devices()[: math.prod(sizes)]
+    return sharding.make_mesh(cfg.server.mesh, devices)
+
+
+def initial_model(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Transformer:
+    """The weights the server holds as version 0, in `server.dtype`, each in its sharding on
+    `mesh`: `model.hf_path`'s (no random init), else a random init (`server.seed`)."""
+    model_cfg = cfg.serving_model
+    if model_cfg.hf_path:
+        return hf.load_qwen3_moe(model_cfg.hf_path, mesh=mesh, **runtime_overrides(model_cfg))
+    return nnx.merge(*sharding.init_sharded(model_cfg, mesh, cfg.server.seed))
 
 
 class RolloutServer:
@@ -54,10 +75,11 @@ class RolloutServer:
         s, r = cfg.server, cfg.rollout
         self.store = store
         self.fatal: BaseException | None = None
-        self.tokenizer = CharTokenizer(cfg.task.alphabet)
-        model = Transformer(cfg.model, rngs=nnx.Rngs(s.seed))
+        self.tokenizer = make_tokenizer(cfg)
+        mesh = serving_mesh(cfg)
         self.engine = MoEEngine(
-            model,
+            initial_model(cfg, mesh),
+            mesh=mesh,
             tokenizer=self.tokenizer,
             slots=s.slots,
             max_prefill_length=s.max_prefill_length,
@@ -74,6 +96,7 @@ class RolloutServer:
             persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
             store.save(persisted)
         params = self.engine.load_params()
+        prompts, rows_skipped = prompt_source(cfg.task)
         self.driver = RolloutDriver(
             prefill_engines=[self.engine],
             generate_engines=[self.engine],
@@ -85,13 +108,14 @@ class RolloutServer:
         self.loop = RolloutLoop(
             driver=self.driver,
             engine=self.engine,
-            prompts=prompt_dataset(cfg.task),
+            prompts=prompts,
             reward_fn=make_reward(cfg.task.reward),
             tokenizer=self.tokenizer,
             cfg=r,
             store=store,
             wait_for_weights=s.wait_for_weights,
             max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
+            rows_skipped=rows_skipped,
             lease_s=s.lease_s,
         )
         self.metrics = ServerMetrics(

@@ -45,7 +45,7 @@ from rollout_server.persistence import RolloutState, StateStore, new_server_id
 from rollout_server.proto import rollout_pb2
 from rollout_server.routing_codec import encode_routing
 from sat_jax.experiment import RolloutConfig
-from sat_jax.tasks import CharTokenizer
+from sat_jax.tasks import Tokenizer
 from sat_jax.tasks.rewards import RewardFn
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,8 @@ class RolloutLoop:
       engine: its generate engine (for the weights version and limits).
       prompts: an endless grain pipeline of `sat_jax.tasks.Prompt`.
       reward_fn: (completion text, answer) -> float.
-      tokenizer: encodes prompts (without BOS: JetStream prepends it) and decodes completions.
+      tokenizer: encodes prompts (`encode_prompt`, the ids the policy sees) and decodes
+        completions (special tokens skipped).
       cfg: group size, sampling length and admission parameters.
       store: where the loop's state persists.
       wait_for_weights: admit nothing until trainer weights are installed (by `install_weights`
@@ -111,6 +112,8 @@ class RolloutLoop:
         (a single larger group is still returned, and then fails at the gRPC limit); the server
         derives it from `ServerConfig.max_message_bytes`.
       lease_s: how long a pulled group waits for its acknowledgement before it is queued again.
+      rows_skipped: prompt-file rows the pipeline skipped (no prompt or answer column), reported
+        in `stats()`.
     """
 
     def __init__(
@@ -120,12 +123,13 @@ class RolloutLoop:
         engine: MoEEngine,
         prompts: grain.IterDataset,
         reward_fn: RewardFn,
-        tokenizer: CharTokenizer,
+        tokenizer: Tokenizer,
         cfg: RolloutConfig,
         store: StateStore,
         wait_for_weights: bool,
         max_response_bytes: int,
         lease_s: float,
+        rows_skipped: int = 0,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
@@ -152,7 +156,8 @@ class RolloutLoop:
         self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
         self.groups_produced = 0
         self.prompts_drawn = 0
-        self.prompts_skipped = 0
+        self.prompts_skipped = 0  # longer than the prefill (or not encodable)
+        self.rows_skipped = rows_skipped
         self.groups_failed = 0
         self._started = time.monotonic()
         if self._reissue:
@@ -200,6 +205,9 @@ class RolloutLoop:
                 "tokens_generated": tokens,
                 "tokens_per_s": tokens / elapsed,
                 "prompts_drawn": self.prompts_drawn,
+                "prompts_skipped": self.prompts_skipped,
+                "rows_skipped": self.rows_skipped,
+                "prefill_calls": self._engine.prefill_calls,
                 "admission_open": self._admission_open_locked(),
             }
 
@@ -385,11 +393,16 @@ class RolloutLoop:
                 self._state.next_group_id += 1
                 self._state.iterator = self._iter.get_state()
             try:
-                ids = self._tokenizer.encode(record["text"])
-                self._engine.check_prompt_length(len(ids), add_bos=True)
+                ids = self._tokenizer.encode_prompt(record["text"])
+                self._engine.check_prompt_length(len(ids))
             except ValueError as e:
                 self.prompts_skipped += 1
-                log.warning("skipping prompt %s: %s", record["id"], e)
+                log.warning(
+                    "skipping prompt %s (%d skipped so far): %s",
+                    record["id"],
+                    self.prompts_skipped,
+                    e,
+                )
                 self._save_locked()
                 return
             group = _RunningGroup(record=record, prompt_ids=ids)

@@ -286,11 +286,12 @@ class ValidatingOrchestrator(orchestrator.LLMOrchestrator):
             if len(text) > self._max_text_chars:
                 return f"text_content longer than {self._max_text_chars} characters"
             try:
-                n = len(engine.tokenizer.encode(text))
+                # Empty: no prompt, whatever BOS the tokenizer would add.
+                n = len(engine.tokenizer.encode_prompt(text)) if text else 0
             except ValueError as e:
                 return str(e)
         try:
-            engine.check_prompt_length(n, add_bos=not request.session_cache)
+            engine.check_prompt_length(n)
         except ValueError as e:
             return str(e)
         return None

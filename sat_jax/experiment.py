@@ -18,18 +18,22 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
+import jax.numpy as jnp
 import yaml
 
-from sat_jax.model.config import PRESETS, ModelConfig
+from sat_jax.model import hf
+from sat_jax.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.sharding import MeshConfig
-from sat_jax.tasks.tokenizer import CharTokenizer
+from sat_jax.tasks.tokenizer import CharTokenizer, check_tokenizer
 
+REWARDS = ("exact_match", "math", "gsm8k")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 # Frozen defaults of TrainConfig (shared instances are safe: the dataclasses are immutable).
 _SAT_LOSS = PolicyLossConfig(sat=SATConfig(enabled=True))
 _ONE_AXIS_MESH = MeshConfig()
+_ONE_DEVICE_MESH = MeshConfig(fsdp=1)
 
 
 class ConfigError(ValueError):
@@ -48,9 +52,19 @@ class TaskConfig:
       path: the jsonl (or parquet) prompt file when `source == "file"`.
       prompt_key, answer_key, id_key: columns of a file row; rows without `id_key` get their
         line number as id.
-      reward: "exact_match" (completion == answer after stripping) or "math" (a `\\boxed{}`
-        answer checked by math-verify).
+      reward: "exact_match" (completion == answer after stripping), "math" (a `\\boxed{}`
+        answer checked by math-verify) or "gsm8k" (the reference is the text after "####" in
+        the answer; the completion's last `\\boxed{}`, else its last number, checked by
+        math-verify).
       alphabet: the characters of the character tokenizer (after pad, bos and eos).
+      tokenizer: "char" (the character tokenizer over `alphabet`) or "hf" (a Hugging Face
+        tokenizer directory); "" = "hf" when `model.hf_path` is set, else "char"
+        (`ExperimentConfig.tokenizer_kind`).
+      tokenizer_path: the HF tokenizer's directory; "" = `model.hf_path`.
+      chat_template: render each prompt as one user message with the tokenizer's chat template
+        and its generation prompt (the tokenizer must have a template).
+      system_prompt: a system message placed before the user message ("" = none; needs
+        `chat_template`).
     """
 
     source: str = "arithmetic"
@@ -64,6 +78,10 @@ class TaskConfig:
     id_key: str = "id"
     reward: str = "exact_match"
     alphabet: str = "0123456789+-*=() "
+    tokenizer: str = ""
+    tokenizer_path: str = ""
+    chat_template: bool = False
+    system_prompt: str = ""
 
     def __post_init__(self) -> None:
         if self.source not in ("arithmetic", "file"):
@@ -78,8 +96,12 @@ class TaskConfig:
             )
         if self.source == "file" and not self.path:
             raise ValueError("source 'file' needs a path")
-        if self.reward not in ("exact_match", "math"):
-            raise ValueError(f"reward must be 'exact_match' or 'math', got {self.reward!r}")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.tokenizer not in ("", "char", "hf"):
+            raise ValueError(f"tokenizer must be 'char' or 'hf', got {self.tokenizer!r}")
+        if self.system_prompt and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template: true")
         if not self.alphabet or len(set(self.alphabet)) != len(self.alphabet):
             raise ValueError("alphabet must be non-empty without repeated characters")
 
@@ -102,7 +124,8 @@ class ServerConfig:
         from `state_dir`); False = also sample with the server's own random initial weights as
         version 0 (a stand-alone demo; a trainer drops those groups).
       slots: concurrent decodes (the decode batch).
-      max_prefill_length: longest prompt incl. BOS; a power of two in [16, 32768] (JetStream).
+      max_prefill_length: longest prompt in tokens (as the tokenizer encodes it); a power of two
+        in [16, 32768] (JetStream). Longer prompts are skipped and counted.
       max_message_bytes: gRPC message size limit of replies (a Pull's groups).
       max_request_bytes: the largest request the server reads (its gRPC receive limit); the
         largest legitimate one (a Decode prompt, a Pull's acknowledgements) is well under 1 MiB.
@@ -112,6 +135,11 @@ class ServerConfig:
       max_version_jump: UpdateWeights may raise the weights version by at most this much.
       seed: sampling PRNG seed.
       tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
+      dtype: storage dtype of the served weights ("" = `model.param_dtype`); pushed weights are
+        cast to it, e.g. float32 trainer weights served in bfloat16 (docs/DESIGN.md §11).
+      mesh: the engine's device mesh, the trainer's `MeshConfig` and logical-axis rules (params
+        by the rules, the KV cache's heads over `tensor`); the default is one device, and a -1
+        axis takes every device (docs/DESIGN.md §12).
     """
 
     host: str = "127.0.0.1"
@@ -133,8 +161,12 @@ class ServerConfig:
     seed: int = 0
     tls_cert: str = ""
     tls_key: str = ""
+    dtype: str = ""
+    mesh: MeshConfig = _ONE_DEVICE_MESH
 
     def __post_init__(self) -> None:
+        if self.dtype:
+            _check_float_dtype(self.dtype)
         if self.host not in _LOOPBACK_HOSTS and not self.token:
             raise ValueError(f"host {self.host!r} is not loopback: a token is required")
         for name in ("port", "metrics_port"):
@@ -170,6 +202,8 @@ class RolloutConfig:
         from the server's first trainer weights (so (max_staleness + 1)·batch_groups groups of
         them, then batch_groups more per version).
       queue_groups: capacity of the finished-group queue.
+      stop_token_ids: ids that end a completion besides the tokenizer's eos ids (an HF
+        checkpoint's eos set comes from its config.json and generation_config.json).
     """
 
     group_size: int = 4
@@ -180,8 +214,11 @@ class RolloutConfig:
     batch_groups: int = 8
     max_staleness: int = 1
     queue_groups: int = 64
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if any(i < 0 for i in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be >= 0, got {self.stop_token_ids}")
         for name in ("group_size", "max_new_tokens", "batch_groups", "queue_groups"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
@@ -360,12 +397,54 @@ class ExperimentConfig:
                 f"train.microbatches ({self.train.microbatches}) must divide the batch "
                 f"(rollout.batch_groups · rollout.group_size = {batch})"
             )
-        needed = CharTokenizer(self.task.alphabet).vocab_size
-        if needed > self.model.vocab_size:
+        if self.model.hf_path and self.train.warmup_sft_steps:
             raise ValueError(
-                f"task.alphabet needs {needed} token ids, model.vocab_size is "
-                f"{self.model.vocab_size}"
+                "train.warmup_sft_steps: the supervised warm-up is for the arithmetic demo; "
+                "with model.hf_path the starting weights are the checkpoint's (set 0)"
             )
+        if self.tokenizer_kind == "char":
+            needed = CharTokenizer(self.task.alphabet).vocab_size
+            if needed > self.model.vocab_size:
+                raise ValueError(
+                    f"task.alphabet needs {needed} token ids, model.vocab_size is "
+                    f"{self.model.vocab_size}"
+                )
+            if self.task.chat_template:
+                raise ValueError("task.chat_template needs task.tokenizer 'hf'")
+        elif not self.tokenizer_path:
+            raise ValueError("task.tokenizer 'hf' needs task.tokenizer_path or model.hf_path")
+        for i in self.rollout.stop_token_ids:
+            if i >= self.model.vocab_size:
+                raise ValueError(
+                    f"rollout.stop_token_ids: {i} is outside model.vocab_size "
+                    f"({self.model.vocab_size})"
+                )
+
+    @property
+    def tokenizer_kind(self) -> str:
+        """`task.tokenizer`, or its default: "hf" when `model.hf_path` is set, else "char"."""
+        return self.task.tokenizer or ("hf" if self.model.hf_path else "char")
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The HF tokenizer's directory: `task.tokenizer_path`, else `model.hf_path`."""
+        return self.task.tokenizer_path or self.model.hf_path
+
+    @property
+    def serving_model(self) -> ModelConfig:
+        """The model config the rollout server runs: `server.dtype` as its parameter dtype."""
+        if not self.server.dtype:
+            return self.model
+        return self.model.replace(param_dtype=jnp.dtype(self.server.dtype))
+
+
+def _check_float_dtype(name: str) -> None:
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError as e:
+        raise ValueError(f"dtype {name!r} is not a dtype") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
 
 
 def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
@@ -394,7 +473,12 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
             flat[key.strip()] = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"{key.strip()}: cannot parse {text!r}: {e}") from e
-    return _build(ExperimentConfig, flat, "")
+    cfg = _build(ExperimentConfig, flat, "")
+    try:
+        check_tokenizer(cfg)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    return cfg
 
 
 def _flatten(doc: Mapping[str, Any], prefix: str, out: dict[str, Any]) -> None:
@@ -417,14 +501,7 @@ def _build(cls: type, flat: dict[str, Any], prefix: str) -> Any:
         if head not in fields and not special:
             raise ConfigError(f"{full}: unknown key")
     kwargs: dict[str, Any] = {}
-    base = None
-    if cls is ModelConfig:
-        preset = flat.get(prefix + "preset", "tiny")
-        if preset not in PRESETS:
-            raise ConfigError(
-                f"{prefix}preset: unknown preset {preset!r}; known: {sorted(PRESETS)}"
-            )
-        base = PRESETS[preset]
+    base = _model_base(flat, prefix) if cls is ModelConfig else None
     for name in fields:
         hint = hints[name]
         dotted = prefix + name
@@ -436,6 +513,8 @@ def _build(cls: type, flat: dict[str, Any], prefix: str) -> Any:
                 kwargs[name] = _build(hint, flat, dotted + ".")
         elif dotted in flat:
             kwargs[name] = _coerce(flat[dotted], hint, dotted)
+    if base is not None and base.hf_path:
+        _check_runtime_only(base, kwargs, prefix)
     try:
         if base is not None:
             return dataclasses.replace(base, **kwargs)
@@ -443,6 +522,35 @@ def _build(cls: type, flat: dict[str, Any], prefix: str) -> Any:
     except (ValueError, TypeError) as e:
         where = prefix.rstrip(".") or cls.__name__
         raise ConfigError(f"{where}: {e}") from e
+
+
+def _model_base(flat: dict[str, Any], prefix: str) -> ModelConfig:
+    """The ModelConfig that `model.*` overrides apply to: `model.hf_path`'s config.json when set,
+    else `model.preset` (default "tiny")."""
+    hf_path = flat.get(prefix + "hf_path")
+    if hf_path:
+        if prefix + "preset" in flat:
+            raise ConfigError(f"{prefix}preset: cannot be combined with {prefix}hf_path")
+        try:
+            return hf.config_from_dir(str(hf_path))
+        except (OSError, ValueError, KeyError) as e:
+            raise ConfigError(f"{prefix}hf_path: {e}") from e
+    preset = flat.get(prefix + "preset", "tiny")
+    if preset not in PRESETS:
+        raise ConfigError(f"{prefix}preset: unknown preset {preset!r}; known: {sorted(PRESETS)}")
+    return PRESETS[preset]
+
+
+def _check_runtime_only(base: ModelConfig, kwargs: dict[str, Any], prefix: str) -> None:
+    """With `model.hf_path`, an architecture field may only repeat config.json's value."""
+    for name, value in kwargs.items():
+        if name in RUNTIME_FIELDS or name == "hf_path" or value == getattr(base, name):
+            continue
+        raise ConfigError(
+            f"{prefix}{name}: {value!r} contradicts {base.hf_path}/config.json "
+            f"({getattr(base, name)!r}); with {prefix}hf_path only {', '.join(RUNTIME_FIELDS)} "
+            "may be set"
+        )
 
 
 def _coerce(value: Any, hint: Any, key: str) -> Any:

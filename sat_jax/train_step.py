@@ -90,7 +90,7 @@ def next_token_logprobs(
     """[B, T] log-probs of ``tokens[:, t]`` under the logits at ``t − 1``; column 0 is 0.
 
     ``vocab_mask`` ([V] bool, optional): renormalize over these ids only, as a sampler restricted
-    to them does (e.g. ``CharTokenizer.sampleable_mask``); without it the behavior and trainer
+    to them does (``sat_jax.tasks.sampleable_mask``); without it the behavior and trainer
     log-probs of the same weights differ by the probability mass of the excluded ids.
     """
     logp = token_logprobs(

@@ -14,6 +14,7 @@ operation at a time in the process.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -82,6 +83,36 @@ def abstract_train_state(
     return jax.tree.map(
         lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
     )
+
+
+class CheckpointNotFound(ValueError):
+    """No checkpoint directory, no checkpoint in it, or not the requested step."""
+
+
+def restore_params(
+    directory: str,
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    step: int | None = None,
+) -> tuple[int, Any]:
+    """The params of checkpoint ``step`` (default the latest) in ``directory``, in their
+    shardings on ``mesh``; returns ``(step, params)``.
+
+    Raises:
+      CheckpointNotFound: one line naming the directory (and the steps there).
+    """
+    if "://" not in directory and not os.path.isdir(directory):
+        raise CheckpointNotFound(f"no checkpoint directory {directory}")
+    with Checkpointer(directory, keep=2**31 - 1) as ckpt:  # read-only: nothing saved or pruned
+        steps = ckpt.all_steps()
+        if not steps:
+            raise CheckpointNotFound(f"no checkpoint in {directory}")
+        step = steps[-1] if step is None else step
+        if step not in steps:
+            raise CheckpointNotFound(f"no checkpoint {step} in {directory} (have {steps})")
+        state, _ = ckpt.restore(step, abstract_train_state(model_cfg, optimizer, mesh))
+    return step, state.params
 
 
 class Checkpointer:

@@ -1,31 +1,216 @@
-"""Held-out greedy accuracy on the arithmetic task (docs/DESIGN.md §4): the main job's before/after
-number and the comparison grid's accuracy curves.
+"""Evaluation through the server's decoding core (docs/DESIGN.md §4): K samples per problem,
+avg@K, pass@K and greedy accuracy, scored by the task's reward. ``sat-eval`` (train/eval_cli.py)
+and the trainer's periodic evaluation both run ``Evaluator``.
 
-The held-out problems come from their own seed stream, ``task.seed + EVAL_SEED_OFFSET``, disjoint
-from the server's prompts (``task.seed``) and the supervised warm-up's. Completions are the greedy
-(argmax over every id) continuations of ``BOS prompt`` from ``sat_jax.sampler.sample``, cut at the
-first EOS and scored by exact match, the task's reward.
+Completions come from ``sat_jax.decoding`` (batched over ``server.slots`` slots with a KV cache,
+the server's sampleable ids and stop ids): the K samples with the rollout's temperature / top-k /
+top-p, the greedy one with top-k = 1. ``avg@K`` is the mean reward of all K·N samples, ``pass@K``
+the mean over problems of the best of its K rewards (the fraction solved when rewards are 0/1),
+greedy accuracy the mean reward of the greedy completions. Prompts longer than
+``server.max_prefill_length`` are skipped and counted.
+
+The arithmetic task's held-out problems come from their own seed stream,
+``task.seed + EVAL_SEED_OFFSET``, disjoint from the server's prompts (``task.seed``) and the
+supervised warm-up's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 from flax import nnx
 
-from sat_jax import sampler
+from sat_jax import decoding
 from sat_jax.experiment import ExperimentConfig, TaskConfig
-from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
+from sat_jax.model import ModelConfig
+from sat_jax.tasks import (
+    CharTokenizer,
+    Prompt,
+    Tokenizer,
+    arithmetic_task,
+    make_reward,
+    make_tokenizer,
+    sampleable_mask,
+)
 
 EVAL_SEED_OFFSET = 1_000_003
+# Slots of the greedy helpers below, which have no server config to take them from.
+HELPER_SLOTS = 32
 
 
 def held_out_problems(task: TaskConfig, n: int) -> list[Prompt]:
     """``n`` evaluation problems, disjoint in stream from the training prompts."""
     stream = arithmetic_task(task, seed_offset=EVAL_SEED_OFFSET)
     return [stream.problem(i) for i in range(n)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    """What one evaluation measured.
+
+    Attributes:
+      k: samples per problem.
+      problems: problems evaluated (after skipping).
+      skipped: problems whose prompt did not fit ``max_prefill_length``.
+      avg_at_k, pass_at_k, greedy_accuracy: see the module docstring (0 with no problems).
+      rows: per problem: id, answer, greedy completion and reward, the K rewards.
+    """
+
+    k: int
+    problems: int
+    skipped: int
+    avg_at_k: float
+    pass_at_k: float
+    greedy_accuracy: float
+    rows: tuple[dict[str, Any], ...]
+
+    def table(self) -> str:
+        """The console table."""
+        head = f"{'problems':>9} {'skipped':>8} {f'avg@{self.k}':>8} {f'pass@{self.k}':>8} greedy"
+        row = (
+            f"{self.problems:>9} {self.skipped:>8} {self.avg_at_k:>8.3f} {self.pass_at_k:>8.3f} "
+            f"{self.greedy_accuracy:>6.3f}"
+        )
+        return f"{head}\n{row}"
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-able dict of every field."""
+        return dataclasses.asdict(self) | {"rows": list(self.rows)}
+
+
+class Evaluator:
+    """Compiled decoding cores (sampled and greedy) for one model and tokenizer, reused across
+    evaluations (new params of the same shapes do not recompile).
+
+    Args:
+      graphdef: the model's graphdef.
+      model_cfg: its config.
+      encode_prompt: prompt text -> the ids the policy continues (as the server encodes it).
+      decode: completion ids -> text (stop and special ids dropped).
+      stop_ids: ids that end a completion.
+      sampleable_v: [V] bool, the ids sampling may produce.
+      reward_fn: (completion text, answer) -> reward in [0, 1].
+      max_new_tokens, max_prefill_length, slots, sampling, seed: as the server's.
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        model_cfg: ModelConfig,
+        *,
+        encode_prompt: Callable[[str], list[int]],
+        decode: Callable[[Sequence[int]], str],
+        stop_ids: Sequence[int],
+        sampleable_v: np.ndarray,
+        reward_fn: Callable[[str, str], float],
+        max_new_tokens: int,
+        max_prefill_length: int,
+        slots: int,
+        sampling: decoding.SamplingConfig,
+        seed: int = 0,
+    ):
+        self.encode_prompt, self.decode, self.reward_fn = encode_prompt, decode, reward_fn
+        self.stop_ids = tuple(stop_ids)
+        core = functools.partial(
+            decoding.DecodeCore,
+            graphdef,
+            model_cfg,
+            slots=slots,
+            max_prefill_length=max_prefill_length,
+            max_decode_length=max_new_tokens,
+            sampleable_v=sampleable_v,
+            seed=seed,
+        )
+        self.sampled = core(sampling=sampling)
+        self.greedy = core(sampling=decoding.SamplingConfig(top_k=1))
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Evaluator:
+        """The evaluator of an experiment: its tokenizer, reward, sampling and server shapes."""
+        return cls(
+            graphdef,
+            cfg.model,
+            **_codec(make_tokenizer(cfg), cfg.model),
+            reward_fn=make_reward(cfg.task.reward),
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            max_prefill_length=cfg.server.max_prefill_length,
+            slots=cfg.server.slots,
+            sampling=decoding.SamplingConfig.from_rollout(cfg.rollout),
+            seed=cfg.server.seed,
+        )
+
+    def texts(self, params: Any, prompts: Sequence[list[int]], *, greedy: bool) -> list[str]:
+        """Decoded completions of already-encoded prompts (greedy or sampled)."""
+        if not prompts:
+            return []
+        core = self.greedy if greedy else self.sampled
+        done = decoding.complete(core, params, prompts, stop_ids=self.stop_ids)
+        return [self.decode(c.ids) for c in done]
+
+    def evaluate(self, params: Any, problems: Sequence[Prompt], *, k: int) -> EvalResult:
+        """K samples and one greedy completion per problem, scored by the reward (k = 0: the
+        greedy completions only; avg@K and pass@K are then 0)."""
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        limit = self.greedy.max_prefill_length
+        encoded = [(p, self.encode_prompt(p.text)) for p in problems]
+        kept = [(p, ids) for p, ids in encoded if 0 < len(ids) <= limit]
+        prompts = [ids for _, ids in kept]
+        greedy = self.texts(params, prompts, greedy=True)
+        samples = self.texts(params, [ids for ids in prompts for _ in range(k)], greedy=False)
+        rows = []
+        for i, (p, _) in enumerate(kept):
+            rewards = [self.reward_fn(t, p.answer) for t in samples[i * k : (i + 1) * k]]
+            rows.append(
+                {
+                    "id": p.id,
+                    "answer": p.answer,
+                    "greedy": greedy[i],
+                    "greedy_reward": self.reward_fn(greedy[i], p.answer),
+                    "rewards": rewards,
+                }
+            )
+        mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0
+        return EvalResult(
+            k=k,
+            problems=len(kept),
+            skipped=len(problems) - len(kept),
+            avg_at_k=mean([r for row in rows for r in row["rewards"]]),
+            pass_at_k=mean([max(row["rewards"]) for row in rows if row["rewards"]]),
+            greedy_accuracy=mean([row["greedy_reward"] for row in rows]),
+            rows=tuple(rows),
+        )
+
+
+def _codec(tok: Tokenizer, model_cfg: ModelConfig) -> dict:
+    """The tokenizer arguments of ``Evaluator``: prompts, decoding, stops and sampleable ids
+    exactly as the rollout server uses them."""
+    return dict(
+        encode_prompt=tok.encode_prompt,
+        decode=tok.decode,
+        stop_ids=tuple(sorted(tok.stop_ids)),
+        sampleable_v=sampleable_mask(tok, model_cfg.vocab_size),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _char_evaluator(
+    graphdef: nnx.GraphDef, model_cfg: ModelConfig, alphabet: str, max_new_tokens: int, prefill: int
+) -> Evaluator:
+    return Evaluator(
+        graphdef,
+        model_cfg,
+        **_codec(CharTokenizer(alphabet), model_cfg),
+        reward_fn=make_reward("exact_match"),
+        max_new_tokens=max_new_tokens,
+        max_prefill_length=prefill,
+        slots=HELPER_SLOTS,
+        sampling=decoding.SamplingConfig(),
+    )
 
 
 def greedy_completions(
@@ -36,32 +221,15 @@ def greedy_completions(
     *,
     max_new_tokens: int,
 ) -> list[str]:
-    """Greedy (argmax) completions of ``BOS prompt``, decoded up to the first EOS."""
+    """Greedy completions of ``BOS prompt`` with the character tokenizer (argmax over its
+    sampleable ids), decoded up to the first EOS."""
     if not problems:
         return []
     prompts = [tokenizer.encode(p.text, bos=True) for p in problems]
-    tokens_bt, lengths_b = sampler.pad_prompts(prompts, max(map(len, prompts)) + max_new_tokens)
-    out = sampler.sample(
-        graphdef,
-        params,
-        tokens_bt,
-        lengths_b,
-        None,
-        max_new_tokens=max_new_tokens,
-        temperature=1.0,  # unused by greedy decoding
-        vocab_mask=None,
-        eos_id=tokenizer.eos_id,
-        greedy=True,
-    )
-    ids_bt = np.asarray(out.tokens_bt)
-    # The model's vocabulary may be larger than the tokenizer's: such ids become U+FFFD (a miss).
-    ids_bt = np.where(ids_bt < tokenizer.vocab_size, ids_bt, -1)
-    texts = []
-    for b in range(len(problems)):
-        ids = ids_bt[b, lengths_b[b] : lengths_b[b] + max_new_tokens].tolist()
-        stop = ids.index(tokenizer.eos_id) if tokenizer.eos_id in ids else len(ids)
-        texts.append("".join("\ufffd" if i < 0 else tokenizer.decode([i]) for i in ids[:stop]))
-    return texts
+    prefill = -(-max(map(len, prompts)) // 16) * 16  # a few compiled shapes, not one per length
+    model_cfg = nnx.merge(graphdef, params).config
+    evaluator = _char_evaluator(graphdef, model_cfg, tokenizer.alphabet, max_new_tokens, prefill)
+    return evaluator.texts(params, prompts, greedy=True)
 
 
 def greedy_accuracy(
@@ -80,15 +248,15 @@ def greedy_accuracy(
     return float(np.mean(hits)) if hits else 0.0
 
 
+@functools.lru_cache(maxsize=4)
+def _config_evaluator(cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Evaluator:
+    return Evaluator.from_config(cfg, graphdef)
+
+
 def held_out_accuracy(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any) -> float | None:
-    """Greedy accuracy on ``train.eval_problems`` held-out problems; None when evaluation is off
-    or the task is not the arithmetic one."""
+    """Greedy accuracy on ``train.eval_problems`` held-out problems (``Evaluator``, compiled once
+    per config); None when evaluation is off or the task is not the arithmetic one."""
     if not cfg.train.eval_problems or cfg.task.source != "arithmetic":
         return None
-    return greedy_accuracy(
-        graphdef,
-        params,
-        held_out_problems(cfg.task, cfg.train.eval_problems),
-        CharTokenizer(cfg.task.alphabet),
-        max_new_tokens=cfg.rollout.max_new_tokens,
-    )
+    problems = held_out_problems(cfg.task, cfg.train.eval_problems)
+    return _config_evaluator(cfg, graphdef).evaluate(params, problems, k=0).greedy_accuracy

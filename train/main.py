@@ -1,12 +1,12 @@
 """``sat-train --config configs/NAME.yaml [dotted.key=value ...]``: the async SAT-GRPO trainer.
 
-build mesh → base policy (init + cached supervised warm-up) → restore or start → servers (a local
-child when ``train.servers`` is empty) → sync weights → loop: pull → lag-tag/drop → step → push
-weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
+build mesh → base policy (``model.hf_path``'s weights, or init + cached supervised warm-up) →
+restore or start → servers (a local child when ``train.servers`` is empty) → sync weights → loop:
+pull → lag-tag/drop → step → push weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
 (optimizer, base policy, batch shape, server pool, ...) live in ``train.setup``; this module is
 the job that runs them, and the command line.
 
-Versions: this trainer publishes the warm-up policy as version 1 and every consumed batch adds one
+Versions: this trainer publishes the base policy as version 1 and every consumed batch adds one
 (a skipped step too, so the servers' admission stays one batch per version; in sync mode the
 unchanged params are republished under it)
 (a server holds its own random weights as version 0 and, by default, generates nothing until the
@@ -63,6 +63,7 @@ from jax.experimental import multihost_utils
 
 from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
+from sat_jax.optimizer import make_optimizer
 from sat_jax.train_step import (
     TrainBatch,
     TrainState,
@@ -175,7 +176,7 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         if lead and not t.servers:
             server = stack.enter_context(start_local_server(cfg, config_path, overrides, run_dir))
         mesh = sharding.make_mesh(t.mesh)
-        optimizer = setup.make_optimizer(t)
+        optimizer = make_optimizer(t)
         graphdef, params = setup.base_policy(cfg, mesh)
         ckpt = stack.enter_context(checkpointing.Checkpointer(ckpt_dir, keep=t.keep_checkpoints))
         state, progress = start_or_resume(cfg, ckpt, optimizer, mesh, params)

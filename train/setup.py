@@ -3,7 +3,7 @@ the optimizer, the run's directories, the base policy, the batch shape, the samp
 reference policy's log-probs and the server pool.
 
 Pure builders, shared by ``train.main`` (the job), the benchmarks, the notebook and the tests; none
-of them starts a loop. ``base_policy`` runs (or loads) the cached supervised warm-up.
+of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads) the cached supervised warm-up.
 """
 
 from __future__ import annotations
@@ -18,40 +18,21 @@ from typing import Any
 
 import jax
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from rollout_server.client import read_ca
 from sat_jax import sharding
-from sat_jax.experiment import ExperimentConfig, TrainConfig
-from sat_jax.tasks import CharTokenizer
+from sat_jax.experiment import ExperimentConfig
+from sat_jax.model import hf
+from sat_jax.tasks import make_tokenizer
+from sat_jax.tasks import sampleable_mask as tokenizer_mask
 from sat_jax.train_step import next_token_logprobs
 from train import batching, warmup
 from train.local_server import LocalServer
 from train.remote import ServerPool
 
 log = logging.getLogger("train")
-
-
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping → AdamW (β₂ = 0.98 by default) with the configured LR schedule."""
-    decay_steps = max(cfg.steps - cfg.lr_warmup_steps, 1)
-    peak = cfg.learning_rate
-    decay = {
-        "constant": optax.constant_schedule(peak),
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
-        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
-    }[cfg.lr_schedule]
-    schedule = (
-        optax.join_schedules(
-            [optax.linear_schedule(0.0, peak, cfg.lr_warmup_steps), decay], [cfg.lr_warmup_steps]
-        )
-        if cfg.lr_warmup_steps
-        else decay
-    )
-    adamw = optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay)
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw
 
 
 def run_paths(cfg: ExperimentConfig) -> tuple[str, str, str]:
@@ -77,8 +58,11 @@ def run_id(run_dir: str) -> str:
 
 
 def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
-    """Random init (``train.seed``), then the supervised warm-up when configured, cached under
+    """The starting policy: ``model.hf_path``'s weights when set (no warm-up); else random init
+    (``train.seed``), then the supervised warm-up when configured, cached under
     ``train.sft_cache_dir``."""
+    if cfg.model.hf_path:
+        return _load_hf(cfg, mesh)
     graphdef, params = sharding.init_sharded(cfg.model, mesh, cfg.train.seed)
     t = cfg.train
     if t.warmup_sft_steps:
@@ -96,6 +80,16 @@ def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.Gra
         )
         how = f"loaded from {t.sft_cache_dir}" if cached else f"{t.warmup_sft_steps} steps"
         log.info("supervised warm-up: %s (%.1fs)", how, time.monotonic() - start)
+    return graphdef, params
+
+
+def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
+    """``model.hf_path``'s weights in ``model.param_dtype``, each read straight into its sharding."""
+    start = time.monotonic()
+    _, abstract = sharding.abstract_model(cfg.model)
+    shardings = sharding.param_shardings(abstract, mesh)
+    graphdef, params = hf.load_params(cfg.model.hf_path, cfg.model, shardings)
+    log.info("loaded %s (%.1fs)", cfg.model.hf_path, time.monotonic() - start)
     return graphdef, params
 
 
@@ -120,8 +114,9 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
 
 
 def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
-    """[V] bool: the ids the server samples from, over which the trainer renormalizes too."""
-    return CharTokenizer(cfg.task.alphabet).sampleable_mask(cfg.model.vocab_size)
+    """[V] bool: the ids the server samples from, over which the trainer renormalizes too
+    (``sat_jax.tasks.sampleable_mask`` of the configured tokenizer)."""
+    return tokenizer_mask(make_tokenizer(cfg), cfg.model.vocab_size)
 
 
 def make_ref_logp(

@@ -15,6 +15,18 @@ import jax.numpy as jnp
 DISPATCH_PATHS = ("auto", "ragged", "dense", "blocked")
 ATTENTION_PATHS = ("auto", "fused", "blockwise", "dense")
 REMAT_POLICIES = ("none", "layer")
+# Fields a config may set beside `hf_path`: how the model runs, not what it is.
+RUNTIME_FIELDS = (
+    "dtype",
+    "param_dtype",
+    "dispatch",
+    "max_seq_len",
+    "router_aux_loss_coef",
+    "attention",
+    "attention_block",
+    "logits_chunk",
+    "remat",
+)
 
 # Anything `jnp.dtype` accepts: jnp.float32, "bfloat16", np.dtype("float32"), ...
 DTypeLike = Any
@@ -56,7 +68,11 @@ class ModelConfig:
       remat: "layer" recomputes each decoder layer's activations in the backward pass
         (`jax.checkpoint`), keeping only the residual stream between layers; "none" keeps all.
       dtype: compute dtype of matmuls; norms, softmaxes, the router and logits stay float32.
-      param_dtype: storage dtype of the parameters.
+      param_dtype: storage dtype of the parameters (the trainer's master weights).
+      hf_path: a Hugging Face Qwen3-MoE checkpoint directory (config.json, safetensors, tokenizer
+        files) or "". When set, `sat_jax.experiment.load_config` takes the architecture from its
+        config.json (only the runtime fields in `RUNTIME_FIELDS` may be overridden) and the
+        server and trainer start from its weights (docs/DESIGN.md §11).
     """
 
     vocab_size: int
@@ -84,6 +100,7 @@ class ModelConfig:
     remat: str = "none"
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    hf_path: str = ""
 
     def __post_init__(self) -> None:
         positive = (
@@ -186,6 +203,13 @@ class ModelConfig:
         if name not in PRESETS:
             raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
         return PRESETS[name].replace(**overrides)
+
+
+def runtime_overrides(cfg: ModelConfig) -> dict[str, Any]:
+    """`cfg`'s `RUNTIME_FIELDS` and `hf_path`: what to pass `hf.load_qwen3_moe` so that the
+    loaded module's config equals `cfg`."""
+    names = (*RUNTIME_FIELDS, "hf_path")
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name in names}
 
 
 PRESETS: dict[str, ModelConfig] = {

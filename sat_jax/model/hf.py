@@ -23,7 +23,7 @@ import struct
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
+import jax
 import ml_dtypes
 import numpy as np
 from flax import nnx
@@ -31,7 +31,7 @@ from flax import nnx
 from sat_jax.model.config import ModelConfig
 from sat_jax.model.transformer import Transformer
 
-_DTYPES = {
+DTYPES = {
     "F64": np.float64,
     "F32": np.float32,
     "F16": np.float16,
@@ -62,10 +62,10 @@ def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     out = {}
     for name, info in header.items():
-        if info["dtype"] not in _DTYPES:
+        if info["dtype"] not in DTYPES:
             raise ValueError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
         begin, end = info["data_offsets"]
-        dtype = np.dtype(_DTYPES[info["dtype"]])
+        dtype = np.dtype(DTYPES[info["dtype"]])
         shape = tuple(info["shape"])
         if end - begin != math.prod(shape) * dtype.itemsize:
             raise ValueError(f"{path.name}: tensor {name!r} has {end - begin} bytes for {shape}")
@@ -137,41 +137,103 @@ def config_from_hf(hf: dict[str, Any], **overrides: Any) -> ModelConfig:
     return ModelConfig(**{**fields, **overrides})
 
 
-def _hf_source(path: tuple[Any, ...], cfg: ModelConfig) -> tuple[list[str], Callable]:
-    """HF tensor names and a function (their arrays -> ours) for one of our parameter paths."""
-    t = lambda w: w.T
-    if path == ("embedding_vd",):
-        return ["model.embed_tokens.weight"], lambda w: w
-    if path == ("lm_head_dv",):
-        return ["lm_head.weight"], t
-    if path == ("final_norm", "scale"):
-        return ["model.norm.weight"], lambda w: w
-    _, i, *rest = path
-    p = f"model.layers.{i}."
-    d, n, g, h = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    simple = {
-        ("attn_norm", "scale"): ("input_layernorm.weight", lambda w: w),
-        ("mlp_norm", "scale"): ("post_attention_layernorm.weight", lambda w: w),
-        ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", lambda w: w),
-        ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", lambda w: w),
-        ("attn", "w_q_dnh"): ("self_attn.q_proj.weight", lambda w: w.T.reshape(d, n, h)),
-        ("attn", "w_k_dgh"): ("self_attn.k_proj.weight", lambda w: w.T.reshape(d, g, h)),
-        ("attn", "w_v_dgh"): ("self_attn.v_proj.weight", lambda w: w.T.reshape(d, g, h)),
-        ("attn", "w_o_nhd"): ("self_attn.o_proj.weight", lambda w: w.T.reshape(n, h, d)),
-        ("mlp", "w_router_de"): ("mlp.gate.weight", t),
-        ("mlp", "w_gate_df"): ("mlp.gate_proj.weight", t),
-        ("mlp", "w_up_df"): ("mlp.up_proj.weight", t),
-        ("mlp", "w_down_fd"): ("mlp.down_proj.weight", t),
-    }
-    if tuple(rest) in simple:
-        name, fn = simple[tuple(rest)]
-        return [p + name], fn
-    experts = {"w_gate_edf": "gate_proj", "w_up_edf": "up_proj", "w_down_efd": "down_proj"}
-    if tuple(rest[:1]) == ("mlp",) and len(rest) == 2 and rest[1] in experts:
-        proj = experts[rest[1]]
-        names = [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(cfg.num_experts)]
-        return names, lambda *ws: np.stack([w.T for w in ws])
-    raise ValueError(f"no HF source known for parameter {'/'.join(map(str, path))}")
+def config_from_dir(path: str | pathlib.Path, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a checkpoint directory's ``config.json``, with ``hf_path`` set to it.
+
+    Raises:
+      FileNotFoundError: the directory has no config.json.
+      ValueError: the config is not a supported Qwen3-MoE one (see ``config_from_hf``).
+    """
+    path = pathlib.Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}/config.json is not JSON: {e}") from e
+    if not isinstance(hf, dict):
+        raise ValueError(f"{path}/config.json is not a JSON object")
+    try:
+        return config_from_hf(hf, **{"hf_path": str(path), **overrides})
+    except KeyError as e:
+        raise ValueError(f"{path}/config.json lacks {e.args[0]!r}") from e
+
+
+# Our layout of one HF tensor, both ways: (to_ours(hf_view, our_shape), to_hf(ours)). Every
+# to_ours is a transpose/reshape of the memory-mapped array, i.e. a view: nothing is read until a
+# device's slice of it is indexed.
+_Layout = tuple[Callable[[np.ndarray, tuple[int, ...]], np.ndarray], Callable[[Any], Any]]
+_SAME: _Layout = (lambda w, s: w, lambda x: x)
+_T: _Layout = (lambda w, s: w.T, lambda x: x.T)
+# q/k/v_proj [N·H, D] <-> [D, N, H].
+_HEADS_OUT: _Layout = (
+    lambda w, s: w.reshape(s[1], s[2], s[0]).transpose(2, 0, 1),
+    lambda x: x.transpose(1, 2, 0).reshape(x.shape[1] * x.shape[2], x.shape[0]),
+)
+# o_proj [D, N·H] <-> [N, H, D].
+_HEADS_IN: _Layout = (
+    lambda w, s: w.reshape(s[2], s[0], s[1]).transpose(1, 2, 0),
+    lambda x: x.transpose(2, 0, 1).reshape(x.shape[2], x.shape[0] * x.shape[1]),
+)
+_TOP_LEVEL: dict[tuple[str, ...], tuple[str, _Layout]] = {
+    ("embedding_vd",): ("model.embed_tokens.weight", _SAME),
+    ("lm_head_dv",): ("lm_head.weight", _T),
+    ("final_norm", "scale"): ("model.norm.weight", _SAME),
+}
+_PER_LAYER: dict[tuple[str, ...], tuple[str, _Layout]] = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", _SAME),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", _SAME),
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", _SAME),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", _SAME),
+    ("attn", "w_q_dnh"): ("self_attn.q_proj.weight", _HEADS_OUT),
+    ("attn", "w_k_dgh"): ("self_attn.k_proj.weight", _HEADS_OUT),
+    ("attn", "w_v_dgh"): ("self_attn.v_proj.weight", _HEADS_OUT),
+    ("attn", "w_o_nhd"): ("self_attn.o_proj.weight", _HEADS_IN),
+    ("mlp", "w_router_de"): ("mlp.gate.weight", _T),
+    ("mlp", "w_gate_df"): ("mlp.gate_proj.weight", _T),
+    ("mlp", "w_up_df"): ("mlp.up_proj.weight", _T),
+    ("mlp", "w_down_fd"): ("mlp.down_proj.weight", _T),
+}
+# Our stacked expert weights [E, ...] <- one HF tensor per expert, each transposed.
+_EXPERTS = {"w_gate_edf": "gate_proj", "w_up_edf": "up_proj", "w_down_efd": "down_proj"}
+
+
+def hf_names(path: tuple[Any, ...], num_experts: int) -> tuple[list[str], _Layout]:
+    """HF tensor names of one of our parameter paths and their layout.
+
+    One name for every parameter except the routed experts' stacked weights, which take one HF
+    tensor per expert (the hub layout), ``_T`` each.
+    """
+    path = tuple(str(k) for k in path)
+    if path in _TOP_LEVEL:
+        name, layout = _TOP_LEVEL[path]
+        return [name], layout
+    if len(path) > 2 and path[0] == "layers":
+        p, rest = f"model.layers.{path[1]}.", path[2:]
+        if rest in _PER_LAYER:
+            name, layout = _PER_LAYER[rest]
+            return [p + name], layout
+        if len(rest) == 2 and rest[0] == "mlp" and rest[1] in _EXPERTS:
+            proj = _EXPERTS[rest[1]]
+            return [f"{p}mlp.experts.{e}.{proj}.weight" for e in range(num_experts)], _T
+    raise ValueError(f"no HF source known for parameter {'/'.join(path)}")
+
+
+class _LazyParam:
+    """One parameter as views of memory-mapped checkpoint tensors; ``read(index)`` copies only
+    that slice (for stacked experts, only the experts in the slice are touched)."""
+
+    def __init__(self, views: list[np.ndarray], shape: tuple[int, ...], stacked: bool):
+        self.views, self.shape, self.stacked = views, shape, stacked
+
+    def read(self, index: tuple[slice, ...], dtype: Any) -> np.ndarray:
+        if not self.stacked:
+            return np.array(self.views[0][index], dtype=dtype)
+        experts = range(self.shape[0])[index[0]]
+        out = np.empty((len(experts), *self.views[0][index[1:]].shape), dtype)
+        for j, e in enumerate(experts):
+            out[j] = self.views[e][index[1:]]
+        return out
 
 
 def _fuse_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
@@ -186,52 +248,108 @@ def _fuse_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
             tensors[f"{prefix}{e}.down_proj.weight"] = down[e]
 
 
-def load_qwen3_moe(path: str | pathlib.Path, **config_overrides: Any) -> Transformer:
+def _lazy_params(
+    path: pathlib.Path, cfg: ModelConfig, abstract: nnx.State
+) -> list[tuple[tuple[Any, ...], jax.ShapeDtypeStruct, _LazyParam]]:
+    """(our path, abstract value, lazy source) for every parameter; checks names and shapes."""
+    tensors = read_checkpoint(path)
+    _fuse_experts(tensors, cfg)
+    if cfg.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    used: set[str] = set()
+    out = []
+    for var_path, var in nnx.to_flat_state(abstract):
+        want = var.get_value()
+        var_path = tuple(var_path)
+        where = "/".join(map(str, var_path))
+        names, (to_ours, _) = hf_names(var_path, cfg.num_experts)
+        missing = [n for n in names if n not in tensors]
+        if missing:
+            raise ValueError(f"checkpoint {path} lacks {missing[0]} (for {where})")
+        stacked = len(names) > 1
+        shape = want.shape[1:] if stacked else want.shape
+        try:
+            views = [to_ours(tensors[n], shape) for n in names]
+        except ValueError:
+            views = [tensors[names[0]]]
+        got = (len(views), *views[0].shape) if stacked else views[0].shape
+        if got != want.shape or any(v.shape != views[0].shape for v in views):
+            raise ValueError(f"{names[0]} maps to shape {got}, expected {want.shape} for {where}")
+        out.append((var_path, want, _LazyParam(views, want.shape, stacked)))
+        used.update(names)
+    unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq"))
+    if unused:
+        raise ValueError(f"checkpoint {path} has tensors the model does not use: {unused[:5]}")
+    return out
+
+
+def load_params(
+    path: str | pathlib.Path, cfg: ModelConfig, shardings: Any = None
+) -> tuple[nnx.GraphDef, dict]:
+    """Reads a checkpoint's weights straight into their target shardings.
+
+    Each parameter is one ``jax.make_array_from_callback``: every device's callback copies only
+    its own slice out of the memory-mapped safetensors (stacked experts read only the experts in
+    that slice), cast to ``cfg.param_dtype``. No host copy of the whole model is made; the peak
+    host memory is one device's slice of one parameter.
+
+    Args:
+      path: a checkpoint directory (safetensors, single or sharded with an index).
+      cfg: the model config (e.g. ``config_from_hf`` of its config.json).
+      shardings: a nested dict of ``jax.sharding.Sharding`` per parameter (e.g.
+        ``sat_jax.sharding.param_shardings(abstract, mesh)``); default the default device.
+
+    Returns:
+      ``(graphdef, params)``; ``nnx.merge(graphdef, params)`` is the ``Transformer``.
+    """
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    flat = []
+    for var_path, want, lazy in _lazy_params(pathlib.Path(path), cfg, abstract):
+        target = single
+        if shardings is not None:
+            target = shardings
+            for key in var_path:
+                target = target[key]
+        array = jax.make_array_from_callback(
+            want.shape, target, lambda index, lazy=lazy, dt=want.dtype: lazy.read(index, dt)
+        )
+        flat.append((var_path, array))
+    params: dict = {}
+    for var_path, array in flat:
+        node = params
+        for key in var_path[:-1]:
+            node = node.setdefault(key, {})
+        node[var_path[-1]] = array
+    return graphdef, params
+
+
+def load_qwen3_moe(
+    path: str | pathlib.Path, *, mesh: jax.sharding.Mesh | None = None, **config_overrides: Any
+) -> Transformer:
     """Loads an HF Qwen3-MoE checkpoint directory into a ``Transformer``.
 
     The module is built abstractly (``nnx.eval_shape``, no random init) and filled with the
-    checkpoint's tensors cast to ``param_dtype``. Every parameter must be found with the expected
-    shape, and every checkpoint tensor must be used (``lm_head.weight`` may be absent or ignored
-    when the embeddings are tied).
+    checkpoint's tensors cast to ``param_dtype`` (``load_params``). Every parameter must be found
+    with the expected shape, and every checkpoint tensor must be used (``lm_head.weight`` may be
+    absent or ignored when the embeddings are tied).
 
     Args:
       path: a directory with ``config.json`` and safetensors weights.
+      mesh: place each parameter on its sharding under ``sat_jax.sharding``'s logical-axis rules
+        over this mesh; default the default device.
       **config_overrides: ``ModelConfig`` fields to change (e.g. ``dispatch``, ``dtype``).
 
     Returns:
       The ``Transformer``; its ``config`` is the mapped ``ModelConfig``.
     """
-    path = pathlib.Path(path)
-    if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"no config.json in {path}")
-    cfg = config_from_hf(json.loads((path / "config.json").read_text()), **config_overrides)
-    tensors = read_checkpoint(path)
-    _fuse_experts(tensors, cfg)
-    if cfg.tie_embeddings:
-        tensors.pop("lm_head.weight", None)
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
-    used: set[str] = set()
-    params: dict = {}
-    for var_path, var in nnx.to_flat_state(abstract):
-        want = var.get_value()
-        names, convert = _hf_source(tuple(var_path), cfg)
-        missing = [n for n in names if n not in tensors]
-        if missing:
-            raise ValueError(f"checkpoint {path} lacks {missing[0]} (for {var_path})")
-        value = np.asarray(convert(*(tensors[n] for n in names)))
-        if value.shape != want.shape:
-            raise ValueError(
-                f"{names[0]} maps to shape {value.shape}, expected {want.shape} for "
-                f"{'/'.join(map(str, var_path))}"
-            )
-        node = params
-        for key in var_path[:-1]:
-            node = node.setdefault(key, {})
-        node[var_path[-1]] = jnp.asarray(value, dtype=want.dtype)
-        used.update(names)
-    unused = sorted(k for k in tensors if k not in used and not k.endswith("rotary_emb.inv_freq"))
-    if unused:
-        raise ValueError(f"checkpoint {path} has tensors the model does not use: {unused[:5]}")
+    from sat_jax import sharding  # sat_jax.sharding imports sat_jax.model
+
+    cfg = config_from_dir(path, **config_overrides)
+    shardings = None
+    if mesh is not None:
+        shardings = sharding.param_shardings(sharding.abstract_model(cfg)[1], mesh)
+    graphdef, params = load_params(path, cfg, shardings)
     return nnx.merge(graphdef, params)
 
 

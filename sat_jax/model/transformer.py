@@ -192,8 +192,9 @@ class Transformer(nnx.Module):
             qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
             k_bsgh, v_bsgh = qkv.k_btgh, qkv.v_btgh
             if cache is not None:  # one new token per row
-                k_bsgh = cache.k_lbsgh[i].at[rows_b, cache.lengths_b].set(k_bsgh[:, 0])
-                v_bsgh = cache.v_lbsgh[i].at[rows_b, cache.lengths_b].set(v_bsgh[:, 0])
+                k_new, v_new = (x[:, 0].astype(cache.k_lbsgh.dtype) for x in (k_bsgh, v_bsgh))
+                k_bsgh = cache.k_lbsgh[i].at[rows_b, cache.lengths_b].set(k_new)
+                v_bsgh = cache.v_lbsgh[i].at[rows_b, cache.lengths_b].set(v_new)
             ks.append(k_bsgh)
             vs.append(v_bsgh)
             x_btd = x_btd + layer.attn.attend(qkv.q_btnh, k_bsgh, v_bsgh, allowed_bts)

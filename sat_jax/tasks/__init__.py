@@ -1,4 +1,4 @@
-"""Built-in tasks: a character tokenizer, the arithmetic task, rewards and grain prompt pipelines.
+"""Built-in tasks: tokenizers (character and Hugging Face), the arithmetic task, rewards and grain prompt pipelines.
 
 Shared by the rollout server and the trainer; nothing here imports grpc or jetstream.
 """
@@ -9,19 +9,27 @@ from sat_jax.tasks.pipeline import (
     arithmetic_task,
     file_dataset,
     prompt_dataset,
+    prompt_source,
+    read_prompts,
 )
-from sat_jax.tasks.rewards import exact_match_reward, make_reward, math_reward
-from sat_jax.tasks.tokenizer import CharTokenizer
+from sat_jax.tasks.rewards import exact_match_reward, gsm8k_reward, make_reward, math_reward
+from sat_jax.tasks.tokenizer import CharTokenizer, Tokenizer, make_tokenizer, sampleable_mask
 
 __all__ = [
     "ArithmeticTask",
     "CharTokenizer",
     "Prompt",
+    "Tokenizer",
     "arithmetic_dataset",
     "arithmetic_task",
     "exact_match_reward",
     "file_dataset",
+    "gsm8k_reward",
     "make_reward",
+    "make_tokenizer",
     "math_reward",
     "prompt_dataset",
+    "prompt_source",
+    "read_prompts",
+    "sampleable_mask",
 ]

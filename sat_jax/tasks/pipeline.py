@@ -7,7 +7,9 @@ loses no prompt on restart (`iterator.set_state(state)` resumes right after the 
 
 from __future__ import annotations
 
+import collections
 import json
+import logging
 import sys
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import grain
 
 from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # sat_jax.experiment imports this package (the tokenizer's id count)
     from sat_jax.experiment import TaskConfig
@@ -62,6 +66,41 @@ def read_prompt_rows(path: str) -> list[dict[str, Any]]:
     return rows
 
 
+def read_prompts(
+    path: str, *, prompt_key: str = "prompt", answer_key: str = "answer", id_key: str = "id"
+) -> tuple[list[Prompt], int]:
+    """The rows of a prompt file as `Prompt`s, and how many rows were skipped for lacking the
+    prompt or answer column (counted and logged, never a silent stall).
+
+    Rows without `id_key` get "<file name>:<row number>" as their stable id.
+
+    Raises:
+      ValueError: the file has no usable row.
+    """
+    rows = read_prompt_rows(path)
+    name = path.rsplit("/", 1)[-1]
+    prompts, missing = [], collections.Counter()
+    for n, row in enumerate(rows):
+        lacking = [key for key in (prompt_key, answer_key) if key not in row]
+        if lacking:
+            missing[lacking[0]] += 1
+            continue
+        row_id = row.get(id_key)
+        prompts.append(
+            Prompt(
+                id=str(row_id) if row_id is not None else f"{name}:{n}",
+                text=str(row[prompt_key]),
+                answer=str(row[answer_key]),
+            )
+        )
+    what = ", ".join(f"{count} without {key!r}" for key, count in missing.items())
+    if not prompts:
+        raise ValueError(f"{path}: no prompts ({len(rows)} rows{'; ' + what if what else ''})")
+    if missing:
+        log.warning("%s: skipped %d of %d rows (%s)", path, missing.total(), len(rows), what)
+    return prompts, missing.total()
+
+
 def file_dataset(
     path: str,
     *,
@@ -71,44 +110,28 @@ def file_dataset(
     seed: int = 0,
     shuffle: bool = True,
 ) -> grain.IterDataset:
-    """The rows of a prompt file as `Prompt`s, shuffled once by `seed`, repeated endlessly.
+    """The prompts of `read_prompts`, shuffled once by `seed`, repeated endlessly."""
+    prompts, _ = read_prompts(path, prompt_key=prompt_key, answer_key=answer_key, id_key=id_key)
+    return _repeat(prompts, seed=seed, shuffle=shuffle)
 
-    Rows without `id_key` get "<file name>:<row number>" as their stable id.
 
-    Raises:
-      ValueError: the file is empty or a row lacks the prompt or answer column.
-    """
-    rows = read_prompt_rows(path)
-    if not rows:
-        raise ValueError(f"{path}: no prompts")
-    name = path.rsplit("/", 1)[-1]
-    prompts = []
-    for n, row in enumerate(rows):
-        for key in (prompt_key, answer_key):
-            if key not in row:
-                raise ValueError(f"{path}: row {n} has no {key!r} column")
-        row_id = row.get(id_key)
-        prompts.append(
-            Prompt(
-                id=str(row_id) if row_id is not None else f"{name}:{n}",
-                text=str(row[prompt_key]),
-                answer=str(row[answer_key]),
-            )
-        )
+def _repeat(prompts: list[Prompt], *, seed: int, shuffle: bool) -> grain.IterDataset:
     ds = grain.MapDataset.source(prompts)
     if shuffle:
         ds = ds.shuffle(seed=seed)
     return ds.repeat(None).to_iter_dataset()
 
 
+def prompt_source(cfg: TaskConfig) -> tuple[grain.IterDataset, int]:
+    """The pipeline `cfg.source` names, and the file rows it skipped (`read_prompts`)."""
+    if cfg.source == "arithmetic":
+        return arithmetic_dataset(arithmetic_task(cfg, seed_offset=0)), 0
+    prompts, skipped = read_prompts(
+        cfg.path, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key, id_key=cfg.id_key
+    )
+    return _repeat(prompts, seed=cfg.seed, shuffle=True), skipped
+
+
 def prompt_dataset(cfg: TaskConfig) -> grain.IterDataset:
     """The pipeline `cfg.source` names."""
-    if cfg.source == "arithmetic":
-        return arithmetic_dataset(arithmetic_task(cfg, seed_offset=0))
-    return file_dataset(
-        cfg.path,
-        prompt_key=cfg.prompt_key,
-        answer_key=cfg.answer_key,
-        id_key=cfg.id_key,
-        seed=cfg.seed,
-    )
+    return prompt_source(cfg)[0]

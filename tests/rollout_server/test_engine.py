@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from rollout_server.engine import FailedPrefix, MoEEngine, unpack_step
-from rollout_server.sampling import SamplingConfig, sample, sampling_logprobs
+from sat_jax.decoding import SamplingConfig, sample, sampling_logprobs
 from sat_jax.experiment import RolloutConfig
 from sat_jax.model import ModelConfig, Transformer, token_logprobs
 from sat_jax.tasks import CharTokenizer
@@ -155,14 +155,14 @@ def test_swap_between_steps_versions_and_logprobs():
         state, prompts[slot] = _prefill_insert(engine, state, text, slot)
     params = {0: engine.current_params()[1]}
     state, rows = _run(engine, state, 3)
-    compiled = engine._generate_fn._cache_size()
+    compiled = engine.core.generate._cache_size()
     params[5] = _perturbed(params[0], 0.05, 1)
     engine.swap_params(5, params[5])
     assert engine.version == 5
     # A slot inserted after the swap prefills with the new params.
     state, prompts[2] = _prefill_insert(engine, state, PROMPTS[2], 2)
     state, more = _run(engine, state, 4)
-    assert engine._generate_fn._cache_size() == compiled  # no recompilation
+    assert engine.core.generate._cache_size() == compiled  # no recompilation
     rows += more
     for slot in (0, 1):
         versions = [int(r["version"][slot]) for r in rows]
@@ -195,6 +195,33 @@ def test_swap_rejects_mismatched_params():
     with pytest.raises(ValueError, match="version"):
         engine.swap_params(2**31, params)
     assert engine.version == 0
+
+
+def test_swap_casts_float32_weights_to_the_serving_dtype():
+    # A bfloat16 server (server.dtype) takes the float32 trainer's weights, cast on the way in.
+    model = _model()
+    graphdef, state = nnx.split(model)
+    bf16 = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), nnx.to_pure_dict(state))
+    bf16_model = nnx.merge(graphdef, bf16)
+    engine = MoEEngine(
+        bf16_model,
+        tokenizer=TOK,
+        slots=2,
+        max_prefill_length=16,
+        max_decode_length=4,
+        sampling=SamplingConfig(),
+    )
+    f32 = nnx.to_pure_dict(state)
+    engine.swap_params(3, f32)
+    got = jax.tree_util.tree_leaves(engine.current_params()[1])
+    want = jax.tree_util.tree_leaves(f32)
+    assert all(g.dtype == jnp.bfloat16 for g in got)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w.astype(jnp.bfloat16)))
+    ints = jax.tree_util.tree_map(lambda x: x.astype(jnp.int32), f32)
+    with pytest.raises(ValueError, match="does not match"):
+        engine.swap_params(4, ints)
+    assert engine.version == 3
 
 
 def _numpy_sampling_logprobs(logits, temperature, top_k, top_p):
@@ -254,23 +281,21 @@ def test_engine_validates_config():
 
 
 @pytest.mark.parametrize(
-    ("n_tokens", "add_bos", "error"),
+    ("n_tokens", "error"),
     [
-        (15, True, None),  # 16 with BOS: exactly max_prefill_length
-        (16, False, None),  # a session continuation gets no BOS
-        (0, True, None),  # BOS alone
-        (16, True, r"17 tokens \(with BOS\); max_prefill_length is 16"),
-        (17, False, "17 tokens; max_prefill_length is 16"),
-        (0, False, "the prompt is empty"),
+        (16, None),  # exactly max_prefill_length (prompt ids as the tokenizer made them)
+        (1, None),
+        (17, "17 tokens; max_prefill_length is 16"),
+        (0, "the prompt is empty"),
     ],
 )
-def test_check_prompt_length(n_tokens, add_bos, error):
+def test_check_prompt_length(n_tokens, error):
     engine = _engine()
     if error is None:
-        engine.check_prompt_length(n_tokens, add_bos=add_bos)
+        engine.check_prompt_length(n_tokens)
     else:
         with pytest.raises(ValueError, match=error):
-            engine.check_prompt_length(n_tokens, add_bos=add_bos)
+            engine.check_prompt_length(n_tokens)
 
 
 def test_failed_prefill_never_raises_and_leaves_slot_empty():

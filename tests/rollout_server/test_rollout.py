@@ -5,6 +5,7 @@ prompts too long for a prefill."""
 from __future__ import annotations
 
 import threading
+import types
 
 import grain
 import pytest
@@ -43,6 +44,8 @@ def test_admission_budget(
 
 
 class FakeEngine:
+    prefill_calls = 0
+
     def __init__(self):
         self.version = 0
         self.swaps: list[int] = []
@@ -151,9 +154,9 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
 
 
 class ShortPromptEngine(FakeEngine):
-    """Takes prompts of at most 4 tokens with BOS, with the real engine's check."""
+    """Takes prompts of at most 4 tokens (BOS included), with the real engine's check."""
 
-    _max_prefill = 4
+    core = types.SimpleNamespace(max_prefill_length=4)
     check_prompt_length = MoEEngine.check_prompt_length
 
 
@@ -178,10 +181,11 @@ def test_prompts_longer_than_a_prefill_are_skipped(tmp_path):
         driver=driver,
         prompts=grain.MapDataset.source(prompts).to_iter_dataset(),
     )
-    loop._dispatch_next()  # 6 tokens + BOS > 4: skipped, nothing submitted
+    loop._dispatch_next()  # BOS + 6 tokens > 4: skipped, counted, nothing submitted
     assert loop.prompts_skipped == 1 and driver.requests == []
+    assert loop.stats()["prompts_skipped"] == 1
     assert loop.stats()["groups_running"] == 0
-    loop._dispatch_next()  # 2 tokens + BOS: G samples submitted
+    loop._dispatch_next()  # BOS + 2 tokens: G samples submitted
     assert loop.prompts_skipped == 1 and len(driver.requests) == CFG.group_size
-    want = CharTokenizer("0123456789+-=").encode("1=")  # without BOS: JetStream prepends it
+    want = CharTokenizer("0123456789+-=").encode_prompt("1=")  # the prompt ids, BOS included
     assert all(r.prefill_content == want for r in driver.requests)

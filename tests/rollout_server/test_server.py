@@ -88,6 +88,7 @@ def test_pull_groups_and_admission(live):
     wait_for(lambda: stats(stub).groups_queued == budget)
     s = stats(stub)
     assert s.groups_running == 0 and not s.admission_open and s.prompts_drawn == budget
+    assert s.prefill_calls == budget  # a group's G samples share one prefill
     groups = _pull_all(stub, budget)
     assert len({g.group_id for g in groups}) == budget
     assert {g.prompt_id for g in groups} == {f"arith-0-{i}" for i in range(budget)}

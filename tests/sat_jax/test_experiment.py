@@ -1,8 +1,10 @@
 """sat_jax.experiment: defaults only in dataclasses, YAML + dotted overrides, errors name the key."""
 
 import functools
+import json
 import pathlib
 
+import jax.numpy as jnp
 import pytest
 import yaml
 
@@ -140,6 +142,143 @@ def test_unreadable_or_malformed_file_is_one_config_error(tmp_path):
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match=r"missing\.yaml: cannot read the config"):
         load_config(str(tmp_path / "missing.yaml"))
+
+
+# A Qwen3-MoE config.json (the loader reads only this file).
+HF_CONFIG = dict(
+    model_type="qwen3_moe",
+    vocab_size=96,
+    hidden_size=32,
+    intermediate_size=40,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=256,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+)
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    # The loader checks that tokenizer files exist; it does not load them.
+    (tmp_path / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ 1 }}"}))
+    return tmp_path
+
+
+def test_hf_tokenizer_files_are_checked_naming_the_key(hf_dir, tmp_path_factory):
+    bare = tmp_path_factory.mktemp("bare")
+    with pytest.raises(ConfigError, match=r"^task\.tokenizer_path: no tokenizer files in .*bare"):
+        load_config(None, [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}"])
+    (hf_dir / "tokenizer.json").unlink()
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: no tokenizer files in"):
+        load_config(None, [f"model.hf_path={hf_dir}"])
+    (bare / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"^task\.chat_template: the tokenizer in .* has no chat"):
+        load_config(
+            None,
+            [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}", "task.chat_template=true"],
+        )
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}"])
+    assert cfg.tokenizer_path == str(bare)
+    with pytest.raises(ConfigError, match=r"^ExperimentConfig: train\.warmup_sft_steps: "):
+        load_config(
+            None,
+            [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}", "train.warmup_sft_steps=5"],
+        )
+
+
+def test_hf_path_takes_the_architecture_from_config_json(hf_dir):
+    cfg = load_config(None, [f"model.hf_path={hf_dir}", "model.dtype=bfloat16"])
+    m = cfg.model
+    assert (m.vocab_size, m.d_model, m.num_experts, m.head_dim) == (96, 32, 4, 8)
+    assert m.hf_path == str(hf_dir) and m.dtype == "bfloat16" and m.max_seq_len == 256
+    # The tokenizer defaults to the checkpoint's.
+    assert cfg.tokenizer_kind == "hf" and cfg.tokenizer_path == str(hf_dir)
+    # Runtime choices may be set; repeating config.json's value is no contradiction.
+    cfg = load_config(
+        None, [f"model.hf_path={hf_dir}", "model.max_seq_len=128", "model.d_model=32"]
+    )
+    assert cfg.model.max_seq_len == 128
+    assert load_config(None, [f"model.hf_path={hf_dir}", "task.tokenizer=char"]).tokenizer_kind == (
+        "char"
+    )
+
+
+def test_defaults_keep_the_char_tokenizer():
+    cfg = load_config(None, [])
+    assert cfg.tokenizer_kind == "char" and cfg.tokenizer_path == ""
+    assert cfg.serving_model == cfg.model
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["model.num_experts=8"], r"^model\.num_experts: 8 contradicts .*config\.json \(4\)"),
+        (["model.preset=small"], r"^model\.preset: cannot be combined with model\.hf_path"),
+    ],
+)
+def test_hf_path_overrides_that_contradict_it(hf_dir, overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [f"model.hf_path={hf_dir}", *overrides])
+
+
+def test_hf_path_bad_checkpoints(tmp_path):
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: no config\.json in"):
+        load_config(None, [f"model.hf_path={tmp_path}"])
+    (tmp_path / "config.json").write_text(json.dumps({**HF_CONFIG, "model_type": "llama"}))
+    with pytest.raises(ConfigError, match=r"^model\.hf_path: .*'llama', expected 'qwen3_moe'"):
+        load_config(None, [f"model.hf_path={tmp_path}"])
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    with pytest.raises(
+        ConfigError, match=r"^model\.hf_path: .*config\.json (has neither rope_theta|lacks)"
+    ):
+        load_config(None, [f"model.hf_path={tmp_path}"])
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["task.tokenizer=bpe"], r"^task: tokenizer must be 'char' or 'hf'"),
+        (["task.system_prompt=hi"], r"^task: system_prompt needs chat_template"),
+        (["task.chat_template=true"], r"task\.chat_template needs task\.tokenizer 'hf'"),
+        (["task.tokenizer=hf"], r"task\.tokenizer 'hf' needs task\.tokenizer_path"),
+        (["task.reward=nope"], r"^task: reward must be one of"),
+        (["server.dtype=int8"], r"^server: dtype must be a floating dtype"),
+        (["server.dtype=float33"], r"^server: dtype 'float33' is not a dtype"),
+        (["rollout.stop_token_ids=[-1]"], r"^rollout: stop_token_ids must be >= 0"),
+        (["rollout.stop_token_ids=[64]"], r"rollout\.stop_token_ids: 64 is outside"),
+    ],
+)
+def test_tokenizer_and_precision_keys_name_the_key(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, overrides)
+
+
+def test_tokenizer_and_precision_keys(hf_dir):
+    cfg = load_config(
+        None,
+        [
+            "task.tokenizer=hf",
+            f"task.tokenizer_path={hf_dir}",
+            "task.chat_template=true",
+            "task.system_prompt=Be brief.",
+            "task.reward=gsm8k",
+            "rollout.stop_token_ids=[5, 7]",
+            "server.dtype=bfloat16",
+        ],
+    )
+    assert cfg.tokenizer_kind == "hf" and cfg.tokenizer_path == str(hf_dir)
+    assert cfg.task.chat_template and cfg.task.system_prompt == "Be brief."
+    assert cfg.rollout.stop_token_ids == (5, 7) and cfg.task.reward == "gsm8k"
+    assert cfg.serving_model.param_dtype == jnp.bfloat16
+    assert cfg.model.param_dtype == jnp.float32  # the trainer's master weights
 
 
 @pytest.mark.parametrize(

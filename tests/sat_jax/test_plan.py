@@ -72,8 +72,9 @@ def test_per_device_bytes_follow_the_specs() -> None:
         axes = [a for e in spec if e for a in ((e,) if isinstance(e, str) else e)]
         numel_per_dev += math.prod(shape_dtype.shape) // math.prod(sizes[a] for a in axes)
     assert got.param_bytes == 2 * numel_per_dev == got.grad_bytes
-    assert got.adam_bytes == 8 * numel_per_dev
-    assert got.total_bytes == 12 * numel_per_dev
+    # Adam's m and v in float32, plus its and the schedule's int32 step counters (replicated).
+    assert got.adam_bytes == 8 * numel_per_dev + 2 * 4
+    assert got.total_bytes == 12 * numel_per_dev + 2 * 4
     # Fully replicated on one device: every byte of every param.
     one = plan.plan_memory(cfg, sharding.MeshConfig(fsdp=1))
     assert one.param_bytes == 2 * one.total_params
@@ -125,6 +126,30 @@ def test_bad_arguments_are_clear_errors(args: tuple[str, ...], message: str) -> 
     if args[1] == "nope":  # one subprocess run is enough to cover the CLI error path
         res = _cli(*args)
         assert res.returncode == 2 and message in res.stderr
+
+
+def test_cli_config_of_the_pod_setup() -> None:
+    """The paper's pod config: its model and train.mesh (fsdp=16 x expert=4), from the YAML."""
+    config = str(REPO / "configs" / "qwen3_30b_a3b_gsm8k.yaml")
+    assert plan.main(["--config", config]) == 0
+    want = plan.plan_memory(
+        ModelConfig.preset("qwen3_30b_a3b"), sharding.MeshConfig(fsdp=16, expert=4)
+    )
+    assert want.num_devices == 64 and want.total_params == 30_532_122_624
+    res = _cli("--config", config)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == plan.format_plan("qwen3_30b_a3b_gsm8k", want)
+    assert plan.main(["--config", config, "model.bogus=1"]) == 2
+    assert plan.main(["--preset", "tiny"]) == 2  # a preset needs --mesh
+
+
+def test_optimizer_state_dtypes_come_from_its_init():
+    # bfloat16 master weights: params and gradients halve, the float32 moments do not.
+    cfg = ModelConfig.preset("tiny")
+    f32 = plan.plan_memory(cfg, sharding.MeshConfig(fsdp=1))
+    bf16 = plan.plan_memory(cfg.replace(param_dtype="bfloat16"), sharding.MeshConfig(fsdp=1))
+    assert bf16.param_bytes * 2 == f32.param_bytes
+    assert bf16.adam_bytes == f32.adam_bytes == 8 * f32.total_params + 2 * 4
 
 
 def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:

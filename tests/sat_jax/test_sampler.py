@@ -10,7 +10,7 @@ from flax import nnx
 
 from sat_jax import sampler, sharding
 from sat_jax.model import ModelConfig
-from sat_jax.tasks import CharTokenizer
+from sat_jax.tasks import CharTokenizer, sampleable_mask
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=24)
 TOKENIZER = CharTokenizer("0123456789+-*=() ")
@@ -51,7 +51,7 @@ def test_pad_prompts_left_aligns_and_refuses_a_long_prompt():
 def test_greedy_is_the_argmax_of_the_full_forward_step_by_step(model, masked):
     graphdef, params = model
     tokens, lengths = _batch()
-    vocab_mask = TOKENIZER.sampleable_mask(MODEL_CFG.vocab_size) if masked else None
+    vocab_mask = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size) if masked else None
     out = sampler.sample(
         graphdef,
         params,
@@ -83,7 +83,7 @@ def test_greedy_is_the_argmax_of_the_full_forward_step_by_step(model, masked):
 def test_sampled_logprobs_and_routing_are_the_full_forward_at_the_sampled_tokens(model):
     graphdef, params = model
     tokens, lengths = _batch()
-    vocab_mask = TOKENIZER.sampleable_mask(MODEL_CFG.vocab_size)
+    vocab_mask = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size)
     out = sampler.sample(
         graphdef,
         params,
@@ -116,7 +116,7 @@ def test_sampled_logprobs_and_routing_are_the_full_forward_at_the_sampled_tokens
 def test_a_key_fixes_the_sample_and_temperature_scales_the_recorded_logprobs(model):
     graphdef, params = model
     tokens, lengths = _batch()
-    vocab_mask = TOKENIZER.sampleable_mask(MODEL_CFG.vocab_size)
+    vocab_mask = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size)
     kwargs = dict(max_new_tokens=MAX_NEW, vocab_mask=vocab_mask, eos_id=EOS, return_logp=True)
     draw = lambda seed, t: sampler.sample(
         graphdef, params, tokens, lengths, jax.random.key(seed), temperature=t, **kwargs

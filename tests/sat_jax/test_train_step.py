@@ -204,10 +204,10 @@ def test_adam_moments_are_sharded_like_their_params() -> None:
 
 
 def test_vocab_mask_renormalizes_over_the_sampleable_ids():
-    from sat_jax.tasks import CharTokenizer
+    from sat_jax.tasks import CharTokenizer, sampleable_mask
 
     tokenizer = CharTokenizer("0123456789")
-    mask_v = tokenizer.sampleable_mask(16)
+    mask_v = sampleable_mask(tokenizer, 16)
     assert mask_v.tolist() == [False, False] + [True] * 11 + [False] * 3
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(2, 5, 16)).astype(np.float32)
@@ -221,4 +221,4 @@ def test_vocab_mask_renormalizes_over_the_sampleable_ids():
     np.testing.assert_allclose(got[:, 1:], want, rtol=1e-5, atol=1e-6)
     assert np.all(np.asarray(got[:, 0]) == 0.0)
     with pytest.raises(ValueError, match="vocab"):
-        tokenizer.sampleable_mask(8)
+        sampleable_mask(tokenizer, 8)

@@ -10,7 +10,7 @@ from flax import nnx
 from sat_jax import sharding
 from sat_jax.experiment import TaskConfig, load_config
 from sat_jax.model import ModelConfig
-from sat_jax.tasks import CharTokenizer, Prompt
+from sat_jax.tasks import CharTokenizer, Prompt, sampleable_mask
 from train import evaluation, warmup
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=20)
@@ -32,7 +32,9 @@ def test_held_out_problems_are_a_separate_stream():
 
 
 def test_greedy_completions_are_the_argmax_of_the_full_forward(model):
+    """Greedy = argmax over the sampleable ids (the server's set), through the decoding core."""
     graphdef, params = model
+    sampleable = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size)
     problems = evaluation.held_out_problems(TASK, 4)
     texts = evaluation.greedy_completions(graphdef, params, problems, TOKENIZER, max_new_tokens=4)
     # Re-check every generated token against one forward pass over prompt + completion.
@@ -40,6 +42,7 @@ def test_greedy_completions_are_the_argmax_of_the_full_forward(model):
         prompt = TOKENIZER.encode(p.text, bos=True)
         ids = prompt + TOKENIZER.encode(text)
         logits = np.asarray(nnx.merge(graphdef, params)(np.asarray([ids], np.int32)))[0]
+        logits = np.where(sampleable, logits, -np.inf)
         for t in range(len(prompt), len(ids)):
             assert ids[t] == int(np.argmax(logits[t - 1]))
         if len(text) < 4:  # stopped early: EOS was the argmax after the text

@@ -48,7 +48,10 @@ def test_writer_sinks_and_curves(tmp_path):
     records = metrics.read_jsonl(writer.jsonl_path)
     assert [r["step"] for r in records] == [1, 2, 2]
     # The batch's own histogram: lags past the last bin are counted in it.
-    assert records[0]["lag_hist"] == [2, 2] + [0] * (LAG_BINS - 3) + [1] and records[2] == {**records[2], "accuracy": 0.5}
+    assert records[0]["lag_hist"] == [2, 2] + [0] * (LAG_BINS - 3) + [1] and records[2] == {
+        **records[2],
+        "accuracy": 0.5,
+    }
     assert "skip_me" not in records[2]
     lines = console.getvalue().splitlines()
     assert len(lines) == 2 and lines[1].startswith("[##########..........] 2/4 reward_mean=0.5")

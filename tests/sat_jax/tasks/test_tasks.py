@@ -1,6 +1,7 @@
 """sat_jax.tasks: tokenizer, arithmetic generator, rewards, grain pipelines with resumable state."""
 
 import json
+import threading
 
 import pytest
 
@@ -12,9 +13,12 @@ from sat_jax.tasks import (
     arithmetic_task,
     exact_match_reward,
     file_dataset,
+    gsm8k_reward,
     make_reward,
     math_reward,
     prompt_dataset,
+    prompt_source,
+    read_prompts,
 )
 from sat_jax.tasks.rewards import last_boxed
 
@@ -135,7 +139,7 @@ def test_file_pipeline_parquet(tmp_path):
 def test_file_pipeline_errors(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text('{"prompt": "x"}\n')
-    with pytest.raises(ValueError, match="answer"):
+    with pytest.raises(ValueError, match="no prompts .*1 without 'answer'"):
         file_dataset(str(path))
     path.write_text("not json\n")
     with pytest.raises(ValueError, match="p.jsonl:1"):
@@ -154,3 +158,45 @@ def test_arithmetic_task_offsets_the_seed_and_needs_the_arithmetic_source():
     )
     with pytest.raises(ValueError, match="task.source 'arithmetic'"):
         arithmetic_task(TaskConfig(source="file", path="p.jsonl"), seed_offset=0)
+
+
+def test_rows_without_the_prompt_or_answer_are_skipped_and_counted(tmp_path, caplog):
+    path = tmp_path / "p.jsonl"
+    rows = [{"q": "a", "a": "1"}, {"q": "b"}, {"a": "2"}, {"q": "c", "a": "3"}, {"x": 0}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    prompts, skipped = read_prompts(str(path), prompt_key="q", answer_key="a")
+    assert [p.text for p in prompts] == ["a", "c"] and skipped == 3
+    assert "skipped 3 of 5 rows (1 without 'a', 2 without 'q')" in caplog.text
+    _, skipped = prompt_source(TaskConfig(source="file", path=str(path), prompt_key="q",
+                                          answer_key="a"))  # fmt: skip
+    assert skipped == 3
+
+
+@pytest.mark.parametrize(
+    "completion, answer, expected",
+    [
+        ("3 + 4 = 7", "3+4 = 7\n#### 7", 1.0),  # the last number
+        ("so \\boxed{7}. Check: 8", "#### 7", 1.0),  # a boxed answer wins over later numbers
+        ("7 apples, not 8", "#### 7", 0.0),
+        ("1,234 pens", "#### 1,234", 1.0),
+        ("7.0", "#### 7", 1.0),
+        ("-3", "#### -3", 1.0),
+        ("\\boxed{\\frac{1}{2}}", "#### 0.5", 1.0),
+        ("no number here", "#### 7", 0.0),
+        ("7", "7", 1.0),  # an answer without #### is its own reference
+    ],
+)
+def test_gsm8k_reward(completion, answer, expected):
+    assert gsm8k_reward(completion, answer) == expected
+    assert make_reward("gsm8k") is gsm8k_reward
+
+
+def test_math_rewards_work_off_the_main_thread():
+    # The rollout server scores on its loop thread, where math-verify's signal timeouts fail.
+    got = []
+    worker = threading.Thread(
+        target=lambda: got.extend([gsm8k_reward("so 7", "#### 7"), math_reward("\\boxed{7}", "7")])
+    )
+    worker.start()
+    worker.join()
+    assert got == [1.0, 1.0]

@@ -1,0 +1,386 @@
+"""The KV-cache decoding core: sampling, prefill, insert into slots, one decode step for every slot.
+
+One implementation serves both the rollout server (``rollout_server.engine.MoEEngine`` adapts it
+to JetStream's Engine API and adds weight swaps) and evaluation (``complete``, batched over the
+slots, used by ``sat-eval`` and the trainer's periodic evaluation), so an evaluation samples
+exactly as the server does (docs/DESIGN.md §1, §6.1).
+
+Per generated token, ``DecodeCore.generate`` returns, in int32 columns of one [B, 5 + L·K] array
+(one host copy per step): the token, whether it is valid (the slot was active), the slot's
+generated count, the behavior log-prob bit-cast from float32, the weights version whose logits the
+token was sampled from, and the token's top-k expert ids per MoE layer (computed when the token is
+fed back through the model in the same step). ``unpack_step`` reads it on the host.
+
+A prefill emits no token: the prefix keeps the last prompt position's logits and the next
+``generate`` samples from them. So a token's version is the version of the params that produced its
+logits. Sampling is restricted to ``sampleable_v`` (every other id gets -inf); the behavior log-prob
+is under that restricted, temperature/top-k/top-p-adjusted distribution.
+
+Dimension letters: B slots, P padded prompt length, S cache positions, V vocab, L MoE layers,
+K experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx, struct
+from jax.sharding import NamedSharding
+
+from sat_jax import sharding
+from sat_jax.experiment import RolloutConfig
+from sat_jax.model import KVCache, ModelConfig
+
+# Column layout of one generate step's output.
+TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, ROUTING_COL = 0, 1, 2, 3, 4, 5
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    """temperature > 0; top_k = 0 and top_p = 1 disable truncation (top_k = 1 is greedy)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @classmethod
+    def from_rollout(cls, cfg: RolloutConfig) -> SamplingConfig:
+        """The sampler of an experiment's `RolloutConfig` (where its defaults live)."""
+        return cls(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+
+    def __post_init__(self) -> None:
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def sampling_logprobs(logits_bv: jax.Array, cfg: SamplingConfig) -> jax.Array:
+    """[B, V] float32 log-probs of the sampling distribution (-inf outside the kept set).
+
+    logits / temperature, truncated to the top-k tokens and then to the smallest top-p nucleus,
+    renormalized: the behavior policy μ of docs/DESIGN.md §2 (with top_p = 1 and top_k = 0 it is
+    log_softmax(logits / T)).
+    """
+    x_bv = logits_bv.astype(jnp.float32) / cfg.temperature
+    vocab = x_bv.shape[-1]
+    if 0 < cfg.top_k < vocab:
+        kth_b1 = jax.lax.top_k(x_bv, cfg.top_k)[0][:, -1:]
+        x_bv = jnp.where(x_bv < kth_b1, -jnp.inf, x_bv)
+    if cfg.top_p < 1.0:
+        sorted_bv = jnp.sort(x_bv, axis=-1)[:, ::-1]
+        probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+        mass_before_bv = jnp.cumsum(probs_bv, axis=-1) - probs_bv
+        # Keep the smallest prefix whose mass reaches top_p: a token stays while the mass strictly
+        # before it is below top_p (the most likely token always stays).
+        keep_bv = mass_before_bv < cfg.top_p
+        threshold_b1 = jnp.min(jnp.where(keep_bv, sorted_bv, jnp.inf), axis=-1, keepdims=True)
+        x_bv = jnp.where(x_bv < threshold_b1, -jnp.inf, x_bv)
+    return jax.nn.log_softmax(x_bv, axis=-1)
+
+
+def sample(
+    logits_bv: jax.Array, key: jax.Array, cfg: SamplingConfig
+) -> tuple[jax.Array, jax.Array]:
+    """Draws one token per row; returns (tokens [B] int32, their log-probs [B] float32)."""
+    logp_bv = sampling_logprobs(logits_bv, cfg)
+    tokens_b = jax.random.categorical(key, logp_bv, axis=-1).astype(jnp.int32)
+    return tokens_b, jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0]
+
+
+@struct.dataclass
+class Prefix:
+    """A prefilled prompt (batch 1): cache of P positions, last logits, prompt routing."""
+
+    cache: KVCache
+    logits_v: jax.Array
+    routing_plk: jax.Array
+    true_length: jax.Array
+    version: jax.Array
+    prompt_ids: np.ndarray
+
+
+@struct.dataclass
+class DecodeState:
+    """All slots: the KV cache, each slot's pending next-token logits and their version."""
+
+    cache: KVCache
+    logits_bv: jax.Array
+    logits_version_b: jax.Array
+    generated_b: jax.Array
+    key: jax.Array
+
+
+class DecodeCore:
+    """Jitted prefill / insert / generate of a ``Transformer`` over a fixed number of slots.
+
+    Params are arguments of every call (never captured), so new weights of the same shapes and
+    shardings reuse the compiled executables.
+
+    Args:
+      graphdef: the model's ``nnx.GraphDef``.
+      config: its ``ModelConfig``.
+      slots: concurrent decodes (B).
+      max_prefill_length: longest (padded) prompt.
+      max_decode_length: most tokens generated per request; a slot stops there.
+      sampling: temperature / top-k / top-p.
+      sampleable_v: [V] bool, the ids sampling may produce.
+      seed: sampling PRNG seed.
+      mesh: shard the KV cache over this mesh (KV heads over ``tensor`` by the rules of
+        ``sat_jax.sharding``); the params come in their own shardings (``param_shardings`` on the
+        same mesh) and the computation follows them. None: whatever the params' devices are.
+    """
+
+    def __init__(
+        self,
+        graphdef: nnx.GraphDef,
+        config: ModelConfig,
+        *,
+        slots: int,
+        max_prefill_length: int,
+        max_decode_length: int,
+        sampling: SamplingConfig,
+        sampleable_v: np.ndarray,
+        seed: int = 0,
+        mesh: jax.sharding.Mesh | None = None,
+    ):
+        if np.shape(sampleable_v) != (config.vocab_size,):
+            raise ValueError(
+                f"sampleable_v has shape {np.shape(sampleable_v)}, expected ({config.vocab_size},)"
+            )
+        self.graphdef = graphdef
+        self.config = config
+        self.slots = slots
+        self.max_prefill_length = max_prefill_length
+        self.max_decode_length = max_decode_length
+        self.cache_length = max_prefill_length + max_decode_length + 1
+        self.sampling = sampling
+        self.sampleable_v = np.asarray(sampleable_v, bool)
+        self.seed = seed
+        self.mesh = mesh
+        # The last prefill, reused while the same prompt comes again under the same version (a
+        # group's G samples arrive together): one prefill per group.
+        self.prefill_calls = 0
+        self._last_prefill: tuple[tuple[bytes, int], Prefix] | None = None
+        self._prefill_lock = threading.Lock()
+        self.prefill = jax.jit(self._prefill)
+        self.insert = jax.jit(self._insert, donate_argnums=(1,))
+        self.generate = jax.jit(self._generate, donate_argnums=(1,))
+        self.evict = jax.jit(
+            lambda state, slot: state.replace(
+                generated_b=state.generated_b.at[slot].set(self.max_decode_length)
+            )
+        )
+
+    def _shard_cache(self, cache: KVCache) -> KVCache:
+        """The cache [L, B, S, G, H] with KV heads over the mesh's ``tensor`` axis (no-op
+        without a mesh)."""
+        if self.mesh is None:
+            return cache
+        spec = sharding.logical_to_spec(
+            ("layers", None, "length", "kv_heads", "head_dim"),
+            shape=cache.k_lbsgh.shape,
+            mesh=self.mesh,
+        )
+        put = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+        return cache.replace(k_lbsgh=put(cache.k_lbsgh), v_lbsgh=put(cache.v_lbsgh))
+
+    def _prefill(
+        self, params: Any, tokens_p: jax.Array, true_length: jax.Array, version: jax.Array
+    ) -> Prefix:
+        model = nnx.merge(self.graphdef, params)
+        p = tokens_p.shape[0]
+        mask_1p = (jnp.arange(p) < true_length)[None]
+        out = model.prefill(
+            model.init_cache(1, p), tokens_p[None], mask_bt=mask_1p, return_routing=True
+        )
+        return Prefix(
+            cache=self._shard_cache(out.cache),
+            logits_v=out.logits_btv[0, true_length - 1],
+            routing_plk=out.routing_btlk[0],
+            true_length=true_length,
+            version=version,
+            prompt_ids=np.zeros((0,), np.int32),
+        )
+
+    def _insert(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
+        c = state.cache
+        start = (0, slot, 0, 0, 0)
+        cache = KVCache(
+            k_lbsgh=jax.lax.dynamic_update_slice(
+                c.k_lbsgh, prefix.cache.k_lbsgh.astype(c.k_lbsgh.dtype), start
+            ),
+            v_lbsgh=jax.lax.dynamic_update_slice(
+                c.v_lbsgh, prefix.cache.v_lbsgh.astype(c.v_lbsgh.dtype), start
+            ),
+            lengths_b=c.lengths_b.at[slot].set(prefix.true_length),
+        )
+        return DecodeState(
+            cache=self._shard_cache(cache),
+            logits_bv=state.logits_bv.at[slot].set(prefix.logits_v),
+            logits_version_b=state.logits_version_b.at[slot].set(prefix.version),
+            generated_b=state.generated_b.at[slot].set(0),
+            key=state.key,
+        )
+
+    def _generate(
+        self, params: Any, state: DecodeState, version: jax.Array
+    ) -> tuple[DecodeState, jax.Array]:
+        key, step_key = jax.random.split(state.key)
+        logits_bv = jnp.where(self.sampleable_v, state.logits_bv, -jnp.inf)
+        tokens_b, logp_b = sample(logits_bv, step_key, self.sampling)
+        active_b = state.generated_b < self.max_decode_length
+        model = nnx.merge(self.graphdef, params)
+        out = model.decode_step(state.cache, tokens_b, active_b=active_b, return_routing=True)
+        generated_b = state.generated_b + active_b.astype(jnp.int32)
+        b = tokens_b.shape[0]
+        columns = [
+            tokens_b[:, None],
+            active_b.astype(jnp.int32)[:, None],
+            generated_b[:, None],
+            jax.lax.bitcast_convert_type(logp_b, jnp.int32)[:, None],
+            state.logits_version_b[:, None],
+            out.routing_blk.astype(jnp.int32).reshape(b, -1),
+        ]
+        new_state = DecodeState(
+            cache=self._shard_cache(out.cache),
+            logits_bv=out.logits_bv,
+            logits_version_b=jnp.where(active_b, version, state.logits_version_b),
+            generated_b=generated_b,
+            key=key,
+        )
+        return new_state, jnp.concatenate(columns, axis=1)
+
+    def init_state(self, version: int = 0) -> DecodeState:
+        """An empty KV cache (in ``param_dtype``, the serving dtype) with every slot free
+        (exhausted until an insert)."""
+        c = self.config
+        shape = (c.num_layers, self.slots, self.cache_length, c.num_kv_heads, c.head_dim)
+        # Stored in the serving dtype (the params'), e.g. bfloat16 whatever the compute dtype.
+        cache = KVCache(
+            k_lbsgh=jnp.zeros(shape, c.params_dtype),
+            v_lbsgh=jnp.zeros(shape, c.params_dtype),
+            lengths_b=jnp.zeros((self.slots,), jnp.int32),
+        )
+        return DecodeState(
+            cache=jax.jit(self._shard_cache)(cache),
+            logits_bv=jnp.zeros((self.slots, c.vocab_size), jnp.float32),
+            logits_version_b=jnp.full((self.slots,), version, jnp.int32),
+            # Empty slots count as exhausted, so they emit nothing valid until an insert.
+            generated_b=jnp.full((self.slots,), self.max_decode_length, jnp.int32),
+            key=jax.random.key(self.seed),
+        )
+
+    def prefill_once(
+        self, params: Any, tokens_p: np.ndarray, true_length: int, version: int
+    ) -> Prefix:
+        """Prefills ``tokens_p[:true_length]`` (padded to ``tokens_p``'s length), or reuses the
+        previous call's result when the prompt and version are the same; ``prefill_calls`` counts
+        the real prefills. Returns fresh copies of the device arrays, since a consumer may delete
+        a prefix's arrays after inserting it (JetStream's orchestrator does)."""
+        key = (np.asarray(tokens_p[:true_length], np.int32).tobytes(), int(version))
+        with self._prefill_lock:
+            if self._last_prefill is None or self._last_prefill[0] != key:
+                prefix = self.prefill(
+                    params, jnp.asarray(tokens_p), jnp.int32(true_length), jnp.int32(version)
+                )
+                self._last_prefill = (key, prefix)
+                self.prefill_calls += 1
+            prefix = self._last_prefill[1]
+        return jax.tree.map(lambda x: jnp.array(x, copy=True), prefix)
+
+    def prefill_prompt(self, params: Any, ids: Sequence[int], version: int = 0) -> Prefix:
+        """``prefill_once`` of one prompt padded to ``max_prefill_length`` (one compiled shape)."""
+        n = len(ids)
+        if not 0 < n <= self.max_prefill_length:
+            raise ValueError(
+                f"the prompt has {n} tokens; it must have 1 to {self.max_prefill_length}"
+            )
+        tokens_p = np.zeros((self.max_prefill_length,), np.int32)
+        tokens_p[:n] = ids
+        return self.prefill_once(params, tokens_p, n, version)
+
+
+def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.ndarray]:
+    """Host-side view of one step's output [B, 5 + L·K] int32.
+
+    Returns a dict of [B] arrays `token`, `valid`, `length`, `logp` (float32), `version`, and
+    `routing` [B, L, K] int32.
+    """
+    data = np.asarray(data)
+    return {
+        "token": data[:, TOKEN_COL],
+        "valid": data[:, VALID_COL].astype(bool),
+        "length": data[:, LENGTH_COL],
+        "logp": np.ascontiguousarray(data[:, LOGP_COL]).view(np.float32),
+        "version": data[:, VERSION_COL],
+        "routing": data[:, ROUTING_COL:].reshape(-1, num_moe_layers, k),
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One request's generated ids (ending in the stop id when one was sampled), their behavior
+    log-probs, and why it ended: "stop" or "length"."""
+
+    ids: tuple[int, ...]
+    logp: tuple[float, ...]
+    finish: str
+
+
+def complete(
+    core: DecodeCore,
+    params: Any,
+    prompts: Sequence[Sequence[int]],
+    *,
+    stop_ids: Sequence[int] = (),
+    version: int = 0,
+) -> list[Completion]:
+    """Generates a completion of every prompt, ``core.slots`` at a time (continuous batching).
+
+    A slot is refilled as soon as its request ends: at a stop id (kept as the last id) or after
+    ``core.max_decode_length`` tokens.
+
+    Raises:
+      ValueError: a prompt is empty or longer than ``core.max_prefill_length``.
+    """
+    for i, ids in enumerate(prompts):
+        if not 0 < len(ids) <= core.max_prefill_length:
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; it must have 1 to {core.max_prefill_length}"
+            )
+    stops = set(int(i) for i in stop_ids)
+    c = core.config
+    pending = deque(enumerate(prompts))
+    running: dict[int, tuple[int, list[int], list[float]]] = {}
+    results: list[Completion | None] = [None] * len(prompts)
+    state = core.init_state(version)
+    while pending or running:
+        for slot in range(core.slots):
+            if slot not in running and pending:
+                index, ids = pending.popleft()
+                prefix = core.prefill_prompt(params, ids, version)
+                state = core.insert(prefix, state, jnp.int32(slot))
+                running[slot] = (index, [], [])
+        state, data = core.generate(params, state, jnp.int32(version))
+        step = unpack_step(jax.device_get(data), c.num_moe_layers, c.num_experts_per_tok)
+        for slot, (index, ids, logps) in list(running.items()):
+            ids.append(int(step["token"][slot]))
+            logps.append(float(step["logp"][slot]))
+            stopped = ids[-1] in stops
+            if stopped or len(ids) >= core.max_decode_length:
+                results[index] = Completion(
+                    ids=tuple(ids), logp=tuple(logps), finish="stop" if stopped else "length"
+                )
+                del running[slot]
+                state = core.evict(state, jnp.int32(slot))
+    return [r for r in results if r is not None]

@@ -1,0 +1,149 @@
+"""sat_jax.decoding.complete: continuous batching over fewer slots than prompts gives, per prompt,
+the tokens and behavior log-probs of a full forward pass, and ends at a stop id or the limit."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sat_jax import decoding, sharding
+from sat_jax.model import ModelConfig, Transformer
+
+CFG = ModelConfig.preset("tiny", dispatch="dense")
+MAX_NEW = 6
+# The first ids are never sampled (like a tokenizer's pad/bos), nor the rows past 40.
+SAMPLEABLE = (np.arange(CFG.vocab_size) >= 2) & (np.arange(CFG.vocab_size) < 40)
+PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1, 30], [1, 12, 13, 14]]
+
+
+@functools.cache
+def _model():
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(1)
+    params = jax.tree_util.tree_map(
+        lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.3),
+        nnx.to_pure_dict(abstract),
+    )
+    return graphdef, params
+
+
+def _core(sampling: decoding.SamplingConfig, slots: int = 2) -> decoding.DecodeCore:
+    graphdef, _ = _model()
+    return decoding.DecodeCore(
+        graphdef,
+        CFG,
+        slots=slots,
+        max_prefill_length=8,
+        max_decode_length=MAX_NEW,
+        sampling=sampling,
+        sampleable_v=SAMPLEABLE,
+    )
+
+
+def _reference_logp(prompt: list[int], ids: tuple[int, ...], temperature: float) -> np.ndarray:
+    """[len(ids), V] log-softmax over the sampleable ids of the full forward's next-token logits."""
+    graphdef, params = _model()
+    seq = np.asarray([[*prompt, *ids]], np.int32)
+    logits = np.asarray(nnx.merge(graphdef, params)(jnp.asarray(seq)))[0]
+    logits = logits[len(prompt) - 1 : len(prompt) - 1 + len(ids)] / temperature
+    return np.asarray(jax.nn.log_softmax(np.where(SAMPLEABLE, logits, -np.inf), axis=-1))
+
+
+def test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id() -> None:
+    _, params = _model()
+    core = _core(decoding.SamplingConfig(top_k=1))
+    free = decoding.complete(core, params, PROMPTS)
+    assert [c.finish for c in free] == ["length"] * len(PROMPTS)
+    for prompt, c in zip(PROMPTS, free, strict=True):
+        ref = _reference_logp(prompt, c.ids, 1.0)
+        assert list(c.ids) == list(np.argmax(ref, axis=-1))
+        assert all(SAMPLEABLE[i] for i in c.ids)
+        np.testing.assert_allclose(c.logp, 0.0)  # top-k = 1 is a point mass
+    # Make the third greedy token of every prompt a stop id: each completion ends right there.
+    stops = {c.ids[2] for c in free}
+    stopped = decoding.complete(core, params, PROMPTS, stop_ids=sorted(stops))
+    for c, s in zip(free, stopped, strict=True):
+        cut = next(i for i, t in enumerate(c.ids) if t in stops)
+        assert s.ids == c.ids[: cut + 1] and s.finish == "stop"
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_logprobs_are_the_behavior_policy(temperature: float) -> None:
+    """Also: a group's samples share one prefill, each still the behavior policy's."""
+    _, params = _model()
+    core = _core(decoding.SamplingConfig(temperature=temperature))
+    prompts = [p for p in PROMPTS for _ in range(3)]  # groups of 3 samples per prompt
+    done = decoding.complete(core, params, prompts)
+    assert core.prefill_calls == len(PROMPTS)  # one prefill per group
+    assert len({c.ids for c in done}) > len(PROMPTS)  # the samples of a group differ
+    for prompt, c in zip(prompts, done, strict=True):
+        assert len(c.ids) == MAX_NEW
+        ref = _reference_logp(prompt, c.ids, temperature)
+        want = ref[np.arange(len(c.ids)), list(c.ids)]
+        np.testing.assert_allclose(c.logp, want, atol=1e-4)
+
+
+def test_bad_prompts_and_masks_are_errors() -> None:
+    _, params = _model()
+    core = _core(decoding.SamplingConfig())
+    with pytest.raises(ValueError, match="prompt 1 has 9 tokens; it must have 1 to 8"):
+        decoding.complete(core, params, [[1], [1] * 9])
+    with pytest.raises(ValueError, match="prompt 0 has 0 tokens"):
+        decoding.complete(core, params, [[]])
+    with pytest.raises(ValueError, match=r"sampleable_v has shape \(3,\)"):
+        decoding.DecodeCore(
+            _model()[0],
+            CFG,
+            slots=1,
+            max_prefill_length=8,
+            max_decode_length=2,
+            sampling=decoding.SamplingConfig(),
+            sampleable_v=np.ones(3, bool),
+        )
+
+
+def _steps(core: decoding.DecodeCore, params, steps: int) -> tuple[list[dict], Any]:
+    """Three prompts into slots 0..2, then ``steps`` generate steps; host view of every step."""
+    state = core.init_state()
+    for slot, ids in enumerate(PROMPTS[:3]):
+        state = core.insert(core.prefill_prompt(params, ids), state, jnp.int32(slot))
+    rows = []
+    for _ in range(steps):
+        state, data = core.generate(params, state, jnp.int32(0))
+        rows.append(decoding.unpack_step(data, CFG.num_moe_layers, CFG.num_experts_per_tok))
+    return rows, state
+
+
+@pytest.mark.parametrize("sampling", [decoding.SamplingConfig(top_k=1), decoding.SamplingConfig()])
+def test_sharded_core_equals_one_device(sampling: decoding.SamplingConfig) -> None:
+    """8 simulated devices (expert=4, tensor=2): same tokens, routing ids, log-probs (1e-5)."""
+    graphdef, params = _model()
+    one = jax.device_put(params, jax.devices()[0])
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1, expert=4, tensor=2))
+    shardings = sharding.param_shardings(sharding.abstract_model(CFG)[1], mesh)
+    sharded = jax.device_put(params, shardings)
+    want, _ = _steps(_core(sampling, slots=4), one, MAX_NEW)
+    core = decoding.DecodeCore(
+        graphdef,
+        CFG,
+        slots=4,
+        max_prefill_length=8,
+        max_decode_length=MAX_NEW,
+        sampling=sampling,
+        sampleable_v=SAMPLEABLE,
+        mesh=mesh,
+    )
+    got, state = _steps(core, sharded, MAX_NEW)
+    for w, g in zip(want, got, strict=True):
+        for key in ("token", "valid", "length", "version", "routing"):
+            np.testing.assert_array_equal(g[key], w[key], err_msg=key)
+        np.testing.assert_allclose(g["logp"], w["logp"], atol=1e-5)
+    cache_spec = state.cache.k_lbsgh.sharding.spec
+    assert cache_spec[3] == "tensor", cache_spec  # KV heads over tensor
+    assert len(state.cache.k_lbsgh.sharding.device_set) == 8

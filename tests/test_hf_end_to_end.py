@@ -1,0 +1,254 @@
+"""A Hugging Face Qwen3-MoE checkpoint end to end through the commands (docs/DESIGN.md §11).
+
+One tiny local model directory (tests/hf_fixtures.py: a byte-level BPE tokenizer with a chat
+template, `<|im_end|>` and `<|endoftext|>`, no BOS; a random Qwen3-MoE split over several
+safetensors shards) and a GSM8K-style jsonl with one row lacking its answer and one prompt longer
+than the prefill. Then:
+- `python -m rollout_server --config ...` (server.wait_for_weights=false, so it samples with the
+  checkpoint's own weights): Pull returns prompt_ids equal to the chat template's ids, completions
+  that end at their first stop id (finish EOS) or at max_new_tokens, completion_text equal to
+  decode(completion_ids, skip_special_tokens=True), and behavior log-probs equal to transformers'
+  log-softmax of the same tokens (over the tokenizer's ids, temperature 1) within 1e-3; Stats
+  counts the skipped row and the skipped prompt.
+- `python -m train --config ...` runs a few steps from the checkpoint's weights, against a local
+  server child that serves them in bfloat16 (server.dtype) while the trainer's master weights are
+  float32.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import portpicker
+import pytest
+import yaml
+
+from rollout_server.proto import rollout_pb2
+from sat_jax.experiment import load_config
+from sat_jax.model import hf
+from tests import hf_fixtures
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MAX_NEW_TOKENS = 12
+LOGP_ATOL = 1e-3
+# Stop ids besides the checkpoint's eos set: the tokens this random model samples most, so that
+# completions do end on a stop id (the eos tokens alone have probability ~1/400 here).
+N_EXTRA_STOPS = 24
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+    return env
+
+
+def _frequent_tokens(d: hf_fixtures.HFDir, prompts: list[list[int]], n: int) -> list[int]:
+    """The `n` ids of highest mean next-token probability after the prompts."""
+    size = len(d.tokenizer)
+    total = torch.zeros(size)
+    with torch.no_grad():
+        for ids in prompts:
+            logits = d.model(torch.tensor([ids])).logits[0, :, :size]
+            total += torch.softmax(logits, -1).mean(0)
+    return [int(i) for i in total.topk(n).indices]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf_e2e")
+    d = hf_fixtures.make_hf_dir(root, problems=8)
+    with open(d.data, "a") as f:
+        f.write(json.dumps({"question": "A row without its answer."}) + "\n")
+        f.write(json.dumps({"question": "apples and pens " * 30, "answer": "#### 1"}) + "\n")
+    template = {
+        row["question"]: list(
+            d.tokenizer.apply_chat_template(
+                [{"role": "user", "content": row["question"]}],
+                tokenize=True,
+                add_generation_prompt=True,
+                return_dict=False,
+            )
+        )
+        for row in hf_fixtures.gsm8k_rows(8)
+    }
+    frequent = _frequent_tokens(d, list(template.values()), N_EXTRA_STOPS)
+    stops = sorted(set(frequent) - set(d.eos_ids))
+    config = {
+        "name": "hf_e2e",
+        "model": {"hf_path": str(d.path), "max_seq_len": 128},
+        "task": {
+            "source": "file",
+            "path": str(d.data),
+            "prompt_key": "question",
+            "answer_key": "answer",
+            "chat_template": True,
+            "reward": "gsm8k",
+        },
+        "server": {"max_prefill_length": 64, "slots": 4},
+        "rollout": {
+            "group_size": 2,
+            "batch_groups": 2,
+            "max_staleness": 4,
+            "max_new_tokens": MAX_NEW_TOKENS,
+            "stop_token_ids": stops,
+        },
+        "train": {"eval_problems": 0, "pull_timeout_s": 5.0, "server_wait_s": 300.0},
+    }
+    path = root / "hf_e2e.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return d, path, template, {*d.eos_ids, *stops}
+
+
+class _Server:
+    """`python -m rollout_server --config CFG ...` on a free port, sampling with the checkpoint's
+    own weights (no trainer); stopped with SIGTERM."""
+
+    def __init__(self, config: pathlib.Path, tmp: pathlib.Path):
+        self.port = portpicker.pick_unused_port()
+        self.log_path = tmp / "server.log"
+        cmd = [sys.executable, "-m", "rollout_server", "--config", str(config),
+               f"server.port={self.port}", "server.wait_for_weights=false",
+               f"server.state_dir={tmp / 'state'}"]  # fmt: skip
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(
+            cmd, cwd=tmp, env=_env(), stdout=self._log, stderr=subprocess.STDOUT
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while "serving on" not in self.log():
+            assert self.proc.poll() is None, f"server exited:\n{self.log()}"
+            assert time.monotonic() < deadline, f"server not ready:\n{self.log()}"
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+def _pull_groups(server: _Server, want: int) -> tuple[list, rollout_pb2.StatsResponse]:
+    from rollout_server.client import connect
+
+    cfg = load_config(None, [])
+    channel, stub = connect(f"127.0.0.1:{server.port}", cfg.server.max_message_bytes)
+    try:
+        groups: list = []
+        deadline = time.monotonic() + 400
+        while len(groups) < want and time.monotonic() < deadline:
+            assert server.proc.poll() is None, server.log()
+            reply = stub.Pull(rollout_pb2.PullRequest(max_groups=want, timeout_s=10), timeout=30)
+            groups += list(reply.groups)
+        stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=10)
+    finally:
+        channel.close()
+    assert len(groups) >= want, f"only {len(groups)} groups:\n{server.log()}"
+    return groups, stats
+
+
+def test_serve_pull_matches_the_template_and_transformers_logprobs(setup, tmp_path):
+    d, config, template, stops = setup
+    server = _Server(config, tmp_path)
+    try:
+        server.wait_ready(timeout_s=400)
+        # Every good prompt is dispatched (10 groups admitted), so the long one is drawn too.
+        groups, stats = _pull_groups(server, 8)
+    finally:
+        server.stop()
+    # The long prompt is drawn at least once (every 9 draws); each draw is skipped and counted.
+    assert stats.rows_skipped == 1 and stats.prompts_skipped >= 1, stats
+    log = (tmp_path / "server.log").read_text()
+    assert "skipped 1 of 10 rows (1 without 'answer')" in log
+    assert "reward failed" not in log and "Traceback" not in log, log
+    size = len(d.tokenizer)
+    finishes = []
+    for g in groups:
+        want_prompt = template[g.prompt_text]
+        for t in g.trajectories:
+            prompt, completion = list(t.prompt_ids), list(t.completion_ids)
+            assert prompt == want_prompt
+            assert all(0 <= i < size for i in completion)  # padding rows are never sampled
+            assert not stops & set(completion[:-1])
+            if t.finish_reason == rollout_pb2.FINISH_REASON_EOS:
+                assert completion[-1] in stops
+            else:
+                assert t.finish_reason == rollout_pb2.FINISH_REASON_LENGTH
+                assert len(completion) == MAX_NEW_TOKENS
+            finishes.append(t.finish_reason)
+            assert t.completion_text == d.tokenizer.decode(completion, skip_special_tokens=True)
+            with torch.no_grad():
+                logits = d.model(torch.tensor([prompt + completion])).logits[0, :, :size]
+            logp = torch.log_softmax(logits.double(), -1)[len(prompt) - 1 : -1]
+            want = logp[torch.arange(len(completion)), torch.tensor(completion)].numpy()
+            np.testing.assert_allclose(t.behavior_logprobs, want, atol=LOGP_ATOL, rtol=0)
+    assert rollout_pb2.FINISH_REASON_EOS in finishes
+
+
+def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
+    """Then sat-export of the trained run loads in transformers (weights moved, logits equal
+    ours within 1e-4, same tokenizer) and sat-eval prints avg@K and pass@K."""
+    d, config, template, _ = setup
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", "--config", str(config), "train.steps=2",
+           "server.dtype=bfloat16", f"train.run_dir={run_dir}",
+           # Random weights earn reward 0, so GRPO's gradient is 0: weight decay still moves
+           # every weight, which the export below must show.
+           "train.weight_decay=0.1"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out + (run_dir / "server.log").read_text()
+    assert "done: 2 steps" in out, out
+    assert "loaded " in out and "supervised warm-up" not in out
+    records = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").open()]
+    steps = [r for r in records if "lag_max" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    # bfloat16 serving vs float32 training: the behavior/trainer log-prob gap is bfloat16
+    # rounding, far from the gap of unrelated weights (which is O(1) nats here).
+    assert all(r["mismatch_abs_mean"] < 0.1 for r in steps), steps
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", *args, "--config", str(config), f"train.run_dir={run_dir}"]
+        return subprocess.run(
+            cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+        )
+
+    export_dir = tmp_path / "export"
+    proc = command("train.export", "--out", str(export_dir), "train.weight_decay=0.1")
+    assert proc.returncode == 0, proc.stderr
+    trained = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(export_dir)
+    assert tok("Tom has 3 apples")["input_ids"] == d.tokenizer("Tom has 3 apples")["input_ids"]
+    base, moved = d.model.state_dict(), trained.state_dict()
+    assert any(not torch.equal(moved[k], base[k]) for k in base), "training changed no weight"
+    ids = next(iter(template.values()))
+    with torch.no_grad():
+        want = trained(torch.tensor([ids])).logits.numpy()
+    ours = hf.load_qwen3_moe(export_dir)
+    got = np.asarray(ours(np.asarray([ids], np.int32)))
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    proc = command("train.eval_cli", "--k", "2", "--problems", "4", "train.weight_decay=0.1")
+    assert proc.returncode == 0, proc.stderr
+    assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout

@@ -1,0 +1,99 @@
+"""``sat-export --config CFG [dotted.key=value ...] --out DIR [--step N]``: a trained policy as a
+Hugging Face Qwen3-MoE checkpoint directory (also ``python -m train.export``).
+
+Restores the params of checkpoint ``N`` (default: the run's latest) from the run's checkpoint
+directory (``train.setup.run_paths``) and writes them with ``sat_jax.model.hf_export``:
+config.json, generation_config.json (the eos ids), safetensors (sharded above
+``--max-shard-mb``) and the tokenizer files of ``task.tokenizer_path`` (an HF tokenizer), so
+``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer`` read it.
+
+Bad input (a config error, no checkpoint, a step that is not there, an output directory that is
+not empty, a tokenizer directory without tokenizer files) is one line on stderr and exit code 2,
+with nothing written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import sys
+
+from sat_jax import sharding
+from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
+from sat_jax.model import hf_export
+from sat_jax.optimizer import make_optimizer
+from sat_jax.tasks import make_tokenizer
+from train import checkpointing, setup
+
+
+class ExportError(Exception):
+    """Bad input to the exporter; the message is the one line the CLI prints."""
+
+
+def stop_ids(cfg: ExperimentConfig) -> tuple[tuple[int, ...], int | None]:
+    """(eos ids, bos id) the export records: the tokenizer's stop set (an HF checkpoint's eos set
+    and ``rollout.stop_token_ids``), its own eos first; its bos, None when it has none."""
+    tok = make_tokenizer(cfg)
+    eos = (tok.eos_id, *sorted(tok.stop_ids - {tok.eos_id}))
+    return eos, None if tok.bos_id == tok.pad_id else tok.bos_id
+
+
+def export_run(
+    cfg: ExperimentConfig, out: str | os.PathLike[str], *, step: int | None = None
+) -> tuple[int, pathlib.Path]:
+    """Exports checkpoint ``step`` (default the latest) of ``cfg``'s run to ``out``.
+
+    Returns:
+      (the step exported, the output directory).
+
+    Raises:
+      ExportError: no checkpoint, the step is missing, ``out`` is not empty, or the tokenizer
+        directory has no tokenizer files. Nothing is written then.
+    """
+    _, ckpt_dir, _ = setup.run_paths(cfg)
+    out = pathlib.Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ExportError(f"--out {out} exists and is not empty")
+    tokenizer_dir = cfg.tokenizer_path if cfg.tokenizer_kind == "hf" else None
+    if tokenizer_dir and not any(
+        (pathlib.Path(tokenizer_dir) / n).is_file() for n in hf_export.TOKENIZER_FILES
+    ):
+        raise ExportError(f"task.tokenizer_path: no tokenizer files in {tokenizer_dir}")
+    mesh = sharding.make_mesh(cfg.train.mesh)
+    optimizer = make_optimizer(cfg.train)
+    try:
+        step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
+    except checkpointing.CheckpointNotFound as e:
+        raise ExportError(f"--step: {e}" if step is not None else str(e)) from None
+    eos, bos = stop_ids(cfg)
+    hf_export.export_qwen3_moe(
+        params,
+        cfg.model,
+        out,
+        eos_token_ids=eos,
+        bos_token_id=bos,
+        tokenizer_dir=tokenizer_dir,
+    )
+    return step, out
+
+
+def cli(argv: list[str] | None = None) -> None:
+    """``sat-export --config CFG [key=value ...] --out DIR [--step N]``."""
+    parser = argparse.ArgumentParser(prog="sat-export", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", help="YAML file of overrides (configs/NAME.yaml)")
+    parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        step, out = export_run(cfg, args.out, step=args.step)
+    except (ConfigError, ExportError, OSError) as e:
+        print(f"sat-export: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported checkpoint {step} to {out}", flush=True)
+
+
+if __name__ == "__main__":
+    cli()
