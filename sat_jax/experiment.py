@@ -252,6 +252,10 @@ class TrainConfig:
       microbatches: k, the batch is split into k microbatches whose gradients are accumulated
         (docs/DESIGN.md §5): loss, gradient and metrics equal the one-pass step's; the batch size
         must be divisible by k. SAT's threshold scope is `loss.sat.threshold_scope`.
+      length_bucket: a batch's time axis is padded to the smallest of `length_bucket` · 2^k
+        (k ≥ 0) and the capacity (`server.max_prefill_length` + `rollout.max_new_tokens`) that
+        holds its longest row, so the step compiles once per bucket (docs/DESIGN.md §7.1);
+        0 = always the capacity.
       loss: the policy objective; SAT on by default.
       advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
       learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"
@@ -286,6 +290,7 @@ class TrainConfig:
     stale_policy: str = "drop"
     routing_replay: bool = True
     microbatches: int = 1
+    length_bucket: int = 64
     loss: PolicyLossConfig = _SAT_LOSS
     advantage_estimator: str = "grpo"
     normalize_std: bool = True
@@ -328,7 +333,13 @@ class TrainConfig:
         for name in (*positive, "keep_checkpoints"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("lr_warmup_steps", "warmup_sft_steps", "eval_problems", "eval_every"):
+        for name in (
+            "lr_warmup_steps",
+            "warmup_sft_steps",
+            "eval_problems",
+            "eval_every",
+            "length_bucket",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("learning_rate", "sft_learning_rate", "pull_timeout_s", "retry_max_s"):

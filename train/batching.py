@@ -12,9 +12,12 @@ random initial weights) is always dropped; a group whose oldest token lags more 
 ``max_staleness`` versions is dropped or kept by ``stale_policy``. Every case is counted, and the
 counts travel with the kept groups (``Selection``) into the batch's ``BatchStats``.
 
-Every batch has the same shape ``[rows, seq_len]`` with ``rows = batch_groups · group_size`` and
-``seq_len`` = longest prompt + longest completion, so the jitted step compiles once; missing rows
-(dropped groups) are padding with an all-zero loss mask.
+Every batch has ``rows = batch_groups · group_size`` rows (missing rows, from dropped groups, are
+padding with an all-zero loss mask) and a time axis bucketed by length (``bucket_length``): the
+smallest of ``length_bucket · 2^k`` (k ≥ 0) and the capacity ``seq_len`` (longest prompt + longest
+completion) that holds the batch's longest row, so the jitted step compiles once per bucket, a
+handful of shapes. ``BatchStats.pad_frac`` is the fraction of the batch's token slots that are
+padding after bucketing.
 
 Alignment follows ``sat_jax.train_step``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
@@ -53,7 +56,9 @@ class BatchSpec:
     Attributes:
       batch_groups: groups per batch.
       group_size: trajectories per group.
-      seq_len: T, tokens per row (prompt + completion + padding).
+      seq_len: the capacity, the most tokens a row may have (prompt + completion).
+      length_bucket: the smallest bucket of the time axis (``bucket_length``); 0 = every batch
+        is padded to ``seq_len``.
       routing_lk: (L, K) of the recorded routing ids, or None to carry no routing.
       routing_dtype: "uint8" (≤ 256 experts) or "uint16"; fixed so the step compiles once.
       max_staleness: the largest lag a kept group may have under the "drop" policy.
@@ -66,6 +71,7 @@ class BatchSpec:
     batch_groups: int
     group_size: int
     seq_len: int
+    length_bucket: int
     routing_lk: tuple[int, int] | None
     routing_dtype: str
     max_staleness: int
@@ -126,6 +132,8 @@ class BatchStats:
       reward_mean, response_len_mean: over the trained trajectories (0 when none).
       tokens: trained completion tokens; prompt_ids: the trained groups' stable prompt ids;
         group_keys: their ``group_key``s.
+      pad_frac: padded token slots over all token slots [R, T] of the batch (T after
+        bucketing; rows of dropped groups are padding too).
       lags: int64 [tokens], the lag of every trained completion token (``token_lags``); the
         histogram, mean and max below derive from it.
     """
@@ -140,6 +148,7 @@ class BatchStats:
     tokens: int
     prompt_ids: tuple[str, ...]
     group_keys: tuple[str, ...]
+    pad_frac: float
     lags: np.ndarray
 
     @property
@@ -245,8 +254,20 @@ def out_of_range(group: rollout_pb2.Group, spec: BatchSpec) -> str | None:
     return None
 
 
+def bucket_length(longest: int, spec: BatchSpec) -> int:
+    """The time length T of a batch whose longest row has ``longest`` tokens: the smallest
+    ``spec.length_bucket · 2^k`` (k ≥ 0) that holds it, capped at ``spec.seq_len`` (always
+    ``spec.seq_len`` when ``length_bucket`` is 0)."""
+    if spec.length_bucket <= 0:
+        return spec.seq_len
+    t = spec.length_bucket
+    while t < longest:
+        t *= 2
+    return min(t, spec.seq_len)
+
+
 def assemble_batch(
-    selection: Selection, spec: BatchSpec, *, trainer_version: int
+    selection: Selection, spec: BatchSpec, *, trainer_version: int, min_length: int = 0
 ) -> tuple[TrainBatch, BatchStats]:
     """Builds the padded ``TrainBatch`` (NumPy arrays) of the selected groups and its stats
     (docs/DESIGN.md §7.1, step 3).
@@ -256,11 +277,13 @@ def assemble_batch(
         ``spec.group_size`` trajectories.
       spec: the batch shape.
       trainer_version: version of the weights being trained (for the lags).
+      min_length: the time axis holds at least this many positions (a process that receives a
+        broadcast batch builds an empty one of the sender's length with it).
 
     Returns:
-      ``(batch, stats)``: tokens [R, T] int32, loss_mask / behavior_logp / advantages [R, T]
-      float32, routing [R, T, L, K] (when ``spec.routing_lk``); rows past the kept trajectories
-      are padding (mask 0). ``stats`` carries the selection's counts.
+      ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
+      loss_mask / behavior_logp / advantages [R, T] float32, routing [R, T, L, K] (when
+      ``spec.routing_lk``); rows past the kept trajectories are padding (mask 0). ``stats`` carries the selection's counts.
 
     Raises:
       ValueError: too many groups, a group of the wrong size, or a trajectory longer than
@@ -269,7 +292,8 @@ def assemble_batch(
     kept = selection.kept
     if len(kept) > spec.batch_groups:
         raise ValueError(f"{len(kept)} groups for a batch of {spec.batch_groups}")
-    R, T = spec.rows, spec.seq_len
+    row_tokens = [len(t.prompt_ids) + len(t.completion_ids) for g in kept for t in g.trajectories]
+    R, T = spec.rows, bucket_length(max([min_length, *row_tokens]), spec)
     tokens = np.zeros((R, T), np.int32)
     mask = np.zeros((R, T), np.float32)
     behavior = np.zeros((R, T), np.float32)
@@ -312,6 +336,7 @@ def assemble_batch(
         tokens=int(mask.sum()),
         prompt_ids=tuple(g.prompt_id for g in kept),
         group_keys=tuple(group_key(g) for g in kept),
+        pad_frac=1.0 - sum(row_tokens) / (R * T),
         lags=token_lags(lag_bt, mask),
     )
     return batch, stats
@@ -358,7 +383,7 @@ def _fill_row(
     lag_bt[row, p : p + c] = trainer_version - np.asarray(traj.versions, np.int64)
     if routing is not None:
         ids = decode_routing(traj.routing)
-        if ids.shape[1:] != routing.shape[2:] or ids.shape[0] > spec.seq_len:
+        if ids.shape[1:] != routing.shape[2:] or ids.shape[0] > routing.shape[1]:
             raise ValueError(
                 f"routing shape {ids.shape} does not fit [T, L, K] = {routing.shape[1:]}"
             )

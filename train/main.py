@@ -406,6 +406,7 @@ def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -
     return {
         "reward_mean": stats.reward_mean,
         "response_length": stats.response_len_mean,
+        "pad_frac": stats.pad_frac,
         "lag_mean": stats.lag_mean,
         "lag_max": stats.lag_max,
         "stale_dropped": progress.stale_dropped,

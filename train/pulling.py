@@ -2,8 +2,8 @@
 pass the staleness policy, assemble them, and, with several JAX processes, broadcast the batch from
 process 0 (the only one that talks to the servers) to every process.
 
-Broadcast (``broadcast_pulled``, docs/DESIGN.md §7.1 step 4, §7.3): the batch's arrays and the
-per-token lags [R, T] go as one pytree of fixed-shape arrays
+Broadcast (``broadcast_pulled``, docs/DESIGN.md §7.1 step 4, §7.3): the batch's length bucket T
+first, then the batch's arrays and the per-token lags [R, T] as one pytree of arrays of that shape
 (``multihost_utils.broadcast_one_to_all``); the rest of the ``BatchStats`` as its JSON
 (``BatchStats.to_json``), padded to a power of two so that only a few shapes ever compile. Every
 process then holds the same ``PulledBatch``.
@@ -140,10 +140,14 @@ def broadcast_pulled(pulled: PulledBatch | None, spec: batching.BatchSpec) -> Pu
     """Process 0's ``pulled`` on every process (a collective: every process calls it, process 0
     with its batch, the others with None)."""
     source = jax.process_index() == 0
+    length = pulled.batch.tokens.shape[1] if source else 0
+    length = int(multihost_utils.broadcast_one_to_all(np.int32(length), is_source=source))
     if source:
         batch, blob = pulled.batch, pulled.stats.to_json()
-    else:  # shapes and dtypes only: an empty batch of the same spec
-        batch, _ = batching.assemble_batch(batching.Selection.empty(), spec, trainer_version=0)
+    else:  # shapes and dtypes only: an empty batch of the same spec and length bucket
+        batch, _ = batching.assemble_batch(
+            batching.Selection.empty(), spec, trainer_version=0, min_length=length
+        )
         blob = b""
     lag_bt = np.zeros(batch.tokens.shape, np.int32)
     if source:  # the inverse of batching.token_lags

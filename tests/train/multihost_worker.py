@@ -26,6 +26,7 @@ SPEC_KWARGS = dict(
     batch_groups=3,
     group_size=2,
     seq_len=12,
+    length_bucket=4,
     routing_lk=(2, 2),
     routing_dtype="uint8",
     max_staleness=1,

@@ -43,6 +43,7 @@ def spec(**kw) -> batching.BatchSpec:
         batch_groups=3,
         group_size=2,
         seq_len=10,
+        length_bucket=0,
         routing_lk=(L, K),
         routing_dtype="uint8",
         max_staleness=1,
@@ -208,3 +209,72 @@ def test_live_path_counts_each_pulled_group_once():
         id(g) for g in pulled.pulled if g.prompt_id in s.prompt_ids
     }
     assert s.prompt_ids == ("a0", "b0", "c0")
+
+
+@pytest.mark.parametrize(
+    "bucket, longest, length",
+    [(4, 0, 4), (4, 3, 4), (4, 4, 4), (4, 5, 8), (4, 8, 8), (4, 9, 10), (4, 10, 10), (0, 3, 10)],
+)
+def test_bucket_is_the_smallest_power_of_two_multiple_that_holds_the_longest_row(
+    bucket, longest, length
+):
+    assert batching.bucket_length(longest, spec(length_bucket=bucket)) == length
+
+
+def test_a_batch_of_short_rows_gets_a_short_shape_and_its_pad_frac():
+    # Rows of 3 + 2 and 3 + 3 tokens: bucket 8 of capacity 10; R = 6 rows (4 of them padding).
+    groups = [make_group(1, [1, 0], [[1, 1], [1, 1, 1]])]
+    batch, stats = assemble(groups, spec(length_bucket=4), trainer_version=1)
+    assert batch.tokens.shape == (6, 8) and batch.routing.shape == (6, 8, L, K)
+    assert batch.loss_mask.shape == batch.advantages.shape == batch.behavior_logp.shape == (6, 8)
+    assert stats.pad_frac == pytest.approx(1 - 11 / 48)
+    full, full_stats = assemble(groups, spec(), trainer_version=1)
+    assert full.tokens.shape == (6, 10) and full_stats.pad_frac == pytest.approx(1 - 11 / 60)
+    for short, long in zip(
+        (batch.tokens, batch.loss_mask, batch.behavior_logp, batch.advantages, batch.routing),
+        (full.tokens, full.loss_mask, full.behavior_logp, full.advantages, full.routing),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(short, long[:, :8])
+    np.testing.assert_array_equal(stats.lags, full_stats.lags)
+    empty, empty_stats = assemble([], spec(length_bucket=4), trainer_version=1)
+    assert empty.tokens.shape == (6, 4) and empty_stats.pad_frac == 1.0
+
+
+def test_bucketed_batch_trains_like_the_capacity_padded_one():
+    """The step on a bucketed batch = the step on the same rows padded to the capacity."""
+    import jax
+    import optax
+
+    from sat_jax import objectives, sharding, train_step
+    from sat_jax.model import ModelConfig
+
+    model_cfg = ModelConfig.preset("tiny", dispatch="dense")
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    _, params0 = sharding.init_sharded(model_cfg, mesh, 0)
+    params0 = jax.device_get(params0)
+    loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=True))
+    step_fn = train_step.make_train_step(
+        model_cfg, optax.sgd(0.1), loss_cfg, mesh, routing_replay=False
+    )
+    groups = [
+        make_group(1, [1, 0], [[1, 1], [1, 1, 1]]),
+        make_group(2, [0.5, 0], [[1], [1, 1, 1, 1]]),
+    ]
+    results = []
+    for bucket in (4, 0):
+        batch, _ = assemble(groups, spec(length_bucket=bucket, routing_lk=None), trainer_version=1)
+        state = train_step.create_train_state(model_cfg, optax.sgd(0.1), mesh, params0)
+        state, metrics = step_fn(state, train_step.shard_batch(batch, mesh))
+        results.append((batch.tokens.shape, jax.device_get(state.params), jax.device_get(metrics)))
+    (short_shape, short_params, short_m), (long_shape, long_params, long_m) = results
+    assert short_shape == (6, 8) and long_shape == (6, 10)
+    assert short_m.keys() == long_m.keys() and long_m["active_tokens"] == 10
+    # The step passes no valid-token mask to the model, so the router's load statistics (the
+    # balance_loss diagnostic) count padding positions; with router_aux_loss_coef = 0 (here, and
+    # the default) they do not enter the loss or the gradient.
+    assert long_m["aux_loss"] == short_m["aux_loss"] == 0
+    for key in long_m.keys() - {"balance_loss"}:
+        np.testing.assert_allclose(short_m[key], long_m[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for got, want in zip(jax.tree.leaves(short_params), jax.tree.leaves(long_params), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

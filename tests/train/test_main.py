@@ -59,6 +59,7 @@ def _env() -> dict[str, str]:
         ("train.steps=many", "train.steps"),
         ("train.weight_sync_interval=4", "train.weight_sync_interval"),
         ("train.run_dir=gs://bucket/run", "run_dir"),
+        ("train.length_bucket=-1", "length_bucket"),
     ],
 )
 def test_bad_config_exits_2_naming_the_key(override, key, capsys):
@@ -388,6 +389,7 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
     records = metrics.read_jsonl(writer.jsonl_path)
     assert progress.version == steps + 1 and pushed[-1] == steps + 1  # flushed on return
     assert pushed == sorted(set(pushed))
+    assert all(0 < r["pad_frac"] < 1 for r in records)  # logged every step
     if mode == "sync":
         # Every push lands before the next pull: pulls alternate with pushes, all at lag 0, and
         # each step's record carries the push it waited for.

@@ -25,6 +25,7 @@ def _stats(lags: np.ndarray) -> BatchStats:
         tokens=lags.size,
         prompt_ids=("p",),
         group_keys=("s/0",),
+        pad_frac=0.25,
         lags=lags,
     )
 
