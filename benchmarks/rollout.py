@@ -7,6 +7,11 @@ Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` fo
   jitted naive decoder that recomputes the full forward of the whole padded sequence every step,
   and against `transformers` `Qwen3MoeForCausalLM.generate` (random weights, same config, KV
   cache, sampling) when transformers and torch are installed. Same B, prompt and new tokens.
+- group: one group of G samples of one long prompt (prefill + insert into G slots + decode), as
+  the server runs it: `MoEEngine.prefill` (one prefill per group, `DecodeCore.prefill_once`)
+  against a prefill per sample (`DecodeCore.prefill` G times), and against HF `generate` of the
+  same G rows (which prefills each row). Tokens/s counts the G·new generated tokens over the
+  whole group's wall time.
 - swap: `params_io.load_params` (orbax restore) and `MoEEngine.swap_params` for checkpoints of the
   tiny preset and of wider tiny variants, against the checkpoint's bytes.
 - pull: a `PullResponse` of Qwen3-30B-A3B-shaped trajectories (48 MoE layers, top-8, uint8
@@ -92,6 +97,49 @@ def bench_engine(
         run()
         secs.append(run.decode_s)
     return slots * new_tokens / statistics.median(secs)
+
+
+def bench_group(
+    cfg: ModelConfig, group: int, prompt_len: int, new_tokens: int, repeats: int
+) -> tuple[float, float]:
+    """Tokens/s of one group end to end: (one prefill per group, one prefill per sample)."""
+    engine = MoEEngine(
+        Transformer(cfg, rngs=nnx.Rngs(0)),
+        tokenizer=TOK,
+        slots=group,
+        max_prefill_length=prompt_len,
+        max_decode_length=new_tokens,
+        sampling=SamplingConfig.from_rollout(RolloutConfig()),
+    )
+    params = engine.current_params()[1]
+
+    def run(per_sample: bool) -> float:
+        # A prompt unlike the previous run's, so the first prefill of a group is a real one.
+        run.n = getattr(run, "n", 0) + 1
+        ids = np.array([TOK.bos_id, *([5] * (prompt_len - 2)), 3 + run.n % 2], np.int32)
+        state = engine.init_decode_state()
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        for slot in range(group):
+            if per_sample:
+                prefix = engine.core.prefill(
+                    params, jnp.asarray(ids), jnp.int32(prompt_len), jnp.int32(0)
+                )
+            else:
+                prefix = engine.prefill(padded_tokens=ids, true_length=prompt_len)
+            state = engine.insert(prefix, state, slot)
+        for _ in range(new_tokens):
+            state, result = engine.generate(None, state)
+            np.asarray(result.data)
+        return time.perf_counter() - start
+
+    run(False), run(True)  # warm-up: compiles
+    secs_once, secs_each = [], []
+    for _ in range(repeats):  # interleaved, so load changes hit both alike
+        secs_once.append(run(False))
+        secs_each.append(run(True))
+    tokens = group * new_tokens
+    return tokens / statistics.median(secs_once), tokens / statistics.median(secs_each)
 
 
 def bench_naive(
@@ -274,6 +322,24 @@ def main() -> None:
         print(
             f"| {name} | {'n/a' if tps is None else f'{tps:.0f}'} | "
             f"{'n/a' if tps is None else f'{tps / engine_tps:.2f}x'} |"
+        )
+
+    group, long_prompt, group_new = 8, 256, 16 if args.quick else 32
+    long_cfg = cfg.replace(max_seq_len=long_prompt + group_new + 1)
+    once_tps, each_tps = bench_group(long_cfg, group, long_prompt, group_new, repeats)
+    hf_group = bench_hf(long_cfg, group, long_prompt, group_new, repeats)
+    print(
+        f"\nG={group}, prompt {long_prompt} (max_prefill_length {long_prompt}), new {group_new}"
+        "\n| group rollout | tokens/s | vs one prefill per group |\n| --- | --- | --- |"
+    )
+    for name, tps in [
+        ("MoEEngine, one prefill per group", once_tps),
+        ("MoEEngine, one prefill per sample", each_tps),
+        ("HF transformers generate", hf_group),
+    ]:
+        print(
+            f"| {name} | {'n/a' if tps is None else f'{tps:.0f}'} | "
+            f"{'n/a' if tps is None else f'{tps / once_tps:.2f}x'} |"
         )
 
     print(

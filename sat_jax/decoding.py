@@ -120,6 +120,22 @@ class DecodeState:
     key: jax.Array
 
 
+class _Serialized:
+    """A jitted function called under a lock (and, when ``wait``, finished inside it); other
+    attributes (``lower``, ``_cache_size``) are the jitted function's."""
+
+    def __init__(self, fn: Any, lock: threading.Lock, wait: bool):
+        self.fn, self.lock, self.wait = fn, lock, wait
+
+    def __call__(self, *args: Any) -> Any:
+        with self.lock:
+            out = self.fn(*args)
+            return jax.block_until_ready(out) if self.wait else out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+
 class DecodeCore:
     """Jitted prefill / insert / generate of a ``Transformer`` over a fixed number of slots.
 
@@ -172,14 +188,28 @@ class DecodeCore:
         self.prefill_calls = 0
         self._last_prefill: tuple[tuple[bytes, int], Prefix] | None = None
         self._prefill_lock = threading.Lock()
-        self.prefill = jax.jit(self._prefill)
-        self.insert = jax.jit(self._insert, donate_argnums=(1,))
-        self.generate = jax.jit(self._generate, donate_argnums=(1,))
-        self.evict = jax.jit(
-            lambda state, slot: state.replace(
-                generated_b=state.generated_b.at[slot].set(self.max_decode_length)
+        # Host-simulated devices run a sharded program's collectives as a rendezvous of the
+        # devices' threads: two such programs dispatched from two threads (JetStream's prefill and
+        # generate threads) can each hold some devices and wait forever for the others. So every
+        # device call runs under one lock, and on CPU meshes of several devices it also waits
+        # for its result inside the lock.
+        self._device_lock = threading.Lock()
+        self._wait_inside_lock = (
+            mesh is not None and mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+        )
+        self.prefill = self._serialized(jax.jit(self._prefill))
+        self.insert = self._serialized(jax.jit(self._insert, donate_argnums=(1,)))
+        self.generate = self._serialized(jax.jit(self._generate, donate_argnums=(1,)))
+        self.evict = self._serialized(
+            jax.jit(
+                lambda state, slot: state.replace(
+                    generated_b=state.generated_b.at[slot].set(self.max_decode_length)
+                )
             )
         )
+
+    def _serialized(self, fn: Any) -> _Serialized:
+        return _Serialized(fn, self._device_lock, self._wait_inside_lock)
 
     def _shard_cache(self, cache: KVCache) -> KVCache:
         """The cache [L, B, S, G, H] with KV heads over the mesh's ``tensor`` axis (no-op
