@@ -140,7 +140,10 @@ class DecodeCore:
     """Jitted prefill / insert / generate of a ``Transformer`` over a fixed number of slots.
 
     Params are arguments of every call (never captured), so new weights of the same shapes and
-    shardings reuse the compiled executables.
+    shardings reuse the compiled executables. ``generate`` attends over ``decode_window()``
+    positions (a power of two above the longest active slot; ``generate_step`` takes the window
+    explicitly), tracked on the host for the last ``init_state``'s slots. Device calls are
+    serialized (see ``_Serialized``).
 
     Args:
       graphdef: the model's ``nnx.GraphDef``.
