@@ -72,7 +72,7 @@ def pull_batch(
     last_group = time.monotonic()
     while len(selection.kept) < spec.batch_groups:
         pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s)
-        selection += batching.select_groups(
+        chosen = batching.select_groups(
             pulled,
             spec,
             trainer_version=progress.version,
@@ -80,6 +80,12 @@ def pull_batch(
             seen=seen,
             seen_groups=seen_groups,
         )
+        # Groups that will never be trained (stale, duplicate, invalid) are acknowledged at once
+        # (with the next Pull): a leased group holds a place in the server's admission budget,
+        # so holding these until the step would starve the batch of the groups it waits for.
+        kept = {id(g) for g in chosen.kept}
+        pool.ack([g for g in pulled if id(g) not in kept])
+        selection += chosen
         seen_groups.update(batching.group_key(g) for g in pulled)  # a re-delivery in this batch
         if pulled:
             last_group = time.monotonic()

@@ -76,11 +76,15 @@ class FakePool:
     def __init__(self):
         self.queue = fake_groups(0) + fake_groups(1)
         self.pushes: list[tuple[int, str, bool]] = []
+        self.acked: list = []
 
     def pull(self, max_groups: int, timeout_s: float) -> list:
         n = min(max_groups, 2)
         out, self.queue = self.queue[:n], self.queue[n:]
         return out
+
+    def ack(self, groups) -> None:
+        self.acked.extend(groups)
 
     def versions(self) -> list[int]:
         return [7]

@@ -203,4 +203,8 @@ def test_live_path_counts_each_pulled_group_once():
     )
     s = pulled.stats
     assert (s.groups, s.stale_dropped, s.stale_kept, s.duplicates) == (3, 1, 0, 1)
+    # The stale and the duplicate group are acknowledged while the batch is still being pulled.
+    assert len(pool.acked) == 2 and not {id(g) for g in pool.acked} & {
+        id(g) for g in pulled.pulled if g.prompt_id in s.prompt_ids
+    }
     assert s.prompt_ids == ("a0", "b0", "c0")
