@@ -7,6 +7,13 @@ Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` fo
   jitted naive decoder that recomputes the full forward of the whole padded sequence every step,
   and against `transformers` `Qwen3MoeForCausalLM.generate` (random weights, same config, KV
   cache, sampling) when transformers and torch are installed. Same B, prompt and new tokens.
+- group: one group of G samples of one long prompt (prefill + insert into G slots + decode), as
+  the server runs it: `MoEEngine.prefill` (one prefill per group, `DecodeCore.prefill_once`)
+  against a prefill per sample (`DecodeCore.prefill` G times), and against HF `generate` of the
+  same G rows (which prefills each row). Tokens/s counts the G·new generated tokens over the
+  whole group's wall time.
+- window: `DecodeCore` decode steps over `decode_window()` against steps over the whole cache,
+  short sequences in a cache of 1,025 positions.
 - swap: `params_io.load_params` (orbax restore) and `MoEEngine.swap_params` for checkpoints of the
   tiny preset and of wider tiny variants, against the checkpoint's bytes.
 - pull: a `PullResponse` of Qwen3-30B-A3B-shaped trajectories (48 MoE layers, top-8, uint8
@@ -37,7 +44,7 @@ from rollout_server.client import channel_options, connect
 from rollout_server.engine import MoEEngine
 from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax import params_io
-from sat_jax.decoding import SamplingConfig, sample
+from sat_jax.decoding import DecodeCore, SamplingConfig, sample
 from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.tasks import CharTokenizer
@@ -92,6 +99,90 @@ def bench_engine(
         run()
         secs.append(run.decode_s)
     return slots * new_tokens / statistics.median(secs)
+
+
+def bench_group(
+    cfg: ModelConfig, group: int, prompt_len: int, new_tokens: int, repeats: int
+) -> tuple[float, float]:
+    """Tokens/s of one group end to end: (one prefill per group, one prefill per sample)."""
+    engine = MoEEngine(
+        Transformer(cfg, rngs=nnx.Rngs(0)),
+        tokenizer=TOK,
+        slots=group,
+        max_prefill_length=prompt_len,
+        max_decode_length=new_tokens,
+        sampling=SamplingConfig.from_rollout(RolloutConfig()),
+    )
+    params = engine.current_params()[1]
+
+    def run(per_sample: bool) -> float:
+        # A prompt unlike the previous run's, so the first prefill of a group is a real one.
+        run.n = getattr(run, "n", 0) + 1
+        ids = np.array([TOK.bos_id, *([5] * (prompt_len - 2)), 3 + run.n % 2], np.int32)
+        state = engine.init_decode_state()
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        for slot in range(group):
+            if per_sample:
+                prefix = engine.core.prefill(
+                    params, jnp.asarray(ids), jnp.int32(prompt_len), jnp.int32(0)
+                )
+            else:
+                prefix = engine.prefill(padded_tokens=ids, true_length=prompt_len)
+            state = engine.insert(prefix, state, slot)
+        for _ in range(new_tokens):
+            state, result = engine.generate(None, state)
+            np.asarray(result.data)
+        return time.perf_counter() - start
+
+    run(False), run(True)  # warm-up: compiles
+    secs_once, secs_each = [], []
+    for _ in range(repeats):  # interleaved, so load changes hit both alike
+        secs_once.append(run(False))
+        secs_each.append(run(True))
+    tokens = group * new_tokens
+    return tokens / statistics.median(secs_once), tokens / statistics.median(secs_each)
+
+
+def bench_window(
+    cfg: ModelConfig, slots: int, prompt_len: int, new_tokens: int, capacity: int, repeats: int
+) -> tuple[float, float]:
+    """Decode tokens/s of `DecodeCore` with a cache of `capacity` positions holding short
+    sequences: (steps over `decode_window()`, steps over the whole cache)."""
+    model = Transformer(cfg.replace(max_seq_len=capacity), rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model)
+    core = DecodeCore(
+        graphdef,
+        model.config,
+        slots=slots,
+        max_prefill_length=16,
+        max_decode_length=capacity - 17,
+        sampling=SamplingConfig.from_rollout(RolloutConfig()),
+        sampleable_v=np.ones((cfg.vocab_size,), bool),
+    )
+    ids = [TOK.bos_id, *([5] * (prompt_len - 1))]
+
+    def run(windowed: bool) -> float:
+        state = core.init_state()
+        for slot in range(slots):
+            state = core.insert(core.prefill_prompt(params, ids), state, slot)
+        jax.block_until_ready(state)
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            if windowed:
+                state, data = core.generate(params, state, 0)
+            else:
+                state, data = core.generate_step(params, state, jnp.int32(0), core.cache_length)
+            np.asarray(data)
+        return time.perf_counter() - start
+
+    run(True), run(False)  # warm-up: compiles
+    secs_window, secs_full = [], []
+    for _ in range(repeats):
+        secs_window.append(run(True))
+        secs_full.append(run(False))
+    tokens = slots * new_tokens
+    return tokens / statistics.median(secs_window), tokens / statistics.median(secs_full)
 
 
 def bench_naive(
@@ -275,6 +366,33 @@ def main() -> None:
             f"| {name} | {'n/a' if tps is None else f'{tps:.0f}'} | "
             f"{'n/a' if tps is None else f'{tps / engine_tps:.2f}x'} |"
         )
+
+    group, long_prompt, group_new = 8, 256, 16 if args.quick else 32
+    long_cfg = cfg.replace(max_seq_len=long_prompt + group_new + 1)
+    once_tps, each_tps = bench_group(long_cfg, group, long_prompt, group_new, repeats)
+    hf_group = bench_hf(long_cfg, group, long_prompt, group_new, repeats)
+    print(
+        f"\nG={group}, prompt {long_prompt} (max_prefill_length {long_prompt}), new {group_new}"
+        "\n| group rollout | tokens/s | vs one prefill per group |\n| --- | --- | --- |"
+    )
+    for name, tps in [
+        ("MoEEngine, one prefill per group", once_tps),
+        ("MoEEngine, one prefill per sample", each_tps),
+        ("HF transformers generate", hf_group),
+    ]:
+        print(
+            f"| {name} | {'n/a' if tps is None else f'{tps:.0f}'} | "
+            f"{'n/a' if tps is None else f'{tps / once_tps:.2f}x'} |"
+        )
+
+    capacity = 257 if args.quick else 1025
+    window_tps, full_tps = bench_window(cfg, slots, prompt_len, new_tokens, capacity, repeats)
+    print(
+        f"\nB={slots}, prompt {prompt_len}, new {new_tokens}, cache capacity {capacity}"
+        "\n| decode attends over | tokens/s | vs whole cache |\n| --- | --- | --- |"
+        f"\n| decode_window() (live length) | {window_tps:.0f} | {window_tps / full_tps:.2f}x |"
+        f"\n| the whole cache | {full_tps:.0f} | 1.00x |"
+    )
 
     print(
         "\n| checkpoint | MB | orbax load s | swap s | load MB/s |\n| --- | --- | --- | --- | --- |"

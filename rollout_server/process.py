@@ -77,6 +77,12 @@ class RolloutServer:
         self.fatal: BaseException | None = None
         self.tokenizer = make_tokenizer(cfg)
         mesh = serving_mesh(cfg)
+        log.info(
+            "engine mesh %s on %d %s devices",
+            dict(mesh.shape),
+            mesh.size,
+            mesh.devices.flat[0].platform,
+        )
         self.engine = MoEEngine(
             initial_model(cfg, mesh),
             mesh=mesh,

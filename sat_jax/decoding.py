@@ -120,11 +120,30 @@ class DecodeState:
     key: jax.Array
 
 
+class _Serialized:
+    """A jitted function called under a lock (and, when ``wait``, finished inside it); other
+    attributes (``lower``, ``_cache_size``) are the jitted function's."""
+
+    def __init__(self, fn: Any, lock: threading.Lock, wait: bool):
+        self.fn, self.lock, self.wait = fn, lock, wait
+
+    def __call__(self, *args: Any) -> Any:
+        with self.lock:
+            out = self.fn(*args)
+            return jax.block_until_ready(out) if self.wait else out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.fn, name)
+
+
 class DecodeCore:
     """Jitted prefill / insert / generate of a ``Transformer`` over a fixed number of slots.
 
     Params are arguments of every call (never captured), so new weights of the same shapes and
-    shardings reuse the compiled executables.
+    shardings reuse the compiled executables. ``generate`` attends over ``decode_window()``
+    positions (a power of two above the longest active slot; ``generate_step`` takes the window
+    explicitly), tracked on the host for the last ``init_state``'s slots. Device calls are
+    serialized (see ``_Serialized``).
 
     Args:
       graphdef: the model's ``nnx.GraphDef``.
@@ -172,14 +191,34 @@ class DecodeCore:
         self.prefill_calls = 0
         self._last_prefill: tuple[tuple[bytes, int], Prefix] | None = None
         self._prefill_lock = threading.Lock()
-        self.prefill = jax.jit(self._prefill)
-        self.insert = jax.jit(self._insert, donate_argnums=(1,))
-        self.generate = jax.jit(self._generate, donate_argnums=(1,))
-        self.evict = jax.jit(
-            lambda state, slot: state.replace(
-                generated_b=state.generated_b.at[slot].set(self.max_decode_length)
+        # Host-simulated devices run a sharded program's collectives as a rendezvous of the
+        # devices' threads: two such programs dispatched from two threads (JetStream's prefill and
+        # generate threads) can each hold some devices and wait forever for the others. So every
+        # device call runs under one lock, and on CPU meshes of several devices it also waits
+        # for its result inside the lock.
+        self._device_lock = threading.Lock()
+        self._wait_inside_lock = (
+            mesh is not None and mesh.devices.size > 1 and mesh.devices.flat[0].platform == "cpu"
+        )
+        self.prefill = self._serialized(jax.jit(self._prefill))
+        self._insert_step = self._serialized(jax.jit(self._insert, donate_argnums=(1,)))
+        self.generate_step = self._serialized(
+            jax.jit(self._generate, donate_argnums=(1,), static_argnums=(3,))
+        )
+        self._evict_step = self._serialized(
+            jax.jit(
+                lambda state, slot: state.replace(
+                    generated_b=state.generated_b.at[slot].set(self.max_decode_length)
+                )
             )
         )
+        # The host's copy of every slot's cache length and generated count (the device's, kept
+        # by insert / evict / generate without a device read), to pick each step's window.
+        self._lengths_b = np.zeros((slots,), np.int64)
+        self._generated_b = np.full((slots,), max_decode_length, np.int64)
+
+    def _serialized(self, fn: Any) -> _Serialized:
+        return _Serialized(fn, self._device_lock, self._wait_inside_lock)
 
     def _shard_cache(self, cache: KVCache) -> KVCache:
         """The cache [L, B, S, G, H] with KV heads over the mesh's ``tensor`` axis (no-op
@@ -233,14 +272,16 @@ class DecodeCore:
         )
 
     def _generate(
-        self, params: Any, state: DecodeState, version: jax.Array
+        self, params: Any, state: DecodeState, version: jax.Array, window: int
     ) -> tuple[DecodeState, jax.Array]:
         key, step_key = jax.random.split(state.key)
         logits_bv = jnp.where(self.sampleable_v, state.logits_bv, -jnp.inf)
         tokens_b, logp_b = sample(logits_bv, step_key, self.sampling)
         active_b = state.generated_b < self.max_decode_length
         model = nnx.merge(self.graphdef, params)
-        out = model.decode_step(state.cache, tokens_b, active_b=active_b, return_routing=True)
+        out = model.decode_step(
+            state.cache, tokens_b, active_b=active_b, return_routing=True, window=window
+        )
         generated_b = state.generated_b + active_b.astype(jnp.int32)
         b = tokens_b.shape[0]
         columns = [
@@ -260,10 +301,44 @@ class DecodeCore:
         )
         return new_state, jnp.concatenate(columns, axis=1)
 
+    def insert(self, prefix: Prefix, state: DecodeState, slot: jax.Array | int) -> DecodeState:
+        """Writes a prefix into ``slot`` of ``state`` (donated)."""
+        length = int(prefix.true_length)
+        state = self._insert_step(prefix, state, jnp.int32(slot))
+        self._lengths_b[int(slot)], self._generated_b[int(slot)] = length, 0
+        return state
+
+    def evict(self, state: DecodeState, slot: jax.Array | int) -> DecodeState:
+        """Marks ``slot`` exhausted: it emits nothing valid until the next insert."""
+        state = self._evict_step(state, jnp.int32(slot))
+        self._generated_b[int(slot)] = self.max_decode_length
+        return state
+
+    def decode_window(self) -> int:
+        """The positions the next step attends over: the smallest power of two (at least 16)
+        above every active slot's cache length, capped at the cache length. The decode cost
+        follows the live length with a few compiled variants (log2 of the cache length)."""
+        active_b = self._generated_b < self.max_decode_length
+        need = int(self._lengths_b[active_b].max(initial=0)) + 1
+        return min(max(16, 1 << (need - 1).bit_length()), self.cache_length)
+
+    def generate(
+        self, params: Any, state: DecodeState, version: jax.Array | int
+    ) -> tuple[DecodeState, jax.Array]:
+        """One sampling + decode step of every slot over ``decode_window()`` positions; returns
+        (the new state, the step's [B, 5 + L·K] int32 output, see ``unpack_step``)."""
+        state, data = self.generate_step(params, state, jnp.int32(version), self.decode_window())
+        active_b = self._generated_b < self.max_decode_length
+        self._lengths_b += active_b
+        self._generated_b += active_b
+        return state, data
+
     def init_state(self, version: int = 0) -> DecodeState:
         """An empty KV cache (in ``param_dtype``, the serving dtype) with every slot free
-        (exhausted until an insert)."""
+        (exhausted until an insert). The core tracks the slots of the last state it made."""
         c = self.config
+        self._lengths_b[:] = 0
+        self._generated_b[:] = self.max_decode_length
         shape = (c.num_layers, self.slots, self.cache_length, c.num_kv_heads, c.head_dim)
         # Stored in the serving dtype (the params'), e.g. bfloat16 whatever the compute dtype.
         cache = KVCache(

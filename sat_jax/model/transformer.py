@@ -181,9 +181,11 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         replay_btlk: jax.Array | None = None,
         dispatch: str | None = None,
+        window: int | None = None,
     ) -> _Trunk:
         """Runs every layer. With `cache`, new keys/values go to row b's slot lengths_b[b] and
-        attention covers the whole cache; without, it covers the T new positions."""
+        attention covers the cache's first `window` positions (default all); without, it covers
+        the T new positions."""
         c = self.config
         x_btd = self.embedding_vd[...].astype(c.dtype)[tokens_bt]
         rows_b = jnp.arange(tokens_bt.shape[0])
@@ -197,6 +199,8 @@ class Transformer(nnx.Module):
                 v_bsgh = cache.v_lbsgh[i].at[rows_b, cache.lengths_b].set(v_new)
             ks.append(k_bsgh)
             vs.append(v_bsgh)
+            if window is not None:
+                k_bsgh, v_bsgh = k_bsgh[:, :window], v_bsgh[:, :window]
             x_btd = x_btd + layer.attn.attend(qkv.q_btnh, k_bsgh, v_bsgh, allowed_bts)
             h_btd = layer.mlp_norm(x_btd)
             if layer.is_moe:
@@ -430,6 +434,7 @@ class Transformer(nnx.Module):
         *,
         active_b: jax.Array | None = None,
         return_routing: bool = False,
+        window: int | None = None,
     ) -> DecodeOutput:
         """Feeds one token per row at position lengths_b and advances the active rows.
 
@@ -440,13 +445,23 @@ class Transformer(nnx.Module):
             length, so their next step overwrites this one. A row already at the cache length
             is not written (the scatter drops out-of-range slots); size the cache to fit.
           return_routing: also return this step's routing ids [B, L, K].
+          window: attend over the cache's first `window` positions only (a static int, default
+            the whole cache), so the step's attention costs O(window), not O(cache length).
+            Exact for every active row with lengths_b < window; other rows compute garbage
+            (their keys/values are still written to the full cache).
         """
         b = tokens_b.shape[0]
         active_b = jnp.ones((b,), bool) if active_b is None else active_b.astype(bool)
         positions_b1 = cache.lengths_b[:, None]
-        allowed_b1s = (jnp.arange(cache.max_len)[None, :] <= cache.lengths_b[:, None])[:, None]
+        span = cache.max_len if window is None else min(window, cache.max_len)
+        allowed_b1s = (jnp.arange(span)[None, :] <= cache.lengths_b[:, None])[:, None]
         trunk = self._trunk(
-            tokens_b[:, None], positions_b1, active_b[:, None], allowed_b1s, cache=cache
+            tokens_b[:, None],
+            positions_b1,
+            active_b[:, None],
+            allowed_b1s,
+            cache=cache,
+            window=span,
         )
         cache = KVCache(
             k_lbsgh=trunk.k_lbtgh,

@@ -32,9 +32,10 @@ MAX_MESSAGE_BYTES = load_config(str(CONFIG), SHAPES).server.max_message_bytes
 
 
 class ServerProcess:
-    """`python -m rollout_server --config configs/arith_tiny.yaml ...` on a free port."""
+    """`python -m rollout_server --config configs/arith_tiny.yaml ...` on a free port, on one CPU
+    device (or `devices` simulated ones)."""
 
-    def __init__(self, tmp: pathlib.Path, overrides: list[str]):
+    def __init__(self, tmp: pathlib.Path, overrides: list[str], devices: int = 1):
         self.token = [o.split("=", 1)[1] for o in overrides if o.startswith("server.token=")]
         self.token = self.token[-1] if self.token else ""
         self.port = portpicker.pick_unused_port()
@@ -42,6 +43,8 @@ class ServerProcess:
         self.log_path = tmp / f"server-{self.port}.log"
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)  # one CPU device is enough for the server
+        if devices > 1:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
         env.update(
             JAX_PLATFORMS="cpu",
             JAX_COMPILATION_CACHE_DIR=str(JAX_CACHE),
@@ -167,8 +170,8 @@ def random_params(preset: str, seed: int):
 def server_factory(tmp_path):
     started: list[ServerProcess] = []
 
-    def start(overrides: list[str]) -> ServerProcess:
-        server = ServerProcess(tmp_path, overrides)
+    def start(overrides: list[str], devices: int = 1) -> ServerProcess:
+        server = ServerProcess(tmp_path, overrides, devices)
         started.append(server)
         return server.wait_ready()
 

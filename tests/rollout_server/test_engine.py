@@ -155,14 +155,14 @@ def test_swap_between_steps_versions_and_logprobs():
         state, prompts[slot] = _prefill_insert(engine, state, text, slot)
     params = {0: engine.current_params()[1]}
     state, rows = _run(engine, state, 3)
-    compiled = engine.core.generate._cache_size()
+    compiled = engine.core.generate_step._cache_size()
     params[5] = _perturbed(params[0], 0.05, 1)
     engine.swap_params(5, params[5])
     assert engine.version == 5
     # A slot inserted after the swap prefills with the new params.
     state, prompts[2] = _prefill_insert(engine, state, PROMPTS[2], 2)
     state, more = _run(engine, state, 4)
-    assert engine.core.generate._cache_size() == compiled  # no recompilation
+    assert engine.core.generate_step._cache_size() == compiled  # no recompilation
     rows += more
     for slot in (0, 1):
         versions = [int(r["version"][slot]) for r in rows]

@@ -147,3 +147,47 @@ def test_sharded_core_equals_one_device(sampling: decoding.SamplingConfig) -> No
     cache_spec = state.cache.k_lbsgh.sharding.spec
     assert cache_spec[3] == "tensor", cache_spec  # KV heads over tensor
     assert len(state.cache.k_lbsgh.sharding.device_set) == 8
+
+
+def test_decode_window_follows_the_live_length_and_equals_the_full_cache() -> None:
+    """Steps over the power-of-two window (16, 32, then the 57-position cache) give the tokens,
+    log-probs and cache of steps that attend over the whole cache."""
+    _, params = _model()
+    graphdef, _ = _model()
+    core = decoding.DecodeCore(
+        graphdef,
+        CFG,
+        slots=2,
+        max_prefill_length=16,
+        max_decode_length=40,
+        sampling=decoding.SamplingConfig(),
+        sampleable_v=SAMPLEABLE,
+    )
+    assert core.cache_length == 57
+
+    def filled():
+        state = core.init_state()
+        for slot, ids in enumerate([PROMPTS[2], list(range(1, 15))]):
+            state = core.insert(core.prefill_prompt(params, ids), state, jnp.int32(slot))
+        return state
+
+    full, windowed = filled(), filled()
+    windows = []
+    for step in range(40):
+        if step == 30:
+            windowed = core.evict(windowed, jnp.int32(1))  # the longer slot leaves
+            full = core.evict(full, jnp.int32(1))
+        windows.append(core.decode_window())
+        full, full_data = core.generate_step(params, full, jnp.int32(0), core.cache_length)
+        windowed, data = core.generate(params, windowed, jnp.int32(0))
+        got = decoding.unpack_step(data, CFG.num_moe_layers, CFG.num_experts_per_tok)
+        want = decoding.unpack_step(full_data, CFG.num_moe_layers, CFG.num_experts_per_tok)
+        np.testing.assert_array_equal(got["token"], want["token"])
+        np.testing.assert_array_equal(got["routing"], want["routing"])
+        np.testing.assert_allclose(got["logp"], want["logp"], rtol=0, atol=1e-6)
+    # Slot 1 (14 prompt tokens) needs 16 at the first step, 32 from its 3rd token and the whole
+    # cache from its 19th; once it leaves, slot 0 (5 + 30 positions) needs 64 > 57.
+    assert windows[:2] == [16, 16] and windows[2] == 32 and windows[18] == 57
+    assert sorted(set(windows)) == [16, 32, 57]
+    np.testing.assert_allclose(windowed.cache.k_lbsgh, full.cache.k_lbsgh, rtol=0, atol=1e-6)
+    np.testing.assert_array_equal(windowed.cache.lengths_b, full.cache.lengths_b)
