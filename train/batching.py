@@ -192,7 +192,6 @@ def select_groups(
     *,
     trainer_version: int,
     min_version: int,
-    seen: Collection[str],
     seen_groups: Collection[str] = (),
 ) -> Selection:
     """Applies the duplicate check and the staleness policy (see the module docstring) to pulled
@@ -203,8 +202,9 @@ def select_groups(
       spec: ``max_staleness`` and ``stale_policy``.
       trainer_version: version of the weights being trained.
       min_version: groups with a token of an older version are dropped.
-      seen: recently trained prompt ids; groups with one of them are skipped as duplicates.
       seen_groups: ``group_key``s of recently trained groups; those are skipped as duplicates.
+        Only the group's name counts: a prompt trained recently may come again (a dataset
+        smaller than the run is repeated), as a new group.
     """
     kept, dropped, stale_kept, duplicates, invalid = [], 0, 0, 0, 0
     for group in groups:
@@ -214,7 +214,7 @@ def select_groups(
         if problem is not None:
             invalid += 1
             log.warning("rejecting group %s from the server: %s", group_key(group), problem)
-        elif group.prompt_id in seen or group_key(group) in seen_groups:
+        elif group_key(group) in seen_groups:
             duplicates += 1
         elif oldest is not None and oldest < min_version:
             dropped += 1

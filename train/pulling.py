@@ -66,7 +66,6 @@ def pull_batch(
     Raises:
       RuntimeError: the servers answered but sent no group for ``stall_s`` seconds.
     """
-    seen = frozenset(progress.recent_prompt_ids)
     seen_groups = set(progress.recent_group_keys)
     selection = batching.Selection.empty()
     last_group = time.monotonic()
@@ -77,7 +76,6 @@ def pull_batch(
             spec,
             trainer_version=progress.version,
             min_version=progress.min_version,
-            seen=seen,
             seen_groups=seen_groups,
         )
         # Groups that will never be trained (stale, duplicate, invalid) are acknowledged at once

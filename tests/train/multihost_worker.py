@@ -106,7 +106,10 @@ def progress():
     from train import checkpointing
 
     return checkpointing.Progress(
-        version=TRAINER_VERSION, min_version=1, rng_key=(0, 0), recent_prompt_ids=("dup",)
+        version=TRAINER_VERSION,
+        min_version=1,
+        rng_key=(0, 0),
+        recent_group_keys=("/2", "/12"),  # the "dup" groups of both rounds (fake_groups)
     )
 
 

@@ -57,9 +57,13 @@ def spec(**kw) -> batching.BatchSpec:
 
 
 def assemble(groups, batch_spec, *, trainer_version, min_version=0, seen=()):
-    """select_groups then assemble_batch, as the live path does."""
+    """select_groups then assemble_batch, as the live path does (`seen`: trained group keys)."""
     selection = batching.select_groups(
-        groups, batch_spec, trainer_version=trainer_version, min_version=min_version, seen=seen
+        groups,
+        batch_spec,
+        trainer_version=trainer_version,
+        min_version=min_version,
+        seen_groups=seen,
     )
     return batching.assemble_batch(selection, batch_spec, trainer_version=trainer_version)
 
@@ -151,9 +155,18 @@ def test_duplicates_and_counts_reach_the_stats():
         make_group(2, [1, 0], [[9], [9]]),  # trained recently: a duplicate
         make_group(3, [1, 0], [[5], [9]]),  # lag 4: stale
     ]
-    _, stats = assemble(groups, spec(), trainer_version=9, seen={"p2"})
+    _, stats = assemble(groups, spec(), trainer_version=9, seen={batching.group_key(groups[1])})
     assert (stats.groups, stats.stale_dropped, stats.duplicates) == (1, 1, 1)
     assert stats.prompt_ids == ("p1",)
+
+
+def test_a_prompt_trained_recently_may_come_again_as_a_new_group():
+    """A dataset smaller than the run repeats its prompts: only the group's name is a duplicate."""
+    first = make_group(1, [1, 0], [[9], [9]])
+    again = make_group(1, [1, 0], [[9], [9]])
+    again.group_id = 77  # the same prompt "p1", a new group
+    _, stats = assemble([again], spec(), trainer_version=9, seen={batching.group_key(first)})
+    assert (stats.groups, stats.duplicates) == (1, 0)
 
 
 def test_selections_add_up_in_pull_order():
@@ -162,10 +175,10 @@ def test_selections_add_up_in_pull_order():
         spec(),
         trainer_version=9,
         min_version=0,
-        seen=(),
     )
+    g3 = make_group(3, [1, 0], [[9], [9]])
     b = batching.select_groups(
-        [make_group(3, [1, 0], [[9], [9]])], spec(), trainer_version=9, min_version=0, seen={"p3"}
+        [g3], spec(), trainer_version=9, min_version=0, seen_groups={batching.group_key(g3)}
     )
     both = batching.Selection.empty() + a + b
     assert [g.prompt_id for g in both.kept] == ["p1"]
