@@ -133,8 +133,9 @@ class Soak:
                 f"{tail(self.trainer_log)}"
             )
 
-    def sample(self, t0: float | None) -> Sample:
-        """Takes one sample (``t0``: monotonic time of the first step, None before it)."""
+    def sample(self, t0: float | None) -> Sample | None:
+        """Takes one sample (``t0``: monotonic time of the first step, None before it); None
+        while a process reports no resident memory yet (a child between fork and exec)."""
         self.check_alive()
         now = time.monotonic()
         soak_s = None if t0 is None else round(now - t0, 1)
@@ -148,6 +149,8 @@ class Soak:
             round(rss_mb(self.trainer.pid), 1),
             trainer_step(self.metrics),
         )
+        if not (got.server_rss_mb > 0 and got.trainer_rss_mb > 0):
+            return None
         self.samples.append(got)
         return got
 
@@ -161,7 +164,8 @@ class Soak:
             if t0 is None and trainer_step(self.metrics) > 0:
                 t0 = tick
             got = self.sample(t0)
-            print(f"# {dataclasses.asdict(got)}", file=sys.stderr, flush=True)
+            if got is not None:
+                print(f"# {dataclasses.asdict(got)}", file=sys.stderr, flush=True)
             if t0 is None and tick - started > FIRST_STEP_S:
                 raise RuntimeError(f"no trainer step after {FIRST_STEP_S}s: see {self.trainer_log}")
             if t0 is not None and tick - t0 >= 60 * self.args.minutes:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import time
+import types
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ class FullDisk(StateStore):
 
 
 class LongPromptEngine(ShortPromptEngine):
-    _max_prefill = 64
+    core = types.SimpleNamespace(max_prefill_length=64)
 
 
 def _sample() -> FinishedSample:
