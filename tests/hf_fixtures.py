@@ -17,14 +17,9 @@ import json
 import pathlib
 from typing import Any
 
+from sat_jax.model.make_tiny import CHAT_TEMPLATE
+
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-# Qwen's template, reduced to what the tests use: messages, then the generation prompt.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 # Architecture of the random checkpoint (transformers.Qwen3MoeConfig field names).
 TINY_QWEN3_MOE = dict(
     hidden_size=32,

@@ -15,6 +15,7 @@ transformers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import sys
@@ -23,7 +24,7 @@ import tempfile
 from flax import nnx
 
 from sat_jax.model import hf_export
-from sat_jax.model.config import ModelConfig
+from sat_jax.model.config import PRESETS, ModelConfig
 from sat_jax.model.transformer import Transformer
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -35,21 +36,9 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-# The architecture besides vocab_size (set from the tokenizer).
-TINY_QWEN3_MOE = dict(
-    d_model=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    num_experts=8,
-    num_experts_per_tok=2,
-    expert_dim=32,
-    dense_dim=128,
-    rope_theta=10_000.0,
-    tie_embeddings=False,
-    max_seq_len=1024,
-)
+# The architecture: the `tiny` preset with room for chat prompts (vocab_size comes from the
+# tokenizer).
+TINY_QWEN3_MOE = dataclasses.replace(PRESETS["tiny"], max_seq_len=1024)
 _TEMPLATES = (
     "Tom has {a} apples and buys {b} more. How many apples does he have?",
     "A box holds {a} pens. {b} pens are taken out. How many pens are left?",
@@ -107,7 +96,7 @@ def train_tokenizer(out: str | pathlib.Path, *, vocab_size: int = 512) -> int:
         "added_tokens_decoder": added,
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
-        "model_max_length": TINY_QWEN3_MOE["max_seq_len"],
+        "model_max_length": TINY_QWEN3_MOE.max_seq_len,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return tok.get_vocab_size()
@@ -125,7 +114,7 @@ def make_tiny(out: str | pathlib.Path, *, seed: int = 0) -> ModelConfig:
     with tempfile.TemporaryDirectory() as tmp:
         size = train_tokenizer(tmp)
         vocab = json.loads((pathlib.Path(tmp) / "tokenizer.json").read_text())["model"]["vocab"]
-        cfg = ModelConfig(vocab_size=-(-size // 64) * 64 + 64, **TINY_QWEN3_MOE)
+        cfg = dataclasses.replace(TINY_QWEN3_MOE, vocab_size=-(-size // 64) * 64 + 64)
         params = nnx.to_pure_dict(nnx.state(Transformer(cfg, rngs=nnx.Rngs(seed))))
         hf_export.export_qwen3_moe(
             params, cfg, out, eos_token_ids=[vocab[EOS], vocab[PAD]], tokenizer_dir=tmp
