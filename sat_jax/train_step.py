@@ -171,7 +171,11 @@ def _forward(
 ) -> tuple[jax.Array, ModelOutput]:
     """(logp [B, T] of the batch's tokens, the model's output) under ``params``."""
     model = nnx.merge(graphdef, params)
-    out = model.forward(batch.tokens, replay_routing=batch.routing if routing_replay else None)
+    out = model.forward(
+        batch.tokens,
+        mask_bt=token_mask(batch.loss_mask),
+        replay_routing=batch.routing if routing_replay else None,
+    )
     # Scored chunk by chunk from the hidden states: out.logits_btv is never used, so under jit
     # no [B, T, V] float32 buffer is built (docs/DESIGN.md §5).
     logp_bt = model.target_logprobs(
@@ -181,6 +185,20 @@ def _forward(
         vocab_mask=vocab_mask,
     )
     return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
+
+
+def token_mask(loss_mask_bt: jax.Array) -> jax.Array:
+    """[B, T] bool: each row's real tokens, everything up to its last completion token.
+
+    Padding sits after the completion, so it is what follows the last ``loss_mask`` position; a
+    row without completion tokens counts none. The model takes it as ``mask_bt``: padded keys
+    leave attention (a no-op for the real queries of right-padded causal rows) and padded
+    positions leave the router's load statistics and the balance loss.
+    """
+    active_bt = jnp.asarray(loss_mask_bt) > 0
+    t = jnp.arange(active_bt.shape[1])
+    last_b1 = jnp.max(jnp.where(active_bt, t, -1), axis=1, keepdims=True)
+    return t <= last_b1
 
 
 def _policy_terms(logp_bt, batch: TrainBatch, loss_cfg, sat_q=None) -> objectives.PolicyLossTerms:
@@ -225,8 +243,11 @@ def _unsplit(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
-def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, loss_cfg, coef):
+def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, loss_cfg, coef, w_k):
     """(sat_q, router f [L, E]) of the whole batch, from a forward pass without gradient.
+
+    ``w_k`` [k] is each microbatch's share of the batch's real tokens (``_token_shares``); f of
+    the batch is the microbatches' f weighted by it.
 
     q needs the current policy's logp of every token before any microbatch's gradient (its |d| is
     of logp − old_logp, and logp moves with the params); the balance loss's f_e weighs every
@@ -252,40 +273,57 @@ def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, los
             loss_cfg,
             old_logp=batch.old_logp,
         )
-    return sat_q, jnp.mean(frac_kle, axis=0)
+    return sat_q, _weighted(frac_kle, w_k)
+
+
+def _token_shares(micro: TrainBatch) -> jax.Array:
+    """[k] each microbatch's share of the batch's real tokens (``token_mask``); 0s when none.
+
+    The router statistics f and P are means over real tokens, so the batch's are the
+    microbatches' weighted by these shares (equal shares only without padding)."""
+    n_k = jnp.sum(jax.vmap(token_mask)(micro.loss_mask), axis=(1, 2)).astype(jnp.float32)
+    return n_k / jnp.maximum(jnp.sum(n_k), 1.0)
+
+
+def _weighted(x_k: jax.Array, w_k: jax.Array) -> jax.Array:
+    """Σ_j w_j · x_k[j] over the leading axis."""
+    return jnp.tensordot(w_k, x_k, axes=1)
 
 
 def _accumulated(params, batch: TrainBatch, forward, loss_cfg, k: int, coef: float):
     """Gradient and metrics of the batch summed over k microbatches (one compiled ``scan`` body).
 
-    Each microbatch differentiates loss_sum / loss_count(batch) + coef·E·Σ f_e·P_e^mb / k with
-    the batch's f (the balance loss is bilinear in f and P, and P of the batch is the mean of the
-    k equal-size microbatches' P), so the summed gradient is the one-pass gradient.
+    Each microbatch j differentiates loss_sum / loss_count(batch) + w_j·coef·E·Σ f_e·P_e^j with
+    the batch's f and w_j its share of the batch's real tokens (the balance loss is bilinear in f
+    and P, and P of the batch is the w-weighted mean of the microbatches' P), so the summed
+    gradient is the one-pass gradient.
     """
     micro = _split(batch, k)
-    sat_q, frac_le = _batch_statistics(params, batch, micro, forward, loss_cfg, coef)
+    w_k = _token_shares(micro)
+    sat_q, frac_le = _batch_statistics(params, batch, micro, forward, loss_cfg, coef, w_k)
     count = jnp.maximum(loss_count(batch.loss_mask, loss_cfg.loss_agg), 1).astype(jnp.float32)
 
-    def objective(p: Any, mb: TrainBatch):
+    def objective(p: Any, mb: TrainBatch, w: jax.Array):
         logp_bt, out = forward(p, mb)
         terms = _policy_terms(logp_bt, mb, loss_cfg, sat_q)
         value = terms.loss_sum / count
         if coef:
-            value = value + coef * balance_from_stats(frac_le, out.router_prob_le) / k
+            value = value + w * coef * balance_from_stats(frac_le, out.router_prob_le)
         shift = (jnp.zeros(()), jnp.zeros(()))
         if mb.routing is not None:
             shift = router_shift_counts(mb.routing, out.routing_btlk, mb.loss_mask)
         return value, (terms, out.router_frac_le, out.router_prob_le, shift)
 
-    def step(acc: Any, mb: TrainBatch):
-        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, mb)
+    def step(acc: Any, xs: tuple[TrainBatch, jax.Array]):
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, *xs)
         return jax.tree.map(jnp.add, acc, grads), aux
 
     zeros = jax.tree.map(jnp.zeros_like, params)
-    grads, (terms_k, frac_kle, prob_kle, (missing_k, slots_k)) = jax.lax.scan(step, zeros, micro)
+    scanned = jax.lax.scan(step, zeros, (micro, w_k))
+    grads, (terms_k, frac_kle, prob_kle, (missing_k, slots_k)) = scanned
     unstacked = [jax.tree.map(lambda x, i=i: x[i], terms_k) for i in range(k)]
     loss, metrics = functools.reduce(objectives.PolicyLossTerms.merge, unstacked).reduce()
-    balance = balance_from_stats(jnp.mean(frac_kle, axis=0), jnp.mean(prob_kle, axis=0))
+    balance = balance_from_stats(_weighted(frac_kle, w_k), _weighted(prob_kle, w_k))
     metrics = _with_aux(loss, metrics, coef * balance, balance)
     if batch.routing is not None:
         shift = router_shift_from_counts(jnp.sum(missing_k), jnp.sum(slots_k))
@@ -401,8 +439,8 @@ def make_train_step(
 
     The state is donated and keeps the shardings of ``train_state_shardings``; batch fields are
     sharded over ``("data", "fsdp")`` on dimension 0; metrics come back replicated. The aux loss
-    weight is ``model_cfg.router_aux_loss_coef``; the batch needs no padding mask because padding
-    sits after the completion and attention is causal.
+    weight is ``model_cfg.router_aux_loss_coef``; the batch needs no padding mask: padding sits
+    after the completion, and ``token_mask`` takes it out of the router's statistics.
 
     Args:
       model_cfg: the ``ModelConfig``.

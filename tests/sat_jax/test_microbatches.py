@@ -150,3 +150,9 @@ def test_indivisible_batch_is_a_clear_error(setup: Setup) -> None:
 def test_threshold_scope_is_validated() -> None:
     with pytest.raises(ValueError, match="threshold_scope"):
         objectives.SATConfig(threshold_scope="token")
+
+
+def test_token_mask_is_each_row_up_to_its_last_completion_token():
+    loss_mask = np.array([[0, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]], np.float32)
+    want = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], bool)
+    np.testing.assert_array_equal(np.asarray(train_step.token_mask(loss_mask)), want)
