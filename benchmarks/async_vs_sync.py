@@ -17,14 +17,20 @@ Prints a Markdown table:
 - ideal overlap = (T_rollout + T_train) / max(T_rollout, T_train), the best speed-up over sync;
 - achieved = tokens/s ÷ sync tokens/s, and achieved / ideal (target ≥ 90%); every number is a
   median over `--repeats` interleaved repeats (each repeat's ratios against its own sync run).
+
+A second table shows where each mode's time goes (loop period, the trainer's wait for a batch,
+its step, the push, the server's install of a version and installs per step) and the bound that
+installs in series with generation put on the share of the ideal (``serial_bound``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -35,11 +41,21 @@ from train.local_server import LocalServer
 REPO = pathlib.Path(__file__).resolve().parents[1]
 SKIP = 5  # first steps: compilation and queue fill
 SERVER_START_S = 600  # a loaded machine compiles the server's engine slowly
+# The server's log line for each installed weights version (rollout_server/service.py).
+SWAP_LINE = re.compile(r"weights swapped: .*\(load ([0-9.]+)s, swap ([0-9.]+)s\)")
+
+
+@dataclasses.dataclass
+class Run:
+    """One mode's run: the trainer's metrics records and the server's install seconds."""
+
+    records: list[dict]
+    installs_s: list[float]
 
 
 def run_mode(
     name: str, config: str, extra: list[str], steps: int, root: pathlib.Path, pin: bool
-) -> list[dict]:
+) -> Run:
     run_dir = root / name
     run_dir.mkdir(parents=True)
     overrides = [
@@ -69,7 +85,48 @@ def run_mode(
     finally:
         os.sched_setaffinity(0, cores)
     with open(run_dir / "logs" / "metrics.jsonl") as f:
-        return [r for r in map(json.loads, f) if "active_tokens" in r]
+        records = [r for r in map(json.loads, f) if "active_tokens" in r]
+    return Run(records, install_seconds((run_dir / "server.log").read_text()))
+
+
+def install_seconds(server_log: str) -> list[float]:
+    """Seconds the server spent on each weights install (load + swap), from its log."""
+    return [float(load) + float(swap) for load, swap in SWAP_LINE.findall(server_log)]
+
+
+def breakdown(run: Run) -> dict[str, float]:
+    """Medians of where one run's time goes, per trained step (compiling steps left out).
+
+    period: loop wall time per step; pull_wait / step: means of the trainer's ``pull_wait_s``
+    and ``step_s`` (the step, the host copy and, in sync mode, the push it waits for), as the
+    ideal uses them; push: median ``push_s`` (save + UpdateWeights); install: median of the
+    server's load + swap of one version; installs_per_step: versions installed per trained step.
+    """
+    timed = run.records[SKIP:]
+    med = statistics.median
+    pushes = [r["push_s"] for r in timed if r.get("push_s") is not None]
+    return {
+        "period": (timed[-1]["time"] - timed[0]["time"]) / (len(timed) - 1),
+        "pull_wait": mean(run.records, "pull_wait_s"),
+        "step": mean(run.records, "step_s"),
+        "push": med(pushes) if pushes else 0.0,
+        "install": med(run.installs_s) if run.installs_s else 0.0,
+        "installs_per_step": len(run.installs_s) / len(run.records),
+    }
+
+
+def serial_bound(sync: dict[str, float], mode: dict[str, float]) -> float:
+    """The share of the ideal overlap a mode can reach when the server's installs do not overlap.
+
+    In the sync run each install happens inside the trainer's ``step_s`` (it waits for the push),
+    so the ideal counts it as overlappable; asynchronously it runs on the server's core between
+    decode steps, in series with generation. The server then needs T_rollout + installs per
+    batch, and the trainer T_train − install:
+    max(T_rollout, T_train) / max(T_rollout + k·install, T_train − install).
+    """
+    t_rollout, t_train, install = sync["pull_wait"], sync["step"], sync["install"]
+    server = t_rollout + mode["installs_per_step"] * install
+    return max(t_rollout, t_train) / max(server, t_train - install)
 
 
 def throughput(records: list[dict]) -> float:
@@ -107,8 +164,8 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def run_repeat(args: argparse.Namespace, rep: int) -> dict[str, list[dict]]:
-    """One run of every mode, in order; their metrics records by mode."""
+def run_repeat(args: argparse.Namespace, rep: int) -> dict[str, Run]:
+    """One run of every mode, in order; their runs by mode."""
     with tempfile.TemporaryDirectory() as tmp:
         return {
             name: run_mode(
@@ -128,18 +185,21 @@ def main() -> None:
     # Repeats interleave the modes, so slow phases of a shared machine hit every mode alike; each
     # repeat's ratios use its own sync run, and the table shows medians over repeats.
     rows: dict[str, list[tuple[float, float, float]]] = {name: [] for name in MODES}
+    parts: dict[str, list[dict[str, float]]] = {name: [] for name in MODES}
     ideals, timings = [], []
     for rep in range(args.repeats):
         results = run_repeat(args, rep)
-        sync = results["sync"]
-        t_rollout, t_train = mean(sync, "pull_wait_s"), mean(sync, "step_s")
+        sync = breakdown(results["sync"])
+        t_rollout, t_train = sync["pull_wait"], sync["step"]
         ideal = (t_rollout + t_train) / max(t_rollout, t_train)
         ideals.append(ideal)
         timings.append((t_rollout, t_train))
-        base = throughput(sync)
-        for name, records in results.items():
-            tps = throughput(records)
-            rows[name].append((tps, mean(records, "lag_mean"), tps / base / ideal))
+        base = throughput(results["sync"].records)
+        for name, run in results.items():
+            tps = throughput(run.records)
+            rows[name].append((tps, mean(run.records, "lag_mean"), tps / base / ideal))
+            got = breakdown(run)
+            parts[name].append({**got, "bound": serial_bound(sync, got)})
         print(
             f"# repeat {rep + 1}: T_rollout {t_rollout:.3f} s, T_train {t_train:.3f} s, ideal "
             f"{ideal:.2f}x; "
@@ -148,6 +208,7 @@ def main() -> None:
             flush=True,
         )
     print_table(args, rows, ideals, timings)
+    print_breakdown(parts)
 
 
 def print_table(
@@ -175,6 +236,26 @@ def print_table(
         print(
             f"| {name} | {med(t for t, _, _ in got):.0f} | {med(lag for _, lag, _ in got):.2f} | "
             f"{per} | {100 * med(f for _, _, f in got):.0f}% |"
+        )
+
+
+def print_breakdown(parts: dict[str, list[dict[str, float]]]) -> None:
+    """Where each mode's time goes (``breakdown``, medians over the repeats) and the share of
+    the ideal it can reach with the server's installs in series (``serial_bound``)."""
+    med = statistics.median
+    print()
+    print(
+        "| mode | period s | pull wait s | step s | push s | install s | installs/step "
+        "| bound, % of ideal |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, got in parts.items():
+        cells = [med(g[key] for g in got) for key in ("period", "pull_wait", "step", "push")]
+        cells += [med(g["install"] for g in got), med(g["installs_per_step"] for g in got)]
+        print(
+            f"| {name} | "
+            + " | ".join(f"{c:.3f}" for c in cells)
+            + (" | — |" if name == "sync" else f" | {100 * med(g['bound'] for g in got):.0f}% |")
         )
 
 
