@@ -1,7 +1,9 @@
 """Rollout-server speeds: engine decode vs a naive recompute decoder vs HF generate; weight swap
 time vs checkpoint bytes; Pull throughput over real gRPC and routing bytes per token (docs/DESIGN.md §9).
 
-Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` for a smoke run.
+Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` for a smoke run;
+`--engine [--preset small --dtype bfloat16 --slots 32 --new-tokens 128]` for the engine's decode
+tokens/s alone (the accelerator check, `benchmarks/gpu_check.sh`).
 
 - decode: tokens/s of `MoEEngine.generate` (KV cache, B slots) on the tiny preset, against a
   jitted naive decoder that recomputes the full forward of the whole padded sequence every step,
@@ -341,11 +343,41 @@ def bench_pull(
     return size / secs / 1e6, size / 1e6, layers * k
 
 
+def engine_only(args: argparse.Namespace, repeats: int) -> None:
+    """The engine's decode tokens/s for one preset, serving dtype and slot count (random
+    weights, an 8-token prompt), e.g. on an accelerator."""
+    if args.slots <= 0 or args.new_tokens <= 0:
+        raise SystemExit("--slots and --new-tokens must be positive")
+    cfg = ModelConfig.preset(
+        args.preset, dtype=args.dtype, param_dtype=args.dtype, max_seq_len=16 + args.new_tokens + 1
+    )
+    tps = bench_engine(cfg, args.slots, 8, args.new_tokens, repeats)
+    print(
+        f"devices: {jax.devices()}; preset {args.preset}, {args.dtype}, B={args.slots}, "
+        f"prompt 8, new {args.new_tokens}: MoEEngine decode {tps:.0f} tokens/s "
+        f"(median of {repeats})"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one repeat")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="only the engine's decode tokens/s, for --preset/--dtype/--slots/--new-tokens",
+    )
+    parser.add_argument("--preset", default="small", help="--engine: model preset")
+    parser.add_argument(
+        "--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="--engine: dtype"
+    )
+    parser.add_argument("--slots", type=int, default=32, help="--engine: decode slots")
+    parser.add_argument("--new-tokens", type=int, default=128, help="--engine: tokens per slot")
     args = parser.parse_args()
     repeats = 1 if args.quick else 3
+    if args.engine:
+        engine_only(args, repeats)
+        return
     cfg = ModelConfig.preset("tiny")
     slots, prompt_len, new_tokens = 8, 8, 16 if args.quick else 64
     print(

@@ -4,11 +4,12 @@ Run: `python benchmarks/train_step.py` (the `small` preset at T = 512 and 2048, 
 minutes on 2 loaded CPU cores) or `--quick` (the `tiny` preset at T = 64, seconds).
 
 Every configuration is the real jitted `sat_jax.train_step` (SAT loss, Adam, the blockwise
-attention and chunked log-probs of the CPU path) on one device, in float32. Per T, one train state
+attention and chunked log-probs of the CPU path) on one device, in float32 (`--dtype bfloat16`:
+bfloat16 matmuls over float32 master weights). Per T, one train state
 is threaded through every configuration (the step donates it), the configurations run
 interleaved (the order rotates each repeat) after one warm-up call each (compile + first run,
 not timed), and medians over the repeats are reported, so ratios between rows of one T come from
-one run. The machine's matmul peak is a large float32 `jnp.dot` timed in the same rotation.
+one run. The machine's matmul peak is a large `jnp.dot` in that dtype, timed in the same rotation.
 
 MFU = active FLOPs per step / median step time / matmul peak, with active FLOPs per token =
 6 · (active matmul parameters: every active parameter but the input embedding, a lookup) + 12 · L ·
@@ -61,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="rows per step (divisible by 4)")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per configuration")
     parser.add_argument("--matmul-n", type=int, default=4096, help="N of the N³ peak matmul")
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        choices=("float32", "bfloat16"),
+        help="compute dtype of the model's matmuls and of the peak matmul (master weights and "
+        "Adam stay float32)",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny preset, T = 64, 2 repeats")
     parser.add_argument("--json", default="", help="also write the rows to this file")
     args = parser.parse_args(argv)
@@ -110,7 +118,7 @@ def timed(fn, *args):
 
 def bench_seq_len(args: argparse.Namespace, seq_len: int) -> tuple[list[Row], float]:
     """The rows of one T and the matmul peak (FLOP/s) measured beside them."""
-    base = ModelConfig.preset(args.preset, max_seq_len=max(seq_len, 64))
+    base = ModelConfig.preset(args.preset, max_seq_len=max(seq_len, 64), dtype=args.dtype)
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     optimizer = optax.adam(1e-5)
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=True))
@@ -130,7 +138,7 @@ def bench_seq_len(args: argparse.Namespace, seq_len: int) -> tuple[list[Row], fl
     state = train_step.create_train_state(base, optimizer, mesh, params)
     batch = train_step.shard_batch(make_batch(base, args.batch, seq_len), mesh)
     n = args.matmul_n
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(args.dtype)
     matmul = jax.jit(lambda x: jnp.dot(x, x))
     samples = {c: [] for c in [*configs, "matmul"]}
     for c in configs:  # warm-up: compile and first run
@@ -166,7 +174,7 @@ def bench_seq_len(args: argparse.Namespace, seq_len: int) -> tuple[list[Row], fl
 def format_table(args: argparse.Namespace, results: list[tuple[list[Row], float]]) -> str:
     """A markdown table; `vs base` is tokens/s over remat none, 1 microbatch, at the same T."""
     lines = [
-        f"preset {args.preset}, batch {args.batch}, float32, {jax.device_count()} "
+        f"preset {args.preset}, batch {args.batch}, {args.dtype}, {jax.device_count()} "
         f"{jax.default_backend()} device(s), load average {os.getloadavg()[0]:.1f} at the end",
         "",
         "| T | remat | microbatches | n | median step s | tokens/s | vs base | matmul GFLOP/s "

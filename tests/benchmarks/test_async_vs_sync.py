@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 
-import async_vs_sync as bench  # noqa: E402
+import async_vs_sync as bench
 
 
 def test_install_seconds_reads_every_swap_line():

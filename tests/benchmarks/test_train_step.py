@@ -35,9 +35,10 @@ def test_bad_arguments_exit_2(argv, message, capsys):
     assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_quick_run_reports_every_configuration(tmp_path):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_quick_run_reports_every_configuration(tmp_path, dtype):
     out = tmp_path / "rows.json"
-    bench.main(["--quick", "--json", str(out)])
+    bench.main(["--quick", "--dtype", dtype, "--json", str(out)])
     rows = json.loads(out.read_text())
     configs = {(r["remat"], r["microbatches"]) for r in rows}
     assert configs == {("none", 1), ("none", 4), ("layer", 1), ("layer", 4)}
