@@ -192,7 +192,11 @@ def sat_contraction(
 
     # u/q can overflow to inf for huge |d|; ψ then is exactly 0, never NaN. ψ(|d|) is computed once
     # and given to the side of sign(d): the other side's ψ(0) is exactly 1, as where the gate is off.
-    psi = 1.0 / (1.0 + jnp.power(jnp.abs(d) / safe_q, exponent))
+    u = jnp.abs(d) / safe_q
+    # An integral p (the default 2) is a few multiplies; a float power is exp(p·log u) on CPU.
+    p = float(exponent)
+    u_p = jax.lax.integer_pow(u, int(p)) if p.is_integer() else jnp.power(u, p)
+    psi = 1.0 / (1.0 + u_p)
     c_high = jnp.where(gate & (d > 0), psi, 1.0)
     c_low = jnp.where(gate & (d < 0), psi, 1.0)
     return c_low, c_high
