@@ -17,9 +17,8 @@ import json
 import pathlib
 from typing import Any
 
-from sat_jax.model.make_tiny import CHAT_TEMPLATE
+from sat_jax.model.make_tiny import CHAT_TEMPLATE, bpe_tokenizer
 
-SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Architecture of the random checkpoint (transformers.Qwen3MoeConfig field names).
 TINY_QWEN3_MOE = dict(
     hidden_size=32,
@@ -62,20 +61,9 @@ def make_tokenizer(path: str | pathlib.Path, *, chat_template: bool = True, voca
     eos is `<|im_end|>`, pad `<|endoftext|>`; no BOS is added. Returns the loaded
     `transformers` tokenizer.
     """
-    import tokenizers
     import transformers
-    from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    tok = tokenizers.Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIALS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_corpus(), trainer)
+    tok = bpe_tokenizer(_corpus(), vocab_size=vocab_size)
     fast = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -55,12 +55,9 @@ def corpus() -> list[str]:
     ]
 
 
-def train_tokenizer(out: str | pathlib.Path, *, vocab_size: int = 512) -> int:
-    """Trains the byte-level BPE and writes tokenizer.json and tokenizer_config.json to ``out``.
-
-    Returns:
-      The tokenizer's size (ids ``0 .. size - 1``, specials included).
-    """
+def bpe_tokenizer(texts: list[str], *, vocab_size: int):
+    """A byte-level BPE (Qwen-style: no prefix space, ``SPECIALS`` first) trained on ``texts``;
+    a ``tokenizers.Tokenizer``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -72,7 +69,17 @@ def train_tokenizer(out: str | pathlib.Path, *, vocab_size: int = 512) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(texts, trainer)
+    return tok
+
+
+def train_tokenizer(out: str | pathlib.Path, *, vocab_size: int = 512) -> int:
+    """Trains the byte-level BPE and writes tokenizer.json and tokenizer_config.json to ``out``.
+
+    Returns:
+      The tokenizer's size (ids ``0 .. size - 1``, specials included).
+    """
+    tok = bpe_tokenizer(corpus(), vocab_size=vocab_size)
     out = pathlib.Path(out)
     tok.save(str(out / "tokenizer.json"))
     added = {
