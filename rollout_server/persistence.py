@@ -38,8 +38,9 @@ class RolloutState:
       next_group_id: the next group id to assign.
       version, checkpoint_path: the weights last installed by UpdateWeights ("" = none yet).
       epoch_version, epoch_used: where the current admission epoch began: the weights version and
-        the groups dispatched until then (consumed + queued + running), which admission no
-        longer counts (see `rollout.admission_budget`, docs/DESIGN.md §6).
+        the groups dispatched until then (consumed + queued + running), plus the groups the
+        trainer rejected since, which admission no longer counts (see
+        `rollout.admission_budget`, docs/DESIGN.md §6).
       server_id: a random id of this state (drawn by `new_server_id` when the first group is
         dispatched), on every group: the trainer names groups by (server_id, group_id).
       run_id: the trainer run attached (the last one that started an admission epoch).

@@ -157,6 +157,7 @@ class RolloutLoop:
         self.groups_produced = 0
         self.prompts_drawn = 0
         self.prompts_skipped = 0  # longer than the prefill (or not encodable)
+        self.groups_rejected = 0  # acknowledged as not trained (replaced by admission)
         self.rows_skipped = rows_skipped
         self.groups_failed = 0
         self._started = time.monotonic()
@@ -206,6 +207,7 @@ class RolloutLoop:
                 "tokens_per_s": tokens / elapsed,
                 "prompts_drawn": self.prompts_drawn,
                 "prompts_skipped": self.prompts_skipped,
+                "groups_rejected": self.groups_rejected,
                 "rows_skipped": self.rows_skipped,
                 "prefill_calls": self._engine.prefill_calls,
                 "admission_open": self._admission_open_locked(),
@@ -223,16 +225,22 @@ class RolloutLoop:
     # The trainer's side.
 
     def pull(
-        self, max_groups: int, timeout_s: float, *, ack: Sequence[int] = (), run_id: str = ""
+        self,
+        max_groups: int,
+        timeout_s: float,
+        *,
+        ack: Sequence[int] = (),
+        reject: Sequence[int] = (),
+        run_id: str = "",
     ) -> list[rollout_pb2.Group]:
-        """Acknowledges `ack` (as `ack` does), then leases up to `max_groups` finished groups
-        (waiting up to `timeout_s` for the first).
+        """Acknowledges `ack` and `reject` (as `ack` does), then leases up to `max_groups`
+        finished groups (waiting up to `timeout_s` for the first).
 
         Taking groups off the queue and leasing them happen under the loop's lock, in one step:
         in between, admission would see them in no count and start a group too many.
         """
-        if ack:
-            self.ack(ack, run_id=run_id)
+        if ack or reject:
+            self.ack(ack, reject=reject, run_id=run_id)
         self._touch(run_id)
         if not self.queue.wait(timeout_s):
             return []
@@ -253,18 +261,26 @@ class RolloutLoop:
                 self._leased[g.group_id] = (g, until)
         return groups
 
-    def ack(self, group_ids: Sequence[int], *, run_id: str = "") -> int:
-        """Removes the groups `group_ids` for good (leased ones, or ones whose lease expired and
-        that wait in the queue again) and counts them as consumed; unknown ids (already
-        acknowledged) are ignored. Returns how many were removed."""
+    def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
+        """Removes the groups `group_ids` and `reject` for good (leased ones, or ones whose lease
+        expired and that wait in the queue again) and counts them as consumed; unknown ids
+        (already acknowledged) are ignored. Returns how many were removed.
+
+        Rejected groups (the trainer will not train them) also leave the admission count: the
+        epoch's `epoch_used` grows by their number, so admission starts as many replacements.
+        """
         self._touch(run_id)
-        ids = set(group_ids)
+        rejected = set(reject)
+        ids = set(group_ids) | rejected
         with self._lock:
             done = [i for i in ids if self._leased.pop(i, None) is not None]
             requeued = self.queue.remove_if(lambda g: g.group_id in ids)
             done += [g.group_id for g in requeued]
             if done:
+                replaced = sum(i in rejected for i in done)
                 self._state.consumed += len(done)
+                self._state.epoch_used += replaced
+                self.groups_rejected += replaced
                 for i in done:
                     self._unfinished.pop(i, None)
                 self._save_locked()

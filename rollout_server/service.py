@@ -89,7 +89,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def Pull(
         self, request: rollout_pb2.PullRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.PullResponse:
-        """Acknowledges `ack_group_ids`, then leases up to `max_groups` finished groups, waiting
+        """Acknowledges `ack_group_ids` and `reject_group_ids`, then leases up to `max_groups`
+        finished groups, waiting
         up to `timeout_s` for the first. A Pull abandoned before its reply (deadline, cancelled,
         client gone) gives its groups back at once."""
         if not 1 <= request.max_groups <= MAX_PULL_GROUPS:
@@ -101,15 +102,17 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {MAX_PULL_TIMEOUT_S}]"
             )
-        if len(request.ack_group_ids) > MAX_PULL_GROUPS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} ack_group_ids"
-            )
+        for name in ("ack_group_ids", "reject_group_ids"):
+            if len(getattr(request, name)) > MAX_PULL_GROUPS:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} {name}"
+                )
         pull = functools.partial(
             self._loop.pull,
             request.max_groups,
             t,
             ack=list(request.ack_group_ids),
+            reject=list(request.reject_group_ids),
             run_id=request.run_id,
         )
         future = asyncio.get_running_loop().run_in_executor(self._pulls, pull)
@@ -130,12 +133,19 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def Ack(
         self, request: rollout_pb2.AckRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.AckResponse:
-        """Removes the acknowledged groups for good (they count as consumed)."""
-        if len(request.group_ids) > MAX_PULL_GROUPS:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} group_ids"
-            )
-        ack = functools.partial(self._loop.ack, list(request.group_ids), run_id=request.run_id)
+        """Removes the acknowledged groups for good (they count as consumed; rejected ones are
+        replaced by admission)."""
+        for name in ("group_ids", "reject_group_ids"):
+            if len(getattr(request, name)) > MAX_PULL_GROUPS:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} {name}"
+                )
+        ack = functools.partial(
+            self._loop.ack,
+            list(request.group_ids),
+            reject=list(request.reject_group_ids),
+            run_id=request.run_id,
+        )
         acked = await asyncio.get_running_loop().run_in_executor(self._acks, ack)
         return rollout_pb2.AckResponse(acked=acked)
 

@@ -78,11 +78,12 @@ def pull_batch(
             min_version=progress.min_version,
             seen_groups=seen_groups,
         )
-        # Groups that will never be trained (stale, duplicate, invalid) are acknowledged at once
+        # Groups that will never be trained (stale, duplicate, invalid) are rejected at once
         # (with the next Pull): a leased group holds a place in the server's admission budget,
-        # so holding these until the step would starve the batch of the groups it waits for.
+        # so holding these until the step would starve the batch of the groups it waits for, and
+        # a rejected one leaves the budget, so the server generates a replacement.
         kept = {id(g) for g in chosen.kept}
-        pool.ack([g for g in pulled if id(g) not in kept])
+        pool.ack([g for g in pulled if id(g) not in kept], rejected=True)
         selection += chosen
         seen_groups.update(batching.group_key(g) for g in pulled)  # a re-delivery in this batch
         if pulled:

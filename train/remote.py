@@ -96,7 +96,9 @@ class ServerPool:
         ]
         self._next = 0
         self._origin: dict[str, int] = {}  # group key -> the server it came from, until acked
-        self._acks: list[list[int]] = [[] for _ in self.addresses]  # per server, not yet sent
+        # Per server, not yet sent: ids to acknowledge, and to acknowledge as rejected.
+        self._acks: list[list[int]] = [[] for _ in self.addresses]
+        self._rejects: list[list[int]] = [[] for _ in self.addresses]
 
     def close(self) -> None:
         """Closes the channels (call ``flush_acks`` first to send pending acknowledgements)."""
@@ -117,35 +119,44 @@ class ServerPool:
         """
         # With several servers, a short wait on each keeps one slow server from stalling us.
         wait = timeout_s if len(self._conns) == 1 else min(timeout_s, 1.0)
-        sent: dict[int, list[int]] = {}
+        sent: dict[int, tuple[list[int], list[int]]] = {}
 
         def request(i: int) -> rollout_pb2.PullRequest:
-            sent[i] = list(self._acks[i])
+            sent[i] = list(self._acks[i]), list(self._rejects[i])
             return rollout_pb2.PullRequest(
-                max_groups=max_groups, timeout_s=wait, ack_group_ids=sent[i], run_id=self._run_id
+                max_groups=max_groups,
+                timeout_s=wait,
+                ack_group_ids=sent[i][0],
+                reject_group_ids=sent[i][1],
+                run_id=self._run_id,
             )
 
         i, response = self._call("Pull", request, deadline_s=wait + _PULL_SLACK_S, server=None)
-        del self._acks[i][: len(sent[i])]  # delivered with the Pull
+        del self._acks[i][: len(sent[i][0])]  # delivered with the Pull
+        del self._rejects[i][: len(sent[i][1])]
         for g in response.groups:
             self._origin[group_key(g)] = i
         return list(response.groups)
 
-    def ack(self, groups: Sequence[rollout_pb2.Group]) -> None:
+    def ack(self, groups: Sequence[rollout_pb2.Group], *, rejected: bool = False) -> None:
         """Acknowledges pulled ``groups`` (sent with the next Pull to their server, or by
-        ``flush_acks``); groups not pulled through this pool are ignored."""
+        ``flush_acks``); groups not pulled through this pool are ignored. ``rejected``: they
+        will not be trained (stale, duplicate, invalid), so their server generates replacements."""
+        pending = self._rejects if rejected else self._acks
         for g in groups:
             i = self._origin.pop(group_key(g), None)
             if i is not None:
-                self._acks[i].append(g.group_id)
+                pending[i].append(g.group_id)
 
     def flush_acks(self) -> None:
         """Sends every pending acknowledgement now (the Ack RPC, retried like any call)."""
-        for i, ids in enumerate(self._acks):
-            if ids:
-                request = rollout_pb2.AckRequest(group_ids=ids, run_id=self._run_id)
+        for i, (ids, rejects) in enumerate(zip(self._acks, self._rejects, strict=True)):
+            if ids or rejects:
+                request = rollout_pb2.AckRequest(
+                    group_ids=ids, reject_group_ids=rejects, run_id=self._run_id
+                )
                 self._call("Ack", request, deadline_s=_HEALTH_S, server=i)
-                self._acks[i] = []
+                self._acks[i], self._rejects[i] = [], []
 
     def update_weights(
         self, version: int, checkpoint_path: str, *, new_admission_epoch: bool = False

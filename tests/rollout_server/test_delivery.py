@@ -15,7 +15,7 @@ import pytest
 from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
 from rollout_server.proto import rollout_pb2
-from rollout_server.rollout import RunNotAttachedError
+from rollout_server.rollout import RunNotAttachedError, admission_budget
 from sat_jax.experiment import RolloutConfig
 from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop
 
@@ -47,6 +47,28 @@ def test_ack_removes_groups_whether_leased_or_queued_again():
     assert loop.ack([0, 1, 2]) == 3  # a late ack of a re-queued group still counts once
     assert loop.ack([0, 1, 2]) == 0
     assert len(loop.queue) == 0 and loop.persisted.consumed == 3
+
+
+def test_rejected_groups_leave_the_admission_count_so_they_are_replaced(tmp_path):
+    # Sync-mode shape: the batch of v1 is all dispatched, so admission is closed.
+    B = 4
+    cfg = RolloutConfig(batch_groups=B, max_staleness=0)
+    loop = _loop(StateStore(str(tmp_path)), FakeEngine(), wait=True, cfg=cfg)
+    loop.install_weights(1, "/ckpt/v1", params=None)
+    _groups(loop, range(B))
+    assert len(loop.pull(B, 0)) == B and not loop.stats()["admission_open"]
+    assert loop.ack([0]) == 1  # trained: consumed, still counted by admission
+    assert not loop.stats()["admission_open"]
+    # Rejected with the next Pull (and one of them again: counted once), or through Ack.
+    assert loop.pull(1, 0, reject=[1, 2, 2]) == []
+    assert loop.ack([], reject=[3, 1]) == 1
+    stats = loop.stats()
+    assert stats["groups_consumed"] == B and stats["groups_rejected"] == 3
+    assert loop.persisted.epoch_used == 3 and stats["admission_open"]
+    budget = admission_budget(cfg, loop.persisted, version=1, queued=len(loop.queue), running=0)
+    assert budget == 3  # one replacement per rejected group
+    saved = json.loads((tmp_path / "rollout_state.json").read_text())
+    assert saved["epoch_used"] == 3 and saved["consumed"] == B  # a restart keeps the replacements
 
 
 class FullDisk(StateStore):

@@ -143,6 +143,15 @@ def test_update_weights_and_versions(live):
             rollout_pb2.UpdateWeightsRequest(version=0, checkpoint_path=str(path), token=TOKEN)
         )
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    too_many = list(range(4097))  # more rejections than one call may carry: refused
+    for call in (
+        lambda: stub.Pull(rollout_pb2.PullRequest(max_groups=1, reject_group_ids=too_many)),
+        lambda: stub.Ack(rollout_pb2.AckRequest(reject_group_ids=too_many)),
+    ):
+        with pytest.raises(grpc.RpcError) as e:
+            call()
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "reject_group_ids" in e.value.details()
     # Groups keep flowing; eventually whole trajectories come from version 1, and within every
     # trajectory versions never decrease.
     seen_v1 = []

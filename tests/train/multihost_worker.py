@@ -92,7 +92,7 @@ class FakePool:
         out, self.queue = self.queue[:n], self.queue[n:]
         return out
 
-    def ack(self, groups) -> None:
+    def ack(self, groups, *, rejected: bool = False) -> None:
         self.acked.extend(groups)
 
     def versions(self) -> list[int]:

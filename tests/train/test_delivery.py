@@ -43,7 +43,9 @@ class ScriptedRollout(FakeRollout):
         self.groups = list(groups)
         self.metadata: list[tuple[str, str]] = []
         self.pull_acks: list[list[int]] = []
+        self.pull_rejects: list[list[int]] = []
         self.acks: list[list[int]] = []
+        self.ack_rejects: list[list[int]] = []
         self.run_ids: set[str] = set()
         self.fail_pulls = 0
 
@@ -55,6 +57,7 @@ class ScriptedRollout(FakeRollout):
     def Pull(self, request, context):
         self._record(context, request.run_id)
         self.pull_acks.append(list(request.ack_group_ids))
+        self.pull_rejects.append(list(request.reject_group_ids))
         if self.fail_pulls:
             self.fail_pulls -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "down for a moment")
@@ -64,7 +67,8 @@ class ScriptedRollout(FakeRollout):
     def Ack(self, request, context):
         self._record(context, request.run_id)
         self.acks.append(list(request.group_ids))
-        return rollout_pb2.AckResponse(acked=len(request.group_ids))
+        self.ack_rejects.append(list(request.reject_group_ids))
+        return rollout_pb2.AckResponse(acked=len(request.group_ids) + len(request.reject_group_ids))
 
 
 @pytest.fixture
@@ -104,11 +108,12 @@ def test_bad_ids_are_rejected_and_acknowledgements_ride_on_pulls(scripted):
         assert [g.group_id for g in again.kept] == [5] and again.duplicates == 1
         p.ack(again.pulled)
         p.flush_acks()
-    # Groups never to be trained (the two invalid ones, the re-delivered group 0) are acknowledged
-    # with the very next Pull, so they cannot hold the server's admission while the batch waits;
-    # trained groups after their step.
-    assert servicer.pull_acks == [[], [1, 2], [0, 3, 4], [0]]
-    assert servicer.acks == [[5]]
+    # Groups never to be trained (the two invalid ones, the re-delivered group 0) are rejected
+    # with the very next Pull, so they cannot hold the server's admission while the batch waits
+    # and the server replaces them; trained groups are acknowledged after their step.
+    assert servicer.pull_rejects == [[], [1, 2], [], [0]]
+    assert servicer.pull_acks == [[], [], [0, 3, 4], []]
+    assert servicer.acks == [[5]] and servicer.ack_rejects == [[]]
     assert {auth for _, auth in servicer.metadata} == {"Bearer s3cret"}
     assert servicer.run_ids == {"run-1"}
 
@@ -116,10 +121,22 @@ def test_bad_ids_are_rejected_and_acknowledgements_ride_on_pulls(scripted):
 def test_a_failed_pull_keeps_its_acknowledgements_for_the_next(scripted):
     servicer, address = scripted
     with pool([address]) as p:
-        first = p.pull(2, 0.1)
-        p.ack(first)
+        first = p.pull(3, 0.1)
+        p.ack(first[:2])
+        p.ack(first[2:], rejected=True)
         p.ack([_group(99)])  # never pulled through this pool: ignored
         servicer.fail_pulls = 1  # the next Pull fails (after reading its acks): retried
         p.pull(1, 0.1)
         p.flush_acks()  # nothing pending: no Ack call
     assert servicer.pull_acks == [[], [0, 1], [0, 1]] and servicer.acks == []
+    assert servicer.pull_rejects == [[], [2], [2]]
+
+
+def test_flush_sends_pending_rejections_with_ack(scripted):
+    servicer, address = scripted
+    with pool([address]) as p:
+        first = p.pull(3, 0.1)
+        p.ack(first[:1])
+        p.ack(first[1:], rejected=True)
+        p.flush_acks()
+    assert servicer.acks == [[0]] and servicer.ack_rejects == [[1, 2]]

@@ -325,7 +325,7 @@ class FakePool:
             self.next_id += 1
         return groups
 
-    def ack(self, groups) -> None:
+    def ack(self, groups, *, rejected: bool = False) -> None:
         self.acked.extend(g.group_id for g in groups)
 
     def flush_acks(self) -> None:
