@@ -41,10 +41,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from sat_jax import objectives, sampler, sharding
-from sat_jax.advantages import group_advantages
+from sat_jax import objectives, sampler
 from sat_jax.experiment import load_config
+from sat_jax.objectives.advantages import group_advantages
 from sat_jax.optimizer import make_optimizer
+from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
 from sat_jax.train_step import TrainBatch, create_train_state, make_train_step, shard_batch

@@ -37,8 +37,8 @@ from rollout_server import jetstream_compat  # noqa: E402,F401  (must precede je
 # isort: split
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc  # noqa: E402
 
-from rollout_server.client import bearer_metadata, channel_options  # noqa: E402
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc  # noqa: E402
+from rollout_api.client import bearer_metadata, channel_options  # noqa: E402
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc  # noqa: E402
 
 TOKEN = "bench-token"
 BATCH = 2

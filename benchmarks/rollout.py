@@ -42,9 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from rollout_server.client import channel_options, connect
+from rollout_api.client import channel_options, connect
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server.engine import MoEEngine
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax import params_io
 from sat_jax.decoding import DecodeCore, SamplingConfig, sample
 from sat_jax.experiment import RolloutConfig, ServerConfig

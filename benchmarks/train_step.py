@@ -36,8 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sat_jax import objectives, plan, sharding, train_step
+from sat_jax import objectives, train_step
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import plan, sharding
 
 PROMPT = 64  # prompt tokens per row (not in the loss); the rest of T is completion
 

@@ -19,5 +19,5 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 - `client`: channel options and a stub for the trainer (grpc + generated code only).
 
 Imports sat_jax; sat_jax never imports this package. Importing the package itself pulls in
-nothing heavy, so `rollout_server.client` stays usable without JetStream.
+nothing heavy, so `rollout_api.client` stays usable without JetStream.
 """

@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from rollout_server.client import bearer_metadata
+from rollout_api.client import bearer_metadata
 
 # Answered without a token: liveness probes (ours and JetStream's).
 EXEMPT_METHODS = frozenset(

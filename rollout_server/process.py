@@ -22,21 +22,21 @@ import prometheus_client as prom
 from flax import nnx
 from jetstream.core.proto import jetstream_pb2_grpc
 
+from rollout_api.proto import rollout_pb2_grpc
 from rollout_server import weights
 from rollout_server.auth import TokenInterceptor
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
-from rollout_server.proto import rollout_pb2_grpc
 from rollout_server.rollout import RolloutLoop
 from rollout_server.service import RolloutService, ValidatingOrchestrator
-from sat_jax import sharding
 from sat_jax.decoding import SamplingConfig
-from sat_jax.experiment import ExperimentConfig
+from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import Transformer, hf
 from sat_jax.model.config import runtime_overrides
-from sat_jax.tasks import make_reward, make_tokenizer, prompt_source
+from sat_jax.parallel import sharding
+from sat_jax.tasks import make_reward, prompt_source
 
 log = logging.getLogger("rollout_server")
 

@@ -38,12 +38,12 @@ from typing import Any
 
 import grain
 
+from rollout_api.proto import rollout_pb2
+from rollout_api.routing_codec import encode_routing
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
 from rollout_server.engine import MoEEngine
 from rollout_server.group_queue import GroupQueue
 from rollout_server.persistence import RolloutState, StateStore, new_server_id
-from rollout_server.proto import rollout_pb2
-from rollout_server.routing_codec import encode_routing
 from sat_jax.experiment import RolloutConfig
 from sat_jax.tasks import Tokenizer
 from sat_jax.tasks.rewards import RewardFn

@@ -23,11 +23,11 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2
 
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server import weights
 from rollout_server.auth import has_token
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server.rollout import RolloutLoop, RunNotAttachedError
 
 log = logging.getLogger(__name__)

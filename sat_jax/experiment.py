@@ -24,10 +24,10 @@ import yaml
 from sat_jax.model import hf
 from sat_jax.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
-from sat_jax.sharding import MeshConfig
-from sat_jax.tasks.tokenizer import CharTokenizer, check_tokenizer
+from sat_jax.parallel.sharding import MeshConfig
+from sat_jax.tasks.config import TaskConfig
+from sat_jax.tasks.tokenizer import CharTokenizer, Tokenizer
 
-REWARDS = ("exact_match", "math", "gsm8k")
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 _FLOAT_RE = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 # Frozen defaults of TrainConfig (shared instances are safe: the dataclasses are immutable).
@@ -38,72 +38,6 @@ _ONE_DEVICE_MESH = MeshConfig(fsdp=1)
 
 class ConfigError(ValueError):
     """A config key is unknown or its value is invalid; the message names the dotted key."""
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TaskConfig:
-    """Where prompts come from and how completions are scored.
-
-    Attributes:
-      source: "arithmetic" (generated problems) or "file" (jsonl/parquet rows with answers).
-      seed: seeds problem generation and file shuffling.
-      min_digits, max_digits: operand length range of arithmetic problems.
-      operators: the arithmetic operators drawn from, a subset of "+-*".
-      path: the jsonl (or parquet) prompt file when `source == "file"`.
-      prompt_key, answer_key, id_key: columns of a file row; rows without `id_key` get their
-        line number as id.
-      reward: "exact_match" (completion == answer after stripping), "math" (a `\\boxed{}`
-        answer checked by math-verify) or "gsm8k" (the reference is the text after "####" in
-        the answer; the completion's last `\\boxed{}`, else its last number, checked by
-        math-verify).
-      alphabet: the characters of the character tokenizer (after pad, bos and eos).
-      tokenizer: "char" (the character tokenizer over `alphabet`) or "hf" (a Hugging Face
-        tokenizer directory); "" = "hf" when `model.hf_path` is set, else "char"
-        (`ExperimentConfig.tokenizer_kind`).
-      tokenizer_path: the HF tokenizer's directory; "" = `model.hf_path`.
-      chat_template: render each prompt as one user message with the tokenizer's chat template
-        and its generation prompt (the tokenizer must have a template).
-      system_prompt: a system message placed before the user message ("" = none; needs
-        `chat_template`).
-    """
-
-    source: str = "arithmetic"
-    seed: int = 0
-    min_digits: int = 1
-    max_digits: int = 2
-    operators: str = "+-"
-    path: str = ""
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    id_key: str = "id"
-    reward: str = "exact_match"
-    alphabet: str = "0123456789+-*=() "
-    tokenizer: str = ""
-    tokenizer_path: str = ""
-    chat_template: bool = False
-    system_prompt: str = ""
-
-    def __post_init__(self) -> None:
-        if self.source not in ("arithmetic", "file"):
-            raise ValueError(f"source must be 'arithmetic' or 'file', got {self.source!r}")
-        if not 1 <= self.min_digits <= self.max_digits <= 9:
-            raise ValueError(
-                f"need 1 <= min_digits <= max_digits <= 9, got {self.min_digits}, {self.max_digits}"
-            )
-        if not self.operators or set(self.operators) - set("+-*"):
-            raise ValueError(
-                f"operators must be a non-empty subset of '+-*', got {self.operators!r}"
-            )
-        if self.source == "file" and not self.path:
-            raise ValueError("source 'file' needs a path")
-        if self.reward not in REWARDS:
-            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
-        if self.tokenizer not in ("", "char", "hf"):
-            raise ValueError(f"tokenizer must be 'char' or 'hf', got {self.tokenizer!r}")
-        if self.system_prompt and not self.chat_template:
-            raise ValueError("system_prompt needs chat_template: true")
-        if not self.alphabet or len(set(self.alphabet)) != len(self.alphabet):
-            raise ValueError("alphabet must be non-empty without repeated characters")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -475,7 +409,7 @@ def load_config(path: str | None, overrides: list[str] | tuple[str, ...] = ()) -
             raise ConfigError(f"{key.strip()}: cannot parse {text!r}: {e}") from e
     cfg = _build(ExperimentConfig, flat, "")
     try:
-        check_tokenizer(cfg)
+        _check_tokenizer(cfg)
     except ValueError as e:
         raise ConfigError(str(e)) from e
     return cfg
@@ -592,3 +526,43 @@ def _coerce(value: Any, hint: Any, key: str) -> Any:
     else:
         return value
     raise ConfigError(f"{key}: expected {getattr(hint, '__name__', hint)}, got {value!r}")
+
+
+def make_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
+    """The tokenizer `cfg` names: `task.tokenizer` ("char" over `task.alphabet`, or "hf" from
+    `task.tokenizer_path`, default `model.hf_path`), with `rollout.stop_token_ids` as extra stops.
+
+    Raises:
+      ValueError: one line naming the key, for missing tokenizer files or a chat template the
+        tokenizer lacks (`_check_tokenizer`).
+    """
+    if cfg.tokenizer_kind == "char":
+        return CharTokenizer(cfg.task.alphabet, stop_ids=cfg.rollout.stop_token_ids)
+    from sat_jax.tasks.hf_tokenizer import HFTokenizer  # imports transformers on construction
+
+    return HFTokenizer(
+        cfg.tokenizer_path,
+        chat_template=cfg.task.chat_template,
+        system_prompt=cfg.task.system_prompt,
+        stop_ids=cfg.rollout.stop_token_ids,
+        checkpoint=cfg.model.hf_path,
+        path_key=_path_key(cfg),
+    )
+
+
+def _check_tokenizer(cfg: ExperimentConfig) -> None:
+    """Checks the files an "hf" tokenizer needs without loading it (`load_config` calls this).
+
+    Raises:
+      ValueError: one line naming the key (see `hf_tokenizer.check_tokenizer_files`).
+    """
+    if cfg.tokenizer_kind == "hf":
+        from sat_jax.tasks.hf_tokenizer import check_tokenizer_files
+
+        check_tokenizer_files(
+            cfg.tokenizer_path, chat_template=cfg.task.chat_template, key=_path_key(cfg)
+        )
+
+
+def _path_key(cfg: ExperimentConfig) -> str:
+    return "task.tokenizer_path" if cfg.task.tokenizer_path else "model.hf_path"

@@ -27,8 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sat_jax import objectives, sharding
-from sat_jax.loss_terms import loss_count
+from sat_jax import objectives
 from sat_jax.model import (
     ModelConfig,
     ModelOutput,
@@ -38,6 +37,8 @@ from sat_jax.model import (
     token_logprobs,
 )
 from sat_jax.model.moe import balance_from_stats
+from sat_jax.objectives.loss_terms import loss_count
+from sat_jax.parallel import sharding
 
 Metrics = dict[str, jax.Array]
 

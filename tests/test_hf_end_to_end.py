@@ -30,7 +30,7 @@ import portpicker
 import pytest
 import yaml
 
-from rollout_server.proto import rollout_pb2
+from rollout_api.proto import rollout_pb2
 from sat_jax.experiment import load_config
 from sat_jax.model import hf
 from tests import hf_fixtures
@@ -149,7 +149,7 @@ class _Server:
 
 
 def _pull_groups(server: _Server, want: int) -> tuple[list, rollout_pb2.StatsResponse]:
-    from rollout_server.client import connect
+    from rollout_api.client import connect
 
     cfg = load_config(None, [])
     channel, stub = connect(f"127.0.0.1:{server.port}", cfg.server.max_message_bytes)

@@ -32,9 +32,9 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from rollout_server.proto import rollout_pb2
-from rollout_server.routing_codec import decode_routing
-from sat_jax.advantages import group_advantages
+from rollout_api.proto import rollout_pb2
+from rollout_api.routing_codec import decode_routing
+from sat_jax.objectives.advantages import group_advantages
 from sat_jax.train_step import TrainBatch
 
 log = logging.getLogger("train")

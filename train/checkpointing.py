@@ -23,8 +23,9 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from sat_jax import params_io, sharding
+from sat_jax import params_io
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState, train_state_shardings
 
 # Prompt ids remembered for de-duplication after a restart (bounded: memory stays flat).

@@ -24,11 +24,11 @@ from typing import Any
 
 from flax import nnx
 
-from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import hf
 from sat_jax.model.config import runtime_overrides
 from sat_jax.optimizer import make_optimizer
+from sat_jax.parallel import sharding
 from sat_jax.tasks import Prompt
 from sat_jax.tasks.pipeline import read_prompts
 from train import checkpointing, evaluation, setup

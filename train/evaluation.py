@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from sat_jax import decoding
-from sat_jax.experiment import ExperimentConfig, TaskConfig
+from sat_jax.experiment import ExperimentConfig, TaskConfig, make_tokenizer
 from sat_jax.model import ModelConfig
 from sat_jax.tasks import (
     CharTokenizer,
@@ -33,7 +33,6 @@ from sat_jax.tasks import (
     Tokenizer,
     arithmetic_task,
     make_reward,
-    make_tokenizer,
     sampleable_mask,
 )
 

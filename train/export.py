@@ -19,11 +19,10 @@ import os
 import pathlib
 import sys
 
-from sat_jax import sharding
-from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
+from sat_jax.experiment import ConfigError, ExperimentConfig, load_config, make_tokenizer
 from sat_jax.model import hf_export
 from sat_jax.optimizer import make_optimizer
-from sat_jax.tasks import make_tokenizer
+from sat_jax.parallel import sharding
 from train import checkpointing, setup
 
 

@@ -17,8 +17,8 @@ import time
 
 import grpc
 
-from rollout_server.client import connect
-from rollout_server.proto import rollout_pb2
+from rollout_api.client import connect
+from rollout_api.proto import rollout_pb2
 
 _PR_SET_PDEATHSIG = 1
 # The readiness probe only sends Health: gRPC's own 4 MiB message limit is plenty.

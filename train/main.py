@@ -63,9 +63,9 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.optimizer import make_optimizer
+from sat_jax.parallel import sharding
 from sat_jax.train_step import (
     TrainBatch,
     TrainState,

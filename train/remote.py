@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 import grpc
 from google.protobuf.message import Message
 
-from rollout_server.client import bearer_metadata, connect
-from rollout_server.proto import rollout_pb2
+from rollout_api.client import bearer_metadata, connect
+from rollout_api.proto import rollout_pb2
 from train.batching import group_key
 
 log = logging.getLogger("train")

@@ -21,11 +21,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rollout_server.client import read_ca
-from sat_jax import sharding
-from sat_jax.experiment import ExperimentConfig
+from rollout_api.client import read_ca
+from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import hf
-from sat_jax.tasks import make_tokenizer
+from sat_jax.parallel import sharding
 from sat_jax.tasks import sampleable_mask as tokenizer_mask
 from sat_jax.train_step import next_token_logprobs
 from train import batching, warmup

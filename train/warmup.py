@@ -27,9 +27,9 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from sat_jax import sharding
 from sat_jax.experiment import TaskConfig
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
 from sat_jax.train_step import next_token_logprobs
 

@@ -297,7 +297,7 @@ def load_params(
       path: a checkpoint directory (safetensors, single or sharded with an index).
       cfg: the model config (e.g. ``config_from_hf`` of its config.json).
       shardings: a nested dict of ``jax.sharding.Sharding`` per parameter (e.g.
-        ``sat_jax.sharding.param_shardings(abstract, mesh)``); default the default device.
+        ``sat_jax.parallel.sharding.param_shardings(abstract, mesh)``); default the default device.
 
     Returns:
       ``(graphdef, params)``; ``nnx.merge(graphdef, params)`` is the ``Transformer``.
@@ -336,14 +336,14 @@ def load_qwen3_moe(
 
     Args:
       path: a directory with ``config.json`` and safetensors weights.
-      mesh: place each parameter on its sharding under ``sat_jax.sharding``'s logical-axis rules
+      mesh: place each parameter on its sharding under ``sat_jax.parallel.sharding``'s logical-axis rules
         over this mesh; default the default device.
       **config_overrides: ``ModelConfig`` fields to change (e.g. ``dispatch``, ``dtype``).
 
     Returns:
       The ``Transformer``; its ``config`` is the mapped ``ModelConfig``.
     """
-    from sat_jax import sharding  # sat_jax.sharding imports sat_jax.model
+    from sat_jax.parallel import sharding  # sat_jax.parallel.sharding imports sat_jax.model
 
     cfg = config_from_dir(path, **config_overrides)
     shardings = None

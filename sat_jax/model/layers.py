@@ -6,7 +6,7 @@ Dimension letters used in tensor names:
   F feed-forward hidden width.
 
 Parameters carry LOGICAL axis names in their `out_sharding` metadata ("vocab", "embed", "q_heads",
-"kv_heads", "head_dim", "exp", "mlp", "norm"); `sat_jax.sharding` maps them onto mesh axes. Eager
+"kv_heads", "head_dim", "exp", "mlp", "norm"); `sat_jax.parallel.sharding` maps them onto mesh axes. Eager
 sharding is off so a model builds without a mesh (and under `nnx.eval_shape`).
 """
 

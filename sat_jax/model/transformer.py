@@ -19,6 +19,7 @@ from flax import nnx, struct
 from sat_jax.model.config import ModelConfig
 from sat_jax.model.layers import Attention, DenseMLP, RMSNorm, fan_in_init, make_param
 from sat_jax.model.moe import MoE, MoEOutput, balance_from_stats
+from sat_jax.parallel.rules import constrain_batch
 
 
 @struct.dataclass
@@ -334,8 +335,6 @@ class Transformer(nnx.Module):
                 replay = jnp.moveaxis(replay_btlk[:, :, moe_seen : moe_seen + end - start], 2, 0)
 
             def body(x, xs, graphdef=graphdef):
-                from sat_jax.sharding import constrain_batch  # sat_jax.sharding imports us
-
                 x, stats = _layer_step(
                     nnx.merge(graphdef, xs[0]),
                     constrain_batch(x),

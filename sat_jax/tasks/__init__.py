@@ -4,6 +4,7 @@ Shared by the rollout server and the trainer; nothing here imports grpc or jetst
 """
 
 from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
+from sat_jax.tasks.config import TaskConfig
 from sat_jax.tasks.pipeline import (
     arithmetic_dataset,
     arithmetic_task,
@@ -13,12 +14,13 @@ from sat_jax.tasks.pipeline import (
     read_prompts,
 )
 from sat_jax.tasks.rewards import exact_match_reward, gsm8k_reward, make_reward, math_reward
-from sat_jax.tasks.tokenizer import CharTokenizer, Tokenizer, make_tokenizer, sampleable_mask
+from sat_jax.tasks.tokenizer import CharTokenizer, Tokenizer, sampleable_mask
 
 __all__ = [
     "ArithmeticTask",
     "CharTokenizer",
     "Prompt",
+    "TaskConfig",
     "Tokenizer",
     "arithmetic_dataset",
     "arithmetic_task",
@@ -26,7 +28,6 @@ __all__ = [
     "file_dataset",
     "gsm8k_reward",
     "make_reward",
-    "make_tokenizer",
     "math_reward",
     "prompt_dataset",
     "prompt_source",

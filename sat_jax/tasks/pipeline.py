@@ -12,16 +12,14 @@ import json
 import logging
 import sys
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grain
 
 from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
+from sat_jax.tasks.config import TaskConfig
 
 log = logging.getLogger(__name__)
-
-if TYPE_CHECKING:  # sat_jax.experiment imports this package (the tokenizer's id count)
-    from sat_jax.experiment import TaskConfig
 
 
 def arithmetic_task(cfg: TaskConfig, *, seed_offset: int) -> ArithmeticTask:

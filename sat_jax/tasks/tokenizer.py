@@ -16,12 +16,9 @@ prompts are BOS-prefixed.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import numpy as np
-
-if TYPE_CHECKING:  # sat_jax.experiment imports this module (the tokenizer's id count)
-    from sat_jax.experiment import ExperimentConfig
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 _SPECIALS = 3
@@ -131,43 +128,3 @@ class CharTokenizer:
             if i >= _SPECIALS:
                 out.append(self.alphabet[i - _SPECIALS])
         return "".join(out)
-
-
-def make_tokenizer(cfg: ExperimentConfig) -> Tokenizer:
-    """The tokenizer `cfg` names: `task.tokenizer` ("char" over `task.alphabet`, or "hf" from
-    `task.tokenizer_path`, default `model.hf_path`), with `rollout.stop_token_ids` as extra stops.
-
-    Raises:
-      ValueError: one line naming the key, for missing tokenizer files or a chat template the
-        tokenizer lacks (`check_tokenizer`).
-    """
-    if cfg.tokenizer_kind == "char":
-        return CharTokenizer(cfg.task.alphabet, stop_ids=cfg.rollout.stop_token_ids)
-    from sat_jax.tasks.hf_tokenizer import HFTokenizer  # imports transformers on construction
-
-    return HFTokenizer(
-        cfg.tokenizer_path,
-        chat_template=cfg.task.chat_template,
-        system_prompt=cfg.task.system_prompt,
-        stop_ids=cfg.rollout.stop_token_ids,
-        checkpoint=cfg.model.hf_path,
-        path_key=_path_key(cfg),
-    )
-
-
-def check_tokenizer(cfg: ExperimentConfig) -> None:
-    """Checks the files an "hf" tokenizer needs without loading it (`load_config` calls this).
-
-    Raises:
-      ValueError: one line naming the key (see `hf_tokenizer.check_tokenizer_files`).
-    """
-    if cfg.tokenizer_kind == "hf":
-        from sat_jax.tasks.hf_tokenizer import check_tokenizer_files
-
-        check_tokenizer_files(
-            cfg.tokenizer_path, chat_template=cfg.task.chat_template, key=_path_key(cfg)
-        )
-
-
-def _path_key(cfg: ExperimentConfig) -> str:
-    return "task.tokenizer_path" if cfg.task.tokenizer_path else "model.hf_path"

@@ -17,8 +17,8 @@ import portpicker
 import pytest
 from flax import nnx
 
-from rollout_server.client import bearer_metadata, channel_options
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+from rollout_api.client import bearer_metadata, channel_options
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax.experiment import load_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

@@ -12,9 +12,9 @@ import types
 import numpy as np
 import pytest
 
+from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
-from rollout_server.proto import rollout_pb2
 from rollout_server.rollout import RunNotAttachedError, admission_budget
 from sat_jax.experiment import RolloutConfig
 from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop

@@ -20,7 +20,7 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax.params_io import save_params
 from tests.rollout_server.conftest import (
     REPO,
@@ -126,7 +126,7 @@ def test_every_rpc_but_health_needs_the_token(server_factory, tmp_path):
 
 _CLIENT = """
 import sys, grpc
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 stub = rollout_pb2_grpc.RolloutStub(grpc.insecure_channel(sys.argv[1]))
 got = stub.Pull(rollout_pb2.PullRequest(max_groups=2, timeout_s=120), timeout=300,
                 metadata=[("authorization", "Bearer " + sys.argv[2])]).groups

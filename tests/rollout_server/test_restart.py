@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rollout_server.proto import rollout_pb2
+from rollout_api.proto import rollout_pb2
 from tests.rollout_server.conftest import stats, wait_for
 
 pytestmark = pytest.mark.slow  # starts server processes

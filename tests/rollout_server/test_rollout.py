@@ -10,9 +10,9 @@ import types
 import grain
 import pytest
 
+from rollout_api.proto import rollout_pb2
 from rollout_server.engine import MoEEngine
 from rollout_server.persistence import RolloutState, StateStore
-from rollout_server.proto import rollout_pb2
 from rollout_server.rollout import RolloutLoop, admission_budget
 from sat_jax.experiment import RolloutConfig, ServerConfig, TaskConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset

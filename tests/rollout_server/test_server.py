@@ -17,8 +17,8 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
 
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
-from rollout_server.routing_codec import decode_routing
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
+from rollout_api.routing_codec import decode_routing
 from sat_jax.params_io import save_params
 from sat_jax.tasks import CharTokenizer
 from tests.rollout_server.conftest import ServerProcess, random_params, stats, wait_for

@@ -13,8 +13,7 @@ import numpy as np
 from rollout_server.engine import MoEEngine, unpack_step
 from rollout_server.process import initial_model, serving_mesh
 from sat_jax.decoding import SamplingConfig
-from sat_jax.experiment import load_config
-from sat_jax.tasks import make_tokenizer
+from sat_jax.experiment import load_config, make_tokenizer
 
 CONFIG = str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml")
 PROMPTS = ["12+7=", "3-45=", "9*9="]

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rollout_server.proto import rollout_pb2
-from sat_jax.experiment import load_config
+from rollout_api.proto import rollout_pb2
+from sat_jax.experiment import load_config, make_tokenizer
 from sat_jax.model import Transformer, token_logprobs
 from sat_jax.params_io import save_params
-from sat_jax.tasks import make_tokenizer, sampleable_mask
+from sat_jax.tasks import sampleable_mask
 from tests.rollout_server.conftest import CONFIG, SHAPES, pull_all, random_params
 
 pytestmark = pytest.mark.slow  # starts a server process on 8 simulated devices

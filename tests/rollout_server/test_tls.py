@@ -8,8 +8,8 @@ import subprocess
 import grpc
 import pytest
 
-from rollout_server.client import connect
-from rollout_server.proto import rollout_pb2
+from rollout_api.client import connect
+from rollout_api.proto import rollout_pb2
 from tests.rollout_server.conftest import MAX_MESSAGE_BYTES
 
 pytestmark = pytest.mark.slow  # starts server processes

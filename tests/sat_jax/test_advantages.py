@@ -1,4 +1,4 @@
-"""Tests of sat_jax.advantages against a float64 NumPy reference written per group."""
+"""Tests of sat_jax.objectives.advantages against a float64 NumPy reference written per group."""
 
 import jax
 import jax.numpy as jnp
@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sat_jax.advantages import group_advantages
+from sat_jax.objectives.advantages import group_advantages
 
 
 def reference(rewards, group_ids, estimator, normalize_std, eps, where):

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import decoding, sharding
+from sat_jax import decoding
 from sat_jax.model import ModelConfig, Transformer
+from sat_jax.parallel import sharding
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
 MAX_NEW = 6

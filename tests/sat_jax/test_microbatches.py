@@ -14,8 +14,9 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives, train_step
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T, PROMPT = 16, 12, 4

@@ -12,8 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from sat_jax import plan, sharding
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import plan, sharding
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 

@@ -1,11 +1,11 @@
-"""sat_jax.quantile: the exact masked quantile on large inputs, where the radix bins matter."""
+"""sat_jax.objectives.quantile: the exact masked quantile on large inputs, where the radix bins matter."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from sat_jax.quantile import masked_quantile
+from sat_jax.objectives.quantile import masked_quantile
 
 
 def _reference(x, level, weights):

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import sampler, sharding
+from sat_jax import sampler
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, sampleable_mask
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=24)

@@ -9,8 +9,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sat_jax import sharding
 from sat_jax.model import ModelConfig, Transformer
+from sat_jax.parallel import sharding
 
 MeshConfig = sharding.MeshConfig
 TINY = ModelConfig.preset("tiny", mlp_only_layers=(0,))

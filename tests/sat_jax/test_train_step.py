@@ -10,8 +10,9 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives, train_step
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 
 # float32 throughout; sharding only reorders reductions (~1e-7 relative per op).
 RTOL, ATOL = 1e-5, 1e-6

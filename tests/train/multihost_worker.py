@@ -46,7 +46,7 @@ def weights() -> np.ndarray:
 
 
 def _trajectory(seed: int, version: int):
-    from rollout_server.proto import rollout_pb2
+    from rollout_api.proto import rollout_pb2
 
     rng = np.random.default_rng(seed)
     p, c = 3, int(rng.integers(1, 6))
@@ -65,7 +65,7 @@ def _trajectory(seed: int, version: int):
 
 def fake_groups(round_: int) -> list:
     """One batch's worth of pulls: three fresh groups, one too stale, one already trained."""
-    from rollout_server.proto import rollout_pb2
+    from rollout_api.proto import rollout_pb2
 
     long = "x" * 700 * round_  # round 1: > 1 KiB of prompt ids in the JSON part
     specs = [("a", 3), ("stale", 1), ("dup", 3), ("b", 2), ("c", 3)]

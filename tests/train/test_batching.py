@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rollout_server.proto import rollout_pb2
+from rollout_api.proto import rollout_pb2
 from train import batching, pulling
 
 L, K = 2, 2
@@ -260,8 +260,9 @@ def test_bucketed_batch_trains_like_the_capacity_padded_one():
     import jax
     import optax
 
-    from sat_jax import objectives, sharding, train_step
+    from sat_jax import objectives, train_step
     from sat_jax.model import ModelConfig
+    from sat_jax.parallel import sharding
 
     model_cfg = ModelConfig.preset("tiny", dispatch="dense", router_aux_loss_coef=0.05)
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])

@@ -8,9 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-from sat_jax import params_io, sharding
+from sat_jax import params_io
 from sat_jax.experiment import load_config
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 from sat_jax.train_step import init_train_state
 from train import checkpointing, setup
 

@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
-from rollout_server.proto import rollout_pb2
-from rollout_server.routing_codec import encode_routing
+from rollout_api.proto import rollout_pb2
+from rollout_api.routing_codec import encode_routing
 from tests.train.test_batching import spec
 from tests.train.test_remote import FakeRollout, pool, serve
 from train import batching, checkpointing, pulling

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import sharding
 from sat_jax.experiment import TaskConfig, load_config
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt, sampleable_mask
 from train import evaluation, warmup
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import hf, make_tiny
 from sat_jax.optimizer import make_optimizer
+from sat_jax.parallel import sharding
 from sat_jax.train_step import create_train_state
 from train import checkpointing, eval_cli, export, setup
 

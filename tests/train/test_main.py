@@ -26,9 +26,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rollout_server.proto import rollout_pb2
-from sat_jax import sharding
+from rollout_api.proto import rollout_pb2
 from sat_jax.experiment import load_config
+from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState
 from tests.train.conftest import JAX_CACHE
 from train import checkpointing, main, metrics, setup, weight_sync

@@ -12,7 +12,7 @@ import grpc
 import portpicker
 import pytest
 
-from rollout_server.proto import rollout_pb2, rollout_pb2_grpc
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from train.remote import MessageTooLargeError, ServerPool, ServersDownError
 
 MiB = 1024 * 1024

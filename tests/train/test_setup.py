@@ -7,9 +7,10 @@ import jax
 import numpy as np
 import pytest
 
-from sat_jax import sampler, sharding
+from sat_jax import sampler
 from sat_jax.experiment import load_config
 from sat_jax.optimizer import make_optimizer
+from sat_jax.parallel import sharding
 from tests.train.test_remote import FakeRollout, serve
 from train import remote, setup
 

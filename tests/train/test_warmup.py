@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
-from sat_jax import sharding
 from sat_jax.experiment import TaskConfig
 from sat_jax.model import ModelConfig
+from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt
 from train import evaluation, warmup
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import sharding
 from sat_jax.model import ModelConfig, Transformer, hf, hf_export
+from sat_jax.parallel import sharding
 
 # Tied and untied, a forced-dense layer, bfloat16 storage: every table entry gets exercised.
 CASES = {

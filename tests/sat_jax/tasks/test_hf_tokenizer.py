@@ -9,8 +9,8 @@ import json
 import numpy as np
 import pytest
 
-from sat_jax.experiment import ConfigError, load_config
-from sat_jax.tasks import CharTokenizer, make_tokenizer, sampleable_mask
+from sat_jax.experiment import ConfigError, load_config, make_tokenizer
+from sat_jax.tasks import CharTokenizer, sampleable_mask
 from sat_jax.tasks.hf_tokenizer import HFTokenizer, checkpoint_eos_ids
 from tests import hf_fixtures
 

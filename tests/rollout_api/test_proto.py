@@ -3,8 +3,8 @@
 import subprocess
 import sys
 
-from rollout_server.client import channel_options
-from rollout_server.proto import regenerate, rollout_pb2
+from rollout_api.client import channel_options
+from rollout_api.proto import regenerate, rollout_pb2
 from sat_jax.experiment import ServerConfig
 
 GENERATED = ("rollout_pb2.py", "rollout_pb2_grpc.py")
@@ -13,20 +13,20 @@ GENERATED = ("rollout_pb2.py", "rollout_pb2_grpc.py")
 def test_committed_modules_match_fresh_generation(tmp_path):
     # protoc runs in a subprocess: in-process it can crash a worker that already loaded protobuf.
     out = subprocess.run(
-        [sys.executable, "-m", "rollout_server.proto.regenerate", "--out", str(tmp_path)],
+        [sys.executable, "-m", "rollout_api.proto.regenerate", "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
         cwd=regenerate.REPO_ROOT,
     )
     assert out.returncode == 0, out.stderr
-    fresh_dir = tmp_path / "rollout_server" / "proto"
+    fresh_dir = tmp_path / "rollout_api" / "proto"
     assert out.stdout.split() == [str(fresh_dir / name) for name in GENERATED]
     for name in GENERATED:
         fresh, committed = fresh_dir / name, regenerate.PROTO_DIR / name
         assert fresh.is_file(), f"regeneration wrote no {name}"
         assert committed.read_bytes() == fresh.read_bytes(), (
-            f"{name} is stale: run python -m rollout_server.proto.regenerate"
+            f"{name} is stale: run python -m rollout_api.proto.regenerate"
         )
 
 
@@ -40,3 +40,12 @@ def test_message_limits():
     opts = dict(channel_options(limit))
     assert opts["grpc.max_send_message_length"] == limit
     assert opts["grpc.max_receive_message_length"] == limit
+
+
+def test_the_former_module_path_is_the_same_module():
+    # Clients written against rollout_server.proto keep working: one set of message classes.
+    import rollout_server.proto.rollout_pb2 as old
+    from rollout_api.proto import rollout_pb2_grpc
+    from rollout_server.proto import rollout_pb2_grpc as old_grpc
+
+    assert old is rollout_pb2 and old_grpc is rollout_pb2_grpc

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import grpc
 
-from rollout_server.proto import rollout_pb2_grpc
+from rollout_api.proto import rollout_pb2_grpc
 
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from rollout_server.proto import rollout_pb2
+from rollout_api.proto import rollout_pb2
 
 _DTYPES = ("uint8", "uint16")
 

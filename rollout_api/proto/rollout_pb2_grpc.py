@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from rollout_server.proto import rollout_pb2 as rollout__server_dot_proto_dot_rollout__pb2
+from rollout_api.proto import rollout_pb2 as rollout__api_dot_proto_dot_rollout__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in rollout_server/proto/rollout_pb2_grpc.py depends on'
+        + ' but the generated code in rollout_api/proto/rollout_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -38,28 +38,28 @@ class RolloutStub:
         """
         self.Pull = channel.unary_unary(
                 '/satjax.rollout.v1.Rollout/Pull',
-                request_serializer=rollout__server_dot_proto_dot_rollout__pb2.PullRequest.SerializeToString,
-                response_deserializer=rollout__server_dot_proto_dot_rollout__pb2.PullResponse.FromString,
+                request_serializer=rollout__api_dot_proto_dot_rollout__pb2.PullRequest.SerializeToString,
+                response_deserializer=rollout__api_dot_proto_dot_rollout__pb2.PullResponse.FromString,
                 _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/satjax.rollout.v1.Rollout/Ack',
-                request_serializer=rollout__server_dot_proto_dot_rollout__pb2.AckRequest.SerializeToString,
-                response_deserializer=rollout__server_dot_proto_dot_rollout__pb2.AckResponse.FromString,
+                request_serializer=rollout__api_dot_proto_dot_rollout__pb2.AckRequest.SerializeToString,
+                response_deserializer=rollout__api_dot_proto_dot_rollout__pb2.AckResponse.FromString,
                 _registered_method=True)
         self.UpdateWeights = channel.unary_unary(
                 '/satjax.rollout.v1.Rollout/UpdateWeights',
-                request_serializer=rollout__server_dot_proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
-                response_deserializer=rollout__server_dot_proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+                request_serializer=rollout__api_dot_proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
+                response_deserializer=rollout__api_dot_proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/satjax.rollout.v1.Rollout/Stats',
-                request_serializer=rollout__server_dot_proto_dot_rollout__pb2.StatsRequest.SerializeToString,
-                response_deserializer=rollout__server_dot_proto_dot_rollout__pb2.StatsResponse.FromString,
+                request_serializer=rollout__api_dot_proto_dot_rollout__pb2.StatsRequest.SerializeToString,
+                response_deserializer=rollout__api_dot_proto_dot_rollout__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.Health = channel.unary_unary(
                 '/satjax.rollout.v1.Rollout/Health',
-                request_serializer=rollout__server_dot_proto_dot_rollout__pb2.HealthRequest.SerializeToString,
-                response_deserializer=rollout__server_dot_proto_dot_rollout__pb2.HealthResponse.FromString,
+                request_serializer=rollout__api_dot_proto_dot_rollout__pb2.HealthRequest.SerializeToString,
+                response_deserializer=rollout__api_dot_proto_dot_rollout__pb2.HealthResponse.FromString,
                 _registered_method=True)
 
 
@@ -111,28 +111,28 @@ def add_RolloutServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Pull': grpc.unary_unary_rpc_method_handler(
                     servicer.Pull,
-                    request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.PullRequest.FromString,
-                    response_serializer=rollout__server_dot_proto_dot_rollout__pb2.PullResponse.SerializeToString,
+                    request_deserializer=rollout__api_dot_proto_dot_rollout__pb2.PullRequest.FromString,
+                    response_serializer=rollout__api_dot_proto_dot_rollout__pb2.PullResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
-                    request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.AckRequest.FromString,
-                    response_serializer=rollout__server_dot_proto_dot_rollout__pb2.AckResponse.SerializeToString,
+                    request_deserializer=rollout__api_dot_proto_dot_rollout__pb2.AckRequest.FromString,
+                    response_serializer=rollout__api_dot_proto_dot_rollout__pb2.AckResponse.SerializeToString,
             ),
             'UpdateWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.UpdateWeights,
-                    request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.UpdateWeightsRequest.FromString,
-                    response_serializer=rollout__server_dot_proto_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
+                    request_deserializer=rollout__api_dot_proto_dot_rollout__pb2.UpdateWeightsRequest.FromString,
+                    response_serializer=rollout__api_dot_proto_dot_rollout__pb2.UpdateWeightsResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.StatsRequest.FromString,
-                    response_serializer=rollout__server_dot_proto_dot_rollout__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=rollout__api_dot_proto_dot_rollout__pb2.StatsRequest.FromString,
+                    response_serializer=rollout__api_dot_proto_dot_rollout__pb2.StatsResponse.SerializeToString,
             ),
             'Health': grpc.unary_unary_rpc_method_handler(
                     servicer.Health,
-                    request_deserializer=rollout__server_dot_proto_dot_rollout__pb2.HealthRequest.FromString,
-                    response_serializer=rollout__server_dot_proto_dot_rollout__pb2.HealthResponse.SerializeToString,
+                    request_deserializer=rollout__api_dot_proto_dot_rollout__pb2.HealthRequest.FromString,
+                    response_serializer=rollout__api_dot_proto_dot_rollout__pb2.HealthResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -162,8 +162,8 @@ class Rollout:
             request,
             target,
             '/satjax.rollout.v1.Rollout/Pull',
-            rollout__server_dot_proto_dot_rollout__pb2.PullRequest.SerializeToString,
-            rollout__server_dot_proto_dot_rollout__pb2.PullResponse.FromString,
+            rollout__api_dot_proto_dot_rollout__pb2.PullRequest.SerializeToString,
+            rollout__api_dot_proto_dot_rollout__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -189,8 +189,8 @@ class Rollout:
             request,
             target,
             '/satjax.rollout.v1.Rollout/Ack',
-            rollout__server_dot_proto_dot_rollout__pb2.AckRequest.SerializeToString,
-            rollout__server_dot_proto_dot_rollout__pb2.AckResponse.FromString,
+            rollout__api_dot_proto_dot_rollout__pb2.AckRequest.SerializeToString,
+            rollout__api_dot_proto_dot_rollout__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -216,8 +216,8 @@ class Rollout:
             request,
             target,
             '/satjax.rollout.v1.Rollout/UpdateWeights',
-            rollout__server_dot_proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
-            rollout__server_dot_proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
+            rollout__api_dot_proto_dot_rollout__pb2.UpdateWeightsRequest.SerializeToString,
+            rollout__api_dot_proto_dot_rollout__pb2.UpdateWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -243,8 +243,8 @@ class Rollout:
             request,
             target,
             '/satjax.rollout.v1.Rollout/Stats',
-            rollout__server_dot_proto_dot_rollout__pb2.StatsRequest.SerializeToString,
-            rollout__server_dot_proto_dot_rollout__pb2.StatsResponse.FromString,
+            rollout__api_dot_proto_dot_rollout__pb2.StatsRequest.SerializeToString,
+            rollout__api_dot_proto_dot_rollout__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -270,8 +270,8 @@ class Rollout:
             request,
             target,
             '/satjax.rollout.v1.Rollout/Health',
-            rollout__server_dot_proto_dot_rollout__pb2.HealthRequest.SerializeToString,
-            rollout__server_dot_proto_dot_rollout__pb2.HealthResponse.FromString,
+            rollout__api_dot_proto_dot_rollout__pb2.HealthRequest.SerializeToString,
+            rollout__api_dot_proto_dot_rollout__pb2.HealthResponse.FromString,
             options,
             channel_credentials,
             insecure,

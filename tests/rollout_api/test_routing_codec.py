@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rollout_server.proto import rollout_pb2
-from rollout_server.routing_codec import decode_routing, encode_routing
+from rollout_api.proto import rollout_pb2
+from rollout_api.routing_codec import decode_routing, encode_routing
 
 
 @settings(max_examples=60, deadline=None)

@@ -29,9 +29,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from sat_jax.loss_terms import LossAgg, PolicyLossTerms, aggregate
-from sat_jax.quantile import masked_quantile
-from sat_jax.stabilizers import (
+from sat_jax.objectives.loss_terms import LossAgg, PolicyLossTerms, aggregate
+from sat_jax.objectives.quantile import masked_quantile
+from sat_jax.objectives.stabilizers import (
     KL_ESTIMATORS,
     KLEstimator,
     dppo_tv_mask,

@@ -1,7 +1,7 @@
 """Regenerates rollout_pb2.py / rollout_pb2_grpc.py from rollout.proto with grpcio-tools.
 
-python -m rollout_server.proto.regenerate            # rewrite the committed files
-python -m rollout_server.proto.regenerate --out DIR  # write elsewhere (the freshness test)
+python -m rollout_api.proto.regenerate            # rewrite the committed files
+python -m rollout_api.proto.regenerate --out DIR  # write elsewhere (the freshness test)
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ REPO_ROOT = PROTO_DIR.parent.parent
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    """Generates into `out_dir/rollout_server/proto/` and returns the two module paths."""
+    """Generates into `out_dir/rollout_api/proto/` and returns the two module paths."""
     include = protoc.__file__.rsplit("/", 1)[0] + "/_proto"
     rc = protoc.main(
         [
@@ -31,7 +31,7 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     )
     if rc != 0:
         raise RuntimeError(f"protoc failed with exit code {rc}")
-    target = out_dir / "rollout_server" / "proto"
+    target = out_dir / "rollout_api" / "proto"
     return [target / "rollout_pb2.py", target / "rollout_pb2_grpc.py"]
 
 

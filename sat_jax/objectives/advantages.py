@@ -1,0 +1,89 @@
+"""Group-relative advantages (GRPO and Dr.GRPO) from per-response rewards.
+
+Each prompt is sampled G times; the G responses form a group with a shared ``group_id``. GRPO's
+advantage of response i in group g is (R_i − mean_g) / (std_g + eps) (std normalization optional);
+Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") drops the std division and keeps
+only the centering. Groups whose rewards are all equal get advantage 0 — no NaN, whatever the
+normalization. Shapes: ``N`` responses; ``num_groups`` static.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+AdvantageEstimator = Literal["grpo", "dr_grpo"]
+
+
+def group_advantages(
+    rewards: ArrayLike,
+    group_ids: ArrayLike,
+    *,
+    num_groups: int,
+    estimator: AdvantageEstimator = "grpo",
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    where: ArrayLike | None = None,
+) -> jax.Array:
+    """Per-response group-relative advantages.
+
+    Args:
+      rewards: float [N].
+      group_ids: int [N] in [0, num_groups); responses of one prompt share an id.
+      num_groups: static number of groups (ids outside the range raise under no jit).
+      estimator: ``"grpo"`` (centered, divided by the group std when ``normalize_std``) or
+        ``"dr_grpo"`` (centered only; ``normalize_std`` is ignored).
+      normalize_std: GRPO's division by the group's sample standard deviation (ddof = 1).
+      eps: added to the std before dividing.
+      where: optional [N] mask; inactive responses (padding) neither enter group statistics nor
+        get an advantage (0).
+
+    Returns:
+      float32 [N] advantages; 0 for inactive responses, single-response groups and groups whose
+      rewards are all equal.
+    """
+    if estimator not in ("grpo", "dr_grpo"):
+        raise ValueError(
+            f"group_advantages: estimator must be 'grpo' or 'dr_grpo', got {estimator!r}"
+        )
+    if eps < 0:
+        raise ValueError(f"group_advantages: eps must be >= 0, got {eps}")
+    if num_groups < 1:
+        raise ValueError(f"group_advantages: num_groups must be >= 1, got {num_groups}")
+    rewards = jnp.asarray(rewards, jnp.float32)
+    group_ids = jnp.asarray(group_ids, jnp.int32)
+    if rewards.ndim != 1 or rewards.shape != group_ids.shape:
+        raise ValueError(
+            f"group_advantages: rewards and group_ids must both be [N], got {rewards.shape} and "
+            f"{group_ids.shape}"
+        )
+    active = jnp.ones(rewards.shape, bool) if where is None else jnp.asarray(where) > 0
+    try:
+        host_ids = np.asarray(group_ids)
+    except jax.errors.TracerArrayConversionError:  # under jit the range cannot be checked
+        host_ids = None
+    if host_ids is not None and host_ids.size:
+        low, high = int(host_ids.min()), int(host_ids.max())
+        if low < 0 or high >= num_groups:
+            raise ValueError(
+                f"group_advantages: group_ids must lie in [0, {num_groups}), got [{low}, {high}]"
+            )
+    rewards = jnp.where(active, rewards, 0.0)
+
+    def per_group_sum(x):
+        return jax.ops.segment_sum(x, group_ids, num_segments=num_groups)
+
+    count = per_group_sum(active.astype(jnp.float32))
+    mean = per_group_sum(rewards) / jnp.maximum(count, 1.0)
+    centered = jnp.where(active, rewards - mean[group_ids], 0.0)
+    if estimator == "dr_grpo" or not normalize_std:
+        return centered
+    var = per_group_sum(jnp.square(centered)) / jnp.maximum(count - 1.0, 1.0)
+    std = jnp.sqrt(var)[group_ids]
+    # A constant group has std == 0 (and centered == 0): its advantage is 0 even when eps == 0.
+    normalized = centered / jnp.where(std > 0, std + eps, 1.0)
+    return jnp.where(active & (count[group_ids] > 1), normalized, 0.0)

@@ -1,0 +1,76 @@
+"""The task's config: where prompts come from and how completions are scored (the ``task.*`` keys).
+
+Lives with the tasks it configures; ``sat_jax.experiment`` composes it into ``ExperimentConfig``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+REWARDS = ("exact_match", "math", "gsm8k")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    """Where prompts come from and how completions are scored.
+
+    Attributes:
+      source: "arithmetic" (generated problems) or "file" (jsonl/parquet rows with answers).
+      seed: seeds problem generation and file shuffling.
+      min_digits, max_digits: operand length range of arithmetic problems.
+      operators: the arithmetic operators drawn from, a subset of "+-*".
+      path: the jsonl (or parquet) prompt file when `source == "file"`.
+      prompt_key, answer_key, id_key: columns of a file row; rows without `id_key` get their
+        line number as id.
+      reward: "exact_match" (completion == answer after stripping), "math" (a `\\boxed{}`
+        answer checked by math-verify) or "gsm8k" (the reference is the text after "####" in
+        the answer; the completion's last `\\boxed{}`, else its last number, checked by
+        math-verify).
+      alphabet: the characters of the character tokenizer (after pad, bos and eos).
+      tokenizer: "char" (the character tokenizer over `alphabet`) or "hf" (a Hugging Face
+        tokenizer directory); "" = "hf" when `model.hf_path` is set, else "char"
+        (`ExperimentConfig.tokenizer_kind`).
+      tokenizer_path: the HF tokenizer's directory; "" = `model.hf_path`.
+      chat_template: render each prompt as one user message with the tokenizer's chat template
+        and its generation prompt (the tokenizer must have a template).
+      system_prompt: a system message placed before the user message ("" = none; needs
+        `chat_template`).
+    """
+
+    source: str = "arithmetic"
+    seed: int = 0
+    min_digits: int = 1
+    max_digits: int = 2
+    operators: str = "+-"
+    path: str = ""
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    id_key: str = "id"
+    reward: str = "exact_match"
+    alphabet: str = "0123456789+-*=() "
+    tokenizer: str = ""
+    tokenizer_path: str = ""
+    chat_template: bool = False
+    system_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        if self.source not in ("arithmetic", "file"):
+            raise ValueError(f"source must be 'arithmetic' or 'file', got {self.source!r}")
+        if not 1 <= self.min_digits <= self.max_digits <= 9:
+            raise ValueError(
+                f"need 1 <= min_digits <= max_digits <= 9, got {self.min_digits}, {self.max_digits}"
+            )
+        if not self.operators or set(self.operators) - set("+-*"):
+            raise ValueError(
+                f"operators must be a non-empty subset of '+-*', got {self.operators!r}"
+            )
+        if self.source == "file" and not self.path:
+            raise ValueError("source 'file' needs a path")
+        if self.reward not in REWARDS:
+            raise ValueError(f"reward must be one of {REWARDS}, got {self.reward!r}")
+        if self.tokenizer not in ("", "char", "hf"):
+            raise ValueError(f"tokenizer must be 'char' or 'hf', got {self.tokenizer!r}")
+        if self.system_prompt and not self.chat_template:
+            raise ValueError("system_prompt needs chat_template: true")
+        if not self.alphabet or len(set(self.alphabet)) != len(self.alphabet):
+            raise ValueError("alphabet must be non-empty without repeated characters")
