@@ -16,6 +16,20 @@ lowers and compiles the real train step (the trainer's optimizer, the default SA
 [batch, seq-len] batch on the mesh's devices and prints XLA's memory analysis of it:
 ``compiled temp bytes per device: N`` (activations and other temporaries).
 
+For a TPU slice, with libtpu installed (no TPU needed; docs/DESIGN.md §9.1, docs/POD.md):
+
+    python -m sat_jax.plan --config CFG [k=v ...] --topology v5p:4x4x4 --compile [--batch B --seq-len T]
+    python -m sat_jax.plan --config CFG [k=v ...] --topology v5p:2x2x1 --serve
+
+``--compile`` compiles with XLA:TPU the train step exactly as the trainer builds it (the config's
+mesh, microbatches, remat, attention, dispatch, dtypes, optimizer, loss, routing replay; batch and
+length default to the config's: ``rollout.batch_groups · rollout.group_size`` rows of
+``server.max_prefill_length + rollout.max_new_tokens`` tokens) and prints its memory per device,
+``per-device total: X GiB of Y GiB HBM: fits`` (or ``: does not fit``, exit status 1) and
+``compiled/analytic FLOPs: R`` (``report_train``). ``--serve`` does the same for the rollout
+server's prefill, insert and decode step on ``server.mesh`` (``report_serve``). ``--hbm-gib``
+overrides the chip's HBM.
+
 Active parameters: every parameter except the routed experts' weights (those with both an "exp" and
 an "mlp" axis), plus K/E of those.
 """
