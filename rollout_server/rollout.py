@@ -38,8 +38,8 @@ from typing import Any
 
 import grain
 
+from rollout_api import records
 from rollout_api.proto import rollout_pb2
-from rollout_api.routing_codec import encode_routing
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
 from rollout_server.engine import MoEEngine
 from rollout_server.group_queue import GroupQueue
@@ -51,7 +51,6 @@ from sat_jax.tasks.rewards import RewardFn
 log = logging.getLogger(__name__)
 
 _MAX_FAILURES = 3  # failed samples per group before the group is dropped
-_FINISH = {"eos": rollout_pb2.FINISH_REASON_EOS, "length": rollout_pb2.FINISH_REASON_LENGTH}
 
 
 @dataclasses.dataclass
@@ -473,37 +472,53 @@ class RolloutLoop:
                 continue
             group.samples[index] = sample
             if len(group.samples) == self._cfg.group_size:
-                message = self._finish_group(group)
-                with self._lock:
-                    del self._running[group_id]
-                    self.queue.put(message)
-                    self.groups_produced += 1
+                self._queue_group(group_id, group)
 
-    def _finish_group(self, group: _RunningGroup) -> rollout_pb2.Group:
+    def _queue_group(self, group_id: int, group: _RunningGroup) -> None:
+        """Queues a finished group as its proto message: the server's one conversion of its
+        records to the wire (`records.to_proto`). A group whose samples do not make a valid record
+        (an engine bug) is logged and dropped, as one with too many failed samples is."""
+        try:
+            message = records.to_proto(self._finish_group(group))
+        except ValueError:
+            log.exception("dropping prompt %s: its samples make no valid group", group.record["id"])
+            with self._lock:
+                del self._running[group_id]
+                self._unfinished.pop(group_id, None)
+                self.groups_failed += 1
+                self._save_locked()
+            return
+        with self._lock:
+            del self._running[group_id]
+            self.queue.put(message)
+            self.groups_produced += 1
+
+    def _finish_group(self, group: _RunningGroup) -> records.Group:
+        """The group's record: the engine's arrays as they are, with rewards and texts."""
         record = group.record
         trajectories = []
         for i in range(self._cfg.group_size):
             s = group.samples[i]
             text = self._tokenizer.decode(s.completion_ids)
             trajectories.append(
-                rollout_pb2.Trajectory(
-                    prompt_ids=s.prompt_ids.tolist(),
-                    completion_ids=s.completion_ids.tolist(),
-                    behavior_logprobs=s.logprobs.tolist(),
-                    versions=s.versions.tolist(),
-                    routing=encode_routing(s.routing),
+                records.Trajectory(
+                    prompt_ids=s.prompt_ids,
+                    completion_ids=s.completion_ids,
+                    behavior_logprobs=s.logprobs,
+                    versions=s.versions,
+                    routing=s.routing,
                     reward=self._reward(text, record),
-                    finish_reason=_FINISH[s.finish_reason],
+                    finish_reason=s.finish_reason,
                     completion_text=text,
                 )
             )
-        return rollout_pb2.Group(
+        return records.Group(
             server_id=self._state.server_id,
             group_id=record["group_id"],
             prompt_id=record["id"],
             prompt_text=record["text"],
             answer=record["answer"],
-            trajectories=trajectories,
+            trajectories=tuple(trajectories),
         )
 
     def _reward(self, text: str, record: dict[str, Any]) -> float:

@@ -4,7 +4,8 @@ Modules, in data-flow order:
 
 - ``setup``: builders from the config (optimizer, run paths, base policy, batch spec, sampleable
   ids, reference log-probs, the server pool).
-- ``remote``: the rollout servers over gRPC (pull groups, push weights, one retry helper).
+- ``remote``: the rollout servers over gRPC (pull groups, decoded and validated once into
+  ``rollout_api.records``; push weights; one retry helper).
 - ``pulling``: pull until a batch's worth of groups passes the staleness policy.
 - ``batching``: one selection pass over pulled groups (duplicates, staleness), then a fixed-shape
   ``TrainBatch`` with per-token lags and GRPO advantages, and its ``BatchStats``.
@@ -16,5 +17,6 @@ Modules, in data-flow order:
 - ``local_server``: a rollout server child process for single-machine runs.
 - ``main``: the only imperative code: the loop and the command line.
 
-Imports sat_jax and the rollout server's generated client; sat_jax never imports this package.
+Imports sat_jax and rollout_api (the wire), never rollout_server; sat_jax never imports this
+package.
 """

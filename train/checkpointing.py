@@ -42,7 +42,7 @@ class Progress:
       rng_key: ``jax.random.key_data`` of the loop's PRNG key.
       groups_trained, tokens_trained, stale_dropped, steps_skipped: running totals.
       recent_prompt_ids: the last ``RECENT_PROMPTS`` trained prompt ids, oldest first.
-      recent_group_keys: the last ``RECENT_PROMPTS`` trained groups' ``batching.group_key``s
+      recent_group_keys: the last ``RECENT_PROMPTS`` trained groups' ``Group.key``s
         (a server re-delivers a group whose acknowledgement a crash lost: it is skipped).
     """
 

@@ -7,6 +7,10 @@ at ``retry_max_s``) and a log line per failure; the pool gives up when the serve
 without a single answer for ``server_wait_s``. A reply or request over the gRPC message limit
 (``server.max_message_bytes``) is not retried: it would fail the same way every time.
 
+A Pull's groups are decoded and validated here, once (``rollout_api.records.decode_pulled``):
+the pool hands out ``Group`` records, and an ``InvalidGroup`` for each group that does not fit
+the trainer's model, which the trainer counts and rejects.
+
 Every call carries the shared token as gRPC metadata (``authorization: Bearer <token>``) and the
 run id; with a CA (``train.tls_ca``) the channels are TLS. Pulled groups are leased by their
 server until acknowledged (docs/DESIGN.md §6.2): ``ack`` queues their ids, which ride on the next
@@ -24,7 +28,7 @@ from google.protobuf.message import Message
 
 from rollout_api.client import bearer_metadata, connect
 from rollout_api.proto import rollout_pb2
-from train.batching import group_key
+from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
 
 log = logging.getLogger("train")
 
@@ -111,8 +115,21 @@ class ServerPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
-        """Up to ``max_groups`` groups from the next server that answers (possibly none).
+    def pull(
+        self, max_groups: int, timeout_s: float, *, limits: GroupLimits | None = None
+    ) -> list[Group | InvalidGroup]:
+        """Up to ``max_groups`` groups from the next server that answers (possibly none), decoded
+        and validated against ``limits``.
+
+        Args:
+          max_groups: the most groups to take.
+          timeout_s: how long the server may wait for a first group.
+          limits: the trainer's model (vocabulary, experts, routing (L, K)); None = check only
+            that each group is well formed.
+
+        Returns:
+          The groups in the server's order: a ``Group`` record for each valid one, an
+          ``InvalidGroup`` (what is wrong) for each other one.
 
         Raises:
           ServersDownError, MessageTooLargeError, grpc.RpcError: as in ``_call``.
@@ -134,17 +151,18 @@ class ServerPool:
         i, response = self._call("Pull", request, deadline_s=wait + _PULL_SLACK_S, server=None)
         del self._acks[i][: len(sent[i][0])]  # delivered with the Pull
         del self._rejects[i][: len(sent[i][1])]
-        for g in response.groups:
-            self._origin[group_key(g)] = i
-        return list(response.groups)
+        pulled = decode_pulled(response.groups, limits)
+        for g in pulled:
+            self._origin[g.key] = i
+        return pulled
 
-    def ack(self, groups: Sequence[rollout_pb2.Group], *, rejected: bool = False) -> None:
+    def ack(self, groups: Sequence[Group | InvalidGroup], *, rejected: bool = False) -> None:
         """Acknowledges pulled ``groups`` (sent with the next Pull to their server, or by
         ``flush_acks``); groups not pulled through this pool are ignored. ``rejected``: they
         will not be trained (stale, duplicate, invalid), so their server generates replacements."""
         pending = self._rejects if rejected else self._acks
         for g in groups:
-            i = self._origin.pop(group_key(g), None)
+            i = self._origin.pop(g.key, None)
             if i is not None:
                 pending[i].append(g.group_id)
 

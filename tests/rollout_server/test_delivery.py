@@ -4,6 +4,7 @@ and which trainer run may start an admission epoch."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import time
@@ -12,6 +13,7 @@ import types
 import numpy as np
 import pytest
 
+from rollout_api import records
 from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
@@ -116,6 +118,44 @@ def test_a_full_disk_loses_and_strands_no_group(tmp_path):
     saved = json.loads((tmp_path / "rollout_state.json").read_text())
     assert saved["consumed"] == 1 and saved["unfinished"] == []
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
+
+
+def test_a_finished_group_is_queued_as_the_proto_of_its_records():
+    """The engine's arrays reach the queue through one conversion (``records.to_proto``) and
+    come back out of it unchanged."""
+    cfg = RolloutConfig(batch_groups=1, max_staleness=0, group_size=2)
+    driver = RecordingDriver()
+    loop = _loop(StateStore(""), LongPromptEngine(), wait=False, cfg=cfg, driver=driver)
+    loop._dispatch_next()
+    for request in driver.requests:
+        loop._on_done(request, _sample())
+    loop._collect(timeout_s=1.0)
+    [message] = loop.pull(1, 0)
+    assert isinstance(message, rollout_pb2.Group)
+    group = records.decode_group(message)
+    assert group.key == f"{loop.persisted.server_id}/0" and len(group.trajectories) == 2
+    want = _sample()
+    for t in group.trajectories:
+        np.testing.assert_array_equal(t.prompt_ids, want.prompt_ids)
+        np.testing.assert_array_equal(t.completion_ids, want.completion_ids)
+        np.testing.assert_array_equal(t.behavior_logprobs, want.logprobs)
+        np.testing.assert_array_equal(t.versions, want.versions)
+        np.testing.assert_array_equal(t.routing, want.routing)
+        assert t.finish_reason == "eos" and t.completion_text == "4"  # id 7 of the tokenizer
+
+
+def test_samples_that_make_no_valid_group_drop_it_and_count_it_failed():
+    cfg = RolloutConfig(batch_groups=1, max_staleness=0, group_size=2)
+    driver = RecordingDriver()
+    loop = _loop(StateStore(""), LongPromptEngine(), wait=False, cfg=cfg, driver=driver)
+    loop._dispatch_next()
+    bad = dataclasses.replace(_sample(), routing=np.zeros((4, 1, 2), np.uint8))  # 3 + 2 rows due
+    for request in driver.requests:
+        loop._on_done(request, bad)
+    loop._collect(timeout_s=1.0)  # logged, not raised: the loop goes on
+    stats = loop.stats()
+    assert (stats["groups_running"], stats["groups_queued"], loop.groups_failed) == (0, 0, 1)
+    assert loop.persisted.unfinished == []  # not re-issued after a restart either
 
 
 def test_a_second_store_on_a_directory_is_refused(tmp_path):

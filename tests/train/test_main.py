@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rollout_api.proto import rollout_pb2
+from rollout_api.records import Group, Trajectory
 from sat_jax.experiment import load_config
 from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState
@@ -303,22 +303,22 @@ class FakePool:
         self.next_id = 0
         self.acked: list[int] = []
 
-    def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list[Group]:
         self.events.append(("pull", self.version))
         groups = []
         for _ in range(max_groups):
-            trajectories = [
-                rollout_pb2.Trajectory(
-                    prompt_ids=[1, 5, 6],
-                    completion_ids=[7, 2],
-                    behavior_logprobs=[-1.0, -0.5],
-                    versions=[self.version] * 2,
+            trajectories = tuple(
+                Trajectory(
+                    prompt_ids=np.array([1, 5, 6], np.int32),
+                    completion_ids=np.array([7, 2], np.int32),
+                    behavior_logprobs=np.array([-1.0, -0.5], np.float32),
+                    versions=np.full(2, self.version, np.int64),
                     reward=float(i),
                 )
                 for i in range(2)
-            ]
+            )
             groups.append(
-                rollout_pb2.Group(
+                Group(
                     group_id=self.next_id, prompt_id=f"p{self.next_id}", trajectories=trajectories
                 )
             )

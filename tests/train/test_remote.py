@@ -4,6 +4,7 @@ message size limit (server.max_message_bytes) reaching the trainer's channel."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent import futures
@@ -12,6 +13,7 @@ import grpc
 import portpicker
 import pytest
 
+from rollout_api import records
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from train.remote import MessageTooLargeError, ServerPool, ServersDownError
 
@@ -34,9 +36,10 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
     def Pull(self, request, context):
         groups = []
         for _ in range(request.max_groups):
-            traj = rollout_pb2.Trajectory(
-                routing=rollout_pb2.Routing(data=b"\x01" * self.payload_bytes)
-            )
+            # One prompt token whose routing is `payload_bytes` expert ids ([1, 1, payload]).
+            n = self.payload_bytes
+            routing = rollout_pb2.Routing(data=b"\x01" * n, shape=[1, 1, n], dtype="uint8")
+            traj = rollout_pb2.Trajectory(prompt_ids=[1], routing=routing if n else None)
             groups.append(
                 rollout_pb2.Group(
                     group_id=self.next_id, prompt_id=f"p{self.next_id}", trajectories=[traj]
@@ -89,7 +92,19 @@ def test_pull_skips_a_down_server_with_a_log_line(fake, caplog):
         with caplog.at_level(logging.WARNING, logger="train"):
             groups = p.pull(3, timeout_s=0.1)
         assert [g.prompt_id for g in groups] == ["p0", "p1", "p2"]
+        assert all(isinstance(g, records.Group) for g in groups)  # decoded where pulled
         assert f"rollout server {dead} is down" in caplog.text
+
+
+def test_pull_decodes_and_validates_against_the_limits(fake):
+    servicer, address = fake
+    limits = records.GroupLimits(vocab_size=1, num_experts=1, routing_lk=None)
+    with pool([address]) as p:
+        [bad] = p.pull(1, timeout_s=0.1, limits=limits)  # its prompt id 1 is past the vocab
+        [good] = p.pull(1, timeout_s=0.1, limits=dataclasses.replace(limits, vocab_size=2))
+    assert isinstance(bad, records.InvalidGroup) and bad.key == "/0"
+    assert "trajectory 0: prompt token id 1 outside [0, 1)" in bad.problem
+    assert isinstance(good, records.Group) and good.trajectories[0].prompt_ids.tolist() == [1]
 
 
 def test_update_weights_reaches_every_server_and_refusals_raise(fake):
@@ -146,4 +161,4 @@ def test_a_reply_over_the_message_limit_fails_at_once_naming_the_setting(large, 
     assert "larger than max" in str(info.value) and "is down" not in caplog.text
     with pool([large], max_message_bytes=8 * MiB) as p:
         [group] = p.pull(1, timeout_s=0.1)
-    assert len(group.trajectories[0].routing.data) == 2 * MiB
+    assert group.trajectories[0].routing.nbytes == 2 * MiB
