@@ -33,7 +33,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
@@ -113,6 +113,8 @@ class RolloutLoop:
       lease_s: how long a pulled group waits for its acknowledgement before it is queued again.
       rows_skipped: prompt-file rows the pipeline skipped (no prompt or answer column), reported
         in `stats()`.
+      clock: the monotonic clock, in seconds, that leases, the attached run's silence and the
+        throughput are measured with (tests pass a fake one to expire a lease without waiting).
     """
 
     def __init__(
@@ -129,6 +131,7 @@ class RolloutLoop:
         max_response_bytes: int,
         lease_s: float,
         rows_skipped: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
@@ -136,10 +139,11 @@ class RolloutLoop:
         self._wait_for_weights = wait_for_weights
         self._max_response_bytes = max_response_bytes
         self._lease_s = lease_s
+        self._clock = clock
         # group id -> (the group, when its lease ends), in lease order.
         self._leased: dict[int, tuple[rollout_pb2.Group, float]] = {}
         self._save_failed = False
-        self._run_seen = time.monotonic()  # the attached run's last call (or the start)
+        self._run_seen = self._clock()  # the attached run's last call (or the start)
         self._state = store.load()
         if not self._state.server_id:
             self._state.server_id = new_server_id()
@@ -159,7 +163,7 @@ class RolloutLoop:
         self.groups_rejected = 0  # acknowledged as not trained (replaced by admission)
         self.rows_skipped = rows_skipped
         self.groups_failed = 0
-        self._started = time.monotonic()
+        self._started = self._clock()
         if self._reissue:
             log.info("re-issuing %d prompts not pulled before the restart", len(self._reissue))
 
@@ -193,7 +197,7 @@ class RolloutLoop:
     def stats(self) -> dict[str, Any]:
         """The counters of `StatsResponse` (version, groups, tokens, admission_open, ...)."""
         with self._lock:
-            elapsed = max(time.monotonic() - self._started, 1e-9)
+            elapsed = max(self._clock() - self._started, 1e-9)
             tokens = self._driver.tokens_generated
             return {
                 "version": self._engine.version,
@@ -255,7 +259,7 @@ class RolloutLoop:
             if keep < len(groups):
                 self.queue.unget(groups[keep:])
                 groups = groups[:keep]
-            until = time.monotonic() + self._lease_s
+            until = self._clock() + self._lease_s
             for g in groups:
                 self._leased[g.group_id] = (g, until)
         return groups
@@ -294,7 +298,7 @@ class RolloutLoop:
                 self.queue.unget(back)
 
     def _expire_leases(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             expired = [g for g, until in self._leased.values() if until <= now]
             if not expired:
@@ -306,7 +310,7 @@ class RolloutLoop:
 
     def _touch(self, run_id: str) -> None:
         if run_id and run_id == self._state.run_id:
-            self._run_seen = time.monotonic()
+            self._run_seen = self._clock()
 
     def install_weights(
         self,
@@ -351,7 +355,7 @@ class RolloutLoop:
         attached = self._state.run_id
         if not (new_epoch and attached and run_id != attached):
             return
-        idle = time.monotonic() - self._run_seen
+        idle = self._clock() - self._run_seen
         if idle < self._lease_s:
             raise RunNotAttachedError(
                 f"the server is attached to trainer run {attached!r} (last call {idle:.0f}s "
@@ -362,7 +366,7 @@ class RolloutLoop:
     # The loop.
 
     def _run(self) -> None:
-        last_log = time.monotonic()
+        last_log = self._clock()
         last_tokens = 0
         while not self._stop.is_set():
             try:
@@ -374,7 +378,7 @@ class RolloutLoop:
             except Exception:  # keep the loop alive; the error is in the log
                 log.exception("rollout loop step failed")
                 time.sleep(0.5)
-            now = time.monotonic()
+            now = self._clock()
             if now - last_log >= 60:
                 tokens = self._driver.tokens_generated
                 log.info(

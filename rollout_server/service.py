@@ -116,6 +116,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             run_id=request.run_id,
         )
         future = asyncio.get_running_loop().run_in_executor(self._pulls, pull)
+        if self._metrics is not None:
+            self._metrics.pull_started()
+            future.add_done_callback(lambda _: self._metrics.pull_finished())
         try:
             groups = await asyncio.shield(future)
         except asyncio.CancelledError:

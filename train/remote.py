@@ -70,6 +70,8 @@ class ServerPool:
         ``ServersDownError``; counted from its first failure, not from the last answer.
       on_retry: called before each retry; may raise to stop waiting (e.g. when a local server
         process has exited).
+      clock: the monotonic clock, in seconds, that ``server_wait_s`` is measured with.
+      sleep: waits between retries (tests pass a fake clock's, so retries take no time).
     """
 
     def __init__(
@@ -83,6 +85,8 @@ class ServerPool:
         retry_max_s: float,
         server_wait_s: float,
         on_retry: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
     ):
         if not addresses:
             raise ValueError("ServerPool needs at least one address")
@@ -94,6 +98,7 @@ class ServerPool:
         self._retry_max_s = retry_max_s
         self._server_wait_s = server_wait_s
         self._on_retry = on_retry
+        self._clock, self._sleep = clock, sleep
         self._conns = [
             connect(a, max_message_bytes, root_certificates=root_certificates)
             for a in self.addresses
@@ -238,7 +243,7 @@ class ServerPool:
             except grpc.RpcError as e:
                 self._raise_unless_transient(i, rpc, e)
                 code = e.code()
-            now = time.monotonic()
+            now = self._clock()
             failing_since = now if failing_since is None else failing_since
             if now - failing_since > self._server_wait_s:
                 raise ServersDownError(
@@ -253,7 +258,7 @@ class ServerPool:
                 code.name,
                 backoff,
             )
-            time.sleep(backoff)
+            self._sleep(backoff)
             backoff = min(2 * backoff, self._retry_max_s)
 
     def _raise_unless_transient(self, i: int, rpc: str, error: grpc.RpcError) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
-import time
 import types
 
 import numpy as np
@@ -19,6 +18,7 @@ from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
 from rollout_server.rollout import RunNotAttachedError, admission_budget
 from sat_jax.experiment import RolloutConfig
+from tests.clock import FakeClock
 from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop
 
 
@@ -28,12 +28,14 @@ def _groups(loop, ids):
 
 
 def test_an_unacknowledged_lease_expires_back_to_the_front():
-    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=0.05)
+    clock = FakeClock()
+    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=5.0, clock=clock)
     _groups(loop, range(4))
     assert [g.group_id for g in loop.pull(2, 0)] == [0, 1]
+    clock.advance(4.5)
     loop._expire_leases()  # too early: still leased
     assert loop.stats()["groups_leased"] == 2 and len(loop.queue) == 2
-    time.sleep(0.1)
+    clock.advance(0.5)
     loop._expire_leases()
     assert loop.stats()["groups_leased"] == 0
     assert [g.group_id for g in loop.pull(4, 0)] == [0, 1, 2, 3]  # pulled again, in order
@@ -168,7 +170,8 @@ def test_a_second_store_on_a_directory_is_refused(tmp_path):
 
 def test_only_the_attached_run_starts_an_admission_epoch():
     engine = FakeEngine()
-    loop = _loop(StateStore(""), engine, wait=True, lease_s=0.2)
+    clock = FakeClock()
+    loop = _loop(StateStore(""), engine, wait=True, lease_s=5.0, clock=clock)
     loop.install_weights(1, "/ckpt/v1", None, new_epoch=True, run_id="run-a")
     loop.install_weights(2, "/ckpt/v2", None, new_epoch=True, run_id="run-a")  # its restart
     before = (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps)
@@ -178,6 +181,9 @@ def test_only_the_attached_run_starts_an_admission_epoch():
         loop.check_attached(True, "")
     assert (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps) == before
     loop.install_weights(3, "/ckpt/v3", None, run_id="other")  # no new epoch: a plain update
-    time.sleep(0.3)  # run-a silent for the lease time: another run may attach
+    clock.advance(4.5)  # run-a silent for less than the lease time: still attached
+    with pytest.raises(RunNotAttachedError):
+        loop.check_attached(True, "run-b")
+    clock.advance(0.5)  # silent for the lease time: another run may attach
     loop.install_weights(4, "/ckpt/v4", None, new_epoch=True, run_id="run-b")
     assert (loop.persisted.run_id, loop.persisted.epoch_version) == ("run-b", 4)

@@ -291,13 +291,13 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
 
 
 class FakePool:
-    """Serves groups whose tokens carry the version last pushed. A push sleeps ``push_s`` (so a
-    loop that did not wait for it would pull before it lands) and, when ``gate`` is given, first
-    waits for it to be set."""
+    """Serves groups whose tokens carry the version last pushed. When ``gate`` is given a push
+    first waits for it to be set; with ``gate_each_push`` it clears it again, so the next push
+    waits for the next set."""
 
-    def __init__(self, push_s: float, gate: threading.Event | None = None):
-        self.push_s = push_s
+    def __init__(self, gate: threading.Event | None = None, *, gate_each_push: bool = False):
         self.gate = gate
+        self.gate_each_push = gate_each_push
         self.version = 1
         self.events: list[tuple[str, int]] = []
         self.next_id = 0
@@ -333,10 +333,23 @@ class FakePool:
 
     def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
         if self.gate is not None:
-            assert self.gate.wait(120), "the push was never released: the loop waited for it"
-        time.sleep(self.push_s)
+            assert self.gate.wait(120), "the push was never released"
+            if self.gate_each_push:
+                self.gate.clear()
         self.version = version
         self.events.append(("push", version))
+
+
+class AnnouncingPusher(weight_sync.WeightPusher):
+    """A WeightPusher that sets ``waiting`` whenever the loop waits for its pushes."""
+
+    def __init__(self, push, waiting: threading.Event):
+        super().__init__(push)
+        self.waiting = waiting
+
+    def wait(self) -> None:
+        self.waiting.set()
+        super().wait()
 
 
 def _step_opening(gate: threading.Event, at_call: int):
@@ -368,10 +381,10 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         ],
     )
     # Async: the first push is held until the loop runs its last step, which it reaches only if
-    # it never waits for a push. Sync: pushes are slow enough that a loop not waiting for one
-    # would pull before it landed.
-    gate = threading.Event()
-    pool = FakePool(0.2, gate) if mode == "async" else FakePool(0.2)
+    # it never waits for a push. Sync: each push is held until the loop waits for it, so a loop
+    # that did not wait would pull before the push landed.
+    gate, waiting = threading.Event(), threading.Event()
+    pool = FakePool(gate) if mode == "async" else FakePool(waiting, gate_each_push=True)
     state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     pushed = []
@@ -380,8 +393,9 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         pushed.append(version)
         pool.update_weights(version, "unused")
 
+    pusher = weight_sync.WeightPusher(push) if mode == "async" else AnnouncingPusher(push, waiting)
     with (
-        weight_sync.WeightPusher(push) as pusher,
+        pusher,
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
         parts = _loop_parts(cfg, pool, pusher, writer, _step_opening(gate, steps))
@@ -423,7 +437,8 @@ def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path
             "train.checkpoint_every=100",
         ],
     )
-    pool = FakePool(0.0)
+    waiting = threading.Event()
+    pool = FakePool(waiting, gate_each_push=True)  # a push lands once the loop waits for it
     calls = []
 
     def step_fn(state, batch):  # the second call is skipped (as train_step does on a NaN)
@@ -436,7 +451,7 @@ def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path
     state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     with (
-        weight_sync.WeightPusher(lambda v, p: pool.update_weights(v, "unused")) as pusher,
+        AnnouncingPusher(lambda v, p: pool.update_weights(v, "unused"), waiting) as pusher,
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
         parts = _loop_parts(cfg, pool, pusher, writer, step_fn)

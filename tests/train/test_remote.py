@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from concurrent import futures
 
 import grpc
@@ -15,6 +14,7 @@ import pytest
 
 from rollout_api import records
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
+from tests.clock import FakeClock
 from train.remote import MessageTooLargeError, ServerPool, ServersDownError
 
 MiB = 1024 * 1024
@@ -126,17 +126,23 @@ def test_update_weights_reaches_every_server_and_refusals_raise(fake):
 
 def test_gives_up_when_every_server_stays_down():
     dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
-    with pool([dead], server_wait_s=1.0) as p:
+    clock = FakeClock()
+    kw = dict(server_wait_s=1.0, retry_max_s=0.25, clock=clock, sleep=clock.sleep)
+    with pool([dead], **kw) as p:
         with pytest.raises(ServersDownError, match="no rollout server answered"):
             p.pull(1, timeout_s=0.1)
+    # Retried (waits capped at retry_max_s) until just past server_wait_s, then no longer.
+    assert max(clock.sleeps) == 0.25 and sum(clock.sleeps[:-1]) <= 1.0 < sum(clock.sleeps)
 
 
 def test_server_wait_counts_from_the_first_failure_not_the_last_answer():
     """A pool idle for longer than server_wait_s still retries a server that just went down."""
     dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
     retries = []
-    with pool([dead], server_wait_s=0.5, on_retry=lambda: retries.append(1)) as p:
-        time.sleep(0.6)  # idle: no call in flight, so nothing has failed yet
+    clock = FakeClock()
+    kw = dict(server_wait_s=0.5, on_retry=lambda: retries.append(1), clock=clock)
+    with pool([dead], sleep=clock.sleep, **kw) as p:
+        clock.advance(0.6)  # idle: no call in flight, so nothing has failed yet
         with pytest.raises(ServersDownError):
             p.pull(1, timeout_s=0.1)
     assert len(retries) >= 2
