@@ -61,7 +61,6 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import grid
 
 from sat_jax import objectives
-from sat_jax.optimizer import make_optimizer
 from sat_jax.train_step import create_train_state, make_train_step, shard_batch
 
 GRPO_FAMILY = ("GRPO", "GRPO+SAT", "GRPO+R3", "GRPO+SAT+R3")
@@ -125,7 +124,7 @@ class Runner(grid.Runner):
         self.base_accuracy = self.accuracy(self.base_params)  # step 0 of every cell
 
     def optimizer(self, lr: float):
-        return make_optimizer(dataclasses.replace(self.cfg.train, learning_rate=lr))
+        return dataclasses.replace(self.cfg.train.optimizer, learning_rate=lr).make()
 
     def cell_step_fn(self, cell: Cell):
         key = (cell.method, cell.lr, cell.knobs)

@@ -44,7 +44,6 @@ import numpy as np
 from sat_jax import objectives, sampler
 from sat_jax.experiment import load_config
 from sat_jax.objectives.advantages import group_advantages
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
@@ -135,7 +134,7 @@ class Runner:
             loss_cfg, replay = loss_config(method)
             self._steps[method] = make_train_step(
                 self.cfg.model,
-                make_optimizer(self.cfg.train),
+                self.cfg.train.optimizer.make(),
                 loss_cfg,
                 self.mesh,
                 routing_replay=replay,
@@ -211,7 +210,7 @@ class Runner:
         step_fn = self.step_fn(cell.method)
         state = create_train_state(
             self.cfg.model,
-            make_optimizer(self.cfg.train),
+            self.cfg.train.optimizer.make(),
             self.mesh,
             _copy(self.base_params),
         )

@@ -9,11 +9,11 @@ import numpy as np
 import optax
 
 from sat_jax.experiment import TrainConfig
-from sat_jax.optimizer import float32_state, make_optimizer
+from sat_jax.optimizer import float32_state
 
 
 def test_bfloat16_params_keep_float32_moments_and_their_own_dtype():
-    opt = make_optimizer(TrainConfig(learning_rate=0.1))
+    opt = TrainConfig(learning_rate=0.1).optimizer.make()
     params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.bfloat16)}
     state = opt.init(params)
     floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
