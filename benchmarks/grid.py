@@ -33,13 +33,17 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
+
+# benchmarks/ scripts run by path and import each other so, never as a package (JetStream
+# installs a top-level `benchmarks` package).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import workers
 
 from sat_jax import objectives, sampler
 from sat_jax.experiment import load_config
@@ -308,23 +312,12 @@ def run_grid(args: argparse.Namespace, cells: list[Cell]) -> float:
     if args.workers <= 1:
         run_worker(args, cells)
         return time.monotonic() - start
-    env = dict(os.environ)
-    # One core per worker: XLA's CPU thread pool would otherwise oversubscribe the machine.
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    ).strip()
-    procs = []
-    for w in range(args.workers):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", f"{w}/{args.workers}"]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
-    try:
-        codes = [p.wait() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    env = workers.single_core_env()
+    with workers.WorkerGroup() as group:
+        for w in range(args.workers):
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", f"{w}/{args.workers}"]
+            group.start(cmd, env=env, cwd=REPO)
+        codes = group.wait()
     if any(codes):
         raise SystemExit(f"grid: a worker failed (exit codes {codes}); finished cells are kept")
     return time.monotonic() - start
