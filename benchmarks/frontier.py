@@ -58,7 +58,7 @@ import numpy as np
 # installs a top-level `benchmarks` package).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import grid
-import workers
+import worker_group
 
 from sat_jax import objectives
 from sat_jax.train_step import create_train_state, make_train_step, shard_batch
@@ -371,9 +371,9 @@ def run_phase(args: argparse.Namespace, phase: str, knob_lr: float | None) -> No
     if args.workers <= 1:
         run_worker(args, cells)
         return
-    env = workers.single_core_env()
+    env = worker_group.single_core_env()
     extra = ["--phase", phase, "--knob-lr", repr(knob_lr)]
-    with workers.WorkerGroup() as group:
+    with worker_group.WorkerGroup() as group:
         for w in range(args.workers):
             cmd = [
                 sys.executable,

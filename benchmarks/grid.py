@@ -43,7 +43,7 @@ import numpy as np
 # benchmarks/ scripts run by path and import each other so, never as a package (JetStream
 # installs a top-level `benchmarks` package).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import workers
+import worker_group
 
 from sat_jax import objectives, sampler
 from sat_jax.experiment import load_config
@@ -312,8 +312,8 @@ def run_grid(args: argparse.Namespace, cells: list[Cell]) -> float:
     if args.workers <= 1:
         run_worker(args, cells)
         return time.monotonic() - start
-    env = workers.single_core_env()
-    with workers.WorkerGroup() as group:
+    env = worker_group.single_core_env()
+    with worker_group.WorkerGroup() as group:
         for w in range(args.workers):
             cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", f"{w}/{args.workers}"]
             group.start(cmd, env=env, cwd=REPO)

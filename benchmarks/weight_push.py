@@ -34,7 +34,7 @@ import time
 # benchmarks/ scripts run by path and import each other so, never as a package (JetStream
 # installs a top-level `benchmarks` package).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import workers
+import worker_group
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -133,7 +133,7 @@ def main() -> None:
     port = portpicker.pick_unused_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory() as out, workers.WorkerGroup() as group:
+    with tempfile.TemporaryDirectory() as out, worker_group.WorkerGroup() as group:
         flags = ["--processes", str(args.processes), "--mb", str(args.mb)]
         flags += ["--arrays", str(args.arrays), "--repeats", str(args.repeats)]
         procs = [

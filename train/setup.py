@@ -1,6 +1,6 @@
 """What the trainer builds from an ``ExperimentConfig`` before its loop (docs/DESIGN.md §7, §8):
-the optimizer, the run's directories, the base policy, the batch shape, the sampleable ids, the
-reference policy's log-probs and the server pool.
+the run's directories, the base policy, the batch shape, the sampleable ids, the reference
+policy's log-probs and the server pool (the optimizer is ``cfg.train.optimizer.make()``).
 
 Pure builders, shared by ``train.main`` (the job), the benchmarks, the notebook and the tests; none
 of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads) the cached supervised warm-up.

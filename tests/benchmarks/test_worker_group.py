@@ -1,5 +1,5 @@
-"""benchmarks/workers.py: the benchmarks' worker processes end with their block, however it exits:
-SIGTERM to each worker's process group, SIGKILL after the grace, every worker reaped."""
+"""benchmarks/worker_group.py: the benchmarks' worker processes end with their block, however it
+exits: SIGTERM to each worker's process group, SIGKILL after the grace, every worker reaped."""
 
 import pathlib
 import signal
@@ -12,7 +12,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-import workers  # noqa: E402
+import worker_group  # noqa: E402
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(600)"]
 # Ignores SIGTERM, says so, then sleeps: only SIGKILL ends it.
@@ -41,21 +41,21 @@ def _ended(pid: int) -> bool:
 
 
 def test_wait_returns_every_exit_code_in_start_order():
-    with workers.WorkerGroup() as group:
+    with worker_group.WorkerGroup() as group:
         group.start([sys.executable, "-c", "raise SystemExit(3)"])
         group.start([sys.executable, "-c", "pass"])
         assert group.wait() == [3, 0]
 
 
 def test_leaving_the_block_on_an_error_terminates_and_reaps_the_workers():
-    with pytest.raises(RuntimeError), workers.WorkerGroup() as group:
+    with pytest.raises(RuntimeError), worker_group.WorkerGroup() as group:
         procs = [group.start(SLEEP), group.start(SLEEP)]
         raise RuntimeError("the parent failed")
     assert [p.returncode for p in procs] == [-signal.SIGTERM, -signal.SIGTERM]
 
 
 def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace():
-    with workers.WorkerGroup(grace_s=0.2) as group:
+    with worker_group.WorkerGroup(grace_s=0.2) as group:
         proc = group.start(STUBBORN, stdout=subprocess.PIPE, text=True)
         assert proc.stdout.readline().strip() == "ready"  # its handler is installed
     proc.stdout.close()
@@ -64,7 +64,7 @@ def test_a_worker_that_ignores_sigterm_is_killed_after_the_grace():
 
 @pytest.mark.skipif(not pathlib.Path("/proc/self/stat").exists(), reason="needs /proc")
 def test_what_a_worker_started_ends_with_it():
-    with workers.WorkerGroup() as group:
+    with worker_group.WorkerGroup() as group:
         proc = group.start(PARENT, stdout=subprocess.PIPE, text=True)
         grandchild = int(proc.stdout.readline())
     proc.stdout.close()

@@ -1,7 +1,7 @@
 """Worker processes of a benchmark (`grid.py`, `frontier.py`, `weight_push.py`): each started in
 its own process group, and all of them ended and reaped when the block exits, however it exits.
 
-    with workers.WorkerGroup() as group:
+    with worker_group.WorkerGroup() as group:
         for w in range(n):
             group.start([sys.executable, __file__, "--worker", f"{w}/{n}"], env=env)
         codes = group.wait()
