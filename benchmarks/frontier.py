@@ -372,18 +372,10 @@ def run_phase(args: argparse.Namespace, phase: str, knob_lr: float | None) -> No
         run_worker(args, cells)
         return
     env = worker_group.single_core_env()
-    extra = ["--phase", phase, "--knob-lr", repr(knob_lr)]
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", phase, "--knob-lr", repr(knob_lr)]
     with worker_group.WorkerGroup() as group:
         for w in range(args.workers):
-            cmd = [
-                sys.executable,
-                __file__,
-                *sys.argv[1:],
-                *extra,
-                "--worker",
-                f"{w}/{args.workers}",
-            ]
-            group.start(cmd, env=env, cwd=grid.REPO)
+            group.start([*cmd, "--worker", f"{w}/{args.workers}"], env=env, cwd=grid.REPO)
         codes = group.wait()
     if any(codes):
         raise SystemExit(f"frontier: a worker failed (exit codes {codes}); finished cells are kept")

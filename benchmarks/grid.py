@@ -313,10 +313,10 @@ def run_grid(args: argparse.Namespace, cells: list[Cell]) -> float:
         run_worker(args, cells)
         return time.monotonic() - start
     env = worker_group.single_core_env()
+    cmd = [sys.executable, __file__, *sys.argv[1:]]
     with worker_group.WorkerGroup() as group:
         for w in range(args.workers):
-            cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", f"{w}/{args.workers}"]
-            group.start(cmd, env=env, cwd=REPO)
+            group.start([*cmd, "--worker", f"{w}/{args.workers}"], env=env, cwd=REPO)
         codes = group.wait()
     if any(codes):
         raise SystemExit(f"grid: a worker failed (exit codes {codes}); finished cells are kept")
