@@ -33,7 +33,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 import time
 from typing import Any
@@ -41,10 +40,14 @@ from typing import Any
 import jax
 import numpy as np
 
+# benchmarks/ scripts run by path and import each other so, never as a package (JetStream
+# installs a top-level `benchmarks` package).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import worker_group
+
 from sat_jax import objectives, sampler
 from sat_jax.experiment import load_config
 from sat_jax.objectives.advantages import group_advantages
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
@@ -135,7 +138,7 @@ class Runner:
             loss_cfg, replay = loss_config(method)
             self._steps[method] = make_train_step(
                 self.cfg.model,
-                make_optimizer(self.cfg.train),
+                self.cfg.train.optimizer.make(),
                 loss_cfg,
                 self.mesh,
                 routing_replay=replay,
@@ -211,7 +214,7 @@ class Runner:
         step_fn = self.step_fn(cell.method)
         state = create_train_state(
             self.cfg.model,
-            make_optimizer(self.cfg.train),
+            self.cfg.train.optimizer.make(),
             self.mesh,
             _copy(self.base_params),
         )
@@ -309,23 +312,12 @@ def run_grid(args: argparse.Namespace, cells: list[Cell]) -> float:
     if args.workers <= 1:
         run_worker(args, cells)
         return time.monotonic() - start
-    env = dict(os.environ)
-    # One core per worker: XLA's CPU thread pool would otherwise oversubscribe the machine.
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    ).strip()
-    procs = []
-    for w in range(args.workers):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", f"{w}/{args.workers}"]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
-    try:
-        codes = [p.wait() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    env = worker_group.single_core_env()
+    cmd = [sys.executable, __file__, *sys.argv[1:]]
+    with worker_group.WorkerGroup() as group:
+        for w in range(args.workers):
+            group.start([*cmd, "--worker", f"{w}/{args.workers}"], env=env, cwd=REPO)
+        codes = group.wait()
     if any(codes):
         raise SystemExit(f"grid: a worker failed (exit codes {codes}); finished cells are kept")
     return time.monotonic() - start

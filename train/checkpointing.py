@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sat_jax import params_io
+from sat_jax.experiment import CheckpointConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState, train_state_shardings
@@ -132,6 +133,12 @@ class Checkpointer:
             ),
             item_names=("state", "progress"),
         )
+
+    @classmethod
+    def from_config(cls, cfg: CheckpointConfig, run_dir: str) -> Checkpointer:
+        """The checkpoints ``cfg`` configures (``cfg.train.checkpoints``): in
+        ``cfg.directory(run_dir)``, keeping ``cfg.keep_checkpoints``."""
+        return cls(cfg.directory(run_dir), keep=cfg.keep_checkpoints)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

@@ -47,12 +47,10 @@ checkpointed and skipped).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -63,8 +61,8 @@ import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
-from sat_jax.optimizer import make_optimizer
+from sat_jax import cli as sat_cli
+from sat_jax.experiment import ExperimentConfig
 from sat_jax.parallel import sharding
 from sat_jax.train_step import (
     TrainBatch,
@@ -172,16 +170,16 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
     module docstring)."""
     t = cfg.train
     lead = jax.process_index() == 0  # talks to the servers, writes metrics and weights
-    run_dir, ckpt_dir, weights_dir = setup.run_paths(cfg)
+    run_dir, _, weights_dir = setup.run_paths(cfg)
     with contextlib.ExitStack() as stack:
         # A local server starts first: its start-up overlaps the warm-up and the first evaluation.
         server = None
         if lead and not t.servers:
             server = stack.enter_context(start_local_server(cfg, config_path, overrides, run_dir))
         mesh = sharding.make_mesh(t.mesh)
-        optimizer = make_optimizer(t)
+        optimizer = t.optimizer.make()
         graphdef, params = setup.base_policy(cfg, mesh)
-        ckpt = stack.enter_context(checkpointing.Checkpointer(ckpt_dir, keep=t.keep_checkpoints))
+        ckpt = stack.enter_context(checkpointing.Checkpointer.from_config(t.checkpoints, run_dir))
         state, progress = start_or_resume(cfg, ckpt, optimizer, mesh, params)
         writer = stack.enter_context(open_writer(cfg, run_dir)) if lead else None
         acc_before = evaluate_and_log(cfg, graphdef, state, writer, "before")
@@ -421,21 +419,10 @@ def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -
 
 def cli(argv: list[str] | None = None) -> None:
     """``sat-train --config FILE [key=value ...]``; a bad config exits with code 2 and one line."""
-    parser = argparse.ArgumentParser(prog="sat-train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML file of overrides (configs/NAME.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"sat-train: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    log.setLevel(logging.INFO)
+    command = sat_cli.Command("sat-train", __doc__)
+    args = command.parse(argv)
+    cfg = command.load_config(args)
+    sat_cli.log_to_stderr("train")
     result = run(cfg, args.config, args.overrides)
     print(
         f"done: {result.steps} steps, weights version {result.version}, "

@@ -1,6 +1,6 @@
 """What the trainer builds from an ``ExperimentConfig`` before its loop (docs/DESIGN.md §7, §8):
-the optimizer, the run's directories, the base policy, the batch shape, the sampleable ids, the
-reference policy's log-probs and the server pool.
+the run's directories, the base policy, the batch shape, the sampleable ids, the reference
+policy's log-probs and the server pool (the optimizer is ``cfg.train.optimizer.make()``).
 
 Pure builders, shared by ``train.main`` (the job), the benchmarks, the notebook and the tests; none
 of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads) the cached supervised warm-up.
@@ -21,7 +21,6 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from rollout_api.client import read_ca
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import hf
 from sat_jax.parallel import sharding
@@ -38,8 +37,7 @@ def run_paths(cfg: ExperimentConfig) -> tuple[str, str, str]:
     """``(run_dir, checkpoint_dir, weights_dir)``; empty ``train.run_dir`` and
     ``train.checkpoint_dir`` mean ``runs/<name>`` and ``<run_dir>/checkpoints``."""
     run_dir = cfg.train.run_dir or os.path.join("runs", cfg.name)
-    ckpt_dir = cfg.train.checkpoint_dir or os.path.join(run_dir, "checkpoints")
-    return run_dir, ckpt_dir, os.path.join(run_dir, "weights")
+    return run_dir, cfg.train.checkpoints.directory(run_dir), os.path.join(run_dir, "weights")
 
 
 def run_id(run_dir: str) -> str:
@@ -58,28 +56,13 @@ def run_id(run_dir: str) -> str:
 
 def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
     """The starting policy: ``model.hf_path``'s weights when set (no warm-up); else random init
-    (``train.seed``), then the supervised warm-up when configured, cached under
-    ``train.sft_cache_dir``."""
+    (``train.seed``), then the supervised warm-up its part configures (``train.warmup.run``:
+    cached under ``train.sft_cache_dir``)."""
     if cfg.model.hf_path:
         return _load_hf(cfg, mesh)
     graphdef, params = sharding.init_sharded(cfg.model, mesh, cfg.train.seed)
-    t = cfg.train
-    if t.warmup_sft_steps:
-        start = time.monotonic()
-        params, cached = warmup.cached_warmup(
-            t.sft_cache_dir,
-            cfg.model,
-            cfg.task,
-            params,
-            init_seed=t.seed,
-            steps=t.warmup_sft_steps,
-            batch=t.sft_batch,
-            learning_rate=t.sft_learning_rate,
-            seq_len=cfg.server.max_prefill_length + cfg.rollout.max_new_tokens,
-        )
-        how = f"loaded from {t.sft_cache_dir}" if cached else f"{t.warmup_sft_steps} steps"
-        log.info("supervised warm-up: %s (%.1fs)", how, time.monotonic() - start)
-    return graphdef, params
+    seq_len = cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
+    return graphdef, warmup.run(cfg.train.warmup, cfg.model, cfg.task, params, seq_len=seq_len)
 
 
 def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
@@ -143,18 +126,17 @@ def make_ref_logp(
 def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "") -> ServerPool:
     """The configured servers (``train.servers``), or the local child once it answers; a crashed
     child is restarted from the pool's retry loop. Calls carry ``server.token`` and the run's id
-    ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca`` the channels are TLS."""
-    t = cfg.train
-    ca = read_ca(t.tls_ca)
+    ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca`` the channels are TLS (the
+    connection arguments are the ``cfg.client`` part's)."""
+    client = cfg.client
+    args = client.connection_args()
     if server is not None:
-        server.wait_ready(timeout_s=t.server_wait_s, root_certificates=ca)
+        server.wait_ready(
+            timeout_s=client.server_wait_s, root_certificates=args["root_certificates"]
+        )
     return ServerPool(
-        t.servers or (server.address,),
-        token=cfg.server.token,
+        client.servers or (server.address,),
         run_id=run,
-        root_certificates=ca,
-        max_message_bytes=cfg.server.max_message_bytes,
-        retry_max_s=t.retry_max_s,
-        server_wait_s=t.server_wait_s,
         on_retry=None if server is None else server.restart_if_exited,
+        **args,
     )

@@ -39,7 +39,6 @@ from jax.sharding import PartitionSpec
 from sat_jax import objectives, train_step
 from sat_jax.experiment import TrainConfig, load_config
 from sat_jax.model import ModelConfig
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 
 
@@ -86,7 +85,7 @@ def plan_memory(
       model_cfg: the model config.
       mesh_cfg: mesh axis sizes; a ``-1`` axis needs ``num_devices``.
       num_devices: total devices; default the product of the (explicit) axis sizes.
-      optimizer: whose state to count; default the trainer's (``make_optimizer(TrainConfig())``).
+      optimizer: whose state to count; default the trainer's (``TrainConfig().optimizer.make()``).
 
     Returns:
       A ``MemoryPlan``.
@@ -117,7 +116,7 @@ def plan_memory(
         active_params=total - expert + expert * k // e,
         param_bytes=param_bytes,
         grad_bytes=param_bytes,
-        adam_bytes=_optimizer_bytes(optimizer or make_optimizer(TrainConfig()), abstract, mesh),
+        adam_bytes=_optimizer_bytes(optimizer or TrainConfig().optimizer.make(), abstract, mesh),
     )
 
 
@@ -193,7 +192,7 @@ def compiled_temp_bytes(
     sizes = [getattr(mesh_cfg, name) for name in sharding.MESH_AXES]
     count = jax.device_count() if -1 in sizes else math.prod(sizes)
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:count])
-    optimizer = optimizer or make_optimizer(TrainConfig())
+    optimizer = optimizer or TrainConfig().optimizer.make()
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig())
     step = train_step.make_train_step(
         model_cfg, optimizer, loss_cfg, mesh, routing_replay=False, microbatches=microbatches
@@ -272,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     try:
         name, model_cfg, mesh_cfg, train_cfg = _configs(args)
-        optimizer = make_optimizer(train_cfg)
+        optimizer = train_cfg.optimizer.make()
         plan = plan_memory(model_cfg, mesh_cfg, args.devices, optimizer)
         if args.compile and (args.batch is None or args.seq_len is None):
             raise ValueError("--compile needs --batch and --seq-len")

@@ -16,7 +16,6 @@ from flax import nnx
 
 from sat_jax.experiment import load_config
 from sat_jax.model import hf, make_tiny
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from sat_jax.train_step import create_train_state
 from train import checkpointing, eval_cli, export, setup
@@ -33,7 +32,7 @@ def _save_checkpoint(cfg, step: int, shift: float) -> dict:
     else:
         _, params = sharding.init_sharded(cfg.model, mesh, 0)
     params = jax.tree.map(lambda x: x + shift, params)
-    optimizer = make_optimizer(cfg.train)
+    optimizer = cfg.train.optimizer.make()
     state = create_train_state(cfg.model, optimizer, mesh, params)
     progress = checkpointing.Progress(version=step, min_version=1, rng_key=(0, 0))
     with checkpointing.Checkpointer(setup.run_paths(cfg)[1], keep=3) as ckpt:

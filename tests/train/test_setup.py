@@ -9,7 +9,6 @@ import pytest
 
 from sat_jax import sampler
 from sat_jax.experiment import load_config
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from tests.train.test_remote import FakeRollout, serve
 from train import remote, setup
@@ -28,7 +27,7 @@ def test_optimizer_warms_the_learning_rate_up_from_0():
             "train.learning_rate=0.5",
         ],
     )
-    opt = make_optimizer(cfg.train)
+    opt = cfg.train.optimizer.make()
     params = {"w": np.zeros(2, np.float32)}
     state = opt.init(params)
     grads = {"w": np.asarray([3.0, 4.0], np.float32)}
