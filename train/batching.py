@@ -34,7 +34,6 @@ import numpy as np
 
 from rollout_api.proto import rollout_pb2
 from rollout_api.routing_codec import decode_routing
-from sat_jax.objectives.advantages import group_advantages
 from sat_jax.train_step import TrainBatch
 
 log = logging.getLogger("train")
@@ -282,8 +281,10 @@ def assemble_batch(
 
     Returns:
       ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
-      loss_mask / behavior_logp / advantages [R, T] float32, routing [R, T, L, K] (when
-      ``spec.routing_lk``); rows past the kept trajectories are padding (mask 0). ``stats`` carries the selection's counts.
+      loss_mask / behavior_logp [R, T] float32, rewards [R] float32 and group_ids [R] int32 (the
+      group's index in the batch; -1 on padding rows), from which the train step computes the
+      advantages, routing [R, T, L, K] (when ``spec.routing_lk``); rows past the kept
+      trajectories are padding (mask 0). ``stats`` carries the selection's counts.
 
     Raises:
       ValueError: too many groups, a group of the wrong size, or a trajectory longer than
@@ -304,7 +305,7 @@ def assemble_batch(
         # Padding positions replay a valid, duplicate-free expert set; they are masked anyway.
         routing = np.broadcast_to(np.arange(K, dtype=np.uint16), (R, T, L, K)).copy()
     rewards = np.zeros(R, np.float32)
-    group_ids = np.zeros(R, np.int32)
+    group_ids = np.full(R, -1, np.int32)
     active = np.zeros(R, bool)
     lengths = []
     for g, group in enumerate(kept):
@@ -322,7 +323,8 @@ def assemble_batch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=behavior,
-        advantages=_advantages(rewards, group_ids, active, spec)[:, None] * mask,
+        rewards=rewards,
+        group_ids=group_ids,
         routing=None if routing is None else routing.astype(spec.routing_dtype),
     )
     stats = BatchStats(
@@ -340,21 +342,6 @@ def assemble_batch(
         lags=token_lags(lag_bt, mask),
     )
     return batch, stats
-
-
-def _advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, active: np.ndarray, spec: BatchSpec
-) -> np.ndarray:
-    """float32 [R] group-relative advantage of each row (0 on padding rows)."""
-    per_row = group_advantages(
-        rewards,
-        group_ids,
-        num_groups=spec.batch_groups,
-        estimator=spec.estimator,
-        normalize_std=spec.normalize_std,
-        where=active,
-    )
-    return np.asarray(per_row, np.float32)
 
 
 def _fill_row(
