@@ -1,6 +1,6 @@
 """The per-step data path benchmark (benchmarks/step_data_path.py): its argument checks and a
-small run (4 groups of 2, KL on; 8 rows for the 8 simulated devices) whose batch crosses host → device once, with nothing coming back
-but the metrics."""
+small run (4 groups of 2, KL on; 8 rows for the 8 simulated devices) whose batch crosses host →
+device once, with nothing coming back but the metrics."""
 
 import json
 import pathlib
