@@ -138,6 +138,8 @@ class Runner(grid.Runner):
                 routing_replay=replay,
                 temperature=self.cfg.rollout.temperature,
                 vocab_mask=self.vocab_mask,
+                estimator=self.cfg.train.advantage_estimator,
+                normalize_std=self.cfg.train.normalize_std,
             )
         return self._steps[key]
 

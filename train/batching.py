@@ -38,7 +38,6 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from rollout_api.records import Group, GroupLimits, InvalidGroup, Trajectory
-from sat_jax.objectives.advantages import group_advantages
 from sat_jax.train_step import TrainBatch
 
 log = logging.getLogger("train")
@@ -273,8 +272,10 @@ def assemble_batch(
 
     Returns:
       ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
-      loss_mask / behavior_logp / advantages [R, T] float32, routing [R, T, L, K] (when
-      ``spec.routing_lk``); rows past the kept trajectories are padding (mask 0). ``stats``
+      loss_mask / behavior_logp [R, T] float32, rewards [R] float32 and group_ids [R] int32 (the
+      group's index in the batch; -1 on padding rows), from which the train step computes the
+      advantages, routing [R, T, L, K] (when ``spec.routing_lk``); rows past the kept
+      trajectories are padding (mask 0). ``stats``
       carries the selection's counts and the lags of the trained tokens.
 
     Raises:
@@ -289,7 +290,7 @@ def assemble_batch(
     tokens, mask, behavior, routing = _padding(spec, T)
     lags: list[np.ndarray] = []  # per row, in row order: the flat lags of the trained tokens
     rewards = np.zeros(R, np.float32)
-    group_ids = np.zeros(R, np.int32)
+    group_ids = np.full(R, -1, np.int32)
     active = np.zeros(R, bool)
     lengths = []
     for g, group in enumerate(kept):
@@ -308,7 +309,8 @@ def assemble_batch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=behavior,
-        advantages=_advantages(rewards, group_ids, active, spec)[:, None] * mask,
+        rewards=rewards,
+        group_ids=group_ids,
         routing=None if routing is None else routing.astype(spec.routing_dtype),
     )
     stats = BatchStats(
@@ -337,7 +339,8 @@ def empty_batch(spec: BatchSpec, length: int) -> TrainBatch:
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=behavior,
-        advantages=np.zeros_like(mask),
+        rewards=np.zeros(spec.rows, np.float32),
+        group_ids=np.full(spec.rows, -1, np.int32),
         routing=routing,
     )
 
@@ -356,21 +359,6 @@ def _padding(
         routing = np.broadcast_to(ids, (R, T, L, K)).copy()
     zeros = np.zeros((R, T), np.float32)
     return np.zeros((R, T), np.int32), zeros, zeros.copy(), routing
-
-
-def _advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, active: np.ndarray, spec: BatchSpec
-) -> np.ndarray:
-    """float32 [R] group-relative advantage of each row (0 on padding rows)."""
-    per_row = group_advantages(
-        rewards,
-        group_ids,
-        num_groups=spec.batch_groups,
-        estimator=spec.estimator,
-        normalize_std=spec.normalize_std,
-        where=active,
-    )
-    return np.asarray(per_row, np.float32)
 
 
 def _fill_row(

@@ -1,6 +1,7 @@
 """What the trainer builds from an ``ExperimentConfig`` before its loop (docs/DESIGN.md §7, §8):
-the run's directories, the base policy, the batch shape, the sampleable ids, the reference
-policy's log-probs and the server pool (the optimizer is ``cfg.train.optimizer.make()``).
+the run's directories, the base policy, the batch shape, the sampleable ids and the server pool
+(the optimizer is ``cfg.train.optimizer.make()``; the reference policy's log-probs, for the KL
+penalty, are computed inside the train step from the base policy's params).
 
 Pure builders, shared by ``train.main`` (the job), the benchmarks, the notebook and the tests; none
 of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads) the cached supervised warm-up.
@@ -8,24 +9,20 @@ of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import hf
 from sat_jax.parallel import sharding
 from sat_jax.tasks import sampleable_mask as tokenizer_mask
-from sat_jax.train_step import next_token_logprobs
 from train import batching, warmup
 from train.local_server import LocalServer
 from train.remote import ServerPool
@@ -99,28 +96,6 @@ def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
     """[V] bool: the ids the server samples from, over which the trainer renormalizes too
     (``sat_jax.tasks.sampleable_mask`` of the configured tokenizer)."""
     return tokenizer_mask(make_tokenizer(cfg), cfg.model.vocab_size)
-
-
-def make_ref_logp(
-    graphdef: nnx.GraphDef,
-    ref_params: Any,
-    mesh: jax.sharding.Mesh,
-    temperature: float,
-    vocab_mask: np.ndarray,
-) -> Callable[[np.ndarray], np.ndarray]:
-    """Reference-policy (the warm-up policy) log-probs of a batch's tokens, for the KL penalty.
-
-    The result is replicated over ``mesh``, so every process reads the whole [B, T] array.
-    """
-
-    @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec()))
-    def ref_logp(tokens_bt: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, ref_params)(tokens_bt)
-        return next_token_logprobs(
-            logits, tokens_bt, temperature=temperature, vocab_mask=vocab_mask
-        )
-
-    return lambda tokens: np.asarray(ref_logp(tokens))
 
 
 def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "") -> ServerPool:

@@ -36,7 +36,6 @@ from sat_jax.experiment import TaskConfig, WarmupConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
-from sat_jax.train_step import next_token_logprobs
 
 SFT_SEED_OFFSET = 2_000_003
 
@@ -111,8 +110,7 @@ def supervised_warmup(
     @jax.jit
     def step(params: Any, opt_state: Any, tokens: jax.Array, mask: jax.Array):
         def loss_fn(p: Any) -> jax.Array:
-            logits = nnx.merge(graphdef, p)(tokens)
-            logp = next_token_logprobs(logits, tokens)
+            logp, _ = nnx.merge(graphdef, p).logprobs(tokens)  # the trainer's log-probs
             return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)

@@ -1,5 +1,6 @@
-"""Batch assembly: alignment, fixed shapes, lag tagging, the staleness policy, advantages, and the
-counts that reach ``BatchStats`` on the live path (``pulling.next_batch``)."""
+"""Batch assembly: alignment, fixed shapes, lag tagging, the staleness policy, the rewards and group
+ids the step turns into advantages, and the counts that reach ``BatchStats`` on the live path
+(``pulling.next_batch``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 from rollout_api import records
+from sat_jax import train_step
 from train import batching, pulling
 
 L, K = 2, 2
@@ -67,9 +69,22 @@ def assemble(groups, batch_spec, *, trainer_version, min_version=0, seen=()):
     return batching.assemble_batch(selection, batch_spec, trainer_version=trainer_version)
 
 
+def advantages(batch, batch_spec) -> np.ndarray:
+    """[R, T] the advantages the train step computes from the batch's rewards and group ids."""
+    with_adv = train_step.with_advantages(
+        batch, estimator=batch_spec.estimator, normalize_std=batch_spec.normalize_std
+    )
+    return np.asarray(with_adv.advantages)
+
+
 def test_alignment_shapes_and_advantages():
     groups = [make_group(7, [1.0, 0.0], [[5, 5], [5, 5, 5]])]
     batch, stats = assemble(groups, spec(), trainer_version=5)
+    # Per-row rewards and group ids (-1: padding rows); the step derives the advantages.
+    assert batch.advantages is None
+    np.testing.assert_array_equal(batch.rewards, [1, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(batch.group_ids, [0, 0, -1, -1, -1, -1])
+    assert batch.rewards.dtype == np.float32 and batch.group_ids.dtype == np.int32
     assert batch.tokens.shape == (6, 10) and batch.routing.shape == (6, 10, L, K)
     np.testing.assert_array_equal(batch.tokens[0, :5], [1, 5, 6, 10, 11])
     np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1, 1, 0, 0, 0, 0, 0])
@@ -77,9 +92,10 @@ def test_alignment_shapes_and_advantages():
     np.testing.assert_allclose(batch.behavior_logp[1, 3:6], [-0.5, -1.5, -2.5])
     # GRPO with std normalization: rewards (1, 0) → ±0.5/(std + eps), std = 1/√2 (ddof = 1).
     a = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6)
-    np.testing.assert_allclose(batch.advantages[0, 3:5], [a, a], rtol=1e-5)
-    np.testing.assert_allclose(batch.advantages[1, 3:6], [-a] * 3, rtol=1e-5)
-    assert np.all(batch.advantages[batch.loss_mask == 0] == 0)
+    adv = advantages(batch, spec())
+    np.testing.assert_allclose(adv[0, 3:5], [a, a], rtol=1e-5)
+    np.testing.assert_allclose(adv[1, 3:6], [-a] * 3, rtol=1e-5)
+    assert np.all(adv[batch.loss_mask == 0] == 0)
     assert np.all(batch.loss_mask[2:] == 0)  # padding rows
     assert batch.routing[1, 0, 0, 0] == 4 and batch.routing.dtype == np.uint8
     np.testing.assert_array_equal(batch.routing[4, 0, 0], [0, 1])  # padding: a valid set
@@ -120,7 +136,7 @@ def test_lag_histogram_last_bin_collects_old_tokens():
 
 def test_equal_rewards_give_zero_advantage_and_empty_batch_is_all_padding():
     batch, _ = assemble([make_group(1, [1, 1], [[2], [2]])], spec(), trainer_version=2)
-    assert np.all(batch.advantages == 0)
+    assert np.all(advantages(batch, spec()) == 0)
     batch, stats = assemble([], spec(routing_lk=None), trainer_version=0)
     assert batch.routing is None and batch.loss_mask.sum() == 0 and stats.lag_max == 0
 
@@ -235,13 +251,14 @@ def test_a_batch_of_short_rows_gets_a_short_shape_and_its_pad_frac():
     groups = [make_group(1, [1, 0], [[1, 1], [1, 1, 1]])]
     batch, stats = assemble(groups, spec(length_bucket=4), trainer_version=1)
     assert batch.tokens.shape == (6, 8) and batch.routing.shape == (6, 8, L, K)
-    assert batch.loss_mask.shape == batch.advantages.shape == batch.behavior_logp.shape == (6, 8)
+    adv = advantages(batch, spec(length_bucket=4))
+    assert batch.loss_mask.shape == adv.shape == batch.behavior_logp.shape == (6, 8)
     assert stats.pad_frac == pytest.approx(1 - 11 / 48)
     full, full_stats = assemble(groups, spec(), trainer_version=1)
     assert full.tokens.shape == (6, 10) and full_stats.pad_frac == pytest.approx(1 - 11 / 60)
     for short, long in zip(
-        (batch.tokens, batch.loss_mask, batch.behavior_logp, batch.advantages, batch.routing),
-        (full.tokens, full.loss_mask, full.behavior_logp, full.advantages, full.routing),
+        (batch.tokens, batch.loss_mask, batch.behavior_logp, adv, batch.routing),
+        (full.tokens, full.loss_mask, full.behavior_logp, advantages(full, spec()), full.routing),
         strict=True,
     ):
         np.testing.assert_array_equal(short, long[:, :8])

@@ -234,7 +234,6 @@ def _loop_parts(cfg, pool, pusher, writer, step_fn, *, ckpt=None) -> main.LoopPa
         writer=writer,
         graphdef=None,
         step_fn=step_fn,
-        ref_logp_fn=None,
         mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
         spec=setup.batch_spec(cfg),
     )

@@ -1,5 +1,6 @@
 """train.setup: what the trainer builds from a config (optimizer, paths, base policy, batch shape,
-sampleable ids, reference log-probs, and the server pool, live against a fake Rollout service)."""
+sampleable ids, and the server pool, live against a fake Rollout service). The reference policy's
+log-probs are the train step's (tests/sat_jax/test_microbatches.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import jax
 import numpy as np
 import pytest
 
-from sat_jax import sampler
 from sat_jax.experiment import load_config
 from sat_jax.parallel import sharding
 from tests.train.test_remote import FakeRollout, serve
@@ -90,18 +90,6 @@ def test_batch_spec_and_sampleable_mask_come_from_the_config():
     assert mask.shape == (cfg.model.vocab_size,)
     assert not mask[0] and not mask[1] and mask[2]  # pad, bos out; eos in
     assert mask.sum() == len(cfg.task.alphabet) + 1
-
-
-def test_reference_logprobs_are_the_base_policy_over_the_sampleable_ids():
-    cfg = load_config(None, [])
-    mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
-    graphdef, params = sharding.init_sharded(cfg.model, mesh, 0)
-    mask = setup.sampleable_mask(cfg)
-    tokens = np.random.default_rng(0).integers(2, 20, (2, 9)).astype(np.int32)
-    ref = setup.make_ref_logp(graphdef, params, mesh, 0.8, mask)(tokens)
-    expected = sampler.logprobs(graphdef, params, tokens, None, 0.8, mask)
-    assert isinstance(ref, np.ndarray) and ref.shape == tokens.shape
-    np.testing.assert_allclose(ref, np.asarray(expected), rtol=0, atol=1e-6)
 
 
 class _Recorder:
