@@ -13,7 +13,8 @@ key s valid):
     block is rematerialised (`jax.checkpoint`) in the backward pass, so both passes hold
     O(B·T·N·H + B·N·C·T) at a time instead of the O(B·N·T²) scores;
   * "dense": the whole [T, T] score matrix (the reference; what decoding uses over the cache).
-`resolve_attention` picks "fused" on GPU, "splash" on TPU and "blockwise" elsewhere under "auto".
+`resolve_attention` picks "fused" on GPU, "splash" on TPU (under a mesh or on one device) and
+"blockwise" elsewhere under "auto".
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from sat_jax.model.tpu_kernels import splash_attention, target_platform
+from sat_jax.model.tpu_kernels import kernels_placeable, splash_attention, target_platform
 
 # Large finite negative so fully masked rows give a uniform softmax instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -99,12 +100,15 @@ def blockwise_attention(
 
 def resolve_attention(path: str, platform: str | None = None) -> str:
     """The concrete path for a config's ``attention``: "auto" is "fused" on GPU, "splash" on TPU
-    and "blockwise" elsewhere; ``platform`` defaults to the trace's target
+    where the kernel can be placed (`tpu_kernels.kernels_placeable`: under an ambient mesh or on
+    one device) and "blockwise" elsewhere; ``platform`` defaults to the trace's target
     (`tpu_kernels.target_platform`: the ambient mesh's devices, else the default backend)."""
     if path != "auto":
         return path
     platform = platform or target_platform()
-    return {"gpu": "fused", "tpu": "splash"}.get(platform, "blockwise")
+    if platform == "tpu" and kernels_placeable():
+        return "splash"
+    return "fused" if platform == "gpu" else "blockwise"
 
 
 def causal_attention(

@@ -30,7 +30,7 @@ from flax import nnx, struct
 
 from sat_jax.model.config import DTypeLike
 from sat_jax.model.layers import fan_in_init, make_param
-from sat_jax.model.tpu_kernels import gmm_dispatch, target_platform
+from sat_jax.model.tpu_kernels import gmm_dispatch, kernels_placeable, target_platform
 
 # Measured by benchmarks/moe_layer.py on the development CPU (2 shared cores, jax 0.10.2; dense
 # f32 matmul 80-126 GFLOP/s), forward + backward of one MoE layer, T = 2048, D = 512, F = 256,
@@ -246,8 +246,10 @@ def resolve_dispatch(
 ) -> str:
     """The concrete path ("dense", "ragged", "blocked" or "gmm") for a config's `dispatch`.
 
-    "auto" takes "gmm" on TPU (XLA:TPU turns `ragged_dot`'s weight gradient into dense compute
-    over all E experts; megablox's `tgmm` does not) and "ragged" on GPU (grouped-matmul kernels).
+    "auto" takes "gmm" on TPU where the kernel can be placed (`tpu_kernels.kernels_placeable`:
+    under an ambient mesh, as the train step traces, or on one device), because XLA:TPU turns
+    `ragged_dot`'s weight gradient into dense compute over all E experts and megablox's `tgmm`
+    does not; else "ragged" on TPU (its forward is a grouped matmul there) and on GPU.
     On CPU, `ragged_dot` lowers to a masked dense product over all E groups (E times the active
     FLOPs, worse than "dense"), so "auto" compares the rows each remaining path computes: T * E
     for "dense" against CPU_BLOCKED_OVERHEAD times the padded rows of "blocked" (which pays for
@@ -258,7 +260,7 @@ def resolve_dispatch(
     if dispatch != "auto":
         return dispatch
     backend = backend or target_platform()
-    if backend == "tpu":
+    if backend == "tpu" and kernels_placeable():
         return "gmm"
     if backend != "cpu":
         return "ragged"

@@ -20,10 +20,15 @@ functions therefore run per shard in `jax.shard_map`: the batch over the mesh's 
 expert dimension over "expert" and their width F over "tensor" (partial outputs summed with
 `psum`). An axis that does not divide its dimension leaves it whole (computed redundantly there).
 
+Without an ambient mesh the kernels run as they are, which XLA accepts on one device only, so
+"auto" picks them on TPU only where `kernels_placeable` (the train step always traces under its
+mesh; a multi-chip server that does not keeps `ragged_dot`, whose forward XLA:TPU compiles to a
+grouped matmul already).
+
 Interpret mode: off TPU the kernels run in Pallas interpret mode (plain JAX ops, slow), which is
-what the CPU tests compare against the reference paths; `sat_jax.model.config` never picks them
-off TPU under "auto". The target platform is that of the ambient mesh's devices, so compiling for
-a TPU topology on a CPU host (`jax.experimental.topologies`) lowers the real Mosaic kernels.
+what the CPU tests compare against the reference paths; "auto" never picks them off TPU. The
+target platform is that of the ambient mesh's devices, so compiling for a TPU topology on a CPU
+host (`jax.experimental.topologies`) lowers the real Mosaic kernels.
 """
 
 from __future__ import annotations
@@ -57,6 +62,14 @@ def target_platform() -> str:
     mesh = jax.sharding.get_abstract_mesh()
     device = None if mesh.empty else mesh.abstract_device
     return device.platform if device is not None else jax.default_backend()
+
+
+def kernels_placeable() -> bool:
+    """Whether a Pallas TPU kernel can be placed in the current trace: under an ambient mesh (it
+    runs per shard in `jax.shard_map`) or on a single device. XLA cannot partition a Mosaic
+    kernel by itself ("Mosaic kernels cannot be automatically partitioned"), so "auto" keeps
+    XLA's paths in a multi-device program traced without a mesh."""
+    return not jax.sharding.get_abstract_mesh().empty or jax.device_count() == 1
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -216,6 +229,25 @@ def _gmm_local(
     """One shard of `gmm_dispatch`: its tokens through its E_l experts (all E without an axis)."""
     t, k = ids_tk.shape
     e_local, d, f = gate_edf.shape
+    if not interpret and (d % LANES or f % LANES):
+        # Mosaic blocks are whole 128-lane multiples (or whole dimensions, which the backward's
+        # swapped tiles break): pad D and F with zeros, which add nothing (silu(0) · 0 = 0).
+        dp, fp = _round_up(d, LANES) - d, _round_up(f, LANES) - f
+        x_td = jnp.pad(x_td, [(0, 0), (0, dp)])
+        gate_edf, up_edf = (jnp.pad(w, [(0, 0), (0, dp), (0, fp)]) for w in (gate_edf, up_edf))
+        down_efd = jnp.pad(down_efd, [(0, 0), (0, fp), (0, dp)])
+        y_td = _gmm_local(
+            x_td,
+            ids_tk,
+            weights_tk,
+            gate_edf,
+            up_edf,
+            down_efd,
+            num_experts=num_experts,
+            expert_axis=expert_axis,
+            interpret=interpret,
+        )
+        return y_td[:, :d]
     m = t * k
     ids_m = ids_tk.reshape(m)
     shift = 0 if expert_axis is None else jax.lax.axis_index(expert_axis) * e_local

@@ -167,8 +167,15 @@ def test_model_with_tpu_kernels_equals_the_dense_reference():
     [("tpu", "splash", "gmm"), ("gpu", "fused", "ragged"), ("cpu", "blockwise", "blocked")],
 )
 def test_auto_picks_the_kernels_on_tpu_only(platform, attention, dispatch):
-    assert resolve_attention("auto", platform) == attention
-    assert resolve_dispatch("auto", num_tokens=4096, num_experts=64, k=2, backend=platform) == (
-        dispatch
-    )
-    assert resolve_attention("blockwise", platform) == "blockwise"
+    with jax.set_mesh(make_mesh(MeshConfig(fsdp=-1))):
+        assert resolve_attention("auto", platform) == attention
+        assert resolve_attention("blockwise", platform) == "blockwise"
+        got = resolve_dispatch("auto", num_tokens=4096, num_experts=64, k=2, backend=platform)
+        assert got == dispatch
+
+
+def test_auto_keeps_xla_paths_on_tpu_without_a_mesh():
+    # XLA cannot partition a Mosaic kernel over 8 devices by itself: no mesh, no kernel.
+    assert jax.device_count() > 1
+    assert resolve_attention("auto", "tpu") == "blockwise"
+    assert resolve_dispatch("auto", num_tokens=64, num_experts=8, k=2, backend="tpu") == "ragged"
