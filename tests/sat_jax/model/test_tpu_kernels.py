@@ -17,7 +17,7 @@ from flax import nnx
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.model.attention import causal_attention, dense_attention, resolve_attention
 from sat_jax.model.moe import Experts, dispatch_dense, dispatch_ragged, resolve_dispatch
-from sat_jax.model.tpu_kernels import gmm_dispatch, splash_attention, splash_block
+from sat_jax.model.tpu_kernels import gmm_dispatch, gmm_row_tile, splash_attention, splash_block
 from sat_jax.parallel.rules import MeshConfig, make_mesh
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -85,13 +85,12 @@ def test_splash_per_shard_equals_dense(mesh_cfg):
     np.testing.assert_allclose(got, _dense_causal(q, k, v, valid), rtol=RTOL, atol=ATOL)
 
 
-def test_splash_block_is_lane_aligned_and_bounded():
-    assert [splash_block(b, t) for b, t in [(5, 11), (512, 8704), (4096, 8704), (200, 1000)]] == [
-        128,
-        512,
-        512,
-        256,
-    ]
+def test_tiles_are_lane_aligned_and_bounded():
+    blocks = [splash_block(b, t) for b, t in [(5, 11), (512, 8704), (4096, 8704), (200, 1000)]]
+    assert blocks == [128, 512, 512, 256]
+    # Row tiles: E · tile <= M / 4 where possible, 128 at least, never past M rounded up.
+    tiles = [gmm_row_tile(m, e) for m, e in [(66, 8), (32768, 128), (131072, 128), (1 << 20, 128)]]
+    assert tiles == [128, 128, 256, 512]
 
 
 def _moe_inputs(t=40, d=16, f=24, e=8, k=2, seed=0):
