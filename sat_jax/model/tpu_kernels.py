@@ -4,17 +4,17 @@ Dimension letters: B batch, T positions, G key/value heads, R query heads per KV
 H head_dim, D d_model, E experts (E_l on one shard), F expert width, K experts per token,
 M token-slots (T·K).
 
-Why kernels: XLA:TPU compiles `blockwise_attention` to loops of small matmuls and, worse, the
-weight gradient of `jax.lax.ragged_dot` (a ragged *contracting* dimension) to a dense product
-over all E experts: E/K times the active FLOPs (42.9x the analytic FLOPs for one Qwen3-30B-A3B
-MoE layer, benchmarks/RESULTS.md "TPU kernels"). Here:
+Why kernels: `blockwise_attention` is a `lax.scan` of small matmuls that also computes the fully
+masked blocks, and XLA:TPU compiles the weight gradient of `jax.lax.ragged_dot` (a ragged
+*contracting* dimension) to a dense product over all E experts (43x the analytic FLOPs for one
+Qwen3-30B-A3B MoE layer, benchmarks/RESULTS.md "TPU kernels"). Here:
   * `splash_attention`: jax's splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`),
     causal, GQA native (R query heads share a KV head), the right padding as segment ids;
   * `gmm_dispatch`: sort token-slots by expert, then megablox `gmm` (forward and input gradient)
     and `tgmm` (weight gradient) grouped matmuls, which compute only the rows of each group.
 
-Sharding: a Pallas call is opaque to XLA's SPMD partitioner, which would gather its operands whole
-on every device. Under an ambient mesh (`jax.set_mesh`; the train step traces under its mesh) both
+Sharding: XLA's SPMD partitioner cannot split a Pallas call (over sharded operands the compile
+fails: "Mosaic kernels cannot be automatically partitioned"). Under an ambient mesh (`jax.set_mesh`; the train step traces under its mesh) both
 functions therefore run per shard in `jax.shard_map`: the batch over the mesh's batch axes
 (`sat_jax.parallel.rules.batch_axes`), attention heads over "tensor", and for the experts the
 expert dimension over "expert" and their width F over "tensor" (partial outputs summed with
