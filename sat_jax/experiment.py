@@ -211,6 +211,10 @@ class TrainConfig:
       pull_timeout_s: how long one Pull waits for groups.
       retry_max_s: the longest backoff between retries while a server is down.
       server_wait_s: give up when no server answered, or none sent a group, for this long.
+      server_grace_s: a server whose calls keep failing this long leaves the pull rotation and
+        the push set (the run goes on with the others); it is probed and rejoins when it answers.
+      servers_file: a file of "host:port" lines, re-read every few seconds: new lines join the
+        fleet, removed ones leave ("" = none; with `servers` empty and this set, no local server).
       tls_ca: PEM file of the CA (or self-signed certificate) to verify the servers with; set,
         the trainer connects over TLS ("" = plaintext).
       seed: the trainer's PRNG seed.
@@ -249,6 +253,8 @@ class TrainConfig:
     pull_timeout_s: float = 30.0
     retry_max_s: float = 10.0
     server_wait_s: float = 600.0
+    server_grace_s: float = 5.0
+    servers_file: str = ""
     tls_ca: str = ""
     seed: int = 0
     wandb: bool = False
@@ -276,6 +282,8 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.server_grace_s < 0:
+            raise ValueError(f"server_grace_s must be >= 0, got {self.server_grace_s}")
         for name in ("learning_rate", "sft_learning_rate", "pull_timeout_s", "retry_max_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

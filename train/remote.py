@@ -112,6 +112,8 @@ class ServerPool:
         process has exited for good).
       clock: the monotonic clock, in seconds, of grace, backoff and ``server_wait_s``.
       sleep: waits between retries (tests pass a fake clock's, so retries take no time).
+      connect: opens a server's (channel, stub) from its address, the message limit and the
+        certificates (``rollout_api.client.connect``; tests pass fakes).
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class ServerPool:
         on_retry: Callable[[], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
+        connect: Callable[..., tuple[grpc.Channel, object]] = connect,
     ):
         if not addresses and not servers_file:
             raise ValueError("ServerPool needs at least one address or a servers_file")
@@ -144,6 +147,7 @@ class ServerPool:
         self._servers_file = servers_file
         self._on_retry = on_retry
         self._clock, self._sleep = clock, sleep
+        self._connect = connect
         self._lock = threading.RLock()
         self._servers: list[_Server] = []
         self._count = 0  # servers ever added: the next index
@@ -595,7 +599,7 @@ class ServerPool:
     # The servers file.
 
     def _add(self, address: str, *, up: bool, from_file: bool = False) -> _Server:
-        channel, stub = connect(
+        channel, stub = self._connect(
             address, self._max_message_bytes, root_certificates=self._certificates
         )
         server = _Server(

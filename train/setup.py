@@ -141,20 +141,24 @@ def make_ref_logp(
 
 
 def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "") -> ServerPool:
-    """The configured servers (``train.servers``), or the local child once it answers; a crashed
-    child is restarted from the pool's retry loop. Calls carry ``server.token`` and the run's id
-    ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca`` the channels are TLS."""
+    """The configured servers (``train.servers`` and ``train.servers_file``), or the local child
+    once it answers; a crashed child is restarted from the pool's retry loop. Calls carry
+    ``server.token`` and the run's id ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca``
+    the channels are TLS. Down servers are probed on the pool's own thread."""
     t = cfg.train
     ca = read_ca(t.tls_ca)
     if server is not None:
         server.wait_ready(timeout_s=t.server_wait_s, root_certificates=ca)
     return ServerPool(
-        t.servers or (server.address,),
+        t.servers if t.servers or t.servers_file else (server.address,),
         token=cfg.server.token,
         run_id=run,
         root_certificates=ca,
         max_message_bytes=cfg.server.max_message_bytes,
         retry_max_s=t.retry_max_s,
         server_wait_s=t.server_wait_s,
+        grace_s=t.server_grace_s,
+        servers_file=t.servers_file,
+        background=True,
         on_retry=None if server is None else server.restart_if_exited,
     )
