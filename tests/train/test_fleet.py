@@ -7,6 +7,7 @@ server_wait_s."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import grpc
@@ -154,7 +155,7 @@ def test_a_down_server_is_probed_with_backoff_and_rejoins_with_the_current_weigh
             clock.advance(0.25)
             pool.maintain()
         probes = [t for rpc, _, t in stubs[a].calls if rpc == "Health"]
-        gaps = [round(y - x, 2) for x, y in zip(probes, probes[1:], strict=False)]
+        gaps = [round(y - x, 2) for x, y in itertools.pairwise(probes)]
         assert gaps[:4] == [0.5, 1.0, 2.0, 4.0] and max(gaps) == RETRY_MAX  # doubling, capped
         pool.update_weights(5, "/w/v5")  # while a is down: only b
         stubs[a].down = False
