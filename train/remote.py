@@ -146,6 +146,7 @@ class ServerPool:
         self._grace_s = grace_s
         self._servers_file = servers_file
         self._on_retry = on_retry
+        self._retry_lock = threading.Lock()
         self._clock, self._sleep = clock, sleep
         self._connect = connect
         self._lock = threading.RLock()
@@ -424,8 +425,7 @@ class ServerPool:
             with self._lock:
                 self._note_failure()
                 self._schedule_probe(server, f"Health: {code}")
-            if self._on_retry is not None:
-                self._on_retry()
+            self._retry_hook()
             return
         with self._lock:
             self._answered(server)
@@ -534,8 +534,14 @@ class ServerPool:
                 )
             if server.up and now - server.failing_since >= self._grace_s:
                 self._leave(server, reason)
+        self._retry_hook()
+
+    def _retry_hook(self) -> None:
+        """``on_retry``, on one thread at a time (the loop's pulls and the probes both call it:
+        a crashed local child must be started once)."""
         if self._on_retry is not None:
-            self._on_retry()
+            with self._retry_lock:
+                self._on_retry()
 
     def _answered(self, server: _Server) -> None:
         server.failing_since = None
