@@ -1,17 +1,23 @@
 """The rollout loop: prompts (grain) → G samples each → rewards → finished groups in a queue.
 
 Admission control (docs/DESIGN.md §6) bounds staleness: a new group starts only while
-    (max_staleness + version + 1) · batch_groups − (consumed + queued + running) > 0
+    (max_staleness + version + 1) · share · batch_groups − (consumed + queued + running) > 0
 with `version` and the group counts measured from the start of the current admission epoch, and
-queued + running stays within the queue's capacity, so the queue never overflows.
+queued + running stays within the queue's capacity, so the queue never overflows. `share` is this
+server's part of the fleet's budget (1/k with k servers, sent by the trainer with its weights), so
+k servers together run ahead by what one would alone.
 
 An admission epoch starts at the first trainer weights a server installs and at every
 `UpdateWeights` with `new_admission_epoch` (the trainer sets it when it connects, e.g. after a
 resume). Groups dispatched before it (e.g. with the server's own random weights, which the trainer
 drops) no longer count, so after `UpdateWeights(v)` starts an epoch exactly
 (max_staleness + 1) · batch_groups groups are admitted while the server holds v, and
-batch_groups more for each version after v. With `wait_for_weights` nothing is dispatched before
-the first trainer weights.
+batch_groups more for each version after v. Those earlier groups are remembered
+(`epoch_excluded`): one the trainer rejects stays out of the count (rejecting it must not buy a
+replacement: that surplus would keep the server ahead of the trainer for the rest of the run), one
+it trains counts. A new `share` rebases the epoch at the current version, counting what is
+outstanding against the new share. With `wait_for_weights` nothing is dispatched before the first
+trainer weights.
 
 Delivery (docs/DESIGN.md §6.2): `pull` leases groups; only `ack` removes them for good and counts
 them as consumed. A lease not acknowledged within `lease_s` (a Pull abandoned by its client, a
@@ -66,25 +72,25 @@ def admission_budget(
 ) -> int:
     """How many more groups admission allows (the loop starts one while this is > 0).
 
-        (max_staleness + version − epoch_version + 1) · batch_groups
+        (max_staleness + version − epoch_version + 1) · share · batch_groups
             − (consumed + queued + running − epoch_used)
 
     i.e. docs/DESIGN.md §6's rule with versions and groups counted from the current admission
-    epoch.
+    epoch, scaled by this server's share of the fleet (`state.share`).
 
     Args:
       cfg: `max_staleness` and `batch_groups`.
-      state: the persisted counters (`consumed`, `epoch_version`, `epoch_used`).
+      state: the persisted counters (`consumed`, `epoch_version`, `epoch_used`, `share`).
       version: the weights version the engine holds.
       queued, running: finished groups not acknowledged yet (queued or leased), and groups being
         generated.
 
     Returns:
-      The budget in groups (0 or negative when admission is closed).
+      The budget in groups (0 or negative when admission is closed; fractional with a share).
     """
     versions = cfg.max_staleness + version - state.epoch_version + 1
     used = state.consumed + queued + running - state.epoch_used
-    return versions * cfg.batch_groups - used
+    return versions * state.share * cfg.batch_groups - used
 
 
 class RunNotAttachedError(RuntimeError):
@@ -265,12 +271,15 @@ class RolloutLoop:
         return groups
 
     def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
-        """Removes the groups `group_ids` and `reject` for good (leased ones, or ones whose lease
-        expired and that wait in the queue again) and counts them as consumed; unknown ids
+        """Removes the groups `group_ids` and `reject` for good (leased ones, ones whose lease
+        expired and that wait in the queue again, and ones this server re-generates after a
+        restart although the trainer already has them) and counts them as consumed; unknown ids
         (already acknowledged) are ignored. Returns how many were removed.
 
         Rejected groups (the trainer will not train them) also leave the admission count: the
-        epoch's `epoch_used` grows by their number, so admission starts as many replacements.
+        epoch's `epoch_used` grows by their number, so admission starts as many replacements;
+        except a group outstanding before the epoch began (`epoch_excluded`), which the epoch
+        never counted: rejected, it stays uncounted; trained, it now counts.
         """
         self._touch(run_id)
         rejected = set(reject)
@@ -279,11 +288,22 @@ class RolloutLoop:
             done = [i for i in ids if self._leased.pop(i, None) is not None]
             requeued = self.queue.remove_if(lambda g: g.group_id in ids)
             done += [g.group_id for g in requeued]
+            # Leased before a restart and re-issued since (the trainer's acknowledgement waited
+            # for this server to come back): the trainer has them, stop generating them again.
+            done += [i for i in ids if self._running.pop(i, None) is not None]
+            again = {r["group_id"] for r in self._reissue} & ids
+            if again:
+                self._reissue = collections.deque(
+                    r for r in self._reissue if r["group_id"] not in again
+                )
+                done += sorted(again)
             if done:
-                replaced = sum(i in rejected for i in done)
+                excluded = set(self._state.epoch_excluded)
                 self._state.consumed += len(done)
-                self._state.epoch_used += replaced
-                self.groups_rejected += replaced
+                self._state.epoch_used += sum((i in rejected) - (i in excluded) for i in done)
+                if excluded & set(done):
+                    self._state.epoch_excluded = sorted(excluded - set(done))
+                self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:
                     self._unfinished.pop(i, None)
                 self._save_locked()
@@ -320,12 +340,15 @@ class RolloutLoop:
         *,
         new_epoch: bool = False,
         run_id: str = "",
+        share: float = 1.0,
     ) -> None:
         """Swaps `params` into the engine as `version` and records them so a restart reloads them.
 
         Admission is held while this runs, so no group is admitted between the swap and the
         new budget. The first trainer weights, or `new_epoch`, start an admission epoch, and the
-        run that starts one (`run_id`) becomes the attached run.
+        run that starts one (`run_id`) becomes the attached run. A `share` other than the
+        current one (the fleet grew or shrank; 0 = unset = 1) rebases the epoch at `version`:
+        what is outstanding then counts against the new share.
 
         Raises:
           RunNotAttachedError: `new_epoch` from a run other than the attached one while that one
@@ -336,14 +359,27 @@ class RolloutLoop:
             new_epoch = new_epoch or not self._state.checkpoint_path
             self._check_attached_locked(new_epoch, run_id)
             self._engine.swap_params(version, params)
+            share = share if share > 0 else 1.0
+            outstanding = self._outstanding_ids_locked()
             if new_epoch:
                 self._state.epoch_version = version
-                used = len(self.queue) + len(self._leased) + len(self._running)
-                self._state.epoch_used = self._state.consumed + used
+                self._state.epoch_used = self._state.consumed + len(outstanding)
+                self._state.epoch_excluded = sorted(outstanding)
                 self._state.run_id = run_id
+            elif share != self._state.share:
+                excluded = [i for i in self._state.epoch_excluded if i in outstanding]
+                self._state.epoch_version = version
+                self._state.epoch_used = self._state.consumed + len(excluded)
+                self._state.epoch_excluded = excluded
+            self._state.share = share
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
             self._touch(run_id)
             self._save_locked()
+
+    def _outstanding_ids_locked(self) -> set[int]:
+        """Ids of the groups queued, leased or running."""
+        queued = {g.group_id for g in self.queue.snapshot()}
+        return queued | set(self._leased) | set(self._running)
 
     def check_attached(self, new_epoch: bool, run_id: str) -> None:
         """Raises `RunNotAttachedError` if an update from `run_id` (starting a new admission

@@ -245,12 +245,15 @@ class ConnectionArgs(typing.TypedDict):
     max_message_bytes: int
     retry_max_s: float
     server_wait_s: float
+    grace_s: float
+    servers_file: str
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientConfig:
-    """How the trainer reaches its rollout servers: `train.servers`, `train.tls_ca`,
-    `train.retry_max_s`, `train.server_wait_s`, `train.pull_timeout_s`, and the servers' own
+    """How the trainer reaches its rollout servers: `train.servers`, `train.servers_file`,
+    `train.tls_ca`, `train.retry_max_s`, `train.server_wait_s`, `train.server_grace_s`,
+    `train.pull_timeout_s`, and the servers' own
     `server.token` and `server.max_message_bytes`.
 
     No defaults and no checks of its own: `ExperimentConfig.client` builds it from the fields of
@@ -258,9 +261,11 @@ class ClientConfig:
     """
 
     servers: tuple[str, ...]
+    servers_file: str
     tls_ca: str
     retry_max_s: float
     server_wait_s: float
+    server_grace_s: float
     pull_timeout_s: float
     token: str
     max_message_bytes: int
@@ -285,6 +290,8 @@ class ClientConfig:
             max_message_bytes=self.max_message_bytes,
             retry_max_s=self.retry_max_s,
             server_wait_s=self.server_wait_s,
+            grace_s=self.server_grace_s,
+            servers_file=self.servers_file,
         )
 
 
@@ -352,6 +359,10 @@ class TrainConfig:
       pull_timeout_s: how long one Pull waits for groups (part `ExperimentConfig.client`).
       retry_max_s: the longest backoff between retries while a server is down.
       server_wait_s: give up when no server answered, or none sent a group, for this long.
+      server_grace_s: a server whose calls keep failing this long leaves the pull rotation and
+        the push set (the run goes on with the others); it is probed and rejoins when it answers.
+      servers_file: a file of "host:port" lines, re-read every few seconds: new lines join the
+        fleet, removed ones leave ("" = none; with `servers` empty and this set, no local server).
       tls_ca: PEM file of the CA (or self-signed certificate) to verify the servers with; set,
         the trainer connects over TLS ("" = plaintext).
       seed: the trainer's PRNG seed (the initial params, hence also part `warmup`).
@@ -390,6 +401,8 @@ class TrainConfig:
     pull_timeout_s: float = 30.0
     retry_max_s: float = 10.0
     server_wait_s: float = 600.0
+    server_grace_s: float = 5.0
+    servers_file: str = ""
     tls_ca: str = ""
     seed: int = 0
     wandb: bool = False
@@ -409,6 +422,8 @@ class TrainConfig:
         for name in ("eval_problems", "eval_every", "length_bucket"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.server_grace_s < 0:
+            raise ValueError(f"server_grace_s must be >= 0, got {self.server_grace_s}")
         for name in ("pull_timeout_s", "retry_max_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

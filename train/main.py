@@ -176,7 +176,7 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
     with contextlib.ExitStack() as stack:
         # A local server starts first: its start-up overlaps the warm-up and the first evaluation.
         server = None
-        if lead and not t.servers:
+        if lead and not t.servers and not t.servers_file:
             server = stack.enter_context(start_local_server(cfg, config_path, overrides, run_dir))
         mesh = sharding.make_mesh(t.mesh)
         optimizer = t.optimizer.make()
@@ -360,6 +360,7 @@ def train_loop(
             }
             scalars = {**step_metrics, **loop_scalars(stats, progress), **timing}
             scalars.update(parts.pusher.metrics() if parts.pusher else {}, accuracy=accuracy)
+            scalars.update(parts.pool.metrics() if parts.pool else {})
             parts.writer.write(step, scalars, stats)
     if parts.pusher is not None:
         parts.pusher.wait()

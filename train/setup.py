@@ -99,10 +99,11 @@ def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
 
 
 def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "") -> ServerPool:
-    """The configured servers (``train.servers``), or the local child once it answers; a crashed
-    child is restarted from the pool's retry loop. Calls carry ``server.token`` and the run's id
-    ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca`` the channels are TLS (the
-    connection arguments are the ``cfg.client`` part's)."""
+    """The configured servers (``train.servers`` and ``train.servers_file``), or the local child
+    once it answers; a crashed child is restarted from the pool's retry loop. Calls carry
+    ``server.token`` and the run's id ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca``
+    the channels are TLS (the connection arguments are the ``cfg.client`` part's). Down servers
+    are probed on the pool's own thread."""
     client = cfg.client
     args = client.connection_args()
     if server is not None:
@@ -110,8 +111,9 @@ def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "")
             timeout_s=client.server_wait_s, root_certificates=args["root_certificates"]
         )
     return ServerPool(
-        client.servers or (server.address,),
+        client.servers if client.servers or client.servers_file else (server.address,),
         run_id=run,
+        background=True,
         on_retry=None if server is None else server.restart_if_exited,
         **args,
     )

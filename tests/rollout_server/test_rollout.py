@@ -97,7 +97,7 @@ def test_epochs_and_waiting_for_weights(tmp_path):
     # wait_for_weights=false would have): the first trainer weights start an epoch past them.
     loop.persisted.consumed = 3
     for i in range(2):
-        loop.queue.put(i)
+        loop.queue.put(rollout_pb2.Group(group_id=i))
     loop.install_weights(5, "/ckpt/v5", params=None)
     assert engine.swaps == [5]
     state = loop.persisted
@@ -108,7 +108,7 @@ def test_epochs_and_waiting_for_weights(tmp_path):
     # A later push keeps the epoch; one with new_epoch starts another.
     loop.install_weights(6, "/ckpt/v6", params=None)
     assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (5, 5)
-    loop.queue.put(2)
+    loop.queue.put(rollout_pb2.Group(group_id=2))
     loop.install_weights(7, "/ckpt/v7", params=None, new_epoch=True)
     assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (7, 6)
     # The epoch persists: a restarted server keeps counting from it.

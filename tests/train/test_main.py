@@ -330,6 +330,9 @@ class FakePool:
     def flush_acks(self) -> None:
         pass
 
+    def metrics(self) -> dict[str, float]:
+        return {"servers_up": 1}
+
     def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
         if self.gate is not None:
             assert self.gate.wait(120), "the push was never released"

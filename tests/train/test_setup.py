@@ -114,6 +114,8 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path
             "server.token=s3cret",
             "train.retry_max_s=2.5",
             "train.server_wait_s=42",
+            "train.server_grace_s=3",
+            f"train.servers_file={tmp_path / 'servers'}",
             f"train.tls_ca={ca}",
         ],
     )
@@ -126,6 +128,9 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path
         max_message_bytes=3 * MiB,
         retry_max_s=2.5,
         server_wait_s=42.0,
+        grace_s=3.0,
+        servers_file=str(tmp_path / "servers"),
+        background=True,
         on_retry=None,
     )
 
