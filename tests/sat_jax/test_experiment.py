@@ -367,6 +367,8 @@ def test_parts_carry_the_configured_keys(tmp_path):
             "train.retry_max_s=2.5",
             "train.server_wait_s=42",
             "train.pull_timeout_s=7",
+            "train.server_grace_s=3",
+            "train.servers_file=/etc/servers",
             "server.token=s3cret",
             "server.max_message_bytes=2097152",
         ],
@@ -394,6 +396,8 @@ def test_parts_carry_the_configured_keys(tmp_path):
         max_message_bytes=2 * 1024 * 1024,
         retry_max_s=2.5,
         server_wait_s=42.0,
+        grace_s=3.0,
+        servers_file="/etc/servers",
     )
 
 
