@@ -50,6 +50,7 @@ def hf_run(tmp_path_factory):
     return root, overrides, params
 
 
+@pytest.mark.slow  # export, then the model in transformers (torch)
 def test_export_round_trip_and_transformers(hf_run, capsys):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -110,6 +111,7 @@ def test_export_python_m_form(tmp_path):
     assert run.stderr.strip().splitlines() == ["sat-export: model.bogus: unknown key"]
 
 
+@pytest.mark.slow  # evaluation end to end, twice, and an export
 def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
     overrides = [f"train.run_dir={tmp_path / 'run'}", "server.slots=4"]
     config = str(ROOT / "configs" / "arith_tiny.yaml")
