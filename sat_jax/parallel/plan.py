@@ -37,9 +37,11 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from sat_jax import objectives, train_step
-from sat_jax.experiment import TrainConfig, load_config
+from sat_jax.decoding import SamplingConfig
+from sat_jax.experiment import ExperimentConfig, TrainConfig, load_config
 from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.parallel import programs, sharding, topology
+from sat_jax.parallel.topology import GIB
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -51,6 +53,7 @@ class MemoryPlan:
       total_params: all parameters.
       active_params: parameters one token uses (non-expert + K/E of the expert weights).
       param_bytes: per-device bytes of the parameters (in ``param_dtype``).
+      expert_param_bytes: the routed experts' share of ``param_bytes``.
       grad_bytes: per-device bytes of the gradients (same dtype and sharding as the params).
       adam_bytes: per-device bytes of the optimizer state (Adam's m and v, sharded like the
         params, and its replicated counters), in the dtypes its ``init`` gives.
@@ -60,6 +63,7 @@ class MemoryPlan:
     total_params: int
     active_params: int
     param_bytes: int
+    expert_param_bytes: int
     grad_bytes: int
     adam_bytes: int
 
@@ -99,22 +103,25 @@ def plan_memory(
     _, abstract = sharding.abstract_model(model_cfg)
     specs = dict(nnx.to_flat_state(nnx.State(sharding.param_specs(abstract, mesh))))
     total = expert = 0
-    param_bytes = 0
+    param_bytes = expert_bytes = 0
     for path, var in nnx.to_flat_state(abstract):
         value = var.get_value()
         numel = math.prod(value.shape)
         shards = _num_shards(specs[path], dict(mesh.shape))
         total += numel
         logical = var.get_metadata().get("out_sharding") or ()
+        nbytes = numel * np.dtype(value.dtype).itemsize // shards
         if "exp" in logical and "mlp" in logical:
             expert += numel
-        param_bytes += numel * np.dtype(value.dtype).itemsize // shards
+            expert_bytes += nbytes
+        param_bytes += nbytes
     k, e = model_cfg.num_experts_per_tok, max(model_cfg.num_experts, 1)
     return MemoryPlan(
         mesh=dict(mesh.shape),
         total_params=total,
         active_params=total - expert + expert * k // e,
         param_bytes=param_bytes,
+        expert_param_bytes=expert_bytes,
         grad_bytes=param_bytes,
         adam_bytes=_optimizer_bytes(optimizer or TrainConfig().optimizer.make(), abstract, mesh),
     )
@@ -185,9 +192,8 @@ def compiled_temp_bytes(
     """Per-device temporary bytes of the compiled train step, from XLA's memory analysis.
 
     Lowers ``train_step.make_train_step`` (``optimizer``, default the trainer's; SAT on, no
-    routing replay) for a [batch,
-    seq_len] batch on a mesh of the first devices (all of them for a -1 axis), from shapes only (nothing is allocated
-    besides what compilation needs).
+    routing replay) for a [batch, seq_len] batch on a mesh of this host's first devices (all of
+    them for a -1 axis), from shapes only (nothing is allocated besides what compilation needs).
     """
     sizes = [getattr(mesh_cfg, name) for name in sharding.MESH_AXES]
     count = jax.device_count() if -1 in sizes else math.prod(sizes)
@@ -197,26 +203,210 @@ def compiled_temp_bytes(
     step = train_step.make_train_step(
         model_cfg, optimizer, loss_cfg, mesh, routing_replay=False, microbatches=microbatches
     )
-    _, abstract = sharding.abstract_model(model_cfg)
-    params = nnx.to_pure_dict(abstract)
-    state = train_step.TrainState(
-        params=params,
-        opt_state=jax.eval_shape(optimizer.init, params),
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-    )
-    with_sharding = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
-    state = jax.tree.map(
-        with_sharding, state, train_step.train_state_shardings(model_cfg, optimizer, mesh)
-    )
-    f32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
-    data = train_step.TrainBatch(
-        tokens=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-        loss_mask=f32,
-        behavior_logp=f32,
-        advantages=f32,
-    )
-    data = jax.tree.map(with_sharding, data, train_step.batch_shardings(data, mesh))
+    state, data = programs.abstract_train_inputs(model_cfg, optimizer, mesh, batch, seq_len)
     return step.lower(state, data).compile().memory_analysis().temp_size_in_bytes
+
+
+def verdict(total: int, hbm_bytes: int) -> str:
+    """The contract line: ``per-device total: X GiB of Y GiB HBM: fits`` (or ``: does not fit``
+    when ``total`` exceeds ``hbm_bytes``)."""
+    fits = "fits" if total <= hbm_bytes else "does not fit"
+    return f"per-device total: {total / GIB:.3f} GiB of {hbm_bytes / GIB:.3f} GiB HBM: {fits}"
+
+
+def _out_of_memory(error: Exception, chip: topology.Chip, program: str = "") -> list[str]:
+    """The report of a program XLA:TPU refused for lack of HBM."""
+    message = str(error)
+    first = message.strip().splitlines()[0] if message.strip() else type(error).__name__
+    parsed = topology.parse_out_of_memory(message)
+    lines = [f"XLA:TPU refused the program{' ' + program if program else ''}: {first}"]
+    if parsed is None:
+        return [
+            *lines,
+            f"per-device total: >{chip.hbm_gib:.3f} GiB of {chip.hbm_gib:.3f} GiB HBM: does not fit",
+        ]
+    need, have = parsed
+    lines.append(f"XLA:TPU's own HBM limit for this chip: {have / GIB:.3f} GiB")
+    line = verdict(need, chip.hbm_bytes)
+    return [*lines, line.replace(": fits", ": does not fit")]
+
+
+def _memory_rows(memory: topology.ProgramMemory) -> list[str]:
+    return [
+        f"  arguments      {_gib(memory.argument)}",
+        f"  outputs        {_gib(memory.output)} ({_gib(memory.alias)} of them in donated buffers)",
+        f"  temporaries    {_gib(memory.temp)}",
+        f"  code           {_gib(memory.code)}",
+    ]
+
+
+def _header(name: str, devices: Sequence[jax.Device], chip: topology.Chip) -> str:
+    return (
+        f"topology         {name}: {len(devices)} x {devices[0].device_kind} ({chip.name}), "
+        f"{chip.hbm_gib:g} GiB HBM and {chip.hbm_gbps:g} GB/s per chip "
+        "(Cloud TPU docs; --hbm-gib overrides)"
+    )
+
+
+def report_train(
+    model_cfg: ModelConfig,
+    spec: programs.TrainStepSpec,
+    mesh: jax.sharding.Mesh,
+    chip: topology.Chip,
+    plan: MemoryPlan,
+    batch: int,
+    seq_len: int,
+    dump_hlo: str | None = None,
+) -> tuple[list[str], bool]:
+    """(the report lines, whether it fits) of the train step compiled with XLA:TPU on ``mesh``.
+
+    The per-device total is argument + output − alias + temp + code
+    (``topology.ProgramMemory.total``): the state, batch and new state (the donated state's
+    buffers hold the new one, so it counts once), the step's scratch and its code.
+
+    compiled/analytic FLOPs: the matmul FLOPs of one device's partitioned program, loops times
+    their trip counts (``hlo_flops``; XLA's ``cost_analysis`` counts a loop body once and is
+    printed beside it), times the devices, over ``programs.train_flops``. Above 1 by design
+    with remat (``programs.expected_recompute``); beyond that it is work the analytic count
+    does not plan for, such as an expert computation over all experts.
+    """
+    c = model_cfg
+    lines = [
+        f"train step       batch [{batch}, {seq_len}], {spec.microbatches} microbatch(es), "
+        f"remat={c.remat}, attention={c.attention}, dispatch={c.dispatch}, "
+        f"dtype={jnp.dtype(c.dtype).name}, params {jnp.dtype(c.param_dtype).name}, "
+        f"routing replay {'on' if spec.routing_replay else 'off'}"
+    ]
+    try:
+        with topology.traced_for("tpu"):
+            compiled, seconds = programs.compile_train_step(c, spec, mesh, batch, seq_len)
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return [*lines, *_out_of_memory(e, chip)], False
+    if dump_hlo:
+        with open(dump_hlo, "w") as f:
+            f.write(compiled.as_text())
+    memory = topology.ProgramMemory.of(compiled)
+    devices = mesh.devices.size
+    counted = programs.matmul_flops(compiled)
+    flops = counted.flops * devices
+    analytic = programs.train_flops(c, plan.active_params, batch, seq_len)
+    factor, reasons = programs.expected_recompute(c, spec)
+    lines += [
+        f"compile time     {seconds:.1f} s",
+        "per device (XLA:TPU memory analysis):",
+        *_memory_rows(memory),
+        verdict(memory.total, chip.hbm_bytes),
+        f"compiled FLOPs   {flops:.4g} = {devices} devices x {counted.flops:.4g} (matmuls, "
+        f"loops x trip counts; XLA cost_analysis: {programs.xla_cost_flops(compiled):.4g})",
+        f"analytic FLOPs   {analytic:.4g} = 6 x {programs.matmul_params(c, plan.active_params):,} "
+        f"matmul params x {batch * seq_len:,} tokens + causal attention",
+        f"compiled/analytic FLOPs: {flops / analytic:.3f}",
+        f"by design        {factor:.3f}" + (f" ({'; '.join(reasons)})" if reasons else ""),
+    ]
+    if counted.unknown_loops:
+        lines.append(f"loops counted once (bound not a constant): {len(counted.unknown_loops)}")
+    return lines, memory.total <= chip.hbm_bytes
+
+
+def report_serve(
+    cfg: ExperimentConfig, mesh: jax.sharding.Mesh, chip: topology.Chip
+) -> tuple[list[str], bool]:
+    """(the report lines, whether it fits) of the rollout server's programs on ``mesh``.
+
+    The per-device total is what the server holds at its peak: the served params and the decode
+    state (generate's arguments), a second copy of the params (a weight update is loaded before
+    the old params are dropped, ``MoEEngine.swap_params``), two prefixes (``prefill_once``
+    keeps the last one and hands out a copy), the largest program's temporaries and every
+    program's code.
+    """
+    model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
+    try:
+        with topology.traced_for("tpu"):
+            progs = programs.compile_server_programs(
+                model_cfg,
+                mesh,
+                slots=s.slots,
+                max_prefill_length=s.max_prefill_length,
+                max_decode_length=r.max_new_tokens,
+                sampling=SamplingConfig.from_rollout(r),
+            )
+    except programs.ProgramOutOfMemory as e:
+        return _out_of_memory(e.__cause__, chip, e.program), False
+    mem = {
+        name: topology.ProgramMemory.of(getattr(progs, name))
+        for name in ("prefill", "insert", "generate")
+    }
+    plan = plan_memory(model_cfg, cfg.server.mesh, mesh.devices.size)
+    sizes = dict(mesh.shape)
+    cache_spec = sharding.logical_to_spec(
+        ("layers", None, "length", "kv_heads", "head_dim"),
+        shape=(model_cfg.num_layers, s.slots, progs.cache_length, model_cfg.num_kv_heads, 1),
+        mesh=sizes,
+    )
+    cache_shards = _num_shards(cache_spec, sizes)
+    cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_length)
+    total = (
+        mem["generate"].argument
+        + plan.param_bytes
+        + 2 * mem["prefill"].output
+        + max(m.temp for m in mem.values())
+        + sum(m.code for m in mem.values())
+    )
+    lines = [
+        f"server           {s.slots} slots, prefill {s.max_prefill_length}, max_new_tokens "
+        f"{r.max_new_tokens} ({progs.cache_length} cache positions), params "
+        f"{model_cfg.params_dtype.name}, dtype {jnp.dtype(model_cfg.dtype).name}",
+        f"compile time     {progs.seconds:.1f} s (prefill, insert, generate)",
+        "per device (XLA:TPU memory analysis):   argument     output      alias       temp",
+    ]
+    for name, m in mem.items():
+        label = f"generate[{progs.window}]" if name == "generate" else name
+        lines.append(
+            f"  {label:<15}"
+            + "".join(f"{x / GIB:>11.3f}" for x in (m.argument, m.output, m.alias, m.temp))
+        )
+    lines += [
+        f"KV cache         {_gib(cache // cache_shards)} per device ({_gib(cache)} in all, "
+        f"over {cache_shards} shard(s))",
+        f"params           {_gib(plan.param_bytes)} per device, once more during a weight swap",
+        verdict(total, chip.hbm_bytes),
+    ]
+    lines += _roofline(
+        model_cfg,
+        plan,
+        progs,
+        mem["generate"],
+        cache // cache_shards,
+        chip,
+        s.slots,
+        mesh.devices.size,
+    )
+    return lines, total <= chip.hbm_bytes
+
+
+def _roofline(
+    model_cfg, plan, progs, generate, cache_per_device, chip, slots, devices
+) -> list[str]:
+    """Per generated token: FLOPs and the HBM bytes a decode step must read, and the
+    memory-bound tokens/s of one server (its mesh) at the chip's bandwidth."""
+    touched = programs.touched_expert_fraction(model_cfg, slots)
+    weights = plan.param_bytes - plan.expert_param_bytes * (1.0 - touched)
+    step_bytes = weights + cache_per_device
+    analytic = programs.decode_flops_per_token(model_cfg, plan.active_params, progs.window)
+    compiled = programs.matmul_flops(progs.generate).flops * devices / slots
+    step_s = step_bytes / (chip.hbm_gbps * 1e9)
+    compute_s = compiled * slots / devices / (chip.bf16_tflops * 1e12)
+    return [
+        f"per token        decode FLOPs {analytic:.4g} analytic, {compiled:.4g} compiled "
+        f"(window {progs.window})",
+        f"per step/device  reads {_gib(int(step_bytes))}: weights {_gib(int(weights))} "
+        f"({touched:.0%} of experts touched by {slots} slots), cache {_gib(cache_per_device)} "
+        f"= {step_bytes / slots / 2**20:.2f} MiB per token",
+        f"roofline         {slots / step_s:,.0f} tokens/s per server at {chip.hbm_gbps:g} GB/s "
+        f"({step_s * 1e3:.2f} ms per step memory-bound; compute floor {compute_s * 1e3:.2f} ms)",
+    ]
 
 
 def _model_config(preset: str, settings: Sequence[str]) -> ModelConfig:
@@ -238,7 +428,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     source.add_argument("--config", help="an experiment YAML: its model and train.mesh")
     parser.add_argument(
         "--mesh",
-        help="axis sizes, e.g. fsdp=64 or data=2,fsdp=32 (default with --config: train.mesh)",
+        help="axis sizes, e.g. fsdp=64 or data=2,fsdp=32 (default with --config: train.mesh, "
+        "or server.mesh with --serve)",
     )
     parser.add_argument("--devices", type=int, default=None, help="device count for a -1 axis")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of --config")
@@ -248,53 +439,126 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action="store_true", help="compile the train step too")
     parser.add_argument("--batch", type=int, default=None, help="B, rows of the batch")
     parser.add_argument("--seq-len", type=int, default=None, help="T, tokens per row")
-    parser.add_argument("--microbatches", type=int, default=1, help="gradient accumulation k")
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="gradient accumulation k (train.microbatches)",
+    )
+    parser.add_argument(
+        "--topology", help="compile with XLA:TPU for this slice, e.g. v5p:4x4x4 (needs libtpu)"
+    )
+    parser.add_argument(
+        "--serve", action="store_true", help="the rollout server's programs (server.*) instead"
+    )
+    parser.add_argument("--hbm-gib", type=float, default=None, help="override the chip's HBM")
+    parser.add_argument("--dump-hlo", help="write the compiled train step's HLO text here")
     return parser.parse_intermixed_args(argv)
 
 
-def _configs(args: argparse.Namespace) -> tuple[str, ModelConfig, sharding.MeshConfig, TrainConfig]:
-    """(name, model, mesh, train config) from --preset/--set/--mesh or --config and overrides."""
+@dataclasses.dataclass(frozen=True)
+class _Setup:
+    name: str
+    model: ModelConfig
+    mesh: sharding.MeshConfig
+    train: TrainConfig
+    experiment: ExperimentConfig | None
+
+
+def _configs(args: argparse.Namespace) -> _Setup:
+    """The model, mesh and train config from --preset/--set/--mesh or --config and overrides."""
     if args.config is None:
         if args.mesh is None or args.overrides:
             raise ValueError("--preset needs --mesh and takes no key=value overrides")
+        if args.serve:
+            raise ValueError("--serve needs --config (its server.* settings)")
         model_cfg = _model_config(args.preset, args.set)
-        return args.preset, model_cfg, sharding.MeshConfig.parse(args.mesh), TrainConfig()
+        return _Setup(
+            args.preset, model_cfg, sharding.MeshConfig.parse(args.mesh), TrainConfig(), None
+        )
     if args.set:
         raise ValueError("--set is for --preset; give a --config model.FIELD=VALUE instead")
     cfg = load_config(args.config, args.overrides)
-    mesh_cfg = sharding.MeshConfig.parse(args.mesh) if args.mesh else cfg.train.mesh
-    return cfg.name, cfg.model, mesh_cfg, cfg.train
+    default = cfg.server.mesh if args.serve else cfg.train.mesh
+    mesh_cfg = sharding.MeshConfig.parse(args.mesh) if args.mesh else default
+    if args.serve:
+        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, mesh=mesh_cfg))
+    return _Setup(
+        cfg.name, cfg.serving_model if args.serve else cfg.model, mesh_cfg, cfg.train, cfg
+    )
+
+
+def _batch_shape(args: argparse.Namespace, setup: _Setup) -> tuple[int | None, int | None, int]:
+    """(B, T, k): the flags, else the config's batch (batch_groups · group_size rows of
+    prefill + max_new_tokens) and train.microbatches."""
+    cfg = setup.experiment
+    batch, seq_len = args.batch, args.seq_len
+    if cfg is not None:
+        batch = batch or cfg.rollout.batch_groups * cfg.rollout.group_size
+        seq_len = seq_len or cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
+    return batch, seq_len, args.microbatches or setup.train.microbatches
+
+
+def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
+    """``--topology``: compile with XLA:TPU for the slice and report; 0 fits, 1 does not."""
+    if jax.config.jax_platforms is None:
+        # Host computations stay on the CPU: on a TPU VM the plan must not take the chips.
+        jax.config.update("jax_platforms", "cpu")
+    devices = topology.topology_devices(args.topology)
+    chip = topology.chip_of(devices, args.hbm_gib)
+    mesh = sharding.make_mesh(setup.mesh, devices)
+    print(_header(args.topology, devices, chip))
+    if args.serve:
+        lines, fits = report_serve(setup.experiment, mesh, chip)
+    else:
+        batch, seq_len, k = _batch_shape(args, setup)
+        if batch is None or seq_len is None:
+            raise ValueError("--compile needs --batch and --seq-len (or a --config)")
+        spec = programs.TrainStepSpec(
+            optimizer=setup.train.optimizer.make(),
+            loss=setup.train.loss,
+            routing_replay=setup.train.routing_replay,
+            microbatches=k,
+            temperature=setup.experiment.rollout.temperature if setup.experiment else 1.0,
+        )
+        plan = plan_memory(setup.model, setup.mesh, len(devices), spec.optimizer)
+        print(format_plan(setup.name, plan))
+        lines, fits = report_train(
+            setup.model, spec, mesh, chip, plan, batch, seq_len, dump_hlo=args.dump_hlo
+        )
+    print("\n".join(lines))
+    return 0 if fits else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status."""
+    """Command-line entry point; returns the exit status (1: the program does not fit)."""
     args = _parse(argv)
     try:
-        name, model_cfg, mesh_cfg, train_cfg = _configs(args)
-        optimizer = train_cfg.optimizer.make()
-        plan = plan_memory(model_cfg, mesh_cfg, args.devices, optimizer)
-        if args.compile and (args.batch is None or args.seq_len is None):
+        setup = _configs(args)
+        if args.topology:
+            if not (args.compile or args.serve):
+                raise ValueError("--topology needs --compile or --serve")
+            return _for_topology(args, setup)
+        if args.serve:
+            raise ValueError("--serve needs --topology (the chip to compile for)")
+        optimizer = setup.train.optimizer.make()
+        plan = plan_memory(setup.model, setup.mesh, args.devices, optimizer)
+        batch, seq_len, k = _batch_shape(args, setup)
+        if args.compile and (batch is None or seq_len is None):
             raise ValueError("--compile needs --batch and --seq-len")
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, topology.LibtpuMissing, topology.LibtpuUnavailable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_plan(name, plan))
+    print(format_plan(setup.name, plan))
     if args.compile:
         try:
             temp = compiled_temp_bytes(
-                model_cfg,
-                mesh_cfg,
-                args.batch,
-                args.seq_len,
-                microbatches=args.microbatches,
-                optimizer=optimizer,
+                setup.model, setup.mesh, batch, seq_len, microbatches=k, optimizer=optimizer
             )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        print(
-            f"batch            [{args.batch}, {args.seq_len}], {args.microbatches} microbatch(es)"
-        )
+        print(f"batch            [{batch}, {seq_len}], {k} microbatch(es)")
         print(f"compiled temp bytes per device: {temp}")
     return 0
 

@@ -1,0 +1,339 @@
+"""The trainer's and the rollout server's programs, lowered from shapes on a mesh, and their
+analytic costs.
+
+Every input is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the real program gets, so
+``lower(...).compile()`` builds the executable the trainer or server would run on that mesh
+without allocating anything: on this host's devices (``sat_jax.plan --compile``) or on a TPU
+topology's compile-only devices (``--topology``, ``sat_jax.parallel.topology``).
+
+* Train step: ``train_step.make_train_step`` exactly as ``train.main`` builds it (the config's
+  loss, routing replay with the recorded routing in the batch, microbatches, temperature and a
+  [V] vocabulary mask; remat, attention, dispatch and dtypes come with the model config).
+* Server: ``sat_jax.decoding.DecodeCore``'s jitted prefill (one prompt padded to the prefill
+  length), insert (a prefix into the donated decode state) and generate (one sampling + decode
+  step of every slot, donated state) at its largest attention window, the whole cache.
+
+Analytic FLOPs (``train_flops``, ``decode_flops_per_token``) count matmuls only: 2 FLOPs per
+multiply-add of each parameter a token uses (the input embedding is a gather and costs none; the
+output projection does), times 3 for forward + backward in training, plus causal attention
+(half of the T×T scores and of their product with V). Decode bytes (``decode_bytes_per_step``)
+are what one step must read from HBM at least: the served weights (each expert touched by at
+least one slot's top-k, at uniform routing) and the cache window of every slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sat_jax import objectives, train_step
+from sat_jax.decoding import DecodeCore, SamplingConfig
+from sat_jax.model import ModelConfig
+from sat_jax.parallel import hlo_flops, sharding
+
+
+def _with(x: Any, sh: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+
+def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> Any:
+    """The params' pure dict as ``ShapeDtypeStruct``s in their rule shardings on ``mesh``."""
+    _, abstract = sharding.abstract_model(model_cfg)
+    shardings = sharding.param_shardings(abstract, mesh)
+    return jax.tree.map(_with, nnx.to_pure_dict(abstract), shardings)
+
+
+def abstract_train_inputs(
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    batch: int,
+    seq_len: int,
+    *,
+    routing: bool = False,
+    ref_logp: bool = False,
+) -> tuple[train_step.TrainState, train_step.TrainBatch]:
+    """``(state, batch)`` of a [batch, seq_len] step as sharded ``ShapeDtypeStruct``s.
+
+    Args:
+      routing: the batch carries the rollout's routing ids [B, T, L, K] (R3).
+      ref_logp: the batch carries reference log-probs (a KL penalty).
+    """
+    _, abstract = sharding.abstract_model(model_cfg)
+    params = nnx.to_pure_dict(abstract)
+    state = train_step.TrainState(
+        params=params,
+        opt_state=jax.eval_shape(optimizer.init, params),
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    state = jax.tree.map(_with, state, train_step.train_state_shardings(model_cfg, optimizer, mesh))
+    f32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
+    lk = (model_cfg.num_moe_layers, model_cfg.num_experts_per_tok)
+    data = train_step.TrainBatch(
+        tokens=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        loss_mask=f32,
+        behavior_logp=f32,
+        advantages=f32,
+        routing=(
+            jax.ShapeDtypeStruct((batch, seq_len, *lk), model_cfg.routing_dtype)
+            if routing
+            else None
+        ),
+        ref_logp=f32 if ref_logp else None,
+    )
+    return state, jax.tree.map(_with, data, train_step.batch_shardings(data, mesh))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainStepSpec:
+    """What ``compile_train_step`` builds: the trainer's settings besides the model config.
+
+    Attributes:
+      optimizer: the optax transformation (``cfg.train.optimizer.make()``).
+      loss: the ``PolicyLossConfig``.
+      routing_replay: R3 (the batch carries routing ids).
+      microbatches: gradient accumulation k.
+      temperature: the rollout's sampling temperature.
+    """
+
+    optimizer: optax.GradientTransformation
+    loss: objectives.PolicyLossConfig
+    routing_replay: bool
+    microbatches: int = 1
+    temperature: float = 1.0
+
+
+def compile_train_step(
+    model_cfg: ModelConfig, spec: TrainStepSpec, mesh: Mesh, batch: int, seq_len: int
+) -> tuple[jax.stages.Compiled, float]:
+    """(the compiled train step of a [batch, seq_len] batch on ``mesh``, compile seconds).
+
+    Raises:
+      ValueError: the batch does not divide over the mesh's batch axes or the microbatches.
+      jax.errors.JaxRuntimeError: the compiler's own errors (RESOURCE_EXHAUSTED when the
+        program does not fit the target's memory).
+    """
+    step = train_step.make_train_step(
+        model_cfg,
+        spec.optimizer,
+        spec.loss,
+        mesh,
+        routing_replay=spec.routing_replay,
+        temperature=spec.temperature,
+        # The trainer always renormalizes over the sampleable ids; the mask's values do not
+        # change the program.
+        vocab_mask=np.ones((model_cfg.vocab_size,), bool),
+        microbatches=spec.microbatches,
+    )
+    state, data = abstract_train_inputs(
+        model_cfg,
+        spec.optimizer,
+        mesh,
+        batch,
+        seq_len,
+        routing=spec.routing_replay,
+        ref_logp=spec.loss.kl_coef > 0,
+    )
+    start = time.monotonic()
+    compiled = step.lower(state, data).compile()
+    return compiled, time.monotonic() - start
+
+
+def xla_cost_flops(compiled: jax.stages.Compiled) -> float:
+    """XLA's cost-analysis FLOPs of ``compiled``, one device's share of an SPMD program (the
+    partitioned module every device runs). It counts each loop body once (``hlo_flops``)."""
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list | tuple):  # older JAX: one dict per program
+        cost = cost[0]
+    return float(cost.get("flops", math.nan))
+
+
+def matmul_flops(compiled: jax.stages.Compiled) -> hlo_flops.HloFlops:
+    """One device's matmul FLOPs of ``compiled``, loops times their trip counts."""
+    return hlo_flops.matmul_flops(compiled.as_text())
+
+
+def matmul_params(model_cfg: ModelConfig, active_params: int) -> int:
+    """Parameters a token multiplies by: the active ones less the input embedding (a gather),
+    unless it is also the output projection (tied)."""
+    embed = 0 if model_cfg.tie_embeddings else model_cfg.vocab_size * model_cfg.d_model
+    return active_params - embed
+
+
+def attention_flops(model_cfg: ModelConfig, queries: int, keys: float) -> float:
+    """Forward FLOPs of ``queries`` query positions each attending ``keys`` keys, every layer:
+    2·keys·H for q·kᵀ and as much for p·v, per query head."""
+    c = model_cfg
+    return 4.0 * queries * keys * c.num_heads * c.head_dim * c.num_layers
+
+
+def train_flops(model_cfg: ModelConfig, active_params: int, batch: int, seq_len: int) -> float:
+    """6·N·B·T + causal attention (3 × forward): the step's FLOPs with nothing recomputed."""
+    tokens = batch * seq_len
+    dense = 6.0 * matmul_params(model_cfg, active_params) * tokens
+    # Causal: query t sees t + 1 keys, (T + 1) / 2 on average.
+    return dense + 3.0 * attention_flops(model_cfg, tokens, (seq_len + 1) / 2)
+
+
+def expected_recompute(model_cfg: ModelConfig, spec: TrainStepSpec) -> tuple[float, list[str]]:
+    """(the FLOPs factor over ``train_flops`` the step's design implies, its reasons).
+
+    remat="layer" runs each layer's forward again in the backward pass (4 forwards' worth
+    instead of 3); with several microbatches, SAT's batch-scope threshold and the router's
+    batch statistics take one more forward pass over the batch (``train_step._batch_statistics``).
+    """
+    passes, why = 3.0, []
+    if model_cfg.remat == "layer":
+        passes += 1
+        why.append("remat=layer recomputes the forward in the backward pass")
+    sat = spec.loss.sat
+    needs_stats = (sat.enabled and sat.threshold_scope == "batch") or (
+        model_cfg.router_aux_loss_coef > 0
+    )
+    if spec.microbatches > 1 and needs_stats:
+        passes += 1
+        why.append("microbatches > 1: one extra forward for the batch's SAT q / router stats")
+    return passes / 3.0, why
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerPrograms:
+    """The rollout server's compiled programs and what they hold.
+
+    Attributes:
+      prefill, insert, generate: the compiled programs (generate at ``window`` positions).
+      window: the attention window generate was compiled for (the whole cache).
+      cache_length: positions per slot (prefill length + max_new_tokens + 1).
+      seconds: total compile seconds.
+    """
+
+    prefill: jax.stages.Compiled
+    insert: jax.stages.Compiled
+    generate: jax.stages.Compiled
+    window: int
+    cache_length: int
+    seconds: float
+
+
+class ProgramOutOfMemory(RuntimeError):
+    """XLA:TPU refused one of the server's programs for lack of HBM.
+
+    Attributes:
+      program: "prefill", "insert" or "generate".
+    """
+
+    def __init__(self, program: str, error: Exception):
+        super().__init__(f"{program}: {error}")
+        self.program = program
+
+
+def _compile(program: str, lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+    try:
+        return lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise ProgramOutOfMemory(program, e) from e
+
+
+def _replicated(x: Any, mesh: Mesh) -> jax.ShapeDtypeStruct:
+    return _with(x, NamedSharding(mesh, PartitionSpec()))
+
+
+def compile_server_programs(
+    model_cfg: ModelConfig,
+    mesh: Mesh,
+    *,
+    slots: int,
+    max_prefill_length: int,
+    max_decode_length: int,
+    sampling: SamplingConfig,
+) -> ServerPrograms:
+    """Compiles ``DecodeCore``'s prefill, insert and generate (at the whole cache) on ``mesh``.
+
+    ``model_cfg`` is the served one (``ExperimentConfig.serving_model``: ``server.dtype`` as the
+    parameter dtype). The params come in their rule shardings, the KV cache in
+    ``DecodeCore``'s (heads over ``tensor``); the decode state's small arrays replicated.
+
+    Raises:
+      ProgramOutOfMemory: XLA:TPU refused a program for lack of HBM (which one is named).
+    """
+    graphdef, _ = sharding.abstract_model(model_cfg)
+    core = DecodeCore(
+        graphdef,
+        model_cfg,
+        slots=slots,
+        max_prefill_length=max_prefill_length,
+        max_decode_length=max_decode_length,
+        sampling=sampling,
+        sampleable_v=np.ones((model_cfg.vocab_size,), bool),
+        mesh=mesh,
+    )
+    params = abstract_params(model_cfg, mesh)
+    scalar = _replicated(jax.ShapeDtypeStruct((), jnp.int32), mesh)
+    tokens = _replicated(jax.ShapeDtypeStruct((max_prefill_length,), jnp.int32), mesh)
+    start = time.monotonic()
+    prefill = _compile("prefill", core.prefill.lower(params, tokens, scalar, scalar))
+    prefix = jax.tree.map(
+        _with,
+        jax.eval_shape(core.prefill.fn, params, tokens, scalar, scalar),
+        prefill.output_shardings,
+    )
+    shapes = jax.eval_shape(core.init_state)
+    cache_sh = NamedSharding(
+        mesh,
+        sharding.logical_to_spec(
+            ("layers", None, "length", "kv_heads", "head_dim"),
+            shape=shapes.cache.k_lbsgh.shape,
+            mesh=mesh,
+        ),
+    )
+    state = jax.tree.map(lambda x: _replicated(x, mesh), shapes)
+    state = state.replace(
+        cache=state.cache.replace(
+            k_lbsgh=_with(shapes.cache.k_lbsgh, cache_sh),
+            v_lbsgh=_with(shapes.cache.v_lbsgh, cache_sh),
+        )
+    )
+    # DecodeCore.insert's jitted step (its host bookkeeping aside).
+    insert = _compile("insert", core._insert_step.lower(prefix, state, scalar))
+    window = core.cache_length
+    generate = _compile("generate", core.generate_step.lower(params, state, scalar, window))
+    return ServerPrograms(
+        prefill=prefill,
+        insert=insert,
+        generate=generate,
+        window=window,
+        cache_length=core.cache_length,
+        seconds=time.monotonic() - start,
+    )
+
+
+def kv_cache_bytes(model_cfg: ModelConfig, slots: int, positions: int) -> int:
+    """Bytes of the keys and values of ``slots`` rows of ``positions`` (every layer), stored in
+    the served parameter dtype as ``DecodeCore.init_state`` keeps them."""
+    c = model_cfg
+    per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim * c.params_dtype.itemsize
+    return slots * positions * per_position
+
+
+def touched_expert_fraction(model_cfg: ModelConfig, slots: int) -> float:
+    """Expected share of one layer's experts that at least one of ``slots`` tokens routes to,
+    at uniform routing: 1 − (1 − K/E)^slots."""
+    if model_cfg.num_experts == 0:
+        return 1.0
+    return 1.0 - (1.0 - model_cfg.num_experts_per_tok / model_cfg.num_experts) ** slots
+
+
+def decode_flops_per_token(model_cfg: ModelConfig, active_params: int, window: int) -> float:
+    """Forward FLOPs of one generated token attending ``window`` cached positions."""
+    return 2.0 * matmul_params(model_cfg, active_params) + attention_flops(model_cfg, 1, window)
