@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 # Two cores on the reference machine: one pytest worker per core.
 TEST_WORKERS ?= 2
 
-.PHONY: venv run test lint format bench clean
+.PHONY: venv run test test-fast lint format bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,13 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n $(TEST_WORKERS) tests
+
+# The edit-test loop: the unit tests only, no test marked slow (servers, trainers and commands in
+# processes), no notebook and no benchmark runs. `make test` (what CI runs) has them all.
+test-fast: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" --ignore=tests/notebooks \
+		--ignore=tests/benchmarks tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -47,7 +47,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,9 +58,9 @@ import numpy as np
 # installs a top-level `benchmarks` package).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import grid
+import worker_group
 
 from sat_jax import objectives
-from sat_jax.optimizer import make_optimizer
 from sat_jax.train_step import create_train_state, make_train_step, shard_batch
 
 GRPO_FAMILY = ("GRPO", "GRPO+SAT", "GRPO+R3", "GRPO+SAT+R3")
@@ -125,7 +124,7 @@ class Runner(grid.Runner):
         self.base_accuracy = self.accuracy(self.base_params)  # step 0 of every cell
 
     def optimizer(self, lr: float):
-        return make_optimizer(dataclasses.replace(self.cfg.train, learning_rate=lr))
+        return dataclasses.replace(self.cfg.train.optimizer, learning_rate=lr).make()
 
     def cell_step_fn(self, cell: Cell):
         key = (cell.method, cell.lr, cell.knobs)
@@ -139,6 +138,8 @@ class Runner(grid.Runner):
                 routing_replay=replay,
                 temperature=self.cfg.rollout.temperature,
                 vocab_mask=self.vocab_mask,
+                estimator=self.cfg.train.advantage_estimator,
+                normalize_std=self.cfg.train.normalize_std,
             )
         return self._steps[key]
 
@@ -372,28 +373,12 @@ def run_phase(args: argparse.Namespace, phase: str, knob_lr: float | None) -> No
     if args.workers <= 1:
         run_worker(args, cells)
         return
-    env = dict(os.environ)
-    # One core per worker: XLA's CPU thread pool would otherwise oversubscribe the machine.
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    ).strip()
-    extra = ["--phase", phase, "--knob-lr", repr(knob_lr)]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, *sys.argv[1:], *extra, "--worker", f"{w}/{args.workers}"],
-            env=env,
-            cwd=grid.REPO,
-        )
-        for w in range(args.workers)
-    ]
-    try:
-        codes = [p.wait() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    env = worker_group.single_core_env()
+    cmd = [sys.executable, __file__, *sys.argv[1:], "--phase", phase, "--knob-lr", repr(knob_lr)]
+    with worker_group.WorkerGroup() as group:
+        for w in range(args.workers):
+            group.start([*cmd, "--worker", f"{w}/{args.workers}"], env=env, cwd=grid.REPO)
+        codes = group.wait()
     if any(codes):
         raise SystemExit(f"frontier: a worker failed (exit codes {codes}); finished cells are kept")
 

@@ -14,7 +14,7 @@ Configured lag, exactly: the trainer publishes its weights every n updates, and 
 by the weights published last before its generation starts, one batch ahead of the trainer (as a
 pipelined async server does). Update u ≥ 1 therefore trains on tokens of version n·⌊(u − 1)/n⌋: lag
 1 at n = 1 (one-step off-policy), lags 1…8 (mean 4.5) at n = 8. Rollouts are sampled in-process
-by `sat_jax.sampler` (temperature 1 over the tokenizer's ids, full recompute) with behavior
+by `benchmarks/sampler.py` (temperature 1 over the tokenizer's ids, full recompute) with behavior
 log-probs and expert ids recorded from the behavior weights — the same quantities the rollout
 server records — so the lag is exact and seeds are reproducible (see benchmarks/RESULTS.md for the
 grid's run time). (The real
@@ -33,18 +33,22 @@ import json
 import math
 import os
 import pathlib
-import subprocess
 import sys
 import time
 from typing import Any
 
 import jax
 import numpy as np
+from flax import nnx
 
-from sat_jax import objectives, sampler
+# benchmarks/ scripts run by path and import each other so, never as a package (JetStream
+# installs a top-level package named `benchmarks`).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import sampler
+import worker_group
+
+from sat_jax import objectives
 from sat_jax.experiment import load_config
-from sat_jax.objectives.advantages import group_advantages
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
@@ -117,6 +121,7 @@ class Runner:
         self.vocab_mask = setup.sampleable_mask(self.cfg)
         self.eval_set = evaluation.held_out_problems(self.cfg.task, eval_problems)
         self._steps: dict[str, Any] = {}
+        self._logprobs: dict[bool, Any] = {}
         prompt_len = 1 + 2 * self.cfg.task.max_digits + 2  # BOS a op b =
         self.seq_len = prompt_len + self.cfg.rollout.max_new_tokens
 
@@ -135,12 +140,14 @@ class Runner:
             loss_cfg, replay = loss_config(method)
             self._steps[method] = make_train_step(
                 self.cfg.model,
-                make_optimizer(self.cfg.train),
+                self.cfg.train.optimizer.make(),
                 loss_cfg,
                 self.mesh,
                 routing_replay=replay,
                 temperature=self.cfg.rollout.temperature,
                 vocab_mask=self.vocab_mask,
+                estimator=self.cfg.train.advantage_estimator,
+                normalize_std=self.cfg.train.normalize_std,
             )
         return self._steps[method]
 
@@ -176,32 +183,29 @@ class Runner:
             ],
             np.float32,
         )
-        adv = group_advantages(
-            rewards,
-            np.repeat(np.arange(r.batch_groups), r.group_size),
-            num_groups=r.batch_groups,
-            estimator=self.cfg.train.advantage_estimator,
-            normalize_std=self.cfg.train.normalize_std,
-        )
-        batch = TrainBatch(
+        batch = TrainBatch(  # the step computes the group advantages from rewards and groups
             tokens=tokens,
             loss_mask=loss_mask,
             behavior_logp=logp,
-            advantages=np.asarray(adv)[:, None] * loss_mask,
+            rewards=rewards,
+            group_ids=np.repeat(np.arange(r.batch_groups, dtype=np.int32), r.group_size),
             routing=routing,
         )
         return batch, float(rewards.mean()), float(loss_mask.sum(-1).mean())
 
     def proximal_logp(self, params, batch, replay: bool):
-        return np.asarray(
-            sampler.logprobs(
-                self.graphdef,
-                params,
-                batch.tokens,
-                batch.routing if replay else None,
-                self.cfg.rollout.temperature,
-                self.vocab_mask,
+        """The trainer's log-probs of the batch under ``params`` (``Transformer.logprobs``)."""
+        if replay not in self._logprobs:
+            self._logprobs[replay] = jax.jit(
+                lambda p, tokens, routing: nnx.merge(self.graphdef, p).logprobs(
+                    tokens,
+                    temperature=self.cfg.rollout.temperature,
+                    vocab_mask=self.vocab_mask,
+                    replay_routing=routing,
+                )[0]
             )
+        return np.asarray(
+            self._logprobs[replay](params, batch.tokens, batch.routing if replay else None)
         )
 
     def run(self, cell: Cell, *, steps: int, eval_every: int, log_every: int) -> list[dict]:
@@ -211,7 +215,7 @@ class Runner:
         step_fn = self.step_fn(cell.method)
         state = create_train_state(
             self.cfg.model,
-            make_optimizer(self.cfg.train),
+            self.cfg.train.optimizer.make(),
             self.mesh,
             _copy(self.base_params),
         )
@@ -309,23 +313,12 @@ def run_grid(args: argparse.Namespace, cells: list[Cell]) -> float:
     if args.workers <= 1:
         run_worker(args, cells)
         return time.monotonic() - start
-    env = dict(os.environ)
-    # One core per worker: XLA's CPU thread pool would otherwise oversubscribe the machine.
-    env["XLA_FLAGS"] = (
-        env.get("XLA_FLAGS", "")
-        + " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-    ).strip()
-    procs = []
-    for w in range(args.workers):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--worker", f"{w}/{args.workers}"]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=REPO))
-    try:
-        codes = [p.wait() for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    env = worker_group.single_core_env()
+    cmd = [sys.executable, __file__, *sys.argv[1:]]
+    with worker_group.WorkerGroup() as group:
+        for w in range(args.workers):
+            group.start([*cmd, "--worker", f"{w}/{args.workers}"], env=env, cwd=REPO)
+        codes = group.wait()
     if any(codes):
         raise SystemExit(f"grid: a worker failed (exit codes {codes}); finished cells are kept")
     return time.monotonic() - start

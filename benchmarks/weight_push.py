@@ -31,6 +31,11 @@ import sys
 import tempfile
 import time
 
+# benchmarks/ scripts run by path and import each other so, never as a package (JetStream
+# installs a top-level `benchmarks` package).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import worker_group
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -128,11 +133,11 @@ def main() -> None:
     port = portpicker.pick_unused_port()
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, worker_group.WorkerGroup() as group:
         flags = ["--processes", str(args.processes), "--mb", str(args.mb)]
         flags += ["--arrays", str(args.arrays), "--repeats", str(args.repeats)]
         procs = [
-            subprocess.Popen(
+            group.start(
                 [sys.executable, __file__, *flags, "--worker", str(port), str(pid), out],
                 env=env,
                 stdout=subprocess.PIPE if pid == 0 else subprocess.DEVNULL,
@@ -140,14 +145,8 @@ def main() -> None:
             )
             for pid in range(args.processes)
         ]
-        try:
-            summary = procs[0].communicate()[0]
-            codes = [p.wait() for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+        summary = procs[0].communicate()[0]
+        codes = group.wait()
     if any(codes):
         sys.exit(f"a benchmark process failed (exit codes {codes})")
     print(summary.strip().splitlines()[-1])

@@ -9,14 +9,16 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 - `jetstream_compat`: the JetStream 0.2.2 fixes; imported before anything from jetstream.
 - `sampling`, `engine`: the JetStream `Engine` (KV cache, slots, hot-swappable weights; per token
   behavior log-prob, version and routing ids).
-- `driver`: the orchestrator `Driver` whose detokenize thread assembles trajectories.
-- `rollout`, `group_queue`, `persistence`: prompts → groups of G samples → rewards → a bounded
+- `driver`: the orchestrator `Driver` whose detokenize thread writes each request's per-token
+  arrays (allocated once per request) into a finished sample.
+- `rollout`, `group_queue`, `persistence`: prompts → groups of G samples → rewards →
+  `rollout_api.records.Group` → its proto (`records.to_proto`, the one conversion) in a bounded
   queue, with admission control and a state file so a restart loses no prompt.
 - `weights`: UpdateWeights' checkpoint-root policy; loading through `sat_jax.params_io`.
 - `service`, `metrics`, `process`: the gRPC servicers, Prometheus gauges, and the running server.
 - `server`: the `sat-serve` command (config errors are one line and exit 2).
-- `routing_codec`: the routing ids' wire format, encoded here and decoded by the trainer.
-- `client`: channel options and a stub for the trainer (grpc + generated code only).
+
+The wire (proto, client, routing codec, records) is `rollout_api`, shared with the trainer.
 
 Imports sat_jax; sat_jax never imports this package. Importing the package itself pulls in
 nothing heavy, so `rollout_api.client` stays usable without JetStream.

@@ -1,9 +1,10 @@
 """JetStream's orchestrator `Driver` with a detokenize thread that records RL trajectories.
 
 The detokenize thread receives, in one FIFO, "(slot, request)": the slot now serves that request,
-and "(step, ResultTokens)": one generate step for every slot. Ours accumulates, per request, the
-completion tokens (EOS included), behavior log-probs, versions and routing ids, and hands finished
-`RolloutRequest`s to their `on_done` callback. Stock `Decode` requests (plain `ActiveRequest`s)
+and "(step, ResultTokens)": one generate step for every slot. Ours writes, per request, the
+completion tokens (EOS included), behavior log-probs, versions and routing ids into arrays
+allocated once when the request gets its slot (`TokenBuffer`: no per-token Python lists), and hands
+finished `RolloutRequest`s to their `on_done` callback with views of those arrays. Stock `Decode` requests (plain `ActiveRequest`s)
 stream tokens as JetStream does. Any exception is caught per request: JetStream SIGKILLs the whole
 process when one of its threads dies.
 """
@@ -53,17 +54,60 @@ class FinishedSample:
     finish_reason: str
 
 
+class TokenBuffer:
+    """The per-token arrays of one request, allocated for `max_tokens` completion tokens when it
+    gets its slot and filled one generate step at a time.
+
+    Args:
+      prompt_ids: [P] the prompt's ids.
+      prompt_routing: [P, L, K] the prompt's routing ids (its dtype is the routing's).
+      max_tokens: the most completion tokens the request may produce.
+    """
+
+    def __init__(self, prompt_ids: np.ndarray, prompt_routing: np.ndarray, max_tokens: int):
+        p = len(prompt_ids)
+        self.prompt_ids = np.asarray(prompt_ids, np.int32)
+        self.tokens = np.empty(max_tokens, np.int32)
+        self.logprobs = np.empty(max_tokens, np.float32)
+        self.versions = np.empty(max_tokens, np.int64)
+        # Prompt then completion positions, so the finished routing needs no concatenation.
+        self.routing = np.empty((p + max_tokens, *prompt_routing.shape[1:]), prompt_routing.dtype)
+        self.routing[:p] = prompt_routing
+        self.size = 0  # completion tokens written
+
+    def add(self, token: int, logp: np.floating, version: np.integer, routing: np.ndarray) -> None:
+        """Writes the next completion token's values (`routing`: [L, K]).
+
+        Raises:
+          IndexError: the buffer already holds `max_tokens` tokens.
+        """
+        n = self.size
+        self.tokens[n], self.logprobs[n], self.versions[n] = token, logp, version
+        self.routing[len(self.prompt_ids) + n] = routing
+        self.size = n + 1
+
+    def sample(self, finish_reason: str) -> FinishedSample:
+        """The finished sample: views of the filled part of the arrays."""
+        n = self.size
+        return FinishedSample(
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.tokens[:n],
+            logprobs=self.logprobs[:n],
+            versions=self.versions[:n],
+            routing=self.routing[: len(self.prompt_ids) + n],
+            finish_reason=finish_reason,
+        )
+
+
 @dataclasses.dataclass
 class RolloutRequest(orchestrator.ActiveRequest):
-    """A request from the rollout loop; `on_done(request, sample)` receives its result."""
+    """A request from the rollout loop; `on_done(request, sample)` receives its result.
+
+    `buffer` is set when the request gets its slot (None after a failed prefill or insert)."""
 
     tag: Any = None
     on_done: Callable[[RolloutRequest, FinishedSample | None], None] | None = None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    logprobs: list[float] = dataclasses.field(default_factory=list)
-    versions: list[int] = dataclasses.field(default_factory=list)
-    routing: list[np.ndarray] = dataclasses.field(default_factory=list)
-    prompt: tuple[np.ndarray, np.ndarray] | None = None
+    buffer: TokenBuffer | None = None
 
 
 class RolloutDriver(orchestrator.Driver):
@@ -140,9 +184,11 @@ class RolloutDriver(orchestrator.Driver):
                 live[slot] = request
                 if isinstance(request, RolloutRequest):
                     try:
-                        request.prompt = engine.slot_prompt(slot)
-                    except KeyError:
-                        request.prompt = None  # a failed prefill/insert: the slot emits nothing
+                        prompt_ids, prompt_routing = engine.slot_prompt(slot)
+                    except KeyError:  # a failed prefill/insert: the slot emits nothing
+                        request.buffer = None
+                    else:
+                        request.buffer = TokenBuffer(prompt_ids, prompt_routing, request.max_tokens)
                 continue
             try:
                 step = unpack_step(
@@ -181,17 +227,15 @@ class RolloutDriver(orchestrator.Driver):
             if isinstance(request, RolloutRequest):
                 self._fail(request)
                 return True
-            return self._finish(request, "length", engine)
+            return self._finish(request, "length")
         token = int(step["token"][slot])
         if isinstance(request, RolloutRequest):
-            request.tokens.append(token)
-            request.logprobs.append(float(step["logp"][slot]))
-            request.versions.append(int(step["version"][slot]))
-            request.routing.append(step["routing"][slot].copy())
+            buffer = request.buffer
+            buffer.add(token, step["logp"][slot], step["version"][slot], step["routing"][slot])
             if token in stops:
-                return self._finish(request, "eos", engine)
-            if len(request.tokens) >= request.max_tokens:
-                return self._finish(request, "length", engine)
+                return self._finish(request, "eos")
+            if buffer.size >= request.max_tokens:
+                return self._finish(request, "length")
             return False
         channel = request.return_channel
         if channel is None or channel.cancelled():
@@ -207,26 +251,12 @@ class RolloutDriver(orchestrator.Driver):
             return True
         return False
 
-    def _finish(self, request: orchestrator.ActiveRequest, reason: str, engine: MoEEngine) -> bool:
+    def _finish(self, request: orchestrator.ActiveRequest, reason: str) -> bool:
         if not isinstance(request, RolloutRequest):
             if request.return_channel is not None:
                 request.return_channel.close()
             return True
-        prompt_ids, prompt_routing = request.prompt
-        k = engine.config.num_experts_per_tok
-        gen_routing = (
-            np.stack(request.routing)
-            if request.routing
-            else np.zeros((0, engine.config.num_moe_layers, k), np.int32)
-        )
-        sample = FinishedSample(
-            prompt_ids=np.asarray(prompt_ids, np.int32),
-            completion_ids=np.asarray(request.tokens, np.int32),
-            logprobs=np.asarray(request.logprobs, np.float32),
-            versions=np.asarray(request.versions, np.int64),
-            routing=np.concatenate([prompt_routing, gen_routing.astype(prompt_routing.dtype)]),
-            finish_reason=reason,
-        )
+        sample = request.buffer.sample(reason)
         if request.on_done is not None:
             request.on_done(request, sample)
         return True

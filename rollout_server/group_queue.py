@@ -33,6 +33,11 @@ class GroupQueue:
             self._items.append(item)
             self._cond.notify_all()
 
+    def snapshot(self) -> list[Any]:
+        """The items queued now, in order (a copy)."""
+        with self._cond:
+            return list(self._items)
+
     def unget(self, items: list[Any]) -> None:
         """Puts `items` (taken by `get_many`) back at the front, in their order."""
         with self._cond:

@@ -9,7 +9,8 @@ import prometheus_client as prom
 
 
 class ServerMetrics:
-    """Gauges read live from the rollout loop and driver, plus weight-swap observations.
+    """Gauges read live from the rollout loop and driver, the Pulls waiting for groups, and
+    weight-swap observations.
 
     Args:
       stats: returns the rollout loop's `stats()` dict.
@@ -37,11 +38,24 @@ class ServerMetrics:
             gauge.set_function(lambda key=key: float(stats()[key]))
         backlog = prom.Gauge("satjax_rollout_prefill_backlog", "queued prefills", registry=registry)
         backlog.set_function(lambda: float(prefill_backlog()))
+        self._pulls_waiting = prom.Gauge(
+            "satjax_rollout_pulls_waiting",
+            "Pulls received and not answered yet (waiting for groups or for a pull thread)",
+            registry=registry,
+        )
         self._swap_seconds = prom.Histogram(
             "satjax_rollout_weight_swap_seconds",
             "UpdateWeights load + swap time",
             registry=registry,
         )
+
+    def pull_started(self) -> None:
+        """Counts one more Pull waiting for its reply."""
+        self._pulls_waiting.inc()
+
+    def pull_finished(self) -> None:
+        """Counts one Pull less (answered, failed or abandoned)."""
+        self._pulls_waiting.dec()
 
     def observe_swap(self, version: int, seconds: float) -> None:
         """Records one UpdateWeights' load + swap time."""

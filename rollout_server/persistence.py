@@ -41,6 +41,12 @@ class RolloutState:
         the groups dispatched until then (consumed + queued + running), plus the groups the
         trainer rejected since, which admission no longer counts (see
         `rollout.admission_budget`, docs/DESIGN.md §6).
+      epoch_excluded: ids of the groups outstanding (queued, leased or running) when the epoch
+        began, which `epoch_used` leaves out of the count: one of them rejected stays out of it
+        (no replacement), one acknowledged as trained counts (the trainer spent a batch place
+        on it, so the epoch owes one group fewer).
+      share: this server's share of the fleet's admission (the trainer sends 1/k with k servers
+        up): admission allows `share` · batch_groups groups per version (docs/DESIGN.md §6.3).
       server_id: a random id of this state (drawn by `new_server_id` when the first group is
         dispatched), on every group: the trainer names groups by (server_id, group_id).
       run_id: the trainer run attached (the last one that started an admission epoch).
@@ -54,6 +60,8 @@ class RolloutState:
     checkpoint_path: str = ""
     epoch_version: int = 0
     epoch_used: int = 0
+    epoch_excluded: list[int] = dataclasses.field(default_factory=list)
+    share: float = 1.0
     server_id: str = ""
     run_id: str = ""
 

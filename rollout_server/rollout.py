@@ -1,17 +1,23 @@
 """The rollout loop: prompts (grain) → G samples each → rewards → finished groups in a queue.
 
 Admission control (docs/DESIGN.md §6) bounds staleness: a new group starts only while
-    (max_staleness + version + 1) · batch_groups − (consumed + queued + running) > 0
+    (max_staleness + version + 1) · share · batch_groups − (consumed + queued + running) > 0
 with `version` and the group counts measured from the start of the current admission epoch, and
-queued + running stays within the queue's capacity, so the queue never overflows.
+queued + running stays within the queue's capacity, so the queue never overflows. `share` is this
+server's part of the fleet's budget (1/k with k servers, sent by the trainer with its weights), so
+k servers together run ahead by what one would alone.
 
 An admission epoch starts at the first trainer weights a server installs and at every
 `UpdateWeights` with `new_admission_epoch` (the trainer sets it when it connects, e.g. after a
 resume). Groups dispatched before it (e.g. with the server's own random weights, which the trainer
 drops) no longer count, so after `UpdateWeights(v)` starts an epoch exactly
 (max_staleness + 1) · batch_groups groups are admitted while the server holds v, and
-batch_groups more for each version after v. With `wait_for_weights` nothing is dispatched before
-the first trainer weights.
+batch_groups more for each version after v. Those earlier groups are remembered
+(`epoch_excluded`): one the trainer rejects stays out of the count (rejecting it must not buy a
+replacement: that surplus would keep the server ahead of the trainer for the rest of the run), one
+it trains counts. A new `share` rebases the epoch at the current version, counting what is
+outstanding against the new share. With `wait_for_weights` nothing is dispatched before the first
+trainer weights.
 
 Delivery (docs/DESIGN.md §6.2): `pull` leases groups; only `ack` removes them for good and counts
 them as consumed. A lease not acknowledged within `lease_s` (a Pull abandoned by its client, a
@@ -33,13 +39,13 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grain
 
+from rollout_api import records
 from rollout_api.proto import rollout_pb2
-from rollout_api.routing_codec import encode_routing
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
 from rollout_server.engine import MoEEngine
 from rollout_server.group_queue import GroupQueue
@@ -51,7 +57,6 @@ from sat_jax.tasks.rewards import RewardFn
 log = logging.getLogger(__name__)
 
 _MAX_FAILURES = 3  # failed samples per group before the group is dropped
-_FINISH = {"eos": rollout_pb2.FINISH_REASON_EOS, "length": rollout_pb2.FINISH_REASON_LENGTH}
 
 
 @dataclasses.dataclass
@@ -67,25 +72,25 @@ def admission_budget(
 ) -> int:
     """How many more groups admission allows (the loop starts one while this is > 0).
 
-        (max_staleness + version − epoch_version + 1) · batch_groups
+        (max_staleness + version − epoch_version + 1) · share · batch_groups
             − (consumed + queued + running − epoch_used)
 
     i.e. docs/DESIGN.md §6's rule with versions and groups counted from the current admission
-    epoch.
+    epoch, scaled by this server's share of the fleet (`state.share`).
 
     Args:
       cfg: `max_staleness` and `batch_groups`.
-      state: the persisted counters (`consumed`, `epoch_version`, `epoch_used`).
+      state: the persisted counters (`consumed`, `epoch_version`, `epoch_used`, `share`).
       version: the weights version the engine holds.
       queued, running: finished groups not acknowledged yet (queued or leased), and groups being
         generated.
 
     Returns:
-      The budget in groups (0 or negative when admission is closed).
+      The budget in groups (0 or negative when admission is closed; fractional with a share).
     """
     versions = cfg.max_staleness + version - state.epoch_version + 1
     used = state.consumed + queued + running - state.epoch_used
-    return versions * cfg.batch_groups - used
+    return versions * state.share * cfg.batch_groups - used
 
 
 class RunNotAttachedError(RuntimeError):
@@ -114,6 +119,8 @@ class RolloutLoop:
       lease_s: how long a pulled group waits for its acknowledgement before it is queued again.
       rows_skipped: prompt-file rows the pipeline skipped (no prompt or answer column), reported
         in `stats()`.
+      clock: the monotonic clock, in seconds, that leases, the attached run's silence and the
+        throughput are measured with (tests pass a fake one to expire a lease without waiting).
     """
 
     def __init__(
@@ -130,6 +137,7 @@ class RolloutLoop:
         max_response_bytes: int,
         lease_s: float,
         rows_skipped: int = 0,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
@@ -137,10 +145,11 @@ class RolloutLoop:
         self._wait_for_weights = wait_for_weights
         self._max_response_bytes = max_response_bytes
         self._lease_s = lease_s
+        self._clock = clock
         # group id -> (the group, when its lease ends), in lease order.
         self._leased: dict[int, tuple[rollout_pb2.Group, float]] = {}
         self._save_failed = False
-        self._run_seen = time.monotonic()  # the attached run's last call (or the start)
+        self._run_seen = self._clock()  # the attached run's last call (or the start)
         self._state = store.load()
         if not self._state.server_id:
             self._state.server_id = new_server_id()
@@ -160,7 +169,7 @@ class RolloutLoop:
         self.groups_rejected = 0  # acknowledged as not trained (replaced by admission)
         self.rows_skipped = rows_skipped
         self.groups_failed = 0
-        self._started = time.monotonic()
+        self._started = self._clock()
         if self._reissue:
             log.info("re-issuing %d prompts not pulled before the restart", len(self._reissue))
 
@@ -194,7 +203,7 @@ class RolloutLoop:
     def stats(self) -> dict[str, Any]:
         """The counters of `StatsResponse` (version, groups, tokens, admission_open, ...)."""
         with self._lock:
-            elapsed = max(time.monotonic() - self._started, 1e-9)
+            elapsed = max(self._clock() - self._started, 1e-9)
             tokens = self._driver.tokens_generated
             return {
                 "version": self._engine.version,
@@ -256,18 +265,21 @@ class RolloutLoop:
             if keep < len(groups):
                 self.queue.unget(groups[keep:])
                 groups = groups[:keep]
-            until = time.monotonic() + self._lease_s
+            until = self._clock() + self._lease_s
             for g in groups:
                 self._leased[g.group_id] = (g, until)
         return groups
 
     def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
-        """Removes the groups `group_ids` and `reject` for good (leased ones, or ones whose lease
-        expired and that wait in the queue again) and counts them as consumed; unknown ids
+        """Removes the groups `group_ids` and `reject` for good (leased ones, ones whose lease
+        expired and that wait in the queue again, and ones this server re-generates after a
+        restart although the trainer already has them) and counts them as consumed; unknown ids
         (already acknowledged) are ignored. Returns how many were removed.
 
         Rejected groups (the trainer will not train them) also leave the admission count: the
-        epoch's `epoch_used` grows by their number, so admission starts as many replacements.
+        epoch's `epoch_used` grows by their number, so admission starts as many replacements;
+        except a group outstanding before the epoch began (`epoch_excluded`), which the epoch
+        never counted: rejected, it stays uncounted; trained, it now counts.
         """
         self._touch(run_id)
         rejected = set(reject)
@@ -276,11 +288,22 @@ class RolloutLoop:
             done = [i for i in ids if self._leased.pop(i, None) is not None]
             requeued = self.queue.remove_if(lambda g: g.group_id in ids)
             done += [g.group_id for g in requeued]
+            # Leased before a restart and re-issued since (the trainer's acknowledgement waited
+            # for this server to come back): the trainer has them, stop generating them again.
+            done += [i for i in ids if self._running.pop(i, None) is not None]
+            again = {r["group_id"] for r in self._reissue} & ids
+            if again:
+                self._reissue = collections.deque(
+                    r for r in self._reissue if r["group_id"] not in again
+                )
+                done += sorted(again)
             if done:
-                replaced = sum(i in rejected for i in done)
+                excluded = set(self._state.epoch_excluded)
                 self._state.consumed += len(done)
-                self._state.epoch_used += replaced
-                self.groups_rejected += replaced
+                self._state.epoch_used += sum((i in rejected) - (i in excluded) for i in done)
+                if excluded & set(done):
+                    self._state.epoch_excluded = sorted(excluded - set(done))
+                self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:
                     self._unfinished.pop(i, None)
                 self._save_locked()
@@ -295,7 +318,7 @@ class RolloutLoop:
                 self.queue.unget(back)
 
     def _expire_leases(self) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             expired = [g for g, until in self._leased.values() if until <= now]
             if not expired:
@@ -307,7 +330,7 @@ class RolloutLoop:
 
     def _touch(self, run_id: str) -> None:
         if run_id and run_id == self._state.run_id:
-            self._run_seen = time.monotonic()
+            self._run_seen = self._clock()
 
     def install_weights(
         self,
@@ -317,12 +340,15 @@ class RolloutLoop:
         *,
         new_epoch: bool = False,
         run_id: str = "",
+        share: float = 1.0,
     ) -> None:
         """Swaps `params` into the engine as `version` and records them so a restart reloads them.
 
         Admission is held while this runs, so no group is admitted between the swap and the
         new budget. The first trainer weights, or `new_epoch`, start an admission epoch, and the
-        run that starts one (`run_id`) becomes the attached run.
+        run that starts one (`run_id`) becomes the attached run. A `share` other than the
+        current one (the fleet grew or shrank; 0 = unset = 1) rebases the epoch at `version`:
+        what is outstanding then counts against the new share.
 
         Raises:
           RunNotAttachedError: `new_epoch` from a run other than the attached one while that one
@@ -333,14 +359,27 @@ class RolloutLoop:
             new_epoch = new_epoch or not self._state.checkpoint_path
             self._check_attached_locked(new_epoch, run_id)
             self._engine.swap_params(version, params)
+            share = share if share > 0 else 1.0
+            outstanding = self._outstanding_ids_locked()
             if new_epoch:
                 self._state.epoch_version = version
-                used = len(self.queue) + len(self._leased) + len(self._running)
-                self._state.epoch_used = self._state.consumed + used
+                self._state.epoch_used = self._state.consumed + len(outstanding)
+                self._state.epoch_excluded = sorted(outstanding)
                 self._state.run_id = run_id
+            elif share != self._state.share:
+                excluded = [i for i in self._state.epoch_excluded if i in outstanding]
+                self._state.epoch_version = version
+                self._state.epoch_used = self._state.consumed + len(excluded)
+                self._state.epoch_excluded = excluded
+            self._state.share = share
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
             self._touch(run_id)
             self._save_locked()
+
+    def _outstanding_ids_locked(self) -> set[int]:
+        """Ids of the groups queued, leased or running."""
+        queued = {g.group_id for g in self.queue.snapshot()}
+        return queued | set(self._leased) | set(self._running)
 
     def check_attached(self, new_epoch: bool, run_id: str) -> None:
         """Raises `RunNotAttachedError` if an update from `run_id` (starting a new admission
@@ -352,7 +391,7 @@ class RolloutLoop:
         attached = self._state.run_id
         if not (new_epoch and attached and run_id != attached):
             return
-        idle = time.monotonic() - self._run_seen
+        idle = self._clock() - self._run_seen
         if idle < self._lease_s:
             raise RunNotAttachedError(
                 f"the server is attached to trainer run {attached!r} (last call {idle:.0f}s "
@@ -363,7 +402,7 @@ class RolloutLoop:
     # The loop.
 
     def _run(self) -> None:
-        last_log = time.monotonic()
+        last_log = self._clock()
         last_tokens = 0
         while not self._stop.is_set():
             try:
@@ -375,7 +414,7 @@ class RolloutLoop:
             except Exception:  # keep the loop alive; the error is in the log
                 log.exception("rollout loop step failed")
                 time.sleep(0.5)
-            now = time.monotonic()
+            now = self._clock()
             if now - last_log >= 60:
                 tokens = self._driver.tokens_generated
                 log.info(
@@ -473,37 +512,53 @@ class RolloutLoop:
                 continue
             group.samples[index] = sample
             if len(group.samples) == self._cfg.group_size:
-                message = self._finish_group(group)
-                with self._lock:
-                    del self._running[group_id]
-                    self.queue.put(message)
-                    self.groups_produced += 1
+                self._queue_group(group_id, group)
 
-    def _finish_group(self, group: _RunningGroup) -> rollout_pb2.Group:
+    def _queue_group(self, group_id: int, group: _RunningGroup) -> None:
+        """Queues a finished group as its proto message: the server's one conversion of its
+        records to the wire (`records.to_proto`). A group whose samples do not make a valid record
+        (an engine bug) is logged and dropped, as one with too many failed samples is."""
+        try:
+            message = records.to_proto(self._finish_group(group))
+        except ValueError:
+            log.exception("dropping prompt %s: its samples make no valid group", group.record["id"])
+            with self._lock:
+                del self._running[group_id]
+                self._unfinished.pop(group_id, None)
+                self.groups_failed += 1
+                self._save_locked()
+            return
+        with self._lock:
+            del self._running[group_id]
+            self.queue.put(message)
+            self.groups_produced += 1
+
+    def _finish_group(self, group: _RunningGroup) -> records.Group:
+        """The group's record: the engine's arrays as they are, with rewards and texts."""
         record = group.record
         trajectories = []
         for i in range(self._cfg.group_size):
             s = group.samples[i]
             text = self._tokenizer.decode(s.completion_ids)
             trajectories.append(
-                rollout_pb2.Trajectory(
-                    prompt_ids=s.prompt_ids.tolist(),
-                    completion_ids=s.completion_ids.tolist(),
-                    behavior_logprobs=s.logprobs.tolist(),
-                    versions=s.versions.tolist(),
-                    routing=encode_routing(s.routing),
+                records.Trajectory(
+                    prompt_ids=s.prompt_ids,
+                    completion_ids=s.completion_ids,
+                    behavior_logprobs=s.logprobs,
+                    versions=s.versions,
+                    routing=s.routing,
                     reward=self._reward(text, record),
-                    finish_reason=_FINISH[s.finish_reason],
+                    finish_reason=s.finish_reason,
                     completion_text=text,
                 )
             )
-        return rollout_pb2.Group(
+        return records.Group(
             server_id=self._state.server_id,
             group_id=record["group_id"],
             prompt_id=record["id"],
             prompt_text=record["text"],
             answer=record["answer"],
-            trajectories=trajectories,
+            trajectories=tuple(trajectories),
         )
 
     def _reward(self, text: str, record: dict[str, Any]) -> float:

@@ -116,6 +116,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             run_id=request.run_id,
         )
         future = asyncio.get_running_loop().run_in_executor(self._pulls, pull)
+        if self._metrics is not None:
+            self._metrics.pull_started()
+            future.add_done_callback(lambda _: self._metrics.pull_finished())
         try:
             groups = await asyncio.shield(future)
         except asyncio.CancelledError:
@@ -229,6 +232,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             params,
             new_epoch=request.new_admission_epoch,
             run_id=request.run_id,
+            share=request.admission_share,
         )
         await loop.run_in_executor(self._updates, install)
         return loaded - start, time.perf_counter() - loaded, str(path)
@@ -242,9 +246,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def Health(
         self, request: rollout_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.HealthResponse:
-        """Whether the rollout loop runs, and the weights version."""
+        """Whether the rollout loop runs, the weights version and the server's id."""
         return rollout_pb2.HealthResponse(
-            live=bool(self._driver.live and self._loop.alive()), version=self._engine.version
+            live=bool(self._driver.live and self._loop.alive()),
+            version=self._engine.version,
+            server_id=self._loop.persisted.server_id,
         )
 
 

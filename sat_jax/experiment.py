@@ -7,11 +7,27 @@ mapping; `key=value` overrides from the command line apply on top of it, with do
 `ConfigError` naming the dotted key.
 
     cfg = load_config("configs/arith_tiny.yaml", ["server.port=9001", "model.preset=small"])
+
+Parts (docs/DESIGN.md §8). The keys stay flat (`train.learning_rate`, `train.servers`,
+`train.checkpoint_every`, ...): they are the fields of `TrainConfig`, with its defaults. What a
+builder needs is a typed part made from the fields of the same names, never the whole config:
+
+    cfg.train.optimizer.make()         # OptimizerConfig -> the optax transformation
+    cfg.train.warmup                   # WarmupConfig -> train.warmup.run (runs or loads it)
+    cfg.train.checkpoints              # CheckpointConfig -> train.checkpointing.Checkpointer
+    cfg.client.connection_args()       # ClientConfig (train.servers, ..., server.token)
+                                       #   -> the keyword arguments of train.remote.ServerPool
+
+A part holds no defaults (its fields are required) and checks its own fields; `TrainConfig` checks
+the rest and builds its parts in `__post_init__`, so a bad key still names itself
+(`train: learning_rate must be > 0, ...`). The trainer's objects (the warm-up, the checkpointer,
+the server pool) are built in `train/` from the part alone: `sat_jax` imports no trainer code.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import types
 import typing
@@ -24,6 +40,7 @@ import yaml
 from sat_jax.model import hf
 from sat_jax.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
+from sat_jax.optimizer import OptimizerConfig
 from sat_jax.parallel.sharding import MeshConfig
 from sat_jax.tasks.config import TaskConfig
 from sat_jax.tasks.tokenizer import CharTokenizer, Tokenizer
@@ -165,11 +182,139 @@ class RolloutConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmupConfig:
+    """The supervised warm-up before RL (`train.warmup.run` runs it, or loads it from its cache).
+
+    No defaults: `TrainConfig.warmup` builds it from the `train.*` fields of the same names.
+
+    Attributes:
+      warmup_sft_steps: supervised steps on the task (0 = no warm-up).
+      sft_batch, sft_learning_rate: the warm-up's batch size and Adam rate.
+      sft_cache_dir: where results are cached, one directory per warm-up setting.
+      seed: `train.seed`, the seed of the initial params the warm-up starts from (part of the
+        cache key).
+    """
+
+    warmup_sft_steps: int
+    sft_batch: int
+    sft_learning_rate: float
+    sft_cache_dir: str
+    seed: int
+
+    def __post_init__(self) -> None:
+        if self.warmup_sft_steps < 0:
+            raise ValueError(f"warmup_sft_steps must be >= 0, got {self.warmup_sft_steps}")
+        if self.sft_batch <= 0:
+            raise ValueError(f"sft_batch must be positive, got {self.sft_batch}")
+        if not self.sft_learning_rate > 0:
+            raise ValueError(f"sft_learning_rate must be > 0, got {self.sft_learning_rate}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """The trainer's checkpoints (`train.checkpointing.Checkpointer.from_config` opens them).
+
+    No defaults: `TrainConfig.checkpoints` builds it from the `train.*` fields of the same names.
+
+    Attributes:
+      checkpoint_dir: a local path or a URL such as "gs://bucket/path"; "" = under the run
+        directory (`directory`).
+      checkpoint_every: save every k updates (and at the end).
+      keep_checkpoints: how many checkpoints to keep.
+    """
+
+    checkpoint_dir: str
+    checkpoint_every: int
+    keep_checkpoints: int
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_every", "keep_checkpoints"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+    def directory(self, run_dir: str) -> str:
+        """`checkpoint_dir`, or `<run_dir>/checkpoints` when it is empty."""
+        return self.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+
+
+class ConnectionArgs(typing.TypedDict):
+    """The keyword arguments of `train.remote.ServerPool` that the config decides."""
+
+    token: str
+    root_certificates: bytes | None
+    max_message_bytes: int
+    retry_max_s: float
+    server_wait_s: float
+    grace_s: float
+    servers_file: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    """How the trainer reaches its rollout servers: `train.servers`, `train.servers_file`,
+    `train.tls_ca`, `train.retry_max_s`, `train.server_wait_s`, `train.server_grace_s`,
+    `train.pull_timeout_s`, and the servers' own
+    `server.token` and `server.max_message_bytes`.
+
+    No defaults and no checks of its own: `ExperimentConfig.client` builds it from the fields of
+    the same names, checked where they are keys (`TrainConfig`, `ServerConfig`).
+    """
+
+    servers: tuple[str, ...]
+    servers_file: str
+    tls_ca: str
+    retry_max_s: float
+    server_wait_s: float
+    server_grace_s: float
+    pull_timeout_s: float
+    token: str
+    max_message_bytes: int
+
+    def root_certificates(self) -> bytes | None:
+        """The PEM certificates of `tls_ca`, or None when it is "" (plaintext).
+
+        Raises:
+          OSError: the file cannot be read.
+        """
+        if not self.tls_ca:
+            return None
+        with open(self.tls_ca, "rb") as f:
+            return f.read()
+
+    def connection_args(self) -> ConnectionArgs:
+        """`ServerPool`'s connection arguments (the addresses, run id and retry hook come from
+        the run): `ServerPool(addresses, run_id=..., **client.connection_args())`."""
+        return ConnectionArgs(
+            token=self.token,
+            root_certificates=self.root_certificates(),
+            max_message_bytes=self.max_message_bytes,
+            retry_max_s=self.retry_max_s,
+            server_wait_s=self.server_wait_s,
+            grace_s=self.server_grace_s,
+            servers_file=self.servers_file,
+        )
+
+
+_Part = typing.TypeVar("_Part")
+
+
+def _part(cls: type[_Part], *sections: Any) -> _Part:
+    """`cls` built from its fields' namesakes in `sections` (the first section that has each)."""
+    values = {}
+    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
+        section = next(s for s in sections if field.name in s.__dataclass_fields__)
+        values[field.name] = getattr(section, field.name)
+    return cls(**values)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """The trainer (docs/DESIGN.md §7): servers, schedule, optimizer, staleness policy, checkpoints.
 
     The batch (`rollout.batch_groups` groups of `rollout.group_size`) and the staleness bound
     (`rollout.max_staleness`) are shared with the server's admission rule and live in `rollout`.
+    The fields are the `train.*` keys; the builders take parts made from them (`optimizer`,
+    `warmup`, `checkpoints`; and `ExperimentConfig.client`), see the module docstring.
 
     Attributes:
       servers: rollout server addresses ("host:port"); empty = start one local server process
@@ -193,27 +338,34 @@ class TrainConfig:
       loss: the policy objective; SAT on by default.
       advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
       learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"
-        decay to 0 over `steps`, and linear warm-up steps.
-      adam_b1, adam_b2, weight_decay, grad_clip: AdamW and global-norm clipping (0 = off).
+        decay to 0 over `steps`, and linear warm-up steps (part `optimizer`).
+      adam_b1, adam_b2, weight_decay, grad_clip: AdamW and global-norm clipping (0 = off)
+        (part `optimizer`).
       mesh: the device mesh of the train step.
       run_dir: logs, checkpoints, plots and weights for the server; a local directory (the
         server loads weights from it); "" = "runs/<name>".
       checkpoint_dir: orbax checkpoints, a local path or a URL such as "gs://bucket/path" (passed
-        to orbax unchanged: etils epath with GCS credentials); "" = "<run_dir>/checkpoints".
-      checkpoint_every: save a full checkpoint every k updates (and at the end).
-      keep_checkpoints: how many checkpoints to keep.
+        to orbax unchanged: etils epath with GCS credentials); "" = "<run_dir>/checkpoints"
+        (part `checkpoints`).
+      checkpoint_every: save a full checkpoint every k updates (and at the end) (part
+        `checkpoints`).
+      keep_checkpoints: how many checkpoints to keep (part `checkpoints`).
       warmup_sft_steps: supervised warm-up steps on the task before RL (0 = none); the result is
-        cached under `sft_cache_dir`.
+        cached under `sft_cache_dir` (part `warmup`).
       sft_cache_dir: where warm-up results are cached, one directory per warm-up setting.
       sft_batch, sft_learning_rate: the warm-up's batch size and Adam rate.
       eval_problems: held-out problems for greedy exact-match accuracy (0 = no evaluation).
       eval_every: evaluate every k updates during RL (0 = only before and after).
-      pull_timeout_s: how long one Pull waits for groups.
+      pull_timeout_s: how long one Pull waits for groups (part `ExperimentConfig.client`).
       retry_max_s: the longest backoff between retries while a server is down.
       server_wait_s: give up when no server answered, or none sent a group, for this long.
+      server_grace_s: a server whose calls keep failing this long leaves the pull rotation and
+        the push set (the run goes on with the others); it is probed and rejoins when it answers.
+      servers_file: a file of "host:port" lines, re-read every few seconds: new lines join the
+        fleet, removed ones leave ("" = none; with `servers` empty and this set, no local server).
       tls_ca: PEM file of the CA (or self-signed certificate) to verify the servers with; set,
         the trainer connects over TLS ("" = plaintext).
-      seed: the trainer's PRNG seed.
+      seed: the trainer's PRNG seed (the initial params, hence also part `warmup`).
       wandb: also log to Weights & Biases (needs the `wandb` package).
     """
 
@@ -249,6 +401,8 @@ class TrainConfig:
     pull_timeout_s: float = 30.0
     retry_max_s: float = 10.0
     server_wait_s: float = 600.0
+    server_grace_s: float = 5.0
+    servers_file: str = ""
     tls_ca: str = ""
     seed: int = 0
     wandb: bool = False
@@ -258,33 +412,21 @@ class TrainConfig:
             "mode": ("async", "sync"),
             "stale_policy": ("drop", "keep"),
             "advantage_estimator": ("grpo", "dr_grpo"),
-            "lr_schedule": ("constant", "cosine", "linear"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        positive = ("steps", "weight_sync_interval", "microbatches", "checkpoint_every")
-        for name in (*positive, "keep_checkpoints"):
+        for name in ("weight_sync_interval", "microbatches"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in (
-            "lr_warmup_steps",
-            "warmup_sft_steps",
-            "eval_problems",
-            "eval_every",
-            "length_bucket",
-        ):
+        for name in ("eval_problems", "eval_every", "length_bucket"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("learning_rate", "sft_learning_rate", "pull_timeout_s", "retry_max_s"):
+        if self.server_grace_s < 0:
+            raise ValueError(f"server_grace_s must be >= 0, got {self.server_grace_s}")
+        for name in ("pull_timeout_s", "retry_max_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if self.sft_batch <= 0:
-            raise ValueError(f"sft_batch must be positive, got {self.sft_batch}")
-        if not (0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1):
-            raise ValueError("adam_b1 and adam_b2 must be in [0, 1)")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("weight_decay and grad_clip must be >= 0")
         for address in self.servers:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
@@ -296,6 +438,23 @@ class TrainConfig:
             )
         if self.mode == "sync" and self.weight_sync_interval != 1:
             raise ValueError("mode 'sync' needs weight_sync_interval = 1")
+        # Each part checks its own fields: building them checks the rest of the keys.
+        _ = (self.optimizer, self.warmup, self.checkpoints)
+
+    @property
+    def optimizer(self) -> OptimizerConfig:
+        """The optimizer part; `.make()` is the optax transformation the trainer steps with."""
+        return _part(OptimizerConfig, self)
+
+    @property
+    def warmup(self) -> WarmupConfig:
+        """The supervised warm-up part (`train.warmup.run` runs or loads it)."""
+        return _part(WarmupConfig, self)
+
+    @property
+    def checkpoints(self) -> CheckpointConfig:
+        """The checkpoint part (`train.checkpointing.Checkpointer.from_config` opens them)."""
+        return _part(CheckpointConfig, self)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -363,6 +522,12 @@ class ExperimentConfig:
     def tokenizer_path(self) -> str:
         """The HF tokenizer's directory: `task.tokenizer_path`, else `model.hf_path`."""
         return self.task.tokenizer_path or self.model.hf_path
+
+    @property
+    def client(self) -> ClientConfig:
+        """The trainer's connection to its servers: `train.servers`, `train.tls_ca`, the retry and
+        wait times, and `server.token` and `server.max_message_bytes`."""
+        return _part(ClientConfig, self.train, self.server)
 
     @property
     def serving_model(self) -> ModelConfig:

@@ -1,7 +1,10 @@
 """The trainer's optimizer (docs/DESIGN.md §7, §11): global-norm clipping → AdamW with the
 configured learning-rate schedule, its state in float32 whatever the parameter dtype.
 
-    optimizer = make_optimizer(cfg.train)
+    optimizer = cfg.train.optimizer.make()
+
+`OptimizerConfig` is the part of `TrainConfig` that configures it (docs/DESIGN.md §8): its fields
+are the `train.*` keys of the same names, and `TrainConfig.optimizer` builds it from them.
 
 `float32_state` wraps a transformation so its state (Adam's m and v) and its updates are float32:
 bfloat16 master weights keep full-precision moments, and `optax.apply_updates` casts the sum back
@@ -10,13 +13,81 @@ to the parameter dtype. For float32 params it changes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from sat_jax.experiment import TrainConfig
+LR_SCHEDULES = ("constant", "cosine", "linear")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Global-norm clipping → AdamW with a learning-rate schedule.
+
+    No defaults here: they live once, in `TrainConfig`'s fields of the same names (the YAML keys
+    `train.learning_rate`, ...), and `TrainConfig.optimizer` builds this part from them.
+
+    Attributes:
+      steps: the updates of the run (`train.steps`); the schedule decays over them.
+      learning_rate: the peak rate.
+      lr_schedule: "constant", or "cosine" | "linear" decay to 0 over `steps` −
+        `lr_warmup_steps`.
+      lr_warmup_steps: linear warm-up from 0 over this many updates (0 = none).
+      adam_b1, adam_b2, weight_decay: AdamW's.
+      grad_clip: global-norm clipping threshold (0 = off).
+    """
+
+    steps: int
+    learning_rate: float
+    lr_schedule: str
+    lr_warmup_steps: int
+    adam_b1: float
+    adam_b2: float
+    weight_decay: float
+    grad_clip: float
+
+    def __post_init__(self) -> None:
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
+        if self.steps <= 0:
+            raise ValueError(f"steps must be positive, got {self.steps}")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
+        if not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {self.learning_rate}")
+        if not (0 <= self.adam_b1 < 1 and 0 <= self.adam_b2 < 1):
+            raise ValueError("adam_b1 and adam_b2 must be in [0, 1)")
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            raise ValueError("weight_decay and grad_clip must be >= 0")
+
+    def schedule(self) -> optax.Schedule:
+        """The learning rate per update: linear warm-up from 0, then the decay."""
+        decay_steps = max(self.steps - self.lr_warmup_steps, 1)
+        peak = self.learning_rate
+        decay = {
+            "constant": optax.constant_schedule(peak),
+            "cosine": optax.cosine_decay_schedule(peak, decay_steps),
+            "linear": optax.linear_schedule(peak, 0.0, decay_steps),
+        }[self.lr_schedule]
+        if not self.lr_warmup_steps:
+            return decay
+        warmup = optax.linear_schedule(0.0, peak, self.lr_warmup_steps)
+        return optax.join_schedules([warmup, decay], [self.lr_warmup_steps])
+
+    def make(self) -> optax.GradientTransformation:
+        """Global-norm clipping → AdamW with `schedule()`; Adam's moments are float32
+        (`float32_state`)."""
+        adamw = float32_state(
+            optax.adamw(
+                self.schedule(), b1=self.adam_b1, b2=self.adam_b2, weight_decay=self.weight_decay
+            )
+        )
+        if not self.grad_clip:
+            return adamw
+        return optax.chain(optax.clip_by_global_norm(self.grad_clip), adamw)
 
 
 def _to_float32(tree: Any) -> Any:
@@ -37,26 +108,3 @@ def float32_state(inner: optax.GradientTransformation) -> optax.GradientTransfor
         )
 
     return optax.GradientTransformation(init, update)
-
-
-def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Global-norm clipping → AdamW (β₂ = 0.98 by default) with the configured LR schedule; Adam's
-    moments are float32 (`float32_state`)."""
-    decay_steps = max(cfg.steps - cfg.lr_warmup_steps, 1)
-    peak = cfg.learning_rate
-    decay = {
-        "constant": optax.constant_schedule(peak),
-        "cosine": optax.cosine_decay_schedule(peak, decay_steps),
-        "linear": optax.linear_schedule(peak, 0.0, decay_steps),
-    }[cfg.lr_schedule]
-    schedule = (
-        optax.join_schedules(
-            [optax.linear_schedule(0.0, peak, cfg.lr_warmup_steps), decay], [cfg.lr_warmup_steps]
-        )
-        if cfg.lr_warmup_steps
-        else decay
-    )
-    adamw = float32_state(
-        optax.adamw(schedule, b1=cfg.adam_b1, b2=cfg.adam_b2, weight_decay=cfg.weight_decay)
-    )
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw) if cfg.grad_clip else adamw

@@ -1,8 +1,14 @@
 """The sharded policy-gradient train step: forward (optional routing replay) → policy_loss → optax.
 
-``train_step(state, batch) -> (state, metrics)`` is a pure module-level function; ``make_train_step``
-binds its static arguments and wraps it in ``jax.jit`` with explicit in/out shardings and the train
-state donated.
+``train_step(state, batch, ref_params=None) -> (state, metrics)`` is a pure module-level function;
+``make_train_step`` binds its static arguments and wraps it in ``jax.jit`` with explicit in/out
+shardings and the train state donated.
+
+What derives from the batch is computed inside the step, so a batch crosses host → device once
+(docs/DESIGN.md §7.1): the GRPO/Dr.GRPO advantages from per-row rewards and group ids
+(``with_advantages``, over the whole batch before any microbatch split) and, for the KL penalty,
+the reference policy's log-probs from its params (``ref_params``, a separate argument that is not
+donated), scored chunk by chunk like the policy's (``Transformer.logprobs``).
 
 Token alignment: every per-token array of a ``TrainBatch`` is indexed by the position of the TARGET
 token. ``logp[b, t]`` is log π(tokens[b, t] | tokens[b, :t]), computed from the logits at position
@@ -34,7 +40,6 @@ from sat_jax.model import (
     router_shift_counts,
     router_shift_from_counts,
     router_shift_ratio,
-    token_logprobs,
 )
 from sat_jax.model.moe import balance_from_stats
 from sat_jax.objectives.loss_terms import loss_count
@@ -66,43 +71,101 @@ class TrainBatch:
       tokens: [B, T] int32, prompt followed by completion (and padding).
       loss_mask: [B, T] float, 1 on completion tokens (the target's position), 0 elsewhere.
       behavior_logp: [B, T] float, rollout log-prob of ``tokens[b, t]``.
-      advantages: [B, T] float.
+      advantages: [B, T] float per-token advantages; or None, and then ``rewards`` and
+        ``group_ids`` are given and the step computes them (``with_advantages``). Exactly one of
+        the two forms.
+      rewards: [B] float per-row rewards (with ``group_ids``; instead of ``advantages``).
+      group_ids: [B] int32 each row's group in [0, B); -1 marks a padding row (no group, no
+        advantage).
       routing: optional [B, T, L, K] uint8/uint16 expert ids recorded by the rollout (for R3).
       old_logp: optional [B, T] float proximal log-probs.
-      ref_logp: optional [B, T] float reference-policy log-probs (KL penalty).
+      ref_logp: optional [B, T] float reference-policy log-probs (KL penalty); the step computes
+        them itself when given the reference's params instead.
     """
 
     tokens: jax.Array
     loss_mask: jax.Array
     behavior_logp: jax.Array
-    advantages: jax.Array
+    advantages: jax.Array | None = None
+    rewards: jax.Array | None = None
+    group_ids: jax.Array | None = None
     routing: jax.Array | None = None
     old_logp: jax.Array | None = None
     ref_logp: jax.Array | None = None
 
 
-def next_token_logprobs(
-    logits_btv: jax.Array,
-    tokens_bt: jax.Array,
+def with_advantages(
+    batch: TrainBatch,
     *,
-    temperature: float = 1.0,
-    vocab_mask: Any = None,
-) -> jax.Array:
-    """[B, T] log-probs of ``tokens[:, t]`` under the logits at ``t − 1``; column 0 is 0.
+    estimator: objectives.AdvantageEstimator = "grpo",
+    normalize_std: bool = True,
+) -> TrainBatch:
+    """The batch with per-token ``advantages`` and without ``rewards`` / ``group_ids``.
 
-    ``vocab_mask`` ([V] bool, optional): renormalize over these ids only, as a sampler restricted
-    to them does (``sat_jax.tasks.sampleable_mask``); without it the behavior and trainer
-    log-probs of the same weights differ by the probability mass of the excluded ids.
+    Given advantages are kept. Otherwise each row's ``objectives.group_advantages`` over the whole
+    batch (``num_groups`` = B, static; rows of group id -1 are padding) is spread over its
+    loss-mask tokens, exactly what the host used to send as [B, T]. Jittable.
+
+    Raises:
+      ValueError: not exactly one of ``advantages`` and (``rewards``, ``group_ids``).
     """
-    logp = token_logprobs(
-        logits_btv[:, :-1], tokens_bt[:, 1:], temperature=temperature, vocab_mask=vocab_mask
+    _check_advantage_form(batch)
+    if batch.advantages is not None:
+        return batch
+    group_ids = jnp.asarray(batch.group_ids, jnp.int32)
+    per_row_b = objectives.group_advantages(
+        batch.rewards,
+        jnp.maximum(group_ids, 0),
+        num_groups=group_ids.shape[0],
+        estimator=estimator,
+        normalize_std=normalize_std,
+        where=group_ids >= 0,
     )
-    return jnp.pad(logp, ((0, 0), (1, 0)))
+    advantages_bt = per_row_b[:, None] * jnp.asarray(batch.loss_mask, jnp.float32)
+    return batch.replace(advantages=advantages_bt, rewards=None, group_ids=None)
+
+
+def _check_advantage_form(batch: TrainBatch) -> None:
+    """Raises ValueError unless the batch has exactly one of ``advantages`` and (``rewards``,
+    ``group_ids``) (which fields are set is static: this holds under ``jit`` too)."""
+    per_row = (batch.rewards is not None, batch.group_ids is not None)
+    if (batch.advantages is None) != all(per_row) or any(per_row) != all(per_row):
+        shape = lambda x: "None" if x is None else str(tuple(np.shape(x)))
+        raise ValueError(
+            "TrainBatch needs either advantages [B, T] or both rewards [B] and group_ids [B]; got "
+            f"advantages={shape(batch.advantages)}, rewards={shape(batch.rewards)}, "
+            f"group_ids={shape(batch.group_ids)}"
+        )
+
+
+def check_batch(batch: TrainBatch) -> None:
+    """Host-side checks of a concrete batch that the jitted step cannot make on values: exactly
+    one form of advantages; rewards and group ids [B], the ids in [0, B) or -1 (padding).
+
+    Raises:
+      ValueError: naming what is wrong.
+    """
+    _check_advantage_form(batch)
+    if batch.group_ids is None:
+        return
+    group_ids = np.asarray(batch.group_ids)
+    rows = np.shape(batch.tokens)[0]
+    if group_ids.shape != (rows,) or np.shape(batch.rewards) != (rows,):
+        raise ValueError(
+            f"TrainBatch rewards and group_ids must be [B] = [{rows}], got "
+            f"{np.shape(batch.rewards)} and {group_ids.shape}"
+        )
+    if group_ids.size and (group_ids.min() < -1 or group_ids.max() >= rows):
+        raise ValueError(
+            f"TrainBatch.group_ids must lie in [0, {rows}) or be -1 (padding), got "
+            f"[{group_ids.min()}, {group_ids.max()}]"
+        )
 
 
 def train_step(
     state: TrainState,
     batch: TrainBatch,
+    ref_params: Any = None,
     *,
     graphdef: nnx.GraphDef,
     optimizer: optax.GradientTransformation,
@@ -111,6 +174,8 @@ def train_step(
     temperature: float = 1.0,
     vocab_mask: Any = None,
     microbatches: int = 1,
+    estimator: objectives.AdvantageEstimator = "grpo",
+    normalize_std: bool = True,
 ) -> tuple[TrainState, Metrics]:
     """One policy-gradient update.
 
@@ -121,17 +186,23 @@ def train_step(
 
     Args:
       state: the current ``TrainState``.
-      batch: a ``TrainBatch``; ``routing`` is required when ``routing_replay``.
+      batch: a ``TrainBatch``; ``routing`` is required when ``routing_replay``. Per-row
+        ``rewards`` and ``group_ids`` become advantages here (``with_advantages``), over the whole
+        batch before any microbatch split.
+      ref_params: optional reference-policy params (the model's structure): their log-probs of
+        the batch's tokens become ``ref_logp`` (the KL penalty and the ``kl_ref`` metric),
+        computed per (micro)batch without the full logits. Not with ``batch.ref_logp``.
       graphdef: the model's ``nnx.GraphDef`` (``nnx.merge(graphdef, params)`` is the model).
       optimizer: the optax transformation ``state.opt_state`` belongs to.
       loss_cfg: the ``PolicyLossConfig``.
       routing_replay: replay ``batch.routing`` in every MoE layer (R3).
       temperature: sampling temperature the behavior log-probs were taken at.
-      vocab_mask: optional [V] bool of the ids the sampler draws from (see
-        ``next_token_logprobs``).
+      vocab_mask: optional [V] bool of the ids the sampler draws from: log-probs (the policy's
+        and the reference's) renormalize over them, as the sampler does.
       microbatches: k; accumulate the gradient over k microbatches of B/k rows (B divisible by
         k). Loss, gradient and metrics equal the one-pass step's (SAT's q per
         ``loss_cfg.sat.threshold_scope``; docs/DESIGN.md §3.3 and §5).
+      estimator, normalize_std: the ``group_advantages`` options (for ``rewards``).
 
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
@@ -145,47 +216,51 @@ def train_step(
         raise ValueError(
             f"microbatches={microbatches} must divide the batch size {batch.tokens.shape[0]}"
         )
+    if ref_params is not None and batch.ref_logp is not None:
+        raise ValueError("give the reference as ref_params or as TrainBatch.ref_logp, not both")
+    batch = with_advantages(batch, estimator=estimator, normalize_std=normalize_std)
     batch = batch.replace(loss_mask=batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0))
-    forward = functools.partial(
-        _forward,
-        graphdef=graphdef,
-        routing_replay=routing_replay,
-        temperature=temperature,
-        vocab_mask=vocab_mask,
+    scored = functools.partial(
+        _logprobs, graphdef=graphdef, temperature=temperature, vocab_mask=vocab_mask
     )
+
+    def forward(params: Any, batch: TrainBatch) -> tuple[jax.Array, ModelOutput]:
+        return scored(params, batch, replay=routing_replay)
+
+    def reference(batch: TrainBatch) -> TrainBatch:
+        if ref_params is None:
+            return batch
+        return batch.replace(ref_logp=scored(ref_params, batch, replay=False)[0])
+
     if microbatches == 1:
-        grads, metrics = _one_pass(state.params, batch, forward, loss_cfg)
+        grads, metrics = _one_pass(state.params, reference(batch), forward, loss_cfg)
     else:
         coef = nnx.merge(graphdef, state.params).config.router_aux_loss_coef
-        grads, metrics = _accumulated(state.params, batch, forward, loss_cfg, microbatches, coef)
+        grads, metrics = _accumulated(
+            state.params, batch, forward, reference, loss_cfg, microbatches, coef
+        )
     return _apply(state, grads, metrics, optimizer, batch.loss_mask)
 
 
-def _forward(
+def _logprobs(
     params: Any,
     batch: TrainBatch,
     *,
+    replay: bool,
     graphdef: nnx.GraphDef,
-    routing_replay: bool,
     temperature: float,
     vocab_mask: Any,
 ) -> tuple[jax.Array, ModelOutput]:
-    """(logp [B, T] of the batch's tokens, the model's output) under ``params``."""
-    model = nnx.merge(graphdef, params)
-    out = model.forward(
+    """(logp [B, T] of the batch's tokens, the model's output) under ``params``; replays
+    ``batch.routing`` when ``replay``. ``Transformer.logprobs``: out.logits_btv is never used,
+    so under jit no [B, T, V] float32 buffer is built (docs/DESIGN.md §5)."""
+    return nnx.merge(graphdef, params).logprobs(
         batch.tokens,
-        mask_bt=token_mask(batch.loss_mask),
-        replay_routing=batch.routing if routing_replay else None,
-    )
-    # Scored chunk by chunk from the hidden states: out.logits_btv is never used, so under jit
-    # no [B, T, V] float32 buffer is built (docs/DESIGN.md §5).
-    logp_bt = model.target_logprobs(
-        out.hidden_btd[:, :-1],
-        batch.tokens[:, 1:],
         temperature=temperature,
         vocab_mask=vocab_mask,
+        mask_bt=token_mask(batch.loss_mask),
+        replay_routing=batch.routing if replay else None,
     )
-    return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 
 
 def token_mask(loss_mask_bt: jax.Array) -> jax.Array:
@@ -291,13 +366,14 @@ def _weighted(x_k: jax.Array, w_k: jax.Array) -> jax.Array:
     return jnp.tensordot(w_k, x_k, axes=1)
 
 
-def _accumulated(params, batch: TrainBatch, forward, loss_cfg, k: int, coef: float):
+def _accumulated(params, batch: TrainBatch, forward, reference, loss_cfg, k: int, coef: float):
     """Gradient and metrics of the batch summed over k microbatches (one compiled ``scan`` body).
 
     Each microbatch j differentiates loss_sum / loss_count(batch) + w_j·coef·E·Σ f_e·P_e^j with
     the batch's f and w_j its share of the batch's real tokens (the balance loss is bilinear in f
     and P, and P of the batch is the w-weighted mean of the microbatches' P), so the summed
-    gradient is the one-pass gradient.
+    gradient is the one-pass gradient. ``reference`` adds a microbatch's reference log-probs
+    (outside its gradient), so the reference's activations are a microbatch's too.
     """
     micro = _split(batch, k)
     w_k = _token_shares(micro)
@@ -316,7 +392,8 @@ def _accumulated(params, batch: TrainBatch, forward, loss_cfg, k: int, coef: flo
         return value, (terms, out.router_frac_le, out.router_prob_le, shift)
 
     def step(acc: Any, xs: tuple[TrainBatch, jax.Array]):
-        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, *xs)
+        mb, w = xs
+        (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params, reference(mb), w)
         return jax.tree.map(jnp.add, acc, grads), aux
 
     zeros = jax.tree.map(jnp.zeros_like, params)
@@ -412,10 +489,12 @@ def batch_shardings(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
 
 
 def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
-    """Host arrays (the full global batch, on every process) → global sharded ``jax.Array``s.
+    """Host arrays (the full global batch, on every process) → global sharded ``jax.Array``s,
+    after ``check_batch``.
 
     Works single- and multi-host: each process only transfers the slices its devices hold.
     """
+    check_batch(batch)
     shardings = batch_shardings(batch, mesh)
 
     def put(x: Any, sh: NamedSharding) -> jax.Array:
@@ -435,13 +514,16 @@ def make_train_step(
     temperature: float = 1.0,
     vocab_mask: Any = None,
     microbatches: int = 1,
-) -> Callable[[TrainState, TrainBatch], tuple[TrainState, Metrics]]:
+    estimator: objectives.AdvantageEstimator = "grpo",
+    normalize_std: bool = True,
+) -> Step:
     """Jitted ``train_step`` for ``model_cfg`` on ``mesh``.
 
     The state is donated and keeps the shardings of ``train_state_shardings``; batch fields are
-    sharded over ``("data", "fsdp")`` on dimension 0; metrics come back replicated. The aux loss
-    weight is ``model_cfg.router_aux_loss_coef``; the batch needs no padding mask: padding sits
-    after the completion, and ``token_mask`` takes it out of the router's statistics.
+    sharded over ``("data", "fsdp")`` on dimension 0; the reference params (optional, not donated)
+    come in the params' shardings; metrics come back replicated. The aux loss weight is
+    ``model_cfg.router_aux_loss_coef``; the batch needs no padding mask: padding sits after the
+    completion, and ``token_mask`` takes it out of the router's statistics.
 
     Args:
       model_cfg: the ``ModelConfig``.
@@ -452,9 +534,10 @@ def make_train_step(
       temperature: sampling temperature of the behavior log-probs.
       vocab_mask: optional [V] bool of the ids the sampler draws from.
       microbatches: gradient accumulation over this many microbatches (see ``train_step``).
+      estimator, normalize_std: advantages from ``TrainBatch.rewards`` (``with_advantages``).
 
     Returns:
-      ``step(state, batch) -> (state, metrics)``.
+      ``step(state, batch, ref_params=None) -> (state, metrics)`` (a ``Step``).
     """
     graphdef, _ = sharding.abstract_model(model_cfg)
     state_sh = train_state_shardings(model_cfg, optimizer, mesh)
@@ -468,27 +551,43 @@ def make_train_step(
         temperature=temperature,
         vocab_mask=None if vocab_mask is None else np.asarray(vocab_mask, bool),
         microbatches=microbatches,
+        estimator=estimator,
+        normalize_std=normalize_std,
     )
-    jitted = jax.jit(
+    jit = functools.partial(
+        jax.jit,
         step_fn,
-        in_shardings=(state_sh, data_sh),
         out_shardings=(state_sh, NamedSharding(mesh, PartitionSpec())),
         donate_argnums=(0,),
     )
-    return _under_mesh(jitted, mesh)
+    return Step(
+        jit(in_shardings=(state_sh, data_sh)),
+        jit(in_shardings=(state_sh, data_sh, state_sh.params)),
+        mesh,
+    )
 
 
-class _under_mesh:
-    """``fn`` traced and run with ``mesh`` as the ambient mesh, so the model's activation
-    constraints (``sharding.constrain_batch``) see it; ``lower`` is forwarded the same way."""
+class Step:
+    """The jitted step: ``step(state, batch, ref_params=None) -> (state, metrics)``.
 
-    def __init__(self, fn: Any, mesh: Mesh):
-        self.fn, self.mesh = fn, mesh
+    Two compiled programs, one without reference params and one with them; each is traced and
+    run with ``mesh`` as the ambient mesh, so the model's activation constraints
+    (``sharding.constrain_batch``) see it; ``lower`` is forwarded the same way.
+    """
 
-    def __call__(self, *args: Any) -> Any:
+    def __init__(self, plain: Any, with_reference: Any, mesh: Mesh):
+        self.plain, self.with_reference, self.mesh = plain, with_reference, mesh
+
+    def __call__(
+        self, state: TrainState, batch: TrainBatch, ref_params: Any = None
+    ) -> tuple[TrainState, Metrics]:
         with jax.set_mesh(self.mesh):
-            return self.fn(*args)
+            if ref_params is None:
+                return self.plain(state, batch)
+            return self.with_reference(state, batch, ref_params)
 
-    def lower(self, *args: Any) -> Any:
+    def lower(self, state: Any, batch: Any, ref_params: Any = None) -> Any:
         with jax.set_mesh(self.mesh):
-            return self.fn.lower(*args)
+            if ref_params is None:
+                return self.plain.lower(state, batch)
+            return self.with_reference.lower(state, batch, ref_params)

@@ -2,12 +2,13 @@
 the batch's stats (docs/DESIGN.md §7.1, the data path of one batch, steps 2 and 3).
 
 Lag of a completion token = trainer version − the version of the weights that generated it
-(docs/DESIGN.md §2, §7.2). ``select_groups`` is the one place that decides which pulled groups are
-trained: a group whose token ids or routing ids are out of range (the vocabulary, the experts) is
-rejected (logged); a group already trained (its name, ``group_key``, or its prompt id is among the
-recent ones: a server re-delivers a group whose acknowledgement it did not get) is a duplicate; a
-group
-holding a token older than ``min_version`` (weights this trainer never published, e.g. a server's
+(docs/DESIGN.md §2, §7.2). Groups arrive as ``rollout_api.records`` (decoded and validated once,
+where they were pulled). ``select_groups`` is the one place that decides which pulled groups are
+trained: a group the pull refused (``InvalidGroup``: token or routing ids out of range, routing
+that does not decode, per-token fields that do not line up) is rejected (logged); a group already
+trained (its name, ``Group.key``, is among the recent ones: a server re-delivers a group whose
+acknowledgement it did not get) is a duplicate; a group holding a token older than
+``min_version`` (weights this trainer never published, e.g. a server's
 random initial weights) is always dropped; a group whose oldest token lags more than
 ``max_staleness`` versions is dropped or kept by ``stale_policy``. Every case is counted, and the
 counts travel with the kept groups (``Selection``) into the batch's ``BatchStats``.
@@ -17,7 +18,11 @@ padding with an all-zero loss mask) and a time axis bucketed by length (``bucket
 smallest of ``length_bucket · 2^k`` (k ≥ 0) and the capacity ``seq_len`` (longest prompt + longest
 completion) that holds the batch's longest row, so the jitted step compiles once per bucket, a
 handful of shapes. ``BatchStats.pad_frac`` is the fraction of the batch's token slots that are
-padding after bucketing.
+padding after bucketing. ``empty_batch`` is the all-padding batch of a bucket: its shapes and
+dtypes, from the spec and the bucket alone.
+
+Lags are built once, as the flat vector of the trained completion tokens in row-major order
+(``BatchStats.lags``); nothing builds them as [R, T].
 
 Alignment follows ``sat_jax.train_step``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
@@ -32,20 +37,13 @@ from collections.abc import Collection, Sequence
 
 import numpy as np
 
-from rollout_api.proto import rollout_pb2
-from rollout_api.routing_codec import decode_routing
-from sat_jax.objectives.advantages import group_advantages
+from rollout_api.records import Group, GroupLimits, InvalidGroup, Trajectory
 from sat_jax.train_step import TrainBatch
 
 log = logging.getLogger("train")
 
 # Lag histogram bins 0, 1, ..., LAG_BINS - 2 and a last bin for everything older.
 LAG_BINS = 9
-
-
-def group_key(group: rollout_pb2.Group) -> str:
-    """The name of a pulled group, unique across servers and their restarts: server id/group id."""
-    return f"{group.server_id}/{group.group_id}"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,6 +83,13 @@ class BatchSpec:
     def rows(self) -> int:
         return self.batch_groups * self.group_size
 
+    @property
+    def limits(self) -> GroupLimits:
+        """What a pulled group must fit (checked where it is pulled, ``ServerPool.pull``)."""
+        return GroupLimits(
+            vocab_size=self.vocab_size, num_experts=self.num_experts, routing_lk=self.routing_lk
+        )
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Selection:
@@ -96,16 +101,16 @@ class Selection:
       stale_dropped: groups dropped for staleness (incl. tokens older than ``min_version``).
       stale_kept: kept groups over ``max_staleness`` (the "keep" policy).
       duplicates: groups skipped because they (or their prompt id) were trained recently.
-      invalid: groups rejected for token or routing ids out of range.
+      invalid: groups the pull refused (``InvalidGroup``).
       pulled: every pulled group (to acknowledge once the batch is trained).
     """
 
-    kept: tuple[rollout_pb2.Group, ...]
+    kept: tuple[Group, ...]
     stale_dropped: int
     stale_kept: int
     duplicates: int
     invalid: int = 0
-    pulled: tuple[rollout_pb2.Group, ...] = ()
+    pulled: tuple[Group | InvalidGroup, ...] = ()
 
     @classmethod
     def empty(cls) -> Selection:
@@ -131,11 +136,12 @@ class BatchStats:
         pulled for it.
       reward_mean, response_len_mean: over the trained trajectories (0 when none).
       tokens: trained completion tokens; prompt_ids: the trained groups' stable prompt ids;
-        group_keys: their ``group_key``s.
+        group_keys: their ``Group.key``s.
       pad_frac: padded token slots over all token slots [R, T] of the batch (T after
         bucketing; rows of dropped groups are padding too).
-      lags: int64 [tokens], the lag of every trained completion token (``token_lags``); the
-        histogram, mean and max below derive from it.
+      lags: int64 [tokens], the lag of every trained completion token, in row-major order (the
+        order of ``batch.loss_mask > 0``), built once by ``assemble_batch``; the histogram, mean
+        and max below derive from it.
     """
 
     groups: int
@@ -180,14 +186,8 @@ class BatchStats:
         )
 
 
-def token_lags(lag_bt: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-    """int64 [N] lags of the trained tokens, in row-major order, from per-token lags [R, T] and the
-    loss mask [R, T]; the one place ``BatchStats.lags`` comes from."""
-    return np.asarray(lag_bt)[np.asarray(loss_mask) > 0].astype(np.int64)
-
-
 def select_groups(
-    groups: Sequence[rollout_pb2.Group],
+    groups: Sequence[Group | InvalidGroup],
     spec: BatchSpec,
     *,
     trainer_version: int,
@@ -198,23 +198,27 @@ def select_groups(
     groups; the only place either runs (docs/DESIGN.md §7.1, step 2).
 
     Args:
-      groups: pulled groups.
+      groups: pulled groups (``ServerPool.pull``'s records).
       spec: ``max_staleness`` and ``stale_policy``.
       trainer_version: version of the weights being trained.
       min_version: groups with a token of an older version are dropped.
-      seen_groups: ``group_key``s of recently trained groups; those are skipped as duplicates.
-        Only the group's name counts: a prompt trained recently may come again (a dataset
-        smaller than the run is repeated), as a new group.
+      seen_groups: ``Group.key``s of recently trained groups; those are skipped as duplicates,
+        and so is a group whose key came earlier in ``groups``. Only the group's name counts: a
+        prompt trained recently may come again (a dataset smaller than the run is repeated), as
+        a new group.
     """
     kept, dropped, stale_kept, duplicates, invalid = [], 0, 0, 0, 0
+    seen = set(seen_groups)
     for group in groups:
-        # A group without completion tokens has lag 0.
-        oldest = min((v for t in group.trajectories for v in t.versions), default=None)
-        problem = out_of_range(group, spec)
-        if problem is not None:
+        key = group.key
+        if isinstance(group, InvalidGroup):
             invalid += 1
-            log.warning("rejecting group %s from the server: %s", group_key(group), problem)
-        elif group_key(group) in seen_groups:
+            log.warning("rejecting group %s from the server: %s", key, group.problem)
+            seen.add(key)
+            continue
+        # A group without completion tokens has lag 0.
+        oldest = _oldest_version(group)
+        if key in seen:
             duplicates += 1
         elif oldest is not None and oldest < min_version:
             dropped += 1
@@ -226,6 +230,7 @@ def select_groups(
                 stale_kept += 1
         else:
             kept.append(group)
+        seen.add(key)
     return Selection(
         kept=tuple(kept),
         stale_dropped=dropped,
@@ -236,22 +241,9 @@ def select_groups(
     )
 
 
-def out_of_range(group: rollout_pb2.Group, spec: BatchSpec) -> str | None:
-    """What is out of range in `group` (a token id outside the vocabulary, a routing id outside
-    the experts, routing that cannot be decoded), or None."""
-    for traj in group.trajectories:
-        ids = np.asarray([*traj.prompt_ids, *traj.completion_ids], np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= spec.vocab_size):
-            return f"a token id outside [0, {spec.vocab_size})"
-        if spec.routing_lk is None:
-            continue
-        try:
-            routing = decode_routing(traj.routing)
-        except ValueError as e:
-            return f"unreadable routing ({e})"
-        if routing.size and routing.max() >= spec.num_experts:
-            return f"a routing id outside [0, {spec.num_experts})"
-    return None
+def _oldest_version(group: Group) -> int | None:
+    """The oldest weights version of the group's completion tokens (None: it has none)."""
+    return min((int(t.versions.min()) for t in group.trajectories if t.versions.size), default=None)
 
 
 def bucket_length(longest: int, spec: BatchSpec) -> int:
@@ -267,7 +259,7 @@ def bucket_length(longest: int, spec: BatchSpec) -> int:
 
 
 def assemble_batch(
-    selection: Selection, spec: BatchSpec, *, trainer_version: int, min_length: int = 0
+    selection: Selection, spec: BatchSpec, *, trainer_version: int
 ) -> tuple[TrainBatch, BatchStats]:
     """Builds the padded ``TrainBatch`` (NumPy arrays) of the selected groups and its stats
     (docs/DESIGN.md §7.1, step 3).
@@ -277,34 +269,28 @@ def assemble_batch(
         ``spec.group_size`` trajectories.
       spec: the batch shape.
       trainer_version: version of the weights being trained (for the lags).
-      min_length: the time axis holds at least this many positions (a process that receives a
-        broadcast batch builds an empty one of the sender's length with it).
 
     Returns:
       ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
-      loss_mask / behavior_logp / advantages [R, T] float32, routing [R, T, L, K] (when
-      ``spec.routing_lk``); rows past the kept trajectories are padding (mask 0). ``stats`` carries the selection's counts.
+      loss_mask / behavior_logp [R, T] float32, rewards [R] float32 and group_ids [R] int32 (the
+      group's index in the batch; -1 on padding rows), from which the train step computes the
+      advantages, routing [R, T, L, K] (when ``spec.routing_lk``); rows past the kept
+      trajectories are padding (mask 0). ``stats``
+      carries the selection's counts and the lags of the trained tokens.
 
     Raises:
-      ValueError: too many groups, a group of the wrong size, or a trajectory longer than
-        ``seq_len`` or with mismatched per-token fields.
+      ValueError: too many groups, a group of the wrong size, a trajectory longer than
+        ``seq_len``, or a routing that does not fit ``spec.routing_lk``.
     """
     kept = selection.kept
     if len(kept) > spec.batch_groups:
         raise ValueError(f"{len(kept)} groups for a batch of {spec.batch_groups}")
-    row_tokens = [len(t.prompt_ids) + len(t.completion_ids) for g in kept for t in g.trajectories]
-    R, T = spec.rows, bucket_length(max([min_length, *row_tokens]), spec)
-    tokens = np.zeros((R, T), np.int32)
-    mask = np.zeros((R, T), np.float32)
-    behavior = np.zeros((R, T), np.float32)
-    lag_bt = np.zeros((R, T), np.int64)
-    routing = None
-    if spec.routing_lk is not None:
-        L, K = spec.routing_lk
-        # Padding positions replay a valid, duplicate-free expert set; they are masked anyway.
-        routing = np.broadcast_to(np.arange(K, dtype=np.uint16), (R, T, L, K)).copy()
+    row_tokens = [t.num_tokens for g in kept for t in g.trajectories]
+    R, T = spec.rows, bucket_length(max(row_tokens, default=0), spec)
+    tokens, mask, behavior, routing = _padding(spec, T)
+    lags: list[np.ndarray] = []  # per row, in row order: the flat lags of the trained tokens
     rewards = np.zeros(R, np.float32)
-    group_ids = np.zeros(R, np.int32)
+    group_ids = np.full(R, -1, np.int32)
     active = np.zeros(R, bool)
     lengths = []
     for g, group in enumerate(kept):
@@ -315,14 +301,16 @@ def assemble_batch(
             )
         for i, traj in enumerate(group.trajectories):
             row = g * spec.group_size + i
-            _fill_row(row, traj, spec, tokens, mask, behavior, lag_bt, routing, trainer_version)
+            _fill_row(row, traj, spec, tokens, mask, behavior, routing)
+            lags.append(trainer_version - traj.versions)
             rewards[row], group_ids[row], active[row] = traj.reward, g, True
             lengths.append(len(traj.completion_ids))
     batch = TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=behavior,
-        advantages=_advantages(rewards, group_ids, active, spec)[:, None] * mask,
+        rewards=rewards,
+        group_ids=group_ids,
         routing=None if routing is None else routing.astype(spec.routing_dtype),
     )
     stats = BatchStats(
@@ -335,56 +323,66 @@ def assemble_batch(
         response_len_mean=float(np.mean(lengths)) if lengths else 0.0,
         tokens=int(mask.sum()),
         prompt_ids=tuple(g.prompt_id for g in kept),
-        group_keys=tuple(group_key(g) for g in kept),
+        group_keys=tuple(g.key for g in kept),
         pad_frac=1.0 - sum(row_tokens) / (R * T),
-        lags=token_lags(lag_bt, mask),
+        lags=np.concatenate(lags) if lags else np.zeros(0, np.int64),
     )
     return batch, stats
 
 
-def _advantages(
-    rewards: np.ndarray, group_ids: np.ndarray, active: np.ndarray, spec: BatchSpec
-) -> np.ndarray:
-    """float32 [R] group-relative advantage of each row (0 on padding rows)."""
-    per_row = group_advantages(
-        rewards,
-        group_ids,
-        num_groups=spec.batch_groups,
-        estimator=spec.estimator,
-        normalize_std=spec.normalize_std,
-        where=active,
+def empty_batch(spec: BatchSpec, length: int) -> TrainBatch:
+    """The all-padding batch of ``spec`` with ``length`` positions: the shapes and dtypes of every
+    batch ``assemble_batch`` builds in that length bucket (what a process that receives a
+    broadcast batch fills, docs/DESIGN.md §7.3)."""
+    tokens, mask, behavior, routing = _padding(spec, length)
+    return TrainBatch(
+        tokens=tokens,
+        loss_mask=mask,
+        behavior_logp=behavior,
+        rewards=np.zeros(spec.rows, np.float32),
+        group_ids=np.full(spec.rows, -1, np.int32),
+        routing=routing,
     )
-    return np.asarray(per_row, np.float32)
+
+
+def _padding(
+    spec: BatchSpec, length: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """All-padding per-token arrays [R, ``length``]: tokens (int32), loss mask and behavior
+    log-probs (float32), routing [R, T, L, K] of ``spec.routing_dtype`` (None without routing)."""
+    R, T = spec.rows, length
+    routing = None
+    if spec.routing_lk is not None:
+        L, K = spec.routing_lk
+        # Padding positions replay a valid, duplicate-free expert set; they are masked anyway.
+        ids = np.arange(K, dtype=spec.routing_dtype)
+        routing = np.broadcast_to(ids, (R, T, L, K)).copy()
+    zeros = np.zeros((R, T), np.float32)
+    return np.zeros((R, T), np.int32), zeros, zeros.copy(), routing
 
 
 def _fill_row(
     row: int,
-    traj: rollout_pb2.Trajectory,
+    traj: Trajectory,
     spec: BatchSpec,
     tokens: np.ndarray,
     mask: np.ndarray,
     behavior: np.ndarray,
-    lag_bt: np.ndarray,
     routing: np.ndarray | None,
-    trainer_version: int,
 ) -> None:
+    """Writes one trajectory into row ``row`` (its per-token fields line up: it is a record)."""
     p, c = len(traj.prompt_ids), len(traj.completion_ids)
     if p + c > spec.seq_len:
         raise ValueError(f"trajectory of {p} + {c} tokens exceeds seq_len {spec.seq_len}")
-    if len(traj.behavior_logprobs) != c or len(traj.versions) != c:
-        raise ValueError(
-            f"trajectory has {c} completion tokens but {len(traj.behavior_logprobs)} log-probs "
-            f"and {len(traj.versions)} versions"
-        )
     tokens[row, :p] = traj.prompt_ids
     tokens[row, p : p + c] = traj.completion_ids
     mask[row, p : p + c] = 1.0
     behavior[row, p : p + c] = traj.behavior_logprobs
-    lag_bt[row, p : p + c] = trainer_version - np.asarray(traj.versions, np.int64)
     if routing is not None:
-        ids = decode_routing(traj.routing)
-        if ids.shape[1:] != routing.shape[2:] or ids.shape[0] > routing.shape[1]:
+        ids = traj.routing
+        if ids is None or ids.shape[1:] != routing.shape[2:]:
             raise ValueError(
-                f"routing shape {ids.shape} does not fit [T, L, K] = {routing.shape[1:]}"
+                f"routing of shape {None if ids is None else ids.shape} does not fit "
+                f"[T, L, K] = {routing.shape[1:]}"
             )
         routing[row, : ids.shape[0]] = ids

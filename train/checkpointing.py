@@ -24,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from sat_jax import params_io
+from sat_jax.experiment import CheckpointConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState, train_state_shardings
@@ -42,7 +43,7 @@ class Progress:
       rng_key: ``jax.random.key_data`` of the loop's PRNG key.
       groups_trained, tokens_trained, stale_dropped, steps_skipped: running totals.
       recent_prompt_ids: the last ``RECENT_PROMPTS`` trained prompt ids, oldest first.
-      recent_group_keys: the last ``RECENT_PROMPTS`` trained groups' ``batching.group_key``s
+      recent_group_keys: the last ``RECENT_PROMPTS`` trained groups' ``Group.key``s
         (a server re-delivers a group whose acknowledgement a crash lost: it is skipped).
     """
 
@@ -132,6 +133,12 @@ class Checkpointer:
             ),
             item_names=("state", "progress"),
         )
+
+    @classmethod
+    def from_config(cls, cfg: CheckpointConfig, run_dir: str) -> Checkpointer:
+        """The checkpoints ``cfg`` configures (``cfg.train.checkpoints``): in
+        ``cfg.directory(run_dir)``, keeping ``cfg.keep_checkpoints``."""
+        return cls(cfg.directory(run_dir), keep=cfg.keep_checkpoints)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

@@ -15,19 +15,17 @@ is one line on stderr and exit code 2.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
-import sys
 from typing import Any
 
 from flax import nnx
 
+from sat_jax import cli as sat_cli
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import hf
 from sat_jax.model.config import runtime_overrides
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from sat_jax.tasks import Prompt
 from sat_jax.tasks.pipeline import read_prompts
@@ -66,7 +64,7 @@ def policy_params(
         return "hf", *hf.load_params(hf_dir, cfg.model, shardings)
     _, ckpt_dir, _ = setup.run_paths(cfg)
     try:
-        optimizer = make_optimizer(cfg.train)
+        optimizer = cfg.train.optimizer.make()
         step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
         return f"step-{step}", graphdef, params
     except checkpointing.CheckpointNotFound as e:
@@ -77,25 +75,21 @@ def policy_params(
 
 def cli(argv: list[str] | None = None) -> None:
     """``sat-eval --config CFG [key=value ...] [--step N | --hf DIR] --k K --problems N``."""
-    parser = argparse.ArgumentParser(prog="sat-eval", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML file of overrides (configs/NAME.yaml)")
+    command = sat_cli.Command("sat-eval", __doc__)
+    parser = command.parser
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     source.add_argument("--hf", help="a Hugging Face checkpoint directory to evaluate instead")
     parser.add_argument("--k", type=int, default=4, help="samples per problem")
     parser.add_argument("--problems", type=int, default=100, help="how many problems")
     parser.add_argument("--out", help="JSON file (default <run_dir>/eval/<step-N|hf>.json)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_intermixed_args(argv)
-    try:
+    args = command.parse(argv)
+    with command.exit_on(ConfigError, EvalInputError, OSError, ValueError):
         if args.k < 1 or args.problems < 1:
             raise EvalInputError(f"--k and --problems must be >= 1, got {args.k}, {args.problems}")
         cfg = load_config(args.config, args.overrides)
         label, graphdef, params = policy_params(cfg, step=args.step, hf_dir=args.hf)
         problems = problems_of(cfg, args.problems)
-    except (ConfigError, EvalInputError, OSError, ValueError) as e:
-        print(f"sat-eval: {e}", file=sys.stderr)
-        sys.exit(2)
     evaluator = evaluation.Evaluator.from_config(cfg, graphdef)
     result = evaluator.evaluate(params, problems, k=args.k)
     out = pathlib.Path(args.out or os.path.join(setup.run_paths(cfg)[0], "eval", f"{label}.json"))

@@ -14,14 +14,12 @@ with nothing written.
 
 from __future__ import annotations
 
-import argparse
 import os
 import pathlib
-import sys
 
+from sat_jax import cli as sat_cli
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config, make_tokenizer
 from sat_jax.model import hf_export
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from train import checkpointing, setup
 
@@ -60,7 +58,7 @@ def export_run(
     ):
         raise ExportError(f"task.tokenizer_path: no tokenizer files in {tokenizer_dir}")
     mesh = sharding.make_mesh(cfg.train.mesh)
-    optimizer = make_optimizer(cfg.train)
+    optimizer = cfg.train.optimizer.make()
     try:
         step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
     except checkpointing.CheckpointNotFound as e:
@@ -79,18 +77,13 @@ def export_run(
 
 def cli(argv: list[str] | None = None) -> None:
     """``sat-export --config CFG [key=value ...] --out DIR [--step N]``."""
-    parser = argparse.ArgumentParser(prog="sat-export", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML file of overrides (configs/NAME.yaml)")
-    parser.add_argument("--out", required=True, help="output directory (new or empty)")
-    parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_intermixed_args(argv)
-    try:
+    command = sat_cli.Command("sat-export", __doc__)
+    command.parser.add_argument("--out", required=True, help="output directory (new or empty)")
+    command.parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    args = command.parse(argv)
+    with command.exit_on(ConfigError, ExportError, OSError):
         cfg = load_config(args.config, args.overrides)
         step, out = export_run(cfg, args.out, step=args.step)
-    except (ConfigError, ExportError, OSError) as e:
-        print(f"sat-export: {e}", file=sys.stderr)
-        sys.exit(2)
     print(f"exported checkpoint {step} to {out}", flush=True)
 
 

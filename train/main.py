@@ -47,24 +47,24 @@ checkpointed and skipped).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
-from sat_jax.optimizer import make_optimizer
+from sat_jax import cli as sat_cli
+from sat_jax.experiment import ExperimentConfig
 from sat_jax.parallel import sharding
 from sat_jax.train_step import (
     TrainBatch,
@@ -172,16 +172,20 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
     module docstring)."""
     t = cfg.train
     lead = jax.process_index() == 0  # talks to the servers, writes metrics and weights
-    run_dir, ckpt_dir, weights_dir = setup.run_paths(cfg)
+    run_dir, _, weights_dir = setup.run_paths(cfg)
     with contextlib.ExitStack() as stack:
         # A local server starts first: its start-up overlaps the warm-up and the first evaluation.
         server = None
-        if lead and not t.servers:
+        if lead and not t.servers and not t.servers_file:
             server = stack.enter_context(start_local_server(cfg, config_path, overrides, run_dir))
         mesh = sharding.make_mesh(t.mesh)
-        optimizer = make_optimizer(t)
+        optimizer = t.optimizer.make()
         graphdef, params = setup.base_policy(cfg, mesh)
-        ckpt = stack.enter_context(checkpointing.Checkpointer(ckpt_dir, keep=t.keep_checkpoints))
+        # The KL penalty's reference is the base policy. The step donates the train state, whose
+        # params may share these buffers (device_put to the same sharding does not copy), so the
+        # reference keeps its own copy.
+        ref_params = jax.tree.map(jnp.copy, params) if t.loss.kl_coef > 0 else None
+        ckpt = stack.enter_context(checkpointing.Checkpointer.from_config(t.checkpoints, run_dir))
         state, progress = start_or_resume(cfg, ckpt, optimizer, mesh, params)
         writer = stack.enter_context(open_writer(cfg, run_dir)) if lead else None
         acc_before = evaluate_and_log(cfg, graphdef, state, writer, "before")
@@ -192,15 +196,13 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         push = lambda version, p: weight_sync.push_weights(pool, p, version, weights_dir)
         single = jax.process_count() == 1
         pusher = stack.enter_context(weight_sync.WeightPusher(push, supersede=single))
-        step_fn, ref_logp_fn = make_step_fns(cfg, optimizer, mesh, graphdef, params)
         parts = LoopParts(
             pool=pool,
             pusher=pusher,
             ckpt=ckpt,
             writer=writer,
             graphdef=graphdef,
-            step_fn=step_fn,
-            ref_logp_fn=ref_logp_fn,
+            step_fn=make_step_fn(cfg, optimizer, mesh, ref_params),
             mesh=mesh,
             spec=setup.batch_spec(cfg),
         )
@@ -246,30 +248,30 @@ def open_writer(cfg: ExperimentConfig, run_dir: str) -> metrics.MetricsWriter:
     )
 
 
-def make_step_fns(
+def make_step_fn(
     cfg: ExperimentConfig,
     optimizer: optax.GradientTransformation,
     mesh: jax.sharding.Mesh,
-    graphdef: nnx.GraphDef,
-    ref_params: Any,
-) -> tuple[Callable, Callable[[np.ndarray], np.ndarray] | None]:
-    """The jitted train step and, when the loss has a KL penalty, the reference policy's (the base
-    policy's) log-probs; both renormalize over the ids the servers sample from."""
-    vocab_mask = setup.sampleable_mask(cfg)
-    temperature = cfg.rollout.temperature
+    ref_params: Any = None,
+) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]:
+    """The jitted train step, ``step(state, batch)``: advantages from the batch's rewards and
+    group ids, and, with ``ref_params`` (the KL penalty's reference policy), their log-probs, all
+    inside the step; log-probs renormalize over the ids the servers sample from."""
     step_fn = make_train_step(
         cfg.model,
         optimizer,
         cfg.train.loss,
         mesh,
         routing_replay=cfg.train.routing_replay,
-        temperature=temperature,
-        vocab_mask=vocab_mask,
+        temperature=cfg.rollout.temperature,
+        vocab_mask=setup.sampleable_mask(cfg),
         microbatches=cfg.train.microbatches,
+        estimator=cfg.train.advantage_estimator,
+        normalize_std=cfg.train.normalize_std,
     )
-    if cfg.train.loss.kl_coef <= 0:
-        return step_fn, None
-    return step_fn, setup.make_ref_logp(graphdef, ref_params, mesh, temperature, vocab_mask)
+    if ref_params is None:
+        return step_fn
+    return functools.partial(step_fn, ref_params=ref_params)
 
 
 def evaluate_and_log(
@@ -302,7 +304,6 @@ class LoopParts:
     writer: metrics.MetricsWriter | None
     graphdef: nnx.GraphDef
     step_fn: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]
-    ref_logp_fn: Callable[[np.ndarray], np.ndarray] | None
     mesh: jax.sharding.Mesh
     spec: batching.BatchSpec
 
@@ -333,8 +334,6 @@ def train_loop(
         )
         got_batch = time.monotonic()
         batch, stats = pulled.batch, pulled.stats
-        if parts.ref_logp_fn is not None:
-            batch = batch.replace(ref_logp=parts.ref_logp_fn(batch.tokens))
         # The step is deterministic; the key is split per step and checkpointed so that a
         # stochastic phase (e.g. subsampling a batch) would resume reproducibly.
         rng, _ = jax.random.split(rng)
@@ -361,6 +360,7 @@ def train_loop(
             }
             scalars = {**step_metrics, **loop_scalars(stats, progress), **timing}
             scalars.update(parts.pusher.metrics() if parts.pusher else {}, accuracy=accuracy)
+            scalars.update(parts.pool.metrics() if parts.pool else {})
             parts.writer.write(step, scalars, stats)
     if parts.pusher is not None:
         parts.pusher.wait()
@@ -421,21 +421,10 @@ def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -
 
 def cli(argv: list[str] | None = None) -> None:
     """``sat-train --config FILE [key=value ...]``; a bad config exits with code 2 and one line."""
-    parser = argparse.ArgumentParser(prog="sat-train", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="YAML file of overrides (configs/NAME.yaml)")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    args = parser.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"sat-train: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    logging.basicConfig(
-        level=logging.WARNING,
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    log.setLevel(logging.INFO)
+    command = sat_cli.Command("sat-train", __doc__)
+    args = command.parse(argv)
+    cfg = command.load_config(args)
+    sat_cli.log_to_stderr("train")
     result = run(cfg, args.config, args.overrides)
     print(
         f"done: {result.steps} steps, weights version {result.version}, "

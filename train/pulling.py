@@ -2,11 +2,15 @@
 pass the staleness policy, assemble them, and, with several JAX processes, broadcast the batch from
 process 0 (the only one that talks to the servers) to every process.
 
+Pulled groups are ``rollout_api.records`` (``ServerPool.pull`` decodes and validates them once),
+tracked by their ``key``.
+
 Broadcast (``broadcast_pulled``, docs/DESIGN.md §7.1 step 4, §7.3): the batch's length bucket T
-first, then the batch's arrays and the per-token lags [R, T] as one pytree of arrays of that shape
-(``multihost_utils.broadcast_one_to_all``); the rest of the ``BatchStats`` as its JSON
-(``BatchStats.to_json``), padded to a power of two so that only a few shapes ever compile. Every
-process then holds the same ``PulledBatch``.
+first; the other processes fill ``batching.empty_batch`` of that bucket (shapes from the spec and
+T alone), and the batch's arrays and the flat lags of its trained tokens, padded to R · T, travel
+as one pytree (``multihost_utils.broadcast_one_to_all``); the rest of the ``BatchStats`` as its
+JSON (``BatchStats.to_json``), padded to a power of two so that only a few shapes ever compile.
+Every process then holds the same ``PulledBatch``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from rollout_api.records import Group, InvalidGroup
 from sat_jax.train_step import TrainBatch
 from train import batching, checkpointing
 from train.remote import ServerPool
@@ -42,7 +47,7 @@ class PulledBatch:
 
     batch: TrainBatch
     stats: batching.BatchStats
-    pulled: tuple = ()
+    pulled: tuple[Group | InvalidGroup, ...] = ()
 
 
 def pull_batch(
@@ -70,7 +75,7 @@ def pull_batch(
     selection = batching.Selection.empty()
     last_group = time.monotonic()
     while len(selection.kept) < spec.batch_groups:
-        pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s)
+        pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s, limits=spec.limits)
         chosen = batching.select_groups(
             pulled,
             spec,
@@ -82,10 +87,10 @@ def pull_batch(
         # (with the next Pull): a leased group holds a place in the server's admission budget,
         # so holding these until the step would starve the batch of the groups it waits for, and
         # a rejected one leaves the budget, so the server generates a replacement.
-        kept = {id(g) for g in chosen.kept}
-        pool.ack([g for g in pulled if id(g) not in kept], rejected=True)
+        kept = {g.key for g in chosen.kept}
+        pool.ack([g for g in pulled if g.key not in kept], rejected=True)
         selection += chosen
-        seen_groups.update(batching.group_key(g) for g in pulled)  # a re-delivery in this batch
+        seen_groups.update(g.key for g in pulled)  # a re-delivery in this batch
         if pulled:
             last_group = time.monotonic()
             continue
@@ -141,20 +146,19 @@ def broadcast_pulled(pulled: PulledBatch | None, spec: batching.BatchSpec) -> Pu
     source = jax.process_index() == 0
     length = pulled.batch.tokens.shape[1] if source else 0
     length = int(multihost_utils.broadcast_one_to_all(np.int32(length), is_source=source))
+    # The lags ride at a fixed size per bucket (R · T ≥ the trained tokens), as int32 (JAX's
+    # default integer width); the first `tokens` of them are the batch's.
+    lags = np.zeros(spec.rows * length, np.int32)
     if source:
         batch, blob = pulled.batch, pulled.stats.to_json()
-    else:  # shapes and dtypes only: an empty batch of the same spec and length bucket
-        batch, _ = batching.assemble_batch(
-            batching.Selection.empty(), spec, trainer_version=0, min_length=length
-        )
-        blob = b""
-    lag_bt = np.zeros(batch.tokens.shape, np.int32)
-    if source:  # the inverse of batching.token_lags
-        lag_bt[batch.loss_mask > 0] = pulled.stats.lags
-    batch, lag_bt = multihost_utils.broadcast_one_to_all((batch, lag_bt), is_source=source)
+        lags[: pulled.stats.lags.size] = pulled.stats.lags
+    else:
+        batch, blob = batching.empty_batch(spec, length), b""
+    batch, lags = multihost_utils.broadcast_one_to_all((batch, lags), is_source=source)
+    tokens = int(np.count_nonzero(np.asarray(batch.loss_mask)))
     stats = batching.BatchStats.from_json(
         broadcast_bytes(blob, is_source=source),
-        lags=batching.token_lags(lag_bt, batch.loss_mask),
+        lags=np.asarray(lags)[:tokens].astype(np.int64),
     )
     return PulledBatch(batch=batch, stats=stats)
 

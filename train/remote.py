@@ -1,30 +1,43 @@
-"""The trainer's side of the rollout servers (docs/DESIGN.md §6.2 protocol; §7.1 steps 1
-and 6, pull and push): pulling groups and pushing weights over gRPC.
+"""The trainer's side of the rollout servers (docs/DESIGN.md §6.2 protocol; §6.5 the fleet; §7.1
+steps 1 and 6, pull and push): pulling groups and pushing weights over gRPC.
 
-Knows the servers only through the generated proto client. Every RPC goes through one retry loop
-(``ServerPool._call``): a server that does not answer is retried with exponential backoff (capped
-at ``retry_max_s``) and a log line per failure; the pool gives up when the servers have failed
-without a single answer for ``server_wait_s``. A reply or request over the gRPC message limit
-(``server.max_message_bytes``) is not retried: it would fail the same way every time.
+Knows the servers only through the generated proto client. The fleet is elastic (docs/DESIGN.md
+§6.5): each server is *up* (pulled in turn, pushed to) or *down*. A server whose calls keep
+failing for ``grace_s`` (or whose weight push fails: it missed a version) leaves the rotation and
+the push set with one log line, and the run goes on with the others; a down server is probed
+(Health) with exponential backoff capped at ``retry_max_s``, and when it answers it first gets the
+current weights (the last pushed version, with a new admission epoch) and then rejoins, with one
+log line. ``update_weights`` never waits for a down server. Servers listed in ``servers_file``
+(re-read every few seconds) join the same way, and leave when their line goes. The pool gives up
+(``ServersDownError``) only when no server has answered for ``server_wait_s``. Each push tells
+every server its share of the fleet's admission budget (1/k with k servers up), so k servers run
+ahead by what one would alone (docs/DESIGN.md §6.3). A reply or request over the gRPC message
+limit (``server.max_message_bytes``) is not retried: it would fail the same way every time.
+
+A Pull's groups are decoded and validated here, once (``rollout_api.records.decode_pulled``):
+the pool hands out ``Group`` records, and an ``InvalidGroup`` for each group that does not fit
+the trainer's model, which the trainer counts and rejects.
 
 Every call carries the shared token as gRPC metadata (``authorization: Bearer <token>``) and the
 run id; with a CA (``train.tls_ca``) the channels are TLS. Pulled groups are leased by their
 server until acknowledged (docs/DESIGN.md §6.2): ``ack`` queues their ids, which ride on the next
-Pull to the same server; ``flush_acks`` sends the rest with the Ack RPC.
+Pull to the same server (for a down server, once it is back; dropped if it comes back as another
+server, a new ``server_id``); ``flush_acks`` sends the rest with the Ack RPC.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
 import grpc
-from google.protobuf.message import Message
 
 from rollout_api.client import bearer_metadata, connect
 from rollout_api.proto import rollout_pb2
-from train.batching import group_key
+from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
 
 log = logging.getLogger("train")
 
@@ -41,6 +54,10 @@ _TOO_LARGE = "larger than max"
 _PULL_SLACK_S = 30.0
 _UPDATE_WEIGHTS_S = 120.0
 _HEALTH_S = 10.0
+_PROBE_S = 5.0  # deadline of a probe of a down server
+_FIRST_BACKOFF_S = 0.5
+_FILE_POLL_S = 3.0  # how often servers_file is re-read
+_MAINTAIN_S = 0.2  # the background thread's turn
 
 
 class ServersDownError(RuntimeError):
@@ -51,21 +68,52 @@ class MessageTooLargeError(RuntimeError):
     """A request or reply exceeded the gRPC message limit (``server.max_message_bytes``)."""
 
 
+@dataclasses.dataclass(eq=False)
+class _Server:
+    """One rollout server as the pool sees it (mutable; guarded by the pool's lock)."""
+
+    address: str
+    index: int  # stable for the pool's life: its metric is pulled_<index>
+    channel: grpc.Channel
+    stub: object
+    from_file: bool = False
+    up: bool = True
+    failing_since: float | None = None  # first failure of the current streak, while up
+    next_probe: float = 0.0
+    backoff: float = _FIRST_BACKOFF_S
+    reason: str = ""  # why it is down (logged when it changes)
+    server_id: str = ""
+    pulled: int = 0
+    # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
+    acks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    rejects: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+
+
 class ServerPool:
-    """One or more rollout servers, pulled from in turn.
+    """Rollout servers, pulled from in turn, each up or down (see the module docstring).
 
     Args:
-      addresses: "host:port" of each server.
+      addresses: "host:port" of each server (may be empty with a ``servers_file``).
       token: the shared token every call carries ("" = none).
       run_id: this trainer run's id (stable across its restarts; the servers let only the
         attached run start an admission epoch).
       root_certificates: PEM CA certificates: connect over TLS (None = plaintext).
       max_message_bytes: the gRPC message limit both ways (``server.max_message_bytes``).
-      retry_max_s: the longest wait between retries of a down server.
-      server_wait_s: how long one call may keep failing (no server answering) before
-        ``ServersDownError``; counted from its first failure, not from the last answer.
-      on_retry: called before each retry; may raise to stop waiting (e.g. when a local server
-        process has exited).
+      retry_max_s: the longest wait between retries, and between probes of a down server.
+      server_wait_s: how long no server may answer (counted from the first failure after the last
+        answer) before ``ServersDownError``.
+      grace_s: how long a server's calls may keep failing before it leaves the rotation.
+      servers_file: a file of "host:port" lines, re-read every few seconds: new lines join, removed
+        ones leave ("" = none).
+      background: probe down servers and re-read ``servers_file`` on a thread of the pool's own
+        (the trainer), so a rejoining server's weight load never holds a Pull; False: ``pull``
+        does it when due (``maintain``), on the caller's thread (tests, with a fake clock).
+      on_retry: called after a failed call or probe; may raise to stop (e.g. when a local server
+        process has exited for good).
+      clock: the monotonic clock, in seconds, of grace, backoff and ``server_wait_s``.
+      sleep: waits between retries (tests pass a fake clock's, so retries take no time).
+      connect: opens a server's (channel, stub) from its address, the message limit and the
+        certificates (``rollout_api.client.connect``; tests pass fakes).
     """
 
     def __init__(
@@ -78,32 +126,64 @@ class ServerPool:
         max_message_bytes: int,
         retry_max_s: float,
         server_wait_s: float,
+        grace_s: float = 5.0,
+        servers_file: str = "",
+        background: bool = False,
         on_retry: Callable[[], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], None] = time.sleep,
+        connect: Callable[..., tuple[grpc.Channel, object]] = connect,
     ):
-        if not addresses:
-            raise ValueError("ServerPool needs at least one address")
-        self.addresses = tuple(addresses)
+        if not addresses and not servers_file:
+            raise ValueError("ServerPool needs at least one address or a servers_file")
         self._token = token
         self._metadata = bearer_metadata(token)
         self._run_id = run_id
+        self._certificates = root_certificates
         self._max_message_bytes = max_message_bytes
         self._retry_max_s = retry_max_s
         self._server_wait_s = server_wait_s
+        self._grace_s = grace_s
+        self._servers_file = servers_file
         self._on_retry = on_retry
-        self._conns = [
-            connect(a, max_message_bytes, root_certificates=root_certificates)
-            for a in self.addresses
-        ]
+        self._retry_lock = threading.Lock()
+        self._clock, self._sleep = clock, sleep
+        self._connect = connect
+        self._lock = threading.RLock()
+        self._servers: list[_Server] = []
+        self._count = 0  # servers ever added: the next index
+        for address in addresses:
+            self._add(address, up=True)
         self._next = 0
-        self._origin: dict[str, int] = {}  # group key -> the server it came from, until acked
-        # Per server, not yet sent: ids to acknowledge, and to acknowledge as rejected.
-        self._acks: list[list[int]] = [[] for _ in self.addresses]
-        self._rejects: list[list[int]] = [[] for _ in self.addresses]
+        self._origin: dict[str, _Server] = {}  # group key -> the server it came from, until acked
+        self._weights: tuple[int, str] | None = None  # the last pushed (version, path)
+        self._failing_since: float | None = None  # no server has answered since
+        self._file_read_at: float | None = None
+        self._file_error = ""
+        self._error: BaseException | None = None  # raised by the background thread
+        self._closed = threading.Event()
+        self._thread = None
+        if servers_file:
+            self._read_servers_file()
+        if background:
+            self._thread = threading.Thread(target=self._run, name="server-pool", daemon=True)
+            self._thread.start()
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Every server's address, up or down."""
+        with self._lock:
+            return tuple(s.address for s in self._servers)
 
     def close(self) -> None:
-        """Closes the channels (call ``flush_acks`` first to send pending acknowledgements)."""
-        for channel, _ in self._conns:
-            channel.close()
+        """Stops the background thread and closes the channels (call ``flush_acks`` first to
+        send pending acknowledgements)."""
+        self._closed.set()
+        if self._thread is not None:
+            self._thread.join(timeout=_PROBE_S + 5)
+        with self._lock:
+            for s in self._servers:
+                s.channel.close()
 
     def __enter__(self) -> ServerPool:
         return self
@@ -111,57 +191,126 @@ class ServerPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
-        """Up to ``max_groups`` groups from the next server that answers (possibly none).
+    # Pulling and acknowledging.
+
+    def pull(
+        self, max_groups: int, timeout_s: float, *, limits: GroupLimits | None = None
+    ) -> list[Group | InvalidGroup]:
+        """Up to ``max_groups`` groups from the next server up that answers (possibly none),
+        decoded and validated against ``limits``.
+
+        Args:
+          max_groups: the most groups to take.
+          timeout_s: how long the server may wait for a first group.
+          limits: the trainer's model (vocabulary, experts, routing (L, K)); None = check only
+            that each group is well formed.
+
+        Returns:
+          The groups in the server's order: a ``Group`` record for each valid one, an
+          ``InvalidGroup`` (what is wrong) for each other one.
 
         Raises:
-          ServersDownError, MessageTooLargeError, grpc.RpcError: as in ``_call``.
+          ServersDownError: no server answered for ``server_wait_s``.
+          MessageTooLargeError: the request or the reply is over ``max_message_bytes``.
+          grpc.RpcError: a non-transient error (the server refused the request).
         """
-        # With several servers, a short wait on each keeps one slow server from stalling us.
-        wait = timeout_s if len(self._conns) == 1 else min(timeout_s, 1.0)
-        sent: dict[int, tuple[list[int], list[int]]] = {}
-
-        def request(i: int) -> rollout_pb2.PullRequest:
-            sent[i] = list(self._acks[i]), list(self._rejects[i])
-            return rollout_pb2.PullRequest(
+        backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
+        failed: set[int] = set()
+        while True:
+            self._raise_background_error()
+            if self._thread is None:
+                self.maintain()
+            with self._lock:
+                up = [s for s in self._servers if s.up]
+                server = self._next_up(up)
+            if server is None:
+                self._wait_for_a_server()
+                continue
+            # With several servers, a short wait on each keeps one slow server from stalling us.
+            wait = timeout_s if len(up) == 1 else min(timeout_s, 1.0)
+            with self._lock:
+                acks = self._pending(server, server.acks)
+                rejects = self._pending(server, server.rejects)
+            request = rollout_pb2.PullRequest(
                 max_groups=max_groups,
                 timeout_s=wait,
-                ack_group_ids=sent[i][0],
-                reject_group_ids=sent[i][1],
+                ack_group_ids=[i for _, i in acks],
+                reject_group_ids=[i for _, i in rejects],
                 run_id=self._run_id,
             )
+            started = self._clock()
+            try:
+                response = server.stub.Pull(
+                    request, timeout=wait + _PULL_SLACK_S, metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                self._raise_unless_transient(server, "Pull", e)
+                self._failed(server, f"Pull: {e.code().name}", started)
+                failed.add(server.index)
+                if failed >= {s.index for s in up}:  # every server up failed: wait a little
+                    self._check_servers_down()
+                    self._sleep(backoff)
+                    backoff = min(2 * backoff, self._retry_max_s)
+                    failed.clear()
+                continue
+            pulled = decode_pulled(response.groups, limits)
+            with self._lock:
+                self._answered(server)
+                sent_acks, sent_rejects = set(acks), set(rejects)  # delivered with the Pull
+                server.acks = [a for a in server.acks if a not in sent_acks]
+                server.rejects = [r for r in server.rejects if r not in sent_rejects]
+                for g in pulled:
+                    self._origin[g.key] = server
+                    server.server_id = g.server_id or server.server_id
+                server.pulled += len(pulled)
+            return pulled
 
-        i, response = self._call("Pull", request, deadline_s=wait + _PULL_SLACK_S, server=None)
-        del self._acks[i][: len(sent[i][0])]  # delivered with the Pull
-        del self._rejects[i][: len(sent[i][1])]
-        for g in response.groups:
-            self._origin[group_key(g)] = i
-        return list(response.groups)
-
-    def ack(self, groups: Sequence[rollout_pb2.Group], *, rejected: bool = False) -> None:
+    def ack(self, groups: Sequence[Group | InvalidGroup], *, rejected: bool = False) -> None:
         """Acknowledges pulled ``groups`` (sent with the next Pull to their server, or by
         ``flush_acks``); groups not pulled through this pool are ignored. ``rejected``: they
         will not be trained (stale, duplicate, invalid), so their server generates replacements."""
-        pending = self._rejects if rejected else self._acks
-        for g in groups:
-            i = self._origin.pop(group_key(g), None)
-            if i is not None:
-                pending[i].append(g.group_id)
+        with self._lock:
+            for g in groups:
+                server = self._origin.pop(g.key, None)
+                if server is not None:
+                    pending = server.rejects if rejected else server.acks
+                    pending.append((g.server_id, g.group_id))
 
     def flush_acks(self) -> None:
-        """Sends every pending acknowledgement now (the Ack RPC, retried like any call)."""
-        for i, (ids, rejects) in enumerate(zip(self._acks, self._rejects, strict=True)):
-            if ids or rejects:
-                request = rollout_pb2.AckRequest(
-                    group_ids=ids, reject_group_ids=rejects, run_id=self._run_id
-                )
-                self._call("Ack", request, deadline_s=_HEALTH_S, server=i)
-                self._acks[i], self._rejects[i] = [], []
+        """Sends every pending acknowledgement to the servers up now (one Ack each; a server
+        that fails or is down keeps its acknowledgements, which its lease time then covers)."""
+        with self._lock:
+            targets = [s for s in self._servers if s.up and (s.acks or s.rejects)]
+            down = sum(len(s.acks) + len(s.rejects) for s in self._servers if not s.up)
+        if down:
+            log.warning("%d acknowledgements for rollout servers that are down not sent", down)
+        for server in targets:
+            with self._lock:
+                acks = self._pending(server, server.acks)
+                rejects = self._pending(server, server.rejects)
+            request = rollout_pb2.AckRequest(
+                group_ids=[i for _, i in acks],
+                reject_group_ids=[i for _, i in rejects],
+                run_id=self._run_id,
+            )
+            try:
+                server.stub.Ack(request, timeout=_HEALTH_S, metadata=self._metadata)
+            except grpc.RpcError as e:
+                self._raise_unless_transient(server, "Ack", e)
+                log.warning("Ack to rollout server %s failed: %s", server.address, e.code().name)
+                continue
+            with self._lock:
+                server.acks = [a for a in server.acks if a not in set(acks)]
+                server.rejects = [r for r in server.rejects if r not in set(rejects)]
+
+    # Weights.
 
     def update_weights(
         self, version: int, checkpoint_path: str, *, new_admission_epoch: bool = False
     ) -> None:
-        """Makes every server load ``checkpoint_path`` as ``version`` (retrying down servers).
+        """Makes every server up load ``checkpoint_path`` as ``version``; a server that fails
+        to leaves the rotation (it missed a version) and gets these weights when it rejoins.
+        Never waits for a down server.
 
         Args:
           version: the weights version (>= each server's current one).
@@ -171,80 +320,355 @@ class ServerPool:
 
         Raises:
           grpc.RpcError: a server refused the update (e.g. a version older than its own).
-          ServersDownError, MessageTooLargeError: as in ``_call``.
+          MessageTooLargeError: as in ``pull``.
         """
-        request = rollout_pb2.UpdateWeightsRequest(
-            version=version,
-            checkpoint_path=checkpoint_path,
-            token=self._token,
-            new_admission_epoch=new_admission_epoch,
-            run_id=self._run_id,
-        )
-        for i in range(len(self._conns)):
-            self._call("UpdateWeights", request, deadline_s=_UPDATE_WEIGHTS_S, server=i)
+        with self._lock:
+            # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
+            self._weights = (version, checkpoint_path)
+            targets = [s for s in self._servers if s.up]
+        share = 1.0 / max(len(targets), 1)
+        for server in targets:
+            request = self._update_request(version, checkpoint_path, new_admission_epoch, share)
+            try:
+                server.stub.UpdateWeights(
+                    request, timeout=_UPDATE_WEIGHTS_S, metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                self._raise_unless_transient(server, "UpdateWeights", e)
+                with self._lock:
+                    self._leave(server, f"UpdateWeights v{version} failed: {e.code().name}")
+                continue
+            with self._lock:
+                self._answered(server)
 
     def versions(self) -> list[int]:
-        """Each server's current weights version (waiting for down servers)."""
-        request = rollout_pb2.HealthRequest()
-        return [
-            int(self._call("Health", request, deadline_s=_HEALTH_S, server=i)[1].version)
-            for i in range(len(self._conns))
-        ]
-
-    def _call(
-        self,
-        rpc: str,
-        request: Message | Callable[[int], Message],
-        *,
-        deadline_s: float,
-        server: int | None,
-    ) -> tuple[int, Message]:
-        """(the server that answered, its response of ``rpc``), retried until one answers; with
-        ``server=None``, each attempt goes to the next server in turn. ``request`` may be a
-        function of the server's index.
+        """The weights version of every server that answers (waiting for at least one; a server
+        that does not answer within ``grace_s`` leaves, and joins when it does).
 
         Raises:
-          ServersDownError: every attempt failed for ``server_wait_s``.
-          MessageTooLargeError: the request or the reply is over ``max_message_bytes``.
-          grpc.RpcError: a non-transient error (the server refused the request).
+          ServersDownError: no server answered for ``server_wait_s``.
         """
-        backoff, failing_since = min(0.5, self._retry_max_s), None
+        answered: dict[int, int] = {}
+        backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
         while True:
-            i = server
-            if i is None:
-                i, self._next = self._next, (self._next + 1) % len(self._conns)
-            message = request(i) if callable(request) else request
-            try:
-                stub = self._conns[i][1]
-                return i, getattr(stub, rpc)(message, timeout=deadline_s, metadata=self._metadata)
-            except grpc.RpcError as e:
-                self._raise_unless_transient(i, rpc, e)
-                code = e.code()
-            now = time.monotonic()
-            failing_since = now if failing_since is None else failing_since
-            if now - failing_since > self._server_wait_s:
-                raise ServersDownError(
-                    f"no rollout server answered for {self._server_wait_s:.0f}s: {self.addresses}"
-                )
-            if self._on_retry is not None:
-                self._on_retry()
-            log.warning(
-                "rollout server %s is down (%s: %s); retrying in %.1fs",
-                self.addresses[i],
-                rpc,
-                code.name,
-                backoff,
-            )
-            time.sleep(backoff)
+            self._raise_background_error()
+            if self._thread is None:
+                self.maintain()
+            with self._lock:
+                waiting = [s for s in self._servers if s.up and s.index not in answered]
+            for server in waiting:
+                started = self._clock()
+                try:
+                    reply = server.stub.Health(
+                        rollout_pb2.HealthRequest(), timeout=_HEALTH_S, metadata=self._metadata
+                    )
+                except grpc.RpcError as e:
+                    self._raise_unless_transient(server, "Health", e)
+                    self._failed(server, f"Health: {e.code().name}", started)
+                    continue
+                with self._lock:
+                    self._answered(server)
+                    server.server_id = reply.server_id or server.server_id
+                answered[server.index] = int(reply.version)
+            with self._lock:
+                left = [s for s in self._servers if s.up and s.index not in answered]
+            if answered and not left:
+                return list(answered.values())
+            if not answered and not left:
+                self._wait_for_a_server()
+                continue
+            self._check_servers_down()
+            self._sleep(backoff)
             backoff = min(2 * backoff, self._retry_max_s)
 
-    def _raise_unless_transient(self, i: int, rpc: str, error: grpc.RpcError) -> None:
+    # Health.
+
+    def metrics(self) -> dict[str, float]:
+        """``servers_up`` and ``pulled_<i>``: the groups pulled from each server so far (``i``
+        numbers the servers in the order the pool first saw them)."""
+        with self._lock:
+            out: dict[str, float] = {"servers_up": sum(s.up for s in self._servers)}
+            out.update({f"pulled_{s.index}": s.pulled for s in self._servers})
+            return out
+
+    def maintain(self) -> None:
+        """One round of the fleet's upkeep: re-reads ``servers_file`` when due, probes the down
+        servers whose backoff has passed and brings back those that answer."""
+        now = self._clock()
+        if self._servers_file and (
+            self._file_read_at is None or now - self._file_read_at >= _FILE_POLL_S
+        ):
+            self._read_servers_file()
+        with self._lock:
+            due = [s for s in self._servers if not s.up and s.next_probe <= now]
+        for server in due:
+            self._probe(server)
+
+    def _run(self) -> None:
+        while not self._closed.wait(_MAINTAIN_S):
+            try:
+                self.maintain()
+            except BaseException as e:  # e.g. on_retry gave up: surfaces in the next pull
+                self._error = e
+                return
+
+    def _probe(self, server: _Server) -> None:
+        """Health of a down server; when it answers, ``_rejoin``."""
+        try:
+            reply = server.stub.Health(
+                rollout_pb2.HealthRequest(), timeout=_PROBE_S, metadata=self._metadata
+            )
+            if not reply.live:
+                raise _NotLive()
+        except (grpc.RpcError, _NotLive) as e:
+            code = e.code().name if isinstance(e, grpc.RpcError) else "not live"
+            with self._lock:
+                self._note_failure()
+                self._schedule_probe(server, f"Health: {code}")
+            self._retry_hook()
+            return
+        with self._lock:
+            self._answered(server)
+            if server.server_id and reply.server_id and reply.server_id != server.server_id:
+                dropped = len(server.acks) + len(server.rejects)
+                if dropped:
+                    log.warning(
+                        "rollout server %s came back as another server (id %s, was %s): %d "
+                        "acknowledgements for the old one dropped",
+                        server.address,
+                        reply.server_id,
+                        server.server_id,
+                        dropped,
+                    )
+                server.acks, server.rejects = [], []
+            server.server_id = reply.server_id or server.server_id
+        self._rejoin(server, int(reply.version))
+
+    def _rejoin(self, server: _Server, version: int) -> None:
+        """Pushes the current weights to ``server`` (a new admission epoch: what it generated
+        before counts no more), then puts it back in the rotation; until the first push it
+        joins as it is."""
+        while True:
+            with self._lock:
+                weights = self._weights
+                if server not in self._servers:
+                    return  # removed from servers_file meanwhile
+                if weights is None:
+                    self._join(server, f"at weights version {version}")
+                    return
+            current, path = weights
+            if version > current:
+                with self._lock:
+                    self._schedule_probe(
+                        server,
+                        f"it holds weights version {version}, newer than this trainer's "
+                        f"{current}; it rejoins once the trainer is past it",
+                    )
+                return
+            with self._lock:
+                share = 1.0 / (sum(s.up for s in self._servers) + 1)
+            request = self._update_request(current, path, True, share)
+            try:
+                server.stub.UpdateWeights(
+                    request, timeout=_UPDATE_WEIGHTS_S, metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                with self._lock:
+                    self._note_failure()
+                    detail = e.details() or ""
+                    self._schedule_probe(server, f"UpdateWeights: {e.code().name} {detail}")
+                return
+            version = current
+            with self._lock:
+                if self._weights == weights:  # no newer push meanwhile: it is current
+                    self._join(server, f"at weights version {current}")
+                    return
+
+    def _join(self, server: _Server, how: str) -> None:
+        server.up, server.failing_since, server.reason = True, None, ""
+        server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
+        log.info(
+            "rollout server %s joined %s (%d up)",
+            server.address,
+            how,
+            sum(s.up for s in self._servers),
+        )
+
+    def _leave(self, server: _Server, reason: str) -> None:
+        if not server.up:
+            return
+        server.up, server.failing_since = False, None
+        server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
+        server.next_probe = self._clock() + server.backoff
+        server.reason = reason
+        log.warning(
+            "rollout server %s left the rotation: %s (%d up); probing it until it answers",
+            server.address,
+            reason,
+            sum(s.up for s in self._servers),
+        )
+
+    def _schedule_probe(self, server: _Server, reason: str) -> None:
+        """The next probe of a down server, after its backoff (which doubles, up to
+        ``retry_max_s``); a new reason is logged once."""
+        if reason != server.reason:
+            log.warning("rollout server %s stays out: %s", server.address, reason)
+            server.reason = reason
+        server.next_probe = self._clock() + server.backoff
+        server.backoff = min(2 * server.backoff, self._retry_max_s)
+
+    def _failed(self, server: _Server, reason: str, started: float) -> None:
+        """A call to an up server, made at ``started``, failed: the server leaves once it has
+        failed for ``grace_s`` (a call that hung that long leaves at once)."""
+        with self._lock:
+            self._note_failure()
+            now = self._clock()
+            if server.up and server.failing_since is None:
+                server.failing_since = started
+                log.warning(
+                    "rollout server %s is down (%s); it leaves the rotation unless it answers "
+                    "within %.0fs",
+                    server.address,
+                    reason,
+                    self._grace_s,
+                )
+            if server.up and now - server.failing_since >= self._grace_s:
+                self._leave(server, reason)
+        self._retry_hook()
+
+    def _retry_hook(self) -> None:
+        """``on_retry``, on one thread at a time (the loop's pulls and the probes both call it:
+        a crashed local child must be started once)."""
+        if self._on_retry is not None:
+            with self._retry_lock:
+                self._on_retry()
+
+    def _answered(self, server: _Server) -> None:
+        server.failing_since = None
+        self._failing_since = None
+
+    def _note_failure(self) -> None:
+        if self._failing_since is None:
+            self._failing_since = self._clock()
+
+    def _check_servers_down(self) -> None:
+        """Raises ServersDownError once no server has answered for ``server_wait_s``."""
+        with self._lock:
+            self._note_failure()
+            silent = self._clock() - self._failing_since
+            addresses = [s.address for s in self._servers]
+        if silent > self._server_wait_s:
+            raise ServersDownError(
+                f"no rollout server answered for {self._server_wait_s:.0f}s "
+                f"(train.server_wait_s): {addresses or 'none listed'}"
+            )
+
+    def _wait_for_a_server(self) -> None:
+        """No server is up: waits a little (for the probes), or raises ServersDownError."""
+        self._check_servers_down()
+        with self._lock:
+            due = [s.next_probe for s in self._servers if not s.up]
+        wait = min(due, default=self._clock() + _FILE_POLL_S) - self._clock()
+        self._sleep(min(max(wait, 0.05), self._retry_max_s, _MAINTAIN_S * 5))
+
+    def _next_up(self, up: list[_Server]) -> _Server | None:
+        if not up:
+            return None
+        self._next %= len(up)
+        server = up[self._next]
+        self._next = (self._next + 1) % len(up)
+        return server
+
+    def _pending(self, server: _Server, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The acknowledgements to send ``server`` now (at most 4096): those for another
+        incarnation of it (another ``server_id``) are dropped."""
+        if server.server_id:
+            items[:] = [a for a in items if not a[0] or a[0] == server.server_id]
+        return list(items[:4096])
+
+    def _update_request(
+        self, version: int, path: str, new_epoch: bool, share: float
+    ) -> rollout_pb2.UpdateWeightsRequest:
+        return rollout_pb2.UpdateWeightsRequest(
+            version=version,
+            checkpoint_path=path,
+            token=self._token,
+            new_admission_epoch=new_epoch,
+            run_id=self._run_id,
+            admission_share=share,
+        )
+
+    def _raise_background_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    # The servers file.
+
+    def _add(self, address: str, *, up: bool, from_file: bool = False) -> _Server:
+        channel, stub = self._connect(
+            address, self._max_message_bytes, root_certificates=self._certificates
+        )
+        server = _Server(
+            address=address,
+            index=self._count,
+            channel=channel,
+            stub=stub,
+            from_file=from_file,
+            up=up,
+            next_probe=self._clock(),
+            backoff=min(_FIRST_BACKOFF_S, self._retry_max_s),
+        )
+        self._count += 1
+        self._servers.append(server)
+        return server
+
+    def _read_servers_file(self) -> None:
+        """Adds the new lines of ``servers_file`` (down: probed at once, then they join) and
+        removes the servers whose lines are gone."""
+        self._file_read_at = self._clock()
+        try:
+            with open(self._servers_file) as f:
+                lines = [line.split("#", 1)[0].strip() for line in f]
+        except OSError as e:
+            if str(e) != self._file_error:
+                log.warning("cannot read train.servers_file: %s; keeping its servers", e)
+                self._file_error = str(e)
+            return
+        self._file_error = ""
+        listed = []
+        for line in lines:
+            host, sep, port = line.rpartition(":")
+            if not line:
+                continue
+            if not sep or not host or not port.isdigit():
+                log.warning("train.servers_file %s: %r is not host:port", self._servers_file, line)
+                continue
+            listed.append(line)
+        with self._lock:
+            static = {s.address for s in self._servers if not s.from_file}
+            known = {s.address: s for s in self._servers if s.from_file}
+            for address in dict.fromkeys(listed):
+                if address not in known and address not in static:
+                    self._add(address, up=False, from_file=True)
+                    log.info("rollout server %s listed in %s", address, self._servers_file)
+            for address, server in known.items():
+                if address not in listed:
+                    if server.up:
+                        self._leave(server, f"removed from {self._servers_file}")
+                    self._servers.remove(server)
+                    server.channel.close()
+
+    def _raise_unless_transient(self, server: _Server, rpc: str, error: grpc.RpcError) -> None:
         code, details = error.code(), error.details() or ""
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in details:
             raise MessageTooLargeError(
-                f"{rpc} with rollout server {self.addresses[i]}: a message is over the gRPC limit "
+                f"{rpc} with rollout server {server.address}: a message is over the gRPC limit "
                 f"of {self._max_message_bytes} bytes ({details}); raise server.max_message_bytes "
                 "(it sets the limit of the trainer and of the servers)"
             ) from error
         if code not in _TRANSIENT:
             raise error
+
+
+class _NotLive(Exception):
+    """A server answered Health with live = false (its loop or driver stopped)."""

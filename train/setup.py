@@ -1,6 +1,7 @@
 """What the trainer builds from an ``ExperimentConfig`` before its loop (docs/DESIGN.md §7, §8):
-the optimizer, the run's directories, the base policy, the batch shape, the sampleable ids, the
-reference policy's log-probs and the server pool.
+the run's directories, the base policy, the batch shape, the sampleable ids and the server pool
+(the optimizer is ``cfg.train.optimizer.make()``; the reference policy's log-probs, for the KL
+penalty, are computed inside the train step from the base policy's params).
 
 Pure builders, shared by ``train.main`` (the job), the benchmarks, the notebook and the tests; none
 of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads) the cached supervised warm-up.
@@ -8,25 +9,20 @@ of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
-from rollout_api.client import read_ca
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import hf
 from sat_jax.parallel import sharding
 from sat_jax.tasks import sampleable_mask as tokenizer_mask
-from sat_jax.train_step import next_token_logprobs
 from train import batching, warmup
 from train.local_server import LocalServer
 from train.remote import ServerPool
@@ -38,8 +34,7 @@ def run_paths(cfg: ExperimentConfig) -> tuple[str, str, str]:
     """``(run_dir, checkpoint_dir, weights_dir)``; empty ``train.run_dir`` and
     ``train.checkpoint_dir`` mean ``runs/<name>`` and ``<run_dir>/checkpoints``."""
     run_dir = cfg.train.run_dir or os.path.join("runs", cfg.name)
-    ckpt_dir = cfg.train.checkpoint_dir or os.path.join(run_dir, "checkpoints")
-    return run_dir, ckpt_dir, os.path.join(run_dir, "weights")
+    return run_dir, cfg.train.checkpoints.directory(run_dir), os.path.join(run_dir, "weights")
 
 
 def run_id(run_dir: str) -> str:
@@ -58,28 +53,13 @@ def run_id(run_dir: str) -> str:
 
 def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
     """The starting policy: ``model.hf_path``'s weights when set (no warm-up); else random init
-    (``train.seed``), then the supervised warm-up when configured, cached under
-    ``train.sft_cache_dir``."""
+    (``train.seed``), then the supervised warm-up its part configures (``train.warmup.run``:
+    cached under ``train.sft_cache_dir``)."""
     if cfg.model.hf_path:
         return _load_hf(cfg, mesh)
     graphdef, params = sharding.init_sharded(cfg.model, mesh, cfg.train.seed)
-    t = cfg.train
-    if t.warmup_sft_steps:
-        start = time.monotonic()
-        params, cached = warmup.cached_warmup(
-            t.sft_cache_dir,
-            cfg.model,
-            cfg.task,
-            params,
-            init_seed=t.seed,
-            steps=t.warmup_sft_steps,
-            batch=t.sft_batch,
-            learning_rate=t.sft_learning_rate,
-            seq_len=cfg.server.max_prefill_length + cfg.rollout.max_new_tokens,
-        )
-        how = f"loaded from {t.sft_cache_dir}" if cached else f"{t.warmup_sft_steps} steps"
-        log.info("supervised warm-up: %s (%.1fs)", how, time.monotonic() - start)
-    return graphdef, params
+    seq_len = cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
+    return graphdef, warmup.run(cfg.train.warmup, cfg.model, cfg.task, params, seq_len=seq_len)
 
 
 def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
@@ -118,43 +98,22 @@ def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
     return tokenizer_mask(make_tokenizer(cfg), cfg.model.vocab_size)
 
 
-def make_ref_logp(
-    graphdef: nnx.GraphDef,
-    ref_params: Any,
-    mesh: jax.sharding.Mesh,
-    temperature: float,
-    vocab_mask: np.ndarray,
-) -> Callable[[np.ndarray], np.ndarray]:
-    """Reference-policy (the warm-up policy) log-probs of a batch's tokens, for the KL penalty.
-
-    The result is replicated over ``mesh``, so every process reads the whole [B, T] array.
-    """
-
-    @functools.partial(jax.jit, out_shardings=NamedSharding(mesh, PartitionSpec()))
-    def ref_logp(tokens_bt: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, ref_params)(tokens_bt)
-        return next_token_logprobs(
-            logits, tokens_bt, temperature=temperature, vocab_mask=vocab_mask
-        )
-
-    return lambda tokens: np.asarray(ref_logp(tokens))
-
-
 def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "") -> ServerPool:
-    """The configured servers (``train.servers``), or the local child once it answers; a crashed
-    child is restarted from the pool's retry loop. Calls carry ``server.token`` and the run's id
-    ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca`` the channels are TLS."""
-    t = cfg.train
-    ca = read_ca(t.tls_ca)
+    """The configured servers (``train.servers`` and ``train.servers_file``), or the local child
+    once it answers; a crashed child is restarted from the pool's retry loop. Calls carry
+    ``server.token`` and the run's id ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca``
+    the channels are TLS (the connection arguments are the ``cfg.client`` part's). Down servers
+    are probed on the pool's own thread."""
+    client = cfg.client
+    args = client.connection_args()
     if server is not None:
-        server.wait_ready(timeout_s=t.server_wait_s, root_certificates=ca)
+        server.wait_ready(
+            timeout_s=client.server_wait_s, root_certificates=args["root_certificates"]
+        )
     return ServerPool(
-        t.servers or (server.address,),
-        token=cfg.server.token,
+        client.servers if client.servers or client.servers_file else (server.address,),
         run_id=run,
-        root_certificates=ca,
-        max_message_bytes=cfg.server.max_message_bytes,
-        retry_max_s=t.retry_max_s,
-        server_wait_s=t.server_wait_s,
+        background=True,
         on_retry=None if server is None else server.restart_if_exited,
+        **args,
     )

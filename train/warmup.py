@@ -5,6 +5,9 @@ Warm-up sequences are ``BOS prompt answer EOS`` — exactly what the rollout ser
 EOS tokens. The result is cached under ``<train.sft_cache_dir>/<hash of everything it depends
 on>/``, so only the first run pays for it.
 
+``run`` is the builder of the config's part (``cfg.train.warmup``, a
+``sat_jax.experiment.WarmupConfig``): it runs the configured warm-up or loads it from the cache.
+
 The warm-up's problems come from their own seed stream, ``task.seed + SFT_SEED_OFFSET``, disjoint
 from the server's prompts (``task.seed``) and the held-out evaluation's (``train.evaluation``).
 
@@ -16,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,13 +32,48 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from sat_jax.experiment import TaskConfig
+from sat_jax.experiment import TaskConfig, WarmupConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
-from sat_jax.train_step import next_token_logprobs
 
 SFT_SEED_OFFSET = 2_000_003
+
+log = logging.getLogger(__name__)
+
+
+def run(
+    cfg: WarmupConfig, model_cfg: ModelConfig, task: TaskConfig, params: Any, *, seq_len: int
+) -> Any:
+    """The warm-up ``cfg`` configures, from the initial ``params``: none when
+    ``cfg.warmup_sft_steps`` is 0, else ``cached_warmup`` under ``cfg.sft_cache_dir``.
+
+    Args:
+      cfg: the part (``cfg.train.warmup``).
+      model_cfg, task: the policy's architecture and the task it learns.
+      params: the initial params (from ``cfg.seed``), sharded.
+      seq_len: the rows' length (the server's prefill plus the completion limit).
+
+    Returns:
+      The warmed-up params (``params`` when there is no warm-up).
+    """
+    if not cfg.warmup_sft_steps:
+        return params
+    start = time.monotonic()
+    params, cached = cached_warmup(
+        cfg.sft_cache_dir,
+        model_cfg,
+        task,
+        params,
+        init_seed=cfg.seed,
+        steps=cfg.warmup_sft_steps,
+        batch=cfg.sft_batch,
+        learning_rate=cfg.sft_learning_rate,
+        seq_len=seq_len,
+    )
+    how = f"loaded from {cfg.sft_cache_dir}" if cached else f"{cfg.warmup_sft_steps} steps"
+    log.info("supervised warm-up: %s (%.1fs)", how, time.monotonic() - start)
+    return params
 
 
 def encode_supervised(
@@ -70,8 +110,7 @@ def supervised_warmup(
     @jax.jit
     def step(params: Any, opt_state: Any, tokens: jax.Array, mask: jax.Array):
         def loss_fn(p: Any) -> jax.Array:
-            logits = nnx.merge(graphdef, p)(tokens)
-            logp = next_token_logprobs(logits, tokens)
+            logp, _ = nnx.merge(graphdef, p).logprobs(tokens)  # the trainer's log-probs
             return -jnp.sum(logp * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
         loss, grads = jax.value_and_grad(loss_fn)(params)

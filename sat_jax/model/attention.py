@@ -3,21 +3,26 @@
 Dimension letters: B batch, T positions, G key/value heads, R query heads per KV head, H head_dim,
 C block length.
 
-Three paths compute the same softmax(q·kᵀ/√H + mask)·v over the keys a query may see (s ≤ t and
+Four paths compute the same softmax(q·kᵀ/√H + mask)·v over the keys a query may see (s ≤ t and
 key s valid):
   * "fused": `jax.nn.dot_product_attention`, where the backend has a fused kernel (cuDNN on GPU
     in bfloat16/float16; on other backends it is XLA's dense version);
+  * "splash": the Pallas splash-attention TPU kernel, per shard of the ambient mesh
+    (`sat_jax.model.tpu_kernels.splash_attention`; Pallas interpret mode off TPU);
   * "blockwise": pure JAX, queries and keys in blocks of C with an online softmax. Each query
     block is rematerialised (`jax.checkpoint`) in the backward pass, so both passes hold
     O(B·T·N·H + B·N·C·T) at a time instead of the O(B·N·T²) scores;
   * "dense": the whole [T, T] score matrix (the reference; what decoding uses over the cache).
-`causal_attention` picks "fused" on GPU and "blockwise" elsewhere under "auto".
+`resolve_attention` picks "fused" on GPU, "splash" on TPU (under a mesh or on one device) and
+"blockwise" elsewhere under "auto".
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from sat_jax.model.tpu_kernels import kernels_placeable, splash_attention, target_platform
 
 # Large finite negative so fully masked rows give a uniform softmax instead of NaN.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -93,6 +98,19 @@ def blockwise_attention(
     return out_btgrh[:, :t]
 
 
+def resolve_attention(path: str, platform: str | None = None) -> str:
+    """The concrete path for a config's ``attention``: "auto" is "fused" on GPU, "splash" on TPU
+    where the kernel can be placed (`tpu_kernels.kernels_placeable`: under an ambient mesh or on
+    one device) and "blockwise" elsewhere; ``platform`` defaults to the trace's target
+    (`tpu_kernels.target_platform`: the ambient mesh's devices, else the default backend)."""
+    if path != "auto":
+        return path
+    platform = platform or target_platform()
+    if platform == "tpu" and kernels_placeable():
+        return "splash"
+    return "fused" if platform == "gpu" else "blockwise"
+
+
 def causal_attention(
     q_btgrh: jax.Array,
     k_btgh: jax.Array,
@@ -105,10 +123,11 @@ def causal_attention(
 ) -> jax.Array:
     """Causal attention over right-padded keys (``valid_bt`` [B, T]); [B, T, G, R, H] in ``dtype``.
 
-    ``path`` is one of ``sat_jax.model.config.ATTENTION_PATHS``; "auto" is "fused" on GPU, else "blockwise".
+    ``path`` is one of ``sat_jax.model.config.ATTENTION_PATHS`` ("auto": `resolve_attention`).
     """
-    if path == "auto":
-        path = "fused" if jax.default_backend() == "gpu" else "blockwise"
+    path = resolve_attention(path)
+    if path == "splash":
+        return splash_attention(q_btgrh, k_btgh, v_btgh, valid_bt, block=block).astype(dtype)
     if path == "blockwise":
         return blockwise_attention(q_btgrh, k_btgh, v_btgh, valid_bt, block=block).astype(dtype)
     if path == "dense":

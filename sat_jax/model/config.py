@@ -12,8 +12,8 @@ from typing import Any
 
 import jax.numpy as jnp
 
-DISPATCH_PATHS = ("auto", "ragged", "dense", "blocked")
-ATTENTION_PATHS = ("auto", "fused", "blockwise", "dense")
+DISPATCH_PATHS = ("auto", "ragged", "dense", "blocked", "gmm")
+ATTENTION_PATHS = ("auto", "fused", "blockwise", "dense", "splash")
 REMAT_POLICIES = ("none", "layer")
 # Fields a config may set beside `hf_path`: how the model runs, not what it is.
 RUNTIME_FIELDS = (
@@ -55,14 +55,17 @@ class ModelConfig:
       tie_embeddings: reuse the embedding table as the output projection.
       max_seq_len: longest sequence (prompt + completion) the model is used with.
       dispatch: MoE dispatch path, "dense" (one-hot reference), "ragged" (sort + ragged_dot),
-        "blocked" (sort + block-padded batched matmul, for CPU), or "auto" (chosen per backend
-        and shape, see `sat_jax.model.moe.resolve_dispatch`).
+        "blocked" (sort + block-padded batched matmul, for CPU), "gmm" (sort + megablox grouped
+        matmul, a TPU kernel; interpret mode elsewhere), or "auto" (chosen per backend and
+        shape, see `sat_jax.model.moe.resolve_dispatch`).
       router_aux_loss_coef: weight of the load-balancing loss in `ModelOutput.aux_loss`.
       attention: path of the full forward's causal attention (`sat_jax.model.attention`):
         "fused" (`jax.nn.dot_product_attention`, cuDNN on GPU), "blockwise" (online softmax,
-        memory linear in T), "dense" (the [T, T] scores), or "auto" (fused on GPU, else
+        memory linear in T), "splash" (the Pallas splash-attention TPU kernel; interpret mode
+        elsewhere), "dense" (the [T, T] scores), or "auto" (fused on GPU, splash on TPU, else
         blockwise). Decoding always attends densely over the cache.
-      attention_block: block length of the blockwise path.
+      attention_block: block length of the blockwise path; the splash kernel's blocks are it
+        rounded up to a multiple of 128, at most 512 (`tpu_kernels.splash_block`).
       logits_chunk: positions per chunk of `Transformer.target_logprobs` (the trainer's
         log-probs of the sampled tokens): [B, chunk, V] float32 logits at a time.
       remat: "layer" recomputes each decoder layer's activations in the backward pass

@@ -16,6 +16,10 @@ Dispatch paths (all dropless, identical in exact arithmetic):
     then unsorted and combined. Active FLOPs only (on accelerators; see `resolve_dispatch`).
   "blocked": the same sort, with each expert's group padded to whole blocks that run as one batched
     matmul; the fast sparse path on CPU, where `ragged_dot` has no grouped kernel.
+  "gmm": the same sort, then megablox grouped matmuls (Pallas TPU kernels, per shard of the
+    ambient mesh: `sat_jax.model.tpu_kernels.gmm_dispatch`). The TPU path: XLA:TPU compiles
+    `ragged_dot`'s forward to a grouped matmul but its weight gradient to a dense product over
+    all E experts (benchmarks/RESULTS.md "TPU kernels").
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from flax import nnx, struct
 
 from sat_jax.model.config import DTypeLike
 from sat_jax.model.layers import fan_in_init, make_param
+from sat_jax.model.tpu_kernels import gmm_dispatch, kernels_placeable, target_platform
 
 # Measured by benchmarks/moe_layer.py on the development CPU (2 shared cores, jax 0.10.2; dense
 # f32 matmul 80-126 GFLOP/s), forward + backward of one MoE layer, T = 2048, D = 512, F = 256,
@@ -218,23 +223,45 @@ def dispatch_blocked(
     return jnp.einsum("tkd,tk->td", y_tkd, weights_tk.astype(y_tkd.dtype))
 
 
-DISPATCH_FNS = {"dense": dispatch_dense, "ragged": dispatch_ragged, "blocked": dispatch_blocked}
+def dispatch_gmm(
+    x_td: jax.Array, ids_tk: jax.Array, weights_tk: jax.Array, experts: Experts
+) -> jax.Array:
+    """Dropless dispatch by megablox grouped matmuls (`tpu_kernels.gmm_dispatch`); Pallas
+    interpret mode off TPU. Same arguments and result as `dispatch_dense`."""
+    return gmm_dispatch(
+        x_td, ids_tk, weights_tk, experts.gate_edf, experts.up_edf, experts.down_efd
+    )
+
+
+DISPATCH_FNS = {
+    "dense": dispatch_dense,
+    "ragged": dispatch_ragged,
+    "blocked": dispatch_blocked,
+    "gmm": dispatch_gmm,
+}
 
 
 def resolve_dispatch(
     dispatch: str, *, num_tokens: int, num_experts: int, k: int, backend: str | None = None
 ) -> str:
-    """The concrete path ("dense", "ragged" or "blocked") for a config's `dispatch`.
+    """The concrete path ("dense", "ragged", "blocked" or "gmm") for a config's `dispatch`.
 
-    "auto" takes "ragged" on GPU/TPU (grouped-matmul kernels). On CPU, `ragged_dot` lowers to a
-    masked dense product over all E groups (E times the active FLOPs, worse than "dense"), so
-    "auto" compares the rows each remaining path computes: T * E for "dense" against
-    CPU_BLOCKED_OVERHEAD times the padded rows of "blocked" (which pays for the sort and the
-    weight gather), and takes the cheaper.
+    "auto" takes "gmm" on TPU where the kernel can be placed (`tpu_kernels.kernels_placeable`:
+    under an ambient mesh, as the train step traces, or on one device), because XLA:TPU turns
+    `ragged_dot`'s weight gradient into dense compute over all E experts and megablox's `tgmm`
+    does not; else "ragged" on TPU (its forward is a grouped matmul there) and on GPU.
+    On CPU, `ragged_dot` lowers to a masked dense product over all E groups (E times the active
+    FLOPs, worse than "dense"), so "auto" compares the rows each remaining path computes: T * E
+    for "dense" against CPU_BLOCKED_OVERHEAD times the padded rows of "blocked" (which pays for
+    the sort and the weight gather), and takes the cheaper. `backend` defaults to the trace's
+    target platform (`tpu_kernels.target_platform`: the ambient mesh's devices, else the default
+    backend).
     """
     if dispatch != "auto":
         return dispatch
-    backend = backend or jax.default_backend()
+    backend = backend or target_platform()
+    if backend == "tpu" and kernels_placeable():
+        return "gmm"
     if backend != "cpu":
         return "ragged"
     m = num_tokens * k
@@ -342,7 +369,7 @@ class MoE(nnx.Module):
           mask_bt: [B, T] active tokens (for the loss and load statistics only; every token is
             routed and computed).
           replay_ids_btk: [B, T, K] recorded expert ids to replay, or None.
-          dispatch: overrides the module's dispatch path ("auto" | "dense" | "ragged").
+          dispatch: overrides the module's dispatch path (one of `DISPATCH_PATHS`).
         """
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)

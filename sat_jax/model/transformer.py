@@ -8,6 +8,8 @@ Contract (docs/DESIGN.md §5):
   logits_btv = model(tokens_bt)
   logits_btv, routing_btlk = model(tokens_bt, return_routing=True)   # uint8 ids when E <= 256
 `Transformer.forward` returns the full `ModelOutput` (aux loss, expert load) for the trainer.
+`Transformer.logprobs` scores a batch's own tokens from it chunk by chunk: the one log-prob path of
+the train step (policy and reference), the supervised warm-up and the benchmarks.
 """
 
 from __future__ import annotations
@@ -316,6 +318,40 @@ class Transformer(nnx.Module):
             router_prob_le=stats.prob_le,
             hidden_btd=hidden_btd,
         )
+
+    def logprobs(
+        self,
+        tokens_bt: jax.Array,
+        *,
+        temperature: float = 1.0,
+        vocab_mask: jax.Array | None = None,
+        mask_bt: jax.Array | None = None,
+        replay_routing: jax.Array | None = None,
+    ) -> tuple[jax.Array, ModelOutput]:
+        """Log-probs of a batch's own tokens, and the forward's `ModelOutput`.
+
+        ``logp_bt[b, t]`` = log π(tokens[b, t] | tokens[b, :t]) at ``temperature`` over
+        ``vocab_mask``, scored from the hidden state at t − 1 by `target_logprobs`; column 0 has
+        no prediction and is 0. The one log-prob path of the train step (policy and reference),
+        the supervised warm-up and the benchmarks' samplers: under `jit`, unless the caller reads
+        ``ModelOutput.logits_btv``, no [B, T, V] float32 buffer is built (docs/DESIGN.md §5).
+
+        Args:
+          tokens_bt: [B, T] int token ids, right-padded.
+          temperature, vocab_mask: as in `target_logprobs`.
+          mask_bt, replay_routing: as in `forward`.
+
+        Returns:
+          ``(logp_bt [B, T] float32, the forward's ModelOutput)``.
+        """
+        out = self.forward(tokens_bt, mask_bt=mask_bt, replay_routing=replay_routing)
+        logp_bt = self.target_logprobs(
+            out.hidden_btd[:, :-1],
+            tokens_bt[:, 1:],
+            temperature=temperature,
+            vocab_mask=vocab_mask,
+        )
+        return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 
     def _scan_layers(self, x_btd, positions_bt, mask_bt, replay_btlk, dispatch):
         """The full forward's layers: each run of identical consecutive layers (all dense or all

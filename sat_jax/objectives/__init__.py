@@ -9,10 +9,11 @@ importable from here. The modules behind it, each usable on its own:
 - ``loss_terms``: (sum, count) reductions that add up across microbatches and hosts;
 - ``quantile``: the exact masked inverted-CDF quantile SAT's threshold uses;
 - ``stabilizers``: TIS, IcePop, DPPO-TV and the KL penalty estimators;
-- ``advantages``: group-relative advantages (GRPO, Dr.GRPO).
+- ``advantages``: group-relative advantages (GRPO, Dr.GRPO), jittable, and the host-side check
+  of their group ids.
 """
 
-from sat_jax.objectives.advantages import AdvantageEstimator, group_advantages
+from sat_jax.objectives.advantages import AdvantageEstimator, check_group_ids, group_advantages
 from sat_jax.objectives.loss_terms import LossAgg, PolicyLossTerms, aggregate, loss_count
 from sat_jax.objectives.policy import (
     PolicyLossConfig,
@@ -48,6 +49,7 @@ __all__ = [
     "SATConfig",
     "ThresholdScope",
     "aggregate",
+    "check_group_ids",
     "clipped_surrogate_loss",
     "dppo_tv_mask",
     "group_advantages",

@@ -5,6 +5,11 @@ advantage of response i in group g is (R_i − mean_g) / (std_g + eps) (std norm
 Dr.GRPO (Liu et al., 2025, "Understanding R1-Zero-Like Training") drops the std division and keeps
 only the centering. Groups whose rewards are all equal get advantage 0 — no NaN, whatever the
 normalization. Shapes: ``N`` responses; ``num_groups`` static.
+
+``group_advantages`` is jittable (the train step computes a batch's advantages inside its jitted
+step from per-row rewards and group ids, docs/DESIGN.md §7.1). Group ids outside
+``[0, num_groups)`` cannot be detected under ``jit``: ``check_group_ids`` checks them on the host,
+and ``group_advantages`` runs it itself when it is given concrete (not traced) ids.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ def group_advantages(
     Args:
       rewards: float [N].
       group_ids: int [N] in [0, num_groups); responses of one prompt share an id.
-      num_groups: static number of groups (ids outside the range raise under no jit).
+      num_groups: static number of groups; concrete ids outside ``[0, num_groups)`` raise
+        (``check_group_ids``), traced ones are not checked.
       estimator: ``"grpo"`` (centered, divided by the group std when ``normalize_std``) or
         ``"dr_grpo"`` (centered only; ``normalize_std`` is ignored).
       normalize_std: GRPO's division by the group's sample standard deviation (ddof = 1).
@@ -61,17 +67,9 @@ def group_advantages(
             f"group_advantages: rewards and group_ids must both be [N], got {rewards.shape} and "
             f"{group_ids.shape}"
         )
+    if not isinstance(group_ids, jax.core.Tracer):
+        check_group_ids(group_ids, num_groups)
     active = jnp.ones(rewards.shape, bool) if where is None else jnp.asarray(where) > 0
-    try:
-        host_ids = np.asarray(group_ids)
-    except jax.errors.TracerArrayConversionError:  # under jit the range cannot be checked
-        host_ids = None
-    if host_ids is not None and host_ids.size:
-        low, high = int(host_ids.min()), int(host_ids.max())
-        if low < 0 or high >= num_groups:
-            raise ValueError(
-                f"group_advantages: group_ids must lie in [0, {num_groups}), got [{low}, {high}]"
-            )
     rewards = jnp.where(active, rewards, 0.0)
 
     def per_group_sum(x):
@@ -87,3 +85,22 @@ def group_advantages(
     # A constant group has std == 0 (and centered == 0): its advantage is 0 even when eps == 0.
     normalized = centered / jnp.where(std > 0, std + eps, 1.0)
     return jnp.where(active & (count[group_ids] > 1), normalized, 0.0)
+
+
+def check_group_ids(group_ids: ArrayLike, num_groups: int) -> None:
+    """Host-side range check of concrete group ids (``jit`` cannot raise on values).
+
+    Args:
+      group_ids: int [N], concrete (NumPy or a ``jax.Array`` outside ``jit``).
+      num_groups: the number of groups.
+
+    Raises:
+      ValueError: an id outside ``[0, num_groups)``, naming the range found.
+    """
+    host_ids = np.asarray(group_ids)
+    if host_ids.size:
+        low, high = int(host_ids.min()), int(host_ids.max())
+        if low < 0 or high >= num_groups:
+            raise ValueError(
+                f"group_advantages: group_ids must lie in [0, {num_groups}), got [{low}, {high}]"
+            )

@@ -54,7 +54,6 @@ from sat_jax import objectives, train_step
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig, TrainConfig, load_config
 from sat_jax.model import ModelConfig
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import programs, sharding, topology
 from sat_jax.parallel.topology import GIB
 
@@ -104,7 +103,7 @@ def plan_memory(
       model_cfg: the model config.
       mesh_cfg: mesh axis sizes; a ``-1`` axis needs ``num_devices``.
       num_devices: total devices; default the product of the (explicit) axis sizes.
-      optimizer: whose state to count; default the trainer's (``make_optimizer(TrainConfig())``).
+      optimizer: whose state to count; default the trainer's (``TrainConfig().optimizer.make()``).
 
     Returns:
       A ``MemoryPlan``.
@@ -138,7 +137,7 @@ def plan_memory(
         param_bytes=param_bytes,
         expert_param_bytes=expert_bytes,
         grad_bytes=param_bytes,
-        adam_bytes=_optimizer_bytes(optimizer or make_optimizer(TrainConfig()), abstract, mesh),
+        adam_bytes=_optimizer_bytes(optimizer or TrainConfig().optimizer.make(), abstract, mesh),
     )
 
 
@@ -213,7 +212,7 @@ def compiled_temp_bytes(
     sizes = [getattr(mesh_cfg, name) for name in sharding.MESH_AXES]
     count = jax.device_count() if -1 in sizes else math.prod(sizes)
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:count])
-    optimizer = optimizer or make_optimizer(TrainConfig())
+    optimizer = optimizer or TrainConfig().optimizer.make()
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig())
     step = train_step.make_train_step(
         model_cfg, optimizer, loss_cfg, mesh, routing_replay=False, microbatches=microbatches
@@ -530,7 +529,7 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
         if batch is None or seq_len is None:
             raise ValueError("--compile needs --batch and --seq-len (or a --config)")
         spec = programs.TrainStepSpec(
-            optimizer=make_optimizer(setup.train),
+            optimizer=setup.train.optimizer.make(),
             loss=setup.train.loss,
             routing_replay=setup.train.routing_replay,
             microbatches=k,
@@ -556,7 +555,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _for_topology(args, setup)
         if args.serve:
             raise ValueError("--serve needs --topology (the chip to compile for)")
-        optimizer = make_optimizer(setup.train)
+        optimizer = setup.train.optimizer.make()
         plan = plan_memory(setup.model, setup.mesh, args.devices, optimizer)
         batch, seq_len, k = _batch_shape(args, setup)
         if args.compile and (batch is None or seq_len is None):

@@ -4,19 +4,21 @@ and which trainer run may start an admission epoch."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
-import time
 import types
 
 import numpy as np
 import pytest
 
+from rollout_api import records
 from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
 from rollout_server.rollout import RunNotAttachedError, admission_budget
 from sat_jax.experiment import RolloutConfig
+from tests.clock import FakeClock
 from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop
 
 
@@ -26,12 +28,14 @@ def _groups(loop, ids):
 
 
 def test_an_unacknowledged_lease_expires_back_to_the_front():
-    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=0.05)
+    clock = FakeClock()
+    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=5.0, clock=clock)
     _groups(loop, range(4))
     assert [g.group_id for g in loop.pull(2, 0)] == [0, 1]
+    clock.advance(4.5)
     loop._expire_leases()  # too early: still leased
     assert loop.stats()["groups_leased"] == 2 and len(loop.queue) == 2
-    time.sleep(0.1)
+    clock.advance(0.5)
     loop._expire_leases()
     assert loop.stats()["groups_leased"] == 0
     assert [g.group_id for g in loop.pull(4, 0)] == [0, 1, 2, 3]  # pulled again, in order
@@ -118,6 +122,44 @@ def test_a_full_disk_loses_and_strands_no_group(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
 
 
+def test_a_finished_group_is_queued_as_the_proto_of_its_records():
+    """The engine's arrays reach the queue through one conversion (``records.to_proto``) and
+    come back out of it unchanged."""
+    cfg = RolloutConfig(batch_groups=1, max_staleness=0, group_size=2)
+    driver = RecordingDriver()
+    loop = _loop(StateStore(""), LongPromptEngine(), wait=False, cfg=cfg, driver=driver)
+    loop._dispatch_next()
+    for request in driver.requests:
+        loop._on_done(request, _sample())
+    loop._collect(timeout_s=1.0)
+    [message] = loop.pull(1, 0)
+    assert isinstance(message, rollout_pb2.Group)
+    group = records.decode_group(message)
+    assert group.key == f"{loop.persisted.server_id}/0" and len(group.trajectories) == 2
+    want = _sample()
+    for t in group.trajectories:
+        np.testing.assert_array_equal(t.prompt_ids, want.prompt_ids)
+        np.testing.assert_array_equal(t.completion_ids, want.completion_ids)
+        np.testing.assert_array_equal(t.behavior_logprobs, want.logprobs)
+        np.testing.assert_array_equal(t.versions, want.versions)
+        np.testing.assert_array_equal(t.routing, want.routing)
+        assert t.finish_reason == "eos" and t.completion_text == "4"  # id 7 of the tokenizer
+
+
+def test_samples_that_make_no_valid_group_drop_it_and_count_it_failed():
+    cfg = RolloutConfig(batch_groups=1, max_staleness=0, group_size=2)
+    driver = RecordingDriver()
+    loop = _loop(StateStore(""), LongPromptEngine(), wait=False, cfg=cfg, driver=driver)
+    loop._dispatch_next()
+    bad = dataclasses.replace(_sample(), routing=np.zeros((4, 1, 2), np.uint8))  # 3 + 2 rows due
+    for request in driver.requests:
+        loop._on_done(request, bad)
+    loop._collect(timeout_s=1.0)  # logged, not raised: the loop goes on
+    stats = loop.stats()
+    assert (stats["groups_running"], stats["groups_queued"], loop.groups_failed) == (0, 0, 1)
+    assert loop.persisted.unfinished == []  # not re-issued after a restart either
+
+
 def test_a_second_store_on_a_directory_is_refused(tmp_path):
     first = StateStore(str(tmp_path))
     with pytest.raises(StateDirLockedError, match="in use by another server"):
@@ -128,7 +170,8 @@ def test_a_second_store_on_a_directory_is_refused(tmp_path):
 
 def test_only_the_attached_run_starts_an_admission_epoch():
     engine = FakeEngine()
-    loop = _loop(StateStore(""), engine, wait=True, lease_s=0.2)
+    clock = FakeClock()
+    loop = _loop(StateStore(""), engine, wait=True, lease_s=5.0, clock=clock)
     loop.install_weights(1, "/ckpt/v1", None, new_epoch=True, run_id="run-a")
     loop.install_weights(2, "/ckpt/v2", None, new_epoch=True, run_id="run-a")  # its restart
     before = (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps)
@@ -138,6 +181,9 @@ def test_only_the_attached_run_starts_an_admission_epoch():
         loop.check_attached(True, "")
     assert (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps) == before
     loop.install_weights(3, "/ckpt/v3", None, run_id="other")  # no new epoch: a plain update
-    time.sleep(0.3)  # run-a silent for the lease time: another run may attach
+    clock.advance(4.5)  # run-a silent for less than the lease time: still attached
+    with pytest.raises(RunNotAttachedError):
+        loop.check_attached(True, "run-b")
+    clock.advance(0.5)  # silent for the lease time: another run may attach
     loop.install_weights(4, "/ckpt/v4", None, new_epoch=True, run_id="run-b")
     assert (loop.persisted.run_id, loop.persisted.epoch_version) == ("run-b", 4)

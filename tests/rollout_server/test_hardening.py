@@ -10,9 +10,10 @@ import fcntl
 import json
 import subprocess
 import sys
-import time
+import urllib.request
 
 import grpc
+import portpicker
 import pytest
 
 from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
@@ -180,15 +181,29 @@ def test_no_group_is_lost_to_abandoned_pulls_or_killed_clients(server_factory, t
     assert stub.Health(rollout_pb2.HealthRequest(), timeout=30).live
 
 
+def _pulls_waiting(metrics_port: int) -> float:
+    """The server's `satjax_rollout_pulls_waiting` gauge (Pulls received, not answered yet)."""
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("satjax_rollout_pulls_waiting "):
+                return float(line.split()[1])
+    raise AssertionError("no satjax_rollout_pulls_waiting in the server's metrics")
+
+
 def test_long_pulls_block_neither_health_stats_nor_update_weights(server_factory, tmp_path):
-    server = _server(server_factory, tmp_path, "server.grpc_threads=4")
+    metrics_port = portpicker.pick_unused_port()
+    server = _server(
+        server_factory, tmp_path, "server.grpc_threads=4", f"server.metrics_port={metrics_port}"
+    )
     stub = server.rollout_stub()
     pull = rollout_pb2.PullRequest(max_groups=1, timeout_s=600)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
         pulls = [pool.submit(stub.Pull, pull, timeout=900) for _ in range(16)]
-        # Before any weights nothing is generated: every Pull waits for its full timeout.
-        wait_for(lambda: stats(stub).groups_produced == 0 and all(not p.done() for p in pulls))
-        time.sleep(1.0)  # the Pulls reach the server (no timing asserted)
+        # Before any weights nothing is generated: every Pull waits for its full timeout, all
+        # 16 of them inside the server (4 on its pull threads, 12 queued for one).
+        wait_for(lambda: _pulls_waiting(metrics_port) == 16)
+        assert stats(stub).groups_produced == 0 and all(not p.done() for p in pulls)
         assert stub.Health(rollout_pb2.HealthRequest(), timeout=60).live
         assert stats(stub).version == 0
         assert _push(stub, tmp_path, 1).version == 1

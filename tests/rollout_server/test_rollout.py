@@ -5,7 +5,9 @@ prompts too long for a prefill."""
 from __future__ import annotations
 
 import threading
+import time
 import types
+from collections.abc import Callable
 
 import grain
 import pytest
@@ -16,6 +18,7 @@ from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.rollout import RolloutLoop, admission_budget
 from sat_jax.experiment import RolloutConfig, ServerConfig, TaskConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
+from tests.clock import wait_until
 
 B = 4
 CFG = RolloutConfig(batch_groups=B, max_staleness=1)
@@ -68,6 +71,7 @@ def _loop(
     driver: FakeDriver | None = None,
     prompts: grain.IterDataset | None = None,
     lease_s: float = 600.0,
+    clock: Callable[[], float] = time.monotonic,
 ) -> RolloutLoop:
     return RolloutLoop(
         driver=FakeDriver() if driver is None else driver,
@@ -80,6 +84,7 @@ def _loop(
         wait_for_weights=wait,
         max_response_bytes=ServerConfig().max_message_bytes,
         lease_s=lease_s,
+        clock=clock,
     )
 
 
@@ -92,7 +97,7 @@ def test_epochs_and_waiting_for_weights(tmp_path):
     # wait_for_weights=false would have): the first trainer weights start an epoch past them.
     loop.persisted.consumed = 3
     for i in range(2):
-        loop.queue.put(i)
+        loop.queue.put(rollout_pb2.Group(group_id=i))
     loop.install_weights(5, "/ckpt/v5", params=None)
     assert engine.swaps == [5]
     state = loop.persisted
@@ -103,7 +108,7 @@ def test_epochs_and_waiting_for_weights(tmp_path):
     # A later push keeps the epoch; one with new_epoch starts another.
     loop.install_weights(6, "/ckpt/v6", params=None)
     assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (5, 5)
-    loop.queue.put(2)
+    loop.queue.put(rollout_pb2.Group(group_id=2))
     loop.install_weights(7, "/ckpt/v7", params=None, new_epoch=True)
     assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (7, 6)
     # The epoch persists: a restarted server keeps counting from it.
@@ -114,6 +119,23 @@ def test_epochs_and_waiting_for_weights(tmp_path):
 def test_without_waiting_the_initial_weights_generate():
     loop = _loop(StateStore(""), FakeEngine(), wait=False)
     assert loop.stats()["admission_open"]
+
+
+class _ContendedLock:
+    """A lock that sets `contended` when a thread has to wait for it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.contended = threading.Event()
+
+    def __enter__(self):
+        if not self._lock.acquire(blocking=False):
+            self.contended.set()
+            self._lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self._lock.release()
 
 
 def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
@@ -128,16 +150,17 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
     assert not loop.stats()["admission_open"]
     seen: list[bool] = []
     take = loop.queue.get_many
+    loop._lock = lock = _ContendedLock()
 
     def get_many_then_look(n, timeout_s):
         items = take(n, timeout_s)
         # The rollout loop's thread checks admission right now (it takes the loop's lock).
-        # The join gives a probe that is not blocked time to look; one that waits for the lock
-        # looks after the pull, and must then see the groups consumed.
+        # A probe the lock does not stop looks now; one that waits for the lock looks after the
+        # pull, and must then see the groups leased. Which of the two it is, not time, decides.
         probe = threading.Thread(target=lambda: seen.append(loop._may_dispatch()))
         probe.start()
         probes.append(probe)
-        probe.join(timeout=0.3)
+        wait_until(lambda: lock.contended.is_set() or not probe.is_alive())
         return items
 
     probes: list[threading.Thread] = []

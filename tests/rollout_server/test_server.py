@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 import urllib.request
 
 import grpc
@@ -319,9 +318,14 @@ def _push(stub, tmp, version, *, new_epoch=False):
     assert stub.UpdateWeights(request, timeout=60).version == version
 
 
-def _settles_at(server, queued, timeout_s=240):
+def _settles_at(server, queued, produced, timeout_s=240):
     """Waits until `queued` groups are queued, none running and admission closed; then checks
-    that no further group starts. (The first generation compiles: a generous timeout.)"""
+    that `produced` groups were made in all, not one more. (The first generation compiles: a
+    generous timeout.)
+
+    Closed admission with nothing running changes only with a Pull, an Ack or an UpdateWeights,
+    so no wait is needed for a wrongly admitted group to show: one started at any earlier time
+    is counted here (if it is still running, the wait above times out)."""
     stub = server.rollout_stub()
 
     def settled():
@@ -334,10 +338,8 @@ def _settles_at(server, queued, timeout_s=240):
         raise AssertionError(
             f"not settled at {queued}: {stats(stub)}\n{server.log()[-3000:]}"
         ) from None
-    # A chance for a wrongly admitted group to start: no timing is asserted (a slow machine only
-    # makes the check weaker, it cannot fail a correct server).
-    time.sleep(1.0)
-    assert settled(), stats(stub)
+    s = stats(stub)
+    assert s.groups_produced == produced, s
 
 
 def _min_versions(groups):
@@ -347,27 +349,30 @@ def _min_versions(groups):
 def test_waits_for_weights_then_runs_max_staleness_plus_1_batches_ahead(server_factory, tmp_path):
     server = _admission_server(server_factory, tmp_path)
     stub = server.rollout_stub()
-    time.sleep(2.0)  # a chance to start a group before any weights (as in `_settles_at`)
+    wait_for(lambda: "waiting for the first UpdateWeights" in server.log())
     s = stats(stub)
     assert (s.groups_produced, s.prompts_drawn, s.admission_open) == (0, 0, False)
-    assert "waiting for the first UpdateWeights" in server.log()
     _push(stub, tmp_path, 1)
-    _settles_at(server, AHEAD)  # (max_staleness + 1)·batch groups of the first weights
+    # (max_staleness + 1)·batch groups of the first weights, and none before them.
+    _settles_at(server, AHEAD, produced=AHEAD)
     assert _min_versions(_pull_all(stub, AHEAD)) == [1] * AHEAD
-    _settles_at(server, 0)  # pulling alone admits nothing ...
+    _settles_at(server, 0, produced=AHEAD)  # pulling alone admits nothing ...
     _push(stub, tmp_path, 2)
-    _settles_at(server, BATCH_GROUPS)  # ... each new version admits one more batch
+    _settles_at(server, BATCH_GROUPS, produced=AHEAD + BATCH_GROUPS)  # ... a version, a batch
     # A trainer that (re)connects starts a new epoch: the queued groups no longer count.
     _push(stub, tmp_path, 3, new_epoch=True)
-    _settles_at(server, BATCH_GROUPS + AHEAD)
+    _settles_at(server, BATCH_GROUPS + AHEAD, produced=2 * AHEAD + BATCH_GROUPS)
     got = _min_versions(_pull_all(stub, BATCH_GROUPS + AHEAD))
     assert got == [2] * BATCH_GROUPS + [3] * AHEAD
+    _settles_at(server, 0, produced=2 * AHEAD + BATCH_GROUPS)
 
 
 def test_groups_of_the_initial_weights_do_not_use_the_budget(server_factory, tmp_path):
     server = _admission_server(server_factory, tmp_path, "server.wait_for_weights=false")
     stub = server.rollout_stub()
-    _settles_at(server, AHEAD)  # version 0: the server's random weights
+    _settles_at(server, AHEAD, produced=AHEAD)  # version 0: the server's random weights
     _push(stub, tmp_path, 1)
-    _settles_at(server, 2 * AHEAD)  # still (max_staleness + 1)·batch groups of version 1
+    # Still (max_staleness + 1)·batch groups of version 1.
+    _settles_at(server, 2 * AHEAD, produced=2 * AHEAD)
     assert _min_versions(_pull_all(stub, 2 * AHEAD)) == [0] * AHEAD + [1] * AHEAD
+    _settles_at(server, 0, produced=2 * AHEAD)

@@ -1,5 +1,6 @@
 """sat_jax.experiment: defaults only in dataclasses, YAML + dotted overrides, errors name the key."""
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -9,8 +10,17 @@ import pytest
 import yaml
 
 from sat_jax import experiment
-from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
+from sat_jax.experiment import (
+    CheckpointConfig,
+    ClientConfig,
+    ConfigError,
+    ExperimentConfig,
+    TrainConfig,
+    WarmupConfig,
+    load_config,
+)
 from sat_jax.model import PRESETS
+from sat_jax.optimizer import OptimizerConfig
 
 
 def test_defaults_without_file():
@@ -310,3 +320,125 @@ def test_scale_keys_load_and_are_validated() -> None:
     ]:
         with pytest.raises(ConfigError, match=key):
             load_config(None, [bad])
+
+
+# The parts: typed groupings of the flat keys, each built from the fields of the same names.
+PARTS = {
+    "optimizer": (OptimizerConfig, ("train",)),
+    "warmup": (WarmupConfig, ("train",)),
+    "checkpoints": (CheckpointConfig, ("train",)),
+    "client": (ClientConfig, ("train", "server")),
+}
+
+
+@pytest.mark.parametrize("name", list(PARTS))
+def test_every_part_field_is_a_key_of_the_same_name_with_no_second_default(name):
+    part_cls, sections = PARTS[name]
+    cfg = ExperimentConfig()
+    keys = {f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(cfg, s))}
+    for field in dataclasses.fields(part_cls):
+        assert any(f"{s}.{field.name}" in keys for s in sections), field.name
+        assert field.default is dataclasses.MISSING, f"{field.name}: defaults live in the sections"
+
+
+def test_parts_carry_the_configured_keys(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(b"PEM")
+    cfg = load_config(
+        None,
+        [
+            "train.steps=50",
+            "train.learning_rate=2e-3",
+            "train.lr_schedule=cosine",
+            "train.lr_warmup_steps=5",
+            "train.adam_b2=0.95",
+            "train.weight_decay=0.1",
+            "train.grad_clip=0",
+            "train.warmup_sft_steps=7",
+            "train.sft_batch=16",
+            "train.sft_learning_rate=1e-3",
+            "train.sft_cache_dir=/cache",
+            "train.seed=3",
+            "train.checkpoint_dir=gs://b/c",
+            "train.checkpoint_every=4",
+            "train.keep_checkpoints=2",
+            "train.servers=[h:1]",
+            f"train.tls_ca={ca}",
+            "train.retry_max_s=2.5",
+            "train.server_wait_s=42",
+            "train.pull_timeout_s=7",
+            "train.server_grace_s=3",
+            "train.servers_file=/etc/servers",
+            "server.token=s3cret",
+            "server.max_message_bytes=2097152",
+        ],
+    )
+    assert cfg.train.optimizer == OptimizerConfig(
+        steps=50,
+        learning_rate=2e-3,
+        lr_schedule="cosine",
+        lr_warmup_steps=5,
+        adam_b1=0.9,
+        adam_b2=0.95,
+        weight_decay=0.1,
+        grad_clip=0.0,
+    )
+    assert cfg.train.warmup == WarmupConfig(
+        warmup_sft_steps=7, sft_batch=16, sft_learning_rate=1e-3, sft_cache_dir="/cache", seed=3
+    )
+    assert cfg.train.checkpoints == CheckpointConfig(
+        checkpoint_dir="gs://b/c", checkpoint_every=4, keep_checkpoints=2
+    )
+    assert cfg.client.servers == ("h:1",) and cfg.client.pull_timeout_s == 7.0
+    assert cfg.client.connection_args() == dict(
+        token="s3cret",
+        root_certificates=b"PEM",
+        max_message_bytes=2 * 1024 * 1024,
+        retry_max_s=2.5,
+        server_wait_s=42.0,
+        grace_s=3.0,
+        servers_file="/etc/servers",
+    )
+
+
+def test_checkpoint_directory_defaults_under_the_run_dir():
+    assert TrainConfig().checkpoints.directory("runs/x") == "runs/x/checkpoints"
+    part = TrainConfig(checkpoint_dir="gs://b/c").checkpoints
+    assert part.directory("runs/x") == "gs://b/c"
+
+
+def test_client_without_a_ca_is_plaintext_and_a_missing_ca_file_is_an_oserror(tmp_path):
+    assert ExperimentConfig().client.connection_args()["root_certificates"] is None
+    missing = ExperimentConfig(train=TrainConfig(tls_ca=str(tmp_path / "none.pem"))).client
+    with pytest.raises(OSError):
+        missing.connection_args()
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr_schedule=step", "train: lr_schedule must be one of"),
+        ("train.steps=0", "train: steps must be positive, got 0"),
+        ("train.lr_warmup_steps=-1", "train: lr_warmup_steps must be >= 0"),
+        ("train.learning_rate=0", "train: learning_rate must be > 0"),
+        ("train.adam_b2=1", r"train: adam_b1 and adam_b2 must be in \[0, 1\)"),
+        ("train.grad_clip=-1", "train: weight_decay and grad_clip must be >= 0"),
+        ("train.warmup_sft_steps=-1", "train: warmup_sft_steps must be >= 0"),
+        ("train.sft_batch=0", "train: sft_batch must be positive"),
+        ("train.sft_learning_rate=0", "train: sft_learning_rate must be > 0"),
+        ("train.checkpoint_every=0", "train: checkpoint_every must be positive"),
+        ("train.keep_checkpoints=0", "train: keep_checkpoints must be positive"),
+        ("train.pull_timeout_s=0", "train: pull_timeout_s must be > 0"),
+        ("train.servers=[nohost]", "train: servers: 'nohost' is not host:port"),
+    ],
+)
+def test_a_part_checks_its_keys_and_the_error_names_them(override, message):
+    with pytest.raises(ConfigError, match=f"^{message}"):
+        load_config(None, [override])
+
+
+def test_a_part_built_by_hand_is_checked_too():
+    with pytest.raises(ValueError, match="learning_rate must be > 0"):
+        dataclasses.replace(TrainConfig().optimizer, learning_rate=0.0)
+    with pytest.raises(ValueError, match="keep_checkpoints must be positive"):
+        dataclasses.replace(TrainConfig().checkpoints, keep_checkpoints=0)

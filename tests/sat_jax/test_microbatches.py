@@ -2,6 +2,10 @@
 
 On one device and on 8 simulated CPU devices; SAT with the batch's threshold, GSPO with a KL
 penalty, routing replay and the router aux loss; and the per-microbatch threshold scope.
+
+What the step derives from the batch equals what the host used to send, one pass and
+microbatched: advantages from per-row rewards and group ids (groups span every microbatch), and
+the reference log-probs from the reference's params (vs its full logits' log-softmax).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import pytest
 from flax import nnx
 
 from sat_jax import objectives, train_step
-from sat_jax.model import ModelConfig
+from sat_jax.model import ModelConfig, token_logprobs
 from sat_jax.parallel import sharding
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -67,23 +71,40 @@ def _batch() -> train_step.TrainBatch:
 class Setup:
     params0: dict
     batch: train_step.TrainBatch
+    ref_params: dict  # another init: the KL penalty's reference policy
 
 
 @pytest.fixture(scope="module")
 def setup() -> Setup:
     mesh1 = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     _, params0 = sharding.init_sharded(MODEL_CFG, mesh1, 0)
-    return Setup(params0=jax.device_get(params0), batch=_batch())
+    _, ref_params = sharding.init_sharded(MODEL_CFG, mesh1, 1)
+    return Setup(
+        params0=jax.device_get(params0), batch=_batch(), ref_params=jax.device_get(ref_params)
+    )
 
 
-def _step(setup: Setup, loss_cfg, mesh_cfg, k: int, replay: bool = False):
+def _step(
+    setup: Setup,
+    loss_cfg,
+    mesh_cfg,
+    k: int,
+    replay: bool = False,
+    *,
+    batch: train_step.TrainBatch | None = None,
+    ref_params: dict | None = None,
+    **step_kwargs,
+):
     devices = jax.devices()[:1] if mesh_cfg.fsdp == 1 and mesh_cfg.data == 1 else None
     mesh = sharding.make_mesh(mesh_cfg, devices)
     step_fn = train_step.make_train_step(
-        MODEL_CFG, OPTIMIZER, loss_cfg, mesh, routing_replay=replay, microbatches=k
+        MODEL_CFG, OPTIMIZER, loss_cfg, mesh, routing_replay=replay, microbatches=k, **step_kwargs
     )
     state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
-    state, metrics = step_fn(state, train_step.shard_batch(setup.batch, mesh))
+    batch = setup.batch if batch is None else batch
+    if ref_params is not None:
+        ref_params = jax.device_put(ref_params, jax.tree.map(lambda x: x.sharding, state.params))
+    state, metrics = step_fn(state, train_step.shard_batch(batch, mesh), ref_params)
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
@@ -128,7 +149,7 @@ def test_microbatch_threshold_scope_uses_each_microbatch_quantile(setup: Setup) 
     _, batch_metrics = _step(setup, objectives.PolicyLossConfig(sat=SAT), ONE, k)
     # The current policy's logp, from the reference model's forward.
     graphdef, _ = sharding.abstract_model(MODEL_CFG)
-    logp = jax.jit(lambda p, x: train_step.next_token_logprobs(nnx.merge(graphdef, p)(x), x))(
+    logp = jax.jit(lambda p, x: nnx.merge(graphdef, p).logprobs(x)[0])(
         setup.params0, setup.batch.tokens
     )
     mask = setup.batch.loss_mask.copy()
@@ -157,3 +178,106 @@ def test_token_mask_is_each_row_up_to_its_last_completion_token():
     loss_mask = np.array([[0, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]], np.float32)
     want = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], bool)
     np.testing.assert_array_equal(np.asarray(train_step.token_mask(loss_mask)), want)
+
+
+GROUP = 4  # rows per group, consecutive as assembled: every group spans every microbatch
+
+
+def _with_rewards(batch: train_step.TrainBatch) -> train_step.TrainBatch:
+    """The batch with 0/1 rewards and group ids instead of advantages; its last 2 rows are
+    padding (group -1, no token), and row 3 keeps its group with no token."""
+    rng = np.random.default_rng(1)
+    group_ids = np.repeat(np.arange(B // GROUP, dtype=np.int32), GROUP)
+    group_ids[-2:] = -1
+    return batch.replace(
+        advantages=None,
+        rewards=rng.integers(0, 2, B).astype(np.float32),
+        group_ids=group_ids,
+        loss_mask=np.where(group_ids[:, None] >= 0, batch.loss_mask, 0.0).astype(np.float32),
+    )
+
+
+def _host_advantages(batch: train_step.TrainBatch, estimator: str) -> np.ndarray:
+    """[B, T] advantages as the host computed them before the step did (train/batching.py):
+    eager group_advantages over the active rows, spread over each row's loss mask."""
+    active = batch.group_ids >= 0
+    per_row = objectives.group_advantages(
+        batch.rewards,
+        np.where(active, batch.group_ids, 0),
+        num_groups=B // GROUP,
+        estimator=estimator,
+        where=active,
+    )
+    return np.asarray(per_row, np.float32)[:, None] * batch.loss_mask
+
+
+@pytest.mark.parametrize(
+    ("estimator", "k", "mesh_cfg"),
+    [("grpo", 1, ONE), ("grpo", 4, ONE), ("dr_grpo", 2, ONE), ("grpo", 2, EIGHT)],
+)
+def test_rewards_and_group_ids_give_the_host_advantages_step(
+    setup: Setup, estimator: str, k: int, mesh_cfg
+) -> None:
+    rows = _with_rewards(setup.batch)
+    host = rows.replace(advantages=_host_advantages(rows, estimator), rewards=None, group_ids=None)
+    assert np.count_nonzero(host.advantages) > 0
+    loss_cfg = LOSSES["sat-token"]
+    want = _step(setup, loss_cfg, ONE, 1, batch=host)
+    got = _step(setup, loss_cfg, mesh_cfg, k, batch=rows, estimator=estimator)
+    grads, metrics = got
+    assert metrics.keys() == want[1].keys()
+    for key, value in want[1].items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-6, atol=1e-6, err_msg=key)
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want[0]), strict=True
+    ):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def _host_reference_logp(ref_params: dict, tokens: np.ndarray, temperature: float, vocab_mask):
+    """The reference log-probs the trainer computed outside the step before (train/setup.py):
+    the reference's full [B, T, V] logits, log-softmax at the targets, column 0 = 0."""
+    graphdef, _ = sharding.abstract_model(MODEL_CFG)
+
+    @jax.jit
+    def ref_logp(p, x):
+        logits = nnx.merge(graphdef, p)(x)
+        logp = token_logprobs(
+            logits[:, :-1], x[:, 1:], temperature=temperature, vocab_mask=vocab_mask
+        )
+        return jax.numpy.pad(logp, ((0, 0), (1, 0)))
+
+    return np.asarray(ref_logp(ref_params, tokens))
+
+
+@pytest.mark.parametrize(("k", "mesh_cfg"), [(1, ONE), (2, ONE), (2, EIGHT)])
+def test_reference_params_give_the_host_reference_logprobs_step(setup: Setup, k: int, mesh_cfg):
+    # Temperature and the sampleable ids apply to the reference as to the policy.
+    temperature, vocab_mask = 0.8, np.isin(np.arange(MODEL_CFG.vocab_size), setup.batch.tokens)
+    assert not vocab_mask.all()
+    kwargs = dict(temperature=temperature, vocab_mask=vocab_mask)
+    host = _host_reference_logp(setup.ref_params, setup.batch.tokens, temperature, vocab_mask)
+    loss_cfg = LOSSES["sat-gspo-kl"]
+    want = _step(setup, loss_cfg, ONE, 1, batch=setup.batch.replace(ref_logp=host), **kwargs)
+    assert want[1]["kl_ref"] > 0.01  # another policy: the penalty is not a no-op
+    without = setup.batch.replace(ref_logp=None)
+    got = _step(setup, loss_cfg, mesh_cfg, k, batch=without, ref_params=setup.ref_params, **kwargs)
+    _assert_same(got, want)
+
+
+def test_advantages_and_reference_come_in_exactly_one_form(setup: Setup) -> None:
+    rows = _with_rewards(setup.batch)
+    for bad in (
+        rows.replace(advantages=setup.batch.advantages),  # both forms
+        rows.replace(group_ids=None),  # rewards alone
+        setup.batch.replace(advantages=None),  # neither
+    ):
+        with pytest.raises(ValueError, match="either advantages"):
+            _step(setup, LOSSES["ppo"], ONE, 1, batch=bad)
+        with pytest.raises(ValueError, match="either advantages"):
+            train_step.with_advantages(bad)
+    out_of_range = rows.replace(group_ids=np.where(rows.group_ids == 1, B, rows.group_ids))
+    with pytest.raises(ValueError, match=r"group_ids must lie in \[0, 16\) or be -1"):
+        _step(setup, LOSSES["ppo"], ONE, 1, batch=out_of_range)
+    with pytest.raises(ValueError, match="not both"):
+        _step(setup, LOSSES["sat-gspo-kl"], ONE, 1, ref_params=setup.ref_params)

@@ -1,19 +1,22 @@
 """sat_jax.optimizer: Adam's moments are float32 whatever the parameter dtype, and for float32
-params the wrapper changes nothing."""
+params the wrapper changes nothing; `OptimizerConfig.make()` follows its schedule and clipping."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 
 from sat_jax.experiment import TrainConfig
-from sat_jax.optimizer import float32_state, make_optimizer
+from sat_jax.optimizer import OptimizerConfig, float32_state
 
 
 def test_bfloat16_params_keep_float32_moments_and_their_own_dtype():
-    opt = make_optimizer(TrainConfig(learning_rate=0.1))
+    opt = TrainConfig(learning_rate=0.1).optimizer.make()
     params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.bfloat16)}
     state = opt.init(params)
     floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -38,3 +41,41 @@ def test_float32_params_are_unchanged_by_the_wrapper():
         u1, s1 = inner.update(grads, s1, params)
         u2, s2 = wrapped.update(grads, s2, params)
         np.testing.assert_array_equal(np.asarray(u1["w"]), np.asarray(u2["w"]))
+
+
+def _part(**overrides) -> OptimizerConfig:
+    return dataclasses.replace(TrainConfig(steps=10, learning_rate=0.5).optimizer, **overrides)
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        ("constant", {0: 0.0, 1: 0.25, 2: 0.5, 6: 0.5, 10: 0.5}),
+        ("linear", {0: 0.0, 2: 0.5, 6: 0.25, 10: 0.0}),
+        ("cosine", {0: 0.0, 2: 0.5, 6: 0.25, 10: 0.0}),
+    ],
+)
+def test_schedule_warms_up_from_0_then_decays_to_0_over_the_run(schedule, expected):
+    # Warm-up over 2 of 10 steps; the decay spans the other 8 (halfway at step 6).
+    lr = _part(lr_schedule=schedule, lr_warmup_steps=2).schedule()
+    for step, value in expected.items():
+        assert float(lr(step)) == pytest.approx(value, abs=1e-7), (schedule, step)
+
+
+def test_grad_clip_rescales_only_gradients_over_the_threshold():
+    params = {"w": jnp.zeros(2, jnp.float32)}
+    small = [{"w": jnp.asarray([0.3, 0.4])}, {"w": jnp.asarray([0.06, -0.08])}]
+    large = [{"w": jnp.asarray([30.0, 40.0])}, {"w": jnp.asarray([0.06, -0.08])}]
+
+    def updates(part: OptimizerConfig, grads: list) -> np.ndarray:
+        opt = part.make()
+        state = opt.init(params)
+        for g in grads:
+            u, state = opt.update(g, state, params)
+        return np.asarray(u["w"])
+
+    clipped, unclipped = _part(grad_clip=1.0), _part(grad_clip=0.0)
+    # Norm 0.5 <= 1: clipping is the identity; norm 50 > 1 is scaled to 1, which changes Adam's
+    # second update (its moments remember the first gradient's size).
+    np.testing.assert_array_equal(updates(clipped, small), updates(unclipped, small))
+    assert not np.allclose(updates(clipped, large), updates(unclipped, large))

@@ -101,6 +101,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # the plan command in a process
 def test_cli_qwen3_30b_on_fsdp_64() -> None:
     res = _cli("--preset", "qwen3_30b_a3b", "--mesh", "fsdp=64")
     assert res.returncode == 0, res.stderr
@@ -128,6 +129,7 @@ def test_bad_arguments_are_clear_errors(args: tuple[str, ...], message: str) -> 
         assert res.returncode == 2 and message in res.stderr
 
 
+@pytest.mark.slow  # the plan command in a process, on the 30B config
 def test_cli_config_of_the_pod_setup() -> None:
     """The paper's pod config: its model and train.mesh (fsdp=16 x expert=4), from the YAML."""
     config = str(REPO / "configs" / "qwen3_30b_a3b_gsm8k.yaml")
@@ -152,6 +154,7 @@ def test_optimizer_state_dtypes_come_from_its_init():
     assert bf16.adam_bytes == f32.adam_bytes == 8 * f32.total_params + 2 * 4
 
 
+@pytest.mark.slow  # compiles the sharded step three times
 def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:
     args = ["--preset", "tiny", "--mesh", "fsdp=8", "--batch", "8", "--seq-len", "64"]
     assert plan.main([*args, "--compile", "--set", "remat=layer"]) == 0

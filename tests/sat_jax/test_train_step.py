@@ -102,12 +102,20 @@ def test_alignment_logits_at_t_minus_1_score_token_t(ref: Reference) -> None:
     assert ref.metrics["step_skipped"] == 0.0
 
 
-def test_next_token_logprobs_against_numpy() -> None:
-    rng = np.random.default_rng(3)
-    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
-    tokens = rng.integers(0, 7, (2, 5)).astype(np.int32)
-    got = np.asarray(train_step.next_token_logprobs(logits, tokens, temperature=0.7))
-    scaled = logits.astype(np.float64) / 0.7
+def _model_logprobs(params: dict, tokens: np.ndarray, **kwargs) -> tuple[np.ndarray, np.ndarray]:
+    """(``Transformer.logprobs`` of the tokens, the full forward's float64 logits [B, T, V])."""
+    graphdef, _ = sharding.abstract_model(MODEL_CFG)
+    both = jax.jit(
+        lambda p, x: (nnx.merge(graphdef, p).logprobs(x, **kwargs)[0], nnx.merge(graphdef, p)(x))
+    )
+    logp, logits = jax.device_get(both(params, tokens))
+    return logp, logits.astype(np.float64)
+
+
+def test_model_logprobs_against_numpy(ref: Reference) -> None:
+    tokens = ref.batch.tokens[:2, :5]
+    got, logits = _model_logprobs(ref.params0, tokens, temperature=0.7)
+    scaled = logits / 0.7
     logz = np.log(np.exp(scaled).sum(-1))
     want = np.zeros((2, 5))
     want[:, 1:] = np.take_along_axis(scaled[:, :-1], tokens[:, 1:, None], -1)[..., 0] - logz[:, :-1]
@@ -204,19 +212,17 @@ def test_adam_moments_are_sharded_like_their_params() -> None:
     assert sh.step.spec == jax.sharding.PartitionSpec()
 
 
-def test_vocab_mask_renormalizes_over_the_sampleable_ids():
+def test_vocab_mask_renormalizes_over_the_sampleable_ids(ref: Reference):
     from sat_jax.tasks import CharTokenizer, sampleable_mask
 
     tokenizer = CharTokenizer("0123456789")
     mask_v = sampleable_mask(tokenizer, 16)
     assert mask_v.tolist() == [False, False] + [True] * 11 + [False] * 3
+    mask_v = sampleable_mask(tokenizer, MODEL_CFG.vocab_size)
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(2, 5, 16)).astype(np.float32)
     tokens = rng.integers(2, 13, size=(2, 5)).astype(np.int32)
-    got = train_step.next_token_logprobs(
-        jax.numpy.asarray(logits), jax.numpy.asarray(tokens), vocab_mask=mask_v
-    )
-    sub = logits[:, :-1][..., mask_v].astype(np.float64)
+    got, logits = _model_logprobs(ref.params0, tokens, vocab_mask=mask_v)
+    sub = logits[:, :-1][..., mask_v]
     log_z = np.log(np.exp(sub).sum(-1))
     want = np.take_along_axis(logits[:, :-1], tokens[:, 1:, None], -1)[..., 0] - log_z
     np.testing.assert_allclose(got[:, 1:], want, rtol=1e-5, atol=1e-6)

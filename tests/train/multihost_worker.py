@@ -46,34 +46,32 @@ def weights() -> np.ndarray:
 
 
 def _trajectory(seed: int, version: int):
-    from rollout_api.proto import rollout_pb2
+    from rollout_api import records
 
     rng = np.random.default_rng(seed)
     p, c = 3, int(rng.integers(1, 6))
     routing = rng.integers(0, 8, (p + c, 2, 2)).astype(np.uint8)
-    return rollout_pb2.Trajectory(
-        prompt_ids=rng.integers(3, 20, p).tolist(),
-        completion_ids=rng.integers(3, 20, c).tolist(),
-        behavior_logprobs=(-rng.random(c)).tolist(),
-        versions=[version] * c,
-        routing=rollout_pb2.Routing(
-            data=routing.tobytes(), shape=list(routing.shape), dtype="uint8"
-        ),
+    return records.Trajectory(
+        prompt_ids=rng.integers(3, 20, p).astype(np.int32),
+        completion_ids=rng.integers(3, 20, c).astype(np.int32),
+        behavior_logprobs=(-rng.random(c)).astype(np.float32),
+        versions=np.full(c, version, np.int64),
+        routing=routing,
         reward=float(rng.integers(0, 2)),
     )
 
 
 def fake_groups(round_: int) -> list:
     """One batch's worth of pulls: three fresh groups, one too stale, one already trained."""
-    from rollout_api.proto import rollout_pb2
+    from rollout_api import records
 
     long = "x" * 700 * round_  # round 1: > 1 KiB of prompt ids in the JSON part
     specs = [("a", 3), ("stale", 1), ("dup", 3), ("b", 2), ("c", 3)]
     return [
-        rollout_pb2.Group(
+        records.Group(
             group_id=10 * round_ + i,
             prompt_id=f"{name}{round_}{long}" if name != "dup" else "dup",
-            trajectories=[_trajectory(100 * round_ + 10 * i + j, v) for j in range(2)],
+            trajectories=tuple(_trajectory(100 * round_ + 10 * i + j, v) for j in range(2)),
         )
         for i, (name, v) in enumerate(specs)
     ]
@@ -87,7 +85,7 @@ class FakePool:
         self.pushes: list[tuple[int, str, bool]] = []
         self.acked: list = []
 
-    def pull(self, max_groups: int, timeout_s: float) -> list:
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
         n = min(max_groups, 2)
         out, self.queue = self.queue[:n], self.queue[n:]
         return out

@@ -1,5 +1,6 @@
-"""Batch assembly: alignment, fixed shapes, lag tagging, the staleness policy, advantages, and the
-counts that reach ``BatchStats`` on the live path (``pulling.next_batch``)."""
+"""Batch assembly: alignment, fixed shapes, lag tagging, the staleness policy, the rewards and group
+ids the step turns into advantages, and the counts that reach ``BatchStats`` on the live path
+(``pulling.next_batch``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from rollout_api.proto import rollout_pb2
+from rollout_api import records
+from sat_jax import train_step
 from train import batching, pulling
 
 L, K = 2, 2
@@ -20,22 +22,21 @@ def make_group(
     versions: list[list[int]],
     *,
     prompt: tuple[int, ...] = (1, 5, 6),
-) -> rollout_pb2.Group:
+) -> records.Group:
     trajs = []
     for i, (reward, vs) in enumerate(zip(rewards, versions, strict=True)):
         c = len(vs)
-        ids = np.full((len(prompt) + c, L, K), 3 + i, np.uint8)
         trajs.append(
-            rollout_pb2.Trajectory(
-                prompt_ids=list(prompt),
-                completion_ids=[10 + j for j in range(c)],
-                behavior_logprobs=[-0.5 - j for j in range(c)],
-                versions=vs,
-                routing=rollout_pb2.Routing(data=ids.tobytes(), shape=ids.shape, dtype="uint8"),
+            records.Trajectory(
+                prompt_ids=np.array(prompt, np.int32),
+                completion_ids=np.arange(10, 10 + c, dtype=np.int32),
+                behavior_logprobs=-0.5 - np.arange(c, dtype=np.float32),
+                versions=np.array(vs, np.int64),
+                routing=np.full((len(prompt) + c, L, K), 3 + i, np.uint8),
                 reward=reward,
             )
         )
-    return rollout_pb2.Group(group_id=group_id, prompt_id=f"p{group_id}", trajectories=trajs)
+    return records.Group(group_id=group_id, prompt_id=f"p{group_id}", trajectories=tuple(trajs))
 
 
 def spec(**kw) -> batching.BatchSpec:
@@ -68,9 +69,22 @@ def assemble(groups, batch_spec, *, trainer_version, min_version=0, seen=()):
     return batching.assemble_batch(selection, batch_spec, trainer_version=trainer_version)
 
 
+def advantages(batch, batch_spec) -> np.ndarray:
+    """[R, T] the advantages the train step computes from the batch's rewards and group ids."""
+    with_adv = train_step.with_advantages(
+        batch, estimator=batch_spec.estimator, normalize_std=batch_spec.normalize_std
+    )
+    return np.asarray(with_adv.advantages)
+
+
 def test_alignment_shapes_and_advantages():
     groups = [make_group(7, [1.0, 0.0], [[5, 5], [5, 5, 5]])]
     batch, stats = assemble(groups, spec(), trainer_version=5)
+    # Per-row rewards and group ids (-1: padding rows); the step derives the advantages.
+    assert batch.advantages is None
+    np.testing.assert_array_equal(batch.rewards, [1, 0, 0, 0, 0, 0])
+    np.testing.assert_array_equal(batch.group_ids, [0, 0, -1, -1, -1, -1])
+    assert batch.rewards.dtype == np.float32 and batch.group_ids.dtype == np.int32
     assert batch.tokens.shape == (6, 10) and batch.routing.shape == (6, 10, L, K)
     np.testing.assert_array_equal(batch.tokens[0, :5], [1, 5, 6, 10, 11])
     np.testing.assert_array_equal(batch.loss_mask[0], [0, 0, 0, 1, 1, 0, 0, 0, 0, 0])
@@ -78,9 +92,10 @@ def test_alignment_shapes_and_advantages():
     np.testing.assert_allclose(batch.behavior_logp[1, 3:6], [-0.5, -1.5, -2.5])
     # GRPO with std normalization: rewards (1, 0) → ±0.5/(std + eps), std = 1/√2 (ddof = 1).
     a = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6)
-    np.testing.assert_allclose(batch.advantages[0, 3:5], [a, a], rtol=1e-5)
-    np.testing.assert_allclose(batch.advantages[1, 3:6], [-a] * 3, rtol=1e-5)
-    assert np.all(batch.advantages[batch.loss_mask == 0] == 0)
+    adv = advantages(batch, spec())
+    np.testing.assert_allclose(adv[0, 3:5], [a, a], rtol=1e-5)
+    np.testing.assert_allclose(adv[1, 3:6], [-a] * 3, rtol=1e-5)
+    assert np.all(adv[batch.loss_mask == 0] == 0)
     assert np.all(batch.loss_mask[2:] == 0)  # padding rows
     assert batch.routing[1, 0, 0, 0] == 4 and batch.routing.dtype == np.uint8
     np.testing.assert_array_equal(batch.routing[4, 0, 0], [0, 1])  # padding: a valid set
@@ -121,7 +136,7 @@ def test_lag_histogram_last_bin_collects_old_tokens():
 
 def test_equal_rewards_give_zero_advantage_and_empty_batch_is_all_padding():
     batch, _ = assemble([make_group(1, [1, 1], [[2], [2]])], spec(), trainer_version=2)
-    assert np.all(batch.advantages == 0)
+    assert np.all(advantages(batch, spec()) == 0)
     batch, stats = assemble([], spec(routing_lk=None), trainer_version=0)
     assert batch.routing is None and batch.loss_mask.sum() == 0 and stats.lag_max == 0
 
@@ -155,7 +170,7 @@ def test_duplicates_and_counts_reach_the_stats():
         make_group(2, [1, 0], [[9], [9]]),  # trained recently: a duplicate
         make_group(3, [1, 0], [[5], [9]]),  # lag 4: stale
     ]
-    _, stats = assemble(groups, spec(), trainer_version=9, seen={batching.group_key(groups[1])})
+    _, stats = assemble(groups, spec(), trainer_version=9, seen={groups[1].key})
     assert (stats.groups, stats.stale_dropped, stats.duplicates) == (1, 1, 1)
     assert stats.prompt_ids == ("p1",)
 
@@ -163,9 +178,8 @@ def test_duplicates_and_counts_reach_the_stats():
 def test_a_prompt_trained_recently_may_come_again_as_a_new_group():
     """A dataset smaller than the run repeats its prompts: only the group's name is a duplicate."""
     first = make_group(1, [1, 0], [[9], [9]])
-    again = make_group(1, [1, 0], [[9], [9]])
-    again.group_id = 77  # the same prompt "p1", a new group
-    _, stats = assemble([again], spec(), trainer_version=9, seen={batching.group_key(first)})
+    again = dataclasses.replace(first, group_id=77)  # the same prompt "p1", a new group
+    _, stats = assemble([again], spec(), trainer_version=9, seen={first.key})
     assert (stats.groups, stats.duplicates) == (1, 0)
 
 
@@ -177,9 +191,7 @@ def test_selections_add_up_in_pull_order():
         min_version=0,
     )
     g3 = make_group(3, [1, 0], [[9], [9]])
-    b = batching.select_groups(
-        [g3], spec(), trainer_version=9, min_version=0, seen_groups={batching.group_key(g3)}
-    )
+    b = batching.select_groups([g3], spec(), trainer_version=9, min_version=0, seen_groups={g3.key})
     both = batching.Selection.empty() + a + b
     assert [g.prompt_id for g in both.kept] == ["p1"]
     assert (both.stale_dropped, both.stale_kept, both.duplicates) == (1, 0, 1)
@@ -194,14 +206,14 @@ def test_too_many_groups_are_rejected():
 
 
 def test_stats_json_round_trip():
-    """What the multi-host broadcast does: the JSON of the stats and the lags as [R, T]."""
+    """What the multi-host broadcast does: the JSON of the stats, and the flat lags padded to
+    R · T as int32, cut back to the batch's trained tokens."""
     groups = [make_group(1, [1, 0], [[7, 9], [8]]), make_group(2, [0.25, 0], [[9], [9]])]
     batch, stats = assemble(groups, spec(stale_policy="keep"), trainer_version=9, seen={"x"})
-    lag_bt = np.zeros(batch.tokens.shape, np.int32)
-    lag_bt[batch.loss_mask > 0] = stats.lags
-    back = batching.BatchStats.from_json(
-        stats.to_json(), lags=batching.token_lags(lag_bt, batch.loss_mask)
-    )
+    padded = np.zeros(batch.tokens.size, np.int32)
+    padded[: stats.lags.size] = stats.lags
+    tokens = int(np.count_nonzero(batch.loss_mask))
+    back = batching.BatchStats.from_json(stats.to_json(), lags=padded[:tokens].astype(np.int64))
     assert dataclasses.replace(back, lags=None) == dataclasses.replace(stats, lags=None)
     np.testing.assert_array_equal(back.lags, stats.lags)
     assert back.lags.dtype == np.int64 and (back.lag_max, back.stale_kept) == (2, 1)
@@ -239,13 +251,14 @@ def test_a_batch_of_short_rows_gets_a_short_shape_and_its_pad_frac():
     groups = [make_group(1, [1, 0], [[1, 1], [1, 1, 1]])]
     batch, stats = assemble(groups, spec(length_bucket=4), trainer_version=1)
     assert batch.tokens.shape == (6, 8) and batch.routing.shape == (6, 8, L, K)
-    assert batch.loss_mask.shape == batch.advantages.shape == batch.behavior_logp.shape == (6, 8)
+    adv = advantages(batch, spec(length_bucket=4))
+    assert batch.loss_mask.shape == adv.shape == batch.behavior_logp.shape == (6, 8)
     assert stats.pad_frac == pytest.approx(1 - 11 / 48)
     full, full_stats = assemble(groups, spec(), trainer_version=1)
     assert full.tokens.shape == (6, 10) and full_stats.pad_frac == pytest.approx(1 - 11 / 60)
     for short, long in zip(
-        (batch.tokens, batch.loss_mask, batch.behavior_logp, batch.advantages, batch.routing),
-        (full.tokens, full.loss_mask, full.behavior_logp, full.advantages, full.routing),
+        (batch.tokens, batch.loss_mask, batch.behavior_logp, adv, batch.routing),
+        (full.tokens, full.loss_mask, full.behavior_logp, advantages(full, spec()), full.routing),
         strict=True,
     ):
         np.testing.assert_array_equal(short, long[:, :8])
@@ -290,3 +303,44 @@ def test_bucketed_batch_trains_like_the_capacity_padded_one():
         np.testing.assert_allclose(short_m[key], long_m[key], rtol=1e-5, atol=1e-6, err_msg=key)
     for got, want in zip(jax.tree.leaves(short_params), jax.tree.leaves(long_params), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_lags_are_the_trained_tokens_in_row_major_order():
+    """``BatchStats.lags`` (built once, flat) lines up with ``batch.loss_mask > 0``."""
+    groups = [make_group(1, [1, 0], [[7, 9], [8]]), make_group(2, [0.25, 0], [[9, 6], [9]])]
+    batch, stats = assemble(groups, spec(stale_policy="keep"), trainer_version=9)
+    lag_bt = np.zeros(batch.tokens.shape, np.int64)  # by hand: row r, completion position t
+    for r, traj in enumerate(t for g in groups for t in g.trajectories):
+        p = len(traj.prompt_ids)
+        lag_bt[r, p : p + len(traj.versions)] = 9 - traj.versions
+    np.testing.assert_array_equal(stats.lags, lag_bt[batch.loss_mask > 0])
+    assert stats.lags.dtype == np.int64 and stats.lags.size == stats.tokens
+
+
+@pytest.mark.parametrize("routing_lk", [(L, K), None])
+@pytest.mark.parametrize("bucket", [4, 0])
+def test_empty_batch_has_the_shapes_of_its_bucket(routing_lk, bucket):
+    """What a process receiving a broadcast batch fills: derived from the spec and the length."""
+    import jax
+
+    s = spec(routing_lk=routing_lk, length_bucket=bucket, routing_dtype="uint16")
+    batch, _ = assemble([make_group(1, [1, 0], [[1] * 4, [1]])], s, trainer_version=1)
+    empty = batching.empty_batch(s, batch.tokens.shape[1])
+    got, want = jax.tree.flatten(empty), jax.tree.flatten(batch)
+    assert got[1] == want[1]  # the same fields set (routing or not)
+    for x, y in zip(got[0], want[0], strict=True):
+        assert (x.shape, x.dtype) == (y.shape, y.dtype)
+    assert empty.loss_mask.sum() == 0 and not empty.tokens.any()
+    if routing_lk is not None:
+        np.testing.assert_array_equal(empty.routing[3, 2, 1], np.arange(K))  # a valid set
+
+
+def test_invalid_and_repeated_groups_are_counted_in_pull_order():
+    """An ``InvalidGroup`` (refused where it was pulled) is counted and never kept; a key that
+    comes twice in one pull is a duplicate the second time."""
+    g1, g2 = make_group(1, [1, 0], [[9], [9]]), make_group(2, [1, 0], [[9], [9]])
+    bad = records.InvalidGroup(group_id=3, prompt_id="p3", server_id="", problem="token id 99")
+    selection = batching.select_groups([g1, bad, g2, g1], spec(), trainer_version=9, min_version=0)
+    assert [g.key for g in selection.kept] == ["/1", "/2"]
+    assert (selection.invalid, selection.duplicates, selection.stale_dropped) == (1, 1, 0)
+    assert [g.key for g in selection.pulled] == ["/1", "/3", "/2", "/1"]

@@ -117,3 +117,15 @@ def test_url_checkpoint_dir_reaches_orbax_unchanged(tmp_path, monkeypatch):
     # Local paths still become absolute (orbax needs them so).
     checkpointing.Checkpointer("rel/ckpt", keep=2).close()
     assert opened[-1] == str(tmp_path / "rel" / "ckpt")
+
+
+def test_the_checkpoint_part_opens_its_directory_and_keeps_its_number(tmp_path, state_and_mesh):
+    state, _ = state_and_mesh
+    cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.keep_checkpoints=2"])
+    progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 1))
+    with checkpointing.Checkpointer.from_config(cfg.train.checkpoints, str(tmp_path)) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, state, progress)
+        assert ckpt.all_steps() == [2, 3]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "3"]
+    assert setup.run_paths(cfg)[1] == str(tmp_path / "checkpoints")

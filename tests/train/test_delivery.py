@@ -9,8 +9,8 @@ import grpc
 import numpy as np
 import pytest
 
+from rollout_api import records
 from rollout_api.proto import rollout_pb2
-from rollout_api.routing_codec import encode_routing
 from tests.train.test_batching import spec
 from tests.train.test_remote import FakeRollout, pool, serve
 from train import batching, checkpointing, pulling
@@ -18,29 +18,29 @@ from train import batching, checkpointing, pulling
 VOCAB, EXPERTS = 64, 8
 
 
-def _group(group_id: int, *, token: int = 5, expert: int = 1) -> rollout_pb2.Group:
-    trajs = [
-        rollout_pb2.Trajectory(
-            prompt_ids=[1, token],
-            completion_ids=[7],
-            behavior_logprobs=[-0.5],
-            versions=[3],
-            routing=encode_routing(np.full((3, 2, 2), expert, np.uint8)),
+def _group(group_id: int, *, token: int = 5, expert: int = 1) -> records.Group:
+    trajs = tuple(
+        records.Trajectory(
+            prompt_ids=np.array([1, token], np.int32),
+            completion_ids=np.array([7], np.int32),
+            behavior_logprobs=np.array([-0.5], np.float32),
+            versions=np.array([3], np.int64),
+            routing=np.full((3, 2, 2), expert, np.uint8),
             reward=float(i),
         )
         for i in range(2)
-    ]
-    return rollout_pb2.Group(
+    )
+    return records.Group(
         server_id="srv", group_id=group_id, prompt_id=f"p{group_id}", trajectories=trajs
     )
 
 
 class ScriptedRollout(FakeRollout):
-    """Serves `groups` in order (at most `max_groups` a Pull) and records what clients send."""
+    """Serves `groups` (records) in order (at most `max_groups` a Pull) and records what clients send."""
 
     def __init__(self, groups):
         super().__init__()
-        self.groups = list(groups)
+        self.groups = [records.to_proto(g) for g in groups]  # as a server queues them
         self.metadata: list[tuple[str, str]] = []
         self.pull_acks: list[list[int]] = []
         self.pull_rejects: list[list[int]] = []

@@ -16,7 +16,6 @@ from flax import nnx
 
 from sat_jax.experiment import load_config
 from sat_jax.model import hf, make_tiny
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from sat_jax.train_step import create_train_state
 from train import checkpointing, eval_cli, export, setup
@@ -33,7 +32,7 @@ def _save_checkpoint(cfg, step: int, shift: float) -> dict:
     else:
         _, params = sharding.init_sharded(cfg.model, mesh, 0)
     params = jax.tree.map(lambda x: x + shift, params)
-    optimizer = make_optimizer(cfg.train)
+    optimizer = cfg.train.optimizer.make()
     state = create_train_state(cfg.model, optimizer, mesh, params)
     progress = checkpointing.Progress(version=step, min_version=1, rng_key=(0, 0))
     with checkpointing.Checkpointer(setup.run_paths(cfg)[1], keep=3) as ckpt:
@@ -51,6 +50,7 @@ def hf_run(tmp_path_factory):
     return root, overrides, params
 
 
+@pytest.mark.slow  # export, then the model in transformers (torch)
 def test_export_round_trip_and_transformers(hf_run, capsys):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -111,6 +111,7 @@ def test_export_python_m_form(tmp_path):
     assert run.stderr.strip().splitlines() == ["sat-export: model.bogus: unknown key"]
 
 
+@pytest.mark.slow  # evaluation end to end, twice, and an export
 def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
     overrides = [f"train.run_dir={tmp_path / 'run'}", "server.slots=4"]
     config = str(ROOT / "configs" / "arith_tiny.yaml")

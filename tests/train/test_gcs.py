@@ -112,6 +112,7 @@ def object_names(url: str, prefix: str) -> list[str]:
             return names
 
 
+@pytest.mark.slow  # a GCS emulator process
 @pytest.mark.timeout(300)
 def test_checkpoint_round_trip_through_gcs_emulator(emulator, tmp_path):
     out = tmp_path / "facts.json"

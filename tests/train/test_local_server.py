@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+from tests.clock import wait_until
+
 PARENT = """
 import subprocess, sys, time
 from train.local_server import _EXEC_WITH_PDEATHSIG
@@ -26,12 +28,18 @@ def _alive(pid: int) -> bool:
         return f.read().split()[2] != "Z"
 
 
+def _exec_done(pid: int) -> bool:
+    """Whether the child runs the exec'd command (its argv is the sleep's alone)."""
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().split(b"\0")[1:3] == [b"-c", b"import time; time.sleep(120)"]
+
+
 def test_child_gets_sigterm_when_the_parent_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     child = None
     try:
         child = int(parent.stdout.readline())
-        time.sleep(1.0)  # let the child reach its exec
+        wait_until(lambda: _exec_done(child))  # PDEATHSIG is set before the exec
         assert _alive(child)
         parent.send_signal(signal.SIGKILL)
         parent.wait(10)

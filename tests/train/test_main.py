@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from rollout_api.proto import rollout_pb2
+from rollout_api.records import Group, Trajectory
 from sat_jax.experiment import load_config
 from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState
@@ -234,7 +234,6 @@ def _loop_parts(cfg, pool, pusher, writer, step_fn, *, ckpt=None) -> main.LoopPa
         writer=writer,
         graphdef=None,
         step_fn=step_fn,
-        ref_logp_fn=None,
         mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
         spec=setup.batch_spec(cfg),
     )
@@ -291,34 +290,34 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
 
 
 class FakePool:
-    """Serves groups whose tokens carry the version last pushed. A push sleeps ``push_s`` (so a
-    loop that did not wait for it would pull before it lands) and, when ``gate`` is given, first
-    waits for it to be set."""
+    """Serves groups whose tokens carry the version last pushed. When ``gate`` is given a push
+    first waits for it to be set; with ``gate_each_push`` it clears it again, so the next push
+    waits for the next set."""
 
-    def __init__(self, push_s: float, gate: threading.Event | None = None):
-        self.push_s = push_s
+    def __init__(self, gate: threading.Event | None = None, *, gate_each_push: bool = False):
         self.gate = gate
+        self.gate_each_push = gate_each_push
         self.version = 1
         self.events: list[tuple[str, int]] = []
         self.next_id = 0
         self.acked: list[int] = []
 
-    def pull(self, max_groups: int, timeout_s: float) -> list[rollout_pb2.Group]:
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list[Group]:
         self.events.append(("pull", self.version))
         groups = []
         for _ in range(max_groups):
-            trajectories = [
-                rollout_pb2.Trajectory(
-                    prompt_ids=[1, 5, 6],
-                    completion_ids=[7, 2],
-                    behavior_logprobs=[-1.0, -0.5],
-                    versions=[self.version] * 2,
+            trajectories = tuple(
+                Trajectory(
+                    prompt_ids=np.array([1, 5, 6], np.int32),
+                    completion_ids=np.array([7, 2], np.int32),
+                    behavior_logprobs=np.array([-1.0, -0.5], np.float32),
+                    versions=np.full(2, self.version, np.int64),
                     reward=float(i),
                 )
                 for i in range(2)
-            ]
+            )
             groups.append(
-                rollout_pb2.Group(
+                Group(
                     group_id=self.next_id, prompt_id=f"p{self.next_id}", trajectories=trajectories
                 )
             )
@@ -331,12 +330,28 @@ class FakePool:
     def flush_acks(self) -> None:
         pass
 
+    def metrics(self) -> dict[str, float]:
+        return {"servers_up": 1}
+
     def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
         if self.gate is not None:
-            assert self.gate.wait(120), "the push was never released: the loop waited for it"
-        time.sleep(self.push_s)
+            assert self.gate.wait(120), "the push was never released"
+            if self.gate_each_push:
+                self.gate.clear()
         self.version = version
         self.events.append(("push", version))
+
+
+class AnnouncingPusher(weight_sync.WeightPusher):
+    """A WeightPusher that sets ``waiting`` whenever the loop waits for its pushes."""
+
+    def __init__(self, push, waiting: threading.Event):
+        super().__init__(push)
+        self.waiting = waiting
+
+    def wait(self) -> None:
+        self.waiting.set()
+        super().wait()
 
 
 def _step_opening(gate: threading.Event, at_call: int):
@@ -368,10 +383,10 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         ],
     )
     # Async: the first push is held until the loop runs its last step, which it reaches only if
-    # it never waits for a push. Sync: pushes are slow enough that a loop not waiting for one
-    # would pull before it landed.
-    gate = threading.Event()
-    pool = FakePool(0.2, gate) if mode == "async" else FakePool(0.2)
+    # it never waits for a push. Sync: each push is held until the loop waits for it, so a loop
+    # that did not wait would pull before the push landed.
+    gate, waiting = threading.Event(), threading.Event()
+    pool = FakePool(gate) if mode == "async" else FakePool(waiting, gate_each_push=True)
     state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     pushed = []
@@ -380,8 +395,9 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         pushed.append(version)
         pool.update_weights(version, "unused")
 
+    pusher = weight_sync.WeightPusher(push) if mode == "async" else AnnouncingPusher(push, waiting)
     with (
-        weight_sync.WeightPusher(push) as pusher,
+        pusher,
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
         parts = _loop_parts(cfg, pool, pusher, writer, _step_opening(gate, steps))
@@ -423,7 +439,8 @@ def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path
             "train.checkpoint_every=100",
         ],
     )
-    pool = FakePool(0.0)
+    waiting = threading.Event()
+    pool = FakePool(waiting, gate_each_push=True)  # a push lands once the loop waits for it
     calls = []
 
     def step_fn(state, batch):  # the second call is skipped (as train_step does on a NaN)
@@ -436,7 +453,7 @@ def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path
     state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
     with (
-        weight_sync.WeightPusher(lambda v, p: pool.update_weights(v, "unused")) as pusher,
+        AnnouncingPusher(lambda v, p: pool.update_weights(v, "unused"), waiting) as pusher,
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
         parts = _loop_parts(cfg, pool, pusher, writer, step_fn)

@@ -4,15 +4,17 @@ message size limit (server.max_message_bytes) reaching the trainer's channel."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-import time
 from concurrent import futures
 
 import grpc
 import portpicker
 import pytest
 
+from rollout_api import records
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
+from tests.clock import FakeClock
 from train.remote import MessageTooLargeError, ServerPool, ServersDownError
 
 MiB = 1024 * 1024
@@ -34,9 +36,10 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
     def Pull(self, request, context):
         groups = []
         for _ in range(request.max_groups):
-            traj = rollout_pb2.Trajectory(
-                routing=rollout_pb2.Routing(data=b"\x01" * self.payload_bytes)
-            )
+            # One prompt token whose routing is `payload_bytes` expert ids ([1, 1, payload]).
+            n = self.payload_bytes
+            routing = rollout_pb2.Routing(data=b"\x01" * n, shape=[1, 1, n], dtype="uint8")
+            traj = rollout_pb2.Trajectory(prompt_ids=[1], routing=routing if n else None)
             groups.append(
                 rollout_pb2.Group(
                     group_id=self.next_id, prompt_id=f"p{self.next_id}", trajectories=[traj]
@@ -89,7 +92,19 @@ def test_pull_skips_a_down_server_with_a_log_line(fake, caplog):
         with caplog.at_level(logging.WARNING, logger="train"):
             groups = p.pull(3, timeout_s=0.1)
         assert [g.prompt_id for g in groups] == ["p0", "p1", "p2"]
+        assert all(isinstance(g, records.Group) for g in groups)  # decoded where pulled
         assert f"rollout server {dead} is down" in caplog.text
+
+
+def test_pull_decodes_and_validates_against_the_limits(fake):
+    servicer, address = fake
+    limits = records.GroupLimits(vocab_size=1, num_experts=1, routing_lk=None)
+    with pool([address]) as p:
+        [bad] = p.pull(1, timeout_s=0.1, limits=limits)  # its prompt id 1 is past the vocab
+        [good] = p.pull(1, timeout_s=0.1, limits=dataclasses.replace(limits, vocab_size=2))
+    assert isinstance(bad, records.InvalidGroup) and bad.key == "/0"
+    assert "trajectory 0: prompt token id 1 outside [0, 1)" in bad.problem
+    assert isinstance(good, records.Group) and good.trajectories[0].prompt_ids.tolist() == [1]
 
 
 def test_update_weights_reaches_every_server_and_refusals_raise(fake):
@@ -111,17 +126,23 @@ def test_update_weights_reaches_every_server_and_refusals_raise(fake):
 
 def test_gives_up_when_every_server_stays_down():
     dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
-    with pool([dead], server_wait_s=1.0) as p:
+    clock = FakeClock()
+    kw = dict(server_wait_s=1.0, retry_max_s=0.25, clock=clock, sleep=clock.sleep)
+    with pool([dead], **kw) as p:
         with pytest.raises(ServersDownError, match="no rollout server answered"):
             p.pull(1, timeout_s=0.1)
+    # Retried (waits capped at retry_max_s) until just past server_wait_s, then no longer.
+    assert max(clock.sleeps) == 0.25 and sum(clock.sleeps[:-1]) <= 1.0 < sum(clock.sleeps)
 
 
 def test_server_wait_counts_from_the_first_failure_not_the_last_answer():
     """A pool idle for longer than server_wait_s still retries a server that just went down."""
     dead = f"127.0.0.1:{portpicker.pick_unused_port()}"
     retries = []
-    with pool([dead], server_wait_s=0.5, on_retry=lambda: retries.append(1)) as p:
-        time.sleep(0.6)  # idle: no call in flight, so nothing has failed yet
+    clock = FakeClock()
+    kw = dict(server_wait_s=0.5, on_retry=lambda: retries.append(1), clock=clock)
+    with pool([dead], sleep=clock.sleep, **kw) as p:
+        clock.advance(0.6)  # idle: no call in flight, so nothing has failed yet
         with pytest.raises(ServersDownError):
             p.pull(1, timeout_s=0.1)
     assert len(retries) >= 2
@@ -146,4 +167,4 @@ def test_a_reply_over_the_message_limit_fails_at_once_naming_the_setting(large, 
     assert "larger than max" in str(info.value) and "is down" not in caplog.text
     with pool([large], max_message_bytes=8 * MiB) as p:
         [group] = p.pull(1, timeout_s=0.1)
-    assert len(group.trajectories[0].routing.data) == 2 * MiB
+    assert group.trajectories[0].routing.nbytes == 2 * MiB

@@ -1,5 +1,6 @@
 """train.setup: what the trainer builds from a config (optimizer, paths, base policy, batch shape,
-sampleable ids, reference log-probs, and the server pool, live against a fake Rollout service)."""
+sampleable ids, and the server pool, live against a fake Rollout service). The reference policy's
+log-probs are the train step's (tests/sat_jax/test_microbatches.py)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from sat_jax import sampler
 from sat_jax.experiment import load_config
-from sat_jax.optimizer import make_optimizer
 from sat_jax.parallel import sharding
 from tests.train.test_remote import FakeRollout, serve
 from train import remote, setup
@@ -28,7 +27,7 @@ def test_optimizer_warms_the_learning_rate_up_from_0():
             "train.learning_rate=0.5",
         ],
     )
-    opt = make_optimizer(cfg.train)
+    opt = cfg.train.optimizer.make()
     params = {"w": np.zeros(2, np.float32)}
     state = opt.init(params)
     grads = {"w": np.asarray([3.0, 4.0], np.float32)}
@@ -93,18 +92,6 @@ def test_batch_spec_and_sampleable_mask_come_from_the_config():
     assert mask.sum() == len(cfg.task.alphabet) + 1
 
 
-def test_reference_logprobs_are_the_base_policy_over_the_sampleable_ids():
-    cfg = load_config(None, [])
-    mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
-    graphdef, params = sharding.init_sharded(cfg.model, mesh, 0)
-    mask = setup.sampleable_mask(cfg)
-    tokens = np.random.default_rng(0).integers(2, 20, (2, 9)).astype(np.int32)
-    ref = setup.make_ref_logp(graphdef, params, mesh, 0.8, mask)(tokens)
-    expected = sampler.logprobs(graphdef, params, tokens, None, 0.8, mask)
-    assert isinstance(ref, np.ndarray) and ref.shape == tokens.shape
-    np.testing.assert_allclose(ref, np.asarray(expected), rtol=0, atol=1e-6)
-
-
 class _Recorder:
     def __init__(self):
         self.kwargs = None
@@ -127,6 +114,8 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path
             "server.token=s3cret",
             "train.retry_max_s=2.5",
             "train.server_wait_s=42",
+            "train.server_grace_s=3",
+            f"train.servers_file={tmp_path / 'servers'}",
             f"train.tls_ca={ca}",
         ],
     )
@@ -139,6 +128,9 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path
         max_message_bytes=3 * MiB,
         retry_max_s=2.5,
         server_wait_s=42.0,
+        grace_s=3.0,
+        servers_file=str(tmp_path / "servers"),
+        background=True,
         on_retry=None,
     )
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from sat_jax.experiment import TaskConfig
+from sat_jax.experiment import TaskConfig, TrainConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt
@@ -42,3 +42,10 @@ def test_warmup_learns_and_is_cached(model, tmp_path):
     problems = evaluation.held_out_problems(TASK, 16)
     texts = evaluation.greedy_completions(graphdef, tuned, problems, TOKENIZER, max_new_tokens=6)
     assert sum(t.lstrip("-").isdigit() for t in texts) >= 8, texts
+
+
+def test_run_without_warmup_steps_returns_the_params_and_caches_nothing(tmp_path):
+    part = TrainConfig(warmup_sft_steps=0, sft_cache_dir=str(tmp_path / "cache")).warmup
+    params = {"w": np.zeros(2, np.float32)}
+    assert warmup.run(part, MODEL_CFG, TASK, params, seq_len=16) is params
+    assert not (tmp_path / "cache").exists()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from sat_jax import params_io
+from tests.clock import wait_until
 from train.weight_sync import KEEP_WEIGHTS, WeightPusher, host_copy, push_weights
 
 
@@ -149,6 +150,19 @@ def test_host_copy_casts_floats_to_the_serving_dtype():
     np.testing.assert_array_equal(np.asarray(copy["w"]), want)
 
 
+def _threads_waiting(pusher: WeightPusher) -> set[threading.Thread]:
+    """The threads that have waited on `pusher`'s condition from now on (a blocked `submit`)."""
+    waiting: set[threading.Thread] = set()
+    wait = pusher._cond.wait
+
+    def recording_wait(timeout=None):
+        waiting.add(threading.current_thread())
+        return wait(timeout)
+
+    pusher._cond.wait = recording_wait
+    return waiting
+
+
 def test_without_superseding_every_version_is_pushed_in_order():
     push = Recorder(blocking=True)
     with WeightPusher(push, supersede=False) as pusher:
@@ -156,8 +170,9 @@ def test_without_superseding_every_version_is_pushed_in_order():
         assert push.started.wait(30)
         pusher.submit(2, "p2")  # queued behind the running v1
         third = threading.Thread(target=pusher.submit, args=(3, "p3"))
+        waiting = _threads_waiting(pusher)
         third.start()  # waits: the slot holds v2 until v1 finishes
-        third.join(timeout=0.5)
+        wait_until(lambda: third in waiting or not third.is_alive())
         assert third.is_alive() and push.pushes == []
         push.release.set()
         third.join(timeout=30)

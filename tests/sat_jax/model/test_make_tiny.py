@@ -13,6 +13,7 @@ import pytest
 from sat_jax.model import hf, make_tiny
 
 
+@pytest.mark.slow  # the make_tiny command in a process, then transformers
 def test_make_tiny_writes_a_checkpoint_and_tokenizer(tmp_path: pathlib.Path) -> None:
     transformers = pytest.importorskip("transformers")
     out = tmp_path / "tiny"

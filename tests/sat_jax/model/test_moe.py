@@ -216,7 +216,7 @@ def test_balance_loss_is_k_at_uniform_routing_and_differentiable():
     "tokens,experts,k,backend,want",
     [
         (4096, 128, 8, "gpu", "ragged"),
-        (4096, 128, 8, "tpu", "ragged"),
+        (4096, 128, 8, "tpu", "ragged"),  # no mesh, 8 devices: see test_tpu_kernels for "gmm"
         (4096, 2, 2, "cpu", "dense"),
         (4096, 64, 2, "cpu", "blocked"),
         (2, 64, 2, "cpu", "dense"),  # decoding: padded blocks would cost more than every expert

@@ -1,17 +1,25 @@
-"""sat_jax.sampler against the full forward: greedy argmax step by step, sampled tokens' log-probs
-(a float64 NumPy log-softmax over the vocab mask), recorded routing, EOS masking and padding."""
+"""The grid's in-process sampler (benchmarks/sampler.py) against the full forward: greedy argmax
+step by step, sampled tokens' log-probs (a float64 NumPy log-softmax over the vocab mask), recorded
+routing, EOS masking and padding."""
 
 from __future__ import annotations
+
+import pathlib
+import sys
 
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import sampler
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
-from sat_jax.tasks import CharTokenizer, sampleable_mask
+REPO = pathlib.Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import sampler  # noqa: E402
+
+from sat_jax.model import ModelConfig  # noqa: E402
+from sat_jax.parallel import sharding  # noqa: E402
+from sat_jax.tasks import CharTokenizer, sampleable_mask  # noqa: E402
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=24)
 TOKENIZER = CharTokenizer("0123456789+-*=() ")
@@ -110,7 +118,9 @@ def test_sampled_logprobs_and_routing_are_the_full_forward_at_the_sampled_tokens
     _, routing = nnx.merge(graphdef, params)(got_tokens, return_routing=True)
     np.testing.assert_array_equal(np.asarray(out.routing_btlk), np.asarray(routing))
     # The trainer's view of the same tokens, replaying the recorded ids, is the same policy.
-    replayed = sampler.logprobs(graphdef, params, got_tokens, out.routing_btlk, 1.0, vocab_mask)
+    replayed, _ = jax.jit(
+        lambda p, x, r: nnx.merge(graphdef, p).logprobs(x, vocab_mask=vocab_mask, replay_routing=r)
+    )(params, got_tokens, out.routing_btlk)
     np.testing.assert_allclose(np.asarray(replayed) * mask, expected, rtol=0, atol=LOGP_TOL)
 
 

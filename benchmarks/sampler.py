@@ -1,12 +1,16 @@
-"""In-process decoding by full recompute: greedy evaluation and temperature sampling.
+"""The comparison grid's in-process rollouts: decoding by full recompute (greedy or sampled).
 
-One jitted ``sample`` serves the held-out evaluation (``greedy=True``) and the comparison grid's
-in-process rollouts (temperature sampling with the behavior log-probs and expert ids recorded from
-the sampling weights, the quantities the rollout server records; docs/DESIGN.md §6). Every new
-token recomputes the whole forward: the arithmetic task's sequences are a few dozen tokens, and
-causal attention makes the padding after each row's cursor irrelevant. (The rollout server decodes
-through the KV cache instead; ``tests/sat_jax/model`` checks that both give the full forward's
-log-probs.)
+One jitted ``sample`` gives ``benchmarks/grid.py`` (and ``frontier.py``, through it) its rollouts:
+temperature sampling with the behavior log-probs and expert ids recorded from the sampling
+weights, the quantities the rollout server records (docs/DESIGN.md §6), reproducible from one PRNG
+key per batch. Every new token recomputes the whole forward: the arithmetic task's sequences are a
+few dozen tokens, and causal attention makes the padding after each row's cursor irrelevant.
+
+The project's decoder is ``sat_jax.decoding`` (KV cache, continuous batching over slots: the rollout
+server's and the evaluation's). This one lives with the benchmarks because the grid needs what
+that one does not give: a whole batch decoded at once from one key, with every position's expert
+ids (prompt included) for routing replay. Its log-probs are the trainer's
+(``Transformer.logprobs``).
 
 Dimension letters: B rows, T positions, V vocabulary, L MoE layers, K experts per token.
 """
@@ -21,8 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
-
-from sat_jax.train_step import next_token_logprobs
 
 
 @struct.dataclass
@@ -134,38 +136,9 @@ def sample(
     mask = kept.astype(jnp.float32)
     out = Completions(tokens_bt=tokens, mask_bt=mask)
     if return_logp or return_routing:
-        logp, routing = _logprobs_and_routing(model, tokens, None, temperature, vocab_mask)
+        logp, forward = model.logprobs(tokens, temperature=temperature, vocab_mask=vocab_mask)
         out = out.replace(
             logp_bt=logp * mask if return_logp else None,
-            routing_btlk=routing if return_routing else None,
+            routing_btlk=forward.routing_btlk if return_routing else None,
         )
     return out
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
-def logprobs(
-    graphdef: nnx.GraphDef,
-    params: Any,
-    tokens_bt: jax.Array,
-    replay_routing: jax.Array | None,
-    temperature: float,
-    vocab_mask: jax.Array | None,
-) -> jax.Array:
-    """[B, T] log-probs of ``tokens_bt`` (column 0 is 0) at ``temperature`` over ``vocab_mask``,
-    optionally replaying recorded expert ids ([B, T, L, K], R3): the trainer's view of a batch."""
-    model = nnx.merge(graphdef, params)
-    return _logprobs_and_routing(model, tokens_bt, replay_routing, temperature, vocab_mask)[0]
-
-
-def _logprobs_and_routing(
-    model: nnx.Module,
-    tokens_bt: jax.Array,
-    replay_routing: jax.Array | None,
-    temperature: float,
-    vocab_mask: jax.Array | None,
-) -> tuple[jax.Array, jax.Array]:
-    out = model.forward(tokens_bt, replay_routing=replay_routing)
-    logp_bt = next_token_logprobs(
-        out.logits_btv, tokens_bt, temperature=temperature, vocab_mask=vocab_mask
-    )
-    return logp_bt, out.routing_btlk

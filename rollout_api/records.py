@@ -1,0 +1,308 @@
+"""Plain typed records of the wire: a trajectory and a group as frozen dataclasses of numpy arrays.
+
+Both ends hold these, never the proto messages: the server builds them from the engine's arrays
+and converts them with `to_proto` where a finished group is queued; the trainer gets them from
+`decode_group`, where a group is pulled. Those two functions are the only places that read or
+write `rollout_pb2.Group` / `Trajectory` field by field (docs/DESIGN.md §6.2, §7.1).
+
+A record is well formed by construction (`__post_init__` checks dtypes and that the per-token
+fields line up); `decode_group` adds what depends on the trainer's model (`GroupLimits`: token
+ids inside the vocabulary, routing ids inside the experts with the model's (L, K)), once per
+group, and raises `InvalidGroupError` naming what is wrong. The trainer turns that error into an
+`InvalidGroup` (`decode_pulled`), which it counts as invalid and rejects, so the server
+generates a replacement.
+
+Shapes: P prompt tokens (BOS included), C completion tokens, T = P + C positions, L MoE layers,
+K experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable
+
+import numpy as np
+
+from rollout_api.proto import rollout_pb2
+from rollout_api.routing_codec import decode_routing, encode_routing
+
+# finish_reason of a record <-> the proto enum; "" is unspecified (or a reason this version of
+# the wire does not know: a newer server's reason is not an error).
+_FINISH_TO_PROTO = {
+    "": rollout_pb2.FINISH_REASON_UNSPECIFIED,
+    "eos": rollout_pb2.FINISH_REASON_EOS,
+    "length": rollout_pb2.FINISH_REASON_LENGTH,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+_ROUTING_DTYPES = (np.dtype(np.uint8), np.dtype(np.uint16))
+
+
+class InvalidGroupError(ValueError):
+    """A pulled group that cannot be trained; the message names the group and what is wrong."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupLimits:
+    """What a pulled group must fit: the trainer's model.
+
+    Attributes:
+      vocab_size: token ids must be in [0, vocab_size).
+      num_experts: routing ids must be in [0, num_experts).
+      routing_lk: (L, K) of the routing the trainer replays; None = it replays none, and the
+        routing is not decoded (the records carry None).
+    """
+
+    vocab_size: int
+    num_experts: int
+    routing_lk: tuple[int, int] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Trajectory:
+    """One sampled completion of a prompt.
+
+    Attributes:
+      prompt_ids: int32 [P], P >= 1, exactly the tokenizer's prompt ids (BOS included).
+      completion_ids: int32 [C], the stop id included when `finish_reason` is "eos".
+      behavior_logprobs: float32 [C], finite: the sampler's log-prob of each completion token.
+      versions: int64 [C], the weights version that produced each completion token.
+      routing: uint8 or uint16 [P + C, L, K] expert ids of every position, or None.
+      reward: finite.
+      finish_reason: "eos", "length" or "" (unspecified).
+      completion_text: the completion decoded (special tokens skipped).
+
+    Raises:
+      ValueError: a field of the wrong dtype or rank, per-token fields of different lengths,
+        an empty prompt, a non-finite log-prob or reward, an unknown finish reason.
+    """
+
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    behavior_logprobs: np.ndarray
+    versions: np.ndarray
+    routing: np.ndarray | None = None
+    reward: float = 0.0
+    finish_reason: str = ""
+    completion_text: str = ""
+
+    def __post_init__(self):
+        _check_vector("prompt_ids", self.prompt_ids, np.int32)
+        _check_vector("completion_ids", self.completion_ids, np.int32)
+        _check_vector("behavior_logprobs", self.behavior_logprobs, np.float32)
+        _check_vector("versions", self.versions, np.int64)
+        if self.prompt_ids.size == 0:
+            raise ValueError("prompt_ids is empty (a trajectory starts with its prompt)")
+        c = self.completion_ids.size
+        if self.behavior_logprobs.size != c or self.versions.size != c:
+            raise ValueError(
+                f"{c} completion tokens but {self.behavior_logprobs.size} behavior log-probs and "
+                f"{self.versions.size} versions"
+            )
+        if not np.isfinite(self.behavior_logprobs).all():
+            raise ValueError("a behavior log-prob is not finite")
+        if not math.isfinite(self.reward):
+            raise ValueError(f"reward {self.reward} is not finite")
+        if self.finish_reason not in _FINISH_TO_PROTO:
+            raise ValueError(f"unknown finish_reason {self.finish_reason!r}")
+        if self.routing is not None:
+            r = self.routing
+            if not isinstance(r, np.ndarray) or r.ndim != 3 or r.dtype not in _ROUTING_DTYPES:
+                raise ValueError(
+                    f"routing must be a uint8/uint16 array [P + C, L, K], got "
+                    f"{getattr(r, 'dtype', type(r).__name__)} of shape {np.shape(r)}"
+                )
+            if r.shape[0] != self.num_tokens:
+                raise ValueError(
+                    f"routing has {r.shape[0]} positions, expected P + C = "
+                    f"{self.prompt_ids.size} + {c}"
+                )
+
+    @property
+    def num_tokens(self) -> int:
+        """T = P + C, the positions of the trajectory."""
+        return self.prompt_ids.size + self.completion_ids.size
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class Group:
+    """The trajectories of one prompt, as the server finished them.
+
+    Attributes:
+      group_id: the server's id of the group.
+      prompt_id: the prompt's stable id (across restarts).
+      prompt_text, answer: the prompt and its reference answer.
+      server_id: the random id of the server's persisted state.
+      trajectories: the group's samples.
+    """
+
+    group_id: int
+    prompt_id: str
+    prompt_text: str = ""
+    answer: str = ""
+    server_id: str = ""
+    trajectories: tuple[Trajectory, ...] = ()
+
+    @property
+    def key(self) -> str:
+        """The group's name, unique across servers and their restarts: "server_id/group_id"."""
+        return group_key(self.server_id, self.group_id)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class InvalidGroup:
+    """A pulled group that `decode_group` refused: what the trainer needs to count, log and
+    reject it.
+
+    Attributes:
+      group_id, prompt_id, server_id: as in the message.
+      problem: what is wrong (the `InvalidGroupError`'s message).
+    """
+
+    group_id: int
+    prompt_id: str
+    server_id: str
+    problem: str
+
+    @property
+    def key(self) -> str:
+        """As `Group.key`."""
+        return group_key(self.server_id, self.group_id)
+
+
+def group_key(server_id: str, group_id: int) -> str:
+    """The name of a group, unique across servers and their restarts: "server_id/group_id"."""
+    return f"{server_id}/{group_id}"
+
+
+def to_proto(group: Group) -> rollout_pb2.Group:
+    """The `rollout_pb2.Group` message of a record (the server's one conversion)."""
+    return rollout_pb2.Group(
+        group_id=group.group_id,
+        prompt_id=group.prompt_id,
+        prompt_text=group.prompt_text,
+        answer=group.answer,
+        server_id=group.server_id,
+        trajectories=[_trajectory_to_proto(t) for t in group.trajectories],
+    )
+
+
+def _trajectory_to_proto(t: Trajectory) -> rollout_pb2.Trajectory:
+    # `.tolist()` then the repeated field: protobuf converts Python numbers faster than numpy
+    # scalars.
+    return rollout_pb2.Trajectory(
+        prompt_ids=t.prompt_ids.tolist(),
+        completion_ids=t.completion_ids.tolist(),
+        behavior_logprobs=t.behavior_logprobs.tolist(),
+        versions=t.versions.tolist(),
+        routing=None if t.routing is None else encode_routing(t.routing),
+        reward=t.reward,
+        finish_reason=_FINISH_TO_PROTO[t.finish_reason],
+        completion_text=t.completion_text,
+    )
+
+
+def decode_group(message: rollout_pb2.Group, limits: GroupLimits | None = None) -> Group:
+    """The record of a pulled group, validated (the trainer's one conversion).
+
+    Args:
+      message: the group as pulled.
+      limits: the trainer's model; None = check only that the group is well formed (per-token
+        lengths, dtypes, a routing that decodes to [P + C, L, K]).
+
+    Returns:
+      The `Group`, its arrays fresh (they share no memory with `message`).
+
+    Raises:
+      InvalidGroupError: naming the group, the trajectory and what is wrong: per-token fields of
+        different lengths, an empty prompt, a non-finite log-prob or reward; with `limits`, a
+        token id outside [0, vocab_size), a missing or unreadable routing, a routing of another
+        (L, K), a routing id outside [0, num_experts).
+    """
+    trajectories = []
+    for i, t in enumerate(message.trajectories):
+        try:
+            trajectories.append(_decode_trajectory(t, limits))
+        except ValueError as e:
+            raise InvalidGroupError(
+                f"group {group_key(message.server_id, message.group_id)}, trajectory {i}: {e}"
+            ) from None
+    return Group(
+        group_id=message.group_id,
+        prompt_id=message.prompt_id,
+        prompt_text=message.prompt_text,
+        answer=message.answer,
+        server_id=message.server_id,
+        trajectories=tuple(trajectories),
+    )
+
+
+def decode_pulled(
+    messages: Iterable[rollout_pb2.Group], limits: GroupLimits | None = None
+) -> list[Group | InvalidGroup]:
+    """`decode_group` of each pulled message, in order; a group it refuses becomes an
+    `InvalidGroup` carrying the error's message."""
+    out: list[Group | InvalidGroup] = []
+    for m in messages:
+        try:
+            out.append(decode_group(m, limits))
+        except InvalidGroupError as e:
+            out.append(
+                InvalidGroup(
+                    group_id=m.group_id,
+                    prompt_id=m.prompt_id,
+                    server_id=m.server_id,
+                    problem=str(e),
+                )
+            )
+    return out
+
+
+def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) -> Trajectory:
+    """One trajectory's record; ValueError names what is wrong (without the group)."""
+    prompt_ids = np.array(t.prompt_ids, np.int32)
+    completion_ids = np.array(t.completion_ids, np.int32)
+    if limits is not None:
+        for name, ids in (("prompt", prompt_ids), ("completion", completion_ids)):
+            _check_range(f"{name} token id", ids, limits.vocab_size, "the vocabulary")
+    routing = None
+    if t.HasField("routing") and (limits is None or limits.routing_lk is not None):
+        try:
+            routing = decode_routing(t.routing)
+        except ValueError as e:
+            raise ValueError(f"unreadable routing ({e})") from None
+    if limits is not None and limits.routing_lk is not None:
+        if routing is None:
+            raise ValueError("no routing (the trainer replays routing)")
+        lk = tuple(limits.routing_lk)
+        if routing.shape[1:] != lk:
+            raise ValueError(f"routing of (L, K) = {routing.shape[1:]}, expected {lk}")
+        _check_range("routing id", routing, limits.num_experts, "the experts")
+    finish = int(t.finish_reason)
+    return Trajectory(
+        prompt_ids=prompt_ids,
+        completion_ids=completion_ids,
+        behavior_logprobs=np.array(t.behavior_logprobs, np.float32),
+        versions=np.array(t.versions, np.int64),
+        routing=routing,
+        reward=float(t.reward),
+        finish_reason=_FINISH_FROM_PROTO.get(finish, ""),
+        completion_text=t.completion_text,
+    )
+
+
+def _check_vector(name: str, value: object, dtype: type) -> None:
+    if not isinstance(value, np.ndarray) or value.ndim != 1 or value.dtype != dtype:
+        raise ValueError(
+            f"{name} must be a 1-D {np.dtype(dtype)} array, got "
+            f"{getattr(value, 'dtype', type(value).__name__)} of shape {np.shape(value)}"
+        )
+
+
+def _check_range(what: str, ids: np.ndarray, upper: int, of: str) -> None:
+    """Raises ValueError naming the first of `ids` outside [0, upper)."""
+    if ids.size == 0:
+        return
+    if ids.min() < 0 or ids.max() >= upper:
+        bad = ids[(ids < 0) | (ids >= upper)].flat[0]
+        raise ValueError(f"{what} {int(bad)} outside [0, {upper}) ({of})")

@@ -1,0 +1,191 @@
+"""The wire's records: record → proto → bytes → record is the identity (routing in uint8 and
+uint16, an empty completion, no routing), and every way a pulled group can be wrong is refused
+with a message naming it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from rollout_api import records
+from rollout_api.proto import rollout_pb2
+from rollout_api.routing_codec import encode_routing
+
+L, K = 2, 3
+LIMITS = records.GroupLimits(vocab_size=50, num_experts=300, routing_lk=(L, K))
+
+
+def trajectory(
+    c: int = 2, *, dtype=np.uint8, with_routing: bool = True, **kw
+) -> records.Trajectory:
+    p = 3
+    fields = dict(
+        prompt_ids=np.array([1, 5, 6], np.int32),
+        completion_ids=np.arange(10, 10 + c, dtype=np.int32),
+        behavior_logprobs=-np.linspace(0.25, 1.0, c, dtype=np.float32),
+        versions=np.arange(c, dtype=np.int64) + 2**33,  # needs int64
+        routing=(np.arange((p + c) * L * K).reshape(p + c, L, K) % 200).astype(dtype)
+        if with_routing
+        else None,
+        reward=0.5,
+        finish_reason="eos",
+        completion_text="12",
+    )
+    return records.Trajectory(**(fields | kw))
+
+
+def group(*trajectories: records.Trajectory) -> records.Group:
+    return records.Group(
+        group_id=7,
+        prompt_id="p7",
+        prompt_text="1+2=",
+        answer="3",
+        server_id="srv",
+        trajectories=trajectories or (trajectory(),),
+    )
+
+
+def wire(g: records.Group) -> rollout_pb2.Group:
+    """``to_proto``, through bytes, as a Pull delivers it."""
+    return rollout_pb2.Group.FromString(records.to_proto(g).SerializeToString())
+
+
+def assert_same(a: records.Group, b: records.Group) -> None:
+    for f in ("group_id", "prompt_id", "prompt_text", "answer", "server_id", "key"):
+        assert getattr(a, f) == getattr(b, f), f
+    assert len(a.trajectories) == len(b.trajectories)
+    for x, y in zip(a.trajectories, b.trajectories, strict=True):
+        for f in dataclasses.fields(x):
+            u, v = getattr(x, f.name), getattr(y, f.name)
+            if isinstance(u, np.ndarray):
+                assert u.dtype == v.dtype and u.shape == v.shape, f.name
+                np.testing.assert_array_equal(u, v, err_msg=f.name)
+            else:
+                assert u == v, f.name
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16])
+def test_round_trip(dtype):
+    g = group(trajectory(dtype=dtype), trajectory(3, dtype=dtype, finish_reason="length"))
+    back = records.decode_group(wire(g), LIMITS)
+    assert_same(g, back)
+    assert back.key == "srv/7" and back.trajectories[0].routing.dtype == dtype
+    assert records.to_proto(g).trajectories[1].finish_reason == rollout_pb2.FINISH_REASON_LENGTH
+
+
+def test_an_empty_completion_round_trips():
+    g = group(trajectory(0, finish_reason="length", completion_text=""))
+    back = records.decode_group(wire(g), LIMITS)
+    assert_same(g, back)
+    t = back.trajectories[0]
+    assert t.completion_ids.shape == t.versions.shape == t.behavior_logprobs.shape == (0,)
+    assert t.routing.shape == (3, L, K) and t.num_tokens == 3
+
+
+def test_no_routing_without_replay():
+    g = group(trajectory(with_routing=False))
+    message = wire(g)
+    assert not message.trajectories[0].HasField("routing")
+    assert_same(g, records.decode_group(message))
+    # A trainer that replays no routing does not decode it (nor check it).
+    message.trajectories[0].routing.CopyFrom(rollout_pb2.Routing(data=b"junk", dtype="int8"))
+    no_replay = dataclasses.replace(LIMITS, routing_lk=None)
+    assert records.decode_group(message, no_replay).trajectories[0].routing is None
+
+
+def test_an_unknown_finish_reason_is_unspecified():
+    message = wire(group())
+    message.trajectories[0].finish_reason = 7  # a reason of a newer server
+    assert records.decode_group(message).trajectories[0].finish_reason == ""
+
+
+def _set(path: str, value):
+    """A change of the wire message: (field of trajectory 0, new value)."""
+
+    def change(t: rollout_pb2.Trajectory) -> None:
+        if isinstance(value, rollout_pb2.Routing):
+            t.routing.CopyFrom(value)
+        elif path == "clear":
+            t.ClearField(value)
+        elif isinstance(value, list):
+            del getattr(t, path)[:]
+            getattr(t, path).extend(value)
+        else:
+            setattr(t, path, value)
+
+    return change
+
+
+R = np.zeros((5, L, K), np.uint8)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (_set("completion_ids", [10, 50]), "completion token id 50 outside [0, 50) (the vocab"),
+        (_set("prompt_ids", [1, -1, 6]), "prompt token id -1 outside [0, 50)"),
+        (_set("behavior_logprobs", [-0.5]), "2 completion tokens but 1 behavior log-probs"),
+        (_set("versions", [1, 2, 3]), "but 2 behavior log-probs and 3 versions"),
+        (_set("prompt_ids", []), "prompt_ids is empty"),
+        (_set("behavior_logprobs", [-0.5, float("nan")]), "log-prob is not finite"),
+        (_set("reward", float("inf")), "reward inf is not finite"),
+        (_set("clear", "routing"), "no routing (the trainer replays routing)"),
+        (
+            _set("", rollout_pb2.Routing(data=b"\0" * 3, shape=[1, 1, 2], dtype="uint8")),
+            "unreadable routing (routing data has 3 bytes",
+        ),
+        (
+            _set("", rollout_pb2.Routing(data=b"\0" * 4, shape=[2, 2], dtype="uint8")),
+            "unreadable routing (routing shape must be [T, L, K]",
+        ),
+        (_set("", encode_routing(np.zeros((4, L, K), np.uint8))), "routing has 4 positions"),
+        (_set("", encode_routing(np.zeros((5, L, K + 1), np.uint8))), "(L, K) = (2, 4), expect"),
+        (
+            _set("", encode_routing(np.full((5, L, K), 300, np.uint16))),
+            "routing id 300 outside [0, 300) (the experts)",
+        ),
+    ],
+)
+def test_every_invalid_group_is_refused_naming_what_is_wrong(change, message):
+    m = wire(group(trajectory(), trajectory()))
+    change(m.trajectories[1])
+    with pytest.raises(records.InvalidGroupError, match=r"^group srv/7, trajectory 1: ") as info:
+        records.decode_group(m, LIMITS)
+    assert message in str(info.value)
+    [invalid] = records.decode_pulled([m], LIMITS)
+    assert isinstance(invalid, records.InvalidGroup)
+    assert (invalid.key, invalid.group_id, invalid.prompt_id) == ("srv/7", 7, "p7")
+    assert message in invalid.problem
+
+
+def test_range_checks_need_the_limits():
+    m = wire(group())
+    m.trajectories[0].completion_ids[0] = 10_000
+    assert records.decode_group(m).trajectories[0].completion_ids[0] == 10_000
+    with pytest.raises(records.InvalidGroupError, match="token id 10000"):
+        records.decode_group(m, LIMITS)
+
+
+def test_decode_pulled_keeps_the_order():
+    good, bad = wire(group()), wire(dataclasses.replace(group(), group_id=8))
+    bad.trajectories[0].prompt_ids[0] = 99
+    out = records.decode_pulled([good, bad, good], LIMITS)
+    assert [type(g).__name__ for g in out] == ["Group", "InvalidGroup", "Group"]
+    assert [g.key for g in out] == ["srv/7", "srv/8", "srv/7"]
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(prompt_ids=np.array([1, 5, 6], np.int64)), "prompt_ids must be a 1-D int32"),
+        (dict(versions=[1, 2]), "versions must be a 1-D int64 array, got list"),
+        (dict(routing=np.zeros((5, L, K), np.int32)), "routing must be a uint8/uint16"),
+        (dict(routing=np.zeros((5, L), np.uint8)), "routing must be a uint8/uint16"),
+        (dict(finish_reason="stop"), "unknown finish_reason 'stop'"),
+    ],
+)
+def test_a_record_is_well_formed_by_construction(fields, message):
+    with pytest.raises(ValueError, match=message):
+        trajectory(**fields)

@@ -1,0 +1,113 @@
+"""Admission across restarts and across a fleet, without a server (docs/DESIGN.md §6.3): groups
+outstanding when an admission epoch begins buy no replacement when rejected and count when
+trained; an acknowledgement of a group the restarted server is generating again stops it; a
+server's share of the fleet scales its budget, and a new share rebases it."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_api.proto import rollout_pb2
+from rollout_server.persistence import RolloutState, StateStore
+from rollout_server.rollout import admission_budget
+from sat_jax.experiment import RolloutConfig
+from tests.rollout_server.test_rollout import FakeEngine, _loop
+
+B = 4
+CFG = RolloutConfig(batch_groups=B, max_staleness=1)
+
+
+def _budget(loop) -> float:
+    queued = len(loop.queue) + loop.stats()["groups_leased"]
+    return admission_budget(
+        CFG, loop.persisted, version=loop._engine.version, queued=queued, running=0
+    )
+
+
+def _queue(loop, ids):
+    for i in ids:
+        loop.queue.put(rollout_pb2.Group(group_id=i, prompt_id=f"p{i}"))
+
+
+def test_rejecting_the_groups_of_before_a_new_epoch_buys_no_replacement(tmp_path):
+    """A restarted trainer drops what the server made for its lost weights: the server must not
+    then run further ahead than (max_staleness + 1) batches (the 2.8 stale drops per step that
+    followed every resume)."""
+    loop = _loop(StateStore(str(tmp_path)), FakeEngine(), wait=True, cfg=CFG)
+    loop.install_weights(1, "/ckpt/v1", params=None, run_id="run")
+    _queue(loop, range(2 * B))  # the epoch's whole budget, made and queued
+    assert _budget(loop) == 0
+    # The trainer is killed and resumes past the server: a new epoch at v20.
+    loop.install_weights(20, "/ckpt/v20", params=None, new_epoch=True, run_id="run")
+    assert loop.persisted.epoch_excluded == list(range(2 * B))
+    assert _budget(loop) == 2 * B
+    # It rejects every old group as too stale: the budget stays (max_staleness + 1) batches.
+    pulled = loop.pull(2 * B, 0)
+    assert loop.ack([], reject=[g.group_id for g in pulled]) == 2 * B
+    assert _budget(loop) == 2 * B
+    assert loop.persisted.epoch_excluded == [] and loop.groups_rejected == 2 * B
+    # The epoch's own groups, rejected, are replaced as before.
+    _queue(loop, [100, 101])
+    assert _budget(loop) == 2 * B - 2
+    loop.ack([], reject=[100])
+    assert _budget(loop) == 2 * B - 1
+    # The counts persist: a restarted server goes on from them.
+    again = StateStore(str(tmp_path / "copy"))
+    again.save(loop.persisted)
+    assert (
+        again.load().epoch_excluded == [] and again.load().epoch_used == loop.persisted.epoch_used
+    )
+
+
+def test_training_a_group_of_before_the_epoch_counts():
+    loop = _loop(StateStore(""), FakeEngine(), wait=True, cfg=CFG)
+    loop.install_weights(1, "/ckpt/v1", params=None)
+    _queue(loop, range(3))
+    loop.install_weights(2, "/ckpt/v2", params=None, new_epoch=True)
+    assert _budget(loop) == 2 * B
+    loop.pull(3, 0)
+    loop.ack([0, 1], reject=[2])  # two trained (they took places of the trainer's batches)
+    assert _budget(loop) == 2 * B - 2
+    assert loop.persisted.epoch_excluded == []
+
+
+def test_an_ack_stops_a_group_the_restarted_server_makes_again(tmp_path):
+    """Pulled before the server died and trained meanwhile: the acknowledgement waited for the
+    server, which re-issued the group on restart; it is counted once, not generated again."""
+    store = StateStore(str(tmp_path))
+    record = {"group_id": 7, "id": "p7", "text": "1+1=", "answer": "2"}
+    store.save(RolloutState(unfinished=[record], next_group_id=8, version=3, checkpoint_path="/c"))
+    store.close()
+    loop = _loop(StateStore(str(tmp_path)), FakeEngine(), wait=True, cfg=CFG)
+    assert [r["group_id"] for r in loop._reissue] == [7]
+    assert loop.ack([7]) == 1
+    assert list(loop._reissue) == [] and loop.persisted.consumed == 1
+    assert loop.persisted.unfinished == []  # saved so: a restart does not re-issue it
+    loop._running[9] = object()  # re-issued and running
+    assert loop.ack([], reject=[9]) == 1 and 9 not in loop._running
+
+
+@pytest.mark.parametrize("k", [2, 3, 4])
+def test_a_share_of_the_fleet_scales_the_budget(k):
+    """k servers with a share of 1/k each admit, together, what one server alone would."""
+    loops = [_loop(StateStore(""), FakeEngine(), wait=True, cfg=CFG) for _ in range(k)]
+    for loop in loops:
+        loop.install_weights(1, "/ckpt/v1", params=None, share=1 / k)
+    total = sum(_budget(loop) for loop in loops)
+    assert total == pytest.approx(2 * B)
+    for loop in loops:
+        loop.install_weights(2, "/ckpt/v2", params=None, share=1 / k)  # same share: same epoch
+    assert sum(_budget(loop) for loop in loops) == pytest.approx(3 * B)
+
+
+def test_a_new_share_rebases_the_epoch_counting_what_is_outstanding():
+    loop = _loop(StateStore(""), FakeEngine(), wait=True, cfg=CFG)
+    loop.install_weights(1, "/ckpt/v1", params=None, share=0.5)
+    _queue(loop, range(B))  # its whole half of (max_staleness + 1) batches
+    assert _budget(loop) == 0
+    # The other server left: this one now holds the fleet's whole budget, minus what it has.
+    loop.install_weights(5, "/ckpt/v5", params=None, share=1.0)
+    assert (loop.persisted.epoch_version, loop.persisted.share) == (5, 1.0)
+    assert _budget(loop) == 2 * B - B
+    loop.install_weights(6, "/ckpt/v6", params=None, share=0)  # unset (an older trainer): 1
+    assert loop.persisted.epoch_version == 5 and _budget(loop) == 3 * B - B

@@ -1,0 +1,266 @@
+"""The pool's per-server health (docs/DESIGN.md §6.5) against fake stubs and a fake clock: a
+failing server leaves after the grace and the run goes on with the others; pushes skip it and a
+failed push makes it leave at once; it is probed with backoff and rejoins with the current weights
+first; acknowledgements wait for it (and are dropped if another server answers at its address);
+servers_file entries join and leave; the run stops only when no server has answered for
+server_wait_s."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import grpc
+import pytest
+
+from rollout_api.proto import rollout_pb2
+from tests.clock import FakeClock
+from train.remote import ServerPool, ServersDownError
+
+GRACE, WAIT, RETRY_MAX = 5.0, 60.0, 4.0
+
+
+class Unavailable(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "connection refused"
+
+
+class FakeStub:
+    """A server's Rollout stub: records each call (name, request); raises UNAVAILABLE while
+    ``down``."""
+
+    def __init__(self, name: str, clock: FakeClock):
+        self.name, self.clock = name, clock
+        self.down = False
+        self.calls: list[tuple[str, object, float]] = []
+        self.version = 0
+        self.server_id = f"{name}-1"
+        self.next_id = 0
+
+    def _call(self, rpc, request):
+        self.calls.append((rpc, request, self.clock()))
+        if self.down:
+            raise Unavailable()
+
+    def rpcs(self, rpc: str) -> list:
+        return [request for name, request, _ in self.calls if name == rpc]
+
+    def Pull(self, request, timeout, metadata):
+        self._call("Pull", request)
+        groups = []
+        for _ in range(request.max_groups):
+            traj = rollout_pb2.Trajectory(prompt_ids=[1])
+            groups.append(
+                rollout_pb2.Group(
+                    group_id=self.next_id,
+                    prompt_id=f"{self.name}{self.next_id}",
+                    server_id=self.server_id,
+                    trajectories=[traj],
+                )
+            )
+            self.next_id += 1
+        return rollout_pb2.PullResponse(groups=groups)
+
+    def Ack(self, request, timeout, metadata):
+        self._call("Ack", request)
+        return rollout_pb2.AckResponse(acked=len(request.group_ids))
+
+    def UpdateWeights(self, request, timeout, metadata):
+        self._call("UpdateWeights", request)
+        self.version = request.version
+        return rollout_pb2.UpdateWeightsResponse(version=request.version)
+
+    def Health(self, request, timeout, metadata):
+        self._call("Health", request)
+        return rollout_pb2.HealthResponse(live=True, version=self.version, server_id=self.server_id)
+
+
+class FakeChannel:
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def fleet():
+    """(pool factory, stubs by address, clock): every address gets a FakeStub."""
+    clock = FakeClock()
+    stubs: dict[str, FakeStub] = {}
+
+    def connect(address, max_message_bytes, root_certificates=None):
+        stubs[address] = FakeStub(address, clock)
+        return FakeChannel(), stubs[address]
+
+    def make(addresses, **kw):
+        base = dict(
+            token="", max_message_bytes=1 << 20, retry_max_s=RETRY_MAX, server_wait_s=WAIT,
+            grace_s=GRACE, clock=clock, sleep=clock.sleep, connect=connect,
+        )  # fmt: skip
+        return ServerPool(addresses, **(base | kw))
+
+    return make, stubs, clock
+
+
+def test_a_failing_server_leaves_after_the_grace_and_the_run_goes_on(fleet, caplog):
+    make, stubs, clock = fleet
+    with make(["a:1", "b:1"]) as pool, caplog.at_level(logging.INFO, logger="train"):
+        stubs["a:1"].down = True
+        assert {g.server_id for g in pool.pull(2, 1.0)} == {"b:1-1"}  # a failed: b answered
+        assert pool.metrics()["servers_up"] == 2  # within the grace
+        clock.advance(GRACE)
+        pool.pull(2, 1.0)  # b's turn
+        pool.pull(2, 1.0)  # a fails again, past the grace: it leaves; b serves
+        assert pool.metrics() == {"servers_up": 1, "pulled_0": 0, "pulled_1": 6}
+        tries = len(stubs["a:1"].rpcs("Pull"))
+        for _ in range(5):
+            pool.pull(2, 1.0)
+        assert len(stubs["a:1"].rpcs("Pull")) == tries  # out of the rotation: no more Pulls
+    left = [r for r in caplog.records if "left the rotation" in r.getMessage()]
+    assert (
+        len(left) == 1
+        and "a:1" in left[0].getMessage()
+        and "Pull: UNAVAILABLE" in (left[0].getMessage())
+    )
+    assert sum("is down" in r.getMessage() for r in caplog.records) == 1  # not one per retry
+
+
+def test_pushes_skip_a_down_server_and_a_failed_push_leaves_at_once(fleet):
+    make, stubs, clock = fleet
+    with make(["a:1", "b:1", "c:1"]) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        assert [r.admission_share for r in stubs["b:1"].rpcs("UpdateWeights")] == [
+            pytest.approx(1 / 3)
+        ]
+        stubs["a:1"].down = True
+        pool.update_weights(2, "/w/v2")  # a misses v2: it leaves, without a retry or a wait
+        assert pool.metrics()["servers_up"] == 2 and clock.sleeps == []
+        pool.update_weights(3, "/w/v3")
+        assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [1, 2]
+        # The two left share the fleet's budget.
+        assert [r.admission_share for r in stubs["c:1"].rpcs("UpdateWeights")] == pytest.approx(
+            [1 / 3, 1 / 3, 1 / 2]
+        )
+
+
+def test_a_down_server_is_probed_with_backoff_and_rejoins_with_the_current_weights(fleet, caplog):
+    make, stubs, clock = fleet
+    a, b = "a:1", "b:1"
+    with make([a, b], grace_s=0.0) as pool, caplog.at_level(logging.INFO, logger="train"):
+        pool.update_weights(4, "/w/v4", new_admission_epoch=True)
+        stubs[a].down = True
+        pool.pull(1, 1.0)  # a fails (no grace): it leaves
+        for _ in range(40):
+            clock.advance(0.25)
+            pool.maintain()
+        probes = [t for rpc, _, t in stubs[a].calls if rpc == "Health"]
+        gaps = [round(y - x, 2) for x, y in itertools.pairwise(probes)]
+        assert gaps[:4] == [0.5, 1.0, 2.0, 4.0] and max(gaps) == RETRY_MAX  # doubling, capped
+        pool.update_weights(5, "/w/v5")  # while a is down: only b
+        stubs[a].down = False
+        clock.advance(RETRY_MAX)
+        pool.maintain()  # a answers: first the current weights, with a new admission epoch
+        [push] = [r for r in stubs[a].rpcs("UpdateWeights") if r.version == 5]
+        assert push.checkpoint_path == "/w/v5" and push.new_admission_epoch
+        assert push.admission_share == pytest.approx(0.5)
+        assert pool.metrics()["servers_up"] == 2
+        for _ in range(2):
+            pool.pull(1, 1.0)
+        calls = [rpc for rpc, _, _ in stubs[a].calls]
+        assert calls.index("UpdateWeights", 2) < len(calls) - 1 and calls[-1] == "Pull"
+    joined = [r.getMessage() for r in caplog.records if "joined" in r.getMessage()]
+    assert joined == [f"rollout server {a} joined at weights version 5 (2 up)"]
+
+
+def test_every_server_down_stops_after_server_wait_s(fleet):
+    make, stubs, clock = fleet
+    with make(["a:1", "b:1"]) as pool:
+        for stub in stubs.values():
+            stub.down = True
+        start = clock()
+        with pytest.raises(ServersDownError, match=r"no rollout server answered for 60s"):
+            pool.pull(1, 1.0)
+        assert WAIT < clock() - start <= WAIT + RETRY_MAX
+        assert pool.metrics()["servers_up"] == 0
+        # Probed with backoff meanwhile, not hammered.
+        assert len(stubs["a:1"].rpcs("Health")) < 30
+
+
+def test_a_server_answering_again_in_time_stays_without_a_log_line(fleet, caplog):
+    make, stubs, clock = fleet
+    with make(["a:1"]) as pool, caplog.at_level(logging.INFO, logger="train"):
+        stubs["a:1"].down = True
+        pool.update_weights(1, "/w/v1")  # a push fails: a leaves at once, probed ...
+        stubs["a:1"].down = False
+        assert len(pool.pull(1, 1.0)) == 1  # ... and back with v1 before the pull
+        assert stubs["a:1"].version == 1
+
+
+def test_acknowledgements_wait_for_their_server_and_not_for_another(fleet):
+    make, stubs, clock = fleet
+    a, b = "a:1", "b:1"
+    with make([a, b], grace_s=0.0) as pool:
+        pool.update_weights(1, "/w/v1")
+        from_a = pool.pull(2, 1.0)
+        from_b = pool.pull(2, 1.0)
+        stubs[a].down = True
+        pool.ack(from_a + from_b)  # trained
+        pool.pull(1, 1.0)  # a fails and leaves; b gets its acks
+        assert stubs[b].rpcs("Pull")[-1].ack_group_ids == [0, 1]
+        # a comes back with its state (same server id): its acks ride on its next Pull.
+        stubs[a].down = False
+        clock.advance(1)
+        pool.maintain()
+        pool.pull(1, 1.0)
+        pool.pull(1, 1.0)
+        assert [list(r.ack_group_ids) for r in stubs[a].rpcs("Pull")][-1] == [0, 1]
+        # Acks for a server whose state is gone (a new server id) are dropped.
+        more = [g for g in (pool.pull(1, 1.0) + pool.pull(1, 1.0)) if g.server_id == "a:1-1"]
+        stubs[a].down = True
+        pool.ack(more)
+        pool.pull(1, 1.0)
+        stubs[a].down, stubs[a].server_id = False, "a:1-2"
+        clock.advance(1)
+        pool.maintain()
+        pool.pull(1, 1.0)
+        pool.pull(1, 1.0)
+        assert stubs[a].calls[-1][0] == "Pull" and not stubs[a].rpcs("Pull")[-1].ack_group_ids
+
+
+def test_servers_file_entries_join_and_leave(fleet, tmp_path, caplog):
+    make, stubs, clock = fleet
+    listing = tmp_path / "servers"
+    listing.write_text("b:1\n")
+    with make([], servers_file=str(listing)) as pool, caplog.at_level(logging.INFO, "train"):
+        assert pool.versions() == [0]  # b probed at once: it joins
+        pool.update_weights(3, "/w/v3", new_admission_epoch=True)
+        listing.write_text("b:1\n# a comment\nc:1\n")
+        clock.advance(3)
+        pool.maintain()  # c listed and probed: the current weights, then it joins
+        assert stubs["c:1"].rpcs("UpdateWeights")[0].version == 3
+        assert pool.metrics()["servers_up"] == 2
+        assert {g.server_id for g in pool.pull(1, 1.0) + pool.pull(1, 1.0)} == {"b:1-1", "c:1-1"}
+        listing.write_text("c:1\n")
+        clock.advance(3)
+        pool.maintain()
+        assert pool.addresses == ("c:1",) and pool.metrics()["servers_up"] == 1
+    text = caplog.text
+    assert "b:1 left the rotation: removed from" in text and "c:1 joined" in text
+
+
+def test_a_server_ahead_of_the_trainer_stays_out_until_the_trainer_passes_it(fleet):
+    make, stubs, clock = fleet
+    with make(["a:1", "b:1"], grace_s=0.0) as pool:
+        pool.update_weights(3, "/w/v3")
+        stubs["a:1"].down = True
+        pool.pull(1, 1.0)
+        stubs["a:1"].down, stubs["a:1"].version = False, 9  # another trainer's weights
+        clock.advance(1)
+        pool.maintain()
+        assert pool.metrics()["servers_up"] == 1
+        assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [3]
+        pool.update_weights(10, "/w/v10")
+        clock.advance(RETRY_MAX)
+        pool.maintain()
+        assert pool.metrics()["servers_up"] == 2 and stubs["a:1"].version == 10
