@@ -534,6 +534,8 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
             routing_replay=setup.train.routing_replay,
             microbatches=k,
             temperature=setup.experiment.rollout.temperature if setup.experiment else 1.0,
+            estimator=setup.train.advantage_estimator,
+            normalize_std=setup.train.normalize_std,
         )
         plan = plan_memory(setup.model, setup.mesh, len(devices), spec.optimizer)
         print(format_plan(setup.name, plan))

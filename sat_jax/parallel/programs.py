@@ -7,8 +7,10 @@ without allocating anything: on this host's devices (``sat_jax.plan --compile``)
 topology's compile-only devices (``--topology``, ``sat_jax.parallel.topology``).
 
 * Train step: ``train_step.make_train_step`` exactly as ``train.main`` builds it (the config's
-  loss, routing replay with the recorded routing in the batch, microbatches, temperature and a
-  [V] vocabulary mask; remat, attention, dispatch and dtypes come with the model config).
+  loss, routing replay with the recorded routing in the batch, per-row rewards and group ids
+  with the advantages computed in the step, the reference policy's params with a KL penalty,
+  microbatches, temperature and a [V] vocabulary mask; remat, attention, dispatch and dtypes
+  come with the model config).
 * Server: ``sat_jax.decoding.DecodeCore``'s jitted prefill (one prompt padded to the prefill
   length), insert (a prefix into the donated decode state) and generate (one sampling + decode
   step of every slot, donated state) at its largest attention window, the whole cache.
@@ -60,13 +62,14 @@ def abstract_train_inputs(
     seq_len: int,
     *,
     routing: bool = False,
-    ref_logp: bool = False,
+    rewards: bool = False,
 ) -> tuple[train_step.TrainState, train_step.TrainBatch]:
     """``(state, batch)`` of a [batch, seq_len] step as sharded ``ShapeDtypeStruct``s.
 
     Args:
       routing: the batch carries the rollout's routing ids [B, T, L, K] (R3).
-      ref_logp: the batch carries reference log-probs (a KL penalty).
+      rewards: the batch carries per-row rewards and group ids [B] and the step computes the
+        advantages (what the trainer sends); else per-token advantages [B, T].
     """
     _, abstract = sharding.abstract_model(model_cfg)
     params = nnx.to_pure_dict(abstract)
@@ -82,13 +85,14 @@ def abstract_train_inputs(
         tokens=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
         loss_mask=f32,
         behavior_logp=f32,
-        advantages=f32,
+        advantages=None if rewards else f32,
+        rewards=jax.ShapeDtypeStruct((batch,), jnp.float32) if rewards else None,
+        group_ids=jax.ShapeDtypeStruct((batch,), jnp.int32) if rewards else None,
         routing=(
             jax.ShapeDtypeStruct((batch, seq_len, *lk), model_cfg.routing_dtype)
             if routing
             else None
         ),
-        ref_logp=f32 if ref_logp else None,
     )
     return state, jax.tree.map(_with, data, train_step.batch_shardings(data, mesh))
 
@@ -103,6 +107,7 @@ class TrainStepSpec:
       routing_replay: R3 (the batch carries routing ids).
       microbatches: gradient accumulation k.
       temperature: the rollout's sampling temperature.
+      estimator, normalize_std: the advantages the step computes from the rewards.
     """
 
     optimizer: optax.GradientTransformation
@@ -110,6 +115,8 @@ class TrainStepSpec:
     routing_replay: bool
     microbatches: int = 1
     temperature: float = 1.0
+    estimator: objectives.AdvantageEstimator = "grpo"
+    normalize_std: bool = True
 
 
 def compile_train_step(
@@ -133,6 +140,8 @@ def compile_train_step(
         # change the program.
         vocab_mask=np.ones((model_cfg.vocab_size,), bool),
         microbatches=spec.microbatches,
+        estimator=spec.estimator,
+        normalize_std=spec.normalize_std,
     )
     state, data = abstract_train_inputs(
         model_cfg,
@@ -141,10 +150,12 @@ def compile_train_step(
         batch,
         seq_len,
         routing=spec.routing_replay,
-        ref_logp=spec.loss.kl_coef > 0,
+        rewards=True,
     )
+    # With a KL penalty the trainer passes the reference policy's params (not donated).
+    ref_params = abstract_params(model_cfg, mesh) if spec.loss.kl_coef > 0 else None
     start = time.monotonic()
-    compiled = step.lower(state, data).compile()
+    compiled = step.lower(state, data, ref_params).compile()
     return compiled, time.monotonic() - start
 
 
