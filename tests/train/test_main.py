@@ -333,7 +333,7 @@ class FakePool:
 
     def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
         if self.gate is not None:
-            assert self.gate.wait(120), "the push was never released"
+            assert self.gate.wait(120), "the push was never released (by the step, or the wait)"
             if self.gate_each_push:
                 self.gate.clear()
         self.version = version
