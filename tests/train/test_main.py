@@ -70,6 +70,7 @@ def test_bad_config_exits_2_naming_the_key(override, key, capsys):
     assert len(lines) == 1 and key in lines[0], lines
 
 
+@pytest.mark.slow  # the trainer command in a process
 def test_python_m_train_rejects_an_unknown_key():
     proc = subprocess.run(
         [sys.executable, "-m", "train", "--config", CONFIG, "train.bogus=1"],
