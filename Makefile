@@ -27,11 +27,12 @@ test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -n $(TEST_WORKERS) tests
 
-# The edit-test loop: the unit tests only, no test marked slow (servers, trainers and commands in
-# processes), no notebook and no benchmark runs. `make test` (what CI runs) has them all.
+# The edit-test loop: the unit tests of a few seconds, no test marked slow (servers, trainers and
+# commands in processes) or heavy (tests/conftest.py), no notebook and no benchmark runs.
+# `make test` (what CI runs) has them all.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" --ignore=tests/notebooks \
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not heavy" --ignore=tests/notebooks \
 		--ignore=tests/benchmarks tests
 
 lint: $(STAMP)

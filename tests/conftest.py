@@ -16,12 +16,86 @@ import jax
 jax.config.update("jax_enable_x64", False)
 
 
+# Unit tests that take many seconds each (they compile a model's step or decoder several times, or
+# train it for a few steps): `make test` runs them; `make test-fast` leaves them out, as it leaves
+# out the tests marked slow, so that it stays under 4 minutes on 2 cores. Chosen by measured time
+# (over ~5 s each on an idle core; README: Development), by file and test function (every
+# parametrization). tests/test_fast_lane.py checks that each one still exists.
+HEAVY_TESTS: dict[str, tuple[str, ...]] = {
+    "tests/rollout_server/test_engine.py": (
+        "test_failed_prefill_never_raises_and_leaves_slot_empty",
+        "test_swap_between_steps_versions_and_logprobs",
+    ),
+    "tests/rollout_server/test_sharded_engine.py": (
+        "test_bfloat16_serving_keeps_its_kv_cache_in_bfloat16",
+        "test_sharded_engine_equals_one_device_and_swaps_onto_its_shardings",
+    ),
+    "tests/sat_jax/model/test_attention.py": (
+        "test_blockwise_equals_dense_attention_and_gradient",
+        "test_forward_paths_equal_the_dense_reference",
+        "test_target_logprobs_equal_full_logits_and_never_build_them",
+    ),
+    "tests/sat_jax/model/test_decode.py": ("test_decode_logprobs_equal_full_forward",),
+    "tests/sat_jax/model/test_moe.py": (
+        "test_balance_loss_is_k_at_uniform_routing_and_differentiable",
+    ),
+    "tests/sat_jax/model/test_transformer.py": (
+        "test_aux_loss_is_weighted_finite_and_differentiable",
+        "test_dispatch_paths_agree_through_the_model",
+        "test_masked_key_is_invisible_and_positions_are_honoured",
+        "test_replaying_other_ids_changes_logits_and_trains_the_router",
+    ),
+    "tests/sat_jax/test_advantages.py": ("test_matches_reference",),
+    "tests/sat_jax/test_decoding.py": (
+        "test_decode_window_follows_the_live_length_and_equals_the_full_cache",
+        "test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id",
+        "test_sampled_logprobs_are_the_behavior_policy",
+        "test_sharded_core_equals_one_device",
+    ),
+    "tests/sat_jax/test_microbatches.py": (
+        "test_microbatch_threshold_scope_uses_each_microbatch_quantile",
+        "test_microbatches_equal_one_pass",
+        "test_microbatches_on_eight_devices_with_replay",
+    ),
+    "tests/sat_jax/test_objectives.py": (
+        "test_hypothesis_shapes_and_masks",
+        "test_microbatches_with_the_batch_threshold_merge_to_full_batch",
+        "test_sat_properties",
+    ),
+    "tests/sat_jax/test_params_io.py": ("test_saves_keep_no_objects_from_orbax_spec_resolution",),
+    "tests/sat_jax/test_plan.py": ("test_counts_match_the_architecture",),
+    "tests/sat_jax/test_sampler.py": (
+        "test_a_key_fixes_the_sample_and_temperature_scales_the_recorded_logprobs",
+        "test_greedy_is_the_argmax_of_the_full_forward_step_by_step",
+        "test_sampled_logprobs_and_routing_are_the_full_forward_at_the_sampled_tokens",
+    ),
+    "tests/sat_jax/test_sharding.py": ("test_init_sharded_places_each_param_as_the_rules_say",),
+    "tests/sat_jax/test_train_step.py": (
+        "test_alignment_logits_at_t_minus_1_score_token_t",
+        "test_sharded_step_matches_one_device",
+    ),
+    "tests/train/test_batching.py": ("test_bucketed_batch_trains_like_the_capacity_padded_one",),
+    "tests/train/test_checkpointing.py": ("test_round_trip_keep_n_and_progress",),
+    "tests/train/test_evaluation.py": (
+        "test_greedy_completions_are_the_argmax_of_the_full_forward",
+    ),
+    "tests/train/test_setup.py": (
+        "test_base_policy_warms_up_through_the_configured_cache",
+        "test_reference_logprobs_are_the_base_policy_over_the_sampleable_ids",
+    ),
+    "tests/train/test_warmup.py": ("test_warmup_learns_and_is_cached",),
+}
+
+
 # Time limit of tests marked slow (end-to-end runs that start processes); every other test gets
 # pyproject's `timeout`. A test's own @pytest.mark.timeout wins over both.
 SLOW_TEST_TIMEOUT_S = 900
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    heavy = {f"{path}::{name}" for path, names in HEAVY_TESTS.items() for name in names}
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
+        if item.nodeid.split("[", 1)[0] in heavy:
+            item.add_marker(pytest.mark.heavy)

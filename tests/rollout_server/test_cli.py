@@ -12,6 +12,8 @@ import pytest
 
 from tests.sat_jax.test_experiment import HF_CONFIG
 
+pytestmark = pytest.mark.slow  # every test starts the server command in a process
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SAT_SERVE = pathlib.Path(sys.executable).parent / "sat-serve"
 COMMANDS = {

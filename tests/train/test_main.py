@@ -70,6 +70,7 @@ def test_bad_config_exits_2_naming_the_key(override, key, capsys):
     assert len(lines) == 1 and key in lines[0], lines
 
 
+@pytest.mark.slow  # the trainer command in a process
 def test_python_m_train_rejects_an_unknown_key():
     proc = subprocess.run(
         [sys.executable, "-m", "train", "--config", CONFIG, "train.bogus=1"],
@@ -335,7 +336,7 @@ class FakePool:
 
     def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
         if self.gate is not None:
-            assert self.gate.wait(120), "the push was never released"
+            assert self.gate.wait(120), "the push was never released (by the step, or the wait)"
             if self.gate_each_push:
                 self.gate.clear()
         self.version = version

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from train import curves, metrics
 from train.batching import LAG_BINS, BatchStats
@@ -61,6 +62,7 @@ def test_writer_sinks_and_curves(tmp_path):
     json.dumps(records)  # the log stays plain JSON
 
 
+@pytest.mark.slow  # imports the trainer in a process
 def test_importing_the_trainer_leaves_matplotlib_alone():
     # curves.py draws on a bare Figure: importing the trainer (train.setup in a notebook) must not
     # load pyplot or switch its backend (which silently stops inline figures).
