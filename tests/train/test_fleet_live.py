@@ -6,6 +6,9 @@ so admission is what bounds staleness) against rollout server processes.
   per step return to the rate before the kill within a few steps.
 - Two servers: one SIGKILLed mid-run leaves, the run goes on; restarted (same state_dir and port),
   it reaches the current weights version and its new groups are trained.
+- Two servers: one SIGKILLed while the trainer's Pull to it is in flight, and later while its
+  weight push is in flight, leaves each time and the run goes on; restarted, it rejoins at the
+  current weights, and no group is trained twice.
 - A server listed in train.servers_file mid-run joins; with every server killed the run stops
   after train.server_wait_s with a clear error.
 """
@@ -14,12 +17,17 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pathlib
+import signal
+import threading
 import time
 
+import grpc
 import numpy as np
 import pytest
 
+from rollout_api.client import connect
 from sat_jax.experiment import load_config
 from sat_jax.train_step import TrainState
 from tests.clock import wait_until
@@ -27,7 +35,7 @@ from tests.train.conftest import JAX_CACHE
 from tests.train.test_main import CONFIG, _loop_parts, _push_to, _random_params
 from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer
-from train.remote import ServersDownError
+from train.remote import ServerPool, ServersDownError
 
 pytestmark = pytest.mark.slow
 
@@ -221,3 +229,143 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
                 _train(cfg, pool, state, progress, w, _hooked_step(1.0, hooks))
     assert time.monotonic() - seen["killed"] >= 20
     assert seen["up"] == 2 and seen["pulled_c"] > 0  # c joined and was pulled from
+
+
+class _KillDuringCall:
+    """A Rollout stub that SIGKILLs its server while an armed call to it is in flight.
+
+    ``arm(method, delay_s, stop_first)``: the next call of ``method`` still waiting ``delay_s``
+    after it started is the one: the server is stopped (SIGSTOP, so it can no longer answer) and
+    killed if that call has not returned by then; a call that returned first leaves the stub armed
+    for the next one. ``stop_first``: stop the server as the call starts, so that call waits
+    (a Pull that waits for groups) whatever the server had ready. ``landed`` is set once a killed
+    call has raised in the caller, and ``errors`` says how each one ended."""
+
+    def __init__(self, stub, server: LocalServer):
+        self._stub, self._server = stub, server
+        self._armed: str | None = None
+        self._delay_s, self._stop_first = 0.0, False
+        self.landed = threading.Event()
+        self.errors: list[str] = []
+
+    def arm(self, method: str, delay_s: float, *, stop_first: bool = False) -> None:
+        self.landed.clear()
+        self._armed, self._delay_s, self._stop_first = method, delay_s, stop_first
+
+    def __getattr__(self, name: str):
+        real = getattr(self._stub, name)
+        if name != self._armed:
+            return real
+
+        def call(*args, **kwargs):
+            done, killed = threading.Event(), threading.Event()
+            proc = self._server.proc
+            if self._stop_first:
+                os.kill(proc.pid, signal.SIGSTOP)
+
+            def kill_if_in_flight():
+                if done.wait(self._delay_s):
+                    return
+                os.kill(proc.pid, signal.SIGSTOP)
+                if done.is_set():  # it answered just before: try the next call
+                    os.kill(proc.pid, signal.SIGCONT)
+                    return
+                self._armed = None
+                killed.set()
+                proc.kill()
+                proc.wait()
+
+            killer = threading.Thread(target=kill_if_in_flight, daemon=True)
+            killer.start()
+            try:
+                return real(*args, **kwargs)
+            except grpc.RpcError as e:
+                if killed.is_set():
+                    self.errors.append(f"{name}: {e.code().name}")
+                    self.landed.set()
+                raise
+            finally:
+                done.set()
+                killer.join()
+
+        return call
+
+
+def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothing(tmp_path):
+    """Issue 21's "kill one during a push and during a long Pull": the kill lands while the
+    trainer waits on that server (its Pull, then its UpdateWeights), on a stopped server, so it
+    is mid-call by construction. Each time the run goes on with the other server, and the killed
+    one, restarted on its port and state_dir, rejoins at the trainer's current weights."""
+    overrides = _overrides(tmp_path, "train.server_wait_s=240", "train.server_grace_s=2")
+    a, b = _server(tmp_path, "a", overrides), _server(tmp_path, "b", overrides)
+    steps = 22
+    killer: list[_KillDuringCall] = []
+    pool_ref: list[ServerPool] = []
+    seen: dict[str, object] = {}
+
+    def connect_through_killer(address, max_message_bytes, *, root_certificates=None):
+        channel, stub = connect(address, max_message_bytes, root_certificates=root_certificates)
+        if address == b.address:
+            killer.append(_KillDuringCall(stub, b))
+            stub = killer[0]
+        return channel, stub
+
+    def arm(method, delay_s, stop_first=False):
+        return lambda: killer[0].arm(method, delay_s, stop_first=stop_first)
+
+    def restart_b_once_killed():
+        if killer[0].landed.is_set() and b.proc.poll() is not None:
+            b.restart_if_exited()  # same port, same state_dir
+
+    def wait_for_b(name, method):
+        def hook():
+            assert killer[0].landed.is_set(), f"no {method} to b was in flight to kill"
+            restart_b_once_killed()
+            pool = pool_ref[0]
+            wait_until(lambda: pool.metrics()["servers_up"] == 2, timeout_s=300, interval_s=0.2)
+            seen[name] = pool.metrics()["pulled_1"]
+
+        return hook
+
+    # Pulls run between steps and pushes on the pusher's thread (one per step), so a hook arms a
+    # kill, the next steps' hooks restart b once it landed, and a later one waits for b to rejoin.
+    # The Pull: b stopped as it starts, killed 0.3 s into it (a Pull waiting for groups); the push:
+    # killed 20 ms into b's UpdateWeights, which loads weights for 50-90 ms here.
+    hooks = {k: restart_b_once_killed for k in range(4, steps)}
+    hooks.update({
+        3: arm("Pull", 0.3, stop_first=True),
+        8: wait_for_b("rejoined_1", "Pull"),
+        10: arm("UpdateWeights", 0.02),
+        16: wait_for_b("rejoined_2", "UpdateWeights"),
+    })  # fmt: skip
+    with a, b, metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=steps, console=None) as w:
+        a.wait_ready(timeout_s=240)
+        b.wait_ready(timeout_s=240)
+        cfg = load_config(
+            CONFIG, [*overrides, f"train.servers=[{a.address},{b.address}]", f"train.steps={steps}"]
+        )
+        args = cfg.client.connection_args()
+        with ServerPool(
+            cfg.client.servers, background=True, connect=connect_through_killer, **args
+        ) as pool:
+            pool_ref.append(pool)
+            state, progress = _start(cfg)
+            state, progress = _train(cfg, pool, state, progress, w, _hooked_step(1.0, hooks))
+            final = pool.metrics()
+        path = w.jsonl_path
+    records = metrics.read_jsonl(path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # the run finished
+    assert killer[0].errors == ["Pull: UNAVAILABLE", "UpdateWeights: UNAVAILABLE"], killer[0].errors
+    assert records[-1]["servers_up"] == 2
+    # b came back at the trainer's current weights, and served groups that were trained.
+    log_b = (tmp_path / "server-b.log").read_text()
+    swaps = [int(line.split("-> ")[1].split()[0]) for line in log_b.splitlines()
+             if "weights swapped" in line]  # fmt: skip
+    assert swaps[-1] == progress.version, (swaps, progress.version)
+    assert final["pulled_1"] > seen["rejoined_2"] >= seen["rejoined_1"]
+    b_id = _server_id(tmp_path, "b")
+    trained_after = progress.recent_group_keys[16 * B :]
+    assert any(key.startswith(f"{b_id}/") for key in trained_after), trained_after
+    # Exactly once: every step trained B groups, none of them twice.
+    keys = progress.recent_group_keys
+    assert len(keys) == steps * B and len(set(keys)) == len(keys), keys
