@@ -9,9 +9,11 @@ The trainer's loop runs in this process against `--servers` rollout server proce
 (configs/arith_tiny.yaml, max_staleness 1, 2 groups of 2 per batch) with a stand-in step that only
 takes `--step-s` seconds, so generation outpaces training and admission is what bounds staleness.
 "per-server" sends every server a share of 1, which is how each server counted before the fleet
-had one budget. The kill/rejoin phase SIGKILLs the second of two servers after a third of the
-steps and restarts it (same port and state_dir) after two thirds, (the loop waits for it to rejoin two steps later) and reports trained completion
-tokens/s per phase and the seconds from the restart to the first group of that server trained.
+had one budget. The kill/rejoin phase SIGKILLs the second of two servers after a quarter of the
+steps and restarts it (same port and state_dir) at half of them (the loop waits at the next step
+for it to rejoin), and reports trained completion tokens/s per phase, the after-rejoin one over
+the second half from the third step after that server's first group (its first compilations
+left out), and the seconds from the restart to the first group of that server pulled.
 Prints Markdown tables.
 """
 
@@ -113,8 +115,8 @@ def run(k: int, steps: int, step_s: float, *, fleet_budget: bool, kill: bool = F
 
     hooks = {}
     if kill:
-        hooks = {steps // 3: kill_second, 2 * steps // 3: restart_second}
-        hooks[2 * steps // 3 + 2] = wait_for_second
+        hooks = {steps // 4: kill_second, steps // 2: restart_second}
+        hooks[steps // 2 + 1] = wait_for_second
     try:
         for s in servers:
             s.wait_ready(timeout_s=300)
@@ -141,7 +143,7 @@ def run(k: int, steps: int, step_s: float, *, fleet_budget: bool, kill: bool = F
             progress = main.sync_weights(pool, state, progress, weights_dir)
             parts = main.LoopParts(
                 pool=pool, pusher=pusher, ckpt=None, writer=writer, graphdef=None,
-                step_fn=_step(step_s, hooks, trained), ref_logp_fn=None,
+                step_fn=_step(step_s, hooks, trained),
                 mesh=sharding.make_mesh(t.mesh, jax.devices()[:1]), spec=setup.batch_spec(cfg),
             )  # fmt: skip
             if kill:
@@ -175,7 +177,8 @@ def run(k: int, steps: int, step_s: float, *, fleet_budget: bool, kill: bool = F
         out["two_up"] = rate(start, marks["killed"])
         out["one_up"] = rate(marks["killed"] + 5, marks["restarted"])
         rejoined = first_b[0] if first_b else float("nan")
-        out["rejoined"] = rate(rejoined, float("inf")) if first_b else float("nan")
+        settled = [t for t, _ in trained if t >= rejoined][3:4]  # 3 steps after its first group
+        out["rejoined"] = rate(settled[0], float("inf")) if settled else float("nan")
         out["restart_to_first_group_s"] = rejoined - marks["restarted"]
     return out
 
@@ -197,7 +200,7 @@ def cli() -> None:
         print(f"| {k} | {before['drops_per_group']:.2f} | {after['drops_per_group']:.2f} |")
         sys.stdout.flush()
     if not args.no_kill:
-        r = run(2, max(args.steps, 30), args.step_s, fleet_budget=True, kill=True)
+        r = run(2, max(args.steps, 40), args.step_s, fleet_budget=True, kill=True)
         print()
         print(
             "| trained tokens/s: two servers | one killed | after it rejoined | restart → first group pulled (s) |"

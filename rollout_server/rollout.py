@@ -15,8 +15,10 @@ drops) no longer count, so after `UpdateWeights(v)` starts an epoch exactly
 batch_groups more for each version after v. Those earlier groups are remembered
 (`epoch_excluded`): one the trainer rejects stays out of the count (rejecting it must not buy a
 replacement: that surplus would keep the server ahead of the trainer for the rest of the run), one
-it trains counts. A new `share` rebases the epoch at the current version, counting what is
-outstanding against the new share. With `wait_for_weights` nothing is dispatched before the first
+it trains counts. Every new version (and a new `share`) rebases the epoch at that version, counting
+what is outstanding against the budget, so what the trainer took from this server before (less or
+more than its share) leaves no credit or debt (the trainer acknowledges what it trained before it
+pushes the weights that training made, so trained groups are consumed by then). With `wait_for_weights` nothing is dispatched before the first
 trainer weights.
 
 Delivery (docs/DESIGN.md §6.2): `pull` leases groups; only `ack` removes them for good and counts
@@ -366,7 +368,11 @@ class RolloutLoop:
                 self._state.epoch_used = self._state.consumed + len(outstanding)
                 self._state.epoch_excluded = sorted(outstanding)
                 self._state.run_id = run_id
-            elif share != self._state.share:
+            elif share != self._state.share or version != self._state.version:
+                # Rebase at every new version (and share): the budget becomes what a fleet
+                # consuming its batch per version leaves this server, whatever it consumed from
+                # this server before; what is outstanding (queued, leased, running) counts against
+                # it, except the groups the epoch excluded, which stay out.
                 excluded = [i for i in self._state.epoch_excluded if i in outstanding]
                 self._state.epoch_version = version
                 self._state.epoch_used = self._state.consumed + len(excluded)

@@ -276,13 +276,14 @@ class ServerPool:
                     pending = server.rejects if rejected else server.acks
                     pending.append((g.server_id, g.group_id))
 
-    def flush_acks(self) -> None:
+    def flush_acks(self, *, warn_down: bool = True) -> None:
         """Sends every pending acknowledgement to the servers up now (one Ack each; a server
-        that fails or is down keeps its acknowledgements, which its lease time then covers)."""
+        that fails or is down keeps its acknowledgements, which its lease time then covers).
+        ``warn_down``: log how many wait for servers that are down."""
         with self._lock:
             targets = [s for s in self._servers if s.up and (s.acks or s.rejects)]
             down = sum(len(s.acks) + len(s.rejects) for s in self._servers if not s.up)
-        if down:
+        if down and warn_down:
             log.warning("%d acknowledgements for rollout servers that are down not sent", down)
         for server in targets:
             with self._lock:
@@ -318,10 +319,16 @@ class ServerPool:
           new_admission_epoch: the servers stop counting the groups they dispatched so far
             against their staleness budget (set when this trainer connects: it drops those).
 
+        The pending acknowledgements go first (``flush_acks``): each server rebases its
+        admission at a new version counting what is outstanding, so the groups trained with the
+        weights being pushed must be consumed by then (otherwise the server would count them as
+        still waiting and make a batch fewer for this version).
+
         Raises:
           grpc.RpcError: a server refused the update (e.g. a version older than its own).
           MessageTooLargeError: as in ``pull``.
         """
+        self.flush_acks(warn_down=False)
         with self._lock:
             # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
             self._weights = (version, checkpoint_path)

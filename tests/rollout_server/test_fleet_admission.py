@@ -1,7 +1,8 @@
 """Admission across restarts and across a fleet, without a server (docs/DESIGN.md §6.3): groups
 outstanding when an admission epoch begins buy no replacement when rejected and count when
 trained; an acknowledgement of a group the restarted server is generating again stops it; a
-server's share of the fleet scales its budget, and a new share rebases it."""
+server's share of the fleet scales its budget; every new version or share rebases it, so what the
+trainer took from each server before leaves no credit or debt."""
 
 from __future__ import annotations
 
@@ -87,17 +88,88 @@ def test_an_ack_stops_a_group_the_restarted_server_makes_again(tmp_path):
     assert loop.ack([], reject=[9]) == 1 and 9 not in loop._running
 
 
+def _consume(loop, n: int) -> None:
+    """The trainer pulls ``n`` of the server's groups and trains them (leased, then acknowledged,
+    as the trainer does: the acknowledgement rides on a later Pull)."""
+    pulled = loop.pull(n, 0)
+    assert len(pulled) == n
+    loop.ack([g.group_id for g in pulled])
+
+
+def _fill(loop, first_id: int) -> int:
+    """Queues groups while admission allows (what the rollout loop would make); returns the next
+    free id."""
+    while _budget(loop) > 0:
+        _queue(loop, [first_id])
+        first_id += 1
+    return first_id
+
+
 @pytest.mark.parametrize("k", [2, 3, 4])
 def test_a_share_of_the_fleet_scales_the_budget(k):
-    """k servers with a share of 1/k each admit, together, what one server alone would."""
+    """k servers with a share of 1/k each admit, together, what one server alone would, and a
+    batch more per version as the trainer consumes one."""
     loops = [_loop(StateStore(""), FakeEngine(), wait=True, cfg=CFG) for _ in range(k)]
     for loop in loops:
         loop.install_weights(1, "/ckpt/v1", params=None, share=1 / k)
-    total = sum(_budget(loop) for loop in loops)
-    assert total == pytest.approx(2 * B)
+    assert sum(_budget(loop) for loop in loops) == pytest.approx(2 * B)
     for loop in loops:
-        loop.install_weights(2, "/ckpt/v2", params=None, share=1 / k)  # same share: same epoch
-    assert sum(_budget(loop) for loop in loops) == pytest.approx(3 * B)
+        loop.install_weights(2, "/ckpt/v2", params=None, share=1 / k)  # nothing consumed yet
+    assert sum(_budget(loop) for loop in loops) == pytest.approx(2 * B)
+    # Each server filled its part; the trainer consumes one batch (B / k from each, B = 4).
+    ids = [_fill(loop, 0) for loop in loops]
+    taken = [B // k + (i < B % k) for i in range(k)]
+    for loop, n in zip(loops, taken, strict=True):
+        _consume(loop, n)
+    for loop in loops:
+        loop.install_weights(3, "/ckpt/v3", params=None, share=1 / k)
+    budgets = [_budget(loop) for loop in loops]
+    assert sum(budgets) == pytest.approx(B + sum(2 * B / k - i for i in ids))
+
+
+def test_what_the_trainer_took_from_a_server_before_leaves_no_credit_or_debt():
+    """Two servers, share 1/2. While b was warming up the trainer took a's groups only, then
+    b's groups only: under the old per-epoch count b kept the versions it was not consumed at as
+    credit and ran ahead (its groups went stale, and each one rejected bought a replacement: a
+    steady stale drop every other step after a server rejoined), and a ran short (the trainer
+    waited for its groups). Rebased at every version, each runs ahead by its share again."""
+    a, b = (_loop(StateStore(""), FakeEngine(), wait=True, cfg=CFG) for _ in range(2))
+    next_id = {id(a): 0, id(b): 0}
+    for loop in (a, b):
+        loop.install_weights(1, "/ckpt/v1", params=None, share=0.5)
+        next_id[id(loop)] = _fill(loop, 0)  # B each: (max_staleness + 1) · B / 2
+    for v in range(2, 6):  # 4 versions: the trainer took a batch of a's groups at each
+        _consume(a, B)
+        for loop in (a, b):
+            loop.install_weights(v, f"/ckpt/v{v}", params=None, share=0.5)
+            next_id[id(loop)] = _fill(loop, next_id[id(loop)])
+        # b made nothing more: it holds its share, however long it was not consumed.
+        assert len(b.queue) == B and _budget(b) == 0
+    _consume(b, B)  # then a batch of b's only
+    for loop in (a, b):
+        loop.install_weights(6, "/ckpt/v6", params=None, share=0.5)
+    assert _budget(a) == 0 and _budget(b) == B  # no debt for a: it holds its B already
+
+
+def test_a_push_counts_leased_groups_as_outstanding():
+    """The trainer acknowledges the groups it trained before it pushes the weights they made
+    (``ServerPool.update_weights``): then the push grants a batch. A group still leased at a
+    push (pulled for the next step) counts as outstanding, so that the server does not run a
+    batch ahead; an acknowledgement late for its push only delays the batch by one version."""
+    loop = _loop(StateStore(""), FakeEngine(), wait=True, cfg=CFG)
+    loop.install_weights(1, "/ckpt/v1", params=None)
+    _fill(loop, 0)
+    trained = loop.pull(B, 0)
+    loop.ack([g.group_id for g in trained])
+    loop.install_weights(2, "/ckpt/v2", params=None)
+    assert _budget(loop) == B
+    _fill(loop, 100)
+    loop.pull(B, 0)  # the next step's batch, leased when the push lands
+    loop.install_weights(3, "/ckpt/v3", params=None)
+    assert _budget(loop) == 0
+    _queue(loop, [50])
+    loop.ack([], reject=[50])  # a rejected group is replaced
+    assert _budget(loop) == 0
 
 
 def test_a_new_share_rebases_the_epoch_counting_what_is_outstanding():
@@ -110,4 +182,4 @@ def test_a_new_share_rebases_the_epoch_counting_what_is_outstanding():
     assert (loop.persisted.epoch_version, loop.persisted.share) == (5, 1.0)
     assert _budget(loop) == 2 * B - B
     loop.install_weights(6, "/ckpt/v6", params=None, share=0)  # unset (an older trainer): 1
-    assert loop.persisted.epoch_version == 5 and _budget(loop) == 3 * B - B
+    assert loop.persisted.epoch_version == 6 and _budget(loop) == 2 * B - B

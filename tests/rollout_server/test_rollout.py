@@ -105,9 +105,11 @@ def test_epochs_and_waiting_for_weights(tmp_path):
     assert (state.epoch_version, state.epoch_used) == (5, 5)
     assert loop.stats()["admission_open"]
     assert admission_budget(CFG, state, version=5, queued=2, running=0) == 2 * B
-    # A later push keeps the epoch; one with new_epoch starts another.
+    # A later push rebases the epoch at its version (the excluded groups stay out of the
+    # count); one with new_epoch starts another.
     loop.install_weights(6, "/ckpt/v6", params=None)
-    assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (5, 5)
+    assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (6, 5)
+    assert loop.persisted.epoch_excluded == [0, 1]
     loop.queue.put(rollout_pb2.Group(group_id=2))
     loop.install_weights(7, "/ckpt/v7", params=None, new_epoch=True)
     assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (7, 6)

@@ -264,3 +264,19 @@ def test_a_server_ahead_of_the_trainer_stays_out_until_the_trainer_passes_it(fle
         clock.advance(RETRY_MAX)
         pool.maintain()
         assert pool.metrics()["servers_up"] == 2 and stubs["a:1"].version == 10
+
+
+def test_a_push_sends_the_pending_acknowledgements_first(fleet):
+    """Each server rebases its admission at a new version counting what is outstanding: the
+    groups trained with the weights being pushed must be acknowledged before the push."""
+    make, stubs, _ = fleet
+    a, b = "a:1", "b:1"
+    with make([a, b]) as pool:
+        pool.update_weights(1, "/w/v1")
+        trained = pool.pull(2, 1.0) + pool.pull(2, 1.0)
+        pool.ack(trained)
+        pool.update_weights(2, "/w/v2")
+        for address in (a, b):
+            names = [name for name, _, _ in stubs[address].calls]
+            assert names[-2:] == ["Ack", "UpdateWeights"], names
+            assert list(stubs[address].rpcs("Ack")[-1].group_ids) == [0, 1]
