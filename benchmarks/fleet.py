@@ -175,7 +175,9 @@ def run(k: int, steps: int, step_s: float, *, fleet_budget: bool, kill: bool = F
 
         start = trained[2][0] if len(trained) > 2 else 0  # skip the first, compiling steps
         out["two_up"] = rate(start, marks["killed"])
-        out["one_up"] = rate(marks["killed"] + 5, marks["restarted"])
+        # From the third step after the kill: the grace before it left is over by then.
+        after_kill = [t for t, _ in trained if t >= marks["killed"]][3:4]
+        out["one_up"] = rate(after_kill[0], marks["restarted"]) if after_kill else float("nan")
         rejoined = first_b[0] if first_b else float("nan")
         settled = [t for t, _ in trained if t >= rejoined][3:4]  # 3 steps after its first group
         out["rejoined"] = rate(settled[0], float("inf")) if settled else float("nan")
