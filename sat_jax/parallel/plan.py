@@ -292,7 +292,7 @@ def report_train(
         f"routing replay {'on' if spec.routing_replay else 'off'}"
     ]
     try:
-        with topology.traced_for("tpu"):
+        with topology.traced_for("tpu", mesh.devices.size):
             compiled, seconds = programs.compile_train_step(c, spec, mesh, batch, seq_len)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
@@ -337,7 +337,7 @@ def report_serve(
     """
     model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
     try:
-        with topology.traced_for("tpu"):
+        with topology.traced_for("tpu", mesh.devices.size):
             progs = programs.compile_server_programs(
                 model_cfg,
                 mesh,

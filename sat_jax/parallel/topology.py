@@ -246,13 +246,19 @@ def parse_out_of_memory(message: str) -> tuple[int, int] | None:
 
 
 @contextlib.contextmanager
-def traced_for(platform: str) -> Iterator[None]:
-    """While tracing inside, ``jax.default_backend()`` answers ``platform``.
+def traced_for(platform: str, device_count: int) -> Iterator[None]:
+    """While tracing inside, ``jax.default_backend()`` answers ``platform`` and
+    ``jax.device_count()`` the target's ``device_count``.
 
-    The model picks its "auto" attention and dispatch paths from ``jax.default_backend()`` at
-    trace time; compiling here for a TPU, that would be this host's CPU and the program would
-    hold the CPU paths. Only the model's choices read it this way (JAX's own code asks
-    ``xla_bridge``), so the lowered program is the one the target's trainer traces.
+    The model picks its "auto" attention and dispatch paths from them at trace time
+    (`sat_jax.model.tpu_kernels`: a TPU kernel where it can be placed, i.e. under an ambient mesh
+    or on one device); compiling here for a TPU, they would be this host's CPU and its device
+    count, and the program would hold the CPU paths, or a kernel that a multi-chip server traced
+    without a mesh never uses. Only the model's choices read them this way (JAX's own code asks
+    ``xla_bridge``), so the lowered program is the one the target's trainer or server traces.
     """
-    with mock.patch.object(jax, "default_backend", lambda: platform):
+    with (
+        mock.patch.object(jax, "default_backend", lambda: platform),
+        mock.patch.object(jax, "device_count", lambda backend=None: device_count),
+    ):
         yield

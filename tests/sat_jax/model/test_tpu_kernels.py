@@ -18,6 +18,7 @@ from sat_jax.model import ModelConfig, Transformer
 from sat_jax.model.attention import causal_attention, dense_attention, resolve_attention
 from sat_jax.model.moe import Experts, dispatch_dense, dispatch_ragged, resolve_dispatch
 from sat_jax.model.tpu_kernels import gmm_dispatch, gmm_row_tile, splash_attention, splash_block
+from sat_jax.parallel import topology
 from sat_jax.parallel.rules import MeshConfig, make_mesh
 
 RTOL, ATOL = 1e-5, 1e-5
@@ -178,3 +179,15 @@ def test_auto_keeps_xla_paths_on_tpu_without_a_mesh():
     assert jax.device_count() > 1
     assert resolve_attention("auto", "tpu") == "blockwise"
     assert resolve_dispatch("auto", num_tokens=64, num_experts=8, k=2, backend="tpu") == "ragged"
+
+
+@pytest.mark.parametrize(
+    ("devices", "attention", "dispatch"), [(4, "blockwise", "ragged"), (1, "splash", "gmm")]
+)
+def test_the_plan_traces_for_the_targets_device_count(devices, attention, dispatch):
+    """`sat_jax.plan --serve` compiles a multi-chip server, traced without a mesh, on a host whose
+    own device count differs: its "auto" paths must be what that server picks on its TPUs (no
+    kernel over 4 chips without a mesh; the kernels on one chip)."""
+    with topology.traced_for("tpu", devices):
+        assert resolve_attention("auto") == attention
+        assert resolve_dispatch("auto", num_tokens=64, num_experts=8, k=2) == dispatch
