@@ -355,15 +355,15 @@ def test_waits_for_weights_then_runs_max_staleness_plus_1_batches_ahead(server_f
     _push(stub, tmp_path, 1)
     # (max_staleness + 1)·batch groups of the first weights, and none before them.
     _settles_at(server, AHEAD, produced=AHEAD)
-    assert _min_versions(_pull_all(stub, AHEAD)) == [1] * AHEAD
-    _settles_at(server, 0, produced=AHEAD)  # pulling alone admits nothing ...
+    assert _min_versions(_pull_all(stub, BATCH_GROUPS)) == [1] * BATCH_GROUPS  # one batch trained
+    _settles_at(server, AHEAD - BATCH_GROUPS, produced=AHEAD)  # pulling alone admits nothing ...
     _push(stub, tmp_path, 2)
-    _settles_at(server, BATCH_GROUPS, produced=AHEAD + BATCH_GROUPS)  # ... a version, a batch
+    _settles_at(server, AHEAD, produced=AHEAD + BATCH_GROUPS)  # ... a version, a batch
     # A trainer that (re)connects starts a new epoch: the queued groups no longer count.
     _push(stub, tmp_path, 3, new_epoch=True)
-    _settles_at(server, BATCH_GROUPS + AHEAD, produced=2 * AHEAD + BATCH_GROUPS)
-    got = _min_versions(_pull_all(stub, BATCH_GROUPS + AHEAD))
-    assert got == [2] * BATCH_GROUPS + [3] * AHEAD
+    _settles_at(server, 2 * AHEAD, produced=2 * AHEAD + BATCH_GROUPS)
+    got = _min_versions(_pull_all(stub, 2 * AHEAD))
+    assert got == [1] * (AHEAD - BATCH_GROUPS) + [2] * BATCH_GROUPS + [3] * AHEAD
     _settles_at(server, 0, produced=2 * AHEAD + BATCH_GROUPS)
 
 

@@ -4,11 +4,10 @@ so admission is what bounds staleness) against rollout server processes.
 
 - After a SIGKILL of the server and a resume of the trainer from an earlier checkpoint, stale drops
   per step return to the rate before the kill within a few steps.
-- Two servers: one SIGKILLed mid-run leaves, the run goes on; restarted (same state_dir and port),
-  it reaches the current weights version and its new groups are trained.
 - Two servers: one SIGKILLed while the trainer's Pull to it is in flight, and later while its
-  weight push is in flight, leaves each time and the run goes on; restarted, it rejoins at the
-  current weights, and no group is trained twice.
+  weight push is in flight, leaves each time and the run goes on; restarted (same state_dir and
+  port), it rejoins at the current weights version, its new groups are trained, and no group is
+  trained twice.
 - A server listed in train.servers_file mid-run joins; with every server killed the run stops
   after train.server_wait_s with a clear error.
 """
@@ -137,56 +136,6 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
     assert after.version > before.version
     assert per_step_before == 0, drops
     assert late / (after_steps - settle) <= per_step_before, drops
-
-
-def test_a_killed_server_leaves_the_run_goes_on_and_it_rejoins(tmp_path):
-    overrides = _overrides(tmp_path, "train.server_wait_s=240", "train.server_grace_s=2")
-    a, b = _server(tmp_path, "a", overrides), _server(tmp_path, "b", overrides)
-    steps = 14
-    seen: dict[str, int] = {}
-    pool_ref = []
-
-    def kill_b():
-        b.proc.kill()
-        b.proc.wait()
-
-    def restart_b():
-        b.restart_if_exited()  # same port, same state_dir
-
-    def wait_for_b():
-        pool = pool_ref[0]
-        wait_until(lambda: pool.metrics()["servers_up"] == 2, timeout_s=300, interval_s=0.2)
-        seen["joined_at_step"] = 8
-        seen["pulled_b"] = pool.metrics()["pulled_1"]
-
-    hooks = {3: kill_b, 6: restart_b, 8: wait_for_b}
-    with a, b, metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=steps, console=None) as w:
-        a.wait_ready(timeout_s=240)
-        b.wait_ready(timeout_s=240)
-        cfg = load_config(
-            CONFIG, [*overrides, f"train.servers=[{a.address},{b.address}]", f"train.steps={steps}"]
-        )
-        state, progress = _start(cfg)
-        with setup.connect(cfg, None) as pool:
-            pool_ref.append(pool)
-            state, progress = _train(cfg, pool, state, progress, w, _hooked_step(1.0, hooks))
-            final = pool.metrics()
-        path = w.jsonl_path
-    records = metrics.read_jsonl(path)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))  # the run finished
-    up = [r["servers_up"] for r in records]
-    assert 1 in up[3:8] and up[-1] == 2, up  # left after the kill, back after the restart
-    # It came back at the trainer's current weights (pushed before any Pull), and its new
-    # groups were pulled and trained.
-    log_b = (tmp_path / "server-b.log").read_text()
-    joined = [int(line.split("-> ")[1].split()[0]) for line in log_b.splitlines()
-              if "weights swapped" in line]  # fmt: skip
-    assert joined[-1] == progress.version, (joined, progress.version)
-    assert final["pulled_1"] > seen["pulled_b"]
-    b_id = _server_id(tmp_path, "b")
-    trained_after = progress.recent_group_keys[seen["joined_at_step"] * B :]
-    assert any(key.startswith(f"{b_id}/") for key in trained_after), trained_after
-    assert progress.stale_dropped <= 2 * B  # what b held at the kill, at most
 
 
 def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
@@ -331,10 +280,10 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # kill, the next steps' hooks restart b once it landed, and a later one waits for b to rejoin.
     # The Pull: b stopped as it starts, killed 0.3 s into it (a Pull waiting for groups); the push:
     # killed 20 ms into b's UpdateWeights, which loads weights for 50-90 ms here.
-    hooks = {k: restart_b_once_killed for k in range(4, steps)}
+    hooks = {k: restart_b_once_killed for k in range(7, steps)}  # 3 s down: past the grace
     hooks.update({
         3: arm("Pull", 0.3, stop_first=True),
-        8: wait_for_b("rejoined_1", "Pull"),
+        9: wait_for_b("rejoined_1", "Pull"),
         10: arm("UpdateWeights", 0.02),
         16: wait_for_b("rejoined_2", "UpdateWeights"),
     })  # fmt: skip
@@ -356,7 +305,8 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     records = metrics.read_jsonl(path)
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # the run finished
     assert killer[0].errors == ["Pull: UNAVAILABLE", "UpdateWeights: UNAVAILABLE"], killer[0].errors
-    assert records[-1]["servers_up"] == 2
+    up = [r["servers_up"] for r in records]
+    assert 1 in up[3:9] and 1 in up[10:16] and up[-1] == 2, up  # left after each kill, back
     # b came back at the trainer's current weights, and served groups that were trained.
     log_b = (tmp_path / "server-b.log").read_text()
     swaps = [int(line.split("-> ")[1].split()[0]) for line in log_b.splitlines()
@@ -369,3 +319,4 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # Exactly once: every step trained B groups, none of them twice.
     keys = progress.recent_group_keys
     assert len(keys) == steps * B and len(set(keys)) == len(keys), keys
+    assert progress.stale_dropped <= 4 * B  # at most what b held at each kill
