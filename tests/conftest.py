@@ -38,11 +38,13 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_target_logprobs_equal_full_logits_and_never_build_them",
     ),
     "tests/sat_jax/model/test_decode.py": ("test_decode_logprobs_equal_full_forward",),
+    "tests/sat_jax/model/test_hf.py": ("test_logits_and_routing_match_transformers",),
     "tests/sat_jax/model/test_hf_export.py": ("test_load_of_export_is_exact",),
     "tests/sat_jax/model/test_moe.py": (
         "test_balance_loss_is_k_at_uniform_routing_and_differentiable",
     ),
     "tests/sat_jax/model/test_tpu_kernels.py": (
+        "test_gmm_equals_ragged_dispatch_and_gradient",
         "test_splash_per_shard_equals_dense",
         "test_gmm_per_shard_equals_dense",
         "test_model_with_tpu_kernels_equals_the_dense_reference",
@@ -69,6 +71,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_microbatches_on_eight_devices_with_replay",
     ),
     "tests/sat_jax/test_objectives.py": (
+        "test_jit_matches_eager",
         "test_hypothesis_shapes_and_masks",
         "test_microbatches_with_the_batch_threshold_merge_to_full_batch",
         "test_sat_properties",
