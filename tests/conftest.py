@@ -22,6 +22,7 @@ jax.config.update("jax_enable_x64", False)
 # (over ~5 s each on an idle core; README: Development), by file and test function (every
 # parametrization). tests/test_fast_lane.py checks that each one still exists.
 HEAVY_TESTS: dict[str, tuple[str, ...]] = {
+    "tests/sat_jax/test_recipe_off.py": ("test_options_off_give_the_golden_step",),
     "tests/rollout_server/test_engine.py": (
         "test_behavior_logprobs_match_full_forward",
         "test_failed_prefill_never_raises_and_leaves_slot_empty",
