@@ -199,7 +199,7 @@ def bench_naive(
     @jax.jit
     def step(params, seq_bt, t, key):
         logits_btv = nnx.merge(graphdef, params)(seq_bt)
-        tokens_b, _ = sample(logits_btv[:, t - 1], key, sampling)
+        tokens_b, _, _ = sample(logits_btv[:, t - 1], key, sampling)
         return seq_bt.at[:, t].set(tokens_b)
 
     def run():

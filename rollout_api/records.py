@@ -68,6 +68,9 @@ class Trajectory:
       behavior_logprobs: float32 [C], finite: the sampler's log-prob of each completion token.
       versions: int64 [C], the weights version that produced each completion token.
       routing: uint8 or uint16 [P + C, L, K] expert ids of every position, or None.
+      kept_counts: int32 [C], per completion token how many tokens the sampler's top-k / top-p
+        truncation kept (>= 1), or None: no truncation (the behavior log-probs are over the
+        whole sampleable vocabulary).
       reward: finite.
       finish_reason: "eos", "length" or "" (unspecified).
       completion_text: the completion decoded (special tokens skipped).
@@ -82,6 +85,7 @@ class Trajectory:
     behavior_logprobs: np.ndarray
     versions: np.ndarray
     routing: np.ndarray | None = None
+    kept_counts: np.ndarray | None = None
     reward: float = 0.0
     finish_reason: str = ""
     completion_text: str = ""
@@ -99,6 +103,12 @@ class Trajectory:
                 f"{c} completion tokens but {self.behavior_logprobs.size} behavior log-probs and "
                 f"{self.versions.size} versions"
             )
+        if self.kept_counts is not None:
+            _check_vector("kept_counts", self.kept_counts, np.int32)
+            if self.kept_counts.size != c:
+                raise ValueError(f"{c} completion tokens but {self.kept_counts.size} kept counts")
+            if c and self.kept_counts.min() < 1:
+                raise ValueError(f"a kept count is {int(self.kept_counts.min())}, must be >= 1")
         if not np.isfinite(self.behavior_logprobs).all():
             raise ValueError("a behavior log-prob is not finite")
         if not math.isfinite(self.reward):
@@ -196,6 +206,7 @@ def _trajectory_to_proto(t: Trajectory) -> rollout_pb2.Trajectory:
         behavior_logprobs=t.behavior_logprobs.tolist(),
         versions=t.versions.tolist(),
         routing=None if t.routing is None else encode_routing(t.routing),
+        kept_counts=None if t.kept_counts is None else t.kept_counts.tolist(),
         reward=t.reward,
         finish_reason=_FINISH_TO_PROTO[t.finish_reason],
         completion_text=t.completion_text,
@@ -279,12 +290,16 @@ def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) ->
             raise ValueError(f"routing of (L, K) = {routing.shape[1:]}, expected {lk}")
         _check_range("routing id", routing, limits.num_experts, "the experts")
     finish = int(t.finish_reason)
+    kept = np.array(t.kept_counts, np.int32) if len(t.kept_counts) else None
+    if kept is not None and limits is not None and kept.max(initial=1) > limits.vocab_size:
+        raise ValueError(f"a kept count {int(kept.max())} exceeds the vocabulary {limits.vocab_size}")
     return Trajectory(
         prompt_ids=prompt_ids,
         completion_ids=completion_ids,
         behavior_logprobs=np.array(t.behavior_logprobs, np.float32),
         versions=np.array(t.versions, np.int64),
         routing=routing,
+        kept_counts=kept,
         reward=float(t.reward),
         finish_reason=_FINISH_FROM_PROTO.get(finish, ""),
         completion_text=t.completion_text,

@@ -43,6 +43,7 @@ class FinishedSample:
       logprobs: [C] float32 behavior log-probs.
       versions: [C] int64 weights version per completion token.
       routing: [P + C, L, K] expert ids in the model's routing dtype.
+      kept_counts: [C] int32 the sampler's kept-set size per completion token.
       finish_reason: "eos" or "length".
     """
 
@@ -52,6 +53,7 @@ class FinishedSample:
     versions: np.ndarray
     routing: np.ndarray
     finish_reason: str
+    kept_counts: np.ndarray | None = None
 
 
 class TokenBuffer:
@@ -70,19 +72,29 @@ class TokenBuffer:
         self.tokens = np.empty(max_tokens, np.int32)
         self.logprobs = np.empty(max_tokens, np.float32)
         self.versions = np.empty(max_tokens, np.int64)
+        self.kept = np.empty(max_tokens, np.int32)
         # Prompt then completion positions, so the finished routing needs no concatenation.
         self.routing = np.empty((p + max_tokens, *prompt_routing.shape[1:]), prompt_routing.dtype)
         self.routing[:p] = prompt_routing
         self.size = 0  # completion tokens written
 
-    def add(self, token: int, logp: np.floating, version: np.integer, routing: np.ndarray) -> None:
-        """Writes the next completion token's values (`routing`: [L, K]).
+    def add(
+        self,
+        token: int,
+        logp: np.floating,
+        version: np.integer,
+        routing: np.ndarray,
+        kept: np.integer = 0,
+    ) -> None:
+        """Writes the next completion token's values (`routing`: [L, K]; `kept`: the sampler's
+        kept-set size).
 
         Raises:
           IndexError: the buffer already holds `max_tokens` tokens.
         """
         n = self.size
         self.tokens[n], self.logprobs[n], self.versions[n] = token, logp, version
+        self.kept[n] = kept
         self.routing[len(self.prompt_ids) + n] = routing
         self.size = n + 1
 
@@ -96,6 +108,7 @@ class TokenBuffer:
             versions=self.versions[:n],
             routing=self.routing[: len(self.prompt_ids) + n],
             finish_reason=finish_reason,
+            kept_counts=self.kept[:n],
         )
 
 
@@ -231,7 +244,13 @@ class RolloutDriver(orchestrator.Driver):
         token = int(step["token"][slot])
         if isinstance(request, RolloutRequest):
             buffer = request.buffer
-            buffer.add(token, step["logp"][slot], step["version"][slot], step["routing"][slot])
+            buffer.add(
+                token,
+                step["logp"][slot],
+                step["version"][slot],
+                step["routing"][slot],
+                step["kept"][slot],
+            )
             if token in stops:
                 return self._finish(request, "eos")
             if buffer.size >= request.max_tokens:

@@ -52,6 +52,7 @@ from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
 from rollout_server.engine import MoEEngine
 from rollout_server.group_queue import GroupQueue
 from rollout_server.persistence import RolloutState, StateStore, new_server_id
+from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import RolloutConfig
 from sat_jax.tasks import Tokenizer
 from sat_jax.tasks.rewards import RewardFn
@@ -142,6 +143,7 @@ class RolloutLoop:
         clock: Callable[[], float] = time.monotonic,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
+        self._truncates = SamplingConfig.from_rollout(cfg).truncates
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
         self.queue = GroupQueue(cfg.queue_groups)
         self._wait_for_weights = wait_for_weights
@@ -553,6 +555,9 @@ class RolloutLoop:
                     behavior_logprobs=s.logprobs,
                     versions=s.versions,
                     routing=s.routing,
+                    # Sent only when the sampler truncates: otherwise every count is the whole
+                    # sampleable vocabulary, and the trainer scores over it anyway.
+                    kept_counts=s.kept_counts if self._truncates else None,
                     reward=self._reward(text, record),
                     finish_reason=s.finish_reason,
                     completion_text=text,

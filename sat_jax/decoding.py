@@ -5,11 +5,13 @@ to JetStream's Engine API and adds weight swaps) and evaluation (``complete``, b
 slots, used by ``sat-eval`` and the trainer's periodic evaluation), so an evaluation samples
 exactly as the server does (docs/DESIGN.md §1, §6.1).
 
-Per generated token, ``DecodeCore.generate`` returns, in int32 columns of one [B, 5 + L·K] array
+Per generated token, ``DecodeCore.generate`` returns, in int32 columns of one [B, 6 + L·K] array
 (one host copy per step): the token, whether it is valid (the slot was active), the slot's
 generated count, the behavior log-prob bit-cast from float32, the weights version whose logits the
-token was sampled from, and the token's top-k expert ids per MoE layer (computed when the token is
-fed back through the model in the same step). ``unpack_step`` reads it on the host.
+token was sampled from, how many tokens the top-k / top-p truncation kept (the trainer's
+truncation replay, docs/DESIGN.md §2), and the token's top-k expert ids per MoE layer (computed
+when the token is fed back through the model in the same step). ``unpack_step`` reads it on the
+host.
 
 A prefill emits no token: the prefix keeps the last prompt position's logits and the next
 ``generate`` samples from them. So a token's version is the version of the params that produced its
@@ -39,7 +41,7 @@ from sat_jax.model import KVCache, ModelConfig
 from sat_jax.parallel import sharding
 
 # Column layout of one generate step's output.
-TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, ROUTING_COL = 0, 1, 2, 3, 4, 5
+TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, ROUTING_COL = range(7)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,6 +51,11 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k or top-p cut the distribution (then each token's kept count matters)."""
+        return self.top_k > 0 or self.top_p < 1.0
 
     @classmethod
     def from_rollout(cls, cfg: RolloutConfig) -> SamplingConfig:
@@ -90,11 +97,13 @@ def sampling_logprobs(logits_bv: jax.Array, cfg: SamplingConfig) -> jax.Array:
 
 def sample(
     logits_bv: jax.Array, key: jax.Array, cfg: SamplingConfig
-) -> tuple[jax.Array, jax.Array]:
-    """Draws one token per row; returns (tokens [B] int32, their log-probs [B] float32)."""
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Draws one token per row; returns (tokens [B] int32, their log-probs [B] float32, the
+    kept set's size [B] int32: the tokens of finite log-prob, what a truncation replay needs)."""
     logp_bv = sampling_logprobs(logits_bv, cfg)
     tokens_b = jax.random.categorical(key, logp_bv, axis=-1).astype(jnp.int32)
-    return tokens_b, jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0]
+    kept_b = jnp.sum(jnp.isfinite(logp_bv), axis=-1, dtype=jnp.int32)
+    return tokens_b, jnp.take_along_axis(logp_bv, tokens_b[:, None], axis=-1)[:, 0], kept_b
 
 
 @struct.dataclass
@@ -276,7 +285,7 @@ class DecodeCore:
     ) -> tuple[DecodeState, jax.Array]:
         key, step_key = jax.random.split(state.key)
         logits_bv = jnp.where(self.sampleable_v, state.logits_bv, -jnp.inf)
-        tokens_b, logp_b = sample(logits_bv, step_key, self.sampling)
+        tokens_b, logp_b, kept_b = sample(logits_bv, step_key, self.sampling)
         active_b = state.generated_b < self.max_decode_length
         model = nnx.merge(self.graphdef, params)
         out = model.decode_step(
@@ -290,6 +299,7 @@ class DecodeCore:
             generated_b[:, None],
             jax.lax.bitcast_convert_type(logp_b, jnp.int32)[:, None],
             state.logits_version_b[:, None],
+            kept_b[:, None],
             out.routing_blk.astype(jnp.int32).reshape(b, -1),
         ]
         new_state = DecodeState(
@@ -326,7 +336,7 @@ class DecodeCore:
         self, params: Any, state: DecodeState, version: jax.Array | int
     ) -> tuple[DecodeState, jax.Array]:
         """One sampling + decode step of every slot over ``decode_window()`` positions; returns
-        (the new state, the step's [B, 5 + L·K] int32 output, see ``unpack_step``)."""
+        (the new state, the step's [B, 6 + L·K] int32 output, see ``unpack_step``)."""
         state, data = self.generate_step(params, state, jnp.int32(version), self.decode_window())
         active_b = self._generated_b < self.max_decode_length
         self._lengths_b += active_b
@@ -386,10 +396,10 @@ class DecodeCore:
 
 
 def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.ndarray]:
-    """Host-side view of one step's output [B, 5 + L·K] int32.
+    """Host-side view of one step's output [B, 6 + L·K] int32.
 
-    Returns a dict of [B] arrays `token`, `valid`, `length`, `logp` (float32), `version`, and
-    `routing` [B, L, K] int32.
+    Returns a dict of [B] arrays `token`, `valid`, `length`, `logp` (float32), `version`, `kept`
+    (the sampler's kept-set size), and `routing` [B, L, K] int32.
     """
     data = np.asarray(data)
     return {
@@ -398,6 +408,7 @@ def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.n
         "length": data[:, LENGTH_COL],
         "logp": np.ascontiguousarray(data[:, LOGP_COL]).view(np.float32),
         "version": data[:, VERSION_COL],
+        "kept": data[:, KEPT_COL],
         "routing": data[:, ROUTING_COL:].reshape(-1, num_moe_layers, k),
     }
 

@@ -147,6 +147,11 @@ class RolloutConfig:
       group_size: G samples per prompt.
       max_new_tokens: completion length limit (EOS included).
       temperature, top_p, top_k: the sampler; top_p = 1 and top_k = 0 disable truncation.
+      logprob_replay: how the trainer scores a token sampled under top-k / top-p truncation:
+        "truncated" (the default) renormalises over the trainer's own top-n tokens, n the
+        sampler's kept-set size recorded per token, so that at lag 0 the trainer's log-prob is
+        the behavior log-prob; "full" over the whole vocabulary (the truncation then reads as a
+        mismatch). Without truncation both are the same.
       batch_groups: groups per trainer step (the `batch` of docs/DESIGN.md §6's admission rule).
       max_staleness: versions a group may lag; admission keeps
         (max_staleness + version + 1)·batch_groups − (consumed + queued + running) > 0, counted
@@ -162,6 +167,7 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    logprob_replay: str = "truncated"
     batch_groups: int = 8
     max_staleness: int = 1
     queue_groups: int = 64
@@ -179,6 +185,16 @@ class RolloutConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0 or self.max_staleness < 0:
             raise ValueError("top_k and max_staleness must be >= 0")
+        if self.logprob_replay not in ("truncated", "full"):
+            raise ValueError(
+                f"logprob_replay must be 'truncated' or 'full', got {self.logprob_replay!r}"
+            )
+
+    @property
+    def replays_truncation(self) -> bool:
+        """Whether trajectories carry kept counts the trainer replays: the sampler truncates
+        (top_k > 0 or top_p < 1) and `logprob_replay` is "truncated"."""
+        return (self.top_k > 0 or self.top_p < 1.0) and self.logprob_replay == "truncated"
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -336,6 +352,10 @@ class TrainConfig:
         holds its longest row, so the step compiles once per bucket (docs/DESIGN.md §7.1);
         0 = always the capacity.
       loss: the policy objective; SAT on by default.
+      old_logp: the proximal log-probs of the objective: "behavior" (the sampler's, the
+        default) or "recompute" (the current params' own before the update, AReaL's decoupled
+        objective: TIS, IcePop and the sequence corrections then weigh behavior → proximal;
+        docs/DESIGN.md §3.4).
       advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
       learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"
         decay to 0 over `steps`, and linear warm-up steps (part `optimizer`).
@@ -378,6 +398,7 @@ class TrainConfig:
     microbatches: int = 1
     length_bucket: int = 64
     loss: PolicyLossConfig = _SAT_LOSS
+    old_logp: str = "behavior"
     advantage_estimator: str = "grpo"
     normalize_std: bool = True
     learning_rate: float = 1e-4
@@ -412,6 +433,7 @@ class TrainConfig:
             "mode": ("async", "sync"),
             "stale_policy": ("drop", "keep"),
             "advantage_estimator": ("grpo", "dr_grpo"),
+            "old_logp": ("behavior", "recompute"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
@@ -438,8 +460,41 @@ class TrainConfig:
             )
         if self.mode == "sync" and self.weight_sync_interval != 1:
             raise ValueError("mode 'sync' needs weight_sync_interval = 1")
+        self._check_old_logp()
         # Each part checks its own fields: building them checks the rest of the keys.
         _ = (self.optimizer, self.warmup, self.checkpoints)
+
+    def _check_old_logp(self) -> None:
+        """The loss options that need proximal log-probs need "recompute", and the clip-based
+        ones do nothing with it (one update per batch: r = π/π_old is 1 at the update)."""
+        loss = self.loss
+        needs = [
+            name
+            for name in ("tis_cap", "icepop_range", "seq_tis_cap", "seq_mask_range")
+            if getattr(loss, name, None) is not None
+        ]
+        if needs and self.old_logp != "recompute":
+            raise ValueError(
+                f"loss.{needs[0]} weighs behavior → proximal log-probs: it needs "
+                "old_logp 'recompute' (with 'behavior' the weight would always be 1)"
+            )
+        if self.old_logp == "recompute":
+            inert = [
+                name
+                for name, on in (
+                    ("loss.sat.enabled", loss.sat.enabled),
+                    ("loss.dppo_tv_delta", loss.dppo_tv_delta is not None),
+                    ("loss.dual_clip", loss.dual_clip is not None),
+                )
+                if on
+            ]
+            if inert:
+                raise ValueError(
+                    f"old_logp 'recompute' with {inert[0]}: the step applies one update per "
+                    "batch, so the ratio to the recomputed proximal policy is 1 at the update "
+                    "and the clip (SAT's contraction, DPPO-TV, dual-clip) never acts; use "
+                    "old_logp 'behavior' with it, or drop it (docs/DESIGN.md §3.4)"
+                )
 
     @property
     def optimizer(self) -> OptimizerConfig:

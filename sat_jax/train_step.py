@@ -21,6 +21,7 @@ Dimension letters: B batch, T sequence, V vocabulary, L MoE layers, K experts pe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -78,9 +79,17 @@ class TrainBatch:
       group_ids: [B] int32 each row's group in [0, B); -1 marks a padding row (no group, no
         advantage).
       routing: optional [B, T, L, K] uint8/uint16 expert ids recorded by the rollout (for R3).
-      old_logp: optional [B, T] float proximal log-probs.
+      old_logp: optional [B, T] float proximal log-probs (the step can instead take its own,
+        ``recompute_old_logp``).
       ref_logp: optional [B, T] float reference-policy log-probs (KL penalty); the step computes
         them itself when given the reference's params instead.
+      kept_counts: optional [B, T] int32, the sampler's kept-set size of ``tokens[b, t]`` after
+        top-k / top-p truncation (0 where there was none, and off the completion): the step's
+        log-probs (the policy's and the reference's) replay that truncation
+        (``Transformer.logprobs``, docs/DESIGN.md §2).
+      fresh_mask: optional [B, T] float, 1 on the completion tokens sampled by the weights being
+        trained (lag 0): the ``sampler_kl`` metric averages over them (all active tokens when
+        None).
     """
 
     tokens: jax.Array
@@ -92,6 +101,8 @@ class TrainBatch:
     routing: jax.Array | None = None
     old_logp: jax.Array | None = None
     ref_logp: jax.Array | None = None
+    kept_counts: jax.Array | None = None
+    fresh_mask: jax.Array | None = None
 
 
 def with_advantages(
@@ -176,6 +187,7 @@ def train_step(
     microbatches: int = 1,
     estimator: objectives.AdvantageEstimator = "grpo",
     normalize_std: bool = True,
+    recompute_old_logp: bool = False,
 ) -> tuple[TrainState, Metrics]:
     """One policy-gradient update.
 
@@ -203,6 +215,11 @@ def train_step(
         k). Loss, gradient and metrics equal the one-pass step's (SAT's q per
         ``loss_cfg.sat.threshold_scope``; docs/DESIGN.md §3.3 and §5).
       estimator, normalize_std: the ``group_advantages`` options (for ``rewards``).
+      recompute_old_logp: the proximal log-probs ``old_logp`` are the current params' own,
+        before this update (AReaL's decoupled objective, docs/DESIGN.md §3.4): TIS, IcePop and
+        the sequence corrections then weigh behavior → proximal. The step applies one update
+        per batch, so they are its own forward's log-probs under ``stop_gradient``, exactly, at
+        no extra forward pass. Not with ``batch.old_logp``.
 
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
@@ -218,6 +235,8 @@ def train_step(
         )
     if ref_params is not None and batch.ref_logp is not None:
         raise ValueError("give the reference as ref_params or as TrainBatch.ref_logp, not both")
+    if recompute_old_logp and batch.old_logp is not None:
+        raise ValueError("recompute_old_logp=True computes old_logp; the batch must not carry it")
     batch = with_advantages(batch, estimator=estimator, normalize_std=normalize_std)
     batch = batch.replace(loss_mask=batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0))
     scored = functools.partial(
@@ -232,6 +251,7 @@ def train_step(
             return batch
         return batch.replace(ref_logp=scored(ref_params, batch, replay=False)[0])
 
+    loss_cfg = _TermsConfig(loss_cfg, recompute_old_logp)
     if microbatches == 1:
         grads, metrics = _one_pass(state.params, reference(batch), forward, loss_cfg)
     else:
@@ -260,6 +280,7 @@ def _logprobs(
         vocab_mask=vocab_mask,
         mask_bt=token_mask(batch.loss_mask),
         replay_routing=batch.routing if replay else None,
+        kept_bt=batch.kept_counts,
     )
 
 
@@ -277,16 +298,40 @@ def token_mask(loss_mask_bt: jax.Array) -> jax.Array:
     return t <= last_b1
 
 
-def _policy_terms(logp_bt, batch: TrainBatch, loss_cfg, sat_q=None) -> objectives.PolicyLossTerms:
+@dataclasses.dataclass(frozen=True)
+class _TermsConfig:
+    """The loss config and where ``old_logp`` comes from."""
+
+    loss: objectives.PolicyLossConfig
+    recompute_old_logp: bool = False
+
+    @property
+    def sat(self) -> objectives.SATConfig:
+        return self.loss.sat
+
+    @property
+    def loss_agg(self) -> str:
+        return self.loss.loss_agg
+
+
+def _policy_terms(
+    logp_bt, batch: TrainBatch, cfg: _TermsConfig, sat_q=None
+) -> objectives.PolicyLossTerms:
+    old_logp = batch.old_logp
+    if cfg.recompute_old_logp:
+        # The proximal policy is the params before this (the batch's only) update: the step's
+        # own log-probs, detached (docs/DESIGN.md §3.4).
+        old_logp = jax.lax.stop_gradient(logp_bt)
     return objectives.policy_loss_terms(
         logp_bt,
         batch.behavior_logp,
         batch.advantages,
         batch.loss_mask,
-        loss_cfg,
-        old_logp=batch.old_logp,
+        cfg.loss,
+        old_logp=old_logp,
         ref_logp=batch.ref_logp,
         sat_q=sat_q,
+        fresh_mask=batch.fresh_mask,
     )
 
 
@@ -346,8 +391,8 @@ def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, los
             _unsplit(logp_kbt),
             batch.behavior_logp,
             batch.loss_mask,
-            loss_cfg,
-            old_logp=batch.old_logp,
+            loss_cfg.loss,
+            old_logp=None if loss_cfg.recompute_old_logp else batch.old_logp,
         )
     return sat_q, _weighted(frac_kle, w_k)
 
@@ -516,6 +561,7 @@ def make_train_step(
     microbatches: int = 1,
     estimator: objectives.AdvantageEstimator = "grpo",
     normalize_std: bool = True,
+    recompute_old_logp: bool = False,
 ) -> Step:
     """Jitted ``train_step`` for ``model_cfg`` on ``mesh``.
 
@@ -535,6 +581,7 @@ def make_train_step(
       vocab_mask: optional [V] bool of the ids the sampler draws from.
       microbatches: gradient accumulation over this many microbatches (see ``train_step``).
       estimator, normalize_std: advantages from ``TrainBatch.rewards`` (``with_advantages``).
+      recompute_old_logp: the proximal log-probs are the current params' own (``train_step``).
 
     Returns:
       ``step(state, batch, ref_params=None) -> (state, metrics)`` (a ``Step``).
@@ -553,6 +600,7 @@ def make_train_step(
         microbatches=microbatches,
         estimator=estimator,
         normalize_std=normalize_std,
+        recompute_old_logp=recompute_old_logp,
     )
     jit = functools.partial(
         jax.jit,

@@ -64,6 +64,9 @@ class BatchSpec:
       estimator, normalize_std: ``group_advantages`` options.
       vocab_size: token ids must be in [0, vocab_size).
       num_experts: routing ids must be in [0, num_experts).
+      kept_counts: the batch carries the sampler's per-token kept-set sizes for the step's
+        truncation replay (``rollout.replays_truncation``); a trajectory without them (a sampler
+        that did not truncate) gets 0s: scored over the whole vocabulary.
     """
 
     batch_groups: int
@@ -78,6 +81,7 @@ class BatchSpec:
     normalize_std: bool
     vocab_size: int
     num_experts: int
+    kept_counts: bool = False
 
     @property
     def rows(self) -> int:
@@ -274,7 +278,9 @@ def assemble_batch(
       ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
       loss_mask / behavior_logp [R, T] float32, rewards [R] float32 and group_ids [R] int32 (the
       group's index in the batch; -1 on padding rows), from which the train step computes the
-      advantages, routing [R, T, L, K] (when ``spec.routing_lk``); rows past the kept
+      advantages, routing [R, T, L, K] (when ``spec.routing_lk``), kept_counts [R, T] int32
+      (when ``spec.kept_counts``), fresh_mask [R, T] float32 (1 on the completion tokens of
+      the trainer's own version, lag 0: ``sampler_kl``'s tokens); rows past the kept
       trajectories are padding (mask 0). ``stats``
       carries the selection's counts and the lags of the trained tokens.
 
@@ -288,6 +294,8 @@ def assemble_batch(
     row_tokens = [t.num_tokens for g in kept for t in g.trajectories]
     R, T = spec.rows, bucket_length(max(row_tokens, default=0), spec)
     tokens, mask, behavior, routing = _padding(spec, T)
+    kept = np.zeros((R, T), np.int32) if spec.kept_counts else None
+    fresh = np.zeros((R, T), np.float32)
     lags: list[np.ndarray] = []  # per row, in row order: the flat lags of the trained tokens
     rewards = np.zeros(R, np.float32)
     group_ids = np.full(R, -1, np.int32)
@@ -302,6 +310,10 @@ def assemble_batch(
         for i, traj in enumerate(group.trajectories):
             row = g * spec.group_size + i
             _fill_row(row, traj, spec, tokens, mask, behavior, routing)
+            p, c = len(traj.prompt_ids), len(traj.completion_ids)
+            if kept is not None and traj.kept_counts is not None:
+                kept[row, p : p + c] = traj.kept_counts
+            fresh[row, p : p + c] = traj.versions == trainer_version
             lags.append(trainer_version - traj.versions)
             rewards[row], group_ids[row], active[row] = traj.reward, g, True
             lengths.append(len(traj.completion_ids))
@@ -312,6 +324,8 @@ def assemble_batch(
         rewards=rewards,
         group_ids=group_ids,
         routing=None if routing is None else routing.astype(spec.routing_dtype),
+        kept_counts=kept,
+        fresh_mask=fresh,
     )
     stats = BatchStats(
         groups=len(kept),
@@ -342,6 +356,8 @@ def empty_batch(spec: BatchSpec, length: int) -> TrainBatch:
         rewards=np.zeros(spec.rows, np.float32),
         group_ids=np.full(spec.rows, -1, np.int32),
         routing=routing,
+        kept_counts=np.zeros_like(tokens) if spec.kept_counts else None,
+        fresh_mask=np.zeros_like(mask),
     )
 
 

@@ -268,6 +268,7 @@ def make_step_fn(
         microbatches=cfg.train.microbatches,
         estimator=cfg.train.advantage_estimator,
         normalize_std=cfg.train.normalize_std,
+        recompute_old_logp=cfg.train.old_logp == "recompute",
     )
     if ref_params is None:
         return step_fn

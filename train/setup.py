@@ -89,6 +89,7 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         normalize_std=cfg.train.normalize_std,
         vocab_size=m.vocab_size,
         num_experts=m.num_experts,
+        kept_counts=cfg.rollout.replays_truncation,
     )
 
 

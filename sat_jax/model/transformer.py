@@ -239,27 +239,32 @@ class Transformer(nnx.Module):
         *,
         temperature: float = 1.0,
         vocab_mask: jax.Array | None = None,
+        kept_bt: jax.Array | None = None,
     ) -> jax.Array:
         """[B, T] float32 log softmax(logits / temperature) at ``targets_bt``, from the hidden
         states of `ModelOutput.hidden_btd`, `config.logits_chunk` positions at a time.
 
         Each chunk's [B, chunk, V] logits are recomputed in the backward pass (`jax.checkpoint`),
         so no full float32 [B, T, V] buffer exists in either pass. ``vocab_mask`` ([V] bool)
-        renormalizes over those ids only, as a sampler restricted to them does.
+        renormalizes over those ids only, as a sampler restricted to them does; ``kept_bt``
+        ([B, T] int) replays a top-k / top-p truncation (`token_logprobs`).
         """
         b, t, d = hidden_btd.shape
         c = min(self.config.logits_chunk, t)
         n = -(-t // c)
         pad = ((0, 0), (0, n * c - t))
+        chunks = lambda x: jnp.moveaxis(jnp.pad(x, pad).reshape(b, n, c), 1, 0)
         h_nbcd = jnp.moveaxis(jnp.pad(hidden_btd, (*pad, (0, 0))).reshape(b, n, c, d), 1, 0)
-        y_nbc = jnp.moveaxis(jnp.pad(targets_bt, pad).reshape(b, n, c), 1, 0)
+        xs = (h_nbcd, chunks(targets_bt)) + (() if kept_bt is None else (chunks(kept_bt),))
 
         @jax.checkpoint
-        def one(h_bcd: jax.Array, y_bc: jax.Array) -> jax.Array:
+        def one(h_bcd: jax.Array, y_bc: jax.Array, kept_bc: jax.Array | None = None) -> jax.Array:
             logits_bcv = self._project(h_bcd)
-            return token_logprobs(logits_bcv, y_bc, temperature=temperature, vocab_mask=vocab_mask)
+            return token_logprobs(
+                logits_bcv, y_bc, temperature=temperature, vocab_mask=vocab_mask, kept_bt=kept_bc
+            )
 
-        logp_nbc = jax.lax.map(lambda xs: one(*xs), (h_nbcd, y_nbc))
+        logp_nbc = jax.lax.map(lambda xs: one(*xs), xs)
         return jnp.moveaxis(logp_nbc, 0, 1).reshape(b, n * c)[:, :t]
 
     def _routing(self, trunk: _Trunk, b: int, t: int) -> jax.Array:
@@ -327,6 +332,7 @@ class Transformer(nnx.Module):
         vocab_mask: jax.Array | None = None,
         mask_bt: jax.Array | None = None,
         replay_routing: jax.Array | None = None,
+        kept_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelOutput]:
         """Log-probs of a batch's own tokens, and the forward's `ModelOutput`.
 
@@ -340,6 +346,9 @@ class Transformer(nnx.Module):
           tokens_bt: [B, T] int token ids, right-padded.
           temperature, vocab_mask: as in `target_logprobs`.
           mask_bt, replay_routing: as in `forward`.
+          kept_bt: optional [B, T] int, the sampler's kept-set size of ``tokens_bt[b, t]``
+            (aligned like the log-probs; 0 = no truncation): replays top-k / top-p truncation
+            (`token_logprobs`).
 
         Returns:
           ``(logp_bt [B, T] float32, the forward's ModelOutput)``.
@@ -350,6 +359,7 @@ class Transformer(nnx.Module):
             tokens_bt[:, 1:],
             temperature=temperature,
             vocab_mask=vocab_mask,
+            kept_bt=None if kept_bt is None else kept_bt[:, 1:],
         )
         return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 
@@ -515,17 +525,61 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     vocab_mask: jax.Array | None = None,
+    kept_bt: jax.Array | None = None,
 ) -> jax.Array:
     """[B, T] float32 log softmax(logits / temperature) at the targets (the sampler's scaling).
 
     ``vocab_mask`` ([V] bool, optional) renormalizes over those ids only.
+
+    ``kept_bt`` ([B, T] int, optional) replays the sampler's top-k / top-p truncation
+    (docs/DESIGN.md §2): at a position with kept count n > 0 the distribution is renormalised
+    over the n highest scaled logits (ties at the n-th value kept, as the sampler keeps them) and
+    the target itself (kept even when this policy ranks it lower, so its log-prob is finite);
+    n = 0 keeps everything. The cut is found exactly by `kth_largest` and is not differentiated.
     """
     if vocab_mask is not None:
         # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
         floor = jnp.finfo(logits_btv.dtype).min
         logits_btv = jnp.where(jnp.asarray(vocab_mask, bool), logits_btv, floor)
-    logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
-    return jnp.take_along_axis(logp_btv, targets_bt[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    targets = targets_bt[..., None].astype(jnp.int32)
+    if kept_bt is None:
+        logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
+        return jnp.take_along_axis(logp_btv, targets, axis=-1)[..., 0]
+    x_btv = logits_btv.astype(jnp.float32) / temperature
+    key_btv = _order_key(jax.lax.stop_gradient(x_btv))
+    cut_bt = kth_largest_key(key_btv, kept_bt)
+    cut_bt = jnp.minimum(cut_bt, jnp.take_along_axis(key_btv, targets, axis=-1)[..., 0])
+    kept_btv = key_btv >= cut_bt[..., None]
+    log_z_bt = jax.nn.logsumexp(jnp.where(kept_btv, x_btv, -jnp.inf), axis=-1)
+    return jnp.take_along_axis(x_btv, targets, axis=-1)[..., 0] - log_z_bt
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """uint32 keys of float32 values in the same order (IEEE bits, negatives' flipped, sign bit
+    offset), so an exact order statistic is a bitwise search over integers."""
+    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    negative = (bits >> 31) == 1
+    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def kth_largest_key(key_btv: jax.Array, k_bt: jax.Array) -> jax.Array:
+    """[B, T] uint32: the k-th largest of ``key_btv`` along the last axis (k ≥ 1), exactly; 0
+    (the smallest key, so every entry is ≥ it) where k ≤ 0.
+
+    Built bit by bit from the top: the largest key c with #{key ≥ c} ≥ k is the k-th largest.
+    32 compare-and-count passes over V, no sort (a vocabulary-wide sort per position is far
+    slower on TPU).
+    """
+    k_bt = k_bt.astype(jnp.int32)
+
+    def step(i, cut_bt):
+        bit = jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32))
+        trial_bt = cut_bt | bit
+        count_bt = jnp.sum(key_btv >= trial_bt[..., None], axis=-1, dtype=jnp.int32)
+        return jnp.where(count_bt >= k_bt, trial_bt, cut_bt)
+
+    cut_bt = jax.lax.fori_loop(0, 32, step, jnp.zeros(k_bt.shape, jnp.uint32))
+    return jnp.where(k_bt > 0, cut_bt, jnp.uint32(0))
 
 
 def router_shift_ratio(

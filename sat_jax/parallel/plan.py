@@ -536,6 +536,8 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
             temperature=setup.experiment.rollout.temperature if setup.experiment else 1.0,
             estimator=setup.train.advantage_estimator,
             normalize_std=setup.train.normalize_std,
+            kept_counts=bool(setup.experiment and setup.experiment.rollout.replays_truncation),
+            recompute_old_logp=setup.train.old_logp == "recompute",
         )
         plan = plan_memory(setup.model, setup.mesh, len(devices), spec.optimizer)
         print(format_plan(setup.name, plan))

@@ -63,13 +63,16 @@ def abstract_train_inputs(
     *,
     routing: bool = False,
     rewards: bool = False,
+    kept_counts: bool = False,
 ) -> tuple[train_step.TrainState, train_step.TrainBatch]:
     """``(state, batch)`` of a [batch, seq_len] step as sharded ``ShapeDtypeStruct``s.
 
     Args:
       routing: the batch carries the rollout's routing ids [B, T, L, K] (R3).
       rewards: the batch carries per-row rewards and group ids [B] and the step computes the
-        advantages (what the trainer sends); else per-token advantages [B, T].
+        advantages (what the trainer sends, with its lag-0 mask); else per-token advantages
+        [B, T].
+      kept_counts: the batch carries the sampler's kept-set sizes (truncation replay).
     """
     _, abstract = sharding.abstract_model(model_cfg)
     params = nnx.to_pure_dict(abstract)
@@ -93,6 +96,8 @@ def abstract_train_inputs(
             if routing
             else None
         ),
+        kept_counts=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) if kept_counts else None,
+        fresh_mask=f32 if rewards else None,
     )
     return state, jax.tree.map(_with, data, train_step.batch_shardings(data, mesh))
 
@@ -108,6 +113,8 @@ class TrainStepSpec:
       microbatches: gradient accumulation k.
       temperature: the rollout's sampling temperature.
       estimator, normalize_std: the advantages the step computes from the rewards.
+      kept_counts: the batch carries kept-set sizes (``rollout.replays_truncation``).
+      recompute_old_logp: ``train.old_logp == "recompute"``.
     """
 
     optimizer: optax.GradientTransformation
@@ -117,6 +124,8 @@ class TrainStepSpec:
     temperature: float = 1.0
     estimator: objectives.AdvantageEstimator = "grpo"
     normalize_std: bool = True
+    kept_counts: bool = False
+    recompute_old_logp: bool = False
 
 
 def compile_train_step(
@@ -142,6 +151,7 @@ def compile_train_step(
         microbatches=spec.microbatches,
         estimator=spec.estimator,
         normalize_std=spec.normalize_std,
+        recompute_old_logp=spec.recompute_old_logp,
     )
     state, data = abstract_train_inputs(
         model_cfg,
@@ -151,6 +161,7 @@ def compile_train_step(
         seq_len,
         routing=spec.routing_replay,
         rewards=True,
+        kept_counts=spec.kept_counts,
     )
     # With a KL penalty the trainer passes the reference policy's params (not donated).
     ref_params = abstract_params(model_cfg, mesh) if spec.loss.kl_coef > 0 else None
