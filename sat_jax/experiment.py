@@ -357,6 +357,20 @@ class TrainConfig:
         objective: TIS, IcePop and the sequence corrections then weigh behavior → proximal;
         docs/DESIGN.md §3.4).
       advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
+      filter_groups: DAPO's dynamic sampling: "none", or "all_equal": a pulled group whose
+        trajectories' raw rewards (before overlong shaping) are all exactly equal (zero
+        advantage) is not trained but rejected to its server, which generates a replacement,
+        and the trainer pulls on (metric `groups_filtered`).
+      filter_max_rounds: at most `filter_max_rounds` · `rollout.batch_groups` groups are
+        filtered while filling one batch; past that the rest of the batch is filled without the
+        filter, with a warning (>= 1).
+      overlong: a truncated trajectory (finish reason "length"): "none"; "mask" (its loss mask
+        is 0; its reward still counts in its group's baseline); or "soft" (DAPO's soft overlong
+        punishment, with L_max = `rollout.max_new_tokens`, L_cache = `overlong_cache`, added to
+        every trajectory's reward: 0 up to L_max − L_cache tokens, then
+        `overlong_penalty` · ((L_max − L_cache) − length) / L_cache). Metric `overlong_frac`.
+      overlong_cache: L_cache; "soft" needs 0 < overlong_cache <= `rollout.max_new_tokens`.
+      overlong_penalty: the soft punishment's factor (>= 0): it ranges over [−penalty, 0].
       learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"
         decay to 0 over `steps`, and linear warm-up steps (part `optimizer`).
       adam_b1, adam_b2, weight_decay, grad_clip: AdamW and global-norm clipping (0 = off)
@@ -401,6 +415,11 @@ class TrainConfig:
     old_logp: str = "behavior"
     advantage_estimator: str = "grpo"
     normalize_std: bool = True
+    filter_groups: str = "none"
+    filter_max_rounds: int = 4
+    overlong: str = "none"
+    overlong_cache: int = 0
+    overlong_penalty: float = 1.0
     learning_rate: float = 1e-4
     lr_schedule: str = "constant"
     lr_warmup_steps: int = 0
@@ -434,16 +453,24 @@ class TrainConfig:
             "stale_policy": ("drop", "keep"),
             "advantage_estimator": ("grpo", "dr_grpo"),
             "old_logp": ("behavior", "recompute"),
+            "filter_groups": ("none", "all_equal"),
+            "overlong": ("none", "mask", "soft"),
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        for name in ("weight_sync_interval", "microbatches"):
+        for name in ("weight_sync_interval", "microbatches", "filter_max_rounds"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("eval_problems", "eval_every", "length_bucket"):
+        for name in ("eval_problems", "eval_every", "length_bucket", "overlong_cache"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.overlong_penalty < float("inf"):
+            raise ValueError(
+                f"overlong_penalty must be finite and >= 0, got {self.overlong_penalty}"
+            )
+        if self.overlong == "soft" and self.overlong_cache == 0:
+            raise ValueError("overlong 'soft' needs overlong_cache > 0")
         if self.server_grace_s < 0:
             raise ValueError(f"server_grace_s must be >= 0, got {self.server_grace_s}")
         for name in ("pull_timeout_s", "retry_max_s"):
@@ -538,6 +565,14 @@ class ExperimentConfig:
                 f"server.max_prefill_length + rollout.max_new_tokens "
                 f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
+            )
+        if (
+            self.train.overlong == "soft"
+            and self.train.overlong_cache > self.rollout.max_new_tokens
+        ):
+            raise ValueError(
+                f"train.overlong_cache ({self.train.overlong_cache}) must be <= "
+                f"rollout.max_new_tokens ({self.rollout.max_new_tokens}) for train.overlong 'soft'"
             )
         batch = self.rollout.batch_groups * self.rollout.group_size
         if batch % self.train.microbatches:

@@ -10,8 +10,15 @@ trained (its name, ``Group.key``, is among the recent ones: a server re-delivers
 acknowledgement it did not get) is a duplicate; a group holding a token older than
 ``min_version`` (weights this trainer never published, e.g. a server's
 random initial weights) is always dropped; a group whose oldest token lags more than
-``max_staleness`` versions is dropped or kept by ``stale_policy``. Every case is counted, and the
-counts travel with the kept groups (``Selection``) into the batch's ``BatchStats``.
+``max_staleness`` versions is dropped or kept by ``stale_policy``; with ``filter_groups``
+"all_equal" (DAPO's dynamic sampling) a group that would be kept but whose trajectories' raw
+rewards are all equal (zero advantage, nothing to learn) is filtered, up to a budget per batch
+(``select_groups``). Every case is counted, and the counts travel with the kept groups
+(``Selection``) into the batch's ``BatchStats``.
+
+Overlong shaping (``BatchSpec.overlong``, applied by ``assemble_batch``; a trajectory is truncated
+when its ``finish_reason`` is "length"): "mask" zeroes a truncated trajectory's loss mask, "soft"
+adds DAPO's soft overlong punishment to its reward (``overlong_penalty``).
 
 Every batch has ``rows = batch_groups · group_size`` rows (missing rows, from dropped groups, are
 padding with an all-zero loss mask) and a time axis bucketed by length (``bucket_length``): the
@@ -67,6 +74,15 @@ class BatchSpec:
       kept_counts: the batch carries the sampler's per-token kept-set sizes for the step's
         truncation replay (``rollout.replays_truncation``); a trajectory without them (a sampler
         that did not truncate) gets 0s: scored over the whole vocabulary.
+      filter_groups: "none", or "all_equal": a group whose trajectories' raw rewards are all
+        equal (exact float equality) is filtered (``select_groups``).
+      filter_max_rounds: at most ``filter_max_rounds · batch_groups`` groups are filtered while
+        filling one batch; past that the filter is off for the rest of that batch.
+      overlong: "none", "mask" or "soft": what ``assemble_batch`` does with a truncated
+        trajectory (finish reason "length"), see ``overlong_penalty`` and the module docstring.
+      overlong_cache: L_cache, the soft punishment's window (tokens before ``max_new_tokens``).
+      overlong_penalty: the soft punishment's factor: it ranges over [−overlong_penalty, 0].
+      max_new_tokens: L_max, the completion length limit (the soft punishment's end).
     """
 
     batch_groups: int
@@ -82,6 +98,32 @@ class BatchSpec:
     vocab_size: int
     num_experts: int
     kept_counts: bool = False
+    filter_groups: str = "none"
+    filter_max_rounds: int = 4
+    overlong: str = "none"
+    overlong_cache: int = 0
+    overlong_penalty: float = 1.0
+    max_new_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.filter_groups not in ("none", "all_equal"):
+            raise ValueError(
+                f"filter_groups must be 'none' or 'all_equal', got {self.filter_groups!r}"
+            )
+        if self.filter_max_rounds < 1:
+            raise ValueError(f"filter_max_rounds must be >= 1, got {self.filter_max_rounds}")
+        if self.overlong not in ("none", "mask", "soft"):
+            raise ValueError(f"overlong must be 'none', 'mask' or 'soft', got {self.overlong!r}")
+        if self.overlong == "soft" and not 0 < self.overlong_cache <= self.max_new_tokens:
+            raise ValueError(
+                f"overlong 'soft' needs 0 < overlong_cache <= max_new_tokens, got "
+                f"{self.overlong_cache} and {self.max_new_tokens}"
+            )
+
+    @property
+    def filter_budget(self) -> int:
+        """The most groups filtered while filling one batch."""
+        return self.filter_max_rounds * self.batch_groups
 
     @property
     def rows(self) -> int:
@@ -106,6 +148,7 @@ class Selection:
       stale_kept: kept groups over ``max_staleness`` (the "keep" policy).
       duplicates: groups skipped because they (or their prompt id) were trained recently.
       invalid: groups the pull refused (``InvalidGroup``).
+      filtered: groups filtered for all-equal rewards (``BatchSpec.filter_groups``).
       pulled: every pulled group (to acknowledge once the batch is trained).
     """
 
@@ -114,6 +157,7 @@ class Selection:
     stale_kept: int
     duplicates: int
     invalid: int = 0
+    filtered: int = 0
     pulled: tuple[Group | InvalidGroup, ...] = ()
 
     @classmethod
@@ -136,9 +180,10 @@ class BatchStats:
 
     Attributes:
       groups: groups in the batch.
-      stale_dropped, stale_kept, duplicates, invalid: the ``Selection`` counts of the groups
-        pulled for it.
-      reward_mean, response_len_mean: over the trained trajectories (0 when none).
+      stale_dropped, stale_kept, duplicates, invalid, filtered: the ``Selection`` counts of the
+        groups pulled for it.
+      reward_mean, response_len_mean: over the trained trajectories (0 when none); reward_mean
+        is of the raw task rewards (before overlong shaping).
       tokens: trained completion tokens; prompt_ids: the trained groups' stable prompt ids;
         group_keys: their ``Group.key``s.
       pad_frac: padded token slots over all token slots [R, T] of the batch (T after
@@ -146,6 +191,8 @@ class BatchStats:
       lags: int64 [tokens], the lag of every trained completion token, in row-major order (the
         order of ``batch.loss_mask > 0``), built once by ``assemble_batch``; the histogram, mean
         and max below derive from it.
+      overlong_frac: the fraction of the batch's trajectories (every row of a kept group, masked
+        or not) that are truncated (finish reason "length"), whatever ``BatchSpec.overlong``.
     """
 
     groups: int
@@ -160,6 +207,8 @@ class BatchStats:
     group_keys: tuple[str, ...]
     pad_frac: float
     lags: np.ndarray
+    filtered: int = 0
+    overlong_frac: float = 0.0
 
     @property
     def lag_hist(self) -> np.ndarray:
@@ -197,6 +246,7 @@ def select_groups(
     trainer_version: int,
     min_version: int,
     seen_groups: Collection[str] = (),
+    filter_budget: int | None = None,
 ) -> Selection:
     """Applies the duplicate check and the staleness policy (see the module docstring) to pulled
     groups; the only place either runs (docs/DESIGN.md §7.1, step 2).
@@ -210,8 +260,16 @@ def select_groups(
         and so is a group whose key came earlier in ``groups``. Only the group's name counts: a
         prompt trained recently may come again (a dataset smaller than the run is repeated), as
         a new group.
+      filter_budget: with ``spec.filter_groups`` "all_equal", the most groups this call may
+        filter (None = ``spec.filter_budget``); once that many are filtered, the next groups are
+        kept whatever their rewards (``pulling.pull_batch`` passes what is left of the batch's).
+        A group is filtered when it would be kept (also a stale one under the "keep" policy) and
+        its trajectories' raw rewards are all exactly equal (float equality: the rewards are
+        float32 from the task).
     """
-    kept, dropped, stale_kept, duplicates, invalid = [], 0, 0, 0, 0
+    kept, dropped, stale_kept, duplicates, invalid, filtered = [], 0, 0, 0, 0, 0
+    budget = spec.filter_budget if filter_budget is None else filter_budget
+    filtering = spec.filter_groups == "all_equal"
     seen = set(seen_groups)
     for group in groups:
         key = group.key
@@ -229,9 +287,13 @@ def select_groups(
         elif oldest is not None and trainer_version - oldest > spec.max_staleness:
             if spec.stale_policy == "drop":
                 dropped += 1
+            elif filtering and filtered < budget and _all_equal(group):
+                filtered += 1
             else:
                 kept.append(group)
                 stale_kept += 1
+        elif filtering and filtered < budget and _all_equal(group):
+            filtered += 1
         else:
             kept.append(group)
         seen.add(key)
@@ -241,8 +303,29 @@ def select_groups(
         stale_kept=stale_kept,
         duplicates=duplicates,
         invalid=invalid,
+        filtered=filtered,
         pulled=tuple(groups),
     )
+
+
+def _all_equal(group: Group) -> bool:
+    """Whether the group's trajectories' raw rewards are all exactly equal (zero advantage)."""
+    first = group.trajectories[0].reward if group.trajectories else 0.0
+    return all(t.reward == first for t in group.trajectories)
+
+
+def overlong_shaping(length: int, spec: BatchSpec) -> float:
+    """DAPO's soft overlong punishment of a completion of ``length`` tokens, added to its reward
+    under ``spec.overlong`` "soft": with L_max = ``max_new_tokens`` and L_cache =
+    ``overlong_cache``, 0 up to L_max − L_cache tokens, then
+    ``overlong_penalty · ((L_max − L_cache) − length) / L_cache`` up to L_max (so down to
+    −``overlong_penalty``), and −``overlong_penalty`` past L_max (a server never returns that)."""
+    start = spec.max_new_tokens - spec.overlong_cache
+    if length <= start:
+        return 0.0
+    if length > spec.max_new_tokens:
+        return -spec.overlong_penalty
+    return spec.overlong_penalty * (start - length) / spec.overlong_cache
 
 
 def _oldest_version(group: Group) -> int | None:
@@ -274,6 +357,12 @@ def assemble_batch(
       spec: the batch shape.
       trainer_version: version of the weights being trained (for the lags).
 
+    Overlong shaping (``spec.overlong``; truncated = finish reason "length"): "mask" zeroes a
+    truncated trajectory's loss mask (it leaves the loss and its tokens the lags, but keeps its
+    group id, so its reward still counts in its group's advantage baseline); "soft" adds
+    ``overlong_shaping`` of its completion length to every trajectory's reward (the batch's
+    ``rewards``; ``stats.reward_mean`` stays the raw reward).
+
     Returns:
       ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
       loss_mask / behavior_logp [R, T] float32, rewards [R] float32 and group_ids [R] int32 (the
@@ -294,13 +383,15 @@ def assemble_batch(
     row_tokens = [t.num_tokens for g in kept for t in g.trajectories]
     R, T = spec.rows, bucket_length(max(row_tokens, default=0), spec)
     tokens, mask, behavior, routing = _padding(spec, T)
-    kept = np.zeros((R, T), np.int32) if spec.kept_counts else None
+    kept_counts = np.zeros((R, T), np.int32) if spec.kept_counts else None
     fresh = np.zeros((R, T), np.float32)
     lags: list[np.ndarray] = []  # per row, in row order: the flat lags of the trained tokens
     rewards = np.zeros(R, np.float32)
     group_ids = np.full(R, -1, np.int32)
     active = np.zeros(R, bool)
     lengths = []
+    shaping = np.zeros(R, np.float32)  # overlong "soft": added to the rewards
+    truncated = 0
     for g, group in enumerate(kept):
         if len(group.trajectories) != spec.group_size:
             raise ValueError(
@@ -311,20 +402,28 @@ def assemble_batch(
             row = g * spec.group_size + i
             _fill_row(row, traj, spec, tokens, mask, behavior, routing)
             p, c = len(traj.prompt_ids), len(traj.completion_ids)
-            if kept is not None and traj.kept_counts is not None:
-                kept[row, p : p + c] = traj.kept_counts
-            fresh[row, p : p + c] = traj.versions == trainer_version
-            lags.append(trainer_version - traj.versions)
+            if kept_counts is not None and traj.kept_counts is not None:
+                kept_counts[row, p : p + c] = traj.kept_counts
+            is_truncated = traj.finish_reason == "length"
+            truncated += is_truncated
+            if spec.overlong == "mask" and is_truncated:
+                mask[row] = 0.0
+            else:
+                fresh[row, p : p + c] = traj.versions == trainer_version
+                lags.append(trainer_version - traj.versions)
             rewards[row], group_ids[row], active[row] = traj.reward, g, True
             lengths.append(len(traj.completion_ids))
+            if spec.overlong == "soft":
+                shaping[row] = overlong_shaping(len(traj.completion_ids), spec)
+    reward_mean = float(rewards[active].mean()) if active.any() else 0.0  # raw rewards
     batch = TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=behavior,
-        rewards=rewards,
+        rewards=rewards + shaping if spec.overlong == "soft" else rewards,
         group_ids=group_ids,
         routing=None if routing is None else routing.astype(spec.routing_dtype),
-        kept_counts=kept,
+        kept_counts=kept_counts,
         fresh_mask=fresh,
     )
     stats = BatchStats(
@@ -333,13 +432,15 @@ def assemble_batch(
         stale_kept=selection.stale_kept,
         duplicates=selection.duplicates,
         invalid=selection.invalid,
-        reward_mean=float(rewards[active].mean()) if active.any() else 0.0,
+        filtered=selection.filtered,
+        reward_mean=reward_mean,
         response_len_mean=float(np.mean(lengths)) if lengths else 0.0,
         tokens=int(mask.sum()),
         prompt_ids=tuple(g.prompt_id for g in kept),
         group_keys=tuple(g.key for g in kept),
         pad_frac=1.0 - sum(row_tokens) / (R * T),
         lags=np.concatenate(lags) if lags else np.zeros(0, np.int64),
+        overlong_frac=truncated / len(lengths) if lengths else 0.0,
     )
     return batch, stats
 

@@ -415,6 +415,8 @@ def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -
         "steps_skipped": progress.steps_skipped,
         "duplicates_skipped": stats.duplicates,
         "groups_invalid": stats.invalid,
+        "groups_filtered": stats.filtered,
+        "overlong_frac": stats.overlong_frac,
         "groups": stats.groups,
         "version": progress.version,
     }

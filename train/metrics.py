@@ -31,6 +31,7 @@ CONSOLE_KEYS = (
     "sat_gate_rate",
     "router_shift_ratio",
     "stale_dropped",
+    "groups_filtered",
     "steps_skipped",
     "tokens_per_s",
 )

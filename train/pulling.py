@@ -59,7 +59,14 @@ def pull_batch(
     stall_s: float,
 ) -> batching.Selection:
     """Pulls until ``spec.batch_groups`` groups pass ``batching.select_groups`` (the staleness
-    policy and the duplicate check); returns them with the counts of the rest.
+    policy, the duplicate check and, with ``spec.filter_groups``, the all-equal-rewards filter);
+    returns them with the counts of the rest.
+
+    Dynamic sampling: a filtered group is rejected to its server at once, like a stale one, so
+    the server generates a replacement, and the loop pulls on. At most ``spec.filter_budget``
+    (``filter_max_rounds · batch_groups``) groups are filtered per batch; past that the rest of
+    the batch is filled without the filter (logged as a warning), so a run whose groups all have
+    equal rewards behaves as with the filter off instead of pulling forever.
 
     Args:
       pool: the servers.
@@ -74,6 +81,7 @@ def pull_batch(
     seen_groups = set(progress.recent_group_keys)
     selection = batching.Selection.empty()
     last_group = time.monotonic()
+    filter_off = spec.filter_groups == "none"
     while len(selection.kept) < spec.batch_groups:
         pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s, limits=spec.limits)
         chosen = batching.select_groups(
@@ -82,15 +90,30 @@ def pull_batch(
             trainer_version=progress.version,
             min_version=progress.min_version,
             seen_groups=seen_groups,
+            filter_budget=spec.filter_budget - selection.filtered,
         )
-        # Groups that will never be trained (stale, duplicate, invalid) are rejected at once
-        # (with the next Pull): a leased group holds a place in the server's admission budget,
+        # Groups that will never be trained (stale, duplicate, invalid, filtered) are rejected at
+        # once (with the next Pull): a leased group holds a place in the server's admission budget,
         # so holding these until the step would starve the batch of the groups it waits for, and
         # a rejected one leaves the budget, so the server generates a replacement.
         kept = {g.key for g in chosen.kept}
         pool.ack([g for g in pulled if g.key not in kept], rejected=True)
         selection += chosen
         seen_groups.update(g.key for g in pulled)  # a re-delivery in this batch
+        if not filter_off and selection.filtered >= spec.filter_budget:
+            filter_off = True
+            log.warning(
+                "batch for version %d: %d pulled groups had all-equal rewards and were filtered, "
+                "the budget (train.filter_max_rounds %d x rollout.batch_groups %d); the rest of "
+                "this batch is filled without the filter (%d of %d groups in it so far). The task "
+                "may be too easy or too hard for the policy, or its rewards constant.",
+                progress.version,
+                selection.filtered,
+                spec.filter_max_rounds,
+                spec.batch_groups,
+                len(selection.kept),
+                spec.batch_groups,
+            )
         if pulled:
             last_group = time.monotonic()
             continue

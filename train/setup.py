@@ -90,6 +90,12 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         vocab_size=m.vocab_size,
         num_experts=m.num_experts,
         kept_counts=cfg.rollout.replays_truncation,
+        filter_groups=cfg.train.filter_groups,
+        filter_max_rounds=cfg.train.filter_max_rounds,
+        overlong=cfg.train.overlong,
+        overlong_cache=cfg.train.overlong_cache,
+        overlong_penalty=cfg.train.overlong_penalty,
+        max_new_tokens=cfg.rollout.max_new_tokens,
     )
 
 
