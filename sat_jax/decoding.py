@@ -416,11 +416,13 @@ def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.n
 @dataclasses.dataclass(frozen=True)
 class Completion:
     """One request's generated ids (ending in the stop id when one was sampled), their behavior
-    log-probs, and why it ended: "stop" or "length"."""
+    log-probs, why it ended ("stop" or "length"), and each token's kept-set size (the
+    truncation replay's input; the sampleable vocabulary's size without truncation)."""
 
     ids: tuple[int, ...]
     logp: tuple[float, ...]
     finish: str
+    kept: tuple[int, ...] = ()
 
 
 def complete(
@@ -447,7 +449,7 @@ def complete(
     stops = set(int(i) for i in stop_ids)
     c = core.config
     pending = deque(enumerate(prompts))
-    running: dict[int, tuple[int, list[int], list[float]]] = {}
+    running: dict[int, tuple[int, list[int], list[float], list[int]]] = {}
     results: list[Completion | None] = [None] * len(prompts)
     state = core.init_state(version)
     while pending or running:
@@ -456,16 +458,20 @@ def complete(
                 index, ids = pending.popleft()
                 prefix = core.prefill_prompt(params, ids, version)
                 state = core.insert(prefix, state, jnp.int32(slot))
-                running[slot] = (index, [], [])
+                running[slot] = (index, [], [], [])
         state, data = core.generate(params, state, jnp.int32(version))
         step = unpack_step(jax.device_get(data), c.num_moe_layers, c.num_experts_per_tok)
-        for slot, (index, ids, logps) in list(running.items()):
+        for slot, (index, ids, logps, kept) in list(running.items()):
             ids.append(int(step["token"][slot]))
             logps.append(float(step["logp"][slot]))
+            kept.append(int(step["kept"][slot]))
             stopped = ids[-1] in stops
             if stopped or len(ids) >= core.max_decode_length:
                 results[index] = Completion(
-                    ids=tuple(ids), logp=tuple(logps), finish="stop" if stopped else "length"
+                    ids=tuple(ids),
+                    logp=tuple(logps),
+                    finish="stop" if stopped else "length",
+                    kept=tuple(kept),
                 )
                 del running[slot]
                 state = core.evict(state, jnp.int32(slot))

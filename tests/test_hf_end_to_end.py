@@ -116,12 +116,12 @@ class _Server:
     """`python -m rollout_server --config CFG ...` on a free port, sampling with the checkpoint's
     own weights (no trainer); stopped with SIGTERM."""
 
-    def __init__(self, config: pathlib.Path, tmp: pathlib.Path):
+    def __init__(self, config: pathlib.Path, tmp: pathlib.Path, *overrides: str):
         self.port = portpicker.pick_unused_port()
         self.log_path = tmp / "server.log"
         cmd = [sys.executable, "-m", "rollout_server", "--config", str(config),
                f"server.port={self.port}", "server.wait_for_weights=false",
-               f"server.state_dir={tmp / 'state'}"]  # fmt: skip
+               f"server.state_dir={tmp / 'state'}", *overrides]  # fmt: skip
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
             cmd, cwd=tmp, env=_env(), stdout=self._log, stderr=subprocess.STDOUT
@@ -252,3 +252,70 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
     proc = command("train.eval_cli", "--k", "2", "--problems", "4", "train.weight_decay=0.1")
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
+
+
+def _truncated_logsoftmax(logits, top_k: int, top_p: float):
+    """float64 log-probs of top-k then top-p (the smallest prefix whose mass reaches top_p)
+    renormalised, −inf outside; and each row's kept-set size."""
+    x = logits.double()
+    kth = x.topk(top_k, dim=-1).values[:, -1:]
+    x = x.masked_fill(x < kth, -torch.inf)
+    sorted_x, _ = x.sort(dim=-1, descending=True)
+    probs = torch.softmax(sorted_x, -1)
+    before = probs.cumsum(-1) - probs
+    cut = torch.where(before < top_p, sorted_x, torch.inf).min(-1, keepdim=True).values
+    x = x.masked_fill(x < cut, -torch.inf)
+    return torch.log_softmax(x, -1), torch.isfinite(x).sum(-1)
+
+
+def test_truncated_sampling_matches_transformers_and_the_trainer_replays_it(setup, tmp_path):
+    """top_p = 0.9, top_k = 20: behavior log-probs are transformers' truncated, renormalised
+    log-softmax and each token's kept count its kept-set size; the trainer at lag 0 (the
+    checkpoint's weights, float32) scores them with sampler_kl ≈ 0 under the replay and > 0
+    over the whole vocabulary."""
+    import jax
+
+    from rollout_api.records import decode_pulled
+    from sat_jax.parallel import sharding
+    from sat_jax.train_step import create_train_state, shard_batch
+    from train import batching
+    from train import main as train_main
+    from train import setup as train_setup
+
+    d, config, _, _ = setup
+    overrides = ["rollout.top_p=0.9", "rollout.top_k=20"]
+    server = _Server(config, tmp_path, *overrides)
+    try:
+        server.wait_ready(timeout_s=400)
+        groups, _ = _pull_groups(server, 4)
+    finally:
+        server.stop()
+    size = len(d.tokenizer)
+    for g in groups:
+        for t in g.trajectories:
+            prompt, completion = list(t.prompt_ids), list(t.completion_ids)
+            with torch.no_grad():
+                logits = d.model(torch.tensor([prompt + completion])).logits[0, :, :size]
+            logp, kept = _truncated_logsoftmax(logits[len(prompt) - 1 : -1], 20, 0.9)
+            want = logp[torch.arange(len(completion)), torch.tensor(completion)].numpy()
+            np.testing.assert_allclose(t.behavior_logprobs, want, atol=LOGP_ATOL, rtol=0)
+            assert list(t.kept_counts) == kept.tolist()
+
+    metrics = {}
+    for replay in ("truncated", "full"):
+        cfg = load_config(str(config), [*overrides, f"rollout.logprob_replay={replay}"])
+        spec = train_setup.batch_spec(cfg)
+        pulled = decode_pulled(groups[:2], spec.limits)
+        selection = batching.select_groups(pulled, spec, trainer_version=0, min_version=0)
+        batch, _ = batching.assemble_batch(selection, spec, trainer_version=0)
+        assert (batch.kept_counts is not None) == (replay == "truncated")
+        mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+        _, params = hf.load_params(cfg.model.hf_path, cfg.model)
+        optimizer = cfg.train.optimizer.make()
+        state = create_train_state(cfg.model, optimizer, mesh, params)
+        step = train_main.make_step_fn(cfg, optimizer, mesh)
+        _, m = step(state, shard_batch(batch, mesh))
+        metrics[replay] = jax.device_get(m)
+    assert metrics["truncated"]["sampler_kl"] < 1e-5, metrics["truncated"]
+    assert metrics["full"]["sampler_kl"] > 1e-3, metrics["full"]
+    assert metrics["full"]["mismatch_abs_mean"] > 10 * metrics["truncated"]["mismatch_abs_mean"]

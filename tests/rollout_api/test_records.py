@@ -84,6 +84,21 @@ def test_an_empty_completion_round_trips():
     assert t.routing.shape == (3, L, K) and t.num_tokens == 3
 
 
+def test_kept_counts_round_trip_and_are_absent_without_truncation():
+    kept = trajectory(3, kept_counts=np.array([1, 20, 20_000], np.int32))
+    message = wire(group(kept, trajectory(3)))
+    back = records.decode_group(message, dataclasses.replace(LIMITS, vocab_size=20_000))
+    np.testing.assert_array_equal(back.trajectories[0].kept_counts, [1, 20, 20_000])
+    assert back.trajectories[0].kept_counts.dtype == np.int32
+    assert back.trajectories[1].kept_counts is None  # nothing on the wire
+    assert len(message.trajectories[1].kept_counts) == 0
+    # Varints: 1 byte per count below 128, 2 below 16,384, 3 here.
+    small = trajectory(3, kept_counts=np.array([5, 6, 7], np.int32))
+    plain = trajectory(3)
+    extra = records.to_proto(group(small)).ByteSize() - records.to_proto(group(plain)).ByteSize()
+    assert extra == 3 + 2  # the three counts, a tag and a length
+
+
 def test_no_routing_without_replay():
     g = group(trajectory(with_routing=False))
     message = wire(g)
@@ -146,6 +161,9 @@ R = np.zeros((5, L, K), np.uint8)
             _set("", encode_routing(np.full((5, L, K), 300, np.uint16))),
             "routing id 300 outside [0, 300) (the experts)",
         ),
+        (_set("kept_counts", [3]), "2 completion tokens but 1 kept counts"),
+        (_set("kept_counts", [3, 0]), "a kept count is 0, must be >= 1"),
+        (_set("kept_counts", [3, 51]), "a kept count 51 exceeds the vocabulary 50"),
     ],
 )
 def test_every_invalid_group_is_refused_naming_what_is_wrong(change, message):
@@ -184,6 +202,8 @@ def test_decode_pulled_keeps_the_order():
         (dict(routing=np.zeros((5, L, K), np.int32)), "routing must be a uint8/uint16"),
         (dict(routing=np.zeros((5, L), np.uint8)), "routing must be a uint8/uint16"),
         (dict(finish_reason="stop"), "unknown finish_reason 'stop'"),
+        (dict(kept_counts=np.array([1, 2], np.int64)), "kept_counts must be a 1-D int32"),
+        (dict(kept_counts=np.array([1], np.int32)), "2 completion tokens but 1 kept counts"),
     ],
 )
 def test_a_record_is_well_formed_by_construction(fields, message):

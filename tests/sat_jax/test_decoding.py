@@ -192,3 +192,23 @@ def test_decode_window_follows_the_live_length_and_equals_the_full_cache() -> No
     assert sorted(set(windows)) == [16, 32, 57]
     np.testing.assert_allclose(windowed.cache.k_lbsgh, full.cache.k_lbsgh, rtol=0, atol=1e-6)
     np.testing.assert_array_equal(windowed.cache.lengths_b, full.cache.lengths_b)
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, 20, 0.9), (0.7, 0, 0.8)])
+def test_truncated_sampling_is_replayed_by_the_trainers_logprobs(temperature, top_k, top_p):
+    """Lag 0, float32: the trainer's log-probs under the sampler's recorded kept-set sizes equal
+    the behavior log-probs (1e-5); over the whole vocabulary they do not."""
+    graphdef, params = _model()
+    sampling = decoding.SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
+    done = decoding.complete(_core(sampling), params, PROMPTS)
+    model = nnx.merge(graphdef, params)
+    for prompt, c in zip(PROMPTS, done, strict=True):
+        assert all(1 <= n <= (top_k or CFG.vocab_size) for n in c.kept)
+        p = len(prompt)
+        tokens = jnp.asarray([[*prompt, *c.ids]], jnp.int32)
+        kept = jnp.asarray([[0] * p + list(c.kept)], jnp.int32)
+        kw = dict(temperature=temperature, vocab_mask=jnp.asarray(SAMPLEABLE))
+        replayed = np.asarray(model.logprobs(tokens, kept_bt=kept, **kw)[0])[0, p:]
+        full = np.asarray(model.logprobs(tokens, **kw)[0])[0, p:]
+        np.testing.assert_allclose(replayed, c.logp, atol=1e-5, rtol=0)
+        assert np.max(np.abs(full - np.asarray(c.logp))) > 1e-2

@@ -344,3 +344,35 @@ def test_invalid_and_repeated_groups_are_counted_in_pull_order():
     assert [g.key for g in selection.kept] == ["/1", "/2"]
     assert (selection.invalid, selection.duplicates, selection.stale_dropped) == (1, 1, 0)
     assert [g.key for g in selection.pulled] == ["/1", "/3", "/2", "/1"]
+
+
+def test_kept_counts_and_the_lag0_mask_line_up_with_the_completion_tokens():
+    with_kept = make_group(0, [1.0, 0.0], [[4, 5], [5, 5, 5]])
+    t0 = dataclasses.replace(with_kept.trajectories[0], kept_counts=np.array([3, 7], np.int32))
+    with_kept = dataclasses.replace(with_kept, trajectories=(t0, with_kept.trajectories[1]))
+    plain = make_group(1, [0.0, 1.0], [[5], [4, 5]])
+    batch, _ = assemble([with_kept, plain], spec(kept_counts=True), trainer_version=5)
+    kept, fresh = np.asarray(batch.kept_counts), np.asarray(batch.fresh_mask)
+    assert kept.dtype == np.int32 and kept.shape == batch.tokens.shape
+    # Row 0: prompt of 3, then counts 3 and 7 at the completion positions; the trajectory
+    # without counts (no truncation) and every other position are 0.
+    np.testing.assert_array_equal(kept[0, :6], [0, 0, 0, 3, 7, 0])
+    assert kept[1:].sum() == 0
+    # Lag 0 = version 5 of trainer version 5.
+    np.testing.assert_array_equal(fresh[0, 3:5], [0, 1])
+    np.testing.assert_array_equal(fresh[1, 3:6], [1, 1, 1])
+    np.testing.assert_array_equal(fresh[3, 3:5], [0, 1])
+    assert np.all(fresh <= np.asarray(batch.loss_mask))
+    # Without replay the batch carries no counts; the mask is always there; empty_batch agrees.
+    batch, _ = assemble([with_kept, plain], spec(), trainer_version=5)
+    assert batch.kept_counts is None and batch.fresh_mask is not None
+    for s in (spec(), spec(kept_counts=True)):
+        empty = batching.empty_batch(s, 10)
+        full, _ = assemble([with_kept], s, trainer_version=5)
+        assert jax_structure(empty) == jax_structure(full)
+
+
+def jax_structure(batch):
+    import jax
+
+    return jax.tree.structure(batch), [(x.shape, x.dtype) for x in jax.tree.leaves(batch)]
