@@ -8,7 +8,8 @@ importable from here. The modules behind it, each usable on its own:
   threshold (``sat_threshold``) and the reducing wrappers (``policy_loss_terms``, ``policy_loss``);
 - ``loss_terms``: (sum, count) reductions that add up across microbatches and hosts;
 - ``quantile``: the exact masked inverted-CDF quantile SAT's threshold uses;
-- ``stabilizers``: TIS, IcePop, DPPO-TV and the KL penalty estimators;
+- ``stabilizers``: TIS, IcePop, DPPO-TV, the sequence-level rollout corrections (sequence TIS,
+  geometric-mean sequence masking) and the KL penalty estimators;
 - ``advantages``: group-relative advantages (GRPO, Dr.GRPO), jittable, and the host-side check
   of their group ids.
 """
@@ -33,8 +34,10 @@ from sat_jax.objectives.stabilizers import (
     KL_ESTIMATORS,
     KLEstimator,
     dppo_tv_mask,
+    geometric_mean_mask,
     icepop_weights,
     kl_penalty,
+    sequence_importance_weights,
     truncated_importance_weights,
 )
 
@@ -52,6 +55,7 @@ __all__ = [
     "check_group_ids",
     "clipped_surrogate_loss",
     "dppo_tv_mask",
+    "geometric_mean_mask",
     "group_advantages",
     "icepop_weights",
     "kl_penalty",
@@ -62,6 +66,7 @@ __all__ = [
     "sat_clipped_surrogate_loss",
     "sat_contraction",
     "sat_threshold",
+    "sequence_importance_weights",
     "sequence_log_ratio",
     "truncated_importance_weights",
 ]

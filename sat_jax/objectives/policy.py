@@ -2,14 +2,23 @@
 
 Equation numbers are those of "Stale but Stable" (arXiv 2607.18722) as restated in docs/DESIGN.md §3
 (notation §2, stabilizers §3.4, aggregation and (sum, count) terms §3.5, metrics §4). Per active
-token (b, t), with d = logp − old_logp, r = exp(d) and sg = stop_gradient:
+token (b, t), with d = logp − old_logp, r = exp(d), d_SAT = sg(logp − behavior_logp) and
+sg = stop_gradient:
 
 * (3.1) PPO/GRPO: S = min(r·A, clip(r, 1 − ε_low, 1 + ε_high)·A), loss = −aggregate(S);
 * (3.2) GSPO: s_b = mean_t d_bt, and ρ_b = exp(s_b) replaces r for every token of b;
-* (3.3) SAT's threshold q = sg(inverted-CDF quantile of |sg(d)| over active tokens), d := s_b in GSPO;
+* (3.3) SAT's threshold q = sg(inverted-CDF quantile of |d_SAT| over active tokens), d_SAT := its
+  per-response mean in GSPO;
 * (3.4) ψ(u; q) = 1 / (1 + (u/q)^p);
-* (3.5) where q > 0 and |sg(d)| > q: c₊ = ψ(max(d, 0); q), c₋ = ψ(max(−d, 0); q); elsewhere 1;
+* (3.5) where q > 0 and |d_SAT| > q: c₊ = ψ(max(d_SAT, 0); q), c₋ = ψ(max(−d_SAT, 0); q); else 1;
 * (3.6) ε̃_high = ε_high·c₊, ε̃_low = ε_low·c₋ (detached) replace ε in (3.1).
+
+SAT measures staleness against the behavior policy even when ``old_logp`` is given (decoupled
+PPO): the ratio r and its clip stay around old_logp, but the quantile and the gate read d_SAT.
+Without ``old_logp``, d_SAT = sg(d). Were SAT to gate on d, a proximal old_logp recomputed by the
+current params just before a single update (AReaL's decoupled objective) would make d identically 0
+at the update, and the gate would never fire; the high-staleness tail is where a token's log-ratio
+to the sampler is large, and the clip contracts on the side that log-ratio points to.
 
 The kernels are shaped like ``optax.losses``: per-token and unreduced, hyperparameters
 keyword-only, the mask passed as ``where=``. :func:`policy_loss` is the thin reducing wrapper; it is
@@ -35,8 +44,10 @@ from sat_jax.objectives.stabilizers import (
     KL_ESTIMATORS,
     KLEstimator,
     dppo_tv_mask,
+    geometric_mean_mask,
     icepop_weights,
     kl_penalty,
+    sequence_importance_weights,
     truncated_importance_weights,
 )
 
@@ -56,8 +67,10 @@ class SATConfig:
 
     Attributes:
       enabled: apply SAT. ``PolicyLossConfig`` defaults to ``SATConfig(enabled=False)``.
-      quantile: level of the inverted-CDF quantile of |d| over active tokens, in (0, 1]. At 1.0 the
-        threshold is the largest |d|, so the strict gate never fires and SAT equals the base loss.
+      quantile: level of the inverted-CDF quantile of |d_SAT| over active tokens, in (0, 1], with
+        d_SAT = logp − behavior_logp (its per-response mean in GSPO), also when ``old_logp`` is
+        given (see :func:`sat_threshold`). At 1.0 the threshold is the largest |d_SAT|, so the
+        strict gate never fires and SAT equals the base loss.
       exponent: p in ψ(u; q) = 1 / (1 + (u/q)^p), > 0.
       threshold_scope: what q is the quantile over when the train step accumulates gradients
         over microbatches (docs/DESIGN.md §3.3): ``"batch"`` (every active token of the batch,
@@ -98,6 +111,13 @@ class PolicyLossConfig:
         detached. Needs ``old_logp``. None = off.
       icepop_range: (α, β): S is weighted by k·1[α ≤ k ≤ β], k = exp(old − behavior), detached.
         Needs ``old_logp``. None = off.
+      seq_tis_cap: sequence-level TIS: every token of response b is weighted by
+        w_b = min(exp(Σ_t (old − behavior)), cap), the sum over b's active tokens, detached
+        (computed as exp(min(Σ, log cap)), so it never overflows). Needs ``old_logp``. None = off.
+      seq_mask_range: (low, high): sequence masking (MIS): a response whose geometric-mean ratio
+        g_b = exp(mean_t (old − behavior)) over its active tokens lies outside [low, high] gets
+        weight 0 (loss and gradient 0); its tokens still count in the loss's denominator, like
+        IcePop's zero weights. Needs ``old_logp``. None = off.
       dppo_tv_delta: δ of the DPPO total-variation mask: a token's gradient is zeroed (its value
         kept) when A·(r − 1) > 0 and |exp(logp) − exp(old_logp)| > δ. None = off.
       kl_coef: weight of a KL penalty to a reference policy (needs ``ref_logp`` when > 0).
@@ -105,7 +125,7 @@ class PolicyLossConfig:
         (``low_var_kl``: e^x − x − 1 with x = log π_ref − log π clamped to ±20, result to ±10).
       log_ratio_clamp: numerical guard: ratios are exp(clip(d, −L, L)) so they stay finite in float32
         (verl uses 20). The clamp has zero gradient outside ±L. None = no clamp. SAT's quantile and
-        gate use the unclamped detached d.
+        gate use the unclamped d_SAT.
     """
 
     ratio_level: RatioLevel = "token"
@@ -116,6 +136,8 @@ class PolicyLossConfig:
     dual_clip: float | None = None
     tis_cap: float | None = None
     icepop_range: tuple[float, float] | None = None
+    seq_tis_cap: float | None = None
+    seq_mask_range: tuple[float, float] | None = None
     dppo_tv_delta: float | None = None
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
@@ -127,6 +149,7 @@ class PolicyLossConfig:
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         dual, tis, icepop = self.dual_clip, self.tis_cap, self.icepop_range
         tv, clamp = self.dppo_tv_delta, self.log_ratio_clamp
+        seq_tis, seq_mask = self.seq_tis_cap, self.seq_mask_range
         rules = {  # field: (value, valid, what a valid value is)
             "clip_low": (self.clip_low, 0.0 <= self.clip_low < 1.0, "in [0, 1)"),
             "clip_high": (self.clip_high, self.clip_high >= 0.0, ">= 0"),
@@ -137,6 +160,12 @@ class PolicyLossConfig:
                 icepop,
                 icepop is None or (len(icepop) == 2 and 0.0 <= icepop[0] <= icepop[1]),
                 "(alpha, beta) with 0 <= alpha <= beta",
+            ),
+            "seq_tis_cap": (seq_tis, seq_tis is None or seq_tis > 0.0, "> 0 or None"),
+            "seq_mask_range": (
+                seq_mask,
+                seq_mask is None or (len(seq_mask) == 2 and 0.0 <= seq_mask[0] <= seq_mask[1]),
+                "(low, high) with 0 <= low <= high",
             ),
             "dppo_tv_delta": (tv, tv is None or tv >= 0.0, ">= 0 or None"),
             "kl_coef": (self.kl_coef, self.kl_coef >= 0.0, ">= 0"),
@@ -296,6 +325,8 @@ class _Batch:
     old: jax.Array  # old_logp, or behavior_logp when none is given
     adv: jax.Array
     active: jax.Array
+    has_old: bool  # whether old_logp was given
+    fresh: jax.Array | None  # active & fresh_mask, bool; None when no fresh_mask is given
 
 
 def _check_shapes(fn: str, **arrays: ArrayLike) -> None:
@@ -304,14 +335,26 @@ def _check_shapes(fn: str, **arrays: ArrayLike) -> None:
         raise ValueError(f"{fn}: {', '.join(shapes)} must share one [B, T] shape, got {shapes}")
 
 
-def _prepare(logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q) -> _Batch:
+# The options that weigh tokens by the old-to-behavior ratio, so need old_logp.
+_NEEDS_OLD_LOGP = ("tis_cap", "icepop_range", "seq_tis_cap", "seq_mask_range")
+
+
+def _prepare(
+    logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q, fresh_mask
+) -> _Batch:
     """Checks the arguments of :func:`policy_loss_terms` against ``cfg`` and converts them."""
+    fresh = {} if fresh_mask is None else {"fresh_mask": fresh_mask}
     _check_shapes(
-        "policy_loss", logp=logp, behavior_logp=behavior_logp, advantages=advantages, mask=mask
+        "policy_loss",
+        logp=logp,
+        behavior_logp=behavior_logp,
+        advantages=advantages,
+        mask=mask,
+        **fresh,
     )
-    if old_logp is None and (cfg.tis_cap is not None or cfg.icepop_range is not None):
-        option = "tis_cap" if cfg.tis_cap is not None else "icepop_range"
-        raise ValueError(f"policy_loss: {option} is set but old_logp is None")
+    needs_old = [name for name in _NEEDS_OLD_LOGP if getattr(cfg, name) is not None]
+    if old_logp is None and needs_old:
+        raise ValueError(f"policy_loss: {needs_old[0]} is set but old_logp is None")
     if cfg.kl_coef > 0 and ref_logp is None:
         raise ValueError("policy_loss: kl_coef > 0 but ref_logp is None")
     if sat_q is not None and jnp.shape(sat_q) != ():
@@ -319,7 +362,9 @@ def _prepare(logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat
     behavior, active = jnp.asarray(behavior_logp, jnp.float32), jnp.asarray(mask) > 0
     old = behavior if old_logp is None else jnp.asarray(old_logp, jnp.float32)
     adv = jnp.where(active, jnp.asarray(advantages, jnp.float32), 0.0)
-    return _Batch(jnp.asarray(logp, jnp.float32), behavior, old, adv, active)
+    fresh = None if fresh_mask is None else active & (jnp.asarray(fresh_mask) > 0)
+    lp = jnp.asarray(logp, jnp.float32)
+    return _Batch(lp, behavior, old, adv, active, old_logp is not None, fresh)
 
 
 def _log_ratio(logp: jax.Array, old: jax.Array, active: jax.Array, ratio_level: RatioLevel):
@@ -350,25 +395,33 @@ def sat_threshold(
 ) -> jax.Array:
     """SAT's threshold q of a batch (eq. 3.3): the one :func:`policy_loss` computes for it.
 
-    q is the exact inverted-CDF ``cfg.sat.quantile`` of |d| over the active tokens, with d the
-    token log-ratio logp − old_logp (``cfg.ratio_level == "token"``) or its per-response mean
-    s_b, counted once per active token of the response (``"sequence"``). Give it as ``sat_q=`` to
-    every microbatch of the batch so that all contract with the full batch's threshold.
+    q is the exact inverted-CDF ``cfg.sat.quantile`` of |d_SAT| over the active tokens, with d_SAT
+    the token log-ratio to the sampler, logp − behavior_logp (``cfg.ratio_level == "token"``), or
+    its per-response mean, counted once per active token of the response (``"sequence"``). Give it
+    as ``sat_q=`` to every microbatch of the batch so that all contract with the full batch's
+    threshold.
+
+    SAT measures staleness against the behavior policy also when ``old_logp`` is given (decoupled
+    PPO), so q does not depend on it: with old_logp recomputed by the current params just before a
+    single update (AReaL's decoupled objective), logp − old_logp is identically 0 at the update and
+    a gate on it would never fire, while the high-staleness tail is where a token's log-ratio to
+    the sampler is large. Without ``old_logp`` (which then stands for behavior_logp), d_SAT is d.
 
     Args:
       logp, behavior_logp, mask: as in :func:`policy_loss`, [B, T].
       cfg: a :class:`PolicyLossConfig`.
-      old_logp: optional proximal log-probs, [B, T]; ``behavior_logp`` when None.
+      old_logp: accepted so that calls mirror :func:`policy_loss`'s; q does not read it.
 
     Returns:
       A float32 scalar under stop_gradient; 0 when SAT is disabled or no token is active.
     """
+    del old_logp  # d_SAT is against behavior_logp (see above)
     _check_shapes("sat_threshold", logp=logp, behavior_logp=behavior_logp, mask=mask)
     if not cfg.sat.enabled:
         return jnp.zeros((), jnp.float32)
-    old = jnp.asarray(behavior_logp if old_logp is None else old_logp, jnp.float32)
+    behavior = jnp.asarray(behavior_logp, jnp.float32)
     active = jnp.asarray(mask) > 0
-    d, weight = _log_ratio(jnp.asarray(logp, jnp.float32), old, active, cfg.ratio_level)
+    d, weight = _log_ratio(jnp.asarray(logp, jnp.float32), behavior, active, cfg.ratio_level)
     # A token-level weight is the mask itself: as ``where`` it takes the faster unweighted path.
     by = {"where": weight} if cfg.ratio_level == "token" else {"counts": weight}
     q = masked_quantile(jnp.abs(jax.lax.stop_gradient(d)), cfg.sat.quantile, **by)
@@ -388,8 +441,20 @@ class _TrustRegion:
     c_min: jax.Array
 
 
+def _sat_log_ratio(d: jax.Array, batch: _Batch, cfg: PolicyLossConfig) -> jax.Array:
+    """d_SAT, the log-ratio SAT's gate and contraction read: logp − behavior_logp, [B, T], or its
+    per-response mean, [B, 1] (GSPO). It is the ratio's d itself when no old_logp is given (or SAT
+    is off, when it goes unread). See :func:`sat_threshold` for why it is against the sampler."""
+    if not (batch.has_old and cfg.sat.enabled):
+        return d
+    return _log_ratio(batch.logp, batch.behavior, batch.active, cfg.ratio_level)[0]
+
+
 def _trust_region(d: jax.Array, active: jax.Array, cfg: PolicyLossConfig, q: ArrayLike):
-    """The clip bounds of eq. (3.1), contracted by SAT (eqs. 3.4–3.6) with threshold q if enabled."""
+    """The clip bounds of eq. (3.1), contracted by SAT (eqs. 3.4–3.6) with threshold q if enabled.
+
+    ``d`` is d_SAT (:func:`_sat_log_ratio`); the bounds contract on the side of its sign.
+    """
     if not cfg.sat.enabled:  # q is ignored (sat_threshold gives 0 then)
         ones, no_gate = jnp.ones(active.shape, jnp.float32), jnp.zeros(active.shape, bool)
         q, c_min = jnp.zeros((), jnp.float32), jnp.ones((), jnp.float32)
@@ -419,6 +484,30 @@ def _stabilize(per_token: jax.Array, ratio: jax.Array, batch: _Batch, cfg: Polic
         per_token = jnp.where(batch.active, per_token * weight, 0.0)
         metrics["icepop_kept_frac"] = weight > 0
     return per_token, metrics
+
+
+def _sequence_corrections(per_token: jax.Array, batch: _Batch, cfg: PolicyLossConfig):
+    """Applies the sequence-level rollout corrections (docs/DESIGN.md §3.4: sequence TIS and MIS
+    sequence masking) to −S; returns it and their metrics' (sums, counts), each a mean over the
+    responses with an active token (exact across row microbatches, which split whole responses)."""
+    sums, counts = {}, {}
+    if cfg.seq_tis_cap is None and cfg.seq_mask_range is None:
+        return per_token, sums, counts
+    has_active_b1 = jnp.any(batch.active, axis=-1, keepdims=True)
+    n_responses = jnp.sum(has_active_b1, dtype=jnp.int32)
+    seq = dict(where=batch.active, keepdims=True)
+    if cfg.seq_tis_cap is not None:
+        w_b1 = sequence_importance_weights(batch.old, batch.behavior, cap=cfg.seq_tis_cap, **seq)
+        per_token = jnp.where(batch.active, per_token * w_b1, 0.0)
+        sums["seq_tis_weight_mean"] = jnp.sum(jnp.where(has_active_b1, w_b1, 0.0))
+        counts["seq_tis_weight_mean"] = n_responses
+    if cfg.seq_mask_range is not None:
+        low, high = cfg.seq_mask_range
+        masked_b1 = geometric_mean_mask(batch.old, batch.behavior, low=low, high=high, **seq)
+        per_token = jnp.where(masked_b1, 0.0, per_token)
+        sums["seq_masked_frac"] = jnp.sum(has_active_b1 & masked_b1, dtype=jnp.float32)
+        counts["seq_masked_frac"] = n_responses
+    return per_token, sums, counts
 
 
 def _diagnostics(ratio: jax.Array, region: _TrustRegion, batch: _Batch, cfg: PolicyLossConfig):
@@ -462,6 +551,16 @@ def _metric_terms(token_metrics: dict, region: _TrustRegion, active: jax.Array, 
     return sums, counts
 
 
+def _sampler_kl_terms(k3: jax.Array, batch: _Batch, sums: dict, counts: dict):
+    """(sum, count) of ``sampler_kl``: k3 to the sampler over the active tokens that are fresh
+    (lag 0), all active tokens without a fresh mask (then it is ``kl_k3``'s pair)."""
+    if batch.fresh is None:
+        return sums["kl_k3"], counts["kl_k3"]
+    k3 = jax.lax.stop_gradient(k3)
+    total = jnp.sum(jnp.where(batch.fresh, k3, 0.0))
+    return total, jnp.sum(batch.fresh, dtype=jnp.int32)
+
+
 def policy_loss_terms(
     logp: ArrayLike,
     behavior_logp: ArrayLike,
@@ -472,6 +571,7 @@ def policy_loss_terms(
     old_logp: ArrayLike | None = None,
     ref_logp: ArrayLike | None = None,
     sat_q: ArrayLike | None = None,
+    fresh_mask: ArrayLike | None = None,
 ) -> PolicyLossTerms:
     """The loss of :func:`policy_loss` and its metrics as (sum, count) pairs; same arguments.
 
@@ -479,12 +579,14 @@ def policy_loss_terms(
     the full batch's loss and metrics (docs/DESIGN.md §3.5); the merged ``sat_q`` metric is then
     that shared q.
     """
-    batch = _prepare(logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q)
+    batch = _prepare(
+        logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q, fresh_mask
+    )
     if sat_q is None:
-        sat_q = sat_threshold(logp, behavior_logp, mask, cfg, old_logp=old_logp)
+        sat_q = sat_threshold(logp, behavior_logp, mask, cfg)
     d, _ = _log_ratio(batch.logp, batch.old, batch.active, cfg.ratio_level)
     ratio = jnp.exp(_clamp(d, cfg.log_ratio_clamp))
-    region = _trust_region(d, batch.active, cfg, sat_q)
+    region = _trust_region(_sat_log_ratio(d, batch, cfg), batch.active, cfg, sat_q)
     per_token = clipped_surrogate_loss(
         ratio,
         batch.adv,
@@ -494,6 +596,7 @@ def policy_loss_terms(
         where=batch.active,
     )
     per_token, stabilizer_metrics = _stabilize(per_token, ratio, batch, cfg)
+    per_token, seq_sums, seq_counts = _sequence_corrections(per_token, batch, cfg)
 
     loss_sum, loss_count = aggregate(per_token, batch.active, cfg.loss_agg)
     sums = {"pg_loss": jax.lax.stop_gradient(loss_sum)}
@@ -507,13 +610,15 @@ def policy_loss_terms(
 
     token_metrics = {**stabilizer_metrics, **_diagnostics(ratio, region, batch, cfg)}
     metric_sums, metric_counts = _metric_terms(token_metrics, region, batch.active, cfg)
+    kl_sum, n_fresh = _sampler_kl_terms(token_metrics["kl_k3"], batch, metric_sums, metric_counts)
+    metric_sums["sampler_kl"], metric_counts["sampler_kl"] = kl_sum, n_fresh
     return PolicyLossTerms(
         loss_sum=loss_sum,
         loss_count=loss_count,
-        sums={**sums, **metric_sums},
-        counts={**dict.fromkeys(sums, loss_count), **metric_counts},
+        sums={**sums, **metric_sums, **seq_sums},
+        counts={**dict.fromkeys(sums, loss_count), **metric_counts, **seq_counts},
         mins={"sat_c_min": region.c_min},
-        totals={"active_tokens": jnp.sum(batch.active, dtype=jnp.int32)},
+        totals={"active_tokens": metric_counts["kl_k3"], "fresh_tokens": n_fresh},
     )
 
 
@@ -527,13 +632,16 @@ def policy_loss(
     old_logp: ArrayLike | None = None,
     ref_logp: ArrayLike | None = None,
     sat_q: ArrayLike | None = None,
+    fresh_mask: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy-gradient loss (PPO/GRPO, GSPO, SAT, stabilizers) and its metrics (docs/DESIGN.md §3–4).
 
     loss = −aggregate(S) [+ kl_coef·aggregate(KL)], S per eqs. (3.1)–(3.6): ratios from
     d = logp − old_logp (token) or its per-response mean (GSPO); with SAT, the clip endpoints
-    contract on the high-|d| tail (q, c₋, c₊ and ε̃ all under stop_gradient); stabilizer weights are
-    detached. Jittable; differentiable in ``logp``.
+    contract on the high-|d_SAT| tail, d_SAT = logp − behavior_logp (its per-response mean in GSPO;
+    d itself without ``old_logp``; see :func:`sat_threshold`), with q, c₋, c₊ and ε̃ all under
+    stop_gradient; stabilizer weights (token and sequence level) are detached. Jittable;
+    differentiable in ``logp``.
 
     Args:
       logp: log π_θ of the sampled tokens under the current params, float [B, T].
@@ -547,14 +655,21 @@ def policy_loss(
         this call's tokens, e.g. :func:`sat_threshold` of the whole batch when this call sees a
         microbatch. Ignored when SAT is disabled (``sat_threshold`` then gives 0), so callers can
         pass it unconditionally.
+      fresh_mask: optional, [B, T]: 1 where the token was sampled by the weights being trained
+        (lag 0). Only the ``sampler_kl`` and ``fresh_tokens`` metrics read it; every active token
+        counts as fresh when None.
 
     Returns:
       (loss, metrics): a float32 scalar and a dict of float32 scalars with the docs/DESIGN.md §4 names
       (``mismatch_abs_mean``, ``is_deviation_frac``, ``kl_k3``, ``clip_frac_low``,
       ``clip_frac_high``, ``sat_q``, ``sat_gate_rate``, ``sat_eps_low_mean``,
       ``sat_eps_high_mean``, ``sat_c_min``) plus ``loss``, ``pg_loss``, ``ratio_mean``,
-      ``active_tokens`` and the metrics of enabled options (``dual_clip_frac``,
-      ``tis_weight_mean``, ``icepop_kept_frac``, ``dppo_tv_masked_frac``, ``kl_ref``).
+      ``active_tokens``, ``sampler_kl`` (k3 = e^x − 1 − x, x = logp − behavior_logp clamped as
+      for ``kl_k3``, averaged over the active tokens that are fresh: the sampler–trainer mismatch
+      with staleness excluded), ``fresh_tokens`` (the number of those tokens) and the metrics of
+      enabled options (``dual_clip_frac``, ``tis_weight_mean``, ``icepop_kept_frac``,
+      ``seq_tis_weight_mean`` and ``seq_masked_frac`` (means over the responses with an active
+      token of w_b and of the masked flag), ``dppo_tv_masked_frac``, ``kl_ref``).
       An all-padding batch gives loss 0 and zero gradient.
     """
     terms = policy_loss_terms(
@@ -566,5 +681,6 @@ def policy_loss(
         old_logp=old_logp,
         ref_logp=ref_logp,
         sat_q=sat_q,
+        fresh_mask=fresh_mask,
     )
     return terms.reduce()

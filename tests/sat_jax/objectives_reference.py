@@ -23,8 +23,14 @@ def quantile_inverted_cdf(values, level: float) -> float:
     return float(xs[rank - 1])
 
 
-def reference_policy_loss(logp, behavior_logp, advantages, mask, cfg, old_logp=None, ref_logp=None):
-    """Returns (loss, metrics, grad_logp) in float64 for a ``PolicyLossConfig``-like ``cfg``."""
+def reference_policy_loss(
+    logp, behavior_logp, advantages, mask, cfg, old_logp=None, ref_logp=None, fresh_mask=None
+):
+    """Returns (loss, metrics, grad_logp) in float64 for a ``PolicyLossConfig``-like ``cfg``.
+
+    SAT's quantile and gate read d_SAT = logp − behavior_logp (its per-response mean at sequence
+    level), whatever ``old_logp`` is; the ratio and its clip read d = logp − old_logp.
+    """
     logp = np.asarray(logp, np.float64)
     beh = np.asarray(behavior_logp, np.float64)
     adv = np.asarray(advantages, np.float64)
@@ -36,19 +42,35 @@ def reference_policy_loss(logp, behavior_logp, advantages, mask, cfg, old_logp=N
     def clamp(x):
         return x if L is None else min(max(x, -L), L)
 
-    # Log-ratio per token (token level) or per response (sequence level).
-    d = np.zeros((B, T))
-    for b in range(B):
-        toks = [t for t in range(T) if act[b, t]]
-        for t in toks:
-            d[b, t] = logp[b, t] - old[b, t]
-        if cfg.ratio_level == "sequence":
-            s = sum(logp[b, t] - old[b, t] for t in toks) / max(len(toks), 1)
+    def log_ratio(base):
+        """Per token (token level) or per response broadcast to its tokens (sequence level)."""
+        out = np.zeros((B, T))
+        for b in range(B):
+            toks = [t for t in range(T) if act[b, t]]
             for t in toks:
-                d[b, t] = s
-    active_d = [abs(d[b, t]) for b in range(B) for t in range(T) if act[b, t]]
+                out[b, t] = logp[b, t] - base[b, t]
+            if cfg.ratio_level == "sequence":
+                s = sum(logp[b, t] - base[b, t] for t in toks) / max(len(toks), 1)
+                for t in toks:
+                    out[b, t] = s
+        return out
+
+    d = log_ratio(old)  # the ratio's
+    d_sat = log_ratio(beh)  # SAT's: staleness against the sampler
+    active_d = [abs(d_sat[b, t]) for b in range(B) for t in range(T) if act[b, t]]
     sat = cfg.sat
     q = quantile_inverted_cdf(active_d, sat.quantile) if sat.enabled else 0.0
+
+    # Sequence-level corrections, per response from its active tokens' old − behavior.
+    seq_w, seq_masked = np.ones(B), np.zeros(B, bool)
+    for b in range(B):
+        toks = [t for t in range(T) if act[b, t]]
+        total = sum(old[b, t] - beh[b, t] for t in toks)
+        if cfg.seq_tis_cap is not None:  # min(e^S, C), written in log space
+            seq_w[b] = math.exp(min(total, math.log(cfg.seq_tis_cap)))
+        if cfg.seq_mask_range is not None:
+            g = np.exp(total / max(len(toks), 1))
+            seq_masked[b] = not cfg.seq_mask_range[0] <= g <= cfg.seq_mask_range[1]
 
     def psi(u):
         return 1.0 / (1.0 + (u / q) ** sat.exponent)
@@ -61,13 +83,13 @@ def reference_policy_loss(logp, behavior_logp, advantages, mask, cfg, old_logp=N
         for t in range(T):
             if not act[b, t]:
                 continue
-            a, dd = adv[b, t], d[b, t]
+            a, dd, ds_ = adv[b, t], d[b, t], d_sat[b, t]
             in_clamp = L is None or -L <= dd <= L
             r = math.exp(clamp(dd))
             c_lo = c_hi = 1.0
-            gate = sat.enabled and q > 0 and abs(dd) > q
+            gate = sat.enabled and q > 0 and abs(ds_) > q
             if gate:
-                c_hi, c_lo = psi(max(dd, 0.0)), psi(max(-dd, 0.0))
+                c_hi, c_lo = psi(max(ds_, 0.0)), psi(max(-ds_, 0.0))
             e_lo, e_hi = cfg.clip_low * c_lo, cfg.clip_high * c_hi
             lo, hi = 1.0 - e_lo, 1.0 + e_hi
             clipped = min(max(r, lo), hi)
@@ -95,6 +117,7 @@ def reference_policy_loss(logp, behavior_logp, advantages, mask, cfg, old_logp=N
                 w = k if cfg.icepop_range[0] <= k <= cfg.icepop_range[1] else 0.0
                 weight *= w
                 extra["icepop"].append(w > 0)
+            weight *= seq_w[b] * (not seq_masked[b])
             S[b, t], dS_dd[b, t] = s * weight, ds * weight
             m["clip_low"].append(a < 0 and r < lo)
             m["clip_high"].append(a > 0 and r > hi)
@@ -155,10 +178,17 @@ def reference_policy_loss(logp, behavior_logp, advantages, mask, cfg, old_logp=N
 
     lr_b = [logp[b, t] - beh[b, t] for b, t in zip(*np.nonzero(act), strict=True)]
     rb = [math.exp(clamp(x)) for x in lr_b]
+    fresh = act if fresh_mask is None else act & (np.asarray(fresh_mask) > 0)
+    fresh_k3 = [
+        math.exp(clamp(logp[b, t] - beh[b, t])) - 1.0 - clamp(logp[b, t] - beh[b, t])
+        for b, t in zip(*np.nonzero(fresh), strict=True)
+    ]
     metrics.update(
         mismatch_abs_mean=mean([abs(x) for x in lr_b]),
         is_deviation_frac=mean([abs(r - 1.0) > 1.5 for r in rb]),
         kl_k3=mean([r - 1.0 - clamp(x) for r, x in zip(rb, lr_b, strict=True)]),
+        sampler_kl=mean(fresh_k3),
+        fresh_tokens=float(fresh.sum()),
         clip_frac_low=mean(m["clip_low"]),
         clip_frac_high=mean(m["clip_high"]),
         ratio_mean=mean(m["r"]),
@@ -175,6 +205,11 @@ def reference_policy_loss(logp, behavior_logp, advantages, mask, cfg, old_logp=N
         metrics["tis_weight_mean"] = mean(extra["tis"])
     if cfg.icepop_range is not None:
         metrics["icepop_kept_frac"] = mean(extra["icepop"])
+    responses = n_b > 0  # the sequence metrics average over responses with an active token
+    if cfg.seq_tis_cap is not None:
+        metrics["seq_tis_weight_mean"] = mean(seq_w[responses])
+    if cfg.seq_mask_range is not None:
+        metrics["seq_masked_frac"] = mean(seq_masked[responses])
     if cfg.dppo_tv_delta is not None:
         metrics["dppo_tv_masked_frac"] = mean(extra["tv"])
     return loss, metrics, grad

@@ -32,7 +32,9 @@ REQUIRED_METRICS = (
 )
 
 
-def make_batch(seed, B=6, T=12, scale=0.4, mask_p=0.75, with_old=False, with_ref=False):
+def make_batch(
+    seed, B=6, T=12, scale=0.4, mask_p=0.75, with_old=False, with_ref=False, with_fresh=False
+):
     rng = np.random.default_rng(seed)
     logp = np.log(rng.uniform(0.05, 0.95, (B, T))).astype(np.float32)
     beh = (logp + scale * rng.normal(size=(B, T))).astype(np.float32)
@@ -44,10 +46,14 @@ def make_batch(seed, B=6, T=12, scale=0.4, mask_p=0.75, with_old=False, with_ref
         out["old_logp"] = (logp + 0.5 * scale * rng.normal(size=(B, T))).astype(np.float32)
     if with_ref:
         out["ref_logp"] = (logp + scale * rng.normal(size=(B, T))).astype(np.float32)
+    if with_fresh:  # drawn last: the other arrays do not depend on it
+        out["fresh_mask"] = (rng.random((B, T)) < 0.6).astype(np.float32)
     return out
 
 
-def _value_and_grad(logp, behavior_logp, advantages, mask, old_logp, ref_logp, sat_q, *, cfg):
+def _value_and_grad(
+    logp, behavior_logp, advantages, mask, old_logp, ref_logp, sat_q, fresh_mask, *, cfg
+):
     def f(lp):
         return objectives.policy_loss(
             lp,
@@ -58,6 +64,7 @@ def _value_and_grad(logp, behavior_logp, advantages, mask, old_logp, ref_logp, s
             old_logp=old_logp,
             ref_logp=ref_logp,
             sat_q=sat_q,
+            fresh_mask=fresh_mask,
         )
 
     (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logp)
@@ -80,6 +87,7 @@ def loss_and_grad(batch, cfg, jit=True, sat_q=None):
         args.get("old_logp"),
         args.get("ref_logp"),
         sat_q,
+        args.get("fresh_mask"),
         cfg=cfg,
     )
 
@@ -98,6 +106,9 @@ CONFIGS = {
     "sat_dual": PolicyLossConfig(sat=SAT, dual_clip=2.0),
     "tis": PolicyLossConfig(tis_cap=1.2),
     "icepop": PolicyLossConfig(icepop_range=(0.8, 1.25)),
+    "seq_tis": PolicyLossConfig(seq_tis_cap=1.5),
+    "seq_mask_seqmean": PolicyLossConfig(seq_mask_range=(0.9, 1.1), loss_agg="seq_mean_token_mean"),
+    "sat_seq_tis_mask": PolicyLossConfig(sat=SAT, seq_tis_cap=2.0, seq_mask_range=(0.85, 1.15)),
     "dppo_tv": PolicyLossConfig(dppo_tv_delta=0.05),
     "kl_k1": PolicyLossConfig(kl_coef=0.1, kl_estimator="k1"),
     "kl_k2": PolicyLossConfig(kl_coef=0.1, kl_estimator="k2"),
@@ -117,6 +128,8 @@ def needs(cfg):
     return dict(
         with_old=cfg.tis_cap is not None
         or cfg.icepop_range is not None
+        or cfg.seq_tis_cap is not None
+        or cfg.seq_mask_range is not None
         or cfg.dppo_tv_delta is not None,
         with_ref=cfg.kl_coef > 0,
     )
@@ -138,7 +151,8 @@ def assert_matches_reference(batch, cfg):
 def test_matches_float64_reference(name, seed):
     cfg = CONFIGS[name]
     scale = 2e-3 if cfg.ratio_level == "sequence" and not cfg.sat.enabled else 0.4
-    metrics = assert_matches_reference(make_batch(seed, scale=scale, **needs(cfg)), cfg)
+    batch = make_batch(seed, scale=scale, with_fresh=seed == 1, **needs(cfg))
+    metrics = assert_matches_reference(batch, cfg)
     if cfg.sat.enabled:  # at most the tail above the quantile fires
         assert float(metrics["sat_gate_rate"]) <= 1.0 - cfg.sat.quantile + 1e-6
     if cfg.sat.enabled and cfg.ratio_level == "token":
@@ -333,8 +347,10 @@ def test_sat_is_detached():
         dict(icepop_range=(0.0, 1e30)),
         dict(dppo_tv_delta=1.0),  # |p − p_old| ≤ 1 never exceeds δ = 1
         dict(kl_coef=0.0),  # ref_logp given, coefficient 0
+        dict(seq_tis_cap=1e30),  # old_logp == behavior_logp → Σ = 0 → w_b = 1
+        dict(seq_mask_range=(0.0, 1e30)),  # g_b = 1 is kept
     ],
-    ids=["sat_q1", "tis", "icepop", "dppo_tv", "kl0"],
+    ids=["sat_q1", "tis", "icepop", "dppo_tv", "kl0", "seq_tis", "seq_mask"],
 )
 @pytest.mark.parametrize("base_name", ["ppo", "gspo", "ppo_seqmean"])
 def test_neutral_options_are_bit_identical(option, base_name):
@@ -434,6 +450,14 @@ MICROBATCH_CONFIGS = {
     "gspo_sat": CONFIGS["gspo_sat"],
     "gspo_sat_token_mean": PolicyLossConfig(ratio_level="sequence", sat=SAT),
     "everything": CONFIGS["everything"],
+    "seq_tis_mask": PolicyLossConfig(seq_tis_cap=2.0, seq_mask_range=(0.9, 1.1)),
+    "gspo_sat_seq_seqmean": PolicyLossConfig(
+        ratio_level="sequence",
+        sat=SAT,
+        seq_tis_cap=2.0,
+        seq_mask_range=(0.9, 1.1),
+        loss_agg="seq_mean_token_mean",
+    ),
 }
 
 
@@ -446,8 +470,9 @@ def test_microbatches_with_the_batch_threshold_merge_to_full_batch(name, n_micro
     to float32 rounding of the reordered sums (rtol 1e-6); ``sat_q`` is the shared q.
     """
     cfg = MICROBATCH_CONFIGS[name]
-    b = {k: jnp.asarray(v) for k, v in make_batch(12, B=8, with_old=True, with_ref=True).items()}
-    extra = {k: b[k] for k in ("old_logp", "ref_logp")}
+    batch = make_batch(12, B=8, with_old=True, with_ref=True, with_fresh=True)
+    b = {k: jnp.asarray(v) for k, v in batch.items()}
+    extra = {k: b[k] for k in ("old_logp", "ref_logp", "fresh_mask")}
     q = objectives.sat_threshold(
         b["logp"], b["behavior_logp"], b["mask"], cfg, old_logp=b["old_logp"]
     )
@@ -632,6 +657,11 @@ def test_quantile_special_values():
         (dict(dual_clip=1.0), "dual_clip"),
         (dict(tis_cap=0.0), "tis_cap"),
         (dict(icepop_range=(2.0, 1.0)), "icepop_range"),
+        (dict(seq_tis_cap=0.0), "seq_tis_cap"),
+        (dict(seq_tis_cap=-2.0), "seq_tis_cap"),
+        (dict(seq_mask_range=(2.0, 1.0)), "seq_mask_range"),
+        (dict(seq_mask_range=(-0.5, 1.0)), "seq_mask_range"),
+        (dict(seq_mask_range=(0.5, 1.0, 2.0)), "seq_mask_range"),
         (dict(dppo_tv_delta=-1.0), "dppo_tv_delta"),
         (dict(kl_coef=-1.0), "kl_coef"),
         (dict(kl_estimator="k4"), "kl_estimator"),
@@ -663,9 +693,28 @@ def test_missing_inputs_are_named():
         objectives.policy_loss(
             b["logp"], b["behavior_logp"], b["advantages"], b["mask"], PolicyLossConfig(tis_cap=2.0)
         )
+    for option in (dict(seq_tis_cap=2.0), dict(seq_mask_range=(0.5, 2.0))):
+        (name,) = option
+        with pytest.raises(ValueError, match=f"{name} is set but old_logp"):
+            objectives.policy_loss(
+                b["logp"],
+                b["behavior_logp"],
+                b["advantages"],
+                b["mask"],
+                PolicyLossConfig(**option),
+            )
     with pytest.raises(ValueError, match="ref_logp"):
         objectives.policy_loss(
             b["logp"], b["behavior_logp"], b["advantages"], b["mask"], PolicyLossConfig(kl_coef=0.1)
+        )
+    with pytest.raises(ValueError, match="fresh_mask.*shape"):
+        objectives.policy_loss(
+            b["logp"],
+            b["behavior_logp"],
+            b["advantages"],
+            b["mask"],
+            PolicyLossConfig(),
+            fresh_mask=b["mask"][:, :3],
         )
     with pytest.raises(ValueError, match="shape"):
         objectives.policy_loss(
@@ -693,3 +742,236 @@ def test_sequence_log_ratio_is_the_masked_row_mean():
     kept = objectives.sequence_log_ratio(d, where=mask, keepdims=True)
     assert kept.shape == (3, 1)
     np.testing.assert_array_equal(kept[:, 0], objectives.sequence_log_ratio(d, where=mask)[:, 0])
+
+
+# ------------------------------------------------------------------------------------------
+# Sequence-level rollout corrections (sequence TIS, MIS masking), SAT's d_SAT, sampler_kl.
+# ------------------------------------------------------------------------------------------
+
+
+def make_decoupled_batch(seed, B=8, T=10, ratio_scale=0.2, mismatch_scale=0.4, mask_p=0.8):
+    """A decoupled-PPO batch: old_logp near logp (a recent proximal policy), behavior_logp far."""
+    b = make_batch(seed, B=B, T=T, scale=mismatch_scale, mask_p=mask_p)
+    rng = np.random.default_rng(seed + 1000)
+    b["old_logp"] = (b["logp"] + ratio_scale * rng.normal(size=(B, T))).astype(np.float32)
+    return b
+
+
+def _sequence_sums(batch):
+    """float64 S_b = Σ_t∈active(b) (old − behavior), n_b and the responses with an active token."""
+    act = batch["mask"] > 0
+    diff = np.asarray(batch["old_logp"], np.float64) - batch["behavior_logp"]
+    total = np.where(act, diff, 0.0).sum(axis=1)
+    n = act.sum(axis=1)
+    return total, n, n > 0
+
+
+def test_sequence_kernels_match_numpy():
+    rng = np.random.default_rng(24)
+    old = rng.normal(-1.0, 0.5, (5, 7)).astype(np.float32)
+    beh = (old + 0.3 * rng.normal(size=(5, 7))).astype(np.float32)
+    mask = (rng.random((5, 7)) < 0.7).astype(np.float32)
+    mask[2] = 0.0  # no active token: S = 0, w = min(1, cap), g = 1
+    old[mask == 0], beh[mask == 0] = np.nan, -np.inf  # garbage in the padding must not leak
+    S, n, _ = _sequence_sums(dict(old_logp=old, behavior_logp=beh, mask=mask))
+
+    w = objectives.sequence_importance_weights(old, beh, cap=1.2, where=mask)
+    want = np.minimum(np.exp(S), 1.2)
+    assert 0 < np.sum(want == 1.2) < 5  # some capped, some not
+    np.testing.assert_allclose(w, np.broadcast_to(want[:, None], (5, 7)), rtol=1e-6)
+    kept = objectives.sequence_importance_weights(old, beh, cap=1.2, where=mask, keepdims=True)
+    assert kept.shape == (5, 1)
+    np.testing.assert_array_equal(kept[:, 0], w[:, 0])
+
+    masked = objectives.geometric_mean_mask(old, beh, low=0.95, high=1.05, where=mask)
+    g = np.exp(S / np.maximum(n, 1))
+    want_masked = ~((g >= 0.95) & (g <= 1.05))
+    assert 0 < want_masked.sum() < 5
+    assert masked.dtype == jnp.bool_
+    np.testing.assert_array_equal(masked, np.broadcast_to(want_masked[:, None], (5, 7)))
+    assert objectives.geometric_mean_mask(
+        old, beh, low=0.9, high=1.1, where=mask, keepdims=True
+    ).shape == (
+        5,
+        1,
+    )
+
+    # Detached: no gradient reaches old_logp through either kernel.
+    old_j, beh_j = jnp.nan_to_num(jnp.asarray(old)), jnp.nan_to_num(jnp.asarray(beh))
+    grad = jax.grad(
+        lambda o: jnp.sum(objectives.sequence_importance_weights(o, beh_j, cap=1.2, where=mask))
+    )(old_j)
+    assert np.all(np.asarray(grad) == 0.0)
+
+
+@pytest.mark.parametrize("log_k", [100.0, -100.0])
+def test_sequence_kernels_do_not_overflow(log_k):
+    # Σ = ±1000: exp(Σ) overflows float32 (and float64); the weight is computed as exp(min(Σ, log C)).
+    old = jnp.full((2, 10), log_k - 1.0)
+    beh = jnp.full((2, 10), -1.0)
+    w = objectives.sequence_importance_weights(old, beh, cap=3.0)
+    np.testing.assert_allclose(w, 3.0 if log_k > 0 else 0.0, rtol=1e-6)
+    assert np.all(np.isfinite(w))
+    # g_b = exp(±100) is inf or 0 in float32: outside [0.5, 2], so masked, not NaN.
+    assert np.all(np.asarray(objectives.geometric_mean_mask(old, beh, low=0.5, high=2.0)))
+
+
+SEQ_OPTIONS = {
+    "seq_tis": dict(seq_tis_cap=1.5),
+    "seq_mask": dict(seq_mask_range=(0.9, 1.1)),
+    "both": dict(seq_tis_cap=2.0, seq_mask_range=(0.85, 1.15)),
+}
+
+
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("option", sorted(SEQ_OPTIONS))
+def test_sequence_corrections_match_float64_reference(option, ratio_level, loss_agg):
+    gspo = ratio_level == "sequence"
+    clips = dict(clip_low=3e-3, clip_high=4e-3) if gspo else {}
+    cfg = PolicyLossConfig(
+        ratio_level=ratio_level, loss_agg=loss_agg, **clips, **SEQ_OPTIONS[option]
+    )
+    batch = make_decoupled_batch(20, ratio_scale=5e-3 if gspo else 0.2)
+    metrics = assert_matches_reference(batch, cfg)
+
+    # The batch exercises both sides of each correction.
+    S, n, responses = _sequence_sums(batch)
+    if cfg.seq_tis_cap is not None:
+        capped = np.exp(S[responses]) > cfg.seq_tis_cap
+        assert 0 < capped.sum() < responses.sum()
+        want = np.minimum(np.exp(S[responses]), cfg.seq_tis_cap).mean()
+        np.testing.assert_allclose(metrics["seq_tis_weight_mean"], want, rtol=RTOL)
+    if cfg.seq_mask_range is not None:
+        low, high = cfg.seq_mask_range
+        g = np.exp(S / np.maximum(n, 1))
+        masked = responses & ~((g >= low) & (g <= high))
+        assert 0 < masked.sum() < responses.sum()
+        np.testing.assert_allclose(metrics["seq_masked_frac"], masked.sum() / responses.sum())
+        _, _, grad = loss_and_grad(batch, cfg)
+        assert np.all(np.asarray(grad)[masked] == 0.0)  # masked responses: no gradient
+        assert np.any(np.asarray(grad)[responses & ~masked] != 0.0)
+
+    # And it changes the loss and the gradient.
+    base = dataclasses.replace(cfg, seq_tis_cap=None, seq_mask_range=None)
+    loss0, m0, g0 = loss_and_grad(batch, base)
+    loss1, _, g1 = loss_and_grad(batch, cfg)
+    assert not np.allclose(g0, g1, rtol=1e-3) and float(loss0) != float(loss1)
+    assert "seq_tis_weight_mean" not in m0 and "seq_masked_frac" not in m0
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+@pytest.mark.parametrize("log_k", [100.0, -100.0])
+def test_sequence_corrections_with_huge_sums_stay_finite(ratio_level, log_k):
+    cfg = PolicyLossConfig(
+        ratio_level=ratio_level, sat=SAT, seq_tis_cap=2.0, seq_mask_range=(0.5, 2.0)
+    )
+    batch = make_decoupled_batch(25)
+    batch["old_logp"][1:4] = batch["behavior_logp"][1:4] + log_k  # Σ ≈ ±800 on three responses
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+    assert all(np.isfinite(v) for v in metrics.values())
+    assert np.all(np.asarray(grad)[1:4] == 0.0)  # g_b = exp(±100): those responses are masked
+    # Without the mask: w_b = cap on the huge positive sums, 0 on the huge negative ones.
+    tis_only = dataclasses.replace(cfg, seq_mask_range=None)
+    assert_matches_reference(batch, tis_only)
+    w = objectives.sequence_importance_weights(
+        batch["old_logp"], batch["behavior_logp"], cap=2.0, where=batch["mask"], keepdims=True
+    )
+    np.testing.assert_allclose(w[1:4, 0], 2.0 if log_k > 0 else 0.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["sat", "gspo_sat", "sat_seqmean"])
+def test_sat_without_old_logp_is_sat_with_old_logp_equal_to_behavior(name):
+    """d_SAT = logp − behavior_logp is d when old_logp is behavior_logp: bit-identical."""
+    cfg = CONFIGS[name]
+    batch = make_batch(26, B=16, scale=0.6)
+    loss0, m0, g0 = loss_and_grad(batch, cfg, jit=False)
+    loss1, m1, g1 = loss_and_grad(dict(batch, old_logp=batch["behavior_logp"]), cfg, jit=False)
+    assert np.array_equal(loss0, loss1) and np.array_equal(g0, g1)
+    assert float(m0["sat_gate_rate"]) > 0
+    for k in m0:
+        assert np.array_equal(m0[k], m1[k]), k
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_sat_gates_on_the_behavior_log_ratio_when_old_logp_is_given(ratio_level):
+    """Decoupled PPO: SAT's q, gate and contraction read logp − behavior_logp, the clip old_logp."""
+    gspo = ratio_level == "sequence"
+    clips = dict(clip_low=3e-3, clip_high=4e-3) if gspo else {}
+    cfg = PolicyLossConfig(ratio_level=ratio_level, sat=SAT, **clips)
+    # GSPO gates whole responses: enough of them that the 10% tail holds several.
+    batch = make_decoupled_batch(
+        22, B=32 if gspo else 8, ratio_scale=5e-3 if gspo else 0.05, mismatch_scale=0.5
+    )
+    metrics = assert_matches_reference(batch, cfg)
+
+    act = batch["mask"] > 0
+    d_sat = (
+        objectives.sequence_log_ratio(batch["logp"] - batch["behavior_logp"], where=batch["mask"])
+        if gspo
+        else jnp.asarray(batch["logp"] - batch["behavior_logp"])
+    )
+    d_old = np.asarray(batch["logp"] - batch["old_logp"], np.float64)
+    q_beh = quantile_inverted_cdf(np.abs(np.asarray(d_sat, np.float64))[act], SAT.quantile)
+    q_old = quantile_inverted_cdf(np.abs(d_old)[act], SAT.quantile)
+    assert q_old < 0.5 * q_beh  # the two candidate thresholds are far apart
+    np.testing.assert_allclose(metrics["sat_q"], q_beh, rtol=RTOL)
+    # The contraction is that of d_SAT, on the side d_SAT points to.
+    c_low, c_high = (np.asarray(c) for c in objectives.sat_contraction(d_sat, metrics["sat_q"]))
+    sides = [np.any(c_high[act] < 1), np.any(c_low[act] < 1)]
+    assert all(sides) if not gspo else any(sides)
+    np.testing.assert_allclose(
+        metrics["sat_eps_high_mean"], cfg.clip_high * c_high[act].mean(), rtol=RTOL
+    )
+    np.testing.assert_allclose(
+        metrics["sat_eps_low_mean"], cfg.clip_low * c_low[act].mean(), rtol=RTOL
+    )
+    # sat_threshold gives the same q and does not read old_logp.
+    args = (batch["logp"], batch["behavior_logp"], batch["mask"], cfg)
+    q = objectives.sat_threshold(*args, old_logp=batch["old_logp"])
+    assert float(q) == float(objectives.sat_threshold(*args)) == float(metrics["sat_q"])
+
+    # old_logp recomputed by the current params (AReaL's decoupled objective): logp − old_logp is 0
+    # at the update, yet SAT still gates the stale tail, with the same q and gate.
+    _, m_fresh, _ = loss_and_grad(dict(batch, old_logp=batch["logp"]), cfg)
+    assert float(m_fresh["ratio_mean"]) == 1.0
+    assert float(m_fresh["sat_gate_rate"]) == float(metrics["sat_gate_rate"]) > 0
+    assert float(m_fresh["sat_q"]) == float(metrics["sat_q"])
+
+
+@pytest.mark.parametrize("with_fresh", [False, True])
+def test_sampler_kl_is_k3_over_the_fresh_active_tokens(with_fresh):
+    b = make_batch(23, B=6, T=12, scale=0.2)
+    rng = np.random.default_rng(23)
+    fresh = rng.random(b["logp"].shape) < 0.5
+    # Stale tokens are further from the sampler; one fresh token is past the clamp (x = −30 → −20).
+    b["behavior_logp"] = np.where(
+        fresh, b["behavior_logp"], b["logp"] + 2.0 * rng.normal(size=fresh.shape)
+    ).astype(np.float32)
+    fresh[2, 3], b["mask"][2, 3] = True, 1.0
+    b["behavior_logp"][2, 3] = b["logp"][2, 3] + 30.0
+    if with_fresh:
+        b["fresh_mask"] = fresh.astype(np.float32)
+    loss, metrics, grad = loss_and_grad(b, PolicyLossConfig())
+
+    act = b["mask"] > 0
+    sel = act & fresh if with_fresh else act
+    x = np.clip(np.asarray(b["logp"], np.float64) - b["behavior_logp"], -20.0, 20.0)
+    k3 = np.exp(x) - 1.0 - x
+    np.testing.assert_allclose(metrics["sampler_kl"], k3[sel].mean(), rtol=1e-5)
+    assert float(metrics["fresh_tokens"]) == sel.sum()
+    if with_fresh:
+        assert 0 < sel.sum() < act.sum()
+        assert float(metrics["sampler_kl"]) < 0.75 * float(metrics["kl_k3"])  # staleness excluded
+        # fresh_mask only feeds the metric: loss and gradient are those of the call without it.
+        b.pop("fresh_mask")
+        loss0, m0, grad0 = loss_and_grad(b, PolicyLossConfig())
+        assert np.array_equal(loss, loss0) and np.array_equal(grad, grad0)
+        assert float(m0["sampler_kl"]) == float(m0["kl_k3"]) != float(metrics["sampler_kl"])
+    else:
+        assert float(metrics["sampler_kl"]) == float(metrics["kl_k3"])
+        assert float(metrics["fresh_tokens"]) == float(metrics["active_tokens"])
+        # An all-ones fresh mask is the same as none, bit for bit.
+        _, m1, _ = loss_and_grad(dict(b, fresh_mask=np.ones_like(b["mask"])), PolicyLossConfig())
+        assert np.array_equal(m1["sampler_kl"], metrics["sampler_kl"])
