@@ -72,7 +72,7 @@ def _metrics(batch, loss_cfg, **step_kwargs) -> dict:
         CFG, optimizer, loss_cfg, mesh, routing_replay=False,
         temperature=SAMPLING.temperature, vocab_mask=SAMPLEABLE, **step_kwargs,
     )  # fmt: skip
-    state = train_step.create_train_state(CFG, optimizer, mesh, _params()[1])
+    state = train_step.create_train_state(CFG, optimizer, mesh, jax.device_get(_params()[1]))
     _, metrics = step(state, train_step.shard_batch(batch, mesh))
     return jax.device_get(metrics)
 
