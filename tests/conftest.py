@@ -23,6 +23,11 @@ jax.config.update("jax_enable_x64", False)
 # parametrization). tests/test_fast_lane.py checks that each one still exists.
 HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     "tests/sat_jax/test_recipe_off.py": ("test_options_off_give_the_golden_step",),
+    "tests/sat_jax/test_recipe_step.py": (
+        "test_sampler_kl_is_zero_with_the_replay_and_not_over_the_whole_vocabulary",
+        "test_recomputed_proximal_logprobs_equal_the_behavior_logprobs_at_lag_0",
+        "test_recompute_refuses_a_batch_that_carries_old_logp",
+    ),
     "tests/rollout_server/test_engine.py": (
         "test_behavior_logprobs_match_full_forward",
         "test_failed_prefill_never_raises_and_leaves_slot_empty",
@@ -63,6 +68,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id",
         "test_sampled_logprobs_are_the_behavior_policy",
         "test_sharded_core_equals_one_device",
+        "test_truncated_sampling_is_replayed_by_the_trainers_logprobs",
     ),
     "tests/sat_jax/test_microbatches.py": (
         "test_reference_params_give_the_host_reference_logprobs_step",
@@ -78,7 +84,10 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sat_properties",
     ),
     "tests/sat_jax/test_params_io.py": ("test_saves_keep_no_objects_from_orbax_spec_resolution",),
-    "tests/sat_jax/test_plan.py": ("test_counts_match_the_architecture",),
+    "tests/sat_jax/test_plan.py": (
+        "test_counts_match_the_architecture",
+        "test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proximal",
+    ),
     "tests/sat_jax/test_sharding.py": ("test_init_sharded_places_each_param_as_the_rules_say",),
     "tests/sat_jax/test_train_step.py": (
         "test_alignment_logits_at_t_minus_1_score_token_t",

@@ -19,3 +19,16 @@ def test_every_heavy_test_exists():
             defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
         missing += [f"{path}::{name}" for name in names if name not in defined]
     assert not missing, f"HEAVY_TESTS names tests that do not exist: {missing}"
+
+
+def test_no_file_is_listed_twice():
+    """A file listed twice in the dict literal keeps only its last list: the first list's tests
+    would silently join the fast lane."""
+    tree = ast.parse((REPO / "tests" / "conftest.py").read_text())
+    [heavy] = [
+        n.value
+        for n in tree.body
+        if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", "") == "HEAVY_TESTS"
+    ]
+    keys = [k.value for k in heavy.keys]
+    assert len(keys) == len(set(keys)), sorted(k for k in keys if keys.count(k) > 1)

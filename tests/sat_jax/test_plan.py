@@ -173,3 +173,31 @@ def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:
 
 def test_compile_needs_a_batch_shape() -> None:
     assert plan.main(["--preset", "tiny", "--mesh", "fsdp=1", "--compile"]) == 2
+
+
+def test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proximal():
+    """What `--compile` builds for a config with top_p < 1 and train.old_logp=recompute: the
+    batch carries kept counts [B, T] int32 (one more input than without), and it compiles."""
+    import jax
+    import optax
+
+    from sat_jax import objectives
+    from sat_jax.parallel import programs
+
+    cfg = ModelConfig.preset("tiny")
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    inputs = {}
+    for kept in (False, True):
+        spec = programs.TrainStepSpec(
+            optimizer=optax.adam(1e-3),
+            loss=objectives.PolicyLossConfig(tis_cap=2.0),
+            routing_replay=True,
+            kept_counts=kept,
+            recompute_old_logp=True,
+        )
+        compiled, _ = programs.compile_train_step(cfg, spec, mesh, 4, 32)
+        assert programs.xla_cost_flops(compiled) > 0
+        inputs[kept] = [(x.shape, x.dtype) for x in jax.tree.leaves(compiled.args_info)]
+    assert len(inputs[True]) == len(inputs[False]) + 1
+    token_shaped = ((4, 32), jax.numpy.dtype("int32"))  # the tokens, and the kept counts
+    assert inputs[True].count(token_shaped) == inputs[False].count(token_shaped) + 1
