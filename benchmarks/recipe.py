@@ -12,7 +12,9 @@ variant:
 - ``replay``: the server samples with top_p = 0.9; the trainer scores the tokens under the same
   truncation (`rollout.logprob_replay=truncated`, the default) or over the whole vocabulary
   (`full`). Reported per variant: the mean over steps of `mismatch_abs_mean`, `sampler_kl`
-  (lag-0 tokens only), `kl_k3` and `sat_gate_rate`, and held-out greedy accuracy after.
+  (lag-0 tokens only), `kl_k3`, SAT's threshold `sat_q` and `sat_gate_rate` (about
+  1 − `train.loss.sat.quantile` by construction: what the truncation bias moves is q, the scale
+  SAT contracts against), and held-out greedy accuracy after.
 - ``filter``: DAPO's dynamic sampling off (`train.filter_groups=none`) or on (`all_equal`), at
   top_p = 1: accuracy after, the run's wall-clock seconds, accuracy against wall-clock
   (``recipe_filter.png``), and the groups filtered.
@@ -43,17 +45,19 @@ EXPERIMENTS = {
         "filter-all_equal": ["train.filter_groups=all_equal"],
     },
 }
-MEANS = ("mismatch_abs_mean", "sampler_kl", "kl_k3", "sat_gate_rate", "overlong_frac")
-SUMS = ("groups_filtered", "stale_dropped")
+MEANS = ("mismatch_abs_mean", "sampler_kl", "kl_k3", "sat_q", "sat_gate_rate", "overlong_frac")
+SUMS = ("groups_filtered",)  # per batch
+LASTS = ("stale_dropped",)  # the run's running count
 
 
 def run_cell(out: pathlib.Path, variant: str, extra: list[str], seed: int, args) -> dict:
     """Trains one cell (or reads its finished summary)."""
     name = f"{variant}-s{seed}"
     done = out / "cells" / f"{name}.json"
-    if done.exists():
-        return json.loads(done.read_text())
     run_dir = out / "runs" / name
+    if done.exists():  # re-read from the run's log, so a new statistic needs no rerun
+        summary = json.loads(done.read_text())
+        return summary | summarize(run_dir / "logs" / "metrics.jsonl", summary["wall_s"])
     cmd = [
         sys.executable, "-m", "train", "--config", str(CONFIG),
         f"train.run_dir={run_dir}", f"train.steps={args.steps}",
@@ -90,6 +94,8 @@ def summarize(path: pathlib.Path, wall_s: float) -> dict:
         out[key] = statistics.fmean(values) if values else None
     for key in SUMS:
         out[key] = sum(r.get(key, 0.0) for r in steps)
+    for key in LASTS:
+        out[key] = steps[-1].get(key, 0.0) if steps else 0.0
     return out
 
 
@@ -112,15 +118,15 @@ def report(out: pathlib.Path, cells: list[dict]) -> str:
     if replay:
         lines += [
             "| top_p = 0.9, trainer log-probs | seeds | mismatch_abs_mean | sampler_kl | kl_k3 "
-            "| sat_gate_rate | accuracy before → after |",
-            "|---|---|---|---|---|---|---|",
+            "| sat_q | sat_gate_rate | accuracy before → after |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for v in replay:
             c = by[v]
             lines.append(
                 f"| {v.split('-', 1)[1]} | {len(c)} | {_stat(c, 'mismatch_abs_mean')} | "
                 f"{_stat(c, 'sampler_kl', '{:.2e}')} | {_stat(c, 'kl_k3', '{:.2e}')} | "
-                f"{_stat(c, 'sat_gate_rate')} | {_stat(c, 'accuracy_before', '{:.3f}')} → "
+                f"{_stat(c, 'sat_q')} | {_stat(c, 'sat_gate_rate')} | {_stat(c, 'accuracy_before', '{:.3f}')} → "
                 f"{_stat(c, 'accuracy_after', '{:.3f}')} |"
             )
         lines.append("")
@@ -177,7 +183,9 @@ def main() -> None:
     (args.out / "runs").mkdir(parents=True, exist_ok=True)
     cells = []
     if args.report_only:
-        cells = [json.loads(f.read_text()) for f in sorted((args.out / "cells").glob("*.json"))]
+        for f in sorted((args.out / "cells").glob("*.json")):
+            cell = json.loads(f.read_text())
+            cells.append(run_cell(args.out, cell["variant"], [], cell["seed"], args))
     else:
         # Seeds outermost: a seed's warm-up is trained once (cached), then its cells run.
         for seed in args.seeds:
