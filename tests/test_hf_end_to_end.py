@@ -319,3 +319,30 @@ def test_truncated_sampling_matches_transformers_and_the_trainer_replays_it(setu
     assert metrics["truncated"]["sampler_kl"] < 1e-5, metrics["truncated"]
     assert metrics["full"]["sampler_kl"] > 1e-3, metrics["full"]
     assert metrics["full"]["mismatch_abs_mean"] > 10 * metrics["truncated"]["mismatch_abs_mean"]
+
+
+def test_the_dapo_config_runs_and_its_filter_never_stalls(setup, tmp_path):
+    """configs/dapo_sat_gsm8k.yaml on the checkpoint: random weights earn reward 0 on every
+    sample, so every group is all-equal; the filter spends its budget, says so, fills the batch
+    unfiltered, and the run finishes its steps (soft overlong shaping and SAT on)."""
+    d, _, _, _ = setup
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs/dapo_sat_gsm8k.yaml"),
+           f"model.hf_path={d.path}", f"task.path={d.data}", "train.steps=2",
+           f"train.run_dir={run_dir}", "train.eval_problems=0", "rollout.batch_groups=2",
+           "rollout.group_size=2", "rollout.max_new_tokens=8", "train.overlong_cache=4",
+           "train.filter_max_rounds=1", "server.max_prefill_length=64", "model.max_seq_len=128",
+           "train.server_wait_s=300"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out + (run_dir / "server.log").read_text()
+    assert "done: 2 steps" in out, out
+    assert "filled without the filter" in out, out
+    steps = [
+        r for r in map(json.loads, (run_dir / "logs" / "metrics.jsonl").open()) if "lag_max" in r
+    ]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["groups_filtered"] == 2 for r in steps), steps  # the budget: 1 x 2 groups
+    assert all(0 <= r["overlong_frac"] <= 1 and "sampler_kl" in r for r in steps), steps
