@@ -54,14 +54,28 @@ class TrainState:
     """Everything a step updates; a plain pytree that orbax saves as is.
 
     Attributes:
-      params: nested dict of parameter arrays (``nnx.State.to_pure_dict()`` layout).
+      params: nested dict of the trained parameter arrays (``nnx.State.to_pure_dict()`` layout):
+        all of the model's, or with LoRA (``ModelConfig.lora.rank`` > 0) only its adapters.
       opt_state: the optax state for ``params``.
       step: int32 scalar, the number of updates applied (skipped steps do not count).
+      frozen: with LoRA, the base params (every non-adapter leaf, in their param dtype and
+        shardings), which the step reads and returns unchanged; ``sharding.join_lora(frozen,
+        params)`` is the whole model. None without LoRA.
     """
 
     params: Any
     opt_state: optax.OptState
     step: jax.Array
+    frozen: Any = None
+
+    @property
+    def model_params(self) -> Any:
+        """The whole model's params: ``params``, joined with ``frozen`` under LoRA."""
+        return _whole(self.frozen, self.params)
+
+
+def _whole(frozen: Any, params: Any) -> Any:
+    return params if frozen is None else sharding.join_lora(frozen, params)
 
 
 @flax.struct.dataclass
@@ -191,6 +205,10 @@ def train_step(
 ) -> tuple[TrainState, Metrics]:
     """One policy-gradient update.
 
+    With LoRA (``state.frozen`` set) the model is ``join_lora(state.frozen, state.params)``: the
+    gradient, the optimizer and the skip rule see the adapters only, and ``frozen`` comes back
+    as it came.
+
     loss = policy_loss(logp, ...) + the model's weighted router aux loss
     (``router_aux_loss_coef · balance_loss``, 0 when the coefficient is 0). The update is skipped (params,
     optimizer state and step unchanged, ``step_skipped = 1``) when the loss or the gradient norm is
@@ -201,7 +219,8 @@ def train_step(
       batch: a ``TrainBatch``; ``routing`` is required when ``routing_replay``. Per-row
         ``rewards`` and ``group_ids`` become advantages here (``with_advantages``), over the whole
         batch before any microbatch split.
-      ref_params: optional reference-policy params (the model's structure): their log-probs of
+      ref_params: optional reference-policy params (the whole model's structure, adapters
+        included under LoRA; e.g. ``state.model_params`` of an earlier state): their log-probs of
         the batch's tokens become ``ref_logp`` (the KL penalty and the ``kl_ref`` metric),
         computed per (micro)batch without the full logits. Not with ``batch.ref_logp``.
       graphdef: the model's ``nnx.GraphDef`` (``nnx.merge(graphdef, params)`` is the model).
@@ -244,7 +263,8 @@ def train_step(
     )
 
     def forward(params: Any, batch: TrainBatch) -> tuple[jax.Array, ModelOutput]:
-        return scored(params, batch, replay=routing_replay)
+        # Under LoRA `params` are the adapters (what is differentiated); the base is a constant.
+        return scored(_whole(state.frozen, params), batch, replay=routing_replay)
 
     def reference(batch: TrainBatch) -> TrainBatch:
         if ref_params is None:
@@ -255,7 +275,7 @@ def train_step(
     if microbatches == 1:
         grads, metrics = _one_pass(state.params, reference(batch), forward, loss_cfg)
     else:
-        coef = nnx.merge(graphdef, state.params).config.router_aux_loss_coef
+        coef = nnx.merge(graphdef, state.model_params).config.router_aux_loss_coef
         grads, metrics = _accumulated(
             state.params, batch, forward, reference, loss_cfg, microbatches, coef
         )
@@ -470,6 +490,7 @@ def _apply(state: TrainState, grads: Any, metrics: Metrics, optimizer, mask_bt) 
         params=keep(params, state.params),
         opt_state=keep(opt_state, state.opt_state),
         step=state.step + ok.astype(state.step.dtype),
+        frozen=state.frozen,
     )
     metrics = {
         **metrics,
@@ -483,12 +504,14 @@ def _apply(state: TrainState, grads: Any, metrics: Metrics, optimizer, mask_bt) 
 def train_state_shardings(
     model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> TrainState:
-    """A ``TrainState`` of ``NamedSharding``: params by the rules, optimizer moments like their
-    params, scalars (step, counts) replicated. Also the target for an orbax restore."""
+    """A ``TrainState`` of ``NamedSharding``: params (and with LoRA the frozen base) by the rules,
+    optimizer moments like their params, scalars (step, counts) replicated. Also the target for
+    an orbax restore."""
     _, abstract = sharding.abstract_model(model_cfg)
-    param_sh = sharding.param_shardings(abstract, mesh)
+    frozen_sh, param_sh = _trained(model_cfg, sharding.param_shardings(abstract, mesh))
     replicated = NamedSharding(mesh, PartitionSpec())
-    abstract_opt = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract))
+    _, trained = _trained(model_cfg, nnx.to_pure_dict(abstract))
+    abstract_opt = jax.eval_shape(optimizer.init, trained)
     opt_sh = optax.tree_map_params(
         optimizer,
         lambda _, sh: sh,
@@ -497,7 +520,32 @@ def train_state_shardings(
         transform_non_params=lambda _: replicated,
         is_leaf=lambda x: isinstance(x, NamedSharding),
     )
-    return TrainState(params=param_sh, opt_state=opt_sh, step=replicated)
+    return TrainState(params=param_sh, opt_state=opt_sh, step=replicated, frozen=frozen_sh)
+
+
+def _trained(model_cfg: ModelConfig, tree: Any) -> tuple[Any, Any]:
+    """``(frozen, trained)`` parts of a params-layout tree: ``(None, tree)`` without LoRA, else
+    ``sharding.split_lora``'s (base, adapters)."""
+    if not model_cfg.lora.rank:
+        return None, tree
+    return sharding.split_lora(tree)
+
+
+def abstract_train_state(
+    model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
+) -> TrainState:
+    """The ``TrainState`` of ``create_train_state`` as ``ShapeDtypeStruct``s carrying their
+    shardings (nothing allocated): the target of a restore or an ahead-of-time compile."""
+    _, abstract = sharding.abstract_model(model_cfg)
+    frozen, params = _trained(model_cfg, nnx.to_pure_dict(abstract))
+    shapes = TrainState(
+        params=params,
+        opt_state=jax.eval_shape(optimizer.init, params),
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        frozen=frozen,
+    )
+    with_sharding = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+    return jax.tree.map(with_sharding, shapes, train_state_shardings(model_cfg, optimizer, mesh))
 
 
 def create_train_state(
@@ -505,14 +553,27 @@ def create_train_state(
 ) -> TrainState:
     """A step-0 ``TrainState`` from given params (e.g. an HF import), placed in their shardings.
 
-    ``params`` may be host arrays or arrays on other devices; on several processes every process
-    must pass the same values.
+    ``params`` is the whole model's tree (``nnx.to_pure_dict`` layout). With LoRA it must hold
+    the adapters too (``sharding.init_sharded`` and ``hf.load_params`` make them): the adapters
+    become ``params`` (the optimizer state covers only them) and the rest ``frozen``, kept in
+    its param dtype. ``params`` may be host arrays or arrays on other devices; on several
+    processes every process must pass the same values.
+
+    Raises:
+      ValueError: LoRA is on and ``params`` has no adapters.
     """
     shardings = train_state_shardings(model_cfg, optimizer, mesh)
+    frozen, params = _trained(model_cfg, params)
+    if frozen is not None and not params:
+        raise ValueError(
+            "model.lora.rank > 0 but the params have no LoRA adapters; make them with "
+            "sharding.init_sharded or hf.load_params under the LoRA config (or sharding.init_lora)"
+        )
     params = jax.device_put(params, shardings.params)
+    frozen = None if frozen is None else jax.device_put(frozen, shardings.frozen)
     opt_state = jax.jit(optimizer.init, out_shardings=shardings.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), shardings.step)
-    return TrainState(params=params, opt_state=opt_state, step=step)
+    return TrainState(params=params, opt_state=opt_state, step=step, frozen=frozen)
 
 
 def init_train_state(
@@ -521,7 +582,8 @@ def init_train_state(
     mesh: Mesh,
     rng: int | jax.Array = 0,
 ) -> TrainState:
-    """Initializes params (``sharding.init_sharded``) and optimizer state in their shardings."""
+    """Initializes params (``sharding.init_sharded``, adapters included under LoRA) and the
+    optimizer state in their shardings."""
     _, params = sharding.init_sharded(model_cfg, mesh, rng)
     return create_train_state(model_cfg, optimizer, mesh, params)
 
@@ -566,8 +628,9 @@ def make_train_step(
     """Jitted ``train_step`` for ``model_cfg`` on ``mesh``.
 
     The state is donated and keeps the shardings of ``train_state_shardings``; batch fields are
-    sharded over ``("data", "fsdp")`` on dimension 0; the reference params (optional, not donated)
-    come in the params' shardings; metrics come back replicated. The aux loss weight is
+    sharded over ``("data", "fsdp")`` on dimension 0; the reference params (optional, not donated;
+    the whole model's tree, adapters included under LoRA) come in the rules' shardings; metrics
+    come back replicated. The aux loss weight is
     ``model_cfg.router_aux_loss_coef``; the batch needs no padding mask: padding sits after the
     completion, and ``token_mask`` takes it out of the router's statistics.
 
@@ -610,7 +673,7 @@ def make_train_step(
     )
     return Step(
         jit(in_shardings=(state_sh, data_sh)),
-        jit(in_shardings=(state_sh, data_sh, state_sh.params)),
+        jit(in_shardings=(state_sh, data_sh, _whole(state_sh.frozen, state_sh.params))),
         mesh,
     )
 

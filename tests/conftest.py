@@ -46,6 +46,13 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
     "tests/sat_jax/model/test_decode.py": ("test_decode_logprobs_equal_full_forward",),
     "tests/sat_jax/model/test_hf.py": ("test_logits_and_routing_match_transformers",),
     "tests/sat_jax/model/test_hf_export.py": ("test_load_of_export_is_exact",),
+    "tests/sat_jax/model/test_lora.py": (
+        "test_fresh_adapters_give_bit_identical_logits",
+        "test_fresh_adapters_give_bit_identical_prefill_and_decode",
+        "test_trained_adapters_equal_the_merged_weights",
+        "test_gradients_reach_the_adapters",
+        "test_hf_import_with_lora_reads_the_base_and_makes_fresh_adapters",
+    ),
     "tests/sat_jax/model/test_moe.py": (
         "test_balance_loss_is_k_at_uniform_routing_and_differentiable",
     ),
@@ -69,6 +76,13 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sampled_logprobs_are_the_behavior_policy",
         "test_sharded_core_equals_one_device",
         "test_truncated_sampling_is_replayed_by_the_trainers_logprobs",
+    ),
+    "tests/sat_jax/test_lora_step.py": (
+        "test_only_the_adapters_change_and_the_base_is_bit_identical",
+        "test_optimizer_state_covers_only_the_adapters",
+        "test_microbatches_equal_one_pass",
+        "test_sharded_step_matches_one_device",
+        "test_reference_params_are_the_whole_model",
     ),
     "tests/sat_jax/test_microbatches.py": (
         "test_reference_params_give_the_host_reference_logprobs_step",

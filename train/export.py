@@ -18,7 +18,7 @@ import os
 import pathlib
 
 from sat_jax import cli as sat_cli
-from sat_jax.experiment import ConfigError, ExperimentConfig, load_config, make_tokenizer
+from sat_jax.experiment import ConfigError, ExperimentConfig, make_tokenizer
 from sat_jax.model import hf_export
 from sat_jax.parallel import sharding
 from train import checkpointing, setup
@@ -82,7 +82,7 @@ def cli(argv: list[str] | None = None) -> None:
     command.parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
     args = command.parse(argv)
     with command.exit_on(ConfigError, ExportError, OSError):
-        cfg = load_config(args.config, args.overrides)
+        cfg = sat_cli.commands_config(args.config, args.overrides)
         step, out = export_run(cfg, args.out, step=args.step)
     print(f"exported checkpoint {step} to {out}", flush=True)
 

@@ -1,6 +1,6 @@
 """The Qwen3-MoE-family policy model: config, Flax NNX modules, routing capture/replay, decoding."""
 
-from sat_jax.model.config import PRESETS, ModelConfig
+from sat_jax.model.config import PRESETS, LoRAConfig, ModelConfig
 from sat_jax.model.transformer import (
     DecodeOutput,
     KVCache,
@@ -17,6 +17,7 @@ __all__ = [
     "PRESETS",
     "DecodeOutput",
     "KVCache",
+    "LoRAConfig",
     "ModelConfig",
     "ModelOutput",
     "PrefillOutput",

@@ -15,7 +15,10 @@ import jax.numpy as jnp
 DISPATCH_PATHS = ("auto", "ragged", "dense", "blocked", "gmm")
 ATTENTION_PATHS = ("auto", "fused", "blockwise", "dense", "splash")
 REMAT_POLICIES = ("none", "layer")
-# Fields a config may set beside `hf_path`: how the model runs, not what it is.
+# What LoRA may adapt: "attention" (q, k, v, o), "mlp" (the dense layers' SwiGLU), "experts" (every
+# routed expert's gate, up and down, per expert) and "router".
+LORA_TARGETS = ("attention", "mlp", "experts", "router")
+# Fields a config may set beside `hf_path`: how the model runs or is adapted, not what it is.
 RUNTIME_FIELDS = (
     "dtype",
     "param_dtype",
@@ -26,10 +29,60 @@ RUNTIME_FIELDS = (
     "attention_block",
     "logits_chunk",
     "remat",
+    "lora",
 )
 
 # Anything `jnp.dtype` accepts: jnp.float32, "bfloat16", np.dtype("float32"), ...
 DTypeLike = Any
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoRAConfig:
+    """Low-rank adapters on a frozen base: each targeted weight W is used as W + (alpha / rank) · A B.
+
+    A maps W's input dims to `rank` (random, fan-in scaled), B maps `rank` to W's output dims
+    (zeros, so a fresh adapter leaves the model exactly the base); the routed experts' A and B are
+    stacked over the expert axis like their weights (`sat_jax.model.layers.add_lora`).
+
+    Attributes:
+      rank: r, the adapters' inner width; 0 turns LoRA off (no adapter parameters exist).
+      alpha: the scale's numerator: the update is scaled by alpha / rank.
+      targets: which weights get adapters, a subset of `LORA_TARGETS`: "attention" (q, k, v, o
+        projections), "mlp" (the dense layers' SwiGLU), "experts" (the routed experts' gate, up
+        and down), "router" (the MoE router).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    targets: tuple[str, ...] = ("attention", "experts")
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank < 0:
+            raise ValueError(f"lora.rank must be an int >= 0 (0 = off), got {self.rank!r}")
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not alpha > 0:
+            raise ValueError(f"lora.alpha must be a positive number, got {alpha!r}")
+        if not isinstance(self.targets, tuple):
+            raise ValueError(f"lora.targets must be a tuple, got {type(self.targets).__name__}")
+        if "shared_expert" in self.targets:
+            raise ValueError(
+                "lora.targets: 'shared_expert' cannot be adapted: Qwen3-MoE has no shared expert "
+                f"(valid targets: {', '.join(LORA_TARGETS)})"
+            )
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(
+                f"lora.targets: unknown target {unknown[0]!r}; valid: {', '.join(LORA_TARGETS)}"
+            )
+        if len(set(self.targets)) != len(self.targets):
+            raise ValueError(f"lora.targets lists a target twice: {self.targets}")
+        if self.rank and not self.targets:
+            raise ValueError("lora.targets is empty but lora.rank > 0: name what to adapt")
+
+    @property
+    def scale(self) -> float:
+        """alpha / rank, the factor of the adapters' product (0 when off)."""
+        return self.alpha / self.rank if self.rank else 0.0
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,6 +125,8 @@ class ModelConfig:
         (`jax.checkpoint`), keeping only the residual stream between layers; "none" keeps all.
       dtype: compute dtype of matmuls; norms, softmaxes, the router and logits stay float32.
       param_dtype: storage dtype of the parameters (the trainer's master weights).
+      lora: low-rank adapters (`LoRAConfig`); rank 0 (the default) is off and the parameters are
+        exactly the base model's.
       hf_path: a Hugging Face Qwen3-MoE checkpoint directory (config.json, safetensors, tokenizer
         files) or "". When set, `sat_jax.experiment.load_config` takes the architecture from its
         config.json (only the runtime fields in `RUNTIME_FIELDS` may be overridden) and the
@@ -103,6 +158,7 @@ class ModelConfig:
     remat: str = "none"
     dtype: DTypeLike = jnp.float32
     param_dtype: DTypeLike = jnp.float32
+    lora: LoRAConfig = LoRAConfig()
     hf_path: str = ""
 
     def __post_init__(self) -> None:
@@ -164,6 +220,23 @@ class ModelConfig:
                 raise ValueError(f"{name} is not a dtype: {getattr(self, name)!r}") from e
             if not jnp.issubdtype(dt, jnp.floating):
                 raise ValueError(f"{name} must be a floating dtype, got {dt}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        """A LoRA target must name weights this model has."""
+        if not isinstance(self.lora, LoRAConfig):
+            raise ValueError(f"lora must be a LoRAConfig, got {type(self.lora).__name__}")
+        if not self.lora.rank:
+            return
+        moe = self.num_moe_layers
+        missing = {
+            "experts": "no MoE layers" if moe == 0 else "",
+            "router": "no MoE layers" if moe == 0 else "",
+            "mlp": "no dense layers (every layer is MoE)" if moe == self.num_layers else "",
+        }
+        for target in self.lora.targets:
+            if missing.get(target):
+                raise ValueError(f"lora.targets has {target!r} but the model has {missing[target]}")
 
     def is_moe_layer(self, i: int) -> bool:
         """HF Qwen3-MoE's rule for which decoder layers carry a sparse MoE block."""

@@ -12,6 +12,9 @@ Both HF layouts of the experts are accepted: one tensor per expert
 
 HF stores linear weights as [out, in]; ours are [in, out] with heads split out, e.g.
 q_proj [N·H, D] -> w_q_dnh [D, N, H] and o_proj [D, N·H] -> w_o_nhd [N, H, D].
+
+With LoRA (``model.lora.rank`` > 0) the checkpoint is the base: its LoRA adapters are not read but
+made fresh (``load_params``), so the loaded model computes the checkpoint's function.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from sat_jax.model.config import ModelConfig
+from sat_jax.model.layers import is_lora_path
 from sat_jax.model.transformer import Transformer
 
 DTYPES = {
@@ -251,7 +255,8 @@ def _fuse_experts(tensors: dict[str, np.ndarray], cfg: ModelConfig) -> None:
 def _lazy_params(
     path: pathlib.Path, cfg: ModelConfig, abstract: nnx.State
 ) -> list[tuple[tuple[Any, ...], jax.ShapeDtypeStruct, _LazyParam]]:
-    """(our path, abstract value, lazy source) for every parameter; checks names and shapes."""
+    """(our path, abstract value, lazy source) for every parameter but the LoRA adapters (no
+    checkpoint has them); checks names and shapes."""
     tensors = read_checkpoint(path)
     _fuse_experts(tensors, cfg)
     if cfg.tie_embeddings:
@@ -261,6 +266,8 @@ def _lazy_params(
     for var_path, var in nnx.to_flat_state(abstract):
         want = var.get_value()
         var_path = tuple(var_path)
+        if is_lora_path(var_path):
+            continue
         where = "/".join(map(str, var_path))
         names, (to_ours, _) = hf_names(var_path, cfg.num_experts)
         missing = [n for n in names if n not in tensors]
@@ -284,24 +291,29 @@ def _lazy_params(
 
 
 def load_params(
-    path: str | pathlib.Path, cfg: ModelConfig, shardings: Any = None
+    path: str | pathlib.Path, cfg: ModelConfig, shardings: Any = None, lora_rng: int = 0
 ) -> tuple[nnx.GraphDef, dict]:
     """Reads a checkpoint's weights straight into their target shardings.
 
     Each parameter is one ``jax.make_array_from_callback``: every device's callback copies only
     its own slice out of the memory-mapped safetensors (stacked experts read only the experts in
     that slice), cast to ``cfg.param_dtype``. No host copy of the whole model is made; the peak
-    host memory is one device's slice of one parameter.
+    host memory is one device's slice of one parameter. With LoRA (``cfg.lora.rank`` > 0) the
+    checkpoint gives the base and the adapters are fresh (``sharding.init_lora``: A random from
+    ``lora_rng``, B zero), so the model computes exactly the checkpoint's function.
 
     Args:
       path: a checkpoint directory (safetensors, single or sharded with an index).
       cfg: the model config (e.g. ``config_from_hf`` of its config.json).
       shardings: a nested dict of ``jax.sharding.Sharding`` per parameter (e.g.
         ``sat_jax.parallel.sharding.param_shardings(abstract, mesh)``); default the default device.
+      lora_rng: the seed of the LoRA adapters' A.
 
     Returns:
       ``(graphdef, params)``; ``nnx.merge(graphdef, params)`` is the ``Transformer``.
     """
+    from sat_jax.parallel import sharding  # sat_jax.parallel.sharding imports sat_jax.model
+
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = []
@@ -321,6 +333,9 @@ def load_params(
         for key in var_path[:-1]:
             node = node.setdefault(key, {})
         node[var_path[-1]] = array
+    if cfg.lora.rank:
+        adapter_sh = sharding.split_lora(shardings)[1] if shardings is not None else single
+        params = sharding.join_lora(params, sharding.init_lora(cfg, adapter_sh, lora_rng))
     return graphdef, params
 
 

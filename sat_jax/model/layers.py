@@ -6,12 +6,17 @@ Dimension letters used in tensor names:
   F feed-forward hidden width.
 
 Parameters carry LOGICAL axis names in their `out_sharding` metadata ("vocab", "embed", "q_heads",
-"kv_heads", "head_dim", "exp", "mlp", "norm"); `sat_jax.parallel.sharding` maps them onto mesh axes. Eager
-sharding is off so a model builds without a mesh (and under `nnx.eval_shape`).
+"kv_heads", "head_dim", "exp", "mlp", "norm", "lora_rank"); `sat_jax.parallel.sharding` maps them onto
+mesh axes. Eager sharding is off so a model builds without a mesh (and under `nnx.eval_shape`).
+
+LoRA: `add_lora` gives a weight ``w`` two sibling `nnx.LoRAParam`s, ``w_lora_a`` and ``w_lora_b``
+(`LORA_SUFFIXES`; a path ending in one is an adapter, `is_lora_path`), and `lora_weight` reads
+``w`` as W + scale · A B wherever the module reads it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import jax
@@ -19,9 +24,12 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from sat_jax.model.attention import causal_attention, dense_attention
-from sat_jax.model.config import DTypeLike
+from sat_jax.model.config import DTypeLike, LoRAConfig
 
 Initializer = Callable[[jax.Array, Sequence[int], DTypeLike], jax.Array]
+# Names of a weight's adapters: f"{name}{suffix}".
+LORA_A, LORA_B = "_lora_a", "_lora_b"
+LORA_SUFFIXES = (LORA_A, LORA_B)
 
 
 def make_param(
@@ -38,6 +46,70 @@ def make_param(
 def fan_in_init(fan_in: int) -> Initializer:
     """Normal init with std 1/sqrt(fan_in), for weights whose fan-in is not one axis."""
     return nnx.initializers.normal(stddev=fan_in**-0.5)
+
+
+def add_lora(
+    module: nnx.Module,
+    name: str,
+    *,
+    rank: int,
+    scale: float,
+    in_dims: int,
+    batch_dims: int = 0,
+    rngs: nnx.Rngs,
+) -> None:
+    """Gives ``module.<name>`` (W, shape [*batch, *in, *out]) its LoRA adapters.
+
+    A [*batch, *in, rank] (normal, std 1/sqrt(prod(in))) and B [*batch, rank, *out] (zeros) become
+    ``module.<name>_lora_a`` and ``module.<name>_lora_b``, `nnx.LoRAParam`s in W's param dtype
+    whose logical axes are W's with "lora_rank" for the rank; ``module.lora_scale`` = scale.
+
+    Args:
+      module: the module holding W.
+      name: W's attribute name.
+      rank: r.
+      scale: alpha / r.
+      in_dims: how many of W's dims (after the batch dims) are its input.
+      batch_dims: leading dims of W that A and B keep (the expert axis of stacked experts).
+      rngs: draws A.
+    """
+    w = getattr(module, name)
+    shape, axes = w.shape, w.get_metadata()["out_sharding"]
+    split = batch_dims + in_dims
+    batch_shape, in_shape = shape[:batch_dims], shape[batch_dims:split]
+    a_shape = (*shape[:split], rank)
+    b_shape = (*batch_shape, rank, *shape[split:])
+    a_axes = (*axes[:split], "lora_rank")
+    b_axes = (*axes[:batch_dims], "lora_rank", *axes[split:])
+    a_init = fan_in_init(math.prod(in_shape))
+    a = a_init(rngs.params(), a_shape, w.dtype)
+    b = jnp.zeros(b_shape, w.dtype)
+    setattr(module, name + LORA_A, nnx.LoRAParam(a, out_sharding=a_axes, eager_sharding=False))
+    setattr(module, name + LORA_B, nnx.LoRAParam(b, out_sharding=b_axes, eager_sharding=False))
+    module.lora_scale = scale
+
+
+def lora_weight(module: nnx.Module, name: str, dtype: DTypeLike) -> jax.Array:
+    """``module.<name>`` in ``dtype``, plus scale · A B when it has adapters (`add_lora`).
+
+    The product contracts A's last (rank) axis with B's first non-batch axis, batched over the
+    leading dims they share, so it has W's shape; it is computed in ``dtype``. B starts at zero,
+    so a fresh adapter adds exactly 0.
+    """
+    w = getattr(module, name)[...].astype(dtype)
+    if not hasattr(module, name + LORA_A):
+        return w
+    a = getattr(module, name + LORA_A)[...].astype(dtype)
+    b = getattr(module, name + LORA_B)[...].astype(dtype)
+    nb = a.ndim + b.ndim - 2 - w.ndim
+    batch = tuple(range(nb))
+    delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (nb,)), (batch, batch)))
+    return w + module.lora_scale * delta
+
+
+def is_lora_path(path: Sequence[object]) -> bool:
+    """Whether a parameter path (keys from the root) names a LoRA adapter."""
+    return bool(path) and str(path[-1]).endswith(LORA_SUFFIXES)
 
 
 class RMSNorm(nnx.Module):
@@ -138,12 +210,19 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
         self.k_norm = RMSNorm(head_dim, eps=eps, param_dtype=param_dtype, rngs=rngs)
 
+    def add_lora(self, lora: LoRAConfig, *, rngs: nnx.Rngs) -> None:
+        """Adapters on q, k, v and o when `lora.targets` has "attention"."""
+        if "attention" not in lora.targets:
+            return
+        for name, in_dims in (("w_q_dnh", 1), ("w_k_dgh", 1), ("w_v_dgh", 1), ("w_o_nhd", 2)):
+            add_lora(self, name, rank=lora.rank, scale=lora.scale, in_dims=in_dims, rngs=rngs)
+
     def project(self, x_btd: jax.Array, positions_bt: jax.Array) -> QKV:
         """q/k/v of `x_btd [B, T, D]` at `positions_bt [B, T]`; q and k normed, then rotated."""
         x = x_btd.astype(self.dtype)
-        q_btnh = jnp.einsum("btd,dnh->btnh", x, self.w_q_dnh[...].astype(self.dtype))
-        k_btgh = jnp.einsum("btd,dgh->btgh", x, self.w_k_dgh[...].astype(self.dtype))
-        v_btgh = jnp.einsum("btd,dgh->btgh", x, self.w_v_dgh[...].astype(self.dtype))
+        q_btnh = jnp.einsum("btd,dnh->btnh", x, lora_weight(self, "w_q_dnh", self.dtype))
+        k_btgh = jnp.einsum("btd,dgh->btgh", x, lora_weight(self, "w_k_dgh", self.dtype))
+        v_btgh = jnp.einsum("btd,dgh->btgh", x, lora_weight(self, "w_v_dgh", self.dtype))
         q_btnh = apply_rope(self.q_norm(q_btnh), positions_bt, theta=self.rope_theta)
         k_btgh = apply_rope(self.k_norm(k_btgh), positions_bt, theta=self.rope_theta)
         return QKV(q_btnh=q_btnh, k_btgh=k_btgh, v_btgh=v_btgh)
@@ -188,7 +267,7 @@ class Attention(nnx.Module):
     def _output(self, out_btgrh: jax.Array) -> jax.Array:
         b, t, g, r, h = out_btgrh.shape
         out_btnh = out_btgrh.reshape(b, t, g * r, h).astype(self.dtype)
-        return jnp.einsum("btnh,nhd->btd", out_btnh, self.w_o_nhd[...].astype(self.dtype))
+        return jnp.einsum("btnh,nhd->btd", out_btnh, lora_weight(self, "w_o_nhd", self.dtype))
 
 
 def swiglu(
@@ -222,9 +301,16 @@ class DenseMLP(nnx.Module):
             rngs, fan_in_init(hidden_dim), (hidden_dim, d_model), ("mlp", "embed"), param_dtype
         )
 
+    def add_lora(self, lora: LoRAConfig, *, rngs: nnx.Rngs) -> None:
+        """Adapters on gate, up and down when `lora.targets` has "mlp"."""
+        if "mlp" not in lora.targets:
+            return
+        for name in ("w_gate_df", "w_up_df", "w_down_fd"):
+            add_lora(self, name, rank=lora.rank, scale=lora.scale, in_dims=1, rngs=rngs)
+
     def __call__(self, x_btd: jax.Array) -> jax.Array:
         """[B, T, D] -> [B, T, D] in the compute dtype."""
-        cast = lambda p: p[...].astype(self.dtype)
+        weight = lambda name: lora_weight(self, name, self.dtype)
         return swiglu(
-            x_btd.astype(self.dtype), cast(self.w_gate_df), cast(self.w_up_df), cast(self.w_down_fd)
+            x_btd.astype(self.dtype), weight("w_gate_df"), weight("w_up_df"), weight("w_down_fd")
         )

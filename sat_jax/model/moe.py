@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from sat_jax.model.config import DTypeLike
-from sat_jax.model.layers import fan_in_init, make_param
+from sat_jax.model.config import DTypeLike, LoRAConfig
+from sat_jax.model.layers import add_lora, fan_in_init, lora_weight, make_param
 from sat_jax.model.tpu_kernels import gmm_dispatch, kernels_placeable, target_platform
 
 # Measured by benchmarks/moe_layer.py on the development CPU (2 shared cores, jax 0.10.2; dense
@@ -318,7 +318,8 @@ def expert_load(ids_tk: jax.Array, mask_t: jax.Array, num_experts: int) -> jax.A
 class MoE(nnx.Module):
     """Sparse MoE block of SwiGLU experts with a softmax top-k router (HF Qwen3MoeSparseMoeBlock).
 
-    Params: w_router_de [D, E]; w_gate_edf, w_up_edf [E, D, F]; w_down_efd [E, F, D].
+    Params: w_router_de [D, E]; w_gate_edf, w_up_edf [E, D, F]; w_down_efd [E, F, D]; and LoRA
+    adapters on some of them after `add_lora`.
     """
 
     def __init__(
@@ -354,6 +355,17 @@ class MoE(nnx.Module):
             param_dtype,
         )
 
+    def add_lora(self, lora: LoRAConfig, *, rngs: nnx.Rngs) -> None:
+        """Adapters on every expert's gate, up and down (A [E, D or F, r], B [E, r, F or D]) when
+        `lora.targets` has "experts", and on the router when it has "router"."""
+        names = ("w_gate_edf", "w_up_edf", "w_down_efd") if "experts" in lora.targets else ()
+        for name in names:
+            add_lora(
+                self, name, rank=lora.rank, scale=lora.scale, in_dims=1, batch_dims=1, rngs=rngs
+            )
+        if "router" in lora.targets:
+            add_lora(self, "w_router_de", rank=lora.rank, scale=lora.scale, in_dims=1, rngs=rngs)
+
     def __call__(
         self,
         x_btd: jax.Array,
@@ -373,7 +385,8 @@ class MoE(nnx.Module):
         """
         b, t, d = x_btd.shape
         x_td = x_btd.reshape(b * t, d)
-        logits_te = jnp.dot(x_td.astype(jnp.float32), self.w_router_de[...].astype(jnp.float32))
+        w_router_de = lora_weight(self, "w_router_de", jnp.float32)
+        logits_te = jnp.dot(x_td.astype(jnp.float32), w_router_de)
         replay_tk = None if replay_ids_btk is None else replay_ids_btk.reshape(b * t, self.k)
         routing = route(
             logits_te, k=self.k, norm_topk_prob=self.norm_topk_prob, replay_ids_tk=replay_tk
@@ -382,11 +395,9 @@ class MoE(nnx.Module):
             topk_ids_tk = routing.ids_tk
         else:
             topk_ids_tk = jax.lax.top_k(routing.probs_te, self.k)[1]
-        cast = lambda p: p[...].astype(self.dtype)
+        weight = lambda name: lora_weight(self, name, self.dtype)
         experts = Experts(
-            gate_edf=cast(self.w_gate_edf),
-            up_edf=cast(self.w_up_edf),
-            down_efd=cast(self.w_down_efd),
+            gate_edf=weight("w_gate_edf"), up_edf=weight("w_up_edf"), down_efd=weight("w_down_efd")
         )
         path = resolve_dispatch(
             dispatch or self.dispatch, num_tokens=b * t, num_experts=self.num_experts, k=self.k

@@ -145,6 +145,8 @@ class Transformer(nnx.Module):
     Params: embedding_vd [V, D]; lm_head_dv [D, V] (absent when tied); final_norm; layers[i] with
     attn_norm, attn (w_q_dnh, w_k_dgh, w_v_dgh, w_o_nhd, q_norm, k_norm), mlp_norm and mlp (MoE:
     w_router_de, w_gate_edf, w_up_edf, w_down_efd; dense: w_gate_df, w_up_df, w_down_fd).
+    With `config.lora.rank` > 0 the targeted weights w gain adapters w_lora_a and w_lora_b
+    (`nnx.LoRAParam`, `sat_jax.model.layers.add_lora`); with rank 0 there are none.
     """
 
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
@@ -171,6 +173,11 @@ class Transformer(nnx.Module):
                 c.param_dtype,
             )
         )
+        if c.lora.rank:
+            # After every base weight, so the base draws the same values as without LoRA.
+            for layer in self.layers:
+                layer.attn.add_lora(c.lora, rngs=rngs)
+                layer.mlp.add_lora(c.lora, rngs=rngs)
 
     # The trunk shared by forward, prefill and decode.
 

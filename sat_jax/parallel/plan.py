@@ -30,8 +30,9 @@ length default to the config's: ``rollout.batch_groups · rollout.group_size`` r
 server's prefill, insert and decode step on ``server.mesh`` (``report_serve``). ``--hbm-gib``
 overrides the chip's HBM.
 
-Active parameters: every parameter except the routed experts' weights (those with both an "exp" and
-an "mlp" axis), plus K/E of those.
+Active parameters: every parameter except the routed experts' weights (those stacked over a first
+"exp" axis) and LoRA adapters, plus K/E of the experts' weights. With LoRA (``model.lora.rank`` > 0)
+gradients and optimizer state cover the adapters only and the frozen base is counted once.
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ from sat_jax import objectives, train_step
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig, TrainConfig, load_config
 from sat_jax.model import ModelConfig
+from sat_jax.model.config import LoRAConfig
+from sat_jax.model.layers import is_lora_path
 from sat_jax.parallel import programs, sharding, topology
 from sat_jax.parallel.topology import GIB
 
@@ -64,18 +67,24 @@ class MemoryPlan:
 
     Attributes:
       mesh: resolved axis sizes.
-      total_params: all parameters.
-      active_params: parameters one token uses (non-expert + K/E of the expert weights).
-      param_bytes: per-device bytes of the parameters (in ``param_dtype``).
-      expert_param_bytes: the routed experts' share of ``param_bytes``.
-      grad_bytes: per-device bytes of the gradients (same dtype and sharding as the params).
+      total_params: all parameters (LoRA adapters included).
+      active_params: parameters one token uses (non-expert + K/E of the expert weights; LoRA
+        adapters are not counted: a token multiplies by the adapted weight, W's size).
+      trained_params: the parameters the optimizer updates: all of them, or with LoRA
+        (``ModelConfig.lora.rank`` > 0) the adapters only.
+      param_bytes: per-device bytes of the parameters (in ``param_dtype``; the frozen base and
+        the adapters under LoRA).
+      expert_param_bytes: the routed experts' share of ``param_bytes`` (their adapters included).
+      grad_bytes: per-device bytes of the gradients (same dtype and sharding as the trained
+        params: with LoRA, the adapters' only).
       adam_bytes: per-device bytes of the optimizer state (Adam's m and v, sharded like the
-        params, and its replicated counters), in the dtypes its ``init`` gives.
+        trained params, and its replicated counters), in the dtypes its ``init`` gives.
     """
 
     mesh: dict[str, int]
     total_params: int
     active_params: int
+    trained_params: int
     param_bytes: int
     expert_param_bytes: int
     grad_bytes: int
@@ -99,6 +108,9 @@ def plan_memory(
 ) -> MemoryPlan:
     """Counts parameters and per-device bytes of ``model_cfg`` sharded on ``mesh_cfg``.
 
+    With LoRA the base is counted once (``param_bytes``), and gradients and optimizer state
+    cover the adapters only, as ``train_step.create_train_state`` holds them.
+
     Args:
       model_cfg: the model config.
       mesh_cfg: mesh axis sizes; a ``-1`` axis needs ``num_devices``.
@@ -116,8 +128,9 @@ def plan_memory(
     mesh = sharding.abstract_mesh(mesh_cfg, num_devices)
     _, abstract = sharding.abstract_model(model_cfg)
     specs = dict(nnx.to_flat_state(nnx.State(sharding.param_specs(abstract, mesh))))
-    total = expert = 0
-    param_bytes = expert_bytes = 0
+    lora = model_cfg.lora.rank > 0
+    total = expert = adapter = 0
+    param_bytes = expert_bytes = trained_bytes = 0
     for path, var in nnx.to_flat_state(abstract):
         value = var.get_value()
         numel = math.prod(value.shape)
@@ -125,34 +138,52 @@ def plan_memory(
         total += numel
         logical = var.get_metadata().get("out_sharding") or ()
         nbytes = numel * np.dtype(value.dtype).itemsize // shards
-        if "exp" in logical and "mlp" in logical:
+        is_adapter, is_expert = is_lora_path(path), tuple(logical[:1]) == ("exp",)
+        if is_adapter:
+            adapter += numel
+        elif is_expert:
             expert += numel
+        if is_expert:
             expert_bytes += nbytes
+        if is_adapter or not lora:
+            trained_bytes += nbytes
         param_bytes += nbytes
     k, e = model_cfg.num_experts_per_tok, max(model_cfg.num_experts, 1)
     return MemoryPlan(
         mesh=dict(mesh.shape),
         total_params=total,
-        active_params=total - expert + expert * k // e,
+        active_params=total - adapter - expert + expert * k // e,
+        trained_params=adapter if lora else total,
         param_bytes=param_bytes,
         expert_param_bytes=expert_bytes,
-        grad_bytes=param_bytes,
-        adam_bytes=_optimizer_bytes(optimizer or TrainConfig().optimizer.make(), abstract, mesh),
+        grad_bytes=trained_bytes,
+        adam_bytes=_optimizer_bytes(
+            optimizer or TrainConfig().optimizer.make(), abstract, mesh, lora=lora
+        ),
     )
 
 
 def _optimizer_bytes(
-    optimizer: optax.GradientTransformation, abstract: nnx.State, mesh: jax.sharding.AbstractMesh
+    optimizer: optax.GradientTransformation,
+    abstract: nnx.State,
+    mesh: jax.sharding.AbstractMesh,
+    *,
+    lora: bool,
 ) -> int:
-    """Per-device bytes of ``optimizer.init``'s state (``jax.eval_shape``): param-like leaves
-    sharded like their params, the rest replicated (as ``train_step.train_state_shardings``)."""
+    """Per-device bytes of ``optimizer.init``'s state (``jax.eval_shape``) over the trained
+    params (with LoRA, the adapters): param-like leaves sharded like their params, the rest
+    replicated (as ``train_step.train_state_shardings``)."""
     is_spec = lambda x: isinstance(x, PartitionSpec)
-    state = jax.eval_shape(optimizer.init, nnx.to_pure_dict(abstract))
+    params = nnx.to_pure_dict(abstract)
+    specs = sharding.param_specs(abstract, mesh)
+    if lora:
+        params, specs = sharding.split_lora(params)[1], sharding.split_lora(specs)[1]
+    state = jax.eval_shape(optimizer.init, params)
     specs = optax.tree_map_params(
         optimizer,
         lambda _, spec: spec,
         state,
-        sharding.param_specs(abstract, mesh),
+        specs,
         transform_non_params=lambda _: PartitionSpec(),
         is_leaf=is_spec,
     )
@@ -185,6 +216,11 @@ def format_plan(name: str, plan: MemoryPlan) -> str:
         f"mesh             {mesh} ({plan.num_devices} devices)",
         f"total params     {plan.total_params:,} ({plan.total_params / 1e9:.2f} B)",
         f"active params    {plan.active_params:,} ({plan.active_params / 1e9:.2f} B)",
+        *(
+            [f"trained params   {plan.trained_params:,} (LoRA adapters)"]
+            if plan.trained_params != plan.total_params
+            else []
+        ),
         "per device:",
         f"  params         {_gib(plan.param_bytes)}",
         f"  gradients      {_gib(plan.grad_bytes)}",
@@ -424,12 +460,19 @@ def _roofline(
 
 
 def _model_config(preset: str, settings: Sequence[str]) -> ModelConfig:
-    overrides = {}
+    """The preset with ``--set`` overrides; ``lora.FIELD=VALUE`` sets a ``LoRAConfig`` field."""
+    overrides, lora = {}, {}
     for item in settings:
         key, sep, text = item.partition("=")
         if not sep:
             raise ValueError(f"--set {item!r} is not field=value")
-        overrides[key.strip()] = yaml.safe_load(text)
+        key, value = key.strip(), yaml.safe_load(text)
+        if key.startswith("lora."):
+            lora[key.removeprefix("lora.")] = tuple(value) if isinstance(value, list) else value
+        else:
+            overrides[key] = value
+    if lora:
+        overrides["lora"] = LoRAConfig(**lora)
     return ModelConfig.preset(preset, **overrides)
 
 

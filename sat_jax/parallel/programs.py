@@ -74,14 +74,7 @@ def abstract_train_inputs(
         [B, T].
       kept_counts: the batch carries the sampler's kept-set sizes (truncation replay).
     """
-    _, abstract = sharding.abstract_model(model_cfg)
-    params = nnx.to_pure_dict(abstract)
-    state = train_step.TrainState(
-        params=params,
-        opt_state=jax.eval_shape(optimizer.init, params),
-        step=jax.ShapeDtypeStruct((), jnp.int32),
-    )
-    state = jax.tree.map(_with, state, train_step.train_state_shardings(model_cfg, optimizer, mesh))
+    state = train_step.abstract_train_state(model_cfg, optimizer, mesh)
     f32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
     lk = (model_cfg.num_moe_layers, model_cfg.num_experts_per_tok)
     data = train_step.TrainBatch(

@@ -45,6 +45,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("mlp", "tensor"),
     ("norm", None),
     ("layers", None),
+    # LoRA adapters' inner width r: small, so every shard holds all of it.
+    ("lora_rank", None),
 )
 
 # Ordered (regex on the "/"-joined param path, spec); first match wins over the rules table.

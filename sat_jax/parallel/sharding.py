@@ -5,6 +5,11 @@ its dimensions through the NNX ``out_sharding`` metadata), and re-exports the ru
 ``sharding.make_mesh``, ``sharding.MeshConfig``, ``sharding.batch_spec``, ... keep one home for a
 caller (``from sat_jax.parallel import sharding``; ``sat_jax.sharding`` is the same module's stable
 short name). See ``sat_jax.parallel.rules`` for the divisibility policy.
+
+LoRA (``ModelConfig.lora.rank`` > 0): ``split_lora`` parts a params tree (or any tree of the same
+nested-dict layout: shardings, specs, shapes) into the frozen base and the adapters, ``join_lora``
+puts them back together, and ``init_lora`` makes fresh adapters on their own (for a base read
+from a checkpoint).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sat_jax.model.config import ModelConfig
+from sat_jax.model.layers import is_lora_path
 from sat_jax.model.transformer import Transformer
 from sat_jax.parallel.rules import (
     LOGICAL_AXIS_RULES,
@@ -47,11 +53,14 @@ __all__ = [
     "batch_axes",
     "batch_spec",
     "constrain_batch",
+    "init_lora",
     "init_sharded",
+    "join_lora",
     "logical_to_spec",
     "make_mesh",
     "param_shardings",
     "param_specs",
+    "split_lora",
 ]
 
 
@@ -153,3 +162,68 @@ def init_sharded(model_cfg: Any, mesh: Mesh, rng: int | jax.Array = 0) -> tuple[
         return nnx.to_pure_dict(nnx.state(Transformer(model_cfg, rngs=nnx.Rngs(key))))
 
     return graphdef, jax.jit(init, out_shardings=shardings)(key)
+
+
+def split_lora(tree: Mapping) -> tuple[dict, dict]:
+    """``(base, adapters)``: a nested dict of the params' layout (``nnx.to_pure_dict``; leaves may
+    be arrays, shardings, specs, shapes) parted by ``sat_jax.model.layers.is_lora_path``.
+
+    Sub-dicts left empty are dropped, so without adapters ``base`` is ``tree`` and ``adapters``
+    is ``{}``. ``join_lora(*split_lora(tree))`` equals ``tree``.
+    """
+    base: dict = {}
+    adapters: dict = {}
+    for path, leaf in _flat_dict(tree):
+        _put(adapters if is_lora_path(path) else base, path, leaf)
+    return base, adapters
+
+
+def join_lora(base: Mapping, adapters: Mapping) -> dict:
+    """The full params tree of ``split_lora``'s two parts (``nnx.merge`` takes it whole)."""
+    out: dict = {}
+    for part in (base, adapters):
+        for path, leaf in _flat_dict(part):
+            _put(out, path, leaf)
+    return out
+
+
+def _flat_dict(tree: Mapping, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out += _flat_dict(value, (*prefix, key))
+        else:
+            out.append(((*prefix, key), value))
+    return out
+
+
+def _put(tree: dict, path: tuple, leaf: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    if path[-1] in tree:
+        raise ValueError(f"parameter {'/'.join(map(str, path))} is in both parts")
+    tree[path[-1]] = leaf
+
+
+def init_lora(model_cfg: ModelConfig, shardings: Any = None, rng: int | jax.Array = 0) -> dict:
+    """Fresh LoRA adapters of ``model_cfg``: those of ``init_sharded(model_cfg, mesh, rng)`` (A
+    random, fan-in scaled; B zero), for a base that comes from elsewhere (an HF checkpoint).
+
+    The model's init runs under ``jax.jit`` with only the adapters as outputs, so the base's
+    random init is dead code XLA drops: nothing of the base is computed or allocated.
+
+    Args:
+      model_cfg: a config with ``lora.rank`` > 0.
+      shardings: the adapters' shardings (a nested dict, e.g. ``split_lora`` of
+        ``param_shardings``), or None for the default device.
+      rng: an int seed or a PRNG key.
+    """
+    if not model_cfg.lora.rank:
+        raise ValueError("init_lora needs model_cfg.lora.rank > 0")
+    key = jax.random.key(rng) if isinstance(rng, int) else rng
+
+    def init(key: jax.Array) -> dict:
+        model = Transformer(model_cfg, rngs=nnx.Rngs(key))
+        return split_lora(nnx.to_pure_dict(nnx.state(model)))[1]
+
+    return jax.jit(init, out_shardings=shardings)(key)

@@ -19,7 +19,8 @@ from sat_jax.experiment import (
     WarmupConfig,
     load_config,
 )
-from sat_jax.model import PRESETS
+from sat_jax.model import PRESETS, LoRAConfig
+from sat_jax.model.config import runtime_overrides
 from sat_jax.optimizer import OptimizerConfig
 
 
@@ -43,6 +44,33 @@ def test_model_preset_and_field_override():
         None, ["model.preset=small", "model.num_layers=2", "model.mlp_only_layers=[0]"]
     )
     assert cfg.model == PRESETS["small"].replace(num_layers=2, mlp_only_layers=(0,))
+
+
+def test_lora_keys_parse_into_the_model_lora_config(tmp_path):
+    cfg = load_config(None, ["model.lora.rank=8", "model.lora.targets=[attention,experts,router]"])
+    assert cfg.model.lora == LoRAConfig(rank=8, targets=("attention", "experts", "router"))
+    assert cfg.model.lora.scale == 2.0
+    path = tmp_path / "lora.yaml"
+    path.write_text("model:\n  lora:\n    rank: 4\n    alpha: 8\n")
+    assert load_config(str(path)).model.lora == LoRAConfig(rank=4, alpha=8.0)
+    assert load_config(None, []).model.lora.rank == 0
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("model.lora.rank=-1", r"^model\.lora: lora\.rank must be an int >= 0"),
+        ("model.lora.rank=2.5", r"^model\.lora\.rank: expected int"),
+        ("model.lora.alpha=0", r"^model\.lora: lora\.alpha must be a positive"),
+        ("model.lora.targets=[attention,mlpp]", r"^model\.lora: .*unknown target 'mlpp'"),
+        ("model.lora.targets=[shared_expert]", r"^model\.lora: .*Qwen3-MoE has no shared expert"),
+        ("model.lora.nope=1", r"^model\.lora\.nope: unknown key"),
+        ("model.lora=8", r"^model\.lora: expected a mapping"),
+    ],
+)
+def test_bad_lora_keys_name_the_key(override, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(None, [override])
 
 
 def test_int_accepted_for_float():
@@ -219,6 +247,16 @@ def test_hf_path_takes_the_architecture_from_config_json(hf_dir):
     assert load_config(None, [f"model.hf_path={hf_dir}", "task.tokenizer=char"]).tokenizer_kind == (
         "char"
     )
+
+
+def test_lora_may_be_set_beside_hf_path(hf_dir):
+    cfg = load_config(
+        None, [f"model.hf_path={hf_dir}", "model.lora.rank=4", "model.lora.targets=[attention]"]
+    )
+    assert cfg.model.lora == LoRAConfig(rank=4, targets=("attention",))
+    assert cfg.model.hf_path == str(hf_dir) and cfg.model.num_experts == 4
+    # What a loader passes `hf.load_qwen3_moe` rebuilds the same config.
+    assert runtime_overrides(cfg.model)["lora"] == cfg.model.lora
 
 
 def test_defaults_keep_the_char_tokenizer():

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from sat_jax.model import ModelConfig
+from sat_jax.model import LoRAConfig, ModelConfig
 from sat_jax.parallel import plan, sharding
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -201,3 +201,44 @@ def test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proxim
     assert len(inputs[True]) == len(inputs[False]) + 1
     token_shaped = ((4, 32), jax.numpy.dtype("int32"))  # the tokens, and the kept counts
     assert inputs[True].count(token_shaped) == inputs[False].count(token_shaped) + 1
+
+
+def _adapters_by_hand(cfg: ModelConfig) -> int:
+    """LoRA parameters on attention and the experts: A [in, r] and B [r, out] per weight."""
+    d, h, r, f = cfg.d_model, cfg.head_dim, cfg.lora.rank, cfg.expert_dim
+    q, kv = cfg.num_heads * h, cfg.num_kv_heads * h
+    attn = (d * r + r * q) + 2 * (d * r + r * kv) + (q * r + r * d)
+    experts = cfg.num_experts * 3 * (d * r + r * f)
+    return cfg.num_layers * attn + cfg.num_moe_layers * experts
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small"])
+def test_lora_trains_only_the_adapters_and_counts_the_base_once(preset: str) -> None:
+    base_cfg = ModelConfig.preset(preset, param_dtype="bfloat16")
+    cfg = base_cfg.replace(lora=LoRAConfig(rank=8, targets=("attention", "experts")))
+    one = sharding.MeshConfig(fsdp=1)
+    base, got = plan.plan_memory(base_cfg, one), plan.plan_memory(cfg, one)
+    adapters = _adapters_by_hand(cfg)
+    assert got.trained_params == adapters and base.trained_params == base.total_params
+    assert got.total_params == base.total_params + adapters
+    assert got.active_params == base.active_params
+    # The base once, in its param dtype, beside the adapters; gradients and Adam only theirs.
+    assert got.param_bytes == 2 * (base.total_params + adapters)
+    assert got.grad_bytes == 2 * adapters
+    assert got.adam_bytes == 8 * adapters + 2 * 4
+    assert got.total_bytes < base.total_bytes
+    # Sharded: the adapters follow their weights' rules, the rank stays whole.
+    mesh = sharding.MeshConfig(fsdp=2, expert=2, tensor=2)
+    sharded = plan.plan_memory(cfg, mesh)
+    assert sharded.grad_bytes < got.grad_bytes and sharded.param_bytes < got.param_bytes
+
+
+def test_cli_sets_lora_fields(capsys) -> None:
+    args = ["--preset", "tiny", "--mesh", "fsdp=1", "--set", "lora.rank=8"]
+    assert plan.main([*args, "--set", "lora.targets=[attention]"]) == 0
+    out = capsys.readouterr().out
+    cfg = ModelConfig.preset("tiny", lora=LoRAConfig(rank=8, targets=("attention",)))
+    want = plan.plan_memory(cfg, sharding.MeshConfig(fsdp=1))
+    assert out.strip() == plan.format_plan("tiny", want)
+    assert f"trained params   {want.trained_params:,} (LoRA adapters)" in out
+    assert plan.main([*args, "--set", "lora.targets=[shared_expert]"]) == 2

@@ -9,7 +9,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sat_jax.model import ModelConfig, Transformer
+from sat_jax.model import LoRAConfig, ModelConfig, Transformer
 from sat_jax.parallel import sharding
 
 MeshConfig = sharding.MeshConfig
@@ -192,3 +192,28 @@ def test_batch_spec() -> None:
     assert sharding.batch_spec(8, SIZES, ndim=3) == P(("data", "fsdp"), None, None)
     with pytest.raises(ValueError, match="batch size 6 is not divisible by the 8 data shards"):
         sharding.batch_spec(6, SIZES)
+
+
+def test_split_and_join_lora_part_any_tree_of_the_params_layout() -> None:
+    cfg = TINY.replace(lora=LoRAConfig(rank=2, targets=("attention", "router")))
+    _, abstract = sharding.abstract_model(cfg)
+    params = nnx.to_pure_dict(abstract)
+    base, adapters = sharding.split_lora(params)
+    assert jax.tree.structure(base) == jax.tree.structure(
+        nnx.to_pure_dict(sharding.abstract_model(TINY)[1])
+    )
+    names = {str(p[-1].key) for p, _ in jax.tree_util.tree_leaves_with_path(adapters)}
+    assert names == {
+        f"{w}_lora_{x}" for w in ("w_q_dnh", "w_k_dgh", "w_v_dgh", "w_o_nhd") for x in "ab"
+    } | {"w_router_de_lora_a", "w_router_de_lora_b"}
+    assert "mlp" not in adapters["layers"][0]  # a dense layer: no router
+    assert jax.tree.structure(sharding.join_lora(base, adapters)) == jax.tree.structure(params)
+    # Specs (a tuple subclass) split as leaves, not as containers.
+    specs = sharding.param_specs(abstract, {"fsdp": 2, "tensor": 2})
+    spec_base, spec_adapters = sharding.split_lora(specs)
+    assert spec_adapters["layers"][1]["attn"]["w_o_nhd_lora_a"] == P("tensor", None, None)
+    assert sharding.join_lora(spec_base, spec_adapters) == specs
+    # Without adapters: the tree itself and nothing.
+    assert sharding.split_lora(base) == (base, {})
+    with pytest.raises(ValueError, match="in both parts"):
+        sharding.join_lora(base, base)
