@@ -101,7 +101,7 @@ class TrainBatch:
         top-k / top-p truncation (0 where there was none, and off the completion): the step's
         log-probs (the policy's and the reference's) replay that truncation
         (``Transformer.logprobs``, docs/DESIGN.md §2).
-      fresh_mask: optional [B, T] float, 1 on the completion tokens sampled by the weights being
+      fresh_mask: optional [B, T] (uint8 from the trainer), 1 on the completion tokens sampled by the weights being
         trained (lag 0): the ``sampler_kl`` metric averages over them (all active tokens when
         None).
     """

@@ -368,7 +368,7 @@ def assemble_batch(
       loss_mask / behavior_logp [R, T] float32, rewards [R] float32 and group_ids [R] int32 (the
       group's index in the batch; -1 on padding rows), from which the train step computes the
       advantages, routing [R, T, L, K] (when ``spec.routing_lk``), kept_counts [R, T] int32
-      (when ``spec.kept_counts``), fresh_mask [R, T] float32 (1 on the completion tokens of
+      (when ``spec.kept_counts``), fresh_mask [R, T] uint8 (1 on the completion tokens of
       the trainer's own version, lag 0: ``sampler_kl``'s tokens); rows past the kept
       trajectories are padding (mask 0). ``stats``
       carries the selection's counts and the lags of the trained tokens.
@@ -384,7 +384,7 @@ def assemble_batch(
     R, T = spec.rows, bucket_length(max(row_tokens, default=0), spec)
     tokens, mask, behavior, routing = _padding(spec, T)
     kept_counts = np.zeros((R, T), np.int32) if spec.kept_counts else None
-    fresh = np.zeros((R, T), np.float32)
+    fresh = np.zeros((R, T), np.uint8)  # 1 byte per token on the way to the device
     lags: list[np.ndarray] = []  # per row, in row order: the flat lags of the trained tokens
     rewards = np.zeros(R, np.float32)
     group_ids = np.full(R, -1, np.int32)
@@ -458,7 +458,7 @@ def empty_batch(spec: BatchSpec, length: int) -> TrainBatch:
         group_ids=np.full(spec.rows, -1, np.int32),
         routing=routing,
         kept_counts=np.zeros_like(tokens) if spec.kept_counts else None,
-        fresh_mask=np.zeros_like(mask),
+        fresh_mask=np.zeros((spec.rows, length), np.uint8),
     )
 
 

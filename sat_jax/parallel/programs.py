@@ -90,7 +90,7 @@ def abstract_train_inputs(
             else None
         ),
         kept_counts=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) if kept_counts else None,
-        fresh_mask=f32 if rewards else None,
+        fresh_mask=jax.ShapeDtypeStruct((batch, seq_len), jnp.uint8) if rewards else None,
     )
     return state, jax.tree.map(_with, data, train_step.batch_shardings(data, mesh))
 

@@ -30,7 +30,8 @@ def test_a_small_run_times_every_phase_and_moves_the_batch_once(tmp_path):
     assert set(result["median_ms"]) == {"assemble", "shard", "step", "total"}
     assert all(ms > 0 for ms in result["median_ms"].values()) and result["repeats"] == 2
     # 8 rows of T = 24: tokens, mask, behavior log-probs [8, 24] 4 bytes each, routing
-    # [8, 24, 2, 2] uint8, rewards and group ids [8] 4 bytes each; no advantages or reference
-    # log-probs, and nothing back.
+    # [8, 24, 2, 2] uint8, the lag-0 mask [8, 24] uint8, rewards and group ids [8] 4 bytes each;
+    # no advantages or reference log-probs, and nothing back.
     rows, t = 8, 24
-    assert result["bytes"] == {"h2d": 3 * rows * t * 4 + rows * t * 4 + 2 * rows * 4, "d2h": 0}
+    h2d = 3 * rows * t * 4 + rows * t * 4 + rows * t + 2 * rows * 4
+    assert result["bytes"] == {"h2d": h2d, "d2h": 0}
