@@ -8,33 +8,24 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
 
 from sat_jax import decoding, objectives, train_step
 from sat_jax.experiment import ConfigError, load_config
-from sat_jax.model import ModelConfig, Transformer
 from sat_jax.parallel import sharding
+from tests.sat_jax import test_decoding
 
-CFG = ModelConfig.preset("tiny", dispatch="dense")
-SAMPLEABLE = (np.arange(CFG.vocab_size) >= 2) & (np.arange(CFG.vocab_size) < 40)
-PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1, 30]]
+CFG, SAMPLEABLE = test_decoding.CFG, test_decoding.SAMPLEABLE
+PROMPTS = test_decoding.PROMPTS[:4]
 G, MAX_NEW, T = 2, 6, 12
 SAMPLING = decoding.SamplingConfig(temperature=0.8, top_k=20, top_p=0.9)
 
 
-@functools.cache
 def _params():
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(1)
-    params = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.3),
-        nnx.to_pure_dict(abstract),
-    )
-    return graphdef, params
+    """The tiny model of tests/sat_jax/test_decoding.py: (graphdef, random float32 params)."""
+    return test_decoding._model()
 
 
 @functools.cache

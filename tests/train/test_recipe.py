@@ -19,6 +19,7 @@ import pytest
 from rollout_api import records
 from sat_jax.experiment import ConfigError, load_config
 from sat_jax.parallel import sharding
+from tests.train.test_batching import spec as batching_spec
 from train import batching, checkpointing, main, metrics, pulling, setup
 
 L, K = 2, 2
@@ -53,22 +54,8 @@ def group(group_id: int, rewards, *, lengths=None, finish=None, version: int = 9
 
 
 def spec(**kw) -> batching.BatchSpec:
-    base = dict(
-        batch_groups=2,
-        group_size=2,
-        seq_len=3 + 8,
-        length_bucket=0,
-        routing_lk=(L, K),
-        routing_dtype="uint8",
-        max_staleness=1,
-        stale_policy="drop",
-        estimator="grpo",
-        normalize_std=True,
-        vocab_size=64,
-        num_experts=8,
-        max_new_tokens=8,
-    )
-    return batching.BatchSpec(**(base | kw))
+    """test_batching's spec with two groups a batch and completions of at most 8 tokens."""
+    return batching_spec(**({"batch_groups": 2, "seq_len": 3 + 8, "max_new_tokens": 8} | kw))
 
 
 def assemble(groups, batch_spec, *, trainer_version=9):
