@@ -37,6 +37,8 @@ class RolloutState:
       consumed: groups acknowledged so far.
       next_group_id: the next group id to assign.
       version, checkpoint_path: the weights last installed by UpdateWeights ("" = none yet).
+      base_path: under LoRA, the base that `checkpoint_path`'s adapters apply to ("" = the
+        checkpoint holds whole params).
       epoch_version, epoch_used: where the current admission epoch began: the weights version and
         the groups dispatched until then (consumed + queued + running), plus the groups the
         trainer rejected since, which admission no longer counts (see
@@ -58,6 +60,7 @@ class RolloutState:
     next_group_id: int = 0
     version: int = 0
     checkpoint_path: str = ""
+    base_path: str = ""
     epoch_version: int = 0
     epoch_used: int = 0
     epoch_excluded: list[int] = dataclasses.field(default_factory=list)

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import math
 import signal
+from typing import Any
 
 from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
 
@@ -61,6 +62,13 @@ def initial_model(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Transformer
     return nnx.merge(*sharding.init_sharded(model_cfg, mesh, cfg.server.seed))
 
 
+def lora_adapters(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Any:
+    """The LoRA adapters a trainer of `cfg` pushes, as abstract arrays in the serving dtype and
+    their shardings on the engine's `mesh` (what `UpdateWeights` restores them into)."""
+    served = cfg.serving_model.replace(lora=cfg.model.lora)
+    return sharding.abstract_adapters(served, mesh)
+
+
 class RolloutServer:
     """Everything the process runs; `start()` inside an asyncio loop, `stop()` to end.
 
@@ -93,12 +101,17 @@ class RolloutServer:
             sampling=SamplingConfig.from_rollout(r),
             seed=s.seed,
         )
+        self.loader = weights.WeightsLoader(
+            s.checkpoint_root,
+            cfg.model.lora,
+            lora_adapters(cfg, mesh) if cfg.model.lora.rank else None,
+        )
         persisted = store.load()
         if persisted.checkpoint_path and not self._reload(
-            persisted.version, persisted.checkpoint_path
+            persisted.version, persisted.checkpoint_path, persisted.base_path
         ):
             # Back to the initial weights: the next UpdateWeights starts a fresh admission epoch.
-            persisted.version, persisted.checkpoint_path = 0, ""
+            persisted.version, persisted.checkpoint_path, persisted.base_path = 0, "", ""
             persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
             store.save(persisted)
         params = self.engine.load_params()
@@ -130,17 +143,16 @@ class RolloutServer:
         self.grpc_server: grpc.aio.Server | None = None
         self.service: RolloutService | None = None
 
-    def _reload(self, version: int, path: str) -> bool:
-        """Installs the persisted weights; False (logged) when they cannot be loaded."""
+    def _reload(self, version: int, path: str, base_path: str) -> bool:
+        """Installs the persisted weights (under LoRA, the adapters over their base); False
+        (logged) when they cannot be loaded."""
         try:
-            real, params = weights.load_under_root(
-                path, self.cfg.server.checkpoint_root, self.engine.current_params()[1]
-            )
-            self.engine.swap_params(version, params)
+            loaded = self.loader.load(path, base_path, self.engine.current_params()[1])
+            self.engine.swap_params(version, loaded.params)
         except ValueError as e:  # CheckpointPathError, or params swap_params refuses
             log.error("cannot restore the persisted weights (%s); starting from version 0", e)
             return False
-        log.info("restored weights version %d from %s", version, real)
+        log.info("restored weights version %d from %s", version, loaded.path)
         return True
 
     async def start(self) -> None:
@@ -181,6 +193,7 @@ class RolloutServer:
             max_version_jump=s.max_version_jump,
             pull_threads=s.grpc_threads,
             metrics=self.metrics,
+            loader=self.loader,
         )
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.service, self.grpc_server)
         address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"

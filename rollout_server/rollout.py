@@ -171,6 +171,8 @@ class RolloutLoop:
         self.prompts_drawn = 0
         self.prompts_skipped = 0  # longer than the prefill (or not encodable)
         self.groups_rejected = 0  # acknowledged as not trained (replaced by admission)
+        self.push_bytes = 0  # weights read by the last UpdateWeights
+        self.push_bytes_total = 0
         self.rows_skipped = rows_skipped
         self.groups_failed = 0
         self._started = self._clock()
@@ -221,6 +223,8 @@ class RolloutLoop:
                 "prompts_drawn": self.prompts_drawn,
                 "prompts_skipped": self.prompts_skipped,
                 "groups_rejected": self.groups_rejected,
+                "push_bytes": self.push_bytes,
+                "push_bytes_total": self.push_bytes_total,
                 "rows_skipped": self.rows_skipped,
                 "prefill_calls": self._engine.prefill_calls,
                 "admission_open": self._admission_open_locked(),
@@ -345,8 +349,14 @@ class RolloutLoop:
         new_epoch: bool = False,
         run_id: str = "",
         share: float = 1.0,
+        base_path: str = "",
+        push_bytes: int = 0,
     ) -> None:
         """Swaps `params` into the engine as `version` and records them so a restart reloads them.
+
+        `checkpoint_path` (and, under LoRA, `base_path`: the base its adapters apply to) is what
+        a restart reloads; `push_bytes`, the bytes of weights read for this update, goes to the
+        Stats.
 
         Admission is held while this runs, so no group is admitted between the swap and the
         new budget. The first trainer weights, or `new_epoch`, start an admission epoch, and the
@@ -381,6 +391,9 @@ class RolloutLoop:
                 self._state.epoch_excluded = excluded
             self._state.share = share
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
+            self._state.base_path = base_path
+            self.push_bytes = push_bytes
+            self.push_bytes_total += push_bytes
             self._touch(run_id)
             self._save_locked()
 

@@ -29,6 +29,7 @@ from rollout_server.auth import has_token
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.rollout import RolloutLoop, RunNotAttachedError
+from sat_jax.model.config import LoRAConfig
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
       max_version_jump: the most an UpdateWeights may raise the version by.
       pull_threads: Pulls served at once (`server.grpc_threads`); more wait for a thread.
       metrics: an optional `ServerMetrics`.
+      loader: reads what UpdateWeights names (`weights.WeightsLoader`; under LoRA it keeps the
+        base); default: whole params under `checkpoint_root`.
     """
 
     def __init__(
@@ -72,9 +75,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         max_version_jump: int,
         pull_threads: int,
         metrics=None,
+        loader: weights.WeightsLoader | None = None,
     ):
         self._loop, self._engine, self._driver = loop, engine, driver
-        self._root, self._token, self._metrics = checkpoint_root, token, metrics
+        self._token, self._metrics = token, metrics
+        self._loader = loader or weights.WeightsLoader(checkpoint_root, LoRAConfig())
         self._max_jump = max_version_jump
         self._update_lock = asyncio.Lock()
         self._pulls = ThreadPoolExecutor(pull_threads, thread_name_prefix="pull")
@@ -218,24 +223,26 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         loop = asyncio.get_running_loop()
         start = time.perf_counter()
         load = functools.partial(
-            weights.load_under_root,
+            self._loader.load,
             request.checkpoint_path,
-            self._root,
+            request.base_path,
             self._engine.current_params()[1],
         )
-        path, params = await loop.run_in_executor(self._updates, load)
-        loaded = time.perf_counter()
+        loaded = await loop.run_in_executor(self._updates, load)
+        load_s = time.perf_counter() - start
         install = functools.partial(
             self._loop.install_weights,
             request.version,
-            str(path),
-            params,
+            str(loaded.path),
+            loaded.params,
             new_epoch=request.new_admission_epoch,
             run_id=request.run_id,
             share=request.admission_share,
+            base_path=self._loader.kept_base if request.base_path else "",
+            push_bytes=loaded.nbytes,
         )
         await loop.run_in_executor(self._updates, install)
-        return loaded - start, time.perf_counter() - loaded, str(path)
+        return load_s, time.perf_counter() - start - load_s, str(loaded.path)
 
     async def Stats(
         self, request: rollout_pb2.StatsRequest, context: grpc.aio.ServicerContext

@@ -1,19 +1,34 @@
 """Weights for `UpdateWeights`: which paths the server may load, and loading them (docs/DESIGN.md
-§6, §10).
+§5, §6, §10).
 
 The format is `sat_jax.params_io`'s, written by the trainer with `params_io.save_params` (each
 trainer process its own shards); the server restores it into its engine's own shardings. The
 server loads only directories inside its configured checkpoint root (symlinks resolved), so a
 client cannot make it read arbitrary files; every refusal is a `CheckpointPathError`.
+
+Under LoRA (`model.lora.rank` > 0) a push names two directories: the adapters alone
+(`checkpoint_path`, a few MB to a few hundred) and the frozen base they apply to (`base_path`).
+`WeightsLoader` keeps the last base it loaded (its adapted weights in host memory, the others
+shared with the served params), reads a base only when a push names another one, and serves every
+adapted weight merged, base + (alpha/rank)·A·B, so decoding runs at the base model's speed.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import pathlib
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import traverse_util
+
 from sat_jax import params_io
+from sat_jax.model.config import LoRAConfig
+from sat_jax.model.layers import LORA_A, LORA_B, lora_delta
 
 
 class CheckpointPathError(ValueError):
@@ -59,3 +74,128 @@ def load_under_root(path: str, root: str, like: Any) -> tuple[pathlib.Path, Any]
         return real, params_io.load_params(real, like)
     except Exception as e:  # orbax raises many types for a bad or mismatched checkpoint
         raise CheckpointPathError(f"cannot restore params from {str(real)!r}: {e}") from e
+
+
+@dataclasses.dataclass(frozen=True)
+class Loaded:
+    """What one `WeightsLoader.load` read.
+
+    Attributes:
+      path: the resolved checkpoint directory.
+      params: the whole served params, shaped and sharded like the engine's.
+      nbytes: bytes of weights read (the adapters, plus the base when one was loaded).
+    """
+
+    path: pathlib.Path
+    params: Any
+    nbytes: int
+
+
+class WeightsLoader:
+    """Turns what an `UpdateWeights` names into params the engine can swap in.
+
+    Args:
+      root: the server's checkpoint root ("" = loading disabled).
+      lora: the trainer's LoRA config (`model.lora`); rank 0 = whole params only.
+      adapters_like: with LoRA, the adapters' abstract tree in the serving mesh's shardings
+        (`sat_jax.parallel.sharding.abstract_adapters`); None without.
+
+    Not thread-safe: the server calls it from its one weights thread.
+    """
+
+    def __init__(self, root: str, lora: LoRAConfig, adapters_like: Any = None):
+        if lora.rank and adapters_like is None:
+            raise ValueError("LoRA needs the adapters' abstract tree (adapters_like)")
+        self._root = root
+        self._lora = lora
+        self._adapters_like = adapters_like
+        self._targets: tuple[tuple[str, ...], ...] = ()
+        if adapters_like is not None:
+            flat = traverse_util.flatten_dict(adapters_like)
+            self._targets = tuple(
+                (*p[:-1], p[-1][: -len(LORA_A)]) for p in flat if p[-1].endswith(LORA_A)
+            )
+        # (resolved base path, its non-target leaves on device, its targets in host memory)
+        self._kept: tuple[str, dict, dict] | None = None
+
+    @property
+    def kept_base(self) -> str:
+        """The resolved path of the base kept for adapter pushes ("" = none)."""
+        return self._kept[0] if self._kept else ""
+
+    def load(self, checkpoint_path: str, base_path: str, like: Any) -> Loaded:
+        """Loads a push: whole params (``base_path`` "") or adapters over ``base_path``'s base.
+
+        Args:
+          checkpoint_path: the directory the client named (whole params, or the adapters).
+          base_path: the base directory of a LoRA push ("" = none).
+          like: the engine's current params (shapes, dtypes and shardings to restore into).
+
+        Raises:
+          CheckpointPathError: a path is refused (`resolve_under_root`), is not a checkpoint of
+            the expected structure, or the push and this server disagree about LoRA.
+        """
+        if not base_path:
+            self._kept = None  # the served params stop being the kept base's
+            real, params = load_under_root(checkpoint_path, self._root, like)
+            return Loaded(real, params, _tree_bytes(params))
+        if not self._lora.rank:
+            raise CheckpointPathError(
+                "the push carries LoRA adapters (base_path is set) but this server runs with "
+                "model.lora.rank = 0: start it with the trainer's model.lora settings"
+            )
+        nbytes = 0
+        base_real = resolve_under_root(base_path, self._root)
+        if self.kept_base != str(base_real):
+            self._kept = None
+            _, base = load_under_root(str(base_real), self._root, like)
+            nbytes += _tree_bytes(base)
+            self._keep(str(base_real), base)
+        real, adapters = load_under_root(checkpoint_path, self._root, self._adapters_like)
+        nbytes += _tree_bytes(adapters)
+        return Loaded(real, self._merge(adapters), nbytes)
+
+    def _keep(self, path: str, base: Any) -> None:
+        flat = traverse_util.flatten_dict(base)
+        missing = [p for p in self._targets if p not in flat]
+        if missing:
+            raise CheckpointPathError(
+                f"the base at {path!r} has no {'/'.join(map(str, missing[0]))}, which model.lora adapts"
+            )
+        host = {p: _to_host(flat.pop(p)) for p in self._targets}
+        self._kept = (path, flat, host)
+
+    def _merge(self, adapters: Any) -> Any:
+        assert self._kept is not None
+        _, others, host = self._kept
+        flat_adapters = traverse_util.flatten_dict(adapters)
+        flat = dict(others)
+        scale = self._lora.scale
+        for p in self._targets:
+            w_host, device_sharding = host[p]
+            a = flat_adapters[(*p[:-1], p[-1] + LORA_A)]
+            b = flat_adapters[(*p[:-1], p[-1] + LORA_B)]
+            w = jax.device_put(w_host, device_sharding)
+            flat[p] = _merged(w, a, b, scale=scale)
+        return traverse_util.unflatten_dict(flat)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _merged(w: jax.Array, a: jax.Array, b: jax.Array, *, scale: float) -> jax.Array:
+    """W + scale · A B in float32, cast back to W's dtype."""
+    f32 = jnp.float32
+    delta = lora_delta(a.astype(f32), b.astype(f32), w.ndim)
+    return (w.astype(f32) + scale * delta).astype(w.dtype)
+
+
+def _to_host(x: jax.Array) -> tuple[Any, Any]:
+    """(x in host memory, x's device sharding): pinned host memory in x's sharding where the
+    backend has it (no gather), else a NumPy copy."""
+    try:
+        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), x.sharding
+    except (ValueError, jax.errors.JaxRuntimeError):  # a backend without pinned host memory
+        return np.asarray(x), x.sharding
+
+
+def _tree_bytes(tree: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

@@ -81,20 +81,8 @@ class Command:
 
 
 def commands_config(path: str | None, overrides: Sequence[str]) -> ExperimentConfig:
-    """`load_config` for the commands (sat-serve, sat-train, sat-export, sat-eval).
-
-    Raises:
-      ConfigError: also for `model.lora.rank > 0`: the adapters exist in the model and the train
-        step (`sat_jax.model.LoRAConfig`, `TrainState.frozen`), but the commands do not yet push,
-        serve, checkpoint or export them, and a run would fail midway.
-    """
-    cfg = load_config(path, overrides)
-    if cfg.model.lora.rank > 0:
-        raise ConfigError(
-            "model.lora.rank: LoRA runs in the library (the model and the train step) but not "
-            "yet in sat-serve, sat-train, sat-export or sat-eval; set model.lora.rank=0"
-        )
-    return cfg
+    """`load_config` for the commands (sat-serve, sat-train, sat-export, sat-eval)."""
+    return load_config(path, overrides)
 
 
 def log_to_stderr(*loggers: str) -> None:

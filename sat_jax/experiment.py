@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import yaml
 
 from sat_jax.model import hf
-from sat_jax.model.config import PRESETS, RUNTIME_FIELDS, ModelConfig
+from sat_jax.model.config import PRESETS, RUNTIME_FIELDS, LoRAConfig, ModelConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.optimizer import OptimizerConfig
 from sat_jax.parallel.sharding import MeshConfig
@@ -621,10 +621,14 @@ class ExperimentConfig:
 
     @property
     def serving_model(self) -> ModelConfig:
-        """The model config the rollout server runs: `server.dtype` as its parameter dtype."""
+        """The model config the rollout server runs: `server.dtype` as its parameter dtype, and
+        no LoRA adapters (the server serves base + scale·A·B merged into the weights)."""
+        model = self.model
+        if model.lora.rank:
+            model = model.replace(lora=LoRAConfig())
         if not self.server.dtype:
-            return self.model
-        return self.model.replace(param_dtype=jnp.dtype(self.server.dtype))
+            return model
+        return model.replace(param_dtype=jnp.dtype(self.server.dtype))
 
 
 def _check_float_dtype(name: str) -> None:

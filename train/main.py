@@ -125,7 +125,9 @@ def sync_weights(
     it, as a fresh higher version, and from then on tokens of older versions are dropped), opening
     a new admission epoch. Every process calls it and writes its own shards (in ``dtype``, the
     serving dtype, if given); process 0 (the one with ``pool``) picks the version and calls
-    ``UpdateWeights``, and every process gets its version back."""
+    ``UpdateWeights``, and every process gets its version back. Under LoRA it also writes the
+    frozen base (``weight_sync.base_dir(weights_dir, version)``), which every later push of this
+    trainer names as its ``base_path``."""
     if pool is not None:
         ahead = max(pool.versions())
         if ahead >= progress.version and ahead > 0:
@@ -135,8 +137,24 @@ def sync_weights(
         version, min_version = multihost_utils.broadcast_one_to_all(versions).tolist()
         progress = dataclasses.replace(progress, version=version, min_version=min_version)
     os.makedirs(weights_dir, exist_ok=True)
+    base_path = ""
+    if state.frozen is not None:  # LoRA: the base once, then only adapters (weight_sync)
+        base = weight_sync.host_copy(state.frozen, dtype)
+        base_path = weight_sync.save_base(
+            base, progress.version, weights_dir, lead=pool is not None
+        )
+        log.info(
+            "LoRA base written to %s (%.1f MiB)", base_path, weight_sync.tree_bytes(base) / 2**20
+        )
     params = weight_sync.host_copy(state.params, dtype)
-    weight_sync.push_weights(pool, params, progress.version, weights_dir, new_admission_epoch=True)
+    weight_sync.push_weights(
+        pool,
+        params,
+        progress.version,
+        weights_dir,
+        new_admission_epoch=True,
+        base_path=base_path,
+    )
     if pool is not None:
         log.info("servers synced to weights version %d", progress.version)
     return progress
@@ -193,7 +211,11 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         if lead:
             pool = stack.enter_context(setup.connect(cfg, server, run=setup.run_id(run_dir)))
         progress = sync_weights(pool, state, progress, weights_dir, serving_dtype(cfg))
-        push = lambda version, p: weight_sync.push_weights(pool, p, version, weights_dir)
+        lora = state.frozen is not None
+        base = weight_sync.base_dir(weights_dir, progress.version) if lora else ""
+        push = lambda version, p: weight_sync.push_weights(
+            pool, p, version, weights_dir, base_path=base
+        )
         single = jax.process_count() == 1
         pusher = stack.enter_context(weight_sync.WeightPusher(push, supersede=single))
         parts = LoopParts(
@@ -284,7 +306,7 @@ def evaluate_and_log(
 ) -> float | None:
     """Held-out greedy accuracy, printed and logged at the current step (by the process with the
     ``writer``; every process evaluates)."""
-    accuracy = evaluation.held_out_accuracy(cfg, graphdef, state.params)
+    accuracy = evaluation.held_out_accuracy(cfg, graphdef, state.model_params)
     if writer is not None:
         print(f"held-out greedy accuracy {when}: {_fmt(accuracy)}", flush=True)
         writer.write(int(state.step), {"accuracy": accuracy}, console=False)
@@ -352,7 +374,7 @@ def train_loop(
             parts.ckpt.save(step, state, progress)
         accuracy = None
         if t.eval_every and step % t.eval_every == 0 and not skipped:
-            accuracy = evaluation.held_out_accuracy(cfg, parts.graphdef, state.params)
+            accuracy = evaluation.held_out_accuracy(cfg, parts.graphdef, state.model_params)
         if parts.writer is not None:
             timing = {
                 "tokens_per_s": stats.tokens / max(time.monotonic() - start, 1e-9),

@@ -156,7 +156,8 @@ class ServerPool:
             self._add(address, up=True)
         self._next = 0
         self._origin: dict[str, _Server] = {}  # group key -> the server it came from, until acked
-        self._weights: tuple[int, str] | None = None  # the last pushed (version, path)
+        # The last pushed (version, path, base_path): what a rejoining server gets.
+        self._weights: tuple[int, str, str] | None = None
         self._failing_since: float | None = None  # no server has answered since
         self._file_read_at: float | None = None
         self._file_error = ""
@@ -307,7 +308,12 @@ class ServerPool:
     # Weights.
 
     def update_weights(
-        self, version: int, checkpoint_path: str, *, new_admission_epoch: bool = False
+        self,
+        version: int,
+        checkpoint_path: str,
+        *,
+        new_admission_epoch: bool = False,
+        base_path: str = "",
     ) -> None:
         """Makes every server up load ``checkpoint_path`` as ``version``; a server that fails
         to leaves the rotation (it missed a version) and gets these weights when it rejoins.
@@ -318,6 +324,8 @@ class ServerPool:
           checkpoint_path: the weights directory, as the servers see it.
           new_admission_epoch: the servers stop counting the groups they dispatched so far
             against their staleness budget (set when this trainer connects: it drops those).
+          base_path: under LoRA, the frozen base that ``checkpoint_path``'s adapters apply to
+            (a server loads it only when it does not hold it already); "" = whole params.
 
         The pending acknowledgements go first (``flush_acks``): each server rebases its
         admission at a new version counting what is outstanding, so the groups trained with the
@@ -331,11 +339,13 @@ class ServerPool:
         self.flush_acks(warn_down=False)
         with self._lock:
             # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
-            self._weights = (version, checkpoint_path)
+            self._weights = (version, checkpoint_path, base_path)
             targets = [s for s in self._servers if s.up]
         share = 1.0 / max(len(targets), 1)
         for server in targets:
-            request = self._update_request(version, checkpoint_path, new_admission_epoch, share)
+            request = self._update_request(
+                version, checkpoint_path, new_admission_epoch, share, base_path
+            )
             try:
                 server.stub.UpdateWeights(
                     request, timeout=_UPDATE_WEIGHTS_S, metadata=self._metadata
@@ -463,7 +473,7 @@ class ServerPool:
                 if weights is None:
                     self._join(server, f"at weights version {version}")
                     return
-            current, path = weights
+            current, path, base_path = weights
             if version > current:
                 with self._lock:
                     self._schedule_probe(
@@ -474,7 +484,7 @@ class ServerPool:
                 return
             with self._lock:
                 share = 1.0 / (sum(s.up for s in self._servers) + 1)
-            request = self._update_request(current, path, True, share)
+            request = self._update_request(current, path, True, share, base_path)
             try:
                 server.stub.UpdateWeights(
                     request, timeout=_UPDATE_WEIGHTS_S, metadata=self._metadata
@@ -594,11 +604,12 @@ class ServerPool:
         return list(items[:4096])
 
     def _update_request(
-        self, version: int, path: str, new_epoch: bool, share: float
+        self, version: int, path: str, new_epoch: bool, share: float, base_path: str = ""
     ) -> rollout_pb2.UpdateWeightsRequest:
         return rollout_pb2.UpdateWeightsRequest(
             version=version,
             checkpoint_path=path,
+            base_path=base_path,
             token=self._token,
             new_admission_epoch=new_epoch,
             run_id=self._run_id,

@@ -21,6 +21,7 @@ from flax import nnx
 
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import hf
+from sat_jax.model.config import LoRAConfig
 from sat_jax.parallel import sharding
 from sat_jax.tasks import sampleable_mask as tokenizer_mask
 from train import batching, warmup
@@ -54,12 +55,23 @@ def run_id(run_dir: str) -> str:
 def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
     """The starting policy: ``model.hf_path``'s weights when set (no warm-up); else random init
     (``train.seed``), then the supervised warm-up its part configures (``train.warmup.run``:
-    cached under ``train.sft_cache_dir``)."""
+    cached under ``train.sft_cache_dir``). Under LoRA (``model.lora.rank`` > 0) that is the base,
+    and the adapters are fresh (``sharding.init_lora``, seeded by ``train.seed``; B = 0)."""
     if cfg.model.hf_path:
         return _load_hf(cfg, mesh)
-    graphdef, params = sharding.init_sharded(cfg.model, mesh, cfg.train.seed)
+    # Under LoRA the warm-up trains the base alone (the cache is a full run's), then fresh
+    # adapters (B = 0) join it: step 0 is exactly the warmed-up base.
+    base_cfg = cfg.model.replace(lora=LoRAConfig())
+    _, params = sharding.init_sharded(base_cfg, mesh, cfg.train.seed)
     seq_len = cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
-    return graphdef, warmup.run(cfg.train.warmup, cfg.model, cfg.task, params, seq_len=seq_len)
+    params = warmup.run(cfg.train.warmup, base_cfg, cfg.task, params, seq_len=seq_len)
+    graphdef, abstract = sharding.abstract_model(cfg.model)
+    if cfg.model.lora.rank:
+        shardings = sharding.split_lora(sharding.param_shardings(abstract, mesh))[1]
+        params = sharding.join_lora(
+            params, sharding.init_lora(cfg.model, shardings, cfg.train.seed)
+        )
+    return graphdef, params
 
 
 def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:

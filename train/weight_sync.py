@@ -11,6 +11,11 @@ superseded), so the servers always get the newest weights and versions only incr
 processes every process must write every version, so nothing is superseded: ``submit`` waits for
 the slot instead. A failed push is re-raised in the loop at its next ``submit``, ``check`` or
 ``wait``. Synchronous mode calls ``wait`` after every ``submit``.
+
+Under LoRA (``model.lora.rank`` > 0) a push writes only the adapters: ``TrainState.params`` are
+the adapters, and the frozen base is written once per trainer start, at the first sync, as
+``<weights_dir>/base-v<version>`` (``save_base``); every ``UpdateWeights`` names it as its
+``base_path``, and a server loads it only when it does not hold it already (docs/DESIGN.md §5).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ log = logging.getLogger("train")
 
 # Weights directories kept besides the newest: a restarting server reloads the one it last had.
 KEEP_WEIGHTS = 2
+# Under LoRA: the frozen base of each trainer start, kept beside the adapters' versions.
+BASE_PREFIX = "base-v"
 
 
 def host_copy(params: Any, dtype: Any = None) -> Any:
@@ -66,20 +73,52 @@ def push_weights(
     weights_dir: str,
     *,
     new_admission_epoch: bool = False,
+    base_path: str = "",
 ) -> None:
     """Saves ``params`` as ``<weights_dir>/v<version>`` and makes every server load it; removes
     weights directories older than the last ``KEEP_WEIGHTS`` versions.
 
     Every process calls it (each writes its own shards); only the one with ``pool`` (process 0)
-    calls ``UpdateWeights`` and removes old directories, once the save is finalized."""
+    calls ``UpdateWeights`` and removes old directories, once the save is finalized. Under LoRA
+    ``params`` are the adapters and ``base_path`` the base they apply to (``save_base``)."""
     path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
     params_io.save_params(path, params)
     if pool is None:
         return
-    pool.update_weights(version, path, new_admission_epoch=new_admission_epoch)
+    pool.update_weights(version, path, new_admission_epoch=new_admission_epoch, base_path=base_path)
     for old in os.listdir(weights_dir):
         if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - KEEP_WEIGHTS:
             shutil.rmtree(os.path.join(weights_dir, old), ignore_errors=True)
+
+
+def base_dir(weights_dir: str, version: int) -> str:
+    """Where ``save_base`` writes the base of the sync at ``version``."""
+    return os.path.abspath(os.path.join(weights_dir, f"{BASE_PREFIX}{version}"))
+
+
+def save_base(base: Any, version: int, weights_dir: str, *, lead: bool = True) -> str:
+    """Saves LoRA's frozen base (a host copy, in the serving dtype) as ``base_dir(weights_dir,
+    version)`` and returns that path. Every process calls it; the lead (process 0) then removes
+    older bases but the newest one before it (a server that restarts meanwhile reloads the base
+    it last had)."""
+    path = base_dir(weights_dir, version)
+    params_io.save_params(path, base)
+    if lead:
+        older = sorted(
+            int(d[len(BASE_PREFIX) :])
+            for d in os.listdir(weights_dir)
+            if d.startswith(BASE_PREFIX)
+            and d[len(BASE_PREFIX) :].isdigit()
+            and int(d[len(BASE_PREFIX) :]) < version
+        )
+        for v in older[:-1]:
+            shutil.rmtree(base_dir(weights_dir, v), ignore_errors=True)
+    return path
+
+
+def tree_bytes(params: Any) -> int:
+    """Bytes of the arrays of ``params`` (whole arrays, whatever their sharding)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
 
 
 class WeightPusher:
@@ -107,6 +146,7 @@ class WeightPusher:
         self._submitted = -1
         self._pushed = -1
         self._push_s: float | None = None
+        self._push_bytes: int | None = None
         self._superseded = 0
         self._thread = threading.Thread(target=self._run, name="weight-pusher", daemon=True)
         self._thread.start()
@@ -153,10 +193,12 @@ class WeightPusher:
 
     def metrics(self) -> dict[str, float | None]:
         """``push_s`` (the last finished push, save + UpdateWeights; None before the first),
+        ``push_bytes`` (the bytes of weights it wrote: the adapters alone under LoRA),
         ``pushed_version`` and ``pushes_superseded``."""
         with self._cond:
             return {
                 "push_s": self._push_s,
+                "push_bytes": self._push_bytes,
                 "pushed_version": self._pushed if self._pushed >= 0 else None,
                 "pushes_superseded": self._superseded,
             }
@@ -215,4 +257,5 @@ class WeightPusher:
             with self._cond:
                 self._busy = False
                 self._pushed, self._push_s = version, time.monotonic() - start
+                self._push_bytes = tree_bytes(params)
                 self._cond.notify_all()

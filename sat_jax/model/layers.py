@@ -101,10 +101,16 @@ def lora_weight(module: nnx.Module, name: str, dtype: DTypeLike) -> jax.Array:
         return w
     a = getattr(module, name + LORA_A)[...].astype(dtype)
     b = getattr(module, name + LORA_B)[...].astype(dtype)
-    nb = a.ndim + b.ndim - 2 - w.ndim
+    return w + module.lora_scale * lora_delta(a, b, w.ndim)
+
+
+def lora_delta(a: jax.Array, b: jax.Array, w_ndim: int) -> jax.Array:
+    """A B for a weight of ``w_ndim`` dims: A's last (rank) axis contracted with B's first
+    non-batch axis, batched over the leading dims they share (the expert axis), so the result
+    has W's shape (``add_lora``'s layouts). Unscaled; in the inputs' dtype."""
+    nb = a.ndim + b.ndim - 2 - w_ndim
     batch = tuple(range(nb))
-    delta = jax.lax.dot_general(a, b, (((a.ndim - 1,), (nb,)), (batch, batch)))
-    return w + module.lora_scale * delta
+    return jax.lax.dot_general(a, b, (((a.ndim - 1,), (nb,)), (batch, batch)))
 
 
 def is_lora_path(path: Sequence[object]) -> bool:

@@ -48,6 +48,7 @@ __all__ = [
     "PARAM_SHARDING_EXCEPTIONS",
     "AnyMesh",
     "MeshConfig",
+    "abstract_adapters",
     "abstract_mesh",
     "abstract_model",
     "batch_axes",
@@ -203,6 +204,23 @@ def _put(tree: dict, path: tuple, leaf: Any) -> None:
     if path[-1] in tree:
         raise ValueError(f"parameter {'/'.join(map(str, path))} is in both parts")
     tree[path[-1]] = leaf
+
+
+def abstract_adapters(model_cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The LoRA adapters of ``model_cfg`` as ``jax.ShapeDtypeStruct``s in their shardings on
+    ``mesh`` (the rules'), nothing allocated: what a loader restores adapters into.
+
+    Raises:
+      ValueError: ``model_cfg.lora.rank`` is 0.
+    """
+    if not model_cfg.lora.rank:
+        raise ValueError("abstract_adapters needs model_cfg.lora.rank > 0")
+    _, abstract = abstract_model(model_cfg)
+    shardings = split_lora(param_shardings(abstract, mesh))[1]
+    shapes = split_lora(nnx.to_pure_dict(abstract))[1]
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
 
 
 def init_lora(model_cfg: ModelConfig, shardings: Any = None, rng: int | jax.Array = 0) -> dict:

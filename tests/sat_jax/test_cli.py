@@ -31,7 +31,7 @@ def _exit_line(capsys, fn) -> str:
         (["server.port=abc"], "sat-demo: config error: server.port: expected int, got 'abc'"),
         (["rollout.group_size"], "sat-demo: config error: override 'rollout.group_size' is not"),
         (["--config", "nowhere.yaml"], "sat-demo: config error: nowhere.yaml: cannot read"),
-        (["model.lora.rank=8"], "sat-demo: config error: model.lora.rank: LoRA runs in the lib"),
+        (["model.lora.rank=-1"], "sat-demo: config error: model.lora: lora.rank must be an int"),
     ],
 )
 def test_a_bad_config_is_one_line_naming_the_key_and_exit_2(capsys, argv, line):

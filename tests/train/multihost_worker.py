@@ -96,7 +96,9 @@ class FakePool:
     def versions(self) -> list[int]:
         return [7]
 
-    def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
+    def update_weights(
+        self, version: int, path: str, *, new_admission_epoch: bool = False, base_path: str = ""
+    ):
         self.pushes.append((version, path, new_admission_epoch))
 
 

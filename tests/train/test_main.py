@@ -334,7 +334,9 @@ class FakePool:
     def metrics(self) -> dict[str, float]:
         return {"servers_up": 1}
 
-    def update_weights(self, version: int, path: str, *, new_admission_epoch: bool = False):
+    def update_weights(
+        self, version: int, path: str, *, new_admission_epoch: bool = False, base_path: str = ""
+    ):
         if self.gate is not None:
             assert self.gate.wait(120), "the push was never released (by the step, or the wait)"
             if self.gate_each_push:

@@ -86,7 +86,7 @@ class FakePool:
     def __init__(self):
         self.updates: list[tuple[int, str, bool]] = []
 
-    def update_weights(self, version, checkpoint_path, *, new_admission_epoch=False):
+    def update_weights(self, version, checkpoint_path, *, new_admission_epoch=False, base_path=""):
         assert os.path.isdir(checkpoint_path), "UpdateWeights before the save finished"
         self.updates.append((version, checkpoint_path, new_admission_epoch))
 
