@@ -108,7 +108,11 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sharded_step_matches_one_device",
     ),
     "tests/train/test_batching.py": ("test_bucketed_batch_trains_like_the_capacity_padded_one",),
-    "tests/train/test_checkpointing.py": ("test_round_trip_keep_n_and_progress",),
+    "tests/train/test_checkpointing.py": (
+        "test_round_trip_keep_n_and_progress",
+        "test_lora_checkpoint_holds_the_adapters_resumes_and_refuses_another_base",
+        "test_base_fingerprint_is_exact_and_independent_of_the_sharding",
+    ),
     "tests/train/test_evaluation.py": (
         "test_greedy_completions_are_the_argmax_of_the_full_forward",
     ),

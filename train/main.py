@@ -98,16 +98,28 @@ def start_or_resume(
     mesh: jax.sharding.Mesh,
     params: Any,
 ) -> tuple[TrainState, checkpointing.Progress]:
-    """The latest checkpoint restored into its shardings, or a fresh state at version 1."""
+    """The latest checkpoint restored into its shardings, or a fresh state at version 1.
+
+    ``params`` is the base policy (``setup.base_policy``). With LoRA it is also the frozen base of
+    a resumed run (a checkpoint holds only the adapters; ``checkpointing.restore_train_state``
+    refuses a base other than the checkpoint's), and a fresh run records its fingerprint."""
     latest = ckpt.latest_step()
     if latest is None:
         key = jax.random.key_data(jax.random.key(cfg.train.seed))
+        state = create_train_state(cfg.model, optimizer, mesh, params)
+        fingerprint = {}
+        if state.frozen is not None:
+            fingerprint = checkpointing.base_fingerprint(state.frozen)
         progress = checkpointing.Progress(
-            version=1, min_version=1, rng_key=tuple(int(x) for x in np.asarray(key))
+            version=1,
+            min_version=1,
+            rng_key=tuple(int(x) for x in np.asarray(key)),
+            base_fingerprint=fingerprint,
         )
-        return create_train_state(cfg.model, optimizer, mesh, params), progress
-    abstract = checkpointing.abstract_train_state(cfg.model, optimizer, mesh)
-    state, progress = ckpt.restore(latest, abstract)
+        return state, progress
+    state, progress = checkpointing.restore_train_state(
+        ckpt, latest, cfg.model, optimizer, mesh, params
+    )
     log.info(
         "resumed from checkpoint %d: step %d, version %d", latest, int(state.step), progress.version
     )
@@ -284,7 +296,7 @@ def evaluate_and_log(
 ) -> float | None:
     """Held-out greedy accuracy, printed and logged at the current step (by the process with the
     ``writer``; every process evaluates)."""
-    accuracy = evaluation.held_out_accuracy(cfg, graphdef, state.params)
+    accuracy = evaluation.held_out_accuracy(cfg, graphdef, state.model_params)
     if writer is not None:
         print(f"held-out greedy accuracy {when}: {_fmt(accuracy)}", flush=True)
         writer.write(int(state.step), {"accuracy": accuracy}, console=False)
@@ -352,7 +364,7 @@ def train_loop(
             parts.ckpt.save(step, state, progress)
         accuracy = None
         if t.eval_every and step % t.eval_every == 0 and not skipped:
-            accuracy = evaluation.held_out_accuracy(cfg, parts.graphdef, state.params)
+            accuracy = evaluation.held_out_accuracy(cfg, parts.graphdef, state.model_params)
         if parts.writer is not None:
             timing = {
                 "tokens_per_s": stats.tokens / max(time.monotonic() - start, 1e-9),
