@@ -133,6 +133,13 @@ def _tensors(adapters: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray
       AdapterExportError: an adapter this module does not know how to express.
     """
     get = lambda x: np.asarray(jax.device_get(x))
+    for path, _ in jax.tree_util.tree_leaves_with_path(adapters):
+        keys = [str(getattr(k, "key", k)) for k in path]
+        if len(keys) != 4 or keys[0] != "layers" or keys[2] not in ("attn", "mlp"):
+            raise AdapterExportError(
+                f"no PEFT form for the LoRA adapter {'/'.join(keys)}; export the merged "
+                "checkpoint instead (sat-export without --adapter)"
+            )
     for i in sorted(adapters.get("layers", {}), key=int):
         layer = adapters["layers"][i]
         p = f"{PEFT_PREFIX}model.layers.{i}."

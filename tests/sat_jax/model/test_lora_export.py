@@ -147,6 +147,12 @@ def test_peft_adapter_refusals(base_dir, tmp_path):
     with pytest.raises(peft_export.AdapterExportError, match="layers/1/attn/w_extra.*merged"):
         peft_export.export_peft_adapter(lora_params, lora_cfg, tmp_path / "b")
     assert not (tmp_path / "b").exists()
+    del lora_params["layers"][1]["attn"]["w_extra_lora_a"]
+    del lora_params["layers"][1]["attn"]["w_extra_lora_b"]
+    lora_params["lm_head_dv_lora_a"] = np.zeros((2, 3), np.float32)
+    with pytest.raises(peft_export.AdapterExportError, match="lm_head_dv_lora_a.*merged"):
+        peft_export.export_peft_adapter(lora_params, lora_cfg, tmp_path / "b")
+    assert not (tmp_path / "b").exists()
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "x").write_text("")
     with pytest.raises(FileExistsError, match="not empty"):
