@@ -107,8 +107,19 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_alignment_logits_at_t_minus_1_score_token_t",
         "test_sharded_step_matches_one_device",
     ),
+    "tests/sat_jax/model/test_lora_export.py": (
+        "test_merged_export_matches_and_leaves_non_targets_bit_identical",
+    ),
+    "tests/train/test_export_eval.py": (
+        "test_lora_eval_reads_base_plus_adapters_and_the_merged_export",
+        "test_lora_export_and_eval_refuse_another_base",
+    ),
     "tests/train/test_batching.py": ("test_bucketed_batch_trains_like_the_capacity_padded_one",),
-    "tests/train/test_checkpointing.py": ("test_round_trip_keep_n_and_progress",),
+    "tests/train/test_checkpointing.py": (
+        "test_round_trip_keep_n_and_progress",
+        "test_lora_checkpoint_holds_the_adapters_resumes_and_refuses_another_base",
+        "test_base_fingerprint_is_exact_and_independent_of_the_sharding",
+    ),
     "tests/train/test_evaluation.py": (
         "test_greedy_completions_are_the_argmax_of_the_full_forward",
     ),

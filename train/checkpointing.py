@@ -2,7 +2,16 @@
 
 A checkpoint holds two items: ``state`` (params, optimizer state, step; restored straight into the
 shardings of ``train_state_shardings``) and ``progress`` (weight version, PRNG key, counters and the
-ids of recently trained prompts). The directory may be local or ``gs://``; orbax writes each step
+ids of recently trained prompts).
+
+With LoRA (``model.lora.rank`` > 0) ``state`` holds only the adapters, their optimizer state and
+the step, never the frozen base (``TrainState.frozen``, which can be tens of GB): a restore
+rebuilds the base the way the run first made it (``train.setup.base_policy``: the HF checkpoint,
+or the seeded init and the cached warm-up) and joins it to the restored adapters
+(``restore_train_state``, ``restore_params``). Adapters trained on another base would be
+silently wrong, so ``progress`` records a fingerprint of the base (``base_fingerprint``: one
+32-bit hash of every leaf's bits, computed on device, exact whatever the sharding) and a restore
+onto a base that does not match refuses, naming the leaves that differ (``BaseMismatch``). The directory may be local or ``gs://``; orbax writes each step
 to a temporary name and renames (or commits) it when complete, so a kill mid-save leaves the
 previous checkpoint as the latest. Only the newest ``keep`` checkpoints are kept.
 
@@ -15,19 +24,20 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 import orbax.checkpoint as ocp
-from flax import nnx
 from jax.sharding import Mesh
 
-from sat_jax import params_io
+from sat_jax import params_io, train_step
 from sat_jax.experiment import CheckpointConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
-from sat_jax.train_step import TrainState, train_state_shardings
+from sat_jax.train_step import TrainState
 
 # Prompt ids remembered for de-duplication after a restart (bounded: memory stays flat).
 RECENT_PROMPTS = 4096
@@ -45,6 +55,8 @@ class Progress:
       recent_prompt_ids: the last ``RECENT_PROMPTS`` trained prompt ids, oldest first.
       recent_group_keys: the last ``RECENT_PROMPTS`` trained groups' ``Group.key``s
         (a server re-delivers a group whose acknowledgement a crash lost: it is skipped).
+      base_fingerprint: with LoRA, ``base_fingerprint`` of the frozen base the adapters were
+        trained on (``{}`` without LoRA).
     """
 
     version: int
@@ -56,6 +68,7 @@ class Progress:
     steps_skipped: int = 0
     recent_prompt_ids: tuple[str, ...] = ()
     recent_group_keys: tuple[str, ...] = ()
+    base_fingerprint: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The fields as a JSON-able dict (tuples as lists)."""
@@ -72,23 +85,111 @@ class Progress:
 def abstract_train_state(
     model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> TrainState:
-    """``ShapeDtypeStruct``s of a ``TrainState`` carrying their target shardings (nothing
-    allocated)."""
-    _, abstract_params = sharding.abstract_model(model_cfg)
-    shapes = jax.eval_shape(
-        lambda p: TrainState(
-            params=p, opt_state=optimizer.init(p), step=jax.numpy.zeros((), "int32")
-        ),
-        nnx.to_pure_dict(abstract_params),
-    )
-    shardings = train_state_shardings(model_cfg, optimizer, mesh)
-    return jax.tree.map(
-        lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings
-    )
+    """What a checkpoint holds, as ``ShapeDtypeStruct``s carrying their target shardings (nothing
+    allocated): ``sat_jax.train_step.abstract_train_state`` without the frozen base."""
+    return train_step.abstract_train_state(model_cfg, optimizer, mesh).replace(frozen=None)
 
 
 class CheckpointNotFound(ValueError):
     """No checkpoint directory, no checkpoint in it, or not the requested step."""
+
+
+class BaseMismatch(ValueError):
+    """A LoRA checkpoint restored onto a base other than the one its adapters were trained on."""
+
+
+def _bits_hash(x: jax.Array) -> jax.Array:
+    """A uint32 hash of an array's bits and their positions (fmix32 of each element's bits and
+    flat index, summed mod 2^32: integer sums do not depend on the reduction order, so the hash is
+    the same on any mesh)."""
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    width = min(x.dtype.itemsize, 4)
+    bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
+    index = jnp.zeros(bits.shape, jnp.uint32)
+    for dim, size in enumerate(bits.shape):
+        index = index * jnp.uint32(size) + jax.lax.broadcasted_iota(jnp.uint32, bits.shape, dim)
+    h = bits ^ (index * jnp.uint32(0x9E3779B9))
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return jnp.sum(h ^ (h >> 16), dtype=jnp.uint32)
+
+
+_jit_bits_hash = jax.jit(_bits_hash)
+
+
+def base_fingerprint(base: Any) -> dict[str, str]:
+    """``{"layers/0/attn/w_q_dnh": "float32[32,4,8]:1a2b3c4d", ...}`` of a params tree: each leaf's
+    dtype, shape and a 32-bit hash of its bits, computed on its devices (only the hashes reach
+    the host). Two trees with equal fingerprints are, but for a hash collision, equal."""
+    leaves = jax.tree_util.tree_leaves_with_path(base)
+    hashes = jax.device_get([_jit_bits_hash(x) for _, x in leaves])
+    return {
+        "/".join(str(getattr(k, "key", k)) for k in path): (
+            f"{jnp.dtype(x.dtype).name}[{','.join(map(str, x.shape))}]:{int(h):08x}"
+        )
+        for (path, x), h in zip(leaves, hashes, strict=True)
+    }
+
+
+def check_base(recorded: dict[str, str], base: Any, *, where: str) -> None:
+    """Raises ``BaseMismatch`` unless ``base``'s fingerprint is ``recorded``.
+
+    Args:
+      recorded: ``Progress.base_fingerprint`` of the checkpoint.
+      base: the rebuilt frozen base.
+      where: names the checkpoint in the message.
+    """
+    if not recorded:
+        raise BaseMismatch(
+            f"{where} records no base fingerprint: it is not a LoRA checkpoint (model.lora.rank "
+            "> 0 needs a checkpoint saved with LoRA on)"
+        )
+    got = base_fingerprint(base)
+    if got == recorded:
+        return
+    differ = [k for k in recorded if k in got and got[k] != recorded[k]]
+    lines = [f"{k} (saved {recorded[k]}, now {got[k]})" for k in differ[:3]]
+    lines += [f"{k} missing now" for k in recorded if k not in got][:3]
+    lines += [f"{k} not in the saved base" for k in got if k not in recorded][:3]
+    raise BaseMismatch(
+        f"{where}: the base model differs from the one its LoRA adapters were trained on "
+        f"({len(differ)} of {len(recorded)} tensors differ: {'; '.join(lines)}). A LoRA "
+        "checkpoint holds only the adapters; restore it with the run's base (the same "
+        "model.hf_path, or train.seed, warm-up and train.sft_cache_dir)"
+    )
+
+
+def restore_train_state(
+    ckpt: Checkpointer,
+    step: int,
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    mesh: Mesh,
+    base: Any = None,
+) -> tuple[TrainState, Progress]:
+    """Checkpoint ``step`` as a whole ``TrainState`` in its shardings on ``mesh``.
+
+    Args:
+      ckpt: the checkpoints.
+      step: which one.
+      model_cfg, optimizer, mesh: what the state was made with.
+      base: with LoRA, the whole model's params whose non-adapter leaves are the frozen base
+        (e.g. ``train.setup.base_policy``'s; its adapters are ignored); unused without LoRA.
+
+    Raises:
+      BaseMismatch: with LoRA, ``base`` is not the base the checkpoint was trained on.
+      ValueError: LoRA is on and no ``base`` was given.
+    """
+    state, progress = ckpt.restore(step, abstract_train_state(model_cfg, optimizer, mesh))
+    if not model_cfg.lora.rank:
+        return state, progress
+    if base is None:
+        raise ValueError("restoring a LoRA checkpoint needs the base params (base=...)")
+    shardings = train_step.train_state_shardings(model_cfg, optimizer, mesh)
+    frozen = jax.device_put(sharding.split_lora(base)[0], shardings.frozen)
+    check_base(progress.base_fingerprint, frozen, where=f"checkpoint {step}")
+    return state.replace(frozen=frozen), progress
 
 
 def restore_params(
@@ -97,12 +198,21 @@ def restore_params(
     optimizer: optax.GradientTransformation,
     mesh: Mesh,
     step: int | None = None,
+    base: Callable[[], Any] | None = None,
 ) -> tuple[int, Any]:
-    """The params of checkpoint ``step`` (default the latest) in ``directory``, in their
-    shardings on ``mesh``; returns ``(step, params)``.
+    """The whole model's params of checkpoint ``step`` (default the latest) in ``directory``, in
+    their shardings on ``mesh``; returns ``(step, params)``.
+
+    Args:
+      directory, model_cfg, optimizer, mesh: the checkpoints and what they were made with.
+      step: which one; default the latest.
+      base: with LoRA, called once the checkpoint is found: the whole model's params whose
+        non-adapter leaves are the run's base (``train.setup.base_policy``'s); the result joins
+        them with the checkpoint's adapters.
 
     Raises:
       CheckpointNotFound: one line naming the directory (and the steps there).
+      BaseMismatch: with LoRA, ``base()`` is not the base the checkpoint was trained on.
     """
     if "://" not in directory and not os.path.isdir(directory):
         raise CheckpointNotFound(f"no checkpoint directory {directory}")
@@ -113,8 +223,9 @@ def restore_params(
         step = steps[-1] if step is None else step
         if step not in steps:
             raise CheckpointNotFound(f"no checkpoint {step} in {directory} (have {steps})")
-        state, _ = ckpt.restore(step, abstract_train_state(model_cfg, optimizer, mesh))
-    return step, state.params
+        whole = base() if model_cfg.lora.rank and base is not None else None
+        state, _ = restore_train_state(ckpt, step, model_cfg, optimizer, mesh, whole)
+    return step, state.model_params
 
 
 class Checkpointer:
@@ -149,9 +260,16 @@ class Checkpointer:
         return list(self._manager.all_steps())
 
     def save(self, step: int, state: TrainState, progress: Progress) -> None:
-        """Writes checkpoint ``step`` (atomically; a no-op when ``step`` already exists)."""
+        """Writes checkpoint ``step`` (atomically; a no-op when ``step`` already exists). With
+        LoRA the frozen base is left out and its fingerprint goes into ``progress`` (computed
+        here unless ``progress`` already has it)."""
         if step in self._manager.all_steps():
             return
+        if state.frozen is not None:
+            if not progress.base_fingerprint:
+                fingerprint = base_fingerprint(state.frozen)
+                progress = dataclasses.replace(progress, base_fingerprint=fingerprint)
+            state = state.replace(frozen=None)
         with params_io.ORBAX_LOCK:
             self._manager.save(
                 step,
@@ -163,7 +281,8 @@ class Checkpointer:
             self._manager.wait_until_finished()
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, Progress]:
-        """Reads checkpoint ``step`` into the shardings ``abstract_state`` carries."""
+        """Reads checkpoint ``step`` into the shardings ``abstract_state`` carries (with LoRA
+        without the frozen base: ``abstract_train_state``; ``restore_train_state`` joins it)."""
         with params_io.ORBAX_LOCK:
             out = self._manager.restore(
                 step,

@@ -3,7 +3,10 @@ avg@K, pass@K and greedy accuracy of a policy (also ``python -m train.eval_cli``
 
 The policy: checkpoint ``N`` of the run (``--step``; default the latest), or the weights of a
 Hugging Face directory (``--hf``, e.g. a ``sat-export`` output; its architecture must be the
-config's), or, when the run has no checkpoint yet, ``model.hf_path``'s weights. The problems: the
+config's), or, when the run has no checkpoint yet, ``model.hf_path``'s weights. A LoRA run's
+checkpoint (``model.lora.rank`` > 0) holds only the adapters: they are joined to the base rebuilt
+as the run made it (``train.setup.base_policy``; another base is refused); ``--hf`` of its merged
+export is read as a base with fresh (zero) adapters, i.e. exactly the export. The problems: the
 arithmetic task's held-out stream, or the first N rows of ``task.path``. Completions go through
 the server's decoding core (``train.evaluation.Evaluator``), scored by ``task.reward``. Prints a
 table and writes every number and completion to ``--out`` (default
@@ -65,8 +68,13 @@ def policy_params(
     _, ckpt_dir, _ = setup.run_paths(cfg)
     try:
         optimizer = cfg.train.optimizer.make()
-        step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
+        base = lambda: setup.base_policy(cfg, mesh)[1]
+        step, params = checkpointing.restore_params(
+            ckpt_dir, cfg.model, optimizer, mesh, step, base=base
+        )
         return f"step-{step}", graphdef, params
+    except checkpointing.BaseMismatch as e:
+        raise EvalInputError(str(e)) from None
     except checkpointing.CheckpointNotFound as e:
         if step is not None or not cfg.model.hf_path:
             raise EvalInputError(f"--step: {e}" if step is not None else str(e)) from None

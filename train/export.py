@@ -1,11 +1,18 @@
-"""``sat-export --config CFG [dotted.key=value ...] --out DIR [--step N]``: a trained policy as a
-Hugging Face Qwen3-MoE checkpoint directory (also ``python -m train.export``).
+"""``sat-export --config CFG [dotted.key=value ...] --out DIR [--step N] [--adapter]``: a trained
+policy as a Hugging Face Qwen3-MoE checkpoint directory (also ``python -m train.export``).
 
 Restores the params of checkpoint ``N`` (default: the run's latest) from the run's checkpoint
 directory (``train.setup.run_paths``) and writes them with ``sat_jax.model.hf_export``:
 config.json, generation_config.json (the eos ids), safetensors (sharded above
 ``--max-shard-mb``) and the tokenizer files of ``task.tokenizer_path`` (an HF tokenizer), so
 ``transformers.AutoModelForCausalLM.from_pretrained(DIR)`` and ``AutoTokenizer`` read it.
+
+With LoRA (``model.lora.rank`` > 0) the checkpoint holds only the adapters: the base is rebuilt
+as the run made it (``train.setup.base_policy``; a base other than the run's is refused) and the
+export is merged, every adapted weight W + (alpha / rank) · A B and every other tensor the base's
+bit for bit. ``--adapter`` writes instead a PEFT adapter directory (adapter_config.json +
+adapter_model.safetensors, ``sat_jax.model.peft_export``) for
+``peft.PeftModel.from_pretrained(<the base in transformers>, DIR)``.
 
 Bad input (a config error, no checkpoint, a step that is not there, an output directory that is
 not empty, a tokenizer directory without tokenizer files) is one line on stderr and exit code 2,
@@ -19,7 +26,7 @@ import pathlib
 
 from sat_jax import cli as sat_cli
 from sat_jax.experiment import ConfigError, ExperimentConfig, make_tokenizer
-from sat_jax.model import hf_export
+from sat_jax.model import hf_export, peft_export
 from sat_jax.parallel import sharding
 from train import checkpointing, setup
 
@@ -37,21 +44,29 @@ def stop_ids(cfg: ExperimentConfig) -> tuple[tuple[int, ...], int | None]:
 
 
 def export_run(
-    cfg: ExperimentConfig, out: str | os.PathLike[str], *, step: int | None = None
+    cfg: ExperimentConfig,
+    out: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    adapter: bool = False,
 ) -> tuple[int, pathlib.Path]:
-    """Exports checkpoint ``step`` (default the latest) of ``cfg``'s run to ``out``.
+    """Exports checkpoint ``step`` (default the latest) of ``cfg``'s run to ``out``: a merged
+    HF checkpoint, or with ``adapter`` (LoRA runs only) a PEFT adapter directory.
 
     Returns:
       (the step exported, the output directory).
 
     Raises:
-      ExportError: no checkpoint, the step is missing, ``out`` is not empty, or the tokenizer
-        directory has no tokenizer files. Nothing is written then.
+      ExportError: no checkpoint, the step is missing, ``out`` is not empty, the tokenizer
+        directory has no tokenizer files, ``adapter`` without LoRA, or a LoRA checkpoint whose
+        base is not the run's. Nothing is written then.
     """
     _, ckpt_dir, _ = setup.run_paths(cfg)
     out = pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ExportError(f"--out {out} exists and is not empty")
+    if adapter and not cfg.model.lora.rank:
+        raise ExportError("--adapter needs a LoRA run (model.lora.rank > 0)")
     tokenizer_dir = cfg.tokenizer_path if cfg.tokenizer_kind == "hf" else None
     if tokenizer_dir and not any(
         (pathlib.Path(tokenizer_dir) / n).is_file() for n in hf_export.TOKENIZER_FILES
@@ -59,10 +74,21 @@ def export_run(
         raise ExportError(f"task.tokenizer_path: no tokenizer files in {tokenizer_dir}")
     mesh = sharding.make_mesh(cfg.train.mesh)
     optimizer = cfg.train.optimizer.make()
+    base = lambda: setup.base_policy(cfg, mesh)[1]
     try:
-        step, params = checkpointing.restore_params(ckpt_dir, cfg.model, optimizer, mesh, step)
+        step, params = checkpointing.restore_params(
+            ckpt_dir, cfg.model, optimizer, mesh, step, base=base
+        )
     except checkpointing.CheckpointNotFound as e:
         raise ExportError(f"--step: {e}" if step is not None else str(e)) from None
+    except checkpointing.BaseMismatch as e:
+        raise ExportError(str(e)) from None
+    if adapter:
+        try:
+            peft_export.export_peft_adapter(params, cfg.model, out, base_model=cfg.model.hf_path)
+        except peft_export.AdapterExportError as e:
+            raise ExportError(f"--adapter: {e}") from None
+        return step, out
     eos, bos = stop_ids(cfg)
     hf_export.export_qwen3_moe(
         params,
@@ -76,15 +102,21 @@ def export_run(
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """``sat-export --config CFG [key=value ...] --out DIR [--step N]``."""
+    """``sat-export --config CFG [key=value ...] --out DIR [--step N] [--adapter]``."""
     command = sat_cli.Command("sat-export", __doc__)
     command.parser.add_argument("--out", required=True, help="output directory (new or empty)")
     command.parser.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    command.parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help="LoRA runs: write a PEFT adapter directory instead of the merged checkpoint",
+    )
     args = command.parse(argv)
     with command.exit_on(ConfigError, ExportError, OSError):
         cfg = sat_cli.commands_config(args.config, args.overrides)
-        step, out = export_run(cfg, args.out, step=args.step)
-    print(f"exported checkpoint {step} to {out}", flush=True)
+        step, out = export_run(cfg, args.out, step=args.step, adapter=args.adapter)
+    what = "adapter of checkpoint" if args.adapter else "checkpoint"
+    print(f"exported {what} {step} to {out}", flush=True)
 
 
 if __name__ == "__main__":

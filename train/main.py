@@ -98,16 +98,28 @@ def start_or_resume(
     mesh: jax.sharding.Mesh,
     params: Any,
 ) -> tuple[TrainState, checkpointing.Progress]:
-    """The latest checkpoint restored into its shardings, or a fresh state at version 1."""
+    """The latest checkpoint restored into its shardings, or a fresh state at version 1.
+
+    ``params`` is the base policy (``setup.base_policy``). With LoRA it is also the frozen base of
+    a resumed run (a checkpoint holds only the adapters; ``checkpointing.restore_train_state``
+    refuses a base other than the checkpoint's), and a fresh run records its fingerprint."""
     latest = ckpt.latest_step()
     if latest is None:
         key = jax.random.key_data(jax.random.key(cfg.train.seed))
+        state = create_train_state(cfg.model, optimizer, mesh, params)
+        fingerprint = {}
+        if state.frozen is not None:
+            fingerprint = checkpointing.base_fingerprint(state.frozen)
         progress = checkpointing.Progress(
-            version=1, min_version=1, rng_key=tuple(int(x) for x in np.asarray(key))
+            version=1,
+            min_version=1,
+            rng_key=tuple(int(x) for x in np.asarray(key)),
+            base_fingerprint=fingerprint,
         )
-        return create_train_state(cfg.model, optimizer, mesh, params), progress
-    abstract = checkpointing.abstract_train_state(cfg.model, optimizer, mesh)
-    state, progress = ckpt.restore(latest, abstract)
+        return state, progress
+    state, progress = checkpointing.restore_train_state(
+        ckpt, latest, cfg.model, optimizer, mesh, params
+    )
     log.info(
         "resumed from checkpoint %d: step %d, version %d", latest, int(state.step), progress.version
     )

@@ -9,6 +9,12 @@ hub layout (one tensor per expert; a single ``model.safetensors``, or shards wit
 ``hf.load_params(out, cfg)`` gives back exactly ``params``. The tensor layouts come from the one
 table in ``sat_jax.model.hf`` (``hf_names``), used in both directions.
 
+With LoRA (``cfg.lora.rank`` > 0) the export is merged: every adapted weight is written as
+W + (alpha / rank) · A B, computed in float32 and cast to W's dtype (``merged_weight``), and every
+other tensor (norms, embeddings, router when not a target, lm_head) is the base's, bit for bit; the
+adapters themselves are not written, so the directory is a plain Qwen3-MoE checkpoint. (A PEFT
+adapter directory instead: ``sat_jax.model.peft_export``.)
+
 The files are written one parameter at a time: the host holds one parameter (one stacked expert
 weight at most), never the whole model. Single process only (``jax.device_get`` of each leaf).
 """
@@ -24,11 +30,13 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from sat_jax.model import hf
-from sat_jax.model.config import ModelConfig
+from sat_jax.model.config import LoRAConfig, ModelConfig
+from sat_jax.model.layers import LORA_A, LORA_B
 from sat_jax.model.transformer import Transformer
 
 # Default shard size, as transformers' save_pretrained.
@@ -87,20 +95,64 @@ def config_to_hf(
     }
 
 
+@jax.jit
+def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+    """W + scale · A B in float32 (full-precision product), cast to W's dtype.
+
+    The product contracts A's last (rank) axis with B's first non-batch axis, batched over the
+    leading axes they share (the expert axis of stacked experts), as
+    ``sat_jax.model.layers.lora_weight`` does.
+
+    Args:
+      w: the base weight [*batch, *in, *out].
+      a: its adapter A [*batch, *in, r]; b: its adapter B [*batch, r, *out].
+      scale: alpha / r.
+    """
+    nb = a.ndim + b.ndim - 2 - w.ndim
+    batch = tuple(range(nb))
+    delta = jax.lax.dot_general(
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+        (((a.ndim - 1,), (nb,)), (batch, batch)),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+
+
+class _Merged:
+    """A LoRA target of the export: shape and dtype of the base weight, merged on ``value()``
+    (so only the tensor being written is ever merged)."""
+
+    def __init__(self, w: Any, a: Any, b: Any, scale: float):
+        self.w, self.a, self.b, self.scale = w, a, b, scale
+        self.shape, self.dtype = w.shape, w.dtype
+
+    def value(self) -> jax.Array:
+        return merged_weight(self.w, self.a, self.b, jnp.float32(self.scale))
+
+
 def _leaves(params: dict, cfg: ModelConfig) -> Iterator[tuple[tuple[Any, ...], Any, Any]]:
-    """(our path, the leaf of ``params``, its abstract value) in the model's parameter order."""
-    _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+    """(our path, the leaf of ``params``, its abstract value) in the model's parameter order; with
+    LoRA the adapters are left out and each adapted weight is a `_Merged`."""
+    base_cfg = cfg.replace(lora=LoRAConfig())
+    _, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(base_cfg, rngs=nnx.Rngs(0))))
     for var_path, var in nnx.to_flat_state(abstract):
-        leaf = params
-        for key in var_path:
-            leaf = leaf[key]
+        parent = params
+        for key in var_path[:-1]:
+            parent = parent[key]
+        name = var_path[-1]
+        leaf = parent[name]
+        if cfg.lora.rank and f"{name}{LORA_A}" in parent:
+            leaf = _Merged(
+                leaf, parent[f"{name}{LORA_A}"], parent[f"{name}{LORA_B}"], cfg.lora.scale
+            )
         yield tuple(var_path), leaf, var.get_value()
 
 
 def _hf_tensors(params: dict, cfg: ModelConfig) -> Iterator[tuple[str, np.ndarray]]:
     """(HF name, host array) of every tensor, one parameter on the host at a time."""
     for var_path, leaf, _ in _leaves(params, cfg):
-        value = np.asarray(jax.device_get(leaf))
+        value = np.asarray(jax.device_get(leaf.value() if isinstance(leaf, _Merged) else leaf))
         names, (_, to_hf) = hf.hf_names(var_path, cfg.num_experts)
         parts = [value[e] for e in range(len(names))] if len(names) > 1 else [value]
         for name, part in zip(names, parts, strict=True):
@@ -123,7 +175,7 @@ def _shard_plan(
     return groups
 
 
-def _header(entries: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> bytes:
+def safetensors_header(entries: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> bytes:
     """A safetensors header (8-byte length, JSON padded with spaces to a multiple of 8)."""
     doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -167,7 +219,7 @@ def write_weights(
     weight_map = {}
     for name, group in zip(files, groups, strict=True):
         with open(out / name, "wb") as f:
-            f.write(_header([entries[i] for i in group]))
+            f.write(safetensors_header([entries[i] for i in group]))
             for i in group:
                 tensor_name, array = next(tensors)
                 if (tensor_name, array.shape) != entries[i][:2]:
@@ -195,7 +247,8 @@ def export_qwen3_moe(
 
     Args:
       params: the policy's params, a nested dict (``nnx.to_pure_dict``) or an ``nnx.State``, in
-        any dtype (written as they are; ``config.json``'s dtype is ``cfg.param_dtype``).
+        any dtype (written as they are; ``config.json``'s dtype is ``cfg.param_dtype``). With
+        LoRA, the whole model (base and adapters): the adapted weights are written merged.
       cfg: their model config.
       out: the directory; created, and it must be empty if it exists.
       eos_token_ids: the stop ids (``generation_config.json`` and ``config.json``).

@@ -1,18 +1,26 @@
 """Checkpoints: round trip onto the shardings, keep-N, progress, a kill mid-save, the orbax lock
-shared with weight pushes, and a gs:// directory reaching orbax unchanged."""
+shared with weight pushes, a gs:// directory reaching orbax unchanged, and LoRA checkpoints
+(adapters only, resumed onto the rebuilt base; another base is refused by its fingerprint)."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 import pytest
 
 from sat_jax import params_io
 from sat_jax.experiment import load_config
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
-from sat_jax.train_step import init_train_state
+from sat_jax.train_step import (
+    TrainBatch,
+    init_train_state,
+    make_train_step,
+    shard_batch,
+    train_state_shardings,
+)
 from train import checkpointing, setup
 
 MODEL_CFG = ModelConfig.preset("tiny")
@@ -129,3 +137,101 @@ def test_the_checkpoint_part_opens_its_directory_and_keeps_its_number(tmp_path, 
         assert ckpt.all_steps() == [2, 3]
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2", "3"]
     assert setup.run_paths(cfg)[1] == str(tmp_path / "checkpoints")
+
+
+def _lora_batch(cfg) -> TrainBatch:
+    rng = np.random.default_rng(0)
+    b, t = 4, 10
+    mask = np.zeros((b, t), np.float32)
+    mask[:, 4:] = 1.0
+    return TrainBatch(
+        tokens=rng.integers(0, cfg.model.vocab_size, (b, t)).astype(np.int32),
+        loss_mask=mask,
+        behavior_logp=np.log(rng.uniform(0.01, 0.3, (b, t))).astype(np.float32),
+        advantages=np.repeat(rng.normal(size=(b, 1)), t, 1).astype(np.float32),
+    )
+
+
+def _host(tree):
+    return jax.tree.map(np.asarray, jax.device_get(tree))
+
+
+def _assert_equal(got, want) -> None:
+    got, want = (
+        jax.tree_util.tree_flatten_with_path(got),
+        jax.tree_util.tree_flatten_with_path(want),
+    )
+    assert got[1] == want[1]
+    for (path, a), (_, b) in zip(got[0], want[0], strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(path))
+
+
+def test_lora_checkpoint_holds_the_adapters_resumes_and_refuses_another_base(tmp_path):
+    """A LoRA run (through train.main.start_or_resume): two steps, a checkpoint without the base,
+    a resume onto the rebuilt base that restores adapters, optimizer state and step exactly and
+    goes on as the uninterrupted run does, and a resume onto another base that fails naming it."""
+    from train import main
+
+    cfg = load_config(None, [f"train.run_dir={tmp_path}", "model.lora.rank=4"])
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, expert=2), jax.devices()[:4])
+    optimizer = cfg.train.optimizer.make()
+    step_fn = make_train_step(cfg.model, optimizer, cfg.train.loss, mesh, routing_replay=False)
+    batch = shard_batch(_lora_batch(cfg), mesh)
+    base = lambda seed: sharding.init_sharded(cfg.model, mesh, seed)[1]
+
+    ckpt = checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    state, progress = main.start_or_resume(cfg, ckpt, optimizer, mesh, base(0))
+    assert progress.base_fingerprint == checkpointing.base_fingerprint(state.frozen)
+    for _ in range(2):
+        state, metrics = step_fn(state, batch)
+        assert float(metrics["step_skipped"]) == 0.0
+    saved = _host(state)
+    ckpt.save(2, state, progress)
+    ckpt.close()
+    # The checkpoint holds the adapters, their optimizer state and the step, not the base.
+    meta = ocp.StandardCheckpointer().metadata(str(tmp_path / "ckpt" / "2" / "state"))
+    meta = meta.item_metadata
+    assert jax.tree.leaves(meta["frozen"]) == []
+    paths = [p for p, _ in jax.tree_util.tree_leaves_with_path(meta["params"])]
+    assert paths and all(str(p[-1].key).endswith(("_lora_a", "_lora_b")) for p in paths)
+
+    again = checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=2)
+    restored, got = main.start_or_resume(cfg, again, optimizer, mesh, base(0))
+    assert got == progress and int(restored.step) == 2
+    _assert_equal(_host(restored.params), saved.params)
+    _assert_equal(_host(restored.opt_state), saved.opt_state)
+    _assert_equal(_host(restored.frozen), saved.frozen)
+    # Going on from the restored state is going on from the saved one.
+    after_restore, _ = step_fn(restored, batch)
+    after_saved, _ = step_fn(
+        jax.device_put(saved, train_state_shardings(cfg.model, optimizer, mesh)), batch
+    )
+    _assert_equal(_host(after_restore.params), _host(after_saved.params))
+
+    with pytest.raises(checkpointing.BaseMismatch, match=r"checkpoint 2: the base model differs"):
+        main.start_or_resume(cfg, again, optimizer, mesh, base(1))
+    other = base(0)
+    other["layers"][1]["attn"]["w_q_dnh"] = other["layers"][1]["attn"]["w_q_dnh"] * 1.001
+    with pytest.raises(
+        checkpointing.BaseMismatch, match=r"1 of \d+ tensors differ: layers/1/attn/w_q"
+    ):
+        main.start_or_resume(cfg, again, optimizer, mesh, other)
+    again.close()
+
+
+def test_base_fingerprint_is_exact_and_independent_of_the_sharding():
+    cfg = MODEL_CFG
+    one = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    eight = sharding.make_mesh(sharding.MeshConfig(fsdp=2, expert=2, tensor=2))
+    _, params = sharding.init_sharded(cfg, one, 0)
+    _, abstract = sharding.abstract_model(cfg)
+    spread = jax.device_put(params, sharding.param_shardings(abstract, eight))
+    assert checkpointing.base_fingerprint(params) == checkpointing.base_fingerprint(spread)
+    # One bit of one element, or two elements swapped, change that leaf's hash only.
+    flipped = dict(params, final_norm={"scale": params["final_norm"]["scale"].at[3].multiply(-1.0)})
+    w = params["embedding_vd"]
+    swapped = dict(params, embedding_vd=w.at[0, 0].set(w[0, 1]).at[0, 1].set(w[0, 0]))
+    base = checkpointing.base_fingerprint(params)
+    for changed, name in ((flipped, "final_norm/scale"), (swapped, "embedding_vd")):
+        got = checkpointing.base_fingerprint(changed)
+        assert [k for k in base if got[k] != base[k]] == [name]

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sat_jax import cli as sat_cli
 from sat_jax.experiment import load_config
 from sat_jax.model import hf, make_tiny
 from sat_jax.parallel import sharding
@@ -145,3 +146,108 @@ def test_eval_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert exit_info.value.code == 2
     want = f"sat-eval: no checkpoint directory {tmp_path}/checkpoints"
     assert capsys.readouterr().err.strip().splitlines() == [want]
+
+
+# LoRA runs. The commands refuse model.lora.rank > 0 until every part of LoRA has landed
+# (sat_jax.cli.commands_config); these tests lift that refusal with monkeypatch to run the
+# commands' own code, and the lead removes the refusal (and these monkeypatches) when it goes.
+LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[attention,experts,router]"]
+
+
+def _lift_lora_refusal(monkeypatch) -> None:
+    monkeypatch.setattr(sat_cli, "commands_config", load_config)
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """A LoRA run's checkpoint (step 3) on make_tiny's checkpoint, every B non-zero; returns
+    (root, overrides, the whole model's params on the host)."""
+    root = tmp_path_factory.mktemp("lora_run")
+    make_tiny.make_tiny(root / "tiny")
+    overrides = [f"model.hf_path={root / 'tiny'}", f"train.run_dir={root / 'run'}", *LORA]
+    cfg = load_config(None, overrides)
+    mesh = sharding.make_mesh(cfg.train.mesh)
+    _, params = setup.base_policy(cfg, mesh)
+    keys = iter(jax.random.split(jax.random.key(4), 64))
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: (
+            0.2 * jax.random.normal(next(keys), x.shape, x.dtype)
+            if str(p[-1].key).endswith("_lora_b")
+            else x
+        ),
+        params,
+    )
+    optimizer = cfg.train.optimizer.make()
+    state = create_train_state(cfg.model, optimizer, mesh, params)
+    progress = checkpointing.Progress(version=3, min_version=1, rng_key=(0, 0))
+    with checkpointing.Checkpointer(setup.run_paths(cfg)[1], keep=3) as ckpt:
+        ckpt.save(3, state, progress)
+    return root, overrides, jax.tree.map(np.asarray, jax.device_get(params))
+
+
+def _lora_logits(cfg, params, ids) -> np.ndarray:
+    model = nnx.merge(sharding.abstract_model(cfg.model)[0], params)
+    return np.asarray(model(np.asarray([ids])))
+
+
+@pytest.mark.slow  # two exports, the base and the export in transformers, and peft (torch)
+def test_lora_run_exports_merged_and_as_a_peft_adapter(lora_run, capsys, monkeypatch):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    _lift_lora_refusal(monkeypatch)
+    root, overrides, params = lora_run
+    cfg = load_config(None, overrides)
+    ids = transformers.AutoTokenizer.from_pretrained(root / "tiny")("Tom has 12 apples.")
+    ids = ids["input_ids"]
+    want = _lora_logits(cfg, params, ids)
+    logits = lambda m: m(torch.tensor([ids])).logits.detach().numpy()
+
+    export.cli([*overrides, "--out", str(root / "merged")])
+    assert capsys.readouterr().out.strip() == f"exported checkpoint 3 to {root / 'merged'}"
+    original, merged = hf.read_checkpoint(root / "tiny"), hf.read_checkpoint(root / "merged")
+    assert sorted(original) == sorted(merged)
+    for name in original:  # the targets changed, every other tensor bit for bit the base's
+        target = any(s in name for s in ("_proj.", "mlp.gate.weight", "mlp.experts."))
+        assert np.array_equal(original[name], merged[name]) != target, name
+    ref = transformers.AutoModelForCausalLM.from_pretrained(root / "merged").eval()
+    np.testing.assert_allclose(logits(ref), want, atol=1e-4, rtol=1e-4)
+
+    export.cli([*overrides, "--out", str(root / "adapter"), "--adapter"])
+    assert capsys.readouterr().out.strip() == (
+        f"exported adapter of checkpoint 3 to {root / 'adapter'}"
+    )
+    base = transformers.AutoModelForCausalLM.from_pretrained(root / "tiny").eval()
+    assert np.abs(logits(base) - want).max() > 1e-2  # the adapters matter
+    adapted = peft.PeftModel.from_pretrained(base, root / "adapter").eval()
+    np.testing.assert_allclose(logits(adapted), want, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_eval_reads_base_plus_adapters_and_the_merged_export(lora_run, tmp_path):
+    root, overrides, params = lora_run
+    cfg = load_config(None, overrides)
+    label, _, got = eval_cli.policy_params(cfg, step=None, hf_dir=None)
+    assert label == "step-3"
+    same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), got, params)
+    assert all(jax.tree.leaves(same))
+    export.export_run(cfg, tmp_path / "merged")
+    label, _, from_hf = eval_cli.policy_params(cfg, step=None, hf_dir=str(tmp_path / "merged"))
+    assert label == "hf"
+    ids = list(range(3, 20))
+    np.testing.assert_allclose(
+        _lora_logits(cfg, from_hf, ids), _lora_logits(cfg, params, ids), atol=1e-5, rtol=1e-5
+    )
+
+
+def test_lora_export_and_eval_refuse_another_base(lora_run, tmp_path):
+    root, overrides, _ = lora_run
+    make_tiny.make_tiny(tmp_path / "other", seed=1)
+    cfg = load_config(None, [*overrides, f"model.hf_path={tmp_path / 'other'}"])
+    with pytest.raises(export.ExportError, match="checkpoint 3: the base model differs"):
+        export.export_run(cfg, tmp_path / "out")
+    with pytest.raises(eval_cli.EvalInputError, match="checkpoint 3: the base model differs"):
+        eval_cli.policy_params(cfg, step=None, hf_dir=None)
+    assert not (tmp_path / "out").exists()
+    full = load_config(None, [f"train.run_dir={root / 'run'}"])
+    with pytest.raises(export.ExportError, match="--adapter needs a LoRA run"):
+        export.export_run(full, tmp_path / "out", adapter=True)
