@@ -2,6 +2,7 @@
 
 import dataclasses
 import math
+import pathlib
 import re
 import sys
 import textwrap
@@ -24,6 +25,7 @@ from sat_jax.tasks.envs import (
 )
 
 PROMPT = Prompt(id="p0", text="12+7=", answer="19")
+README = pathlib.Path(__file__).resolve().parents[3] / "README.md"
 
 
 def env_config(**overrides):
@@ -321,3 +323,23 @@ def test_feedback_stops_at_max_turns():
     assert episode.done and episode.reward == 0.0
     _, steps = run(Feedback, env_config(max_turns=2), ["1", "19"])
     assert steps[-1].reward == 1.0
+
+
+# --- the README's example --------------------------------------------------------------------------
+
+
+def test_the_readme_environment_runs_as_written():
+    blocks = re.findall(
+        r"^```python[ \t]*\n(.*?)^```[ \t]*$", README.read_text(), flags=re.M | re.S
+    )
+    [block] = [b for b in blocks if "(Environment):" in b]
+    namespace = {}
+    exec(compile(block, f"{README}:environment block", "exec"), namespace)
+    guess = namespace["Guess"]
+    assert issubclass(guess, Environment)
+    episode = Episode(guess, Prompt(id="g", text="", answer="42"), env_config(max_turns=5))
+    assert episode.messages == [{"role": "user", "content": "Guess my number between 1 and 100."}]
+    hints = [list(episode.step(text).observations) for text in ("50", "I think 20", "hmm")]
+    assert [h[0]["content"] for h in hints] == ["lower", "higher", "Answer with a number."]
+    step = episode.step("It is 42")
+    assert step.done and step.reward == pytest.approx(0.9**3) and episode.turns == 4
