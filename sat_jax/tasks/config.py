@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from sat_jax.tasks.envs.base import EnvConfig
+from sat_jax.tasks.envs.registry import load_environment
+
 REWARDS = ("exact_match", "math", "gsm8k")
 
 
@@ -35,6 +38,16 @@ class TaskConfig:
         and its generation prompt (the tokenizer must have a template).
       system_prompt: a system message placed before the user message ("" = none; needs
         `chat_template`).
+      env: what answers between turns (docs/DESIGN.md §2): "" or "single_turn" (one answer,
+        scored by `reward`), "feedback" (a wrong answer is asked again), "calculator" (a
+        calculator tool), or a user's class as `module:Class` (imported and checked when the
+        config loads). Anything but single-turn needs `chat_template`.
+      max_turns: the most assistant turns of an episode (single_turn always stops after one).
+      max_episode_tokens: the most tokens after the prompt, generated and inserted by the
+        environment together (0 = what `model.max_seq_len` leaves after the prompt); the
+        rollout server enforces it.
+      turn_discount: `feedback`'s reward is the last answer's times
+        `turn_discount ** (turns - 1)`; in (0, 1], 1.0 = no discount.
     """
 
     source: str = "arithmetic"
@@ -52,6 +65,10 @@ class TaskConfig:
     tokenizer_path: str = ""
     chat_template: bool = False
     system_prompt: str = ""
+    env: str = ""
+    max_turns: int = 4
+    max_episode_tokens: int = 0
+    turn_discount: float = 1.0
 
     def __post_init__(self) -> None:
         if self.source not in ("arithmetic", "file"):
@@ -74,3 +91,20 @@ class TaskConfig:
             raise ValueError("system_prompt needs chat_template: true")
         if not self.alphabet or len(set(self.alphabet)) != len(self.alphabet):
             raise ValueError("alphabet must be non-empty without repeated characters")
+        self.env_config  # noqa: B018 (checks max_turns, max_episode_tokens, turn_discount)
+        load_environment(self.env)
+        if self.env not in ("", "single_turn") and not self.chat_template:
+            raise ValueError(
+                f"env {self.env!r} needs chat_template: true (its turns are chat messages)"
+            )
+
+    @property
+    def env_config(self) -> EnvConfig:
+        """The environment's part: `reward`, `system_prompt` and the episode limits."""
+        return EnvConfig(
+            reward=self.reward,
+            system_prompt=self.system_prompt,
+            max_turns=self.max_turns,
+            max_episode_tokens=self.max_episode_tokens,
+            turn_discount=self.turn_discount,
+        )
