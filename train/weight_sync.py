@@ -117,8 +117,9 @@ def save_base(base: Any, version: int, weights_dir: str, *, lead: bool = True) -
 
 
 def tree_bytes(params: Any) -> int:
-    """Bytes of the arrays of ``params`` (whole arrays, whatever their sharding)."""
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
+    """Bytes of the arrays of ``params`` (whole arrays, whatever their sharding; leaves that are
+    not arrays count 0)."""
+    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(params))
 
 
 class WeightPusher:
@@ -247,6 +248,7 @@ class WeightPusher:
                 self._cond.notify_all()
             start = time.monotonic()
             try:
+                nbytes = tree_bytes(params)
                 self._push(version, params)
             except BaseException as e:  # surfaces in the loop's thread
                 with self._cond:
@@ -257,5 +259,5 @@ class WeightPusher:
             with self._cond:
                 self._busy = False
                 self._pushed, self._push_s = version, time.monotonic() - start
-                self._push_bytes = tree_bytes(params)
+                self._push_bytes = nbytes
                 self._cond.notify_all()

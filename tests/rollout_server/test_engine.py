@@ -265,8 +265,10 @@ def test_sampling_distribution_matches_reference(temperature, top_k, top_p):
     tokens, logp, kept = sample(jnp.asarray(logits), jax.random.key(0), cfg)
     np.testing.assert_allclose(np.asarray(logp), got[np.arange(6), np.asarray(tokens)], atol=0)
     assert np.all(np.isfinite(np.asarray(logp)))
-    want_kept = [int(np.isfinite(_numpy_sampling_logprobs(row, temperature, top_k, top_p)).sum())
-                 for row in logits]
+    want_kept = [
+        int(np.isfinite(_numpy_sampling_logprobs(row, temperature, top_k, top_p)).sum())
+        for row in logits
+    ]
     assert np.asarray(kept).tolist() == want_kept
 
 

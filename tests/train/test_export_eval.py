@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import cli as sat_cli
 from sat_jax.experiment import load_config
 from sat_jax.model import hf, make_tiny
 from sat_jax.parallel import sharding
@@ -148,14 +147,8 @@ def test_eval_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines() == [want]
 
 
-# LoRA runs. The commands refuse model.lora.rank > 0 until every part of LoRA has landed
-# (sat_jax.cli.commands_config); these tests lift that refusal with monkeypatch to run the
-# commands' own code, and the lead removes the refusal (and these monkeypatches) when it goes.
+# LoRA runs.
 LORA = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[attention,experts,router]"]
-
-
-def _lift_lora_refusal(monkeypatch) -> None:
-    monkeypatch.setattr(sat_cli, "commands_config", load_config)
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +184,10 @@ def _lora_logits(cfg, params, ids) -> np.ndarray:
 
 
 @pytest.mark.slow  # two exports, the base and the export in transformers, and peft (torch)
-def test_lora_run_exports_merged_and_as_a_peft_adapter(lora_run, capsys, monkeypatch):
+def test_lora_run_exports_merged_and_as_a_peft_adapter(lora_run, capsys):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    _lift_lora_refusal(monkeypatch)
     root, overrides, params = lora_run
     cfg = load_config(None, overrides)
     ids = transformers.AutoTokenizer.from_pretrained(root / "tiny")("Tom has 12 apples.")
