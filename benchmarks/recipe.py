@@ -18,6 +18,11 @@ variant:
 - ``filter``: DAPO's dynamic sampling off (`train.filter_groups=none`) or on (`all_equal`), at
   top_p = 1: accuracy after, the run's wall-clock seconds, accuracy against wall-clock
   (``recipe_filter.png``), and the groups filtered.
+- ``lora``: full fine-tuning against LoRA rank 8 (alpha 16, attention and experts, learning rate
+  1e-3 against the full run's 1e-4) from the same warmed-up base: held-out accuracy at equal
+  wall clock (the latest evaluation at or before the shortest run's last one, counted from each
+  run's first evaluation), the steps reached by then, and accuracy against wall-clock
+  (``recipe_lora.png``).
 
 A finished cell is kept in ``cells/<cell>.json`` (a rerun skips it); ``recipe.md`` holds the
 tables (mean ± sample std over seeds).
@@ -43,6 +48,11 @@ EXPERIMENTS = {
     "filter": {
         "filter-none": ["train.filter_groups=none"],
         "filter-all_equal": ["train.filter_groups=all_equal"],
+    },
+    # LoRA at 10x the full run's learning rate (the usual rule for LoRA's rate).
+    "lora": {
+        "lora-full": [],
+        "lora-r8": ["model.lora.rank=8", "model.lora.alpha=16", "train.learning_rate=1e-3"],
     },
 }
 MEANS = ("mismatch_abs_mean", "sampler_kl", "kl_k3", "sat_q", "sat_gate_rate", "overlong_frac")
@@ -144,13 +154,35 @@ def report(out: pathlib.Path, cells: list[dict]) -> str:
                 f"{_stat(c, 'accuracy_after', '{:.3f}')} | {_stat(c, 'wall_s', '{:.0f}')} | "
                 f"{_stat(c, 'groups_filtered', '{:.0f}')} | {_stat(c, 'stale_dropped', '{:.0f}')} |"
             )
-        plot_filter(out / "recipe_filter.png", {v: by[v] for v in filt})
+        plot_curves(out / "recipe_filter.png", {v: by[v] for v in filt})
+    lora = [v for v in EXPERIMENTS["lora"] if v in by]
+    if lora:
+        cells = [c for v in lora for c in by[v]]
+        horizon = min(c["curve"][-1][0] for c in cells)
+        for c in cells:
+            before = [p for p in c["curve"] if p[0] <= horizon]
+            c["equal_wall_s"], c["steps_by_then"], c["accuracy_at_equal_wall"] = before[-1]
+        lines += [
+            "",
+            f"| fine-tuning | seeds | accuracy before | accuracy at {horizon:.0f} s "
+            "| steps by then | accuracy after | wall s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for v in lora:
+            c = by[v]
+            lines.append(
+                f"| {v.split('-', 1)[1]} | {len(c)} | {_stat(c, 'accuracy_before', '{:.3f}')} | "
+                f"{_stat(c, 'accuracy_at_equal_wall', '{:.3f}')} | "
+                f"{_stat(c, 'steps_by_then', '{:.0f}')} | {_stat(c, 'accuracy_after', '{:.3f}')} | "
+                f"{_stat(c, 'wall_s', '{:.0f}')} |"
+            )
+        plot_curves(out / "recipe_lora.png", {v: by[v] for v in lora})
     text = "\n".join(lines) + "\n"
     (out / "recipe.md").write_text(text)
     return text
 
 
-def plot_filter(path: pathlib.Path, by: dict[str, list[dict]]) -> None:
+def plot_curves(path: pathlib.Path, by: dict[str, list[dict]]) -> None:
     """Held-out accuracy against wall-clock seconds, one line per seed, a colour per variant."""
     from matplotlib.figure import Figure
 
