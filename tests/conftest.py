@@ -22,6 +22,10 @@ jax.config.update("jax_enable_x64", False)
 # (over ~5 s each on an idle core; README: Development), by file and test function (every
 # parametrization). tests/test_fast_lane.py checks that each one still exists.
 HEAVY_TESTS: dict[str, tuple[str, ...]] = {
+    "tests/rollout_server/test_lora_install.py": (
+        "test_served_weights_are_base_plus_scaled_product",
+        "test_the_base_is_read_once_per_base_path",
+    ),
     "tests/sat_jax/test_recipe_off.py": ("test_options_off_give_the_golden_step",),
     "tests/sat_jax/test_recipe_step.py": (
         "test_sampler_kl_is_zero_with_the_replay_and_not_over_the_whole_vocabulary",
