@@ -346,3 +346,70 @@ def test_the_dapo_config_runs_and_its_filter_never_stalls(setup, tmp_path):
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["groups_filtered"] == 2 for r in steps), steps  # the budget: 1 x 2 groups
     assert all(0 <= r["overlong_frac"] <= 1 and "sampler_kl" in r for r in steps), steps
+
+
+def test_lora_trains_serves_and_exports_merged_and_as_a_peft_adapter(setup, tmp_path):
+    """LoRA on the checkpoint: sat-train pushes only the adapters to a bfloat16 server that
+    serves their merge; sat-export's merged checkpoint keeps every non-target tensor (norms,
+    embeddings, router) bit for bit and changes the targets; `--adapter` loads with peft onto the
+    original checkpoint with the merged export's logits; sat-eval reads the LoRA run."""
+    peft = pytest.importorskip("peft")
+    d, config, template, _ = setup
+    run_dir = tmp_path / "run"
+    lora = ["model.lora.rank=4", "model.lora.alpha=8", "model.lora.targets=[attention,experts]"]
+    # Random weights earn reward 0; DAPO's soft overlong penalty makes the rewards of a group
+    # differ (by completion length), so the adapters get a gradient.
+    shaping = ["train.overlong=soft", "train.overlong_cache=10", "train.overlong_penalty=1.0",
+               "train.learning_rate=1e-2"]  # fmt: skip
+    common = [*lora, *shaping, f"train.run_dir={run_dir}"]
+    # Synchronous: every step's tokens come from the adapters just pushed, so the behavior/trainer
+    # gap is bfloat16 rounding only if the server serves exactly base + scale·A·B.
+    cmd = [sys.executable, "-m", "train", "--config", str(config), "train.steps=3",
+           "server.dtype=bfloat16", "train.mode=sync", "rollout.max_staleness=0",
+           *common]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out + (run_dir / "server.log").read_text()
+    assert "done: 3 steps" in out and "LoRA base written to" in out, out
+    steps = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").open()]
+    steps = [r for r in steps if "lag_max" in r]
+    assert all(r["lag_max"] == 0 and r["mismatch_abs_mean"] < 0.02 for r in steps), [
+        (r["lag_max"], r["mismatch_abs_mean"]) for r in steps
+    ]
+    cfg = load_config(str(config), common)
+    base_bytes = 2 * sum(int(np.prod(t.shape)) for t in d.model.state_dict().values())
+    pushed = [r["push_bytes"] for r in steps if r.get("push_bytes")]
+    assert pushed and all(0 < b < base_bytes / 5 for b in pushed), (pushed, base_bytes)
+    assert cfg.model.lora.rank == 4
+
+    def command(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", *args, "--config", str(config), *common]
+        return subprocess.run(
+            cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600
+        )
+
+    merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
+    proc = command("train.export", "--out", str(merged_dir))
+    assert proc.returncode == 0, proc.stderr
+    original, merged = hf.read_checkpoint(d.path), hf.read_checkpoint(merged_dir)
+    assert sorted(original) == sorted(merged)
+    targets = ("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.",
+               "self_attn.o_proj.", "mlp.experts.")  # fmt: skip
+    changed = {k for k in original if not np.array_equal(original[k], merged[k])}
+    assert changed and all(any(t in k for t in targets) for k in changed), sorted(changed)
+    assert any("mlp.experts." in k for k in changed) and any("q_proj" in k for k in changed)
+    assert any("mlp.gate." in k for k in original)  # the router: present and bit-identical
+    proc = command("train.export", "--out", str(adapter_dir), "--adapter")
+    assert proc.returncode == 0, proc.stderr
+    ids = next(iter(template.values()))
+    logits = lambda m: m(torch.tensor([ids])).logits.detach().float().numpy()
+    with torch.no_grad():
+        want = logits(transformers.AutoModelForCausalLM.from_pretrained(merged_dir).eval())
+        base = transformers.AutoModelForCausalLM.from_pretrained(d.path).eval()
+        adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
+        np.testing.assert_allclose(logits(adapted), want, atol=1e-4, rtol=1e-4)
+    proc = command("train.eval_cli", "--k", "2", "--problems", "4")
+    assert proc.returncode == 0, proc.stderr
+    assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
