@@ -25,6 +25,11 @@ flight, a newer version supersedes one still queued (one process only), and a fa
 the loop at its next step. Pushes are flushed before the final checkpoint and
 evaluation.
 
+LoRA (``model.lora.rank`` > 0): the state's params are the adapters and ``state.frozen`` the base.
+The first sync of each start writes the base once (``weight_sync.save_base``) and every push only
+the adapters, naming that base; a checkpoint holds the adapters, their optimizer state and a
+fingerprint of the base, which a resume rebuilds (``setup.base_policy``) and checks.
+
 Synchronous mode (``train.mode=sync``) is the same loop with ``rollout.max_staleness = 0`` and a push
 after every update that the loop waits for: the server's admission rule then starts a batch's
 groups only once the weights they need are in, so generation waits for the new weights and every
