@@ -89,7 +89,9 @@ class TrainBatch:
 
     Attributes:
       tokens: [B, T] int32, prompt followed by completion (and padding).
-      loss_mask: [B, T] float, 1 on completion tokens (the target's position), 0 elsewhere.
+      loss_mask: [B, T] float, 1 on completion tokens (the target's position), 0 elsewhere
+        (also on a multi-turn row's observation tokens, which R3 does not replay:
+        ``replay_mask``).
       behavior_logp: [B, T] float, rollout log-prob of ``tokens[b, t]``.
       advantages: [B, T] float per-token advantages; or None, and then ``rewards`` and
         ``group_ids`` are given and the step computes them (``with_advantages``). Exactly one of
