@@ -197,8 +197,8 @@ class BatchStats:
       reward_mean, response_len_mean: over the trained trajectories (0 when none); reward_mean
         is of the raw task rewards (before overlong shaping); response_len_mean counts the
         generated tokens (observation tokens of a multi-turn trajectory are not).
-      tokens: trained completion tokens (generated, loss mask 1); prompt_ids: the trained groups' stable prompt ids;
-        group_keys: their ``Group.key``s.
+      tokens: trained completion tokens (generated, loss mask 1); prompt_ids: the trained
+        groups' stable prompt ids; group_keys: their ``Group.key``s.
       pad_frac: padded token slots over all token slots [R, T] of the batch (T after
         bucketing; rows of dropped groups are padding too).
       lags: int64 [tokens], the lag of every trained completion token, in row-major order (the
