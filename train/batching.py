@@ -31,6 +31,18 @@ dtypes, from the spec and the bucket alone.
 Lags are built once, as the flat vector of the trained completion tokens in row-major order
 (``BatchStats.lags``); nothing builds them as [R, T].
 
+Multi-turn trajectories (``Trajectory.loss_mask``, docs/DESIGN.md §6.2, §7.1): only the tokens
+the policy generated are trained. An observation token (loss mask 0, inserted by the environment)
+is context: it gets loss mask 0 in the batch, and its behavior log-prob, kept count and routing
+(unspecified on the wire) are replaced by the padding's (0, 0, the padding's expert ids), so
+nothing the server put there reaches the step, and the step routes it by its live router
+(``sat_jax.train_step.replay_mask``). Lags, the fresh mask, the staleness checks and every
+per-token stat read the generated tokens only; a trajectory's advantage is its episode's
+(its reward, spread over its generated tokens). ``response_len_mean`` counts generated tokens,
+and the soft overlong punishment reads a trajectory's longest turn (run of generated tokens;
+``rollout.max_new_tokens`` bounds each turn): for a single-turn trajectory both are its
+completion length.
+
 Alignment follows ``sat_jax.train_step``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
 """
@@ -183,9 +195,10 @@ class BatchStats:
       stale_dropped, stale_kept, duplicates, invalid, filtered: the ``Selection`` counts of the
         groups pulled for it.
       reward_mean, response_len_mean: over the trained trajectories (0 when none); reward_mean
-        is of the raw task rewards (before overlong shaping).
-      tokens: trained completion tokens; prompt_ids: the trained groups' stable prompt ids;
-        group_keys: their ``Group.key``s.
+        is of the raw task rewards (before overlong shaping); response_len_mean counts the
+        generated tokens (observation tokens of a multi-turn trajectory are not).
+      tokens: trained completion tokens (generated, loss mask 1); prompt_ids: the trained
+        groups' stable prompt ids; group_keys: their ``Group.key``s.
       pad_frac: padded token slots over all token slots [R, T] of the batch (T after
         bucketing; rows of dropped groups are padding too).
       lags: int64 [tokens], the lag of every trained completion token, in row-major order (the
@@ -329,8 +342,22 @@ def overlong_shaping(length: int, spec: BatchSpec) -> float:
 
 
 def _oldest_version(group: Group) -> int | None:
-    """The oldest weights version of the group's completion tokens (None: it has none)."""
-    return min((int(t.versions.min()) for t in group.trajectories if t.versions.size), default=None)
+    """The oldest weights version of the group's generated tokens (None: it has none); the
+    versions of observation tokens are unspecified and not read."""
+    versions = [t.versions[t.generated] for t in group.trajectories]
+    return min((int(v.min()) for v in versions if v.size), default=None)
+
+
+def longest_turn(traj: Trajectory) -> int:
+    """The longest run of generated tokens of a trajectory: its completion length when it is
+    single-turn, its longest assistant turn when it is multi-turn."""
+    if traj.loss_mask is None:
+        return len(traj.completion_ids)
+    change = np.flatnonzero(
+        np.diff(np.concatenate([[False], traj.loss_mask, [False]]).astype(np.int8))
+    )
+    starts, ends = change[::2], change[1::2]
+    return int((ends - starts).max(initial=0))
 
 
 def bucket_length(longest: int, spec: BatchSpec) -> int:
@@ -360,8 +387,10 @@ def assemble_batch(
     Overlong shaping (``spec.overlong``; truncated = finish reason "length"): "mask" zeroes a
     truncated trajectory's loss mask (it leaves the loss and its tokens the lags, but keeps its
     group id, so its reward still counts in its group's advantage baseline); "soft" adds
-    ``overlong_shaping`` of its completion length to every trajectory's reward (the batch's
-    ``rewards``; ``stats.reward_mean`` stays the raw reward).
+    ``overlong_shaping`` of its completion length (its longest turn, ``longest_turn``) to every
+    trajectory's reward (the batch's ``rewards``; ``stats.reward_mean`` stays the raw reward).
+    Observation tokens (``Trajectory.loss_mask`` 0) are out of the loss mask, the lags and the
+    fresh mask, and carry the padding's behavior log-prob, kept count and routing.
 
     Returns:
       ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
@@ -402,19 +431,20 @@ def assemble_batch(
             row = g * spec.group_size + i
             _fill_row(row, traj, spec, tokens, mask, behavior, routing)
             p, c = len(traj.prompt_ids), len(traj.completion_ids)
+            generated = traj.generated
             if kept_counts is not None and traj.kept_counts is not None:
-                kept_counts[row, p : p + c] = traj.kept_counts
+                kept_counts[row, p : p + c] = np.where(generated, traj.kept_counts, 0)
             is_truncated = traj.finish_reason == "length"
             truncated += is_truncated
             if spec.overlong == "mask" and is_truncated:
                 mask[row] = 0.0
             else:
-                fresh[row, p : p + c] = traj.versions == trainer_version
-                lags.append(trainer_version - traj.versions)
+                fresh[row, p : p + c] = generated & (traj.versions == trainer_version)
+                lags.append(trainer_version - traj.versions[generated])
             rewards[row], group_ids[row], active[row] = traj.reward, g, True
-            lengths.append(len(traj.completion_ids))
+            lengths.append(traj.num_generated)
             if spec.overlong == "soft":
-                shaping[row] = overlong_shaping(len(traj.completion_ids), spec)
+                shaping[row] = overlong_shaping(longest_turn(traj), spec)
     reward_mean = float(rewards[active].mean()) if active.any() else 0.0  # raw rewards
     batch = TrainBatch(
         tokens=tokens,
@@ -487,14 +517,16 @@ def _fill_row(
     behavior: np.ndarray,
     routing: np.ndarray | None,
 ) -> None:
-    """Writes one trajectory into row ``row`` (its per-token fields line up: it is a record)."""
+    """Writes one trajectory into row ``row`` (its per-token fields line up: it is a record).
+    Observation tokens get loss mask 0, behavior log-prob 0 and the padding's routing."""
     p, c = len(traj.prompt_ids), len(traj.completion_ids)
     if p + c > spec.seq_len:
         raise ValueError(f"trajectory of {p} + {c} tokens exceeds seq_len {spec.seq_len}")
+    generated = traj.generated
     tokens[row, :p] = traj.prompt_ids
     tokens[row, p : p + c] = traj.completion_ids
-    mask[row, p : p + c] = 1.0
-    behavior[row, p : p + c] = traj.behavior_logprobs
+    mask[row, p : p + c] = generated
+    behavior[row, p : p + c] = np.where(generated, traj.behavior_logprobs, 0.0)
     if routing is not None:
         ids = traj.routing
         if ids is None or ids.shape[1:] != routing.shape[2:]:
@@ -503,3 +535,7 @@ def _fill_row(
                 f"[T, L, K] = {routing.shape[1:]}"
             )
         routing[row, : ids.shape[0]] = ids
+        if traj.loss_mask is not None:  # the padding's ids: valid, and never replayed
+            routing[row, p + np.flatnonzero(~generated)] = np.arange(
+                routing.shape[3], dtype=routing.dtype
+            )

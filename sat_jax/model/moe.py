@@ -7,7 +7,10 @@ Dimension letters used in tensor names:
 Routing replay (R3): given recorded expert ids, the layer uses that expert SET with weights gathered
 from the CURRENT dense softmax of the router logits (renormalized over the K when `norm_topk_prob`),
 so the router still gets gradients. Gathering from the dense softmax, never from top-k-zeroed
-probabilities, keeps the weights defined for experts outside the current top-k.
+probabilities, keeps the weights defined for experts outside the current top-k. A per-token replay
+mask replays only some tokens (a multi-turn trajectory's generated ones) and routes the rest by
+the live top-k, exactly as without replay: their weights are the same softmax entries top-k
+returns.
 
 Dispatch paths (all dropless, identical in exact arithmetic):
   "dense": every expert computes every token; the outputs are combined with a [T, E] weight matrix
@@ -93,7 +96,12 @@ class MoEOutput:
 
 
 def route(
-    logits_te: jax.Array, *, k: int, norm_topk_prob: bool, replay_ids_tk: jax.Array | None = None
+    logits_te: jax.Array,
+    *,
+    k: int,
+    norm_topk_prob: bool,
+    replay_ids_tk: jax.Array | None = None,
+    replay_mask_t: jax.Array | None = None,
 ) -> Routing:
     """Top-k softmax routing, or routing replay when `replay_ids_tk` is given.
 
@@ -104,12 +112,17 @@ def route(
       k: experts per token.
       norm_topk_prob: renormalize the K weights to sum to one.
       replay_ids_tk: [T, K] recorded expert ids (any int dtype) or None.
+      replay_mask_t: [T] bool, with `replay_ids_tk`: the tokens that replay; the others take
+        the live top-k (their recorded ids are not read). None = every token replays.
     """
     probs_te = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
     if replay_ids_tk is None:
         weights_tk, ids_tk = jax.lax.top_k(probs_te, k)
     else:
         ids_tk = jnp.asarray(replay_ids_tk, jnp.int32)  # NumPy ids too, under jit
+        if replay_mask_t is not None:
+            live_tk = jax.lax.top_k(probs_te, k)[1]
+            ids_tk = jnp.where(jnp.asarray(replay_mask_t, bool)[:, None], ids_tk, live_tk)
         weights_tk = jnp.take_along_axis(probs_te, ids_tk, axis=-1)
     if norm_topk_prob:
         weights_tk = weights_tk / jnp.sum(weights_tk, axis=-1, keepdims=True)
@@ -372,6 +385,7 @@ class MoE(nnx.Module):
         *,
         mask_bt: jax.Array,
         replay_ids_btk: jax.Array | None = None,
+        replay_mask_bt: jax.Array | None = None,
         dispatch: str | None = None,
     ) -> MoEOutput:
         """Routes and runs the experts.
@@ -381,6 +395,8 @@ class MoE(nnx.Module):
           mask_bt: [B, T] active tokens (for the loss and load statistics only; every token is
             routed and computed).
           replay_ids_btk: [B, T, K] recorded expert ids to replay, or None.
+          replay_mask_bt: [B, T] bool, the tokens that replay (the others are routed by the
+            live top-k); None = all of them.
           dispatch: overrides the module's dispatch path (one of `DISPATCH_PATHS`).
         """
         b, t, d = x_btd.shape
@@ -389,7 +405,11 @@ class MoE(nnx.Module):
         logits_te = jnp.dot(x_td.astype(jnp.float32), w_router_de)
         replay_tk = None if replay_ids_btk is None else replay_ids_btk.reshape(b * t, self.k)
         routing = route(
-            logits_te, k=self.k, norm_topk_prob=self.norm_topk_prob, replay_ids_tk=replay_tk
+            logits_te,
+            k=self.k,
+            norm_topk_prob=self.norm_topk_prob,
+            replay_ids_tk=replay_tk,
+            replay_mask_t=None if replay_mask_bt is None else replay_mask_bt.reshape(b * t),
         )
         if replay_tk is None:
             topk_ids_tk = routing.ids_tk

@@ -289,6 +289,7 @@ class Transformer(nnx.Module):
         positions_bt: jax.Array | None = None,
         mask_bt: jax.Array | None = None,
         replay_routing: jax.Array | None = None,
+        replay_mask_bt: jax.Array | None = None,
         dispatch: str | None = None,
     ) -> ModelOutput:
         """Full causal forward of right-padded sequences.
@@ -299,6 +300,9 @@ class Transformer(nnx.Module):
           mask_bt: [B, T] valid tokens (right padding); padded keys are masked out of attention
             and padded tokens out of the aux loss and load statistics. Default: all valid.
           replay_routing: [B, T, L, K] recorded expert ids (any int dtype) to replay (R3).
+          replay_mask_bt: [B, T] bool, with `replay_routing`: the positions that replay it; the
+            others are routed by the live router, exactly as without replay (a multi-turn
+            trajectory's observation tokens). None = every position replays.
           dispatch: overrides `config.dispatch` for this call ("auto" | "dense" | "ragged").
         """
         c = self.config
@@ -317,7 +321,13 @@ class Transformer(nnx.Module):
                 f"{(b, t, c.num_moe_layers, c.num_experts_per_tok)}"
             )
         x_btd = self.embedding_vd[...].astype(c.dtype)[tokens_bt]
-        x_btd, stats = self._scan_layers(x_btd, positions_bt, mask_bt, replay_routing, dispatch)
+        if replay_mask_bt is not None:
+            if replay_routing is None:
+                raise ValueError("replay_mask_bt needs replay_routing")
+            replay_mask_bt = jnp.asarray(replay_mask_bt, bool)
+        x_btd, stats = self._scan_layers(
+            x_btd, positions_bt, mask_bt, replay_routing, dispatch, replay_mask_bt
+        )
         balance = balance_from_stats(stats.frac_le, stats.prob_le)
         hidden_btd = self.final_norm(x_btd).astype(c.dtype)
         return ModelOutput(
@@ -339,6 +349,7 @@ class Transformer(nnx.Module):
         vocab_mask: jax.Array | None = None,
         mask_bt: jax.Array | None = None,
         replay_routing: jax.Array | None = None,
+        replay_mask_bt: jax.Array | None = None,
         kept_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelOutput]:
         """Log-probs of a batch's own tokens, and the forward's `ModelOutput`.
@@ -352,7 +363,7 @@ class Transformer(nnx.Module):
         Args:
           tokens_bt: [B, T] int token ids, right-padded.
           temperature, vocab_mask: as in `target_logprobs`.
-          mask_bt, replay_routing: as in `forward`.
+          mask_bt, replay_routing, replay_mask_bt: as in `forward`.
           kept_bt: optional [B, T] int, the sampler's kept-set size of ``tokens_bt[b, t]``
             (aligned like the log-probs; 0 = no truncation): replays top-k / top-p truncation
             (`token_logprobs`).
@@ -360,7 +371,12 @@ class Transformer(nnx.Module):
         Returns:
           ``(logp_bt [B, T] float32, the forward's ModelOutput)``.
         """
-        out = self.forward(tokens_bt, mask_bt=mask_bt, replay_routing=replay_routing)
+        out = self.forward(
+            tokens_bt,
+            mask_bt=mask_bt,
+            replay_routing=replay_routing,
+            replay_mask_bt=replay_mask_bt,
+        )
         logp_bt = self.target_logprobs(
             out.hidden_btd[:, :-1],
             tokens_bt[:, 1:],
@@ -370,7 +386,7 @@ class Transformer(nnx.Module):
         )
         return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 
-    def _scan_layers(self, x_btd, positions_bt, mask_bt, replay_btlk, dispatch):
+    def _scan_layers(self, x_btd, positions_bt, mask_bt, replay_btlk, dispatch, replay_mask_bt):
         """The full forward's layers: each run of identical consecutive layers (all dense or all
         MoE) is one `lax.scan` over its params stacked on the fly, so one layer of each kind is
         compiled whatever the depth, and the param tree (HF names, checkpoints, sharding rules)
@@ -396,6 +412,7 @@ class Transformer(nnx.Module):
                     xs[1],
                     dispatch,
                     c,
+                    replay_mask_bt,
                 )
                 return constrain_batch(x), stats
 
@@ -641,7 +658,9 @@ def _runs(kinds: list[bool]) -> list[tuple[int, int]]:
     return list(zip(starts, [*starts[1:], len(kinds)], strict=True))
 
 
-def _layer_step(layer, x_btd, positions_bt, mask_bt, replay_btk, dispatch, c: ModelConfig):
+def _layer_step(
+    layer, x_btd, positions_bt, mask_bt, replay_btk, dispatch, c: ModelConfig, replay_mask_bt=None
+):
     """One decoder layer of the full forward: (new residual stream, MoE stats or None)."""
     qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
     x_btd = x_btd + layer.attn.attend_causal(
@@ -650,7 +669,13 @@ def _layer_step(layer, x_btd, positions_bt, mask_bt, replay_btk, dispatch, c: Mo
     h_btd = layer.mlp_norm(x_btd)
     if not layer.is_moe:
         return x_btd + layer.mlp(h_btd), None
-    out = layer.mlp(h_btd, mask_bt=mask_bt, replay_ids_btk=replay_btk, dispatch=dispatch)
+    out = layer.mlp(
+        h_btd,
+        mask_bt=mask_bt,
+        replay_ids_btk=replay_btk,
+        replay_mask_bt=None if replay_btk is None else replay_mask_bt,
+        dispatch=dispatch,
+    )
     stats = _LayerStats(
         ids_lbtk=out.topk_ids_btk,
         load_le=out.load_e,

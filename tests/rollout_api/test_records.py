@@ -164,6 +164,10 @@ R = np.zeros((5, L, K), np.uint8)
         (_set("kept_counts", [3]), "2 completion tokens but 1 kept counts"),
         (_set("kept_counts", [3, 0]), "a kept count is 0, must be >= 1"),
         (_set("kept_counts", [3, 51]), "a kept count 51 exceeds the vocabulary 50"),
+        (_set("loss_mask_runs", [2, 1]), "loss_mask_runs sum to 3, expected the 2 completion"),
+        (_set("loss_mask_runs", [1]), "loss_mask_runs sum to 1, expected the 2 completion"),
+        (_set("loss_mask_runs", [1, 0, 1]), "loss_mask_runs[1] is 0, every run must be >= 1"),
+        (_set("loss_mask_runs", [0, 2]), "loss_mask_runs[0] is 0, every run must be >= 1"),
     ],
 )
 def test_every_invalid_group_is_refused_naming_what_is_wrong(change, message):
@@ -204,8 +208,120 @@ def test_decode_pulled_keeps_the_order():
         (dict(finish_reason="stop"), "unknown finish_reason 'stop'"),
         (dict(kept_counts=np.array([1, 2], np.int64)), "kept_counts must be a 1-D int32"),
         (dict(kept_counts=np.array([1], np.int32)), "2 completion tokens but 1 kept counts"),
+        (dict(loss_mask=np.array([1, 0], np.uint8)), "loss_mask must be a 1-D bool array"),
+        (dict(loss_mask=np.array([True])), "2 completion tokens but 1 loss mask entries"),
+        (dict(loss_mask=np.array([False, True])), "loss_mask starts with an inserted token"),
+        (
+            dict(loss_mask=np.array([True, False]), behavior_logprobs=np.array([np.nan, 0], "f4")),
+            "a behavior log-prob is not finite",
+        ),
+        (
+            dict(loss_mask=np.array([True, False]), kept_counts=np.array([0, 1], np.int32)),
+            "a kept count is 0, must be >= 1",
+        ),
     ],
 )
 def test_a_record_is_well_formed_by_construction(fields, message):
     with pytest.raises(ValueError, match=message):
         trajectory(**fields)
+
+
+def multi_turn(**kw) -> records.Trajectory:
+    """Two turns and an end-of-turn token closing the second: generated, observation (3 tokens),
+    generated, inserted; the inserted positions' log-probs, versions, kept counts and routing
+    are garbage (unspecified on the wire)."""
+    gen = np.array([1, 1, 0, 0, 0, 1, 1, 0], bool)
+    obs = ~gen
+    t = trajectory(8, dtype=np.uint16, kept_counts=np.full(8, 7, np.int32), **kw)
+    behavior, versions = t.behavior_logprobs.copy(), t.versions.copy()
+    kept, routing = t.kept_counts.copy(), t.routing.copy()
+    behavior[obs] = [np.nan, np.inf, -np.inf, 1e30]
+    versions[obs] = -(2**40)
+    kept[obs] = [0, -3, 10**6, 0]
+    routing[3:][obs] = 65_535  # the prompt's 3 positions come first
+    return dataclasses.replace(
+        t,
+        loss_mask=gen,
+        behavior_logprobs=behavior,
+        versions=versions,
+        kept_counts=kept,
+        routing=routing,
+    )
+
+
+def test_a_multi_turn_loss_mask_round_trips_as_run_lengths():
+    t = multi_turn()
+    m = wire(group(t, trajectory(8, dtype=np.uint16)))
+    assert list(m.trajectories[0].loss_mask_runs) == [2, 3, 2, 1]
+    assert list(m.trajectories[1].loss_mask_runs) == []  # single-turn: nothing on the wire
+    back = records.decode_group(m, LIMITS)  # garbage at inserted positions is not an error
+    assert_same(group(t, trajectory(8, dtype=np.uint16)), back)
+    assert back.trajectories[0].loss_mask.dtype == np.bool_
+    assert back.trajectories[1].loss_mask is None
+    assert back.trajectories[0].num_generated == 4 and back.trajectories[1].num_generated == 8
+    np.testing.assert_array_equal(back.trajectories[1].generated, np.ones(8, bool))
+
+
+def test_the_loss_mask_costs_a_few_bytes_per_turn():
+    plain = trajectory(8)
+    t = dataclasses.replace(plain, loss_mask=multi_turn().loss_mask)
+    extra = records.to_proto(group(t)).ByteSize() - records.to_proto(group(plain)).ByteSize()
+    assert extra == 4 + 2  # four 1-byte runs, a tag and a length
+    # An all-generated mask is sent as nothing: the message of a single-turn trajectory.
+    ones = dataclasses.replace(t, loss_mask=np.ones(8, bool))
+    assert records.to_proto(group(ones)) == records.to_proto(group(plain))
+
+
+def test_an_old_servers_trajectory_is_all_generated():
+    """A message without the field (a server from before multi-turn) decodes to loss_mask None."""
+    m = wire(group())
+    m.trajectories[0].ClearField("loss_mask_runs")
+    assert records.decode_group(m, LIMITS).trajectories[0].loss_mask is None
+
+
+@pytest.mark.parametrize(
+    "runs, expected",
+    [
+        ([], None),
+        ([5], [1, 1, 1, 1, 1]),
+        ([1, 4], [1, 0, 0, 0, 0]),
+        ([2, 1, 1, 1], [1, 1, 0, 1, 0]),
+    ],
+)
+def test_loss_mask_runs_decode_and_encode(runs, expected):
+    mask = records.decode_loss_mask(runs, 5)
+    if expected is None:
+        assert mask is None
+        return
+    np.testing.assert_array_equal(mask, np.array(expected, bool))
+    assert records.encode_loss_mask(mask) == ([] if all(expected) else runs)
+
+
+@pytest.mark.parametrize(
+    "position, value, message",
+    [
+        (0, 300, r"routing id 300 outside \[0, 300\)"),  # a prompt position: replayed
+        (3, 300, r"routing id 300 outside \[0, 300\)"),  # the first (generated) completion token
+        (5, 300, None),  # an observation: routed by the live router, not read
+    ],
+)
+def test_routing_is_checked_where_it_is_replayed(position, value, message):
+    t = multi_turn()
+    routing = t.routing.copy()
+    routing[position] = value
+    m = wire(group(dataclasses.replace(t, routing=routing)))
+    if message is None:
+        records.decode_group(m, LIMITS)
+    else:
+        with pytest.raises(records.InvalidGroupError, match=message):
+            records.decode_group(m, LIMITS)
+
+
+def test_kept_counts_over_the_vocabulary_are_refused_only_at_generated_tokens():
+    t = multi_turn()
+    kept = t.kept_counts.copy()
+    kept[2] = 51  # an observation token
+    records.decode_group(wire(group(dataclasses.replace(t, kept_counts=kept))), LIMITS)
+    kept[1] = 51
+    with pytest.raises(records.InvalidGroupError, match="a kept count 51 exceeds"):
+        records.decode_group(wire(group(dataclasses.replace(t, kept_counts=kept))), LIMITS)

@@ -128,6 +128,21 @@ def test_replaying_own_routing_changes_nothing():
     np.testing.assert_array_equal(replayed.y_btd, own.y_btd)
 
 
+def test_replay_mask_routes_unmasked_tokens_by_the_live_top_k():
+    logits = _normal(5, (4, E))
+    live = route(logits, k=2, norm_topk_prob=True)
+    recorded = (live.ids_tk + 1) % E
+    on = jnp.array([True, False, True, False])
+    r = route(logits, k=2, norm_topk_prob=True, replay_ids_tk=recorded, replay_mask_t=on)
+    replayed = route(logits, k=2, norm_topk_prob=True, replay_ids_tk=recorded)
+    for got, want_on, want_off in (
+        (r.ids_tk, replayed.ids_tk, live.ids_tk),
+        (r.weights_tk, replayed.weights_tk, live.weights_tk),
+    ):
+        np.testing.assert_array_equal(got[on], want_on[on])
+        np.testing.assert_array_equal(got[~on], want_off[~on])  # exactly the live weights
+
+
 def test_replay_weights_come_from_dense_softmax():
     logits = jnp.array([[3.0, 2.0, 1.0, 0.0]])
     r = route(logits, k=2, norm_topk_prob=False, replay_ids_tk=jnp.array([[2, 3]]))

@@ -214,6 +214,40 @@ def test_replaying_own_routing_equals_no_replay(tiny):
     np.testing.assert_array_equal(replayed.routing_btlk, out.routing_btlk)
 
 
+@nnx.jit
+def _forward_masked(model, tokens, replay, replay_mask):
+    return model.forward(tokens, replay_routing=replay, replay_mask_bt=replay_mask)
+
+
+def test_a_token_with_replay_off_gets_the_live_routers_experts(tiny):
+    """Per-token replay (multi-turn R3): tokens off the replay mask are routed by the live
+    router whatever their recorded ids, exactly: replaying the recorded ids where the mask is on
+    and the forward's own top-k where it is off gives the same bits."""
+    tokens = _tokens()
+    own = _forward(tiny, tokens).routing_btlk
+    # Other experts everywhere: distinct per token (shift the own set by one expert).
+    other = ((own.astype(jnp.int32) + 1) % TINY.num_experts).astype(own.dtype)
+    on = jnp.asarray(np.random.default_rng(3).random(tokens.shape) < 0.5).at[:, 0].set(True)
+    masked = _forward_masked(tiny, tokens, other, on)
+    live = masked.routing_btlk  # the router's own top-k in this forward
+    mixed = jnp.where(on[:, :, None, None], other, live)
+    explicit = _forward(tiny, tokens, replay=mixed)
+    np.testing.assert_array_equal(masked.logits_btv, explicit.logits_btv)
+    np.testing.assert_array_equal(masked.routing_btlk, explicit.routing_btlk)
+    # The recorded ids of tokens off the mask are not read.
+    garbage = jnp.where(on[:, :, None, None], other, (other + 2) % TINY.num_experts)
+    again = _forward_masked(tiny, tokens, garbage, on)
+    np.testing.assert_array_equal(again.logits_btv, masked.logits_btv)
+    # All on = plain replay; all off = no replay; the replayed ids do matter where on.
+    all_on = _forward_masked(tiny, tokens, other, jnp.ones(tokens.shape, bool))
+    np.testing.assert_array_equal(
+        all_on.logits_btv, _forward(tiny, tokens, replay=other).logits_btv
+    )
+    all_off = _forward_masked(tiny, tokens, other, jnp.zeros(tokens.shape, bool))
+    np.testing.assert_array_equal(all_off.logits_btv, _forward(tiny, tokens).logits_btv)
+    assert not np.array_equal(masked.logits_btv, all_off.logits_btv)
+
+
 def test_replaying_other_ids_changes_logits_and_trains_the_router(tiny):
     tokens = _tokens()
     own = _forward(tiny, tokens).routing_btlk
