@@ -138,7 +138,7 @@ class WeightsLoader:
         if not base_path:
             self._kept = None  # the served params stop being the kept base's
             real, params = load_under_root(checkpoint_path, self._root, like)
-            return Loaded(real, params, _tree_bytes(params))
+            return Loaded(real, params, params_io.tree_bytes(params))
         if not self._lora.rank:
             raise CheckpointPathError(
                 "the push carries LoRA adapters (base_path is set) but this server runs with "
@@ -149,10 +149,10 @@ class WeightsLoader:
         if self.kept_base != str(base_real):
             self._kept = None
             _, base = load_under_root(str(base_real), self._root, like)
-            nbytes += _tree_bytes(base)
+            nbytes += params_io.tree_bytes(base)
             self._keep(str(base_real), base)
         real, adapters = load_under_root(checkpoint_path, self._root, self._adapters_like)
-        nbytes += _tree_bytes(adapters)
+        nbytes += params_io.tree_bytes(adapters)
         return Loaded(real, self._merge(adapters), nbytes)
 
     def _keep(self, path: str, base: Any) -> None:
@@ -195,7 +195,3 @@ def _to_host(x: jax.Array) -> tuple[Any, Any]:
         return jax.device_put(x, x.sharding.with_memory_kind("pinned_host")), x.sharding
     except (ValueError, jax.errors.JaxRuntimeError):  # a backend without pinned host memory
         return np.asarray(x), x.sharding
-
-
-def _tree_bytes(tree: Any) -> int:
-    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))

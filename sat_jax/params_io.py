@@ -18,11 +18,13 @@ strings for good, so a trainer pushing weights every step grows without bound (d
 from __future__ import annotations
 
 import ast
+import math
 import os
 import threading
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint._src.serialization import tensorstore_utils
@@ -50,6 +52,16 @@ def save_params(path: str | os.PathLike[str], params: Any) -> None:
     with ORBAX_LOCK, ocp.StandardCheckpointer(multiprocessing_options=everyone) as checkpointer:
         checkpointer.save(absolute(path), params, force=True)
         checkpointer.wait_until_finished()
+
+
+def tree_bytes(params: Any) -> int:
+    """Bytes of the arrays of `params` (whole arrays, whatever their sharding or memory kind;
+    `jax.ShapeDtypeStruct`s count too, leaves without a shape and dtype count 0)."""
+    return sum(
+        math.prod(x.shape) * np.dtype(x.dtype).itemsize
+        for x in jax.tree.leaves(params)
+        if hasattr(x, "shape") and hasattr(x, "dtype")
+    )
 
 
 def load_params(path: str | os.PathLike[str], like: Any) -> Any:

@@ -116,10 +116,7 @@ def save_base(base: Any, version: int, weights_dir: str, *, lead: bool = True) -
     return path
 
 
-def tree_bytes(params: Any) -> int:
-    """Bytes of the arrays of ``params`` (whole arrays, whatever their sharding; leaves that are
-    not arrays count 0)."""
-    return sum(int(getattr(x, "nbytes", 0)) for x in jax.tree.leaves(params))
+tree_bytes = params_io.tree_bytes
 
 
 class WeightPusher:
