@@ -249,7 +249,7 @@ def _trajectory_to_proto(t: Trajectory) -> rollout_pb2.Trajectory:
         versions=t.versions.tolist(),
         routing=None if t.routing is None else encode_routing(t.routing),
         kept_counts=None if t.kept_counts is None else t.kept_counts.tolist(),
-        loss_mask_runs=encode_loss_mask(t.loss_mask),
+        loss_mask=encode_loss_mask(t.loss_mask),
         reward=t.reward,
         finish_reason=_FINISH_TO_PROTO[t.finish_reason],
         completion_text=t.completion_text,
@@ -270,7 +270,7 @@ def decode_group(message: rollout_pb2.Group, limits: GroupLimits | None = None) 
     Raises:
       InvalidGroupError: naming the group, the trajectory and what is wrong: per-token fields of
         different lengths, an empty prompt, a non-finite log-prob (of a generated token) or
-        reward, loss-mask runs that are not a mask of the completion (`decode_loss_mask`); with
+        reward, a `loss_mask` that is not a mask of the completion (`decode_loss_mask`); with
         `limits`, a token id outside [0, vocab_size), a missing or unreadable routing, a routing
         of another (L, K), a routing id outside [0, num_experts) at a position the trainer
         replays (the prompt and the generated tokens), a kept count of a generated token over
@@ -319,7 +319,7 @@ def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) ->
     """One trajectory's record; ValueError names what is wrong (without the group)."""
     prompt_ids = np.array(t.prompt_ids, np.int32)
     completion_ids = np.array(t.completion_ids, np.int32)
-    loss_mask = decode_loss_mask(t.loss_mask_runs, completion_ids.size)
+    loss_mask = decode_loss_mask(t.loss_mask, completion_ids.size)
     generated = np.ones(completion_ids.size, bool) if loss_mask is None else loss_mask
     if limits is not None:
         for name, ids in (("prompt", prompt_ids), ("completion", completion_ids)):
@@ -362,41 +362,40 @@ def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) ->
 
 
 def encode_loss_mask(loss_mask: np.ndarray | None) -> list[int]:
-    """The wire's `loss_mask_runs` of a record's loss mask: the lengths of its alternating runs,
-    generated first; [] when every token is generated (or the mask is None), as single-turn."""
-    if loss_mask is None or loss_mask.all():
-        return []
-    change = np.flatnonzero(loss_mask[1:] != loss_mask[:-1]) + 1
-    bounds = np.concatenate([[0], change, [loss_mask.size]])
-    return np.diff(bounds).tolist()
+    """The wire's `loss_mask` of a record's: one 0/1 per completion token; [] for None (every
+    token generated, as single-turn)."""
+    return [] if loss_mask is None else np.asarray(loss_mask, bool).astype(np.uint8).tolist()
 
 
-def decode_loss_mask(runs: Iterable[int], completion_tokens: int) -> np.ndarray | None:
-    """The loss mask of `loss_mask_runs` (`encode_loss_mask`'s inverse).
+def decode_loss_mask(values: Iterable[int], completion_tokens: int) -> np.ndarray | None:
+    """The loss mask of the wire's `loss_mask` (`encode_loss_mask`'s inverse).
 
     Args:
-      runs: the run lengths, alternating generated and inserted, generated first.
+      values: one 0/1 per completion token (1 = generated, 0 = inserted), or none.
       completion_tokens: C, the trajectory's completion length.
 
     Returns:
-      bool [C], or None when `runs` is empty (every completion token generated).
+      bool [C], or None when `values` is empty (every completion token generated).
 
     Raises:
-      ValueError: a run of length 0, or runs that do not sum to C.
+      ValueError: a value other than 0 and 1, a length other than C, or a first completion
+        token that is not generated (an episode starts with the policy's turn).
     """
-    runs_ = np.array(list(runs), np.int64)
-    if runs_.size == 0:
+    mask = np.array(list(values), np.int64)
+    if mask.size == 0:
         return None
-    if runs_.min() < 1:
-        i = int(np.flatnonzero(runs_ < 1)[0])
-        raise ValueError(f"loss_mask_runs[{i}] is {int(runs_[i])}, every run must be >= 1")
-    if int(runs_.sum()) != completion_tokens:
+    if mask.size != completion_tokens:
         raise ValueError(
-            f"loss_mask_runs sum to {int(runs_.sum())}, expected the {completion_tokens} "
-            "completion tokens"
+            f"loss_mask has {mask.size} entries, expected one per completion token "
+            f"({completion_tokens})"
         )
-    values = np.arange(runs_.size) % 2 == 0  # generated, inserted, generated, ...
-    return np.repeat(values, runs_)
+    bad = np.flatnonzero((mask != 0) & (mask != 1))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"loss_mask[{i}] is {int(mask[i])}; entries must be 0 or 1")
+    if mask[0] != 1:
+        raise ValueError("loss_mask[0] is 0: the first completion token is the policy's")
+    return mask.astype(bool)
 
 
 def _check_vector(name: str, value: object, dtype: type) -> None:

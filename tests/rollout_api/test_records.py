@@ -164,10 +164,10 @@ R = np.zeros((5, L, K), np.uint8)
         (_set("kept_counts", [3]), "2 completion tokens but 1 kept counts"),
         (_set("kept_counts", [3, 0]), "a kept count is 0, must be >= 1"),
         (_set("kept_counts", [3, 51]), "a kept count 51 exceeds the vocabulary 50"),
-        (_set("loss_mask_runs", [2, 1]), "loss_mask_runs sum to 3, expected the 2 completion"),
-        (_set("loss_mask_runs", [1]), "loss_mask_runs sum to 1, expected the 2 completion"),
-        (_set("loss_mask_runs", [1, 0, 1]), "loss_mask_runs[1] is 0, every run must be >= 1"),
-        (_set("loss_mask_runs", [0, 2]), "loss_mask_runs[0] is 0, every run must be >= 1"),
+        (_set("loss_mask", [1, 0, 1]), "loss_mask has 3 entries, expected one per completion"),
+        (_set("loss_mask", [1]), "loss_mask has 1 entries, expected one per completion"),
+        (_set("loss_mask", [1, 2]), "loss_mask[1] is 2; entries must be 0 or 1"),
+        (_set("loss_mask", [0, 1]), "loss_mask[0] is 0: the first completion token is the policy"),
     ],
 )
 def test_every_invalid_group_is_refused_naming_what_is_wrong(change, message):
@@ -249,11 +249,11 @@ def multi_turn(**kw) -> records.Trajectory:
     )
 
 
-def test_a_multi_turn_loss_mask_round_trips_as_run_lengths():
+def test_a_multi_turn_loss_mask_round_trips_one_entry_per_token():
     t = multi_turn()
     m = wire(group(t, trajectory(8, dtype=np.uint16)))
-    assert list(m.trajectories[0].loss_mask_runs) == [2, 3, 2, 1]
-    assert list(m.trajectories[1].loss_mask_runs) == []  # single-turn: nothing on the wire
+    assert list(m.trajectories[0].loss_mask) == [1, 1, 0, 0, 0, 1, 1, 0]
+    assert list(m.trajectories[1].loss_mask) == []  # single-turn: nothing on the wire
     back = records.decode_group(m, LIMITS)  # garbage at inserted positions is not an error
     assert_same(group(t, trajectory(8, dtype=np.uint16)), back)
     assert back.trajectories[0].loss_mask.dtype == np.bool_
@@ -262,39 +262,33 @@ def test_a_multi_turn_loss_mask_round_trips_as_run_lengths():
     np.testing.assert_array_equal(back.trajectories[1].generated, np.ones(8, bool))
 
 
-def test_the_loss_mask_costs_a_few_bytes_per_turn():
+def test_the_loss_mask_costs_one_byte_per_token_and_nothing_for_single_turn():
     plain = trajectory(8)
     t = dataclasses.replace(plain, loss_mask=multi_turn().loss_mask)
     extra = records.to_proto(group(t)).ByteSize() - records.to_proto(group(plain)).ByteSize()
-    assert extra == 4 + 2  # four 1-byte runs, a tag and a length
-    # An all-generated mask is sent as nothing: the message of a single-turn trajectory.
-    ones = dataclasses.replace(t, loss_mask=np.ones(8, bool))
-    assert records.to_proto(group(ones)) == records.to_proto(group(plain))
+    assert extra == 8 + 2  # eight packed 1-byte varints, a tag and a length
+    # No mask (a single-turn trajectory) is sent as nothing.
+    assert list(records.to_proto(group(plain)).trajectories[0].loss_mask) == []
 
 
 def test_an_old_servers_trajectory_is_all_generated():
     """A message without the field (a server from before multi-turn) decodes to loss_mask None."""
     m = wire(group())
-    m.trajectories[0].ClearField("loss_mask_runs")
+    m.trajectories[0].ClearField("loss_mask")
     assert records.decode_group(m, LIMITS).trajectories[0].loss_mask is None
 
 
 @pytest.mark.parametrize(
-    "runs, expected",
-    [
-        ([], None),
-        ([5], [1, 1, 1, 1, 1]),
-        ([1, 4], [1, 0, 0, 0, 0]),
-        ([2, 1, 1, 1], [1, 1, 0, 1, 0]),
-    ],
+    "values",
+    [[], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0], [1, 1, 0, 1, 0]],
 )
-def test_loss_mask_runs_decode_and_encode(runs, expected):
-    mask = records.decode_loss_mask(runs, 5)
-    if expected is None:
-        assert mask is None
+def test_loss_mask_decode_and_encode(values):
+    mask = records.decode_loss_mask(values, 5)
+    if not values:
+        assert mask is None and records.encode_loss_mask(mask) == []
         return
-    np.testing.assert_array_equal(mask, np.array(expected, bool))
-    assert records.encode_loss_mask(mask) == ([] if all(expected) else runs)
+    np.testing.assert_array_equal(mask, np.array(values, bool))
+    assert records.encode_loss_mask(mask) == values
 
 
 @pytest.mark.parametrize(
