@@ -7,6 +7,15 @@ allocated once when the request gets its slot (`TokenBuffer`: no per-token Pytho
 finished `RolloutRequest`s to their `on_done` callback with views of those arrays. Stock `Decode` requests (plain `ActiveRequest`s)
 stream tokens as JetStream does. Any exception is caught per request: JetStream SIGKILLs the whole
 process when one of its threads dies.
+
+Multi-turn episodes (`RolloutRequest.episode`) keep their slot across turns. When a turn ends (a
+stop token, the per-turn `turn_tokens`, or the episode's `max_tokens`) the request waits and
+`on_turn` receives the turn; the rollout loop asks the environment and answers with
+`continue_episode` (the observation tokens) or `end_episode`. Both travel through this thread's
+own backlog, so the buffer is only ever touched here: a continuation appends the observation
+tokens (loss mask 0) and only then schedules the engine's extension, whose steps carry the next
+segment number; steps of an older segment (the slot decoded on while the environment ran) are
+dropped.
 """
 
 from __future__ import annotations
@@ -54,6 +63,22 @@ class FinishedSample:
     routing: np.ndarray
     finish_reason: str
     kept_counts: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TurnEnd:
+    """One ended assistant turn of an episode, as `on_turn` receives it.
+
+    Attributes:
+      ids: [n] the turn's generated ids (the stop id included when `finish_reason == "eos"`).
+      finish_reason: "eos" (a stop token) or "length" (the turn's or the episode's limit).
+      room: completion tokens the episode has left (`max_tokens` minus those so far).
+    """
+
+    ids: np.ndarray
+    finish_reason: str
+    room: int
 
 
 class TokenBuffer:
@@ -66,7 +91,14 @@ class TokenBuffer:
       max_tokens: the most completion tokens the request may produce.
     """
 
-    def __init__(self, prompt_ids: np.ndarray, prompt_routing: np.ndarray, max_tokens: int):
+    def __init__(
+        self,
+        prompt_ids: np.ndarray,
+        prompt_routing: np.ndarray,
+        max_tokens: int,
+        *,
+        masked: bool = False,
+    ):
         p = len(prompt_ids)
         self.prompt_ids = np.asarray(prompt_ids, np.int32)
         self.tokens = np.empty(max_tokens, np.int32)
@@ -76,6 +108,8 @@ class TokenBuffer:
         # Prompt then completion positions, so the finished routing needs no concatenation.
         self.routing = np.empty((p + max_tokens, *prompt_routing.shape[1:]), prompt_routing.dtype)
         self.routing[:p] = prompt_routing
+        # Multi-turn: True where the policy generated the token (`insert` writes False).
+        self.mask = np.empty(max_tokens, bool) if masked else None
         self.size = 0  # completion tokens written
 
     def add(
@@ -96,7 +130,30 @@ class TokenBuffer:
         self.tokens[n], self.logprobs[n], self.versions[n] = token, logp, version
         self.kept[n] = kept
         self.routing[len(self.prompt_ids) + n] = routing
+        if self.mask is not None:
+            self.mask[n] = True
         self.size = n + 1
+
+    def insert(self, tokens: np.ndarray) -> None:
+        """Appends inserted (observation) tokens: loss mask 0, log-prob 0, the last generated
+        token's version, kept count 0 and routing 0 (the trainer reads none of them).
+
+        Raises:
+          ValueError: the buffer is not masked, or the tokens do not fit.
+        """
+        n, k = self.size, len(tokens)
+        if self.mask is None:
+            raise ValueError("insert needs a masked (multi-turn) buffer")
+        if n + k > len(self.tokens):
+            raise ValueError(f"{k} inserted tokens do not fit after {n} of {len(self.tokens)}")
+        p = len(self.prompt_ids)
+        self.tokens[n : n + k] = tokens
+        self.logprobs[n : n + k] = 0.0
+        self.versions[n : n + k] = self.versions[n - 1] if n else 0
+        self.kept[n : n + k] = 0
+        self.routing[p + n : p + n + k] = 0
+        self.mask[n : n + k] = False
+        self.size = n + k
 
     def sample(self, finish_reason: str) -> FinishedSample:
         """The finished sample: views of the filled part of the arrays."""
@@ -109,6 +166,7 @@ class TokenBuffer:
             routing=self.routing[: len(self.prompt_ids) + n],
             finish_reason=finish_reason,
             kept_counts=self.kept[:n],
+            loss_mask=None if self.mask is None else self.mask[:n],
         )
 
 
@@ -116,11 +174,37 @@ class TokenBuffer:
 class RolloutRequest(orchestrator.ActiveRequest):
     """A request from the rollout loop; `on_done(request, sample)` receives its result.
 
-    `buffer` is set when the request gets its slot (None after a failed prefill or insert)."""
+    `buffer` is set when the request gets its slot (None after a failed prefill or insert).
+
+    A multi-turn request (`episode`) has `max_tokens` for the whole episode (generated and
+    inserted tokens) and `turn_tokens` per turn; `on_turn(request, turn)` receives each ended turn
+    (on the detokenize thread: hand over, do not block), and the request waits for
+    `RolloutDriver.continue_episode` or `end_episode`. The fields after `on_turn` are the
+    driver's."""
 
     tag: Any = None
     on_done: Callable[[RolloutRequest, FinishedSample | None], None] | None = None
     buffer: TokenBuffer | None = None
+    episode: bool = False
+    turn_tokens: int = 0
+    on_turn: Callable[[RolloutRequest, TurnEnd], None] | None = None
+    slot: int = -1
+    segment: int = 0  # the engine segment whose steps this request takes
+    waiting: bool = False  # a turn ended; the environment has not answered yet
+    turn_start: int = 0  # where the current turn starts in the buffer
+    last_finish: str = "eos"  # how the last turn ended (the episode's finish reason)
+    detokenize_index: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class _Continue:
+    request: RolloutRequest
+    tokens: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class _End:
+    request: RolloutRequest
 
 
 class RolloutDriver(orchestrator.Driver):
@@ -135,6 +219,17 @@ class RolloutDriver(orchestrator.Driver):
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._counter_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def continue_episode(self, request: RolloutRequest, tokens: Any) -> None:
+        """Continues a waiting episode after `tokens` (the observation ids, at least one): they
+        join the trajectory with loss mask 0 and the slot decodes on after them. Thread-safe."""
+        tokens = np.asarray(tokens, np.int32)
+        self._detokenize_backlogs[request.detokenize_index].put(_Continue(request, tokens))
+
+    def end_episode(self, request: RolloutRequest) -> None:
+        """Ends a waiting episode: `on_done` receives its sample (finish reason: its last turn's)
+        and the slot is freed. Thread-safe."""
+        self._detokenize_backlogs[request.detokenize_index].put(_End(request))
 
     def prefill_backlog_size(self) -> int:
         """Requests waiting for a prefill."""
@@ -192,16 +287,22 @@ class RolloutDriver(orchestrator.Driver):
             item = backlog.get(block=True)
             if item is None:
                 break
+            if isinstance(item, _Continue | _End):
+                self._episode_action(item, live, free_slots, engine)
+                continue
             if not isinstance(item[1], engine_api.ResultTokens):
                 slot, request = item
                 live[slot] = request
                 if isinstance(request, RolloutRequest):
+                    request.slot, request.detokenize_index = slot, idx
                     try:
                         prompt_ids, prompt_routing = engine.slot_prompt(slot)
                     except KeyError:  # a failed prefill/insert: the slot emits nothing
                         request.buffer = None
                     else:
-                        request.buffer = TokenBuffer(prompt_ids, prompt_routing, request.max_tokens)
+                        request.buffer = TokenBuffer(
+                            prompt_ids, prompt_routing, request.max_tokens, masked=request.episode
+                        )
                 continue
             try:
                 step = unpack_step(
@@ -212,6 +313,9 @@ class RolloutDriver(orchestrator.Driver):
                 continue
             emitted = 0
             for slot, request in list(live.items()):
+                if isinstance(request, RolloutRequest) and request.episode:
+                    if request.waiting or step["segment"][slot] != request.segment:
+                        continue  # steps after the turn's end, before its extension
                 try:
                     done = self._advance(request, slot, step, stops, engine)
                 except Exception:
@@ -251,6 +355,14 @@ class RolloutDriver(orchestrator.Driver):
                 step["routing"][slot],
                 step["kept"][slot],
             )
+            if request.episode:
+                if token in stops:
+                    return self._end_turn(request, "eos")
+                if buffer.size - request.turn_start >= request.turn_tokens or (
+                    buffer.size >= request.max_tokens
+                ):
+                    return self._end_turn(request, "length")
+                return False
             if token in stops:
                 return self._finish(request, "eos")
             if buffer.size >= request.max_tokens:
@@ -269,6 +381,55 @@ class RolloutDriver(orchestrator.Driver):
             channel.close()
             return True
         return False
+
+    def _end_turn(self, request: RolloutRequest, reason: str) -> bool:
+        """Hands an ended turn to `on_turn`; the request keeps its slot and waits."""
+        buffer = request.buffer
+        request.waiting, request.last_finish = True, reason
+        turn = TurnEnd(
+            ids=buffer.tokens[request.turn_start : buffer.size].copy(),
+            finish_reason=reason,
+            room=request.max_tokens - buffer.size,
+        )
+        if request.on_turn is None:
+            return self._finish(request, reason)
+        request.on_turn(request, turn)
+        return False
+
+    def _episode_action(
+        self,
+        item: _Continue | _End,
+        live: dict[int, orchestrator.ActiveRequest],
+        free_slots: Any,
+        engine: MoEEngine,
+    ) -> None:
+        """Carries out `continue_episode` / `end_episode` for a request still in its slot."""
+        request = item.request
+        slot = request.slot
+        if live.get(slot) is not request or not request.waiting:
+            log.warning("episode action for a request no longer waiting in slot %d; ignored", slot)
+            return
+        try:
+            if isinstance(item, _End):
+                self._finish(request, request.last_finish)
+                done = True
+            else:
+                buffer = request.buffer
+                start = len(buffer.prompt_ids) + buffer.size
+                buffer.insert(item.tokens)
+                request.segment += 1
+                request.waiting, request.turn_start = False, buffer.size
+                engine.schedule_extend(
+                    slot, item.tokens, start=start, generated=buffer.size, segment=request.segment
+                )
+                done = False
+        except Exception:
+            log.exception("episode in slot %d failed; freeing the slot", slot)
+            self._fail(request)
+            done = True
+        if done:
+            del live[slot]
+            free_slots.put(slot, block=False)
 
     def _finish(self, request: orchestrator.ActiveRequest, reason: str) -> bool:
         if not isinstance(request, RolloutRequest):

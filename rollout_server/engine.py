@@ -17,6 +17,12 @@ the tokenizer never; the character tokenizer also excludes pad and bos); the beh
 under that restricted, temperature/top-k/top-p-adjusted distribution. Prompts are the tokenizer's
 ids as they are: JetStream's BOS is never prepended (`RolloutDriver`, docs/DESIGN.md §11).
 
+Multi-turn episodes continue in their slot: the driver's detokenize thread asks for an extension
+(`schedule_extend`: the observation tokens, where the turn ended) and the generate thread applies
+it at the start of its next `generate`, before that step samples (`DecodeCore.extend`: only the new
+tokens are computed). The slot's segment number, in every step's output, tells the driver which
+steps follow the extension.
+
 The engine owns `(version, params)` and passes params into the core's jitted functions as
 arguments, so `swap_params` changes weights between two steps without recompiling; weights of
 another float dtype are cast to the engine's serving dtype (e.g. float32 trainer weights served in
@@ -120,6 +126,9 @@ class MoEEngine(engine_api.Engine):
         )
         self._current = (int(version), params)
         self._swap_lock = threading.Lock()
+        # (slot, tokens, start, generated, segment) waiting for the generate thread.
+        self._extensions: list[tuple[int, np.ndarray, int, int, int]] = []
+        self._extensions_lock = threading.Lock()
         self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
 
     @property
@@ -128,8 +137,18 @@ class MoEEngine(engine_api.Engine):
         return self.core.prefill_calls
 
     @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the prefills computed."""
+        return self.core.prefill_tokens
+
+    @property
+    def extend_tokens(self) -> int:
+        """Observation tokens the multi-turn extensions computed."""
+        return self.core.extend_tokens
+
+    @property
     def max_decode_length(self) -> int:
-        """Most tokens generated per request."""
+        """Most completion tokens per request (an episode's generated and inserted tokens)."""
         return self.core.max_decode_length
 
     @property
@@ -241,11 +260,43 @@ class MoEEngine(engine_api.Engine):
             raise KeyError(f"slot {slot} holds no prompt (nothing or a failed insert)")
         return entry
 
+    def schedule_extend(
+        self, slot: int, tokens: np.ndarray, *, start: int, generated: int, segment: int
+    ) -> None:
+        """Asks the generate thread to continue `slot` after `tokens` (`DecodeCore.extend`'s
+        arguments) before its next step. Thread-safe; a failure is logged and leaves the slot
+        exhausted, so its request ends with no valid token."""
+        with self._extensions_lock:
+            self._extensions.append((slot, np.asarray(tokens, np.int32), start, generated, segment))
+
+    def _apply_extensions(self, state: DecodeState, version: int, params: Any) -> DecodeState:
+        with self._extensions_lock:
+            pending, self._extensions = self._extensions, []
+        for slot, tokens, start, generated, segment in pending:
+            try:
+                state = self.core.extend(
+                    params,
+                    state,
+                    slot,
+                    tokens,
+                    start=start,
+                    generated=generated,
+                    version=version,
+                    segment=segment,
+                )
+            except Exception:
+                log.exception("extending slot %d failed; the slot stays empty", slot)
+                state = self.core.evict(state, jnp.int32(slot), segment)
+        return state
+
     def generate(
         self, params: Any, decode_state: DecodeState, **kwargs
     ) -> tuple[DecodeState, engine_api.ResultTokens]:
-        """One step for every slot under the current (version, params); `params` is ignored."""
+        """One step for every slot under the current (version, params), after the extensions
+        scheduled since the last step; `params` is ignored."""
         version, current = self._current
+        if self._extensions:
+            decode_state = self._apply_extensions(decode_state, version, current)
         state, data = self.core.generate(current, decode_state, jnp.int32(version))
         return state, engine_api.ResultTokens(
             data=data,

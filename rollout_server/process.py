@@ -28,6 +28,7 @@ from rollout_server import weights
 from rollout_server.auth import TokenInterceptor
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
+from rollout_server.episodes import EpisodeRunner
 from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
@@ -38,6 +39,7 @@ from sat_jax.model import Transformer, hf
 from sat_jax.model.config import runtime_overrides
 from sat_jax.parallel import sharding
 from sat_jax.tasks import make_reward, prompt_source
+from sat_jax.tasks.envs import load_environment
 
 log = logging.getLogger("rollout_server")
 
@@ -97,7 +99,7 @@ class RolloutServer:
             tokenizer=self.tokenizer,
             slots=s.slots,
             max_prefill_length=s.max_prefill_length,
-            max_decode_length=r.max_new_tokens,
+            max_decode_length=cfg.completion_tokens,  # an episode's, multi-turn
             sampling=SamplingConfig.from_rollout(r),
             seed=s.seed,
         )
@@ -136,6 +138,11 @@ class RolloutServer:
             max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
             rows_skipped=rows_skipped,
             lease_s=s.lease_s,
+            episodes=(
+                EpisodeRunner(load_environment(cfg.task.env), cfg.task.env_config, self.tokenizer)
+                if cfg.task.multi_turn
+                else None
+            ),
         )
         self.metrics = ServerMetrics(
             self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()

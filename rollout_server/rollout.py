@@ -48,13 +48,15 @@ import grain
 
 from rollout_api import records
 from rollout_api.proto import rollout_pb2
-from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest
+from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
 from rollout_server.engine import MoEEngine
+from rollout_server.episodes import EpisodeRunner
 from rollout_server.group_queue import GroupQueue
 from rollout_server.persistence import RolloutState, StateStore, new_server_id
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import RolloutConfig
-from sat_jax.tasks import Tokenizer
+from sat_jax.tasks import Prompt, Tokenizer
+from sat_jax.tasks.envs import EnvError, Episode
 from sat_jax.tasks.rewards import RewardFn
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,9 @@ class _RunningGroup:
     prompt_ids: list[int]
     samples: dict[int, FinishedSample] = dataclasses.field(default_factory=dict)
     failures: int = 0
+    # Multi-turn: each sample's episode, and the samples whose environment failed mid-episode.
+    episodes: dict[int, Episode] = dataclasses.field(default_factory=dict)
+    env_failed: set[int] = dataclasses.field(default_factory=set)
 
 
 def admission_budget(
@@ -94,6 +99,13 @@ def admission_budget(
     versions = cfg.max_staleness + version - state.epoch_version + 1
     used = state.consumed + queued + running - state.epoch_used
     return versions * state.share * cfg.batch_groups - used
+
+
+_TURN = object()  # marks an ended turn in the loop's queue
+
+
+def _prompt(record: dict[str, Any]) -> Prompt:
+    return Prompt(id=record["id"], text=record["text"], answer=record["answer"])
 
 
 class RunNotAttachedError(RuntimeError):
@@ -124,6 +136,10 @@ class RolloutLoop:
         in `stats()`.
       clock: the monotonic clock, in seconds, that leases, the attached run's silence and the
         throughput are measured with (tests pass a fake one to expire a lease without waiting).
+      episodes: runs multi-turn episodes (`task.env`); None = single-turn samples scored by
+        `reward_fn`. Each sample is then an episode in one slot: `rollout.max_new_tokens`
+        bounds each turn and the engine's `max_decode_length` the episode; its reward is the
+        episode's, its trajectory carries the loss mask.
     """
 
     def __init__(
@@ -141,8 +157,10 @@ class RolloutLoop:
         lease_s: float,
         rows_skipped: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        episodes: EpisodeRunner | None = None,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
+        self._episodes = episodes
         self._truncates = SamplingConfig.from_rollout(cfg).truncates
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
         self.queue = GroupQueue(cfg.queue_groups)
@@ -469,9 +487,12 @@ class RolloutLoop:
                 self._state.next_group_id += 1
                 self._state.iterator = self._iter.get_state()
             try:
-                ids = self._tokenizer.encode_prompt(record["text"])
+                if self._episodes is None:
+                    ids = self._tokenizer.encode_prompt(record["text"])
+                else:  # the opening as the environment renders it (each sample checks its own)
+                    ids = self._episodes.start(_prompt(record))[1]
                 self._engine.check_prompt_length(len(ids))
-            except ValueError as e:
+            except (ValueError, EnvError) as e:
                 self.prompts_skipped += 1
                 log.warning(
                     "skipping prompt %s (%d skipped so far): %s",
@@ -489,19 +510,57 @@ class RolloutLoop:
             self._submit(group, i)
 
     def _submit(self, group: _RunningGroup, index: int) -> None:
+        ids, episode = group.prompt_ids, None
+        if self._episodes is not None:
+            try:
+                episode, ids = self._episodes.start(_prompt(group.record))
+                self._engine.check_prompt_length(len(ids))
+            except (ValueError, EnvError) as e:
+                log.warning("cannot start an episode of prompt %s: %s", group.record["id"], e)
+                self._done.put(((group.record["group_id"], index), None))
+                return
+            group.episodes[index] = episode
         request = RolloutRequest(
-            max_tokens=self._cfg.max_new_tokens,
+            max_tokens=self._cfg.max_new_tokens
+            if episode is None
+            else self._engine.max_decode_length,
             return_channel=None,
-            prefill_content=list(group.prompt_ids),
+            prefill_content=list(ids),
             is_client_side_tokenization=True,
             tag=(group.record["group_id"], index),
             on_done=self._on_done,
+            episode=episode is not None,
+            turn_tokens=self._cfg.max_new_tokens,
+            on_turn=self._on_turn,
         )
         self._driver.place_request_on_prefill_queue(request)
 
     def _on_done(self, request: RolloutRequest, sample: FinishedSample | None) -> None:
         # Called on JetStream's detokenize thread: only hand over.
         self._done.put((request.tag, sample))
+
+    def _on_turn(self, request: RolloutRequest, turn: TurnEnd) -> None:
+        # Called on JetStream's detokenize thread: the environment runs on the loop's thread.
+        self._done.put((_TURN, (request, turn)))
+
+    def _after_turn(self, request: RolloutRequest, turn: TurnEnd) -> None:
+        """Asks the sample's environment about its ended turn and continues or ends the
+        episode; a sample whose group is gone (acknowledged, dropped) just ends, freeing its
+        slot, and one whose environment fails ends and is sampled again."""
+        group_id, index = request.tag
+        group = self._running.get(group_id)
+        episode = None if group is None else group.episodes.get(index)
+        ids = None
+        if episode is not None:
+            try:
+                ids = self._episodes.after_turn(episode, turn)
+            except (EnvError, ValueError) as e:
+                log.warning("episode of prompt %s failed: %s", group.record["id"], e)
+                group.env_failed.add(index)
+        if ids is None:
+            self._driver.end_episode(request)
+        else:
+            self._driver.continue_episode(request, ids)
 
     def _collect(self, timeout_s: float) -> None:
         try:
@@ -513,10 +572,17 @@ class RolloutLoop:
                 items.append(self._done.get_nowait())
             except queue.Empty:
                 break
-        for (group_id, index), sample in items:
+        for tag, sample in items:
+            if tag is _TURN:
+                self._after_turn(*sample)
+                continue
+            group_id, index = tag
             group = self._running.get(group_id)
             if group is None:
                 continue
+            if index in group.env_failed:
+                group.env_failed.discard(index)
+                sample = None
             if sample is None:  # generation failed: sample again, a few times
                 group.failures += 1
                 if group.failures <= _MAX_FAILURES:
@@ -561,6 +627,7 @@ class RolloutLoop:
         for i in range(self._cfg.group_size):
             s = group.samples[i]
             text = self._tokenizer.decode(s.completion_ids)
+            episode = group.episodes.get(i)
             trajectories.append(
                 records.Trajectory(
                     prompt_ids=s.prompt_ids,
@@ -571,9 +638,10 @@ class RolloutLoop:
                     # Sent only when the sampler truncates: otherwise every count is the whole
                     # sampleable vocabulary, and the trainer scores over it anyway.
                     kept_counts=s.kept_counts if self._truncates else None,
-                    reward=self._reward(text, record),
+                    reward=self._reward(text, record) if episode is None else episode.reward,
                     finish_reason=s.finish_reason,
                     completion_text=text,
+                    loss_mask=s.loss_mask,
                 )
             )
         return records.Group(

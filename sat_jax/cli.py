@@ -77,24 +77,7 @@ class Command:
         """The experiment config of `--config` and the overrides; a `ConfigError` fails with
         `<prog>: config error: <message naming the key>`."""
         with self.exit_on(ConfigError, prefix="config error: "):
-            return commands_config(args.config, args.overrides)
-
-
-def commands_config(path: str | None, overrides: Sequence[str]) -> ExperimentConfig:
-    """`load_config` for the commands (sat-serve, sat-train, sat-export, sat-eval).
-
-    Raises:
-      ConfigError: also for a multi-turn `task.env`: the environments exist in the library
-        (`sat_jax.tasks.envs`) and the trainer masks observation tokens, but the rollout server
-        does not run episodes yet, and a run would silently train single answers.
-    """
-    cfg = load_config(path, overrides)
-    if cfg.task.env not in ("", "single_turn"):
-        raise ConfigError(
-            f"task.env: {cfg.task.env!r} is a multi-turn environment; the library runs it "
-            "(sat_jax.tasks.envs) but sat-serve does not run episodes yet; leave task.env unset"
-        )
-    return cfg
+            return load_config(args.config, args.overrides)
 
 
 def log_to_stderr(*loggers: str) -> None:

@@ -5,13 +5,19 @@ to JetStream's Engine API and adds weight swaps) and evaluation (``complete``, b
 slots, used by ``sat-eval`` and the trainer's periodic evaluation), so an evaluation samples
 exactly as the server does (docs/DESIGN.md §1, §6.1).
 
-Per generated token, ``DecodeCore.generate`` returns, in int32 columns of one [B, 6 + L·K] array
+Per generated token, ``DecodeCore.generate`` returns, in int32 columns of one [B, 7 + L·K] array
 (one host copy per step): the token, whether it is valid (the slot was active), the slot's
-generated count, the behavior log-prob bit-cast from float32, the weights version whose logits the
-token was sampled from, how many tokens the top-k / top-p truncation kept (the trainer's
-truncation replay, docs/DESIGN.md §2), and the token's top-k expert ids per MoE layer (computed
-when the token is fed back through the model in the same step). ``unpack_step`` reads it on the
-host.
+completion length, the behavior log-prob bit-cast from float32, the weights version whose logits
+the token was sampled from, how many tokens the top-k / top-p truncation kept (the trainer's
+truncation replay, docs/DESIGN.md §2), the slot's segment (how many times ``extend`` has appended
+tokens to it since its insert), and the token's top-k expert ids per MoE layer (computed when the
+token is fed back through the model in the same step). ``unpack_step`` reads it on the host.
+
+Multi-turn episodes continue in their slot: ``extend`` rewinds a slot's cache to the end of a turn
+and appends the environment's observation tokens in one chunked forward (only the new tokens are
+computed; the cache before them is kept), so decoding goes on from the observation's last logits.
+Steps a slot ran between the end of its turn and the extension are garbage; the segment column
+tells a consumer which steps come after the extension.
 
 A prefill emits no token: the prefix keeps the last prompt position's logits and the next
 ``generate`` samples from them. So a token's version is the version of the params that produced its
@@ -41,7 +47,9 @@ from sat_jax.model import KVCache, ModelConfig
 from sat_jax.parallel import sharding
 
 # Column layout of one generate step's output.
-TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, ROUTING_COL = range(7)
+TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, SEGMENT_COL, ROUTING_COL = range(
+    8
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,13 +128,16 @@ class Prefix:
 
 @struct.dataclass
 class DecodeState:
-    """All slots: the KV cache, each slot's pending next-token logits and their version."""
+    """All slots: the KV cache, each slot's pending next-token logits and their version, its
+    completion length (generated and inserted tokens; ``max_decode_length`` = exhausted) and its
+    segment (extensions since the insert)."""
 
     cache: KVCache
     logits_bv: jax.Array
     logits_version_b: jax.Array
     generated_b: jax.Array
     key: jax.Array
+    segment_b: jax.Array
 
 
 class _Serialized:
@@ -159,7 +170,8 @@ class DecodeCore:
       config: its ``ModelConfig``.
       slots: concurrent decodes (B).
       max_prefill_length: longest (padded) prompt.
-      max_decode_length: most tokens generated per request; a slot stops there.
+      max_decode_length: most completion tokens per request (a multi-turn episode's generated
+        and inserted tokens together); a slot stops there.
       sampling: temperature / top-k / top-p.
       sampleable_v: [V] bool, the ids sampling may produce.
       seed: sampling PRNG seed.
@@ -198,6 +210,9 @@ class DecodeCore:
         # The last prefill, reused while the same prompt comes again under the same version (a
         # group's G samples arrive together): one prefill per group.
         self.prefill_calls = 0
+        self.prefill_tokens = 0  # prompt tokens the real prefills computed
+        self.extend_calls = 0
+        self.extend_tokens = 0  # observation tokens the extensions computed
         self._last_prefill: tuple[tuple[bytes, int], Prefix] | None = None
         self._prefill_lock = threading.Lock()
         # Host-simulated devices run a sharded program's collectives as a rendezvous of the
@@ -214,10 +229,14 @@ class DecodeCore:
         self.generate_step = self._serialized(
             jax.jit(self._generate, donate_argnums=(1,), static_argnums=(3,))
         )
+        self._extend_step = self._serialized(jax.jit(self._extend, donate_argnums=(1,)))
         self._evict_step = self._serialized(
             jax.jit(
-                lambda state, slot: state.replace(
-                    generated_b=state.generated_b.at[slot].set(self.max_decode_length)
+                lambda state, slot, segment: state.replace(
+                    generated_b=state.generated_b.at[slot].set(self.max_decode_length),
+                    segment_b=jnp.where(
+                        segment < 0, state.segment_b, state.segment_b.at[slot].set(segment)
+                    ),
                 )
             )
         )
@@ -278,14 +297,58 @@ class DecodeCore:
             logits_version_b=state.logits_version_b.at[slot].set(prefix.version),
             generated_b=state.generated_b.at[slot].set(0),
             key=state.key,
+            segment_b=state.segment_b.at[slot].set(0),
         )
+
+    def _extend(
+        self,
+        params: Any,
+        state: DecodeState,
+        slot: jax.Array,
+        tokens_t: jax.Array,
+        n: jax.Array,
+        start: jax.Array,
+        generated: jax.Array,
+        version: jax.Array,
+        segment: jax.Array,
+    ) -> DecodeState:
+        model = nnx.merge(self.graphdef, params)
+        c = state.cache
+        row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)
+        cache_1 = KVCache(
+            k_lbsgh=row(c.k_lbsgh), v_lbsgh=row(c.v_lbsgh), lengths_b=start.reshape(1)
+        )
+        mask_1t = (jnp.arange(tokens_t.shape[0]) < n)[None]
+        out = model.extend(cache_1, tokens_t[None], mask_bt=mask_1t)
+        put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=1)
+        cache = KVCache(
+            k_lbsgh=put(c.k_lbsgh, out.cache.k_lbsgh),
+            v_lbsgh=put(c.v_lbsgh, out.cache.v_lbsgh),
+            lengths_b=c.lengths_b.at[slot].set(start + n),
+        )
+        return DecodeState(
+            cache=self._shard_cache(cache),
+            logits_bv=state.logits_bv.at[slot].set(out.logits_btv[0, n - 1]),
+            logits_version_b=state.logits_version_b.at[slot].set(version),
+            generated_b=state.generated_b.at[slot].set(generated),
+            key=state.key,
+            segment_b=state.segment_b.at[slot].set(segment),
+        )
+
+    def _sample(
+        self, logits_bv: jax.Array, key: jax.Array, positions_b: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """`sample` of every slot's next token (which goes to cache position ``positions_b``);
+        a subclass may choose tokens another way (tests force scripted completions)."""
+        del positions_b
+        return sample(logits_bv, key, self.sampling)
 
     def _generate(
         self, params: Any, state: DecodeState, version: jax.Array, window: int
     ) -> tuple[DecodeState, jax.Array]:
         key, step_key = jax.random.split(state.key)
         logits_bv = jnp.where(self.sampleable_v, state.logits_bv, -jnp.inf)
-        tokens_b, logp_b, kept_b = sample(logits_bv, step_key, self.sampling)
+        tokens_b, logp_b, kept_b = self._sample(logits_bv, step_key, state.cache.lengths_b)
         active_b = state.generated_b < self.max_decode_length
         model = nnx.merge(self.graphdef, params)
         out = model.decode_step(
@@ -300,6 +363,7 @@ class DecodeCore:
             jax.lax.bitcast_convert_type(logp_b, jnp.int32)[:, None],
             state.logits_version_b[:, None],
             kept_b[:, None],
+            state.segment_b[:, None],
             out.routing_blk.astype(jnp.int32).reshape(b, -1),
         ]
         new_state = DecodeState(
@@ -308,6 +372,7 @@ class DecodeCore:
             logits_version_b=jnp.where(active_b, version, state.logits_version_b),
             generated_b=generated_b,
             key=key,
+            segment_b=state.segment_b,
         )
         return new_state, jnp.concatenate(columns, axis=1)
 
@@ -318,9 +383,68 @@ class DecodeCore:
         self._lengths_b[int(slot)], self._generated_b[int(slot)] = length, 0
         return state
 
-    def evict(self, state: DecodeState, slot: jax.Array | int) -> DecodeState:
-        """Marks ``slot`` exhausted: it emits nothing valid until the next insert."""
-        state = self._evict_step(state, jnp.int32(slot))
+    def extend(
+        self,
+        params: Any,
+        state: DecodeState,
+        slot: int,
+        tokens: Sequence[int],
+        *,
+        start: int,
+        generated: int,
+        version: int,
+        segment: int,
+    ) -> DecodeState:
+        """Continues ``slot`` after inserted tokens: its cache is cut back to ``start`` positions
+        (the end of the turn; what later steps wrote is dropped) and ``tokens`` are appended in
+        one chunked forward under ``params``, whose logits after the last token are what the
+        slot samples next (as of ``version``). ``state`` is donated.
+
+        Args:
+          slot: the slot (it must hold a request: the caller tracks that).
+          tokens: the inserted ids (at least one).
+          start: the slot's cache length to continue from (prompt + completion so far).
+          generated: the slot's completion length after the tokens (its decode budget counts
+            them).
+          version: the params' weights version.
+          segment: the slot's new segment number (``unpack_step``'s ``segment``).
+
+        Raises:
+          ValueError: no tokens, or the tokens do not fit the slot's cache (or its
+            ``max_decode_length``) with room for one more token.
+        """
+        n = len(tokens)
+        if n < 1:
+            raise ValueError("extend needs at least one token")
+        if start + n + 1 > self.cache_length or generated + 1 > self.max_decode_length:
+            raise ValueError(
+                f"{n} inserted tokens after {start} positions leave no room to decode (cache "
+                f"{self.cache_length} positions, {self.max_decode_length} completion tokens)"
+            )
+        chunk = min(max(16, 1 << (n - 1).bit_length()), self.cache_length)
+        tokens_t = np.zeros((chunk,), np.int32)
+        tokens_t[:n] = tokens
+        state = self._extend_step(
+            params,
+            state,
+            jnp.int32(slot),
+            jnp.asarray(tokens_t),
+            jnp.int32(n),
+            jnp.int32(start),
+            jnp.int32(generated),
+            jnp.int32(version),
+            jnp.int32(segment),
+        )
+        self._lengths_b[slot], self._generated_b[slot] = start + n, generated
+        self.extend_calls += 1
+        self.extend_tokens += n
+        return state
+
+    def evict(self, state: DecodeState, slot: jax.Array | int, segment: int = -1) -> DecodeState:
+        """Marks ``slot`` exhausted: it emits nothing valid until the next insert. A ``segment``
+        >= 0 also becomes the slot's segment (a failed extension's, so its consumer sees the
+        invalid steps)."""
+        state = self._evict_step(state, jnp.int32(slot), jnp.int32(segment))
         self._generated_b[int(slot)] = self.max_decode_length
         return state
 
@@ -336,7 +460,7 @@ class DecodeCore:
         self, params: Any, state: DecodeState, version: jax.Array | int
     ) -> tuple[DecodeState, jax.Array]:
         """One sampling + decode step of every slot over ``decode_window()`` positions; returns
-        (the new state, the step's [B, 6 + L·K] int32 output, see ``unpack_step``)."""
+        (the new state, the step's [B, 7 + L·K] int32 output, see ``unpack_step``)."""
         state, data = self.generate_step(params, state, jnp.int32(version), self.decode_window())
         active_b = self._generated_b < self.max_decode_length
         self._lengths_b += active_b
@@ -363,6 +487,7 @@ class DecodeCore:
             # Empty slots count as exhausted, so they emit nothing valid until an insert.
             generated_b=jnp.full((self.slots,), self.max_decode_length, jnp.int32),
             key=jax.random.key(self.seed),
+            segment_b=jnp.zeros((self.slots,), jnp.int32),
         )
 
     def prefill_once(
@@ -380,6 +505,7 @@ class DecodeCore:
                 )
                 self._last_prefill = (key, prefix)
                 self.prefill_calls += 1
+                self.prefill_tokens += int(true_length)
             prefix = self._last_prefill[1]
         return jax.tree.map(lambda x: jnp.array(x, copy=True), prefix)
 
@@ -396,10 +522,11 @@ class DecodeCore:
 
 
 def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.ndarray]:
-    """Host-side view of one step's output [B, 6 + L·K] int32.
+    """Host-side view of one step's output [B, 7 + L·K] int32.
 
-    Returns a dict of [B] arrays `token`, `valid`, `length`, `logp` (float32), `version`, `kept`
-    (the sampler's kept-set size), and `routing` [B, L, K] int32.
+    Returns a dict of [B] arrays `token`, `valid`, `length` (the slot's completion length),
+    `logp` (float32), `version`, `kept` (the sampler's kept-set size), `segment` (the slot's
+    extensions so far), and `routing` [B, L, K] int32.
     """
     data = np.asarray(data)
     return {
@@ -409,6 +536,7 @@ def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.n
         "logp": np.ascontiguousarray(data[:, LOGP_COL]).view(np.float32),
         "version": data[:, VERSION_COL],
         "kept": data[:, KEPT_COL],
+        "segment": data[:, SEGMENT_COL],
         "routing": data[:, ROUTING_COL:].reshape(-1, num_moe_layers, k),
     }
 

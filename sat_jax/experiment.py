@@ -566,6 +566,19 @@ class ExperimentConfig:
                 f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
             )
+        if self.task.multi_turn:
+            episode = self.completion_tokens
+            if self.server.max_prefill_length + episode > self.model.max_seq_len:
+                raise ValueError(
+                    f"server.max_prefill_length + task.max_episode_tokens "
+                    f"({self.server.max_prefill_length} + {episode}) exceeds model.max_seq_len "
+                    f"({self.model.max_seq_len})"
+                )
+            if episode < self.rollout.max_new_tokens:
+                raise ValueError(
+                    f"task.max_episode_tokens ({episode}) must be >= rollout.max_new_tokens "
+                    f"({self.rollout.max_new_tokens}), which bounds each turn"
+                )
         if (
             self.train.overlong == "soft"
             and self.train.overlong_cache > self.rollout.max_new_tokens
@@ -612,6 +625,19 @@ class ExperimentConfig:
     def tokenizer_path(self) -> str:
         """The HF tokenizer's directory: `task.tokenizer_path`, else `model.hf_path`."""
         return self.task.tokenizer_path or self.model.hf_path
+
+    @property
+    def completion_tokens(self) -> int:
+        """The most completion tokens of one trajectory: `rollout.max_new_tokens` single-turn;
+        for a multi-turn `task.env`, the episode's generated and inserted tokens together,
+        `task.max_episode_tokens` (0 = what `model.max_seq_len` leaves after
+        `server.max_prefill_length`). The server's per-slot decode budget and the trainer's
+        capacity (prompt + completion) follow it."""
+        if not self.task.multi_turn:
+            return self.rollout.max_new_tokens
+        return self.task.max_episode_tokens or (
+            self.model.max_seq_len - self.server.max_prefill_length
+        )
 
     @property
     def client(self) -> ClientConfig:

@@ -26,7 +26,7 @@ from typing import Any
 from flax import nnx
 
 from sat_jax import cli as sat_cli
-from sat_jax.experiment import ConfigError, ExperimentConfig
+from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import hf
 from sat_jax.model.config import runtime_overrides
 from sat_jax.parallel import sharding
@@ -95,7 +95,7 @@ def cli(argv: list[str] | None = None) -> None:
     with command.exit_on(ConfigError, EvalInputError, OSError, ValueError):
         if args.k < 1 or args.problems < 1:
             raise EvalInputError(f"--k and --problems must be >= 1, got {args.k}, {args.problems}")
-        cfg = sat_cli.commands_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
         label, graphdef, params = policy_params(cfg, step=args.step, hf_dir=args.hf)
         problems = problems_of(cfg, args.problems)
     evaluator = evaluation.Evaluator.from_config(cfg, graphdef)

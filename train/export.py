@@ -25,7 +25,7 @@ import os
 import pathlib
 
 from sat_jax import cli as sat_cli
-from sat_jax.experiment import ConfigError, ExperimentConfig, make_tokenizer
+from sat_jax.experiment import ConfigError, ExperimentConfig, load_config, make_tokenizer
 from sat_jax.model import hf_export, peft_export
 from sat_jax.parallel import sharding
 from train import checkpointing, setup
@@ -113,7 +113,7 @@ def cli(argv: list[str] | None = None) -> None:
     )
     args = command.parse(argv)
     with command.exit_on(ConfigError, ExportError, OSError):
-        cfg = sat_cli.commands_config(args.config, args.overrides)
+        cfg = load_config(args.config, args.overrides)
         step, out = export_run(cfg, args.out, step=args.step, adapter=args.adapter)
     what = "adapter of checkpoint" if args.adapter else "checkpoint"
     print(f"exported {what} {step} to {out}", flush=True)

@@ -85,13 +85,14 @@ def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphD
 
 
 def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
-    """The batch shape: every prompt fits the server's prefill, every completion its limit; the
+    """The batch shape: every prompt fits the server's prefill, every completion (a multi-turn
+    episode's generated and inserted tokens) `cfg.completion_tokens`; the
     time axis is bucketed from ``train.length_bucket``."""
     m = cfg.model
     return batching.BatchSpec(
         batch_groups=cfg.rollout.batch_groups,
         group_size=cfg.rollout.group_size,
-        seq_len=cfg.server.max_prefill_length + cfg.rollout.max_new_tokens,
+        seq_len=cfg.server.max_prefill_length + cfg.completion_tokens,
         length_bucket=cfg.train.length_bucket,
         routing_lk=(m.num_moe_layers, m.num_experts_per_tok) if cfg.train.routing_replay else None,
         routing_dtype=np.dtype(m.routing_dtype).name,

@@ -193,7 +193,8 @@ class Transformer(nnx.Module):
         dispatch: str | None = None,
         window: int | None = None,
     ) -> _Trunk:
-        """Runs every layer. With `cache`, new keys/values go to row b's slot lengths_b[b] and
+        """Runs every layer. With `cache`, the T new keys/values of row b go to its positions
+        `positions_bt[b]` (lengths_b[b] onwards; positions past the cache are dropped) and
         attention covers the cache's first `window` positions (default all); without, it covers
         the T new positions."""
         c = self.config
@@ -203,10 +204,11 @@ class Transformer(nnx.Module):
         for i, layer in enumerate(self.layers):
             qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
             k_bsgh, v_bsgh = qkv.k_btgh, qkv.v_btgh
-            if cache is not None:  # one new token per row
-                k_new, v_new = (x[:, 0].astype(cache.k_lbsgh.dtype) for x in (k_bsgh, v_bsgh))
-                k_bsgh = cache.k_lbsgh[i].at[rows_b, cache.lengths_b].set(k_new)
-                v_bsgh = cache.v_lbsgh[i].at[rows_b, cache.lengths_b].set(v_new)
+            if cache is not None:  # T new tokens per row, written at their positions
+                k_new, v_new = (x.astype(cache.k_lbsgh.dtype) for x in (k_bsgh, v_bsgh))
+                at = (rows_b[:, None], positions_bt)
+                k_bsgh = cache.k_lbsgh[i].at[at].set(k_new, mode="drop")
+                v_bsgh = cache.v_lbsgh[i].at[at].set(v_new, mode="drop")
             ks.append(k_bsgh)
             vs.append(v_bsgh)
             if window is not None:
@@ -540,6 +542,50 @@ class Transformer(nnx.Module):
         routing = self._routing(trunk, b, 1)[:, 0] if return_routing else None
         return DecodeOutput(
             logits_bv=self._logits(trunk.x_btd)[:, 0], routing_blk=routing, cache=cache
+        )
+
+    def extend(
+        self,
+        cache: KVCache,
+        tokens_bt: jax.Array,
+        *,
+        mask_bt: jax.Array | None = None,
+        return_routing: bool = False,
+    ) -> PrefillOutput:
+        """Appends T tokens per row to a filled cache: row b's tokens go to positions
+        lengths_b[b] onwards, each attending to the row's cache before it and to the new tokens
+        up to itself (a chunked prefill; `decode_step` is the T = 1 case without padding).
+
+        Exact: the keys, values and logits equal those of one `prefill` of the whole sequence
+        (up to the float reassociation of a different attention length).
+
+        Args:
+          cache: the cache after `prefill`, `decode_step`s or earlier extensions; keys and values
+            at positions >= lengths_b are ignored and overwritten.
+          tokens_bt: [B, T] tokens, right-padded per row.
+          mask_bt: [B, T] the real tokens (default all); row b gains mask_bt[b].sum() positions.
+            Padding positions are written past the new length, where they are ignored.
+          return_routing: also return the new tokens' routing ids [B, T, L, K].
+
+        Returns:
+          The new tokens' logits [B, T, V] (row b's next token is sampled from
+          logits_btv[b, n_b - 1]), their routing, and the extended cache.
+        """
+        b, t = tokens_bt.shape
+        mask_bt = jnp.ones((b, t), bool) if mask_bt is None else mask_bt.astype(bool)
+        positions_bt = cache.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        allowed_bts = jnp.arange(cache.max_len)[None, None, :] <= positions_bt[:, :, None]
+        trunk = self._trunk(
+            tokens_bt, positions_bt, mask_bt, allowed_bts, cache=cache, window=cache.max_len
+        )
+        cache = KVCache(
+            k_lbsgh=trunk.k_lbtgh,
+            v_lbsgh=trunk.v_lbtgh,
+            lengths_b=cache.lengths_b + jnp.sum(mask_bt, axis=-1, dtype=jnp.int32),
+        )
+        routing = self._routing(trunk, b, t) if return_routing else None
+        return PrefillOutput(
+            logits_btv=self._logits(trunk.x_btd), routing_btlk=routing, cache=cache
         )
 
 

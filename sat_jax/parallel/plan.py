@@ -379,7 +379,7 @@ def report_serve(
                 mesh,
                 slots=s.slots,
                 max_prefill_length=s.max_prefill_length,
-                max_decode_length=r.max_new_tokens,
+                max_decode_length=cfg.completion_tokens,
                 sampling=SamplingConfig.from_rollout(r),
             )
     except programs.ProgramOutOfMemory as e:
@@ -552,7 +552,7 @@ def _batch_shape(args: argparse.Namespace, setup: _Setup) -> tuple[int | None, i
     batch, seq_len = args.batch, args.seq_len
     if cfg is not None:
         batch = batch or cfg.rollout.batch_groups * cfg.rollout.group_size
-        seq_len = seq_len or cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
+        seq_len = seq_len or cfg.server.max_prefill_length + cfg.completion_tokens
     return batch, seq_len, args.microbatches or setup.train.microbatches
 
 

@@ -93,10 +93,15 @@ class TaskConfig:
             raise ValueError("alphabet must be non-empty without repeated characters")
         self.env_config  # noqa: B018 (checks max_turns, max_episode_tokens, turn_discount)
         load_environment(self.env)
-        if self.env not in ("", "single_turn") and not self.chat_template:
+        if self.multi_turn and not self.chat_template:
             raise ValueError(
                 f"env {self.env!r} needs chat_template: true (its turns are chat messages)"
             )
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether `env` runs episodes of several turns (anything but "" and "single_turn")."""
+        return self.env not in ("", "single_turn")
 
     @property
     def env_config(self) -> EnvConfig:

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 # Any one of these makes a directory a tokenizer (fast tokenizers, SentencePiece, GPT-2 BPE).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 _TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json")
+# The content of the placeholder assistant message `observation_ids` renders to find the delta.
+_PLACEHOLDER = "\u2063sat-jax assistant turn\u2063"
 
 
 def check_tokenizer_files(path: str, *, chat_template: bool, key: str) -> None:
@@ -152,6 +154,97 @@ class HFTokenizer:
             add_generation_prompt=True,
         )
         return list(self._tok(rendered, add_special_tokens=False)["input_ids"])
+
+    def encode_messages(
+        self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] = ()
+    ) -> list[int]:
+        """The ids of an episode's opening: `messages` rendered by the chat template with
+        `tools` (if any) and the generation prompt, encoded without adding special tokens.
+
+        Raises:
+          ValueError: the tokenizer has no chat template.
+        """
+        rendered = self._render(messages, tools, generation_prompt=True)
+        return list(self._tok(rendered, add_special_tokens=False)["input_ids"])
+
+    def observation_ids(
+        self,
+        observations: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] = (),
+        close_turn: bool = False,
+    ) -> list[int]:
+        """The ids that follow an assistant turn ended by a stop token: `observations` rendered
+        by the chat template as exactly the delta between turns, up to the next generation
+        prompt. Only the delta is encoded: earlier turns are never re-rendered or re-tokenised.
+
+        The delta is what the template renders after an assistant message's end-of-turn stop
+        token (e.g. Qwen's "\n<|im_start|>user\n...<|im_end|>\n<|im_start|>assistant\n"),
+        found by rendering a placeholder conversation (a user message, an assistant message, the
+        observations) and cutting after the first stop token's text that follows the assistant's
+        content.
+
+        Args:
+          observations: the messages that follow the turn (user or tool messages); may be empty
+            (then only the next generation prompt follows).
+          tools: the tool schemas the episode's opening was rendered with.
+          close_turn: the turn was cut before its stop token: prepend what the template closes an
+            assistant message with (e.g. "<|im_end|>").
+
+        Raises:
+          ValueError: no chat template, or one that closes an assistant message with none of
+            the stop tokens.
+        """
+        close, delta = self._turn_delta(observations, tools)
+        ids = list(self._tok(delta, add_special_tokens=False)["input_ids"]) if delta else []
+        if close_turn:
+            ids = list(self._tok(close, add_special_tokens=False)["input_ids"]) + ids
+        return ids
+
+    def _turn_delta(
+        self, observations: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+    ) -> tuple[str, str]:
+        """(the template's close of an assistant message from its content to its stop token, the
+        text after that stop token up to the next generation prompt)."""
+        placeholder = [
+            {"role": "user", "content": "u"},
+            {"role": "assistant", "content": _PLACEHOLDER},
+        ]
+        text = self._render([*placeholder, *observations], tools, generation_prompt=True)
+        start = text.find(_PLACEHOLDER)
+        if start < 0:
+            raise ValueError("the chat template does not render an assistant message's content")
+        start += len(_PLACEHOLDER)
+        ends = [(text.find(t, start), t) for t in self._stop_texts() if text.find(t, start) >= 0]
+        if not ends:
+            raise ValueError(
+                "the chat template closes an assistant message with none of the stop tokens "
+                f"({sorted(self._stop_texts())}): a multi-turn episode cannot continue after a "
+                "turn ends; add the template's end-of-turn id to rollout.stop_token_ids"
+            )
+        at, stop = min(ends)
+        return text[start : at + len(stop)], text[at + len(stop) :]
+
+    def _stop_texts(self) -> set[str]:
+        return {self._tok.decode([i]) for i in self.stop_ids} - {""}
+
+    def _render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        *,
+        generation_prompt: bool,
+    ) -> str:
+        if not self._tok.chat_template:
+            raise ValueError(
+                f"task.chat_template: the tokenizer in {self.path} has no chat template"
+            )
+        return self._tok.apply_chat_template(
+            [dict(m) for m in messages],
+            tools=[dict(t) for t in tools] or None,
+            tokenize=False,
+            add_generation_prompt=generation_prompt,
+        )
 
     def decode(self, ids: Iterable[int]) -> str:
         """Text of `ids` with special tokens skipped."""

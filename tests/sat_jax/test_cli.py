@@ -79,15 +79,3 @@ def test_exit_on_turns_the_listed_errors_into_one_line_and_lets_others_through(c
     assert line == "sat-demo: [Errno 2] No such file: 'x'"
     with pytest.raises(KeyError):
         fails(KeyError("a bug is not bad input"))
-
-
-def test_the_commands_refuse_a_multi_turn_env_until_the_server_runs_episodes(tmp_path, capsys):
-    from tests.hf_fixtures import make_tokenizer
-
-    make_tokenizer(tmp_path / "tok")
-    argv = ["task.env=feedback", "task.chat_template=true", "task.tokenizer=hf",
-            f"task.tokenizer_path={tmp_path / 'tok'}"]  # fmt: skip
-    command = cli.Command("sat-demo", DOC)
-    got = _exit_line(capsys, lambda: command.load_config(command.parse(argv)))
-    assert got.startswith("sat-demo: config error: task.env: 'feedback' is a multi-turn"), got
-    assert load_config(None, argv).task.env == "feedback"  # the library takes it

@@ -115,3 +115,57 @@ def test_inactive_rows_do_not_advance(model):
 def test_prompt_longer_than_cache_is_rejected(model):
     with pytest.raises(ValueError, match="cache length"):
         model.prefill(model.init_cache(1, 4), jnp.zeros((1, 5), jnp.int32))
+
+
+@functools.partial(nnx.jit, static_argnames=("return_routing",))
+def _extend(model, cache, tokens, mask, return_routing):
+    return model.extend(cache, tokens, mask_bt=mask, return_routing=return_routing)
+
+
+def test_extend_equals_one_prefill_of_the_whole_sequence(model):
+    """A cache filled by prefill + decode steps, then extended by a padded chunk per row (rows
+    of different lengths, garbage past each row's length), gives the logits, routing and next
+    decode step of one forward over the whole sequence: the multi-turn server's observation
+    insertion is exact."""
+    prompts, pre, sampled, _, _ = _sample_through_cache(model, False)
+    b, chunk = len(PROMPT_LENS), 4
+    cache = pre.cache
+    for i in range(STEPS):  # the cache of prompt + sampled tokens, as the server holds it
+        cache = _step(model, cache, sampled[:, i], jnp.ones(b, bool), False).cache
+    # Rewind row 1 by two tokens (the server drops a turn's steps after its end) and fill
+    # positions past every row's length with garbage that must be ignored.
+    keep = np.array([STEPS, STEPS - 2, STEPS])
+    lengths = np.array(PROMPT_LENS) + keep
+    cache = cache.replace(lengths_b=jnp.asarray(lengths, jnp.int32))
+    obs_lens = np.array([3, 1, 2])  # every row keeps room for one more step
+    obs = np.random.default_rng(1).integers(0, CFG.vocab_size, (b, chunk)).astype(np.int32)
+    obs_mask = np.arange(chunk)[None] < obs_lens[:, None]
+    out = _extend(model, cache, jnp.asarray(obs), jnp.asarray(obs_mask), True)
+    np.testing.assert_array_equal(out.cache.lengths_b, lengths + obs_lens)
+    total = lengths + obs_lens
+    seqs = np.zeros((b, MAX_LEN), np.int32)
+    for r, n in enumerate(PROMPT_LENS):
+        seqs[r, :n] = prompts[r, :n]
+        seqs[r, n : n + keep[r]] = sampled[r, : keep[r]]
+        seqs[r, lengths[r] : total[r]] = obs[r, : obs_lens[r]]
+    full = _forward(
+        model, jnp.asarray(seqs), jnp.asarray(np.arange(MAX_LEN)[None] < total[:, None])
+    )
+    nxt = jnp.array([3, 4, 5], jnp.int32)
+    step = _step(model, out.cache, nxt, jnp.ones(b, bool), False)
+    seqs2 = seqs.copy()
+    seqs2[np.arange(b), total] = nxt
+    full2 = _forward(
+        model, jnp.asarray(seqs2), jnp.asarray(np.arange(MAX_LEN)[None] < total[:, None] + 1)
+    )
+    for r in range(b):
+        span = slice(lengths[r], total[r])
+        np.testing.assert_allclose(
+            out.logits_btv[r, : obs_lens[r]], full.logits_btv[r, span], rtol=1e-4, atol=1e-4
+        )
+        np.testing.assert_array_equal(
+            out.routing_btlk[r, : obs_lens[r]], full.routing_btlk[r, span]
+        )
+        np.testing.assert_allclose(
+            step.logits_bv[r], full2.logits_btv[r, total[r]], rtol=1e-4, atol=1e-4
+        )
