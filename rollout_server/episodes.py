@@ -11,8 +11,8 @@ An episode ends when the environment says so, at `task.max_turns`, or when the n
 would not fit the episode's token budget (`max_tokens`: `task.max_episode_tokens`, the engine's
 per-slot completion capacity) with room for one generated token; a turn that reached the budget
 itself is the last (the environment's `step` sees `last=True`). A turn cut at
-`rollout.max_new_tokens` is closed by the template's end-of-turn tokens, inserted before the
-observation (docs/DESIGN.md §2).
+`rollout.max_new_tokens`, or ended by a stop id other than the template's end-of-turn token, is
+closed by the template's end-of-turn tokens, inserted before the observation (docs/DESIGN.md §2).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ class EpisodeRunner:
         step = episode.step(text, last=turn.room <= 1)
         if step.done:
             return None
+        closed = turn.finish_reason == "eos" and self.tokenizer.closes_turn(int(turn.ids[-1]))
         ids = self.tokenizer.observation_ids(
-            step.observations, tools=episode.tools, close_turn=turn.finish_reason == "length"
+            step.observations, tools=episode.tools, close_turn=not closed
         )
         if not ids:
             # A template that renders nothing between two assistant turns: nothing to insert,

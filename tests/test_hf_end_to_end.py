@@ -413,3 +413,65 @@ def test_lora_trains_serves_and_exports_merged_and_as_a_peft_adapter(setup, tmp_
     proc = command("train.eval_cli", "--k", "2", "--problems", "4")
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
+
+
+def test_multi_turn_episodes_match_transformers_and_sat_train_runs_them(setup, tmp_path):
+    """`task.env=feedback` on the checkpoint: the server runs episodes of up to 3 turns. Every
+    inserted run decodes to the chat template's delta of the environment's message (after the
+    template's end-of-turn token when a turn ended otherwise), every generated token's behavior
+    log-prob equals transformers' over the whole multi-turn sequence, and sat-train trains on
+    them."""
+    d, config, _, stops = setup
+    env = ["task.env=feedback", "task.max_turns=3", "task.max_episode_tokens=64"]
+    server = _Server(config, tmp_path, *env)
+    try:
+        server.wait_ready(timeout_s=400)
+        groups, _ = _pull_groups(server, 2)
+    finally:
+        server.stop()
+    assert "Traceback" not in server.log(), server.log()
+    delta = d.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "That is not correct. Try again."}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
+    size, end = len(d.tokenizer), d.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    inserted_runs = 0
+    for g in groups:
+        for t in g.trajectories:
+            prompt, completion = list(t.prompt_ids), list(t.completion_ids)
+            mask = np.asarray(t.loss_mask, bool)
+            assert mask.size == len(completion) <= 64 and mask[0]
+            bounds = np.flatnonzero(np.diff(np.concatenate([[1], mask, [1]]).astype(int)))
+            turn_start = 0
+            for start, stop in zip(bounds[::2], bounds[1::2], strict=True):
+                inserted_runs += 1
+                text = d.tokenizer.decode(completion[start:stop])
+                before = completion[start - 1]  # the turn's last generated token
+                closed = before == end
+                assert text == ("\n" if closed else "<|im_end|>\n") + delta, (text, before)
+                # A turn closed by the inserted <|im_end|> ended on another stop id or was cut.
+                assert closed or before in stops or start - turn_start == MAX_NEW_TOKENS
+                turn_start = stop
+            with torch.no_grad():
+                logits = d.model(torch.tensor([prompt + completion])).logits[0, :, :size]
+            logp = torch.log_softmax(logits.double(), -1)[len(prompt) - 1 : -1]
+            want = logp[torch.arange(len(completion)), torch.tensor(completion)].numpy()
+            np.testing.assert_allclose(
+                np.asarray(t.behavior_logprobs)[mask], want[mask], atol=LOGP_ATOL, rtol=0
+            )
+    assert inserted_runs > 0  # random weights answer wrong: the environment asked again
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", "--config", str(config), "train.steps=2", *env,
+           f"train.run_dir={run_dir}"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out + (run_dir / "server.log").read_text()
+    assert "done: 2 steps" in out, out
+    steps = [json.loads(line) for line in (run_dir / "logs" / "metrics.jsonl").open()]
+    steps = [r for r in steps if "lag_max" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(np.isfinite(r["loss"]) for r in steps), steps

@@ -188,7 +188,8 @@ class HFTokenizer:
           observations: the messages that follow the turn (user or tool messages); may be empty
             (then only the next generation prompt follows).
           tools: the tool schemas the episode's opening was rendered with.
-          close_turn: the turn was cut before its stop token: prepend what the template closes an
+          close_turn: the turn did not end with the template's end-of-turn token (it was cut,
+            or another stop id ended it, see `closes_turn`): prepend what the template closes an
             assistant message with (e.g. "<|im_end|>").
 
         Raises:
@@ -200,6 +201,18 @@ class HFTokenizer:
         if close_turn:
             ids = list(self._tok(close, add_special_tokens=False)["input_ids"]) + ids
         return ids
+
+    def closes_turn(self, token_id: int) -> bool:
+        """Whether `token_id` is the stop token the chat template closes an assistant message
+        with (e.g. Qwen's `<|im_end|>`): a turn that ends with another stop id (an extra
+        `rollout.stop_token_ids`, or the base model's `<|endoftext|>`) is closed by the template's
+        end-of-turn tokens before the next observation, as a cut turn is.
+
+        Raises:
+          ValueError: as `observation_ids`.
+        """
+        close, _ = self._turn_delta((), ())
+        return self._tok.decode([int(token_id)]) == close.strip() and bool(close.strip())
 
     def _turn_delta(
         self, observations: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]

@@ -33,12 +33,13 @@ from sat_jax.decoding import DecodeCore, SamplingConfig, sample, sampling_logpro
 from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer, token_logprobs
 from sat_jax.tasks import Prompt, exact_match_reward
-from sat_jax.tasks.envs import RETRY_MESSAGE, EnvConfig, Feedback
+from sat_jax.tasks.envs import CALCULATOR_TOOL, RETRY_MESSAGE, Calculator, EnvConfig, Feedback
+from sat_jax.tasks.envs.calculator import find_tool_calls, run_tool_call
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests.hf_fixtures import make_tokenizer
 
 TURN_TOKENS = 6  # rollout.max_new_tokens: each turn's bound
-EPISODE_TOKENS = 160  # the engine's per-slot completion budget
+EPISODE_TOKENS = 400  # the engine's per-slot completion budget
 PROMPT = Prompt(id="p0", text="What is 5 + 7?", answer="12")
 
 
@@ -68,11 +69,45 @@ def _ids(tokenizer, text):
     return tokenizer._tok(text, add_special_tokens=False)["input_ids"]
 
 
-def _run_episodes(tokenizer, monkeypatch, tmp_path, *, script, turn_discount=0.5, groups=1):
-    """Runs `groups` groups of 2 episodes of `feedback` with the engine forced by `script`;
-    returns (the decoded groups, the engine, the model's params)."""
+def _env_config(turn_discount=1.0):
+    return EnvConfig(
+        reward="exact_match",
+        system_prompt="",
+        max_turns=4,
+        max_episode_tokens=EPISODE_TOKENS,
+        turn_discount=turn_discount,
+    )
+
+
+def _scripted(turns, prompt_ids):
+    """(completion, loss mask, the forced-token script) of [(generated ids, inserted ids)]."""
+    completion, mask = [], []
+    for generated, inserted in turns:
+        completion += generated + inserted
+        mask += [True] * len(generated) + [False] * len(inserted)
+    script = np.full(len(prompt_ids) + EPISODE_TOKENS + 1, -1, np.int32)
+    p = len(prompt_ids)
+    for i, (tok, gen) in enumerate(zip(completion, mask, strict=True)):
+        if gen:
+            script[p + i] = tok
+    return completion, mask, script
+
+
+def _run_episodes(
+    tokenizer,
+    monkeypatch,
+    tmp_path,
+    *,
+    script,
+    turn_discount=0.5,
+    groups=1,
+    env=Feedback,
+    turn_tokens=TURN_TOKENS,
+):
+    """Runs `groups` groups of 2 episodes of `env` with the engine forced by `script`; returns
+    (the decoded groups, the engine, the model's params)."""
     end = int(tokenizer._tok.convert_tokens_to_ids("<|im_end|>"))
-    cfg = ModelConfig.preset("tiny").replace(vocab_size=len(tokenizer), max_seq_len=256)
+    cfg = ModelConfig.preset("tiny").replace(vocab_size=len(tokenizer), max_seq_len=512)
     model = Transformer(cfg, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
     monkeypatch.setattr(ForcedCore, "SCRIPT", np.asarray(script, np.int32))
     monkeypatch.setattr(engine_module, "DecodeCore", ForcedCore)
@@ -93,13 +128,6 @@ def _run_episodes(tokenizer, monkeypatch, tmp_path, *, script, turn_discount=0.5
         interleaved_mode=True,
         jax_padding=False,
     )
-    env_cfg = EnvConfig(
-        reward="exact_match",
-        system_prompt="",
-        max_turns=4,
-        max_episode_tokens=EPISODE_TOKENS,
-        turn_discount=turn_discount,
-    )
     loop = RolloutLoop(
         driver=driver,
         engine=engine,
@@ -107,13 +135,13 @@ def _run_episodes(tokenizer, monkeypatch, tmp_path, *, script, turn_discount=0.5
         reward_fn=exact_match_reward,
         tokenizer=tokenizer,
         cfg=RolloutConfig(
-            group_size=2, max_new_tokens=TURN_TOKENS, batch_groups=groups, max_staleness=0
+            group_size=2, max_new_tokens=turn_tokens, batch_groups=groups, max_staleness=0
         ),
         store=StateStore(str(tmp_path / "state")),
         wait_for_weights=False,
         max_response_bytes=ServerConfig().max_message_bytes,
         lease_s=600.0,
-        episodes=EpisodeRunner(Feedback, env_cfg, tokenizer),
+        episodes=EpisodeRunner(env, _env_config(turn_discount), tokenizer),
     )
     loop.start()
     try:
@@ -140,16 +168,8 @@ def test_a_scripted_policy_gives_the_exact_turns_deltas_and_mask(tokenizer, monk
     obs1 = tokenizer.observation_ids(retry)
     obs2 = tokenizer.observation_ids(retry, close_turn=True)
     assert obs2[0] == end and obs2[1:] == obs1  # the template closes the cut turn first
-    turns = [(wrong, obs1), (cut, obs2), (right, [])]
-    completion, mask = [], []
-    for generated, inserted in turns:
-        completion += generated + inserted
-        mask += [True] * len(generated) + [False] * len(inserted)
-    script = np.full(len(prompt_ids) + EPISODE_TOKENS + 1, -1, np.int32)
+    completion, mask, script = _scripted([(wrong, obs1), (cut, obs2), (right, [])], prompt_ids)
     p = len(prompt_ids)
-    for i, (tok, gen) in enumerate(zip(completion, mask, strict=True)):
-        if gen:
-            script[p + i] = tok
 
     groups, engine, params = _run_episodes(tokenizer, monkeypatch, tmp_path, script=script)
 
@@ -195,3 +215,40 @@ def test_an_episode_out_of_tokens_ends_with_its_last_turn(tokenizer, monkeypatch
         runs = np.flatnonzero(np.diff(t.loss_mask.astype(int)) != 0)
         assert len(runs) >= 2  # at least one observation was inserted
         assert t.loss_mask[-1]  # it ended on a generated turn
+
+
+def test_hostile_and_good_tool_calls_of_a_scripted_policy(tokenizer, monkeypatch, tmp_path):
+    """`calculator` with its tools in the prompt: a hostile call (a tower of powers) is answered
+    with an error message and the episode goes on, a good call with its result, and the answer
+    after it earns the reward."""
+    end = int(tokenizer._tok.convert_tokens_to_ids("<|im_end|>"))
+    opening = Calculator(_env_config()).reset(PROMPT)
+    prompt_ids = tokenizer.encode_messages(opening, tools=[CALCULATOR_TOOL])
+    call = '<tool_call>{{"name": "calculator", "arguments": {{"expression": "{}"}}}}</tool_call>'
+    hostile, good = call.format("9**9**9**9"), call.format("5 + 7")
+    error = run_tool_call(find_tool_calls(hostile)[0])
+    result = run_tool_call(find_tool_calls(good)[0])
+    assert error.startswith("error:") and result == "12"
+    tool = lambda content: tokenizer.observation_ids([{"role": "tool", "content": content}])
+    turns = [
+        ([*_ids(tokenizer, hostile), end], tool(error)),
+        ([*_ids(tokenizer, good), end], tool(result)),
+        ([*_ids(tokenizer, "12"), end], []),
+    ]
+    completion, mask, script = _scripted(turns, prompt_ids)
+    groups, _, _ = _run_episodes(
+        tokenizer,
+        monkeypatch,
+        tmp_path,
+        script=script,
+        env=Calculator,
+        turn_discount=1.0,
+        turn_tokens=120,
+    )
+    for t in groups[0].trajectories:
+        assert t.prompt_ids.tolist() == prompt_ids
+        assert t.completion_ids.tolist() == completion
+        np.testing.assert_array_equal(t.loss_mask, mask)
+        assert t.reward == 1.0
+        inserted = tokenizer._tok.decode(np.asarray(completion)[~np.asarray(mask)])
+        assert error in inserted and "\n12<|im_end|>" in inserted
