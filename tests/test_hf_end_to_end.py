@@ -475,3 +475,24 @@ def test_multi_turn_episodes_match_transformers_and_sat_train_runs_them(setup, t
     steps = [r for r in steps if "lag_max" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in steps), steps
+
+
+def test_the_calculator_config_runs(setup, tmp_path):
+    """configs/calculator_gsm8k.yaml on the checkpoint (sizes cut to the tiny model): the
+    server renders the calculator tool into every prompt and runs calculator episodes, and
+    sat-train finishes its step."""
+    d, _, _, _ = setup
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs/calculator_gsm8k.yaml"),
+           f"model.hf_path={d.path}", f"task.path={d.data}", "train.steps=1",
+           f"train.run_dir={run_dir}", "train.eval_problems=0", "rollout.batch_groups=2",
+           "rollout.group_size=2", "rollout.max_new_tokens=8", "task.max_episode_tokens=24",
+           "server.max_prefill_length=128", "model.max_seq_len=256",
+           "train.server_wait_s=300"]  # fmt: skip
+    proc = subprocess.run(
+        cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out + (run_dir / "server.log").read_text()
+    assert "done: 1 steps" in out, out
+    assert "Traceback" not in (run_dir / "server.log").read_text()
