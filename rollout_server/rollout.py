@@ -245,6 +245,8 @@ class RolloutLoop:
                 "push_bytes_total": self.push_bytes_total,
                 "rows_skipped": self.rows_skipped,
                 "prefill_calls": self._engine.prefill_calls,
+                "prefill_tokens": self._engine.prefill_tokens,
+                "inserted_tokens": self._engine.extend_tokens,
                 "admission_open": self._admission_open_locked(),
             }
 

@@ -426,10 +426,16 @@ def test_multi_turn_episodes_match_transformers_and_sat_train_runs_them(setup, t
     server = _Server(config, tmp_path, *env)
     try:
         server.wait_ready(timeout_s=400)
-        groups, _ = _pull_groups(server, 2)
+        groups, stats = _pull_groups(server, 2)
     finally:
         server.stop()
     assert "Traceback" not in server.log(), server.log()
+    # Inserted tokens are computed once each, by the cache extension; prompts once per group.
+    pulled = sum(
+        int(np.sum(~np.asarray(t.loss_mask, bool))) for g in groups for t in g.trajectories
+    )
+    assert stats.inserted_tokens >= pulled > 0, (stats.inserted_tokens, pulled)
+    assert stats.prefill_tokens >= sum(len(g.trajectories[0].prompt_ids) for g in groups)
     delta = d.tokenizer.apply_chat_template(
         [{"role": "user", "content": "That is not correct. Try again."}],
         tokenize=False,

@@ -252,3 +252,46 @@ def test_hostile_and_good_tool_calls_of_a_scripted_policy(tokenizer, monkeypatch
         assert t.reward == 1.0
         inserted = tokenizer._tok.decode(np.asarray(completion)[~np.asarray(mask)])
         assert error in inserted and "\n12<|im_end|>" in inserted
+
+
+def test_a_weight_swap_between_turns_versions_the_next_turn(tokenizer, monkeypatch, tmp_path):
+    """New weights installed while the environment answers turn 1: the extension and every token
+    of turn 2 on carry the new version, turn 1's the old one."""
+    swap = {}
+
+    class SwappingFeedback(Feedback):
+        def step(self, text):
+            if self.turn == 1 and "engine" in swap:  # on the loop's thread, before the extension
+                engine = swap.pop("engine")
+                version, params = engine.current_params()
+                engine.swap_params(version + 1, jax.tree.map(lambda x: x * 1.01, params))
+            return super().step(text)
+
+    end = int(tokenizer._tok.convert_tokens_to_ids("<|im_end|>"))
+    prompt_ids = tokenizer.encode_messages([{"role": "user", "content": PROMPT.text}])
+    retry = tokenizer.observation_ids([{"role": "user", "content": RETRY_MESSAGE}])
+    wrong, right = [*_ids(tokenizer, "7"), end], [*_ids(tokenizer, "12"), end]
+    completion, mask, script = _scripted([(wrong, retry), (right, [])], prompt_ids)
+    real_init = MoEEngine.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        swap["engine"] = self
+
+    monkeypatch.setattr(MoEEngine, "__init__", init)
+    groups, _, _ = _run_episodes(
+        tokenizer, monkeypatch, tmp_path, script=script, env=SwappingFeedback, groups=1
+    )
+    # The environment runs turns one at a time on the loop's thread, so the swap (at the first
+    # turn it steps) precedes every extension: turn 2 is the new version in both samples, and
+    # the sample whose turn ended first sampled all of turn 1 with the old weights.
+    gen = np.asarray(mask)
+    turn2 = slice(len(wrong) + len(retry), None)
+    firsts = []
+    for t in groups[0].trajectories:
+        assert t.completion_ids.tolist() == completion
+        v = np.asarray(t.versions)
+        assert set(v[turn2][gen[turn2]].tolist()) == {1}, v
+        assert np.all(np.diff(v[gen]) >= 0), v  # versions never go back
+        firsts.append(set(v[: len(wrong)].tolist()))
+    assert {0} in firsts, firsts

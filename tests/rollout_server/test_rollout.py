@@ -47,7 +47,7 @@ def test_admission_budget(
 
 
 class FakeEngine:
-    prefill_calls = 0
+    prefill_calls = prefill_tokens = extend_tokens = 0
 
     def __init__(self):
         self.version = 0
