@@ -28,7 +28,6 @@ from rollout_server import weights
 from rollout_server.auth import TokenInterceptor
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
-from rollout_server.episodes import EpisodeRunner
 from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
@@ -39,7 +38,7 @@ from sat_jax.model import Transformer, hf
 from sat_jax.model.config import runtime_overrides
 from sat_jax.parallel import sharding
 from sat_jax.tasks import make_reward, prompt_source
-from sat_jax.tasks.envs import load_environment
+from sat_jax.tasks.envs import EpisodeRunner, load_environment
 
 log = logging.getLogger("rollout_server")
 

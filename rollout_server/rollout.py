@@ -50,13 +50,12 @@ from rollout_api import records
 from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
 from rollout_server.engine import MoEEngine
-from rollout_server.episodes import EpisodeRunner
 from rollout_server.group_queue import GroupQueue
 from rollout_server.persistence import RolloutState, StateStore, new_server_id
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import RolloutConfig
 from sat_jax.tasks import Prompt, Tokenizer
-from sat_jax.tasks.envs import EnvError, Episode
+from sat_jax.tasks.envs import EnvError, Episode, EpisodeRunner
 from sat_jax.tasks.rewards import RewardFn
 
 log = logging.getLogger(__name__)
@@ -555,7 +554,9 @@ class RolloutLoop:
         ids = None
         if episode is not None:
             try:
-                ids = self._episodes.after_turn(episode, turn)
+                ids = self._episodes.after_turn(
+                    episode, turn.ids, finish_reason=turn.finish_reason, room=turn.room
+                )
             except (EnvError, ValueError) as e:
                 log.warning("episode of prompt %s failed: %s", group.record["id"], e)
                 group.env_failed.add(index)

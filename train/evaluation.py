@@ -9,6 +9,11 @@ the mean over problems of the best of its K rewards (the fraction solved when re
 greedy accuracy the mean reward of the greedy completions. Prompts longer than
 ``server.max_prefill_length`` are skipped and counted.
 
+With a multi-turn ``task.env`` every sample is an episode, played as the rollout server plays it
+(``sat_jax.tasks.envs.EpisodeRunner`` and ``decoding.complete_episodes``: the environment's
+opening with its tools, ``rollout.max_new_tokens`` per turn, ``task.max_episode_tokens`` per
+episode); its reward is the episode's, and its text the whole transcript after the prompt.
+
 The arithmetic task's held-out problems come from their own seed stream,
 ``task.seed + EVAL_SEED_OFFSET``, disjoint from the server's prompts (``task.seed``) and the
 supervised warm-up's.
@@ -35,6 +40,7 @@ from sat_jax.tasks import (
     make_reward,
     sampleable_mask,
 )
+from sat_jax.tasks.envs import EnvError, Episode, EpisodeRunner, load_environment
 
 EVAL_SEED_OFFSET = 1_000_003
 # Slots of the greedy helpers below, which have no server config to take them from.
@@ -93,7 +99,10 @@ class Evaluator:
       stop_ids: ids that end a completion.
       sampleable_v: [V] bool, the ids sampling may produce.
       reward_fn: (completion text, answer) -> reward in [0, 1].
-      max_new_tokens, max_prefill_length, slots, sampling, seed: as the server's.
+      max_new_tokens, max_prefill_length, slots, sampling, seed: as the server's
+        (`max_new_tokens` is the completion's budget: a whole episode's with `episodes`).
+      episodes: play each sample as a multi-turn episode of this runner (None: single answers);
+        `turn_tokens` then bounds each turn.
     """
 
     def __init__(
@@ -111,8 +120,11 @@ class Evaluator:
         slots: int,
         sampling: decoding.SamplingConfig,
         seed: int = 0,
+        episodes: EpisodeRunner | None = None,
+        turn_tokens: int = 0,
     ):
         self.encode_prompt, self.decode, self.reward_fn = encode_prompt, decode, reward_fn
+        self.episodes, self.turn_tokens = episodes, turn_tokens
         self.stop_ids = tuple(stop_ids)
         core = functools.partial(
             decoding.DecodeCore,
@@ -129,13 +141,20 @@ class Evaluator:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Evaluator:
-        """The evaluator of an experiment: its tokenizer, reward, sampling and server shapes."""
+        """The evaluator of an experiment: its tokenizer, reward, sampling and server shapes, and
+        its environment when `task.env` is multi-turn."""
+        tok = make_tokenizer(cfg)
+        episodes = None
+        if cfg.task.multi_turn:
+            episodes = EpisodeRunner(load_environment(cfg.task.env), cfg.task.env_config, tok)
         return cls(
             graphdef,
             cfg.model,
-            **_codec(make_tokenizer(cfg), cfg.model),
+            **_codec(tok, cfg.model),
             reward_fn=make_reward(cfg.task.reward),
-            max_new_tokens=cfg.rollout.max_new_tokens,
+            episodes=episodes,
+            turn_tokens=cfg.rollout.max_new_tokens,
+            max_new_tokens=cfg.completion_tokens,
             max_prefill_length=cfg.server.max_prefill_length,
             slots=cfg.server.slots,
             sampling=decoding.SamplingConfig.from_rollout(cfg.rollout),
@@ -155,6 +174,8 @@ class Evaluator:
         greedy completions only; avg@K and pass@K are then 0)."""
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
+        if self.episodes is not None:
+            return self._evaluate_episodes(params, problems, k=k)
         limit = self.greedy.max_prefill_length
         encoded = [(p, self.encode_prompt(p.text)) for p in problems]
         kept = [(p, ids) for p, ids in encoded if 0 < len(ids) <= limit]
@@ -173,16 +194,75 @@ class Evaluator:
                     "rewards": rewards,
                 }
             )
-        mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0
-        return EvalResult(
-            k=k,
-            problems=len(kept),
-            skipped=len(problems) - len(kept),
-            avg_at_k=mean([r for row in rows for r in row["rewards"]]),
-            pass_at_k=mean([max(row["rewards"]) for row in rows if row["rewards"]]),
-            greedy_accuracy=mean([row["greedy_reward"] for row in rows]),
-            rows=tuple(rows),
+        return _result(k, len(problems), rows)
+
+    def _episodes(
+        self, params: Any, runs: Sequence[tuple[Episode, list[int]]], *, greedy: bool
+    ) -> list[str]:
+        """Plays every (episode, opening ids) of `runs` to its end; returns the transcripts."""
+        if not runs:
+            return []
+
+        def after_turn(i: int, ids: Sequence[int], finish: str, room: int) -> Any:
+            episode = runs[i][0]
+            try:
+                return self.episodes.after_turn(episode, ids, finish_reason=finish, room=room)
+            except (EnvError, ValueError):  # scored as it stands (the failed step adds nothing)
+                episode.done = True
+                return None
+
+        done = decoding.complete_episodes(
+            self.greedy if greedy else self.sampled,
+            params,
+            [ids for _, ids in runs],
+            stop_ids=self.stop_ids,
+            turn_tokens=self.turn_tokens,
+            after_turn=after_turn,
         )
+        return [self.decode(c.ids) for c in done]
+
+    def _evaluate_episodes(self, params: Any, problems: Sequence[Prompt], *, k: int) -> EvalResult:
+        """`evaluate` with every sample a multi-turn episode, rewarded by its environment."""
+        limit = self.greedy.max_prefill_length
+
+        def start(p: Prompt) -> tuple[Episode, list[int]] | None:
+            try:
+                episode, ids = self.episodes.start(p)
+            except (EnvError, ValueError):
+                return None
+            return (episode, ids) if 0 < len(ids) <= limit else None
+
+        kept = [p for p in problems if start(p) is not None]
+        greedy = [start(p) for p in kept]
+        samples = [start(p) for p in kept for _ in range(k)]
+        greedy_texts = self._episodes(params, greedy, greedy=True)
+        self._episodes(params, samples, greedy=False)
+        rows = []
+        for i, p in enumerate(kept):
+            rows.append(
+                {
+                    "id": p.id,
+                    "answer": p.answer,
+                    "greedy": greedy_texts[i],
+                    "greedy_reward": greedy[i][0].reward,
+                    "rewards": [e.reward for e, _ in samples[i * k : (i + 1) * k]],
+                }
+            )
+        return _result(k, len(problems), rows)
+
+
+def _result(k: int, total: int, rows: list[dict[str, Any]]) -> EvalResult:
+    """The `EvalResult` of per-problem rows (`total` problems before skipping)."""
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else 0.0
+    return EvalResult(
+        k=k,
+        problems=len(rows),
+        skipped=total - len(rows),
+        avg_at_k=mean([r for row in rows for r in row["rewards"]]),
+        pass_at_k=mean([max(row["rewards"]) for row in rows if row["rewards"]]),
+        greedy_accuracy=mean([row["greedy_reward"] for row in rows]),
+        rows=tuple(rows),
+    )
 
 
 def _codec(tok: Tokenizer, model_cfg: ModelConfig) -> dict:

@@ -26,14 +26,20 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 from rollout_api import records
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
-from rollout_server.episodes import EpisodeRunner
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
 from sat_jax.decoding import DecodeCore, SamplingConfig, sample, sampling_logprobs
 from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer, token_logprobs
 from sat_jax.tasks import Prompt, exact_match_reward
-from sat_jax.tasks.envs import CALCULATOR_TOOL, RETRY_MESSAGE, Calculator, EnvConfig, Feedback
+from sat_jax.tasks.envs import (
+    CALCULATOR_TOOL,
+    RETRY_MESSAGE,
+    Calculator,
+    EnvConfig,
+    EpisodeRunner,
+    Feedback,
+)
 from sat_jax.tasks.envs.calculator import find_tool_calls, run_tool_call
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests.hf_fixtures import make_tokenizer

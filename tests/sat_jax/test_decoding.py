@@ -212,3 +212,42 @@ def test_truncated_sampling_is_replayed_by_the_trainers_logprobs(temperature, to
         full = np.asarray(model.logprobs(tokens, **kw)[0])[0, p:]
         np.testing.assert_allclose(replayed, c.logp, atol=1e-5, rtol=0)
         assert np.max(np.abs(full - np.asarray(c.logp))) > 1e-2
+
+
+def test_episodes_insert_between_turns_and_stay_the_behavior_policy() -> None:
+    """complete_episodes: turns of MAX_NEW tokens, 3 ids inserted after each of the first two
+    (over 3 slots for 5 episodes, so slots are refilled); every generated token's log-prob is the
+    full forward's over the whole sequence, inserted ids are marked, and after_turn sees each
+    turn's ids and the room left."""
+    _, params = _model()
+    graphdef, _ = _model()
+    core = decoding.DecodeCore(
+        graphdef,
+        CFG,
+        slots=3,
+        max_prefill_length=8,
+        max_decode_length=40,
+        sampling=decoding.SamplingConfig(temperature=0.8),
+        sampleable_v=SAMPLEABLE,
+    )
+    seen: dict[int, list[tuple[int, str, int]]] = {}
+
+    def after_turn(i, ids, finish, room):
+        seen.setdefault(i, []).append((len(ids), finish, room))
+        return [41, 42, 43 + i] if len(seen[i]) < 3 else None
+
+    done = decoding.complete_episodes(
+        core, params, PROMPTS, stop_ids=(), turn_tokens=MAX_NEW, after_turn=after_turn
+    )
+    turn = [True] * MAX_NEW
+    for i, (prompt, c) in enumerate(zip(PROMPTS, done, strict=True)):
+        assert c.generated == (*turn, False, False, False, *turn, False, False, False, *turn)
+        assert [c.ids[j] for j, g in enumerate(c.generated) if not g] == [41, 42, 43 + i] * 2
+        # Room after each turn: 40 - 6, then 3 inserted and 6 generated less each time.
+        assert seen[i] == [(MAX_NEW, "length", 34), (MAX_NEW, "length", 25),
+                           (MAX_NEW, "length", 16)]  # fmt: skip
+        ref = _reference_logp(prompt, c.ids, 0.8)
+        gen = np.asarray(c.generated)
+        want = ref[np.arange(len(c.ids)), list(c.ids)][gen]
+        np.testing.assert_allclose(np.asarray(c.logp)[gen], want, atol=1e-4)
+        assert c.finish == "length"

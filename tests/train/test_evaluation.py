@@ -70,3 +70,38 @@ def test_accuracy_is_the_exact_match_rate_of_the_greedy_completions(model):
 def test_no_held_out_accuracy_without_problems_or_off_the_arithmetic_task(overrides):
     cfg = load_config(None, overrides)
     assert evaluation.held_out_accuracy(cfg, None, None) is None
+
+
+def test_a_multi_turn_env_evaluates_whole_episodes(tmp_path):
+    """With `task.env=feedback` every sample is an episode played as the server plays it: the
+    greedy transcript holds the environment's retry turns, and each reward is its episode's."""
+    from sat_jax.tasks.envs import RETRY_MESSAGE
+    from tests.hf_fixtures import make_tokenizer
+
+    make_tokenizer(tmp_path / "tok")
+    cfg = load_config(
+        None,
+        [
+            "task.tokenizer=hf",
+            f"task.tokenizer_path={tmp_path / 'tok'}",
+            "task.chat_template=true",
+            "task.env=feedback",
+            "task.max_turns=3",
+            "task.max_episode_tokens=200",
+            "rollout.max_new_tokens=4",
+            "model.vocab_size=512",
+            "model.max_seq_len=512",
+            "server.max_prefill_length=64",
+            "server.slots=2",
+        ],
+    )
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    graphdef, state = sharding.init_sharded(cfg.model, mesh, 0)
+    evaluator = evaluation.Evaluator.from_config(cfg, graphdef)
+    problems = [Prompt(id=f"p{i}", text=f"What is {i} + 1?", answer=str(i + 1)) for i in range(3)]
+    result = evaluator.evaluate(state, problems, k=2)
+    assert result.problems == 3 and result.skipped == 0
+    wrong = [row for row in result.rows if row["greedy_reward"] == 0.0]
+    assert all(len(row["rewards"]) == 2 for row in result.rows)
+    # Random weights answer wrong: the environment asks again until max_turns.
+    assert wrong and all(row["greedy"].count(RETRY_MESSAGE) == 2 for row in wrong), wrong

@@ -2,7 +2,8 @@
 
 The interface (base.py): `reset(prompt) -> messages`, `step(assistant_text) -> Step(observations,
 reward, done)`, one instance per episode. `Episode` (episode.py) drives one and enforces the
-limits; `load_environment` (registry.py) resolves `task.env`. Shipped: `single_turn` (the
+limits; `EpisodeRunner` (runner.py) renders episodes as token ids for a decoder;
+`load_environment` (registry.py) resolves `task.env`. Shipped: `single_turn` (the
 default), `feedback` and `calculator`. Pure Python: no server, model or grpc dependency.
 """
 
@@ -12,6 +13,7 @@ from sat_jax.tasks.envs.episode import EnvError, Episode
 from sat_jax.tasks.envs.evaluator import CalculatorError, calculate, evaluate
 from sat_jax.tasks.envs.feedback import RETRY_MESSAGE, Feedback
 from sat_jax.tasks.envs.registry import SHIPPED, check_env_name, load_environment
+from sat_jax.tasks.envs.runner import EpisodeRunner
 
 __all__ = [
     "CALCULATOR_TOOL",
@@ -23,6 +25,7 @@ __all__ = [
     "EnvError",
     "Environment",
     "Episode",
+    "EpisodeRunner",
     "Feedback",
     "Message",
     "SingleTurn",

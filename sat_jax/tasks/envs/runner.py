@@ -1,31 +1,32 @@
-"""Multi-turn episodes in the rollout server: the environment between turns, rendered as tokens.
+"""Episodes of an environment as token ids: what a decoder asks at the two points of an episode
+that involve more than tokens.
 
-`EpisodeRunner` is what the rollout loop asks at the two points of an episode that involve more
-than tokens: its start (`start`: a fresh environment instance from the dataset row, its opening
-messages rendered with the chat template and its tools) and the end of each assistant turn
-(`after_turn`: the environment reads the decoded turn; its observation messages become the
-chat template's delta ids, or the episode ends). Decoding, the KV cache and the per-token records
-stay in the driver and engine (driver.py, engine.py); this module never touches them.
+`EpisodeRunner.start` makes a fresh environment instance from a dataset row and renders its opening
+messages with the chat template and its tools; `after_turn` gives the environment the decoded
+turn and renders its observation messages as the chat template's delta ids, or says the episode
+ends. Decoding, the KV cache and the per-token records stay with the caller: the rollout server's
+driver and engine (docs/DESIGN.md §6.1) and the evaluator's `sat_jax.decoding.complete_episodes`
+both run episodes through it, so an evaluation plays episodes exactly as training does.
 
 An episode ends when the environment says so, at `task.max_turns`, or when the next observation
-would not fit the episode's token budget (`max_tokens`: `task.max_episode_tokens`, the engine's
-per-slot completion capacity) with room for one generated token; a turn that reached the budget
-itself is the last (the environment's `step` sees `last=True`). A turn cut at
-`rollout.max_new_tokens`, or ended by a stop id other than the template's end-of-turn token, is
-closed by the template's end-of-turn tokens, inserted before the observation (docs/DESIGN.md §2).
+would not fit the episode's token budget (`room`: what `task.max_episode_tokens` leaves) with room
+for one generated token; a turn that reached the budget itself is the last (the environment's
+`step` sees `last=True`). A turn cut at `rollout.max_new_tokens`, or ended by a stop id other
+than the template's end-of-turn token, is closed by the template's end-of-turn tokens, inserted
+before the observation (docs/DESIGN.md §2).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from rollout_server.driver import TurnEnd
 from sat_jax.tasks.arithmetic import Prompt
-from sat_jax.tasks.envs import EnvConfig, Environment, Episode
+from sat_jax.tasks.envs.base import EnvConfig, Environment
+from sat_jax.tasks.envs.episode import Episode
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 
 log = logging.getLogger(__name__)
@@ -63,8 +64,16 @@ class EpisodeRunner:
         episode = Episode(self.make_env, prompt, self.cfg)
         return episode, self.tokenizer.encode_messages(episode.messages, tools=episode.tools)
 
-    def after_turn(self, episode: Episode, turn: TurnEnd) -> np.ndarray | None:
+    def after_turn(
+        self, episode: Episode, ids: Sequence[int], *, finish_reason: str, room: int
+    ) -> np.ndarray | None:
         """Steps the environment with the decoded turn.
+
+        Args:
+          episode: the episode `start` made.
+          ids: the turn's generated ids (its stop id included when it ended on one).
+          finish_reason: "eos" (a stop id ended the turn) or "length" (a limit did).
+          room: completion tokens the episode has left.
 
         Returns:
           The ids to insert before the next turn (the template's close of a cut turn, then the
@@ -75,21 +84,21 @@ class EpisodeRunner:
           EnvError: the environment raised or returned something invalid.
           ValueError: the chat template cannot render the observations.
         """
-        text = self.tokenizer.decode(turn.ids)
-        step = episode.step(text, last=turn.room <= 1)
+        text = self.tokenizer.decode(ids)
+        step = episode.step(text, last=room <= 1)
         if step.done:
             return None
-        closed = turn.finish_reason == "eos" and self.tokenizer.closes_turn(int(turn.ids[-1]))
-        ids = self.tokenizer.observation_ids(
+        closed = finish_reason == "eos" and self.tokenizer.closes_turn(int(ids[-1]))
+        inserted = self.tokenizer.observation_ids(
             step.observations, tools=episode.tools, close_turn=not closed
         )
-        if not ids:
+        if not inserted:
             # A template that renders nothing between two assistant turns: nothing to insert,
             # and the engine continues a slot only after inserted tokens.
             log.warning("the chat template rendered no tokens after a turn; ending the episode")
             episode.done = True
             return None
-        if len(ids) + 1 > turn.room:
+        if len(inserted) + 1 > room:
             episode.done = True  # out of tokens: the episode ends with the last turn
             return None
-        return np.asarray(ids, np.int32)
+        return np.asarray(inserted, np.int32)
