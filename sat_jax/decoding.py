@@ -572,41 +572,16 @@ def complete(
     Raises:
       ValueError: a prompt is empty or longer than ``core.max_prefill_length``.
     """
-    for i, ids in enumerate(prompts):
-        if not 0 < len(ids) <= core.max_prefill_length:
-            raise ValueError(
-                f"prompt {i} has {len(ids)} tokens; it must have 1 to {core.max_prefill_length}"
-            )
-    stops = set(int(i) for i in stop_ids)
-    c = core.config
-    pending = deque(enumerate(prompts))
-    running: dict[int, tuple[int, list[int], list[float], list[int]]] = {}
-    results: list[Completion | None] = [None] * len(prompts)
-    state = core.init_state(version)
-    while pending or running:
-        for slot in range(core.slots):
-            if slot not in running and pending:
-                index, ids = pending.popleft()
-                prefix = core.prefill_prompt(params, ids, version)
-                state = core.insert(prefix, state, jnp.int32(slot))
-                running[slot] = (index, [], [], [])
-        state, data = core.generate(params, state, jnp.int32(version))
-        step = unpack_step(jax.device_get(data), c.num_moe_layers, c.num_experts_per_tok)
-        for slot, (index, ids, logps, kept) in list(running.items()):
-            ids.append(int(step["token"][slot]))
-            logps.append(float(step["logp"][slot]))
-            kept.append(int(step["kept"][slot]))
-            stopped = ids[-1] in stops
-            if stopped or len(ids) >= core.max_decode_length:
-                results[index] = Completion(
-                    ids=tuple(ids),
-                    logp=tuple(logps),
-                    finish="stop" if stopped else "length",
-                    kept=tuple(kept),
-                )
-                del running[slot]
-                state = core.evict(state, jnp.int32(slot))
-    return [r for r in results if r is not None]
+    done = complete_episodes(
+        core,
+        params,
+        prompts,
+        stop_ids=stop_ids,
+        turn_tokens=core.max_decode_length,
+        after_turn=lambda *_: None,  # every completion is one turn
+        version=version,
+    )
+    return [dataclasses.replace(c, generated=()) for c in done]
 
 
 AfterTurn = Callable[[int, Sequence[int], str, int], "Sequence[int] | None"]

@@ -523,26 +523,10 @@ class Transformer(nnx.Module):
         """
         b = tokens_b.shape[0]
         active_b = jnp.ones((b,), bool) if active_b is None else active_b.astype(bool)
-        positions_b1 = cache.lengths_b[:, None]
         span = cache.max_len if window is None else min(window, cache.max_len)
-        allowed_b1s = (jnp.arange(span)[None, :] <= cache.lengths_b[:, None])[:, None]
-        trunk = self._trunk(
-            tokens_b[:, None],
-            positions_b1,
-            active_b[:, None],
-            allowed_b1s,
-            cache=cache,
-            window=span,
-        )
-        cache = KVCache(
-            k_lbsgh=trunk.k_lbtgh,
-            v_lbsgh=trunk.v_lbtgh,
-            lengths_b=cache.lengths_b + active_b.astype(jnp.int32),
-        )
-        routing = self._routing(trunk, b, 1)[:, 0] if return_routing else None
-        return DecodeOutput(
-            logits_bv=self._logits(trunk.x_btd)[:, 0], routing_blk=routing, cache=cache
-        )
+        out = self._append(cache, tokens_b[:, None], active_b[:, None], span, return_routing)
+        routing = None if out.routing_btlk is None else out.routing_btlk[:, 0]
+        return DecodeOutput(logits_bv=out.logits_btv[:, 0], routing_blk=routing, cache=out.cache)
 
     def extend(
         self,
@@ -573,10 +557,23 @@ class Transformer(nnx.Module):
         """
         b, t = tokens_bt.shape
         mask_bt = jnp.ones((b, t), bool) if mask_bt is None else mask_bt.astype(bool)
+        return self._append(cache, tokens_bt, mask_bt, cache.max_len, return_routing)
+
+    def _append(
+        self,
+        cache: KVCache,
+        tokens_bt: jax.Array,
+        mask_bt: jax.Array,
+        window: int,
+        return_routing: bool,
+    ) -> PrefillOutput:
+        """`extend` and `decode_step`: T tokens per row at positions lengths_b onwards, attending
+        over the cache's first `window` positions; row b advances by mask_bt[b].sum()."""
+        b, t = tokens_bt.shape
         positions_bt = cache.lengths_b[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        allowed_bts = jnp.arange(cache.max_len)[None, None, :] <= positions_bt[:, :, None]
+        allowed_bts = jnp.arange(window)[None, None, :] <= positions_bt[:, :, None]
         trunk = self._trunk(
-            tokens_bt, positions_bt, mask_bt, allowed_bts, cache=cache, window=cache.max_len
+            tokens_bt, positions_bt, mask_bt, allowed_bts, cache=cache, window=window
         )
         cache = KVCache(
             k_lbsgh=trunk.k_lbtgh,
