@@ -11,8 +11,8 @@ process when one of its threads dies.
 Multi-turn episodes (`RolloutRequest.episode`) keep their slot across turns. When a turn ends (a
 stop token, the per-turn `turn_tokens`, or the episode's `max_tokens`) the request waits and
 `on_turn` receives the turn; the rollout loop asks the environment and answers with
-`continue_episode` (the observation tokens) or `end_episode`. Both travel through this thread's
-own backlog, so the buffer is only ever touched here: a continuation appends the observation
+`continue_episode` (the observation tokens) or `end_episode`. Both reach this thread through its
+own action queue, drained before every step it reads, so the buffer is only ever touched here: a continuation appends the observation
 tokens (loss mask 0) and only then schedules the engine's extension, whose steps carry the next
 segment number; steps of an older segment (the slot decoded on while the environment ran) are
 dropped.
@@ -20,8 +20,10 @@ dropped.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +41,9 @@ from rollout_server.engine import MoEEngine, unpack_step
 
 log = logging.getLogger(__name__)
 
-_RACE = "must have some requests inserted"  # JetStream 0.2.2's free-slot race (see below)
+_RACE = "must have some requests inserted"
+_ACTION_POLL_S = 0.01  # how often an idle detokenize thread looks for episode actions
+_NOTHING = object()  # JetStream 0.2.2's free-slot race (see below)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,18 +222,29 @@ class RolloutDriver(orchestrator.Driver):
         # Called (on the generate thread) with the error of a failed generate loop; None = log.
         self.on_fatal: Callable[[BaseException], None] | None = None
         self._counter_lock = threading.Lock()
+        # Per detokenize thread: `continue_episode` / `end_episode` actions. Not JetStream's
+        # detokenize backlog: the generate thread keeps that one full (8 steps), so an action
+        # put there would wait behind it and block the rollout loop's thread.
+        self._episode_actions: dict[int, queue.SimpleQueue] = collections.defaultdict(
+            queue.SimpleQueue
+        )
+        self._actions_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def _actions(self, idx: int) -> queue.SimpleQueue:
+        with self._actions_lock:
+            return self._episode_actions[idx]
 
     def continue_episode(self, request: RolloutRequest, tokens: Any) -> None:
         """Continues a waiting episode after `tokens` (the observation ids, at least one): they
         join the trajectory with loss mask 0 and the slot decodes on after them. Thread-safe."""
         tokens = np.asarray(tokens, np.int32)
-        self._detokenize_backlogs[request.detokenize_index].put(_Continue(request, tokens))
+        self._actions(request.detokenize_index).put(_Continue(request, tokens))
 
     def end_episode(self, request: RolloutRequest) -> None:
         """Ends a waiting episode: `on_done` receives its sample (finish reason: its last turn's)
         and the slot is freed. Thread-safe."""
-        self._detokenize_backlogs[request.detokenize_index].put(_End(request))
+        self._actions(request.detokenize_index).put(_End(request))
 
     def prefill_backlog_size(self) -> int:
         """Requests waiting for a prefill."""
@@ -282,13 +297,23 @@ class RolloutDriver(orchestrator.Driver):
         free_slots = self._generate_slots[idx]
         stops = engine.tokenizer.stop_ids
         cfg = engine.config
+        actions = self._actions(idx)
         live: dict[int, orchestrator.ActiveRequest] = {}
         while self.live:
-            item = backlog.get(block=True)
+            try:
+                item = backlog.get(timeout=_ACTION_POLL_S)
+            except queue.Empty:
+                item = _NOTHING
+            # Episode actions first: an extension scheduled now lands before the next step.
+            while True:
+                try:
+                    action = actions.get_nowait()
+                except queue.Empty:
+                    break
+                self._episode_action(action, live, free_slots, engine)
             if item is None:
                 break
-            if isinstance(item, _Continue | _End):
-                self._episode_action(item, live, free_slots, engine)
+            if item is _NOTHING:
                 continue
             if not isinstance(item[1], engine_api.ResultTokens):
                 slot, request = item
