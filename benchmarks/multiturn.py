@@ -49,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 # Run by path from a checkout, installed or not.
@@ -106,7 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=4, help="turns of every episode")
     p.add_argument("--turn-tokens", type=int, default=32, help="generated tokens per turn")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="tiny preset, 3 turns of 8, 2 repeats")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="tiny preset, 2 slots, 2 groups of 2, 3 turns of 8, 2 repeats",
+    )
     p.add_argument("--json", default="", help="also write the results to this file")
     args = p.parse_args(argv)
     if args.quick:
@@ -185,6 +190,7 @@ class Bench:
         self.engine.generate = counted
 
     def stop(self) -> None:
+        """Stops the driver's threads."""
         self.driver.stop()
 
     def run_round(self, variant: str) -> dict[str, Any]:
@@ -361,7 +367,7 @@ def bench_prefill_time(bench: Bench, trajectory: records.Trajectory, rows: list[
     p = len(prompt)
     state = core.insert(core.prefill_prompt(params, prompt), core.init_state(), 0)
 
-    def full(k: int):
+    def full(k: int) -> Callable[[], Any]:
         ids = prompt + completion[: spans[k][0]]
         bucket = max(16, 1 << (len(ids) - 1).bit_length())
         tokens = np.zeros((bucket,), np.int32)
