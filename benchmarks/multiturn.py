@@ -67,7 +67,6 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 from rollout_api import records
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
-from rollout_server.episodes import EpisodeRunner
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
 from sat_jax.decoding import DecodeCore, SamplingConfig
@@ -75,7 +74,7 @@ from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.model.make_tiny import train_tokenizer
 from sat_jax.tasks import Prompt
-from sat_jax.tasks.envs import RETRY_MESSAGE, EnvConfig, Environment, Step
+from sat_jax.tasks.envs import RETRY_MESSAGE, EnvConfig, Environment, EpisodeRunner, Step
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 
 
