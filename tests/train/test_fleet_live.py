@@ -102,6 +102,11 @@ def _server_id(tmp_path: pathlib.Path, name: str) -> str:
     return json.loads((tmp_path / f"state-{name}" / "rollout_state.json").read_text())["server_id"]
 
 
+def _trained_from(server_id: str, progress: checkpointing.Progress, *, after: int) -> bool:
+    """Whether a group of ``server_id`` is among the trained groups past the first ``after``."""
+    return any(k.startswith(f"{server_id}/") for k in progress.recent_group_keys[after:])
+
+
 def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
     """Before the fix every resume left the server (max_staleness + 1) batches further ahead for
     good (the groups it had made for the lost weights, rejected, each bought a replacement): a
@@ -301,9 +306,18 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
             state, progress = _start(cfg)
             state, progress = _train(cfg, pool, state, progress, w, _hooked_step(1.0, hooks))
             final = pool.metrics()
+            # b's first groups after a restart come from the weights it restarted with and go
+            # stale; on a loaded machine its fresh ones may miss the last steps too, so the run
+            # goes on a few steps at a time (at most 24) until one of b's is trained.
+            b_id, extra = _server_id(tmp_path, "b"), 0
+            while extra < 24 and not _trained_from(b_id, progress, after=16 * B):
+                extra += 4
+                more = load_config(CONFIG, [*overrides, f"train.servers=[{a.address},{b.address}]",
+                                            f"train.steps={steps + extra}"])  # fmt: skip
+                state, progress = _train(more, pool, state, progress, w, _hooked_step(1.0, {}))
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
-    assert [r["step"] for r in records] == list(range(1, steps + 1))  # the run finished
+    assert [r["step"] for r in records] == list(range(1, steps + extra + 1))  # the run finished
     assert killer[0].errors == ["Pull: UNAVAILABLE", "UpdateWeights: UNAVAILABLE"], killer[0].errors
     up = [r["servers_up"] for r in records]
     assert 1 in up[3:9] and 1 in up[10:16] and up[-1] == 2, up  # left after each kill, back
@@ -313,10 +327,8 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
              if "weights swapped" in line]  # fmt: skip
     assert swaps[-1] == progress.version, (swaps, progress.version)
     assert final["pulled_1"] > seen["rejoined_2"] >= seen["rejoined_1"]
-    b_id = _server_id(tmp_path, "b")
-    trained_after = progress.recent_group_keys[16 * B :]
-    assert any(key.startswith(f"{b_id}/") for key in trained_after), trained_after
+    assert _trained_from(b_id, progress, after=16 * B), progress.recent_group_keys
     # Exactly once: every step trained B groups, none of them twice.
     keys = progress.recent_group_keys
-    assert len(keys) == steps * B and len(set(keys)) == len(keys), keys
-    assert progress.stale_dropped <= 4 * B  # at most what b held at each kill
+    assert len(keys) == (steps + extra) * B and len(set(keys)) == len(keys), keys
+    assert records[steps - 1]["stale_dropped"] <= 4 * B  # at most what b held at each kill
