@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 
 from rollout_api.client import connect
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax.experiment import load_config
 from sat_jax.train_step import TrainState
 from tests.clock import wait_until
@@ -69,8 +70,9 @@ def _server(tmp_path: pathlib.Path, name: str, overrides: list[str]) -> LocalSer
     return LocalServer(CONFIG, [*overrides, state], str(tmp_path / f"server-{name}.log"))
 
 
-def _hooked_step(seconds: float, hooks: dict[int, callable]):
-    """A train step that only takes time and, before step k (1-based), runs ``hooks[k]``."""
+def _hooked_step(seconds: float, hooks: dict[int, callable], *, caught_up=None):
+    """A train step that only takes time and, before step k (1-based), runs ``hooks[k]``;
+    ``caught_up`` (servers), if given, is waited for after the sleep (``_caught_up``)."""
     calls = [0]
 
     def step(state: TrainState, batch):
@@ -78,9 +80,33 @@ def _hooked_step(seconds: float, hooks: dict[int, callable]):
         if calls[0] in hooks:
             hooks[calls[0]]()
         time.sleep(seconds)
+        if caught_up is not None:
+            _caught_up(caught_up)
         return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
 
     return step
+
+
+def _caught_up(servers: list[LocalServer], timeout_s: float = 30.0) -> None:
+    """Waits (at most ``timeout_s``) until no answering server has a group running, i.e. each
+    has made every group its admission allows for the weights it has: generation stays faster
+    than training however loaded the machine is. A server that does not answer (killed, stopped
+    or restarting) is not waited for."""
+    deadline = time.monotonic() + timeout_s
+    for server in servers:
+        channel = grpc.insecure_channel(server.address)
+        try:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+            while time.monotonic() < deadline:
+                try:
+                    stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=2)
+                except grpc.RpcError:
+                    break
+                if stats.groups_running == 0:
+                    break
+                time.sleep(0.05)
+        finally:
+            channel.close()
 
 
 def _train(cfg, pool, state, progress, writer, step_fn):
@@ -304,7 +330,8 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
         ) as pool:
             pool_ref.append(pool)
             state, progress = _start(cfg)
-            state, progress = _train(cfg, pool, state, progress, w, _hooked_step(1.0, hooks))
+            step = _hooked_step(1.0, hooks, caught_up=[a, b])
+            state, progress = _train(cfg, pool, state, progress, w, step)
             final = pool.metrics()
             # b's first groups after a restart come from the weights it restarted with and go
             # stale; on a loaded machine its fresh ones may miss the last steps too, so the run
@@ -314,7 +341,8 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
                 extra += 4
                 more = load_config(CONFIG, [*overrides, f"train.servers=[{a.address},{b.address}]",
                                             f"train.steps={steps + extra}"])  # fmt: skip
-                state, progress = _train(more, pool, state, progress, w, _hooked_step(1.0, {}))
+                step = _hooked_step(1.0, {}, caught_up=[a, b])
+                state, progress = _train(more, pool, state, progress, w, step)
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
     assert [r["step"] for r in records] == list(range(1, steps + extra + 1))  # the run finished
