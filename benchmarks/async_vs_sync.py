@@ -63,9 +63,9 @@ def run_mode(
         f"server.checkpoint_root={run_dir}",
         f"server.state_dir={run_dir / 'server'}",
         f"train.steps={steps}",
-        "train.warmup_sft_steps=0",
-        "train.eval_problems=0",
-        f"train.checkpoint_every={steps}",
+        "train.warmup.steps=0",
+        "train.eval.problems=0",
+        f"train.checkpoint.every={steps}",
         *extra,
     ]
     cores = sorted(os.sched_getaffinity(0))
@@ -79,7 +79,7 @@ def run_mode(
                 os.sched_setaffinity(0, cores[1:2])
             server.wait_ready(timeout_s=SERVER_START_S)
             cmd = [sys.executable, "-m", "train", "--config", config, *overrides]
-            cmd.append(f"train.servers=[{server.address}]")
+            cmd.append(f"train.client.servers=[{server.address}]")
             print(f"# {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)
             subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     finally:

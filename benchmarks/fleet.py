@@ -49,10 +49,10 @@ def _overrides(tmp: pathlib.Path) -> list[str]:
         "rollout.max_new_tokens=6",
         "server.slots=4",
         f"server.checkpoint_root={tmp}",
-        "train.checkpoint_every=1000",
-        "train.eval_problems=0",
-        "train.server_grace_s=2",
-        "train.server_wait_s=300",
+        "train.checkpoint.every=1000",
+        "train.eval.problems=0",
+        "train.client.grace_s=2",
+        "train.client.wait_s=300",
         f"train.run_dir={tmp / 'run'}",
     ]
 
@@ -122,7 +122,7 @@ def run(k: int, steps: int, step_s: float, *, fleet_budget: bool, kill: bool = F
             s.wait_ready(timeout_s=300)
         cfg = load_config(
             CONFIG,
-            [*overrides, f"train.servers=[{','.join(s.address for s in servers)}]",
+            [*overrides, f"train.client.servers=[{','.join(s.address for s in servers)}]",
              f"train.steps={steps}"],
         )  # fmt: skip
         t = cfg.train

@@ -677,7 +677,7 @@ SMOKE = [
     "--knob-lag", "2", "--knob-quantiles", "0.8", "--knob-exponents", "1", "--gspo-lags", "2",
     "--gspo-methods", "GSPOwide+SAT", "--workers", "1", "--eval-every", "2",
     "--eval-problems", "16", "--stop-after", "0", "--tail-every", "1",
-    "--set", "train.warmup_sft_steps=0", "rollout.batch_groups=4", "rollout.group_size=4",
+    "--set", "train.warmup.steps=0", "rollout.batch_groups=4", "rollout.group_size=4",
 ]  # fmt: skip
 
 

@@ -140,7 +140,7 @@ class Runner:
             loss_cfg, replay = loss_config(method)
             self._steps[method] = make_train_step(
                 self.cfg.model,
-                self.cfg.train.optimizer.make(),
+                self.cfg.train.optimizer.make(self.cfg.train.steps),
                 loss_cfg,
                 self.mesh,
                 routing_replay=replay,
@@ -215,7 +215,7 @@ class Runner:
         step_fn = self.step_fn(cell.method)
         state = create_train_state(
             self.cfg.model,
-            self.cfg.train.optimizer.make(),
+            self.cfg.train.optimizer.make(self.cfg.train.steps),
             self.mesh,
             _copy(self.base_params),
         )

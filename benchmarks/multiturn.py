@@ -69,8 +69,8 @@ from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
+from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.decoding import DecodeCore, SamplingConfig
-from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.model.make_tiny import train_tokenizer
 from sat_jax.tasks import Prompt

@@ -6,7 +6,7 @@
 
 Every cell is `python -m train --config configs/arith_main.yaml` (`make run`'s job: the cached
 supervised warm-up of its seed, a local rollout server child, async SAT-GRPO with R3) with
-`train.steps`, `train.eval_every`, `train.seed` and `server.seed` set, and one experiment's
+`train.steps`, `train.eval.every`, `train.seed` and `server.seed` set, and one experiment's
 variant:
 
 - ``replay``: the server samples with top_p = 0.9; the trainer scores the tokens under the same
@@ -52,7 +52,11 @@ EXPERIMENTS = {
     # LoRA at 10x the full run's learning rate (the usual rule for LoRA's rate).
     "lora": {
         "lora-full": [],
-        "lora-r8": ["model.lora.rank=8", "model.lora.alpha=16", "train.learning_rate=1e-3"],
+        "lora-r8": [
+            "model.lora.rank=8",
+            "model.lora.alpha=16",
+            "train.optimizer.learning_rate=1e-3",
+        ],
     },
 }
 MEANS = ("mismatch_abs_mean", "sampler_kl", "kl_k3", "sat_q", "sat_gate_rate", "overlong_frac")
@@ -71,7 +75,7 @@ def run_cell(out: pathlib.Path, variant: str, extra: list[str], seed: int, args)
     cmd = [
         sys.executable, "-m", "train", "--config", str(CONFIG),
         f"train.run_dir={run_dir}", f"train.steps={args.steps}",
-        f"train.eval_every={args.eval_every}", f"train.checkpoint_every={args.steps}",
+        f"train.eval.every={args.eval_every}", f"train.checkpoint.every={args.steps}",
         f"train.seed={seed}", f"server.seed={seed}", *extra, *args.set,
     ]  # fmt: skip
     print(f"# {name}: {' '.join(cmd[3:])}", file=sys.stderr, flush=True)

@@ -46,8 +46,8 @@ from rollout_api.client import channel_options, connect
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server.engine import MoEEngine
 from sat_jax import params_io
+from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.decoding import DecodeCore, SamplingConfig, sample
-from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.tasks import CharTokenizer
 

@@ -110,11 +110,11 @@ class Soak:
         self.server.wait_ready(timeout_s=SERVER_START_S)
         cmd = [sys.executable, "-m", "train", "--config", self.args.config, *overrides]
         cmd += [
-            f"train.servers=[{self.server.address}]",
+            f"train.client.servers=[{self.server.address}]",
             f"train.run_dir={self.work / 'run'}",
             "train.steps=100000000",
-            "train.warmup_sft_steps=0",
-            "train.eval_problems=0",
+            "train.warmup.steps=0",
+            "train.eval.problems=0",
         ]
         env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))

@@ -108,7 +108,7 @@ def make_data_path(
     """``(one_step, state)``: ``one_step(state, groups) -> (state, metrics, seconds, bytes)``
     runs the loop's data path once (module docstring); ``seconds`` per phase, ``bytes`` as
     ``{"h2d": ..., "d2h": ...}`` (the batch, not the metrics)."""
-    optimizer = cfg.train.optimizer.make()
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
     ref_params = jax.tree.map(jax.numpy.copy, params)
     step_fn = main.make_step_fn(cfg, optimizer, mesh, ref_params)
     spec = setup.batch_spec(cfg)

@@ -52,8 +52,8 @@ from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest,
 from rollout_server.engine import MoEEngine
 from rollout_server.group_queue import GroupQueue
 from rollout_server.persistence import RolloutState, StateStore, new_server_id
+from sat_jax.config import RolloutConfig
 from sat_jax.decoding import SamplingConfig
-from sat_jax.experiment import RolloutConfig
 from sat_jax.tasks import Prompt, Tokenizer
 from sat_jax.tasks.envs import EnvError, Episode, EpisodeRunner
 from sat_jax.tasks.rewards import RewardFn

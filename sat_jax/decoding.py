@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
-from sat_jax.experiment import RolloutConfig
+from sat_jax.config import RolloutConfig
 from sat_jax.model import KVCache, ModelConfig
 from sat_jax.parallel import sharding
 

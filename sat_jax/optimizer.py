@@ -1,10 +1,9 @@
 """The trainer's optimizer (docs/DESIGN.md §7, §11): global-norm clipping → AdamW with the
 configured learning-rate schedule, its state in float32 whatever the parameter dtype.
 
-    optimizer = cfg.train.optimizer.make()
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
 
-`OptimizerConfig` is the part of `TrainConfig` that configures it (docs/DESIGN.md §8): its fields
-are the `train.*` keys of the same names, and `TrainConfig.optimizer` builds it from them.
+`OptimizerConfig` is the `train.optimizer.*` section of the experiment config (docs/DESIGN.md §8).
 
 `float32_state` wraps a transformation so its state (Adam's m and v) and its updates are float32:
 bfloat16 master weights keep full-precision moments, and `optax.apply_updates` casts the sum back
@@ -27,33 +26,29 @@ LR_SCHEDULES = ("constant", "cosine", "linear")
 class OptimizerConfig:
     """Global-norm clipping → AdamW with a learning-rate schedule.
 
-    No defaults here: they live once, in `TrainConfig`'s fields of the same names (the YAML keys
-    `train.learning_rate`, ...), and `TrainConfig.optimizer` builds this part from them.
+    The `train.optimizer.*` keys; the run's length comes from `train.steps` when it is built
+    (`make(num_steps)`).
 
     Attributes:
-      steps: the updates of the run (`train.steps`); the schedule decays over them.
       learning_rate: the peak rate.
-      lr_schedule: "constant", or "cosine" | "linear" decay to 0 over `steps` −
+      lr_schedule: "constant", or "cosine" | "linear" decay to 0 over the run's updates −
         `lr_warmup_steps`.
       lr_warmup_steps: linear warm-up from 0 over this many updates (0 = none).
       adam_b1, adam_b2, weight_decay: AdamW's.
       grad_clip: global-norm clipping threshold (0 = off).
     """
 
-    steps: int
-    learning_rate: float
-    lr_schedule: str
-    lr_warmup_steps: int
-    adam_b1: float
-    adam_b2: float
-    weight_decay: float
-    grad_clip: float
+    learning_rate: float = 1e-4
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.98
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
 
     def __post_init__(self) -> None:
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {LR_SCHEDULES}, got {self.lr_schedule!r}")
-        if self.steps <= 0:
-            raise ValueError(f"steps must be positive, got {self.steps}")
         if self.lr_warmup_steps < 0:
             raise ValueError(f"lr_warmup_steps must be >= 0, got {self.lr_warmup_steps}")
         if not self.learning_rate > 0:
@@ -63,9 +58,12 @@ class OptimizerConfig:
         if self.weight_decay < 0 or self.grad_clip < 0:
             raise ValueError("weight_decay and grad_clip must be >= 0")
 
-    def schedule(self) -> optax.Schedule:
-        """The learning rate per update: linear warm-up from 0, then the decay."""
-        decay_steps = max(self.steps - self.lr_warmup_steps, 1)
+    def schedule(self, num_steps: int) -> optax.Schedule:
+        """The learning rate per update of a run of `num_steps` updates: linear warm-up from 0,
+        then the decay."""
+        if num_steps <= 0:
+            raise ValueError(f"num_steps must be positive, got {num_steps}")
+        decay_steps = max(num_steps - self.lr_warmup_steps, 1)
         peak = self.learning_rate
         decay = {
             "constant": optax.constant_schedule(peak),
@@ -77,12 +75,15 @@ class OptimizerConfig:
         warmup = optax.linear_schedule(0.0, peak, self.lr_warmup_steps)
         return optax.join_schedules([warmup, decay], [self.lr_warmup_steps])
 
-    def make(self) -> optax.GradientTransformation:
-        """Global-norm clipping → AdamW with `schedule()`; Adam's moments are float32
+    def make(self, num_steps: int) -> optax.GradientTransformation:
+        """Global-norm clipping → AdamW with `schedule(num_steps)`; Adam's moments are float32
         (`float32_state`)."""
         adamw = float32_state(
             optax.adamw(
-                self.schedule(), b1=self.adam_b1, b2=self.adam_b2, weight_decay=self.weight_decay
+                self.schedule(num_steps),
+                b1=self.adam_b1,
+                b2=self.adam_b2,
+                weight_decay=self.weight_decay,
             )
         )
         if not self.grad_clip:

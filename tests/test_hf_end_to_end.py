@@ -105,7 +105,7 @@ def setup(tmp_path_factory):
             "max_new_tokens": MAX_NEW_TOKENS,
             "stop_token_ids": stops,
         },
-        "train": {"eval_problems": 0, "pull_timeout_s": 5.0, "server_wait_s": 300.0},
+        "train": {"client": {"pull_timeout_s": 5.0, "wait_s": 300.0}},
     }
     path = root / "hf_e2e.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -214,7 +214,7 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
            "server.dtype=bfloat16", f"train.run_dir={run_dir}",
            # Random weights earn reward 0, so GRPO's gradient is 0: weight decay still moves
            # every weight, which the export below must show.
-           "train.weight_decay=0.1"]  # fmt: skip
+           "train.optimizer.weight_decay=0.1"]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
     )
@@ -236,7 +236,7 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
         )
 
     export_dir = tmp_path / "export"
-    proc = command("train.export", "--out", str(export_dir), "train.weight_decay=0.1")
+    proc = command("train.export", "--out", str(export_dir), "train.optimizer.weight_decay=0.1")
     assert proc.returncode == 0, proc.stderr
     trained = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
     tok = transformers.AutoTokenizer.from_pretrained(export_dir)
@@ -249,7 +249,9 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
     ours = hf.load_qwen3_moe(export_dir)
     got = np.asarray(ours(np.asarray([ids], np.int32)))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    proc = command("train.eval_cli", "--k", "2", "--problems", "4", "train.weight_decay=0.1")
+    proc = command(
+        "train.eval_cli", "--k", "2", "--problems", "4", "train.optimizer.weight_decay=0.1"
+    )
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
 
@@ -311,7 +313,7 @@ def test_truncated_sampling_matches_transformers_and_the_trainer_replays_it(setu
         assert (batch.kept_counts is not None) == (replay == "truncated")
         mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
         _, params = hf.load_params(cfg.model.hf_path, cfg.model)
-        optimizer = cfg.train.optimizer.make()
+        optimizer = cfg.train.optimizer.make(cfg.train.steps)
         state = create_train_state(cfg.model, optimizer, mesh, params)
         step = train_main.make_step_fn(cfg, optimizer, mesh)
         _, m = step(state, shard_batch(batch, mesh))
@@ -329,10 +331,10 @@ def test_the_dapo_config_runs_and_its_filter_never_stalls(setup, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs/dapo_sat_gsm8k.yaml"),
            f"model.hf_path={d.path}", f"task.path={d.data}", "train.steps=2",
-           f"train.run_dir={run_dir}", "train.eval_problems=0", "rollout.batch_groups=2",
+           f"train.run_dir={run_dir}", "train.eval.problems=0", "rollout.batch_groups=2",
            "rollout.group_size=2", "rollout.max_new_tokens=8", "train.overlong_cache=4",
            "train.filter_max_rounds=1", "server.max_prefill_length=64", "model.max_seq_len=128",
-           "train.server_wait_s=300"]  # fmt: skip
+           "train.client.wait_s=300"]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
     )
@@ -360,7 +362,7 @@ def test_lora_trains_serves_and_exports_merged_and_as_a_peft_adapter(setup, tmp_
     # Random weights earn reward 0; DAPO's soft overlong penalty makes the rewards of a group
     # differ (by completion length), so the adapters get a gradient.
     shaping = ["train.overlong=soft", "train.overlong_cache=10", "train.overlong_penalty=1.0",
-               "train.learning_rate=1e-2"]  # fmt: skip
+               "train.optimizer.learning_rate=1e-2"]  # fmt: skip
     common = [*lora, *shaping, f"train.run_dir={run_dir}"]
     # Synchronous: every step's tokens come from the adapters just pushed, so the behavior/trainer
     # gap is bfloat16 rounding only if the server serves exactly base + scale·A·B.
@@ -491,10 +493,10 @@ def test_the_calculator_config_runs(setup, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs/calculator_gsm8k.yaml"),
            f"model.hf_path={d.path}", f"task.path={d.data}", "train.steps=1",
-           f"train.run_dir={run_dir}", "train.eval_problems=0", "rollout.batch_groups=2",
+           f"train.run_dir={run_dir}", "train.eval.problems=0", "rollout.batch_groups=2",
            "rollout.group_size=2", "rollout.max_new_tokens=8", "task.max_episode_tokens=24",
            "server.max_prefill_length=128", "model.max_seq_len=256",
-           "train.server_wait_s=300"]  # fmt: skip
+           "train.client.wait_s=300"]  # fmt: skip
     proc = subprocess.run(
         cmd, cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=800
     )

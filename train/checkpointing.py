@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
 from sat_jax import params_io, train_step
-from sat_jax.experiment import CheckpointConfig
+from sat_jax.config import CheckpointConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState
@@ -156,7 +156,7 @@ def check_base(recorded: dict[str, str], base: Any, *, where: str) -> None:
         f"{where}: the base model differs from the one its LoRA adapters were trained on "
         f"({len(differ)} of {len(recorded)} tensors differ: {'; '.join(lines)}). A LoRA "
         "checkpoint holds only the adapters; restore it with the run's base (the same "
-        "model.hf_path, or train.seed, warm-up and train.sft_cache_dir)"
+        "model.hf_path, or train.seed, warm-up and train.warmup.cache_dir)"
     )
 
 
@@ -247,9 +247,9 @@ class Checkpointer:
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, run_dir: str) -> Checkpointer:
-        """The checkpoints ``cfg`` configures (``cfg.train.checkpoints``): in
-        ``cfg.directory(run_dir)``, keeping ``cfg.keep_checkpoints``."""
-        return cls(cfg.directory(run_dir), keep=cfg.keep_checkpoints)
+        """The checkpoints ``cfg`` configures (``cfg.train.checkpoint``): in
+        ``cfg.directory(run_dir)``, keeping ``cfg.keep``."""
+        return cls(cfg.directory(run_dir), keep=cfg.keep)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""

@@ -67,7 +67,7 @@ def policy_params(
         return "hf", *hf.load_params(hf_dir, cfg.model, shardings)
     _, ckpt_dir, _ = setup.run_paths(cfg)
     try:
-        optimizer = cfg.train.optimizer.make()
+        optimizer = cfg.train.optimizer.make(cfg.train.steps)
         base = lambda: setup.base_policy(cfg, mesh)[1]
         step, params = checkpointing.restore_params(
             ckpt_dir, cfg.model, optimizer, mesh, step, base=base

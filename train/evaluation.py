@@ -30,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from sat_jax import decoding
-from sat_jax.experiment import ExperimentConfig, TaskConfig, make_tokenizer
+from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import ModelConfig
 from sat_jax.tasks import (
     CharTokenizer,
@@ -40,6 +40,7 @@ from sat_jax.tasks import (
     make_reward,
     sampleable_mask,
 )
+from sat_jax.tasks.config import TaskConfig
 from sat_jax.tasks.envs import EnvError, Episode, EpisodeRunner, load_environment
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -333,9 +334,9 @@ def _config_evaluator(cfg: ExperimentConfig, graphdef: nnx.GraphDef) -> Evaluato
 
 
 def held_out_accuracy(cfg: ExperimentConfig, graphdef: nnx.GraphDef, params: Any) -> float | None:
-    """Greedy accuracy on ``train.eval_problems`` held-out problems (``Evaluator``, compiled once
+    """Greedy accuracy on ``train.eval.problems`` held-out problems (``Evaluator``, compiled once
     per config); None when evaluation is off or the task is not the arithmetic one."""
-    if not cfg.train.eval_problems or cfg.task.source != "arithmetic":
+    if not cfg.train.eval.problems or cfg.task.source != "arithmetic":
         return None
-    problems = held_out_problems(cfg.task, cfg.train.eval_problems)
+    problems = held_out_problems(cfg.task, cfg.train.eval.problems)
     return _config_evaluator(cfg, graphdef).evaluate(params, problems, k=0).greedy_accuracy

@@ -73,7 +73,7 @@ def export_run(
     ):
         raise ExportError(f"task.tokenizer_path: no tokenizer files in {tokenizer_dir}")
     mesh = sharding.make_mesh(cfg.train.mesh)
-    optimizer = cfg.train.optimizer.make()
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
     base = lambda: setup.base_policy(cfg, mesh)[1]
     try:
         step, params = checkpointing.restore_params(

@@ -1,4 +1,4 @@
-"""A rollout server child process for single-machine runs (``train.servers`` empty).
+"""A rollout server child process for single-machine runs (``train.client.servers`` empty).
 
 The child runs ``python -m rollout_server`` with the trainer's own config file and overrides plus a
 free port, logs to ``<run_dir>/server.log``, and is asked by the kernel to exit when the trainer

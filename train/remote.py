@@ -577,7 +577,7 @@ class ServerPool:
         if silent > self._server_wait_s:
             raise ServersDownError(
                 f"no rollout server answered for {self._server_wait_s:.0f}s "
-                f"(train.server_wait_s): {addresses or 'none listed'}"
+                f"(train.client.wait_s): {addresses or 'none listed'}"
             )
 
     def _wait_for_a_server(self) -> None:
@@ -649,7 +649,7 @@ class ServerPool:
                 lines = [line.split("#", 1)[0].strip() for line in f]
         except OSError as e:
             if str(e) != self._file_error:
-                log.warning("cannot read train.servers_file: %s; keeping its servers", e)
+                log.warning("cannot read train.client.servers_file: %s; keeping its servers", e)
                 self._file_error = str(e)
             return
         self._file_error = ""
@@ -659,7 +659,9 @@ class ServerPool:
             if not line:
                 continue
             if not sep or not host or not port.isdigit():
-                log.warning("train.servers_file %s: %r is not host:port", self._servers_file, line)
+                log.warning(
+                    "train.client.servers_file %s: %r is not host:port", self._servers_file, line
+                )
                 continue
             listed.append(line)
         with self._lock:

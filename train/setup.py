@@ -1,6 +1,6 @@
 """What the trainer builds from an ``ExperimentConfig`` before its loop (docs/DESIGN.md §7, §8):
 the run's directories, the base policy, the batch shape, the sampleable ids and the server pool
-(the optimizer is ``cfg.train.optimizer.make()``; the reference policy's log-probs, for the KL
+(the optimizer is ``cfg.train.optimizer.make(cfg.train.steps)``; the reference policy's log-probs, for the KL
 penalty, are computed inside the train step from the base policy's params).
 
 Pure builders, shared by ``train.main`` (the job), the benchmarks, the notebook and the tests; none
@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from sat_jax.experiment import ExperimentConfig, make_tokenizer
+from sat_jax.experiment import ConfigError, ExperimentConfig, make_tokenizer
 from sat_jax.model import hf
 from sat_jax.model.config import LoRAConfig
 from sat_jax.parallel import sharding
@@ -33,9 +33,53 @@ log = logging.getLogger("train")
 
 def run_paths(cfg: ExperimentConfig) -> tuple[str, str, str]:
     """``(run_dir, checkpoint_dir, weights_dir)``; empty ``train.run_dir`` and
-    ``train.checkpoint_dir`` mean ``runs/<name>`` and ``<run_dir>/checkpoints``."""
+    ``train.checkpoint.dir`` mean ``runs/<name>`` and ``<run_dir>/checkpoints``."""
     run_dir = cfg.train.run_dir or os.path.join("runs", cfg.name)
-    return run_dir, cfg.train.checkpoints.directory(run_dir), os.path.join(run_dir, "weights")
+    return run_dir, cfg.train.checkpoint.directory(run_dir), os.path.join(run_dir, "weights")
+
+
+def check_run(cfg: ExperimentConfig) -> None:
+    """Refuses, before anything starts, a run that could only fail later: a local server child
+    whose ``server.checkpoint_root`` does not hold the run's weights directory (every push
+    would be refused by the child).
+
+    Raises:
+      ConfigError: one line naming the keys.
+    """
+    root = cfg.server.checkpoint_root
+    if not cfg.train.client.local_server or not root:
+        return
+    run_dir, _, weights_dir = run_paths(cfg)
+    inside = os.path.commonpath([os.path.realpath(root), os.path.realpath(weights_dir)])
+    if inside != os.path.realpath(root):
+        raise ConfigError(
+            f"train.run_dir: the run's weights ({weights_dir}) are outside server.checkpoint_root "
+            f"({root}), so the local server would refuse every push; set "
+            f"server.checkpoint_root={run_dir} (or leave it unset: it then follows train.run_dir)"
+        )
+
+
+def connection_args(cfg: ExperimentConfig) -> dict[str, Any]:
+    """``ServerPool``'s connection arguments from ``train.client.*``, ``train.tls_ca`` and the
+    servers' ``server.token`` and ``server.max_message_bytes``.
+
+    Raises:
+      OSError: ``train.tls_ca`` cannot be read.
+    """
+    client = cfg.train.client
+    certificates = None
+    if cfg.train.tls_ca:
+        with open(cfg.train.tls_ca, "rb") as f:
+            certificates = f.read()
+    return dict(
+        token=cfg.server.token,
+        root_certificates=certificates,
+        max_message_bytes=cfg.server.max_message_bytes,
+        retry_max_s=client.retry_max_s,
+        server_wait_s=client.wait_s,
+        grace_s=client.grace_s,
+        servers_file=client.servers_file,
+    )
 
 
 def run_id(run_dir: str) -> str:
@@ -55,7 +99,7 @@ def run_id(run_dir: str) -> str:
 def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
     """The starting policy: ``model.hf_path``'s weights when set (no warm-up); else random init
     (``train.seed``), then the supervised warm-up its part configures (``train.warmup.run``:
-    cached under ``train.sft_cache_dir``). Under LoRA (``model.lora.rank`` > 0) that is the base,
+    cached under ``train.warmup.cache_dir``). Under LoRA (``model.lora.rank`` > 0) that is the base,
     and the adapters are fresh (``sharding.init_lora``, seeded by ``train.seed``; B = 0)."""
     if cfg.model.hf_path:
         return _load_hf(cfg, mesh)
@@ -64,7 +108,9 @@ def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.Gra
     base_cfg = cfg.model.replace(lora=LoRAConfig())
     _, params = sharding.init_sharded(base_cfg, mesh, cfg.train.seed)
     seq_len = cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
-    params = warmup.run(cfg.train.warmup, base_cfg, cfg.task, params, seq_len=seq_len)
+    params = warmup.run(
+        cfg.train.warmup, base_cfg, cfg.task, params, init_seed=cfg.train.seed, seq_len=seq_len
+    )
     graphdef, abstract = sharding.abstract_model(cfg.model)
     if cfg.model.lora.rank:
         shardings = sharding.split_lora(sharding.param_shardings(abstract, mesh))[1]
@@ -119,19 +165,17 @@ def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:
 
 
 def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "") -> ServerPool:
-    """The configured servers (``train.servers`` and ``train.servers_file``), or the local child
+    """The configured servers (``train.client.servers`` and ``train.client.servers_file``), or the local child
     once it answers; a crashed child is restarted from the pool's retry loop. Calls carry
     ``server.token`` and the run's id ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca``
-    the channels are TLS (the connection arguments are the ``cfg.client`` part's). Down servers
-    are probed on the pool's own thread."""
-    client = cfg.client
-    args = client.connection_args()
+    the channels are TLS (``connection_args``). Down servers are probed on the pool's own
+    thread."""
+    client = cfg.train.client
+    args = connection_args(cfg)
     if server is not None:
-        server.wait_ready(
-            timeout_s=client.server_wait_s, root_certificates=args["root_certificates"]
-        )
+        server.wait_ready(timeout_s=client.wait_s, root_certificates=args["root_certificates"])
     return ServerPool(
-        client.servers if client.servers or client.servers_file else (server.address,),
+        (server.address,) if client.local_server else client.servers,
         run_id=run,
         background=True,
         on_retry=None if server is None else server.restart_if_exited,

@@ -2,7 +2,7 @@
 
 Warm-up sequences are ``BOS prompt answer EOS`` — exactly what the rollout server feeds the policy
 (``BOS prompt``) followed by the completion that earns reward 1 — with the loss on the answer and
-EOS tokens. The result is cached under ``<train.sft_cache_dir>/<hash of everything it depends
+EOS tokens. The result is cached under ``<train.warmup.cache_dir>/<hash of everything it depends
 on>/``, so only the first run pays for it.
 
 ``run`` is the builder of the config's part (``cfg.train.warmup``, a
@@ -32,10 +32,11 @@ import optax
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from sat_jax.experiment import TaskConfig, WarmupConfig
+from sat_jax.config import WarmupConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
+from sat_jax.tasks.config import TaskConfig
 
 SFT_SEED_OFFSET = 2_000_003
 
@@ -43,35 +44,42 @@ log = logging.getLogger(__name__)
 
 
 def run(
-    cfg: WarmupConfig, model_cfg: ModelConfig, task: TaskConfig, params: Any, *, seq_len: int
+    cfg: WarmupConfig,
+    model_cfg: ModelConfig,
+    task: TaskConfig,
+    params: Any,
+    *,
+    init_seed: int,
+    seq_len: int,
 ) -> Any:
     """The warm-up ``cfg`` configures, from the initial ``params``: none when
-    ``cfg.warmup_sft_steps`` is 0, else ``cached_warmup`` under ``cfg.sft_cache_dir``.
+    ``cfg.steps`` is 0, else ``cached_warmup`` under ``cfg.cache_dir``.
 
     Args:
       cfg: the part (``cfg.train.warmup``).
       model_cfg, task: the policy's architecture and the task it learns.
-      params: the initial params (from ``cfg.seed``), sharded.
+      params: the initial params, sharded.
+      init_seed: the seed ``params`` were made from (``train.seed``; part of the cache key).
       seq_len: the rows' length (the server's prefill plus the completion limit).
 
     Returns:
       The warmed-up params (``params`` when there is no warm-up).
     """
-    if not cfg.warmup_sft_steps:
+    if not cfg.steps:
         return params
     start = time.monotonic()
     params, cached = cached_warmup(
-        cfg.sft_cache_dir,
+        cfg.cache_dir,
         model_cfg,
         task,
         params,
-        init_seed=cfg.seed,
-        steps=cfg.warmup_sft_steps,
-        batch=cfg.sft_batch,
-        learning_rate=cfg.sft_learning_rate,
+        init_seed=init_seed,
+        steps=cfg.steps,
+        batch=cfg.batch,
+        learning_rate=cfg.learning_rate,
         seq_len=seq_len,
     )
-    how = f"loaded from {cfg.sft_cache_dir}" if cached else f"{cfg.warmup_sft_steps} steps"
+    how = f"loaded from {cfg.cache_dir}" if cached else f"{cfg.steps} steps"
     log.info("supervised warm-up: %s (%.1fs)", how, time.monotonic() - start)
     return params
 

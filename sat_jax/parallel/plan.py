@@ -52,11 +52,13 @@ from flax import nnx
 from jax.sharding import PartitionSpec
 
 from sat_jax import objectives, train_step
+from sat_jax.config import TrainConfig
 from sat_jax.decoding import SamplingConfig
-from sat_jax.experiment import ExperimentConfig, TrainConfig, load_config
+from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import ModelConfig
 from sat_jax.model.config import LoRAConfig
 from sat_jax.model.layers import is_lora_path
+from sat_jax.optimizer import OptimizerConfig
 from sat_jax.parallel import programs, sharding, topology
 from sat_jax.parallel.topology import GIB
 
@@ -115,7 +117,7 @@ def plan_memory(
       model_cfg: the model config.
       mesh_cfg: mesh axis sizes; a ``-1`` axis needs ``num_devices``.
       num_devices: total devices; default the product of the (explicit) axis sizes.
-      optimizer: whose state to count; default the trainer's (``TrainConfig().optimizer.make()``).
+      optimizer: whose state to count; default the trainer's (``OptimizerConfig().make(TrainConfig().steps)``).
 
     Returns:
       A ``MemoryPlan``.
@@ -158,7 +160,7 @@ def plan_memory(
         expert_param_bytes=expert_bytes,
         grad_bytes=trained_bytes,
         adam_bytes=_optimizer_bytes(
-            optimizer or TrainConfig().optimizer.make(), abstract, mesh, lora=lora
+            optimizer or OptimizerConfig().make(TrainConfig().steps), abstract, mesh, lora=lora
         ),
     )
 
@@ -248,7 +250,7 @@ def compiled_temp_bytes(
     sizes = [getattr(mesh_cfg, name) for name in sharding.MESH_AXES]
     count = jax.device_count() if -1 in sizes else math.prod(sizes)
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:count])
-    optimizer = optimizer or TrainConfig().optimizer.make()
+    optimizer = optimizer or OptimizerConfig().make(TrainConfig().steps)
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig())
     step = train_step.make_train_step(
         model_cfg, optimizer, loss_cfg, mesh, routing_replay=False, microbatches=microbatches
@@ -572,7 +574,7 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
         if batch is None or seq_len is None:
             raise ValueError("--compile needs --batch and --seq-len (or a --config)")
         spec = programs.TrainStepSpec(
-            optimizer=setup.train.optimizer.make(),
+            optimizer=setup.train.optimizer.make(setup.train.steps),
             loss=setup.train.loss,
             routing_replay=setup.train.routing_replay,
             microbatches=k,
@@ -602,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _for_topology(args, setup)
         if args.serve:
             raise ValueError("--serve needs --topology (the chip to compile for)")
-        optimizer = setup.train.optimizer.make()
+        optimizer = setup.train.optimizer.make(setup.train.steps)
         plan = plan_memory(setup.model, setup.mesh, args.devices, optimizer)
         batch, seq_len, k = _batch_shape(args, setup)
         if args.compile and (batch is None or seq_len is None):

@@ -100,7 +100,7 @@ class TrainStepSpec:
     """What ``compile_train_step`` builds: the trainer's settings besides the model config.
 
     Attributes:
-      optimizer: the optax transformation (``cfg.train.optimizer.make()``).
+      optimizer: the optax transformation (``cfg.train.optimizer.make(cfg.train.steps)``).
       loss: the ``PolicyLossConfig``.
       routing_replay: R3 (the batch carries routing ids).
       microbatches: gradient accumulation k.

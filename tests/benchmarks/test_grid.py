@@ -79,7 +79,7 @@ def test_two_cell_smoke_run_writes_tables_and_pictures(tmp_path):
         "--eval-problems",
         "16",
         "--set",
-        "train.warmup_sft_steps=0",
+        "train.warmup.steps=0",
         "rollout.batch_groups=4",
         "rollout.group_size=4",
     ]

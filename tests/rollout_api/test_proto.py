@@ -5,7 +5,7 @@ import sys
 
 from rollout_api.client import channel_options
 from rollout_api.proto import regenerate, rollout_pb2
-from sat_jax.experiment import ServerConfig
+from sat_jax.config import ServerConfig
 
 GENERATED = ("rollout_pb2.py", "rollout_pb2_grpc.py")
 

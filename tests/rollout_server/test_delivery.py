@@ -17,7 +17,7 @@ from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
 from rollout_server.rollout import RunNotAttachedError, admission_budget
-from sat_jax.experiment import RolloutConfig
+from sat_jax.config import RolloutConfig
 from tests.clock import FakeClock
 from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop
 

@@ -13,8 +13,8 @@ import pytest
 from flax import nnx
 
 from rollout_server.engine import FailedPrefix, MoEEngine, unpack_step
+from sat_jax.config import RolloutConfig
 from sat_jax.decoding import SamplingConfig, sample, sampling_logprobs
-from sat_jax.experiment import RolloutConfig
 from sat_jax.model import ModelConfig, Transformer, token_logprobs
 from sat_jax.tasks import CharTokenizer
 

@@ -28,8 +28,8 @@ from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
+from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.decoding import DecodeCore, SamplingConfig, sample, sampling_logprobs
-from sat_jax.experiment import RolloutConfig, ServerConfig
 from sat_jax.model import ModelConfig, Transformer, token_logprobs
 from sat_jax.tasks import Prompt, exact_match_reward
 from sat_jax.tasks.envs import (

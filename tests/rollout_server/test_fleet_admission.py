@@ -11,7 +11,7 @@ import pytest
 from rollout_api.proto import rollout_pb2
 from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.rollout import admission_budget
-from sat_jax.experiment import RolloutConfig
+from sat_jax.config import RolloutConfig
 from tests.rollout_server.test_rollout import FakeEngine, _loop
 
 B = 4

@@ -73,8 +73,9 @@ def test_unget_restores_order():
 def test_pull_stays_under_the_byte_limit():
     from rollout_api.proto import rollout_pb2
     from rollout_server.rollout import RolloutLoop
-    from sat_jax.experiment import RolloutConfig, TaskConfig
+    from sat_jax.config import RolloutConfig
     from sat_jax.tasks import CharTokenizer, exact_match_reward, prompt_dataset
+    from sat_jax.tasks.config import TaskConfig
 
     loop = RolloutLoop(
         driver=None, engine=None, prompts=prompt_dataset(TaskConfig()),

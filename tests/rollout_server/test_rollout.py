@@ -16,8 +16,9 @@ from rollout_api.proto import rollout_pb2
 from rollout_server.engine import MoEEngine
 from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.rollout import RolloutLoop, admission_budget
-from sat_jax.experiment import RolloutConfig, ServerConfig, TaskConfig
+from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
+from sat_jax.tasks.config import TaskConfig
 from tests.clock import wait_until
 
 B = 4

@@ -4,24 +4,25 @@ import dataclasses
 import functools
 import json
 import pathlib
+import re
 
 import jax.numpy as jnp
 import pytest
-import yaml
 
-from sat_jax import experiment
-from sat_jax.experiment import (
+from sat_jax.config import (
     CheckpointConfig,
     ClientConfig,
-    ConfigError,
-    ExperimentConfig,
+    EvalConfig,
     TrainConfig,
     WarmupConfig,
-    load_config,
+    read_overrides,
 )
+from sat_jax.experiment import MOVED_KEYS, ConfigError, ExperimentConfig, load_config
 from sat_jax.model import PRESETS, LoRAConfig
 from sat_jax.model.config import runtime_overrides
+from sat_jax.model.make_tiny import make_tiny
 from sat_jax.optimizer import OptimizerConfig
+from train import setup
 
 
 def test_defaults_without_file():
@@ -134,14 +135,13 @@ def test_shipped_configs_load():
     assert main.name == "arith_main" and main.model == PRESETS["tiny"]
     # The main job's shapes live in its config, not on a command line.
     assert (main.rollout.group_size, main.rollout.batch_groups, main.server.slots) == (8, 16, 32)
-    assert main.train.warmup_sft_steps > 0 and main.train.sft_cache_dir == "runs/sft_cache"
+    assert main.train.warmup.steps > 0 and main.train.warmup.cache_dir == "runs/sft_cache"
 
 
 @pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_configs_hold_only_overrides(path):
     # Every key of a shipped config changes a default (of the dataclasses or the model preset).
-    flat: dict = {}
-    experiment._flatten(yaml.safe_load(path.read_text()), "", flat)
+    flat = read_overrides(str(path))
     preset = flat.get("model.preset")
     assert preset != "tiny", f"{path.name}: model.preset repeats its default 'tiny'"
     # Model fields default to the chosen preset's.
@@ -162,14 +162,14 @@ def test_the_vocabulary_must_hold_the_tokenizers_ids():
 
 @pytest.mark.parametrize("text,value", [("5e-4", 5e-4), ("1E3", 1000.0), ("2.5e+1", 25.0)])
 def test_exponent_floats_without_a_dot_parse(text, value):
-    cfg = load_config(None, [f"train.learning_rate={text}"])
-    assert cfg.train.learning_rate == value
+    cfg = load_config(None, [f"train.optimizer.learning_rate={text}"])
+    assert cfg.train.optimizer.learning_rate == value
 
 
 @pytest.mark.parametrize("text", ["fast", "1e", "e5", "1.2.3"])
 def test_non_floats_are_rejected_naming_the_key(text):
-    with pytest.raises(ConfigError, match="train.learning_rate"):
-        load_config(None, [f"train.learning_rate={text}"])
+    with pytest.raises(ConfigError, match="train.optimizer.learning_rate"):
+        load_config(None, [f"train.optimizer.learning_rate={text}"])
 
 
 def test_unreadable_or_malformed_file_is_one_config_error(tmp_path):
@@ -225,10 +225,10 @@ def test_hf_tokenizer_files_are_checked_naming_the_key(hf_dir, tmp_path_factory)
         )
     cfg = load_config(None, [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}"])
     assert cfg.tokenizer_path == str(bare)
-    with pytest.raises(ConfigError, match=r"^ExperimentConfig: train\.warmup_sft_steps: "):
+    with pytest.raises(ConfigError, match=r"^ExperimentConfig: train\.warmup\.steps: "):
         load_config(
             None,
-            [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}", "train.warmup_sft_steps=5"],
+            [f"model.hf_path={hf_dir}", f"task.tokenizer_path={bare}", "train.warmup.steps=5"],
         )
 
 
@@ -360,23 +360,24 @@ def test_scale_keys_load_and_are_validated() -> None:
             load_config(None, [bad])
 
 
-# The parts: typed groupings of the flat keys, each built from the fields of the same names.
+# The parts: sections nested by concept, each the one home of its keys' defaults.
 PARTS = {
-    "optimizer": (OptimizerConfig, ("train",)),
-    "warmup": (WarmupConfig, ("train",)),
-    "checkpoints": (CheckpointConfig, ("train",)),
-    "client": (ClientConfig, ("train", "server")),
+    "optimizer": OptimizerConfig,
+    "checkpoint": CheckpointConfig,
+    "warmup": WarmupConfig,
+    "client": ClientConfig,
+    "eval": EvalConfig,
 }
 
 
 @pytest.mark.parametrize("name", list(PARTS))
-def test_every_part_field_is_a_key_of_the_same_name_with_no_second_default(name):
-    part_cls, sections = PARTS[name]
-    cfg = ExperimentConfig()
-    keys = {f"{s}.{f.name}" for s in sections for f in dataclasses.fields(getattr(cfg, s))}
-    for field in dataclasses.fields(part_cls):
-        assert any(f"{s}.{field.name}" in keys for s in sections), field.name
-        assert field.default is dataclasses.MISSING, f"{field.name}: defaults live in the sections"
+def test_every_part_is_a_nested_section_with_its_own_defaults(name):
+    assert isinstance(getattr(TrainConfig(), name), PARTS[name])
+    assert getattr(TrainConfig(), name) == PARTS[name]()
+    flat_names = {f.name for f in dataclasses.fields(TrainConfig)}
+    for field in dataclasses.fields(PARTS[name]):
+        # No name-matching copies between sections: a part's field is not also a train key.
+        assert field.name not in flat_names - {"loss", "mesh"} or field.name == "steps", field.name
 
 
 def test_parts_carry_the_configured_keys(tmp_path):
@@ -386,33 +387,34 @@ def test_parts_carry_the_configured_keys(tmp_path):
         None,
         [
             "train.steps=50",
-            "train.learning_rate=2e-3",
-            "train.lr_schedule=cosine",
-            "train.lr_warmup_steps=5",
-            "train.adam_b2=0.95",
-            "train.weight_decay=0.1",
-            "train.grad_clip=0",
-            "train.warmup_sft_steps=7",
-            "train.sft_batch=16",
-            "train.sft_learning_rate=1e-3",
-            "train.sft_cache_dir=/cache",
+            "train.optimizer.learning_rate=2e-3",
+            "train.optimizer.lr_schedule=cosine",
+            "train.optimizer.lr_warmup_steps=5",
+            "train.optimizer.adam_b2=0.95",
+            "train.optimizer.weight_decay=0.1",
+            "train.optimizer.grad_clip=0",
+            "train.warmup.steps=7",
+            "train.warmup.batch=16",
+            "train.warmup.learning_rate=1e-3",
+            "train.warmup.cache_dir=/cache",
             "train.seed=3",
-            "train.checkpoint_dir=gs://b/c",
-            "train.checkpoint_every=4",
-            "train.keep_checkpoints=2",
-            "train.servers=[h:1]",
+            "train.checkpoint.dir=gs://b/c",
+            "train.checkpoint.every=4",
+            "train.checkpoint.keep=2",
+            "train.client.servers=[h:1]",
             f"train.tls_ca={ca}",
-            "train.retry_max_s=2.5",
-            "train.server_wait_s=42",
-            "train.pull_timeout_s=7",
-            "train.server_grace_s=3",
-            "train.servers_file=/etc/servers",
+            "train.client.retry_max_s=2.5",
+            "train.client.wait_s=42",
+            "train.client.pull_timeout_s=7",
+            "train.client.grace_s=3",
+            "train.client.servers_file=/etc/servers",
+            "train.eval.problems=9",
+            "train.eval.every=2",
             "server.token=s3cret",
             "server.max_message_bytes=2097152",
         ],
     )
     assert cfg.train.optimizer == OptimizerConfig(
-        steps=50,
         learning_rate=2e-3,
         lr_schedule="cosine",
         lr_warmup_steps=5,
@@ -422,13 +424,19 @@ def test_parts_carry_the_configured_keys(tmp_path):
         grad_clip=0.0,
     )
     assert cfg.train.warmup == WarmupConfig(
-        warmup_sft_steps=7, sft_batch=16, sft_learning_rate=1e-3, sft_cache_dir="/cache", seed=3
+        steps=7, batch=16, learning_rate=1e-3, cache_dir="/cache"
     )
-    assert cfg.train.checkpoints == CheckpointConfig(
-        checkpoint_dir="gs://b/c", checkpoint_every=4, keep_checkpoints=2
+    assert cfg.train.checkpoint == CheckpointConfig(dir="gs://b/c", every=4, keep=2)
+    assert cfg.train.eval == EvalConfig(problems=9, every=2)
+    assert cfg.train.client == ClientConfig(
+        servers=("h:1",),
+        servers_file="/etc/servers",
+        pull_timeout_s=7.0,
+        retry_max_s=2.5,
+        wait_s=42.0,
+        grace_s=3.0,
     )
-    assert cfg.client.servers == ("h:1",) and cfg.client.pull_timeout_s == 7.0
-    assert cfg.client.connection_args() == dict(
+    assert setup.connection_args(cfg) == dict(
         token="s3cret",
         root_certificates=b"PEM",
         max_message_bytes=2 * 1024 * 1024,
@@ -440,34 +448,37 @@ def test_parts_carry_the_configured_keys(tmp_path):
 
 
 def test_checkpoint_directory_defaults_under_the_run_dir():
-    assert TrainConfig().checkpoints.directory("runs/x") == "runs/x/checkpoints"
-    part = TrainConfig(checkpoint_dir="gs://b/c").checkpoints
-    assert part.directory("runs/x") == "gs://b/c"
+    assert CheckpointConfig().directory("runs/x") == "runs/x/checkpoints"
+    assert CheckpointConfig(dir="gs://b/c").directory("runs/x") == "gs://b/c"
 
 
 def test_client_without_a_ca_is_plaintext_and_a_missing_ca_file_is_an_oserror(tmp_path):
-    assert ExperimentConfig().client.connection_args()["root_certificates"] is None
-    missing = ExperimentConfig(train=TrainConfig(tls_ca=str(tmp_path / "none.pem"))).client
+    assert setup.connection_args(ExperimentConfig())["root_certificates"] is None
+    missing = ExperimentConfig(train=TrainConfig(tls_ca=str(tmp_path / "none.pem")))
     with pytest.raises(OSError):
-        missing.connection_args()
+        setup.connection_args(missing)
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("train.lr_schedule=step", "train: lr_schedule must be one of"),
+        ("train.optimizer.lr_schedule=step", "train.optimizer: lr_schedule must be one of"),
         ("train.steps=0", "train: steps must be positive, got 0"),
-        ("train.lr_warmup_steps=-1", "train: lr_warmup_steps must be >= 0"),
-        ("train.learning_rate=0", "train: learning_rate must be > 0"),
-        ("train.adam_b2=1", r"train: adam_b1 and adam_b2 must be in \[0, 1\)"),
-        ("train.grad_clip=-1", "train: weight_decay and grad_clip must be >= 0"),
-        ("train.warmup_sft_steps=-1", "train: warmup_sft_steps must be >= 0"),
-        ("train.sft_batch=0", "train: sft_batch must be positive"),
-        ("train.sft_learning_rate=0", "train: sft_learning_rate must be > 0"),
-        ("train.checkpoint_every=0", "train: checkpoint_every must be positive"),
-        ("train.keep_checkpoints=0", "train: keep_checkpoints must be positive"),
-        ("train.pull_timeout_s=0", "train: pull_timeout_s must be > 0"),
-        ("train.servers=[nohost]", "train: servers: 'nohost' is not host:port"),
+        ("train.optimizer.lr_warmup_steps=-1", "train.optimizer: lr_warmup_steps must be >= 0"),
+        ("train.optimizer.learning_rate=0", "train.optimizer: learning_rate must be > 0"),
+        ("train.optimizer.adam_b2=1", r"train.optimizer: adam_b1 and adam_b2 must be in \[0, 1\)"),
+        (
+            "train.optimizer.grad_clip=-1",
+            "train.optimizer: weight_decay and grad_clip must be >= 0",
+        ),
+        ("train.warmup.steps=-1", "train.warmup: steps must be >= 0"),
+        ("train.warmup.batch=0", "train.warmup: batch must be positive"),
+        ("train.warmup.learning_rate=0", "train.warmup: learning_rate must be > 0"),
+        ("train.checkpoint.every=0", "train.checkpoint: every must be positive"),
+        ("train.checkpoint.keep=0", "train.checkpoint: keep must be positive"),
+        ("train.client.pull_timeout_s=0", "train.client: pull_timeout_s must be > 0"),
+        ("train.client.servers=[nohost]", "train.client: servers: 'nohost' is not host:port"),
+        ("train.eval.every=-1", "train.eval: every must be >= 0"),
     ],
 )
 def test_a_part_checks_its_keys_and_the_error_names_them(override, message):
@@ -475,8 +486,48 @@ def test_a_part_checks_its_keys_and_the_error_names_them(override, message):
         load_config(None, [override])
 
 
+@pytest.mark.parametrize("old, new", sorted(MOVED_KEYS.items()))
+def test_a_moved_key_names_its_new_place_on_the_command_line_and_in_yaml(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=f"^{re.escape(old)}: moved to {re.escape(new)}$"):
+        load_config(None, [f"{old}=1"])
+    section, _, key = old.partition(".")
+    path = tmp_path / "c.yaml"
+    path.write_text(f"{section}:\n  {key}: 1\n")
+    with pytest.raises(ConfigError, match=f"^{re.escape(old)}: moved to {re.escape(new)}$"):
+        load_config(str(path))
+    # The new place is a key that exists (its value may still be checked).
+    try:
+        load_config(None, [f"{new}=1"])
+    except ConfigError as e:
+        assert "unknown key" not in str(e) and "moved" not in str(e), e
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+    """What ``python -m sat_jax.model.make_tiny`` writes: the checkpoint the HF configs name."""
+    out = tmp_path_factory.mktemp("hf_tiny")
+    make_tiny(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads(path, tiny_hf_dir):
+    # The HF configs name runs/hf_tiny, made by a README command: the same checkpoint stands in.
+    overrides = (
+        [f"model.hf_path={tiny_hf_dir}"] if "model.hf_path" in read_overrides(str(path)) else []
+    )
+    cfg = load_config(str(path), overrides)
+    assert cfg.name == path.stem
+
+
+def test_eval_problems_on_a_file_task_is_refused_not_ignored():
+    with pytest.raises(ConfigError, match="train.eval.problems: .*task.source is 'file'"):
+        load_config(None, ["train.eval.problems=4", "task.source=file", "task.path=p.jsonl"])
+    assert load_config(None, ["task.source=file", "task.path=p.jsonl"]).train.eval.problems == 0
+
+
 def test_a_part_built_by_hand_is_checked_too():
     with pytest.raises(ValueError, match="learning_rate must be > 0"):
         dataclasses.replace(TrainConfig().optimizer, learning_rate=0.0)
-    with pytest.raises(ValueError, match="keep_checkpoints must be positive"):
-        dataclasses.replace(TrainConfig().checkpoints, keep_checkpoints=0)
+    with pytest.raises(ValueError, match="keep must be positive"):
+        dataclasses.replace(TrainConfig().checkpoint, keep=0)

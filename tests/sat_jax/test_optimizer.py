@@ -3,20 +3,17 @@ params the wrapper changes nothing; `OptimizerConfig.make()` follows its schedul
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from sat_jax.experiment import TrainConfig
 from sat_jax.optimizer import OptimizerConfig, float32_state
 
 
 def test_bfloat16_params_keep_float32_moments_and_their_own_dtype():
-    opt = TrainConfig(learning_rate=0.1).optimizer.make()
+    opt = OptimizerConfig(learning_rate=0.1).make(100)
     params = {"w": jnp.asarray([1.0, -2.0, 3.0], jnp.bfloat16)}
     state = opt.init(params)
     floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
@@ -44,7 +41,7 @@ def test_float32_params_are_unchanged_by_the_wrapper():
 
 
 def _part(**overrides) -> OptimizerConfig:
-    return dataclasses.replace(TrainConfig(steps=10, learning_rate=0.5).optimizer, **overrides)
+    return OptimizerConfig(learning_rate=0.5, **overrides)
 
 
 @pytest.mark.parametrize(
@@ -57,7 +54,7 @@ def _part(**overrides) -> OptimizerConfig:
 )
 def test_schedule_warms_up_from_0_then_decays_to_0_over_the_run(schedule, expected):
     # Warm-up over 2 of 10 steps; the decay spans the other 8 (halfway at step 6).
-    lr = _part(lr_schedule=schedule, lr_warmup_steps=2).schedule()
+    lr = _part(lr_schedule=schedule, lr_warmup_steps=2).schedule(10)
     for step, value in expected.items():
         assert float(lr(step)) == pytest.approx(value, abs=1e-7), (schedule, step)
 
@@ -68,7 +65,7 @@ def test_grad_clip_rescales_only_gradients_over_the_threshold():
     large = [{"w": jnp.asarray([30.0, 40.0])}, {"w": jnp.asarray([0.06, -0.08])}]
 
     def updates(part: OptimizerConfig, grads: list) -> np.ndarray:
-        opt = part.make()
+        opt = part.make(10)
         state = opt.init(params)
         for g in grads:
             u, state = opt.update(g, state, params)

@@ -114,7 +114,7 @@ def test_url_checkpoint_dir_reaches_orbax_unchanged(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpointing.ocp, "CheckpointManager", RecordingManager)
     monkeypatch.chdir(tmp_path)
     url = "gs://bucket/sat-jax/run-1/checkpoints"
-    cfg = load_config(None, [f"train.checkpoint_dir={url}", "train.run_dir=runs/gs_test"])
+    cfg = load_config(None, [f"train.checkpoint.dir={url}", "train.run_dir=runs/gs_test"])
     run_dir, ckpt_dir, weights_dir = setup.run_paths(cfg)
     assert ckpt_dir == url
     assert (run_dir, weights_dir) == ("runs/gs_test", "runs/gs_test/weights")
@@ -129,9 +129,9 @@ def test_url_checkpoint_dir_reaches_orbax_unchanged(tmp_path, monkeypatch):
 
 def test_the_checkpoint_part_opens_its_directory_and_keeps_its_number(tmp_path, state_and_mesh):
     state, _ = state_and_mesh
-    cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.keep_checkpoints=2"])
+    cfg = load_config(None, [f"train.run_dir={tmp_path}", "train.checkpoint.keep=2"])
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 1))
-    with checkpointing.Checkpointer.from_config(cfg.train.checkpoints, str(tmp_path)) as ckpt:
+    with checkpointing.Checkpointer.from_config(cfg.train.checkpoint, str(tmp_path)) as ckpt:
         for step in (1, 2, 3):
             ckpt.save(step, state, progress)
         assert ckpt.all_steps() == [2, 3]
@@ -174,7 +174,7 @@ def test_lora_checkpoint_holds_the_adapters_resumes_and_refuses_another_base(tmp
 
     cfg = load_config(None, [f"train.run_dir={tmp_path}", "model.lora.rank=4"])
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, expert=2), jax.devices()[:4])
-    optimizer = cfg.train.optimizer.make()
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
     step_fn = make_train_step(cfg.model, optimizer, cfg.train.loss, mesh, routing_replay=False)
     batch = shard_batch(_lora_batch(cfg), mesh)
     base = lambda seed: sharding.init_sharded(cfg.model, mesh, seed)[1]

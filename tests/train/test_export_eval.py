@@ -32,7 +32,7 @@ def _save_checkpoint(cfg, step: int, shift: float) -> dict:
     else:
         _, params = sharding.init_sharded(cfg.model, mesh, 0)
     params = jax.tree.map(lambda x: x + shift, params)
-    optimizer = cfg.train.optimizer.make()
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
     state = create_train_state(cfg.model, optimizer, mesh, params)
     progress = checkpointing.Progress(version=step, min_version=1, rng_key=(0, 0))
     with checkpointing.Checkpointer(setup.run_paths(cfg)[1], keep=3) as ckpt:
@@ -170,7 +170,7 @@ def lora_run(tmp_path_factory):
         ),
         params,
     )
-    optimizer = cfg.train.optimizer.make()
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
     state = create_train_state(cfg.model, optimizer, mesh, params)
     progress = checkpointing.Progress(version=3, min_version=1, rng_key=(0, 0))
     with checkpointing.Checkpointer(setup.run_paths(cfg)[1], keep=3) as ckpt:

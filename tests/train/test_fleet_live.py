@@ -8,8 +8,8 @@ so admission is what bounds staleness) against rollout server processes.
   weight push is in flight, leaves each time and the run goes on; restarted (same state_dir and
   port), it rejoins at the current weights version, its new groups are trained, and no group is
   trained twice.
-- A server listed in train.servers_file mid-run joins; with every server killed the run stops
-  after train.server_wait_s with a clear error.
+- A server listed in train.client.servers_file mid-run joins; with every server killed the run stops
+  after train.client.wait_s with a clear error.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def _overrides(tmp_path: pathlib.Path, *extra: str) -> list[str]:
         "server.slots=4",
         "server.lease_s=600",
         f"server.checkpoint_root={tmp_path}",
-        "train.checkpoint_every=1000",
-        "train.eval_problems=0",
+        "train.checkpoint.every=1000",
+        "train.eval.problems=0",
         f"train.run_dir={tmp_path / 'run'}",
         *extra,
     ]
@@ -137,7 +137,7 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
     """Before the fix every resume left the server (max_staleness + 1) batches further ahead for
     good (the groups it had made for the lost weights, rejected, each bought a replacement): a
     steady stream of stale drops to the end of the run (2.8 per step of 16 groups in `make run`)."""
-    overrides = _overrides(tmp_path, "train.server_wait_s=240")
+    overrides = _overrides(tmp_path, "train.client.wait_s=240")
     before_steps, after_steps, settle = 6, 12, 3
     server = _server(tmp_path, "a", overrides)
     with server, metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=99, console=None) as w:
@@ -173,9 +173,9 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
     listing = tmp_path / "servers.txt"
     overrides = _overrides(
         tmp_path,
-        "train.server_wait_s=20",
-        "train.server_grace_s=1",
-        f"train.servers_file={listing}",
+        "train.client.wait_s=20",
+        "train.client.grace_s=1",
+        f"train.client.servers_file={listing}",
     )
     a, c = _server(tmp_path, "a", overrides), _server(tmp_path, "c", overrides)
     pool_ref, seen = [], {}
@@ -201,7 +201,7 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
         a.wait_ready(timeout_s=240)
         c.wait_ready(timeout_s=240)
         cfg = load_config(CONFIG, [*overrides, "train.steps=99"])
-        assert cfg.train.servers == ()
+        assert cfg.train.client.servers == ()
         state, progress = _start(cfg)
         with setup.connect(cfg, None) as pool:
             pool_ref.append(pool)
@@ -276,7 +276,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     trainer waits on that server (its Pull, then its UpdateWeights), on a stopped server, so it
     is mid-call by construction. Each time the run goes on with the other server, and the killed
     one, restarted on its port and state_dir, rejoins at the trainer's current weights."""
-    overrides = _overrides(tmp_path, "train.server_wait_s=240", "train.server_grace_s=2")
+    overrides = _overrides(tmp_path, "train.client.wait_s=240", "train.client.grace_s=2")
     a, b = _server(tmp_path, "a", overrides), _server(tmp_path, "b", overrides)
     steps = 22
     killer: list[_KillDuringCall] = []
@@ -322,11 +322,12 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
         a.wait_ready(timeout_s=240)
         b.wait_ready(timeout_s=240)
         cfg = load_config(
-            CONFIG, [*overrides, f"train.servers=[{a.address},{b.address}]", f"train.steps={steps}"]
+            CONFIG,
+            [*overrides, f"train.client.servers=[{a.address},{b.address}]", f"train.steps={steps}"],
         )
-        args = cfg.client.connection_args()
+        args = setup.connection_args(cfg)
         with ServerPool(
-            cfg.client.servers, background=True, connect=connect_through_killer, **args
+            cfg.train.client.servers, background=True, connect=connect_through_killer, **args
         ) as pool:
             pool_ref.append(pool)
             state, progress = _start(cfg)
@@ -339,7 +340,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
             b_id, extra = _server_id(tmp_path, "b"), 0
             while extra < 24 and not _trained_from(b_id, progress, after=16 * B):
                 extra += 4
-                more = load_config(CONFIG, [*overrides, f"train.servers=[{a.address},{b.address}]",
+                more = load_config(CONFIG, [*overrides, f"train.client.servers=[{a.address},{b.address}]",
                                             f"train.steps={steps + extra}"])  # fmt: skip
                 step = _hooked_step(1.0, {}, caught_up=[a, b])
                 state, progress = _train(more, pool, state, progress, w, step)

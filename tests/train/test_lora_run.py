@@ -57,9 +57,9 @@ def test_a_lora_run_pushes_only_adapters_and_serves_their_merge(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "train", "--config", CONFIG, *overrides,
-        f"train.servers=[{server.address}]", "train.mode=sync", "train.steps=4",
-        "train.checkpoint_every=100", "train.warmup_sft_steps=20", "train.eval_problems=8",
-        "train.eval_every=0", "train.learning_rate=1e-2", f"train.run_dir={run_dir}",
+        f"train.client.servers=[{server.address}]", "train.mode=sync", "train.steps=4",
+        "train.checkpoint.every=100", "train.warmup.steps=20", "train.eval.problems=8",
+        "train.eval.every=0", "train.optimizer.learning_rate=1e-2", f"train.run_dir={run_dir}",
         # A weak policy's groups often earn equal rewards (no gradient); DAPO's soft overlong
         # penalty makes rewards differ by completion length, so the adapters always move.
         "train.overlong=soft", "train.overlong_cache=6", "train.overlong_penalty=1.0",

@@ -137,13 +137,13 @@ def test_sync_run_survives_sigkill_and_resumes(tmp_path):
         "--config",
         CONFIG,
         *overrides,
-        f"train.servers=[{server.address}]",
+        f"train.client.servers=[{server.address}]",
         "train.mode=sync",
         "train.steps=6",
-        "train.checkpoint_every=2",
-        "train.warmup_sft_steps=20",
-        "train.eval_problems=16",
-        "train.eval_every=0",
+        "train.checkpoint.every=2",
+        "train.warmup.steps=20",
+        "train.eval.problems=16",
+        "train.eval.every=0",
         "train.loss.kl_coef=0.01",  # exercises the reference-policy KL path
         f"train.run_dir={run_dir}",
     ]
@@ -255,9 +255,9 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
         f"server.checkpoint_root={tmp_path}",
         f"train.mode={mode}",
         "train.steps=5",
-        "train.checkpoint_every=100",
-        "train.eval_problems=0",
-        "train.server_wait_s=120",
+        "train.checkpoint.every=100",
+        "train.eval.problems=0",
+        "train.client.wait_s=120",
         f"train.run_dir={tmp_path / 'run'}",
     ]
     cfg = load_config(CONFIG, overrides)
@@ -382,7 +382,7 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
             "rollout.group_size=2",
             "train.routing_replay=false",
             f"train.steps={steps}",
-            "train.checkpoint_every=100",
+            "train.checkpoint.every=100",
         ],
     )
     # Async: the first push is held until the loop runs its last step, which it reaches only if
@@ -439,7 +439,7 @@ def test_a_skipped_step_still_advances_the_version_so_sync_mode_goes_on(tmp_path
             "rollout.group_size=2",
             "train.routing_replay=false",
             f"train.steps={steps}",
-            "train.checkpoint_every=100",
+            "train.checkpoint.every=100",
         ],
     )
     waiting = threading.Event()

@@ -359,8 +359,8 @@ def test_loop_writes_groups_filtered_and_overlong_frac_per_step(tmp_path):
             "server.max_prefill_length=16",
             "train.routing_replay=false",
             "train.steps=2",
-            "train.checkpoint_every=100",
-            "train.eval_problems=0",
+            "train.checkpoint.every=100",
+            "train.eval.problems=0",
             "train.filter_groups=all_equal",
         ],
     )
@@ -468,9 +468,9 @@ def test_live_filtering_trains_informative_groups_and_the_server_replaces_the_re
         "train.filter_groups=all_equal",
         "train.filter_max_rounds=20",  # budget 40 a batch: never reached here
         f"train.steps={steps}",
-        "train.checkpoint_every=100",
-        "train.eval_problems=0",
-        "train.server_wait_s=120",
+        "train.checkpoint.every=100",
+        "train.eval.problems=0",
+        "train.client.wait_s=120",
         f"train.run_dir={tmp_path / 'run'}",
     ]
     cfg = load_config(CONFIG, overrides)

@@ -21,13 +21,13 @@ def test_optimizer_warms_the_learning_rate_up_from_0():
         None,
         [
             "train.steps=10",
-            "train.lr_warmup_steps=2",
-            "train.lr_schedule=linear",
-            "train.grad_clip=1.0",
-            "train.learning_rate=0.5",
+            "train.optimizer.lr_warmup_steps=2",
+            "train.optimizer.lr_schedule=linear",
+            "train.optimizer.grad_clip=1.0",
+            "train.optimizer.learning_rate=0.5",
         ],
     )
-    opt = cfg.train.optimizer.make()
+    opt = cfg.train.optimizer.make(cfg.train.steps)
     params = {"w": np.zeros(2, np.float32)}
     state = opt.init(params)
     grads = {"w": np.asarray([3.0, 4.0], np.float32)}
@@ -45,7 +45,7 @@ def test_run_paths_default_under_runs_and_follow_the_config():
         "runs/exp/checkpoints",
         "runs/exp/weights",
     )
-    cfg = load_config(None, ["train.run_dir=/r", "train.checkpoint_dir=gs://b/c"])
+    cfg = load_config(None, ["train.run_dir=/r", "train.checkpoint.dir=gs://b/c"])
     assert setup.run_paths(cfg) == ("/r", "gs://b/c", "/r/weights")
 
 
@@ -58,7 +58,7 @@ def test_base_policy_warms_up_through_the_configured_cache(monkeypatch, tmp_path
 
     monkeypatch.setattr(setup.warmup, "cached_warmup", cached_warmup)
     cache = str(tmp_path / "cache")
-    cfg = load_config(None, ["train.warmup_sft_steps=7", f"train.sft_cache_dir={cache}"])
+    cfg = load_config(None, ["train.warmup.steps=7", f"train.warmup.cache_dir={cache}"])
     mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
     setup.base_policy(cfg, mesh)
     seq_len = cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
@@ -66,12 +66,16 @@ def test_base_policy_warms_up_through_the_configured_cache(monkeypatch, tmp_path
         (
             cache,
             dict(
-                init_seed=0, steps=7, batch=cfg.train.sft_batch, learning_rate=3e-3, seq_len=seq_len
+                init_seed=0,
+                steps=7,
+                batch=cfg.train.warmup.batch,
+                learning_rate=3e-3,
+                seq_len=seq_len,
             ),
         )
     ]
     calls.clear()
-    setup.base_policy(load_config(None, ["train.warmup_sft_steps=0"]), mesh)
+    setup.base_policy(load_config(None, ["train.warmup.steps=0"]), mesh)
     assert calls == []  # no warm-up configured
 
 
@@ -109,13 +113,13 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path
     cfg = load_config(
         None,
         [
-            "train.servers=[h1:1, h2:2]",
+            "train.client.servers=[h1:1, h2:2]",
             f"server.max_message_bytes={3 * MiB}",
             "server.token=s3cret",
-            "train.retry_max_s=2.5",
-            "train.server_wait_s=42",
-            "train.server_grace_s=3",
-            f"train.servers_file={tmp_path / 'servers'}",
+            "train.client.retry_max_s=2.5",
+            "train.client.wait_s=42",
+            "train.client.grace_s=3",
+            f"train.client.servers_file={tmp_path / 'servers'}",
             f"train.tls_ca={ca}",
         ],
     )
@@ -150,7 +154,7 @@ def test_connect_waits_for_the_local_server_and_restarts_it_on_retry(monkeypatch
             pass
 
     local = LocalStandIn()
-    setup.connect(load_config(None, ["train.server_wait_s=77"]), local)
+    setup.connect(load_config(None, ["train.client.wait_s=77"]), local)
     assert local.ready == 77.0 and recorder.kwargs["addresses"] == (local.address,)
     assert recorder.kwargs["on_retry"] == local.restart_if_exited
 
@@ -163,10 +167,10 @@ def test_the_configured_message_limit_reaches_the_pool(limit_mib, fits):
         cfg = load_config(
             None,
             [
-                f"train.servers=[{address}]",
+                f"train.client.servers=[{address}]",
                 f"server.max_message_bytes={limit_mib * MiB}",
-                "train.retry_max_s=0.1",
-                "train.server_wait_s=30",
+                "train.client.retry_max_s=0.1",
+                "train.client.wait_s=30",
             ],
         )
         with setup.connect(cfg, None) as pool:

@@ -72,8 +72,8 @@ def test_a_tls_trainer_trains_against_a_tls_server(tmp_path):
         server.wait_ready(timeout_s=150, root_certificates=open(cert, "rb").read())
         out = subprocess.run(
             [sys.executable, "-m", "train", "--config", CONFIG, *shared,
-             f"train.servers=[{server.address}]", f"train.tls_ca={cert}", "train.steps=2",
-             "train.eval_problems=0", "train.warmup_sft_steps=0", f"train.run_dir={run_dir}"],
+             f"train.client.servers=[{server.address}]", f"train.tls_ca={cert}", "train.steps=2",
+             "train.eval.problems=0", "train.warmup.steps=0", f"train.run_dir={run_dir}"],
             cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=600,
         )  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]

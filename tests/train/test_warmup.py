@@ -6,10 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from sat_jax.experiment import TaskConfig, TrainConfig
+from sat_jax.config import WarmupConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt
+from sat_jax.tasks.config import TaskConfig
 from train import evaluation, warmup
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=20)
@@ -45,7 +46,7 @@ def test_warmup_learns_and_is_cached(model, tmp_path):
 
 
 def test_run_without_warmup_steps_returns_the_params_and_caches_nothing(tmp_path):
-    part = TrainConfig(warmup_sft_steps=0, sft_cache_dir=str(tmp_path / "cache")).warmup
+    part = WarmupConfig(steps=0, cache_dir=str(tmp_path / "cache"))
     params = {"w": np.zeros(2, np.float32)}
-    assert warmup.run(part, MODEL_CFG, TASK, params, seq_len=16) is params
+    assert warmup.run(part, MODEL_CFG, TASK, params, init_seed=0, seq_len=16) is params
     assert not (tmp_path / "cache").exists()

@@ -5,7 +5,6 @@ import threading
 
 import pytest
 
-from sat_jax.experiment import TaskConfig
 from sat_jax.tasks import (
     ArithmeticTask,
     CharTokenizer,
@@ -20,6 +19,7 @@ from sat_jax.tasks import (
     prompt_source,
     read_prompts,
 )
+from sat_jax.tasks.config import TaskConfig
 from sat_jax.tasks.rewards import last_boxed
 
 ALPHABET = "0123456789+-*=() "

@@ -1,0 +1,108 @@
+"""The rollout server process: the ``server.*`` keys (docs/DESIGN.md §6, §10, §12).
+
+Only the process's own settings (addresses, limits, persistence, its mesh and serving dtype);
+what it samples is ``rollout.*`` and what it serves is ``model.*``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from sat_jax.parallel.sharding import MeshConfig
+
+_LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Frozen, so one shared default instance is safe.
+_ONE_DEVICE_MESH = MeshConfig(fsdp=1)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ServerConfig:
+    """The rollout server process.
+
+    Attributes:
+      host: bind address; anything but loopback requires `token`.
+      port: gRPC port for JetStream's Orchestrator and our Rollout service.
+      metrics_port: Prometheus port; 0 disables it.
+      metrics_host: the Prometheus port's bind address (loopback unless set otherwise).
+      token: shared secret every RPC but Health must carry as gRPC metadata
+        `authorization: Bearer <token>` ("" = none, loopback only; docs/DESIGN.md §10).
+      checkpoint_root: `UpdateWeights` loads checkpoints only under this directory ("" refuses
+        every path).
+      state_dir: where prompt position and unpulled prompts persist ("" = no persistence).
+      wait_for_weights: generate nothing until the first `UpdateWeights` (or weights restored
+        from `state_dir`); False = also sample with the server's own random initial weights as
+        version 0 (a stand-alone demo; a trainer drops those groups).
+      slots: concurrent decodes (the decode batch).
+      max_prefill_length: longest prompt in tokens (as the tokenizer encodes it); a power of two
+        in [16, 32768] (JetStream). Longer prompts are skipped and counted.
+      max_message_bytes: gRPC message size limit of replies (a Pull's groups).
+      max_request_bytes: the largest request the server reads (its gRPC receive limit); the
+        largest legitimate one (a Decode prompt, a Pull's acknowledgements) is well under 1 MiB.
+      grpc_threads: threads that wait for and hand out groups (Pull); UpdateWeights has its own.
+      max_concurrent_rpcs: RPCs served at once; more are refused with RESOURCE_EXHAUSTED.
+      lease_s: a pulled group not acknowledged within this many seconds returns to the queue.
+      max_version_jump: UpdateWeights may raise the weights version by at most this much.
+      seed: sampling PRNG seed.
+      tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
+      dtype: storage dtype of the served weights ("" = `model.param_dtype`); pushed weights are
+        cast to it, e.g. float32 trainer weights served in bfloat16 (docs/DESIGN.md §11).
+      mesh: the engine's device mesh, the trainer's `MeshConfig` and logical-axis rules (params
+        by the rules, the KV cache's heads over `tensor`); the default is one device, and a -1
+        axis takes every device (docs/DESIGN.md §12).
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 9000
+    metrics_port: int = 0
+    metrics_host: str = "127.0.0.1"
+    token: str = ""
+    checkpoint_root: str = ""
+    state_dir: str = ""
+    wait_for_weights: bool = True
+    slots: int = 8
+    max_prefill_length: int = 32
+    max_message_bytes: int = 256 * 1024 * 1024
+    max_request_bytes: int = 4 * 1024 * 1024
+    grpc_threads: int = 8
+    max_concurrent_rpcs: int = 64
+    lease_s: float = 300.0
+    max_version_jump: int = 1_000_000
+    seed: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    dtype: str = ""
+    mesh: MeshConfig = _ONE_DEVICE_MESH
+
+    def __post_init__(self) -> None:
+        if self.dtype:
+            _check_float_dtype(self.dtype)
+        if self.host not in _LOOPBACK_HOSTS and not self.token:
+            raise ValueError(f"host {self.host!r} is not loopback: a token is required")
+        for name in ("port", "metrics_port"):
+            if not 0 <= getattr(self, name) < 65536:
+                raise ValueError(f"{name} must be in [0, 65535], got {getattr(self, name)}")
+        for name in ("slots", "grpc_threads", "max_concurrent_rpcs", "max_version_jump"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        n = self.max_prefill_length
+        if n < 16 or n > 32768 or n & (n - 1):
+            raise ValueError(f"max_prefill_length must be a power of two in [16, 32768], got {n}")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be set together")
+        if self.max_message_bytes < 1024 * 1024:
+            raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
+        if self.max_request_bytes < 64 * 1024:
+            raise ValueError(f"max_request_bytes must be >= 64 KiB, got {self.max_request_bytes}")
+
+
+def _check_float_dtype(name: str) -> None:
+    try:
+        dtype = jnp.dtype(name)
+    except TypeError as e:
+        raise ValueError(f"dtype {name!r} is not a dtype") from e
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"dtype must be a floating dtype, got {dtype}")
