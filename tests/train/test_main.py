@@ -105,6 +105,28 @@ def test_the_local_server_loads_weights_from_the_run_dir_unless_configured(
     assert os.path.isdir(run_dir)
 
 
+def test_a_run_dir_outside_the_local_servers_checkpoint_root_is_refused_before_start(
+    tmp_path, capsys, monkeypatch
+):
+    started = []
+    monkeypatch.setattr(main, "LocalServer", lambda *args: started.append(args))
+    root, run = tmp_path / "root", tmp_path / "elsewhere"
+    with pytest.raises(SystemExit) as exit_info:
+        main.cli(["--config", CONFIG, f"server.checkpoint_root={root}", f"train.run_dir={run}"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("sat-train: config error: train.run_dir: ") and str(root) in lines[0]
+    assert "server.checkpoint_root=" in lines[0] and not started and not run.exists()
+    # Inside the root, with remote servers, or with the root unset, the same run is accepted.
+    for overrides in (
+        [f"server.checkpoint_root={tmp_path}", f"train.run_dir={run}"],
+        [f"server.checkpoint_root={root}", f"train.run_dir={run}", "train.client.servers=[h:1]"],
+        ["server.checkpoint_root=", f"train.run_dir={run}"],
+    ):
+        setup.check_run(load_config(CONFIG, overrides))
+
+
 def _records(run_dir: pathlib.Path) -> list[dict]:
     path = run_dir / "logs" / "metrics.jsonl"
     if not path.exists():
