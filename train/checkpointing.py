@@ -13,7 +13,8 @@ silently wrong, so ``progress`` records a fingerprint of the base (``base_finger
 32-bit hash of every leaf's bits, computed on device, exact whatever the sharding) and a restore
 onto a base that does not match refuses, naming the leaves that differ (``BaseMismatch``). The directory may be local or ``gs://``; orbax writes each step
 to a temporary name and renames (or commits) it when complete, so a kill mid-save leaves the
-previous checkpoint as the latest. Only the newest ``keep`` checkpoints are kept.
+previous checkpoint as the latest. Only the newest ``keep`` checkpoints are kept. Saves write in
+the background while training goes on (``Checkpointer``).
 
 Server weights (what ``UpdateWeights`` loads) are a separate, simpler format: the params alone,
 written with ``sat_jax.params_io.save_params``. Both share ``params_io.ORBAX_LOCK``: one orbax
@@ -23,7 +24,9 @@ operation at a time in the process.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +41,8 @@ from sat_jax.config import CheckpointConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.train_step import TrainState
+
+log = logging.getLogger("train")
 
 # Prompt ids remembered for de-duplication after a restart (bounded: memory stays flat).
 RECENT_PROMPTS = 4096
@@ -229,21 +234,39 @@ def restore_params(
 
 
 class Checkpointer:
-    """An orbax ``CheckpointManager`` for (``TrainState``, ``Progress``), keep-N, synchronous saves.
+    """An orbax ``CheckpointManager`` for (``TrainState``, ``Progress``), keep-N, saves in the
+    background (docs/DESIGN.md §7.3).
+
+    ``save`` returns once the state's arrays are copied off the devices (orbax's blocking part),
+    so the next step may donate them; the write and its commit go on in the background while the
+    loop trains. At most one save is in flight: a save first waits for the one before it. The
+    process's other orbax operations (weight pushes) wait for an in-flight save to commit
+    (``params_io.ORBAX_LOCK`` is held from a save's start to its commit), since orbax's completion
+    signalling is not safe across concurrent operations. A save that fails, at its start or in
+    the background, is logged with its directory and step and does not stop the run: the next
+    scheduled save writes a new checkpoint, and a failed write never touches the checkpoints
+    already committed (orbax writes each step under a temporary name and commits it when whole).
+    ``close`` (and leaving the ``with`` block) waits for the last save.
 
     Args:
       directory: a local path or a ``gs://`` URL.
       keep: how many checkpoints to keep.
+      background: write in the background (False = ``save`` returns once the checkpoint is
+        committed, as a synchronous save).
     """
 
-    def __init__(self, directory: str, *, keep: int):
+    def __init__(self, directory: str, *, keep: int, background: bool = True):
+        self.directory = directory
         self._manager = ocp.CheckpointManager(
             params_io.absolute(directory),
             options=ocp.CheckpointManagerOptions(
-                max_to_keep=keep, enable_async_checkpointing=False, create=True
+                max_to_keep=keep, enable_async_checkpointing=background, create=True
             ),
             item_names=("state", "progress"),
         )
+        self._background = background
+        self._in_flight: threading.Thread | None = None
+        self.failures = 0  # saves that failed (logged), for the run's metrics and tests
 
     @classmethod
     def from_config(cls, cfg: CheckpointConfig, run_dir: str) -> Checkpointer:
@@ -252,25 +275,33 @@ class Checkpointer:
         return cls(cfg.directory(run_dir), keep=cfg.keep)
 
     def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step, or None."""
+        """The newest complete checkpoint's step, or None (after any save in flight)."""
+        self.wait()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        """The steps of the complete checkpoints kept, oldest first."""
+        """The steps of the complete checkpoints kept, oldest first (after any save in flight)."""
+        self.wait()
         return list(self._manager.all_steps())
 
-    def save(self, step: int, state: TrainState, progress: Progress) -> None:
-        """Writes checkpoint ``step`` (atomically; a no-op when ``step`` already exists). With
+    def save(self, step: int, state: TrainState, progress: Progress) -> bool:
+        """Starts checkpoint ``step`` of ``state`` (a no-op when ``step`` already exists) and
+        returns once its arrays are off the devices; the write commits in the background. With
         LoRA the frozen base is left out and its fingerprint goes into ``progress`` (computed
-        here unless ``progress`` already has it)."""
-        if step in self._manager.all_steps():
-            return
+        here unless ``progress`` already has it).
+
+        Returns:
+          False when the save could not start (logged; the run goes on), else True.
+        """
+        if step in self.all_steps():  # waits for the save in flight: at most one
+            return True
         if state.frozen is not None:
             if not progress.base_fingerprint:
                 fingerprint = base_fingerprint(state.frozen)
                 progress = dataclasses.replace(progress, base_fingerprint=fingerprint)
             state = state.replace(frozen=None)
-        with params_io.ORBAX_LOCK:
+        params_io.ORBAX_LOCK.acquire()
+        try:
             self._manager.save(
                 step,
                 args=ocp.args.Composite(
@@ -278,11 +309,48 @@ class Checkpointer:
                     progress=ocp.args.JsonSave(progress.to_json()),
                 ),
             )
+        except Exception as e:  # disk full, permissions, a bad URL: the run goes on
+            params_io.ORBAX_LOCK.release()
+            self._failed(step, e)
+            return False
+        self._in_flight = threading.Thread(
+            target=self._commit, args=(step,), name=f"checkpoint-{step}", daemon=True
+        )
+        self._in_flight.start()
+        if not self._background:
+            self.wait()
+        return True
+
+    def _commit(self, step: int) -> None:
+        """Waits for orbax's background write of ``step`` to commit, then frees the orbax lock."""
+        try:
             self._manager.wait_until_finished()
+        except Exception as e:
+            self._failed(step, e)
+        finally:
+            params_io.ORBAX_LOCK.release()
+
+    def _failed(self, step: int, error: BaseException) -> None:
+        self.failures += 1
+        log.error(
+            "checkpoint %d in %s failed (%s: %s); training goes on, the next checkpoint is a "
+            "new attempt and the committed ones are untouched",
+            step,
+            self.directory,
+            type(error).__name__,
+            error,
+        )
+
+    def wait(self) -> None:
+        """Returns once no save is in flight (the last one committed or failed)."""
+        if self._in_flight is not None:
+            self._in_flight.join()
+            self._in_flight = None
 
     def restore(self, step: int, abstract_state: TrainState) -> tuple[TrainState, Progress]:
         """Reads checkpoint ``step`` into the shardings ``abstract_state`` carries (with LoRA
         without the frozen base: ``abstract_train_state``; ``restore_train_state`` joins it)."""
+        self.wait()
         with params_io.ORBAX_LOCK:
             out = self._manager.restore(
                 step,
@@ -294,7 +362,8 @@ class Checkpointer:
         return out["state"], Progress.from_json(out["progress"])
 
     def close(self) -> None:
-        """Closes the orbax manager."""
+        """Waits for the save in flight, then closes the orbax manager."""
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:

@@ -4,6 +4,11 @@ shared with weight pushes, a gs:// directory reaching orbax unchanged, and LoRA 
 
 from __future__ import annotations
 
+import pathlib
+import subprocess
+import sys
+import threading
+
 import jax
 import numpy as np
 import optax
@@ -21,6 +26,7 @@ from sat_jax.train_step import (
     shard_batch,
     train_state_shardings,
 )
+from tests.workers import REPO, cpu_env
 from train import checkpointing, setup
 
 MODEL_CFG = ModelConfig.preset("tiny")
@@ -235,3 +241,124 @@ def test_base_fingerprint_is_exact_and_independent_of_the_sharding():
     for changed, name in ((flipped, "final_norm/scale"), (swapped, "embedding_vd")):
         got = checkpointing.base_fingerprint(changed)
         assert [k for k in base if got[k] != base[k]] == [name]
+
+
+def _progress(version: int = 1) -> checkpointing.Progress:
+    return checkpointing.Progress(version=version, min_version=1, rng_key=(0, 1))
+
+
+def test_a_background_save_holds_its_steps_state_while_the_next_steps_donate_it(tmp_path):
+    """``save`` returns before the write commits; the steps after it donate the state's buffers,
+    and the checkpoint is still exactly the state of its own step."""
+    cfg = load_config(None, [])
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
+    step_fn = make_train_step(cfg.model, optimizer, cfg.train.loss, mesh, routing_replay=False)
+    batch = shard_batch(_lora_batch(cfg), mesh)
+    state = init_train_state(cfg.model, optimizer, mesh, 0)
+    state, _ = step_fn(state, batch)
+    saved = _host(state)
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=2)
+    assert ckpt.save(1, state, _progress())
+    for _ in range(3):  # each call donates the state the checkpoint was taken of
+        state, metrics = step_fn(state, batch)
+        assert float(metrics["step_skipped"]) == 0.0
+    ckpt.close()
+    again = checkpointing.Checkpointer(str(tmp_path), keep=2)
+    restored, _ = again.restore(1, checkpointing.abstract_train_state(cfg.model, optimizer, mesh))
+    again.close()
+    _assert_equal(_host(restored), saved)
+    assert int(restored.step) == 1 and int(state.step) == 4
+
+
+def test_at_most_one_save_in_flight_and_orbax_waits_for_its_commit(
+    tmp_path, state_and_mesh, monkeypatch
+):
+    state, _ = state_and_mesh
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=3)
+    release = threading.Event()
+    real_wait = ckpt._manager.wait_until_finished
+
+    def held_commit():
+        release.wait()
+        real_wait()
+
+    monkeypatch.setattr(ckpt._manager, "wait_until_finished", held_commit)
+    assert ckpt.save(1, state, _progress())  # returns with the write not yet committed
+    assert params_io.ORBAX_LOCK.locked()  # a weight push waits for the commit
+    second = threading.Thread(target=ckpt.save, args=(2, state, _progress(2)))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # the second save waits for the first
+    release.set()
+    second.join()
+    ckpt.close()
+    assert not params_io.ORBAX_LOCK.locked()
+    again = checkpointing.Checkpointer(str(tmp_path), keep=3)
+    assert again.all_steps() == [1, 2]
+    again.close()
+
+
+@pytest.mark.parametrize("where", ["start", "background"])
+def test_a_failed_save_is_logged_training_goes_on_and_the_next_one_writes(
+    tmp_path, state_and_mesh, monkeypatch, caplog, where
+):
+    state, _ = state_and_mesh
+    ckpt = checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=3)
+    assert ckpt.save(1, state, _progress())
+    ckpt.wait()
+    name = "save" if where == "start" else "wait_until_finished"
+    real = getattr(ckpt._manager, name)
+    calls = []
+
+    def failing_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(28, "No space left on device")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt._manager, name, failing_once)
+    with caplog.at_level("ERROR", "train"):
+        started = ckpt.save(2, state, _progress(2))
+        ckpt.wait()
+    assert started == (where == "background") and ckpt.failures == 1
+    assert not params_io.ORBAX_LOCK.locked()
+    [record] = [r for r in caplog.records if "checkpoint 2" in r.getMessage()]
+    assert str(tmp_path / "ckpt") in record.getMessage()
+    assert "No space left on device" in record.getMessage()
+    assert ckpt.latest_step() == 1  # the committed checkpoint is untouched
+    assert ckpt.save(3, state, _progress(3))
+    ckpt.close()
+    again = checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=3)
+    assert again.latest_step() == 3
+    again.close()
+
+
+@pytest.mark.slow  # a checkpointing process, killed
+def test_a_kill_during_a_background_save_leaves_a_whole_checkpoint_to_resume_from(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, str(pathlib.Path(__file__).with_name("checkpoint_kill_worker.py")),
+         str(tmp_path)],
+        cwd=REPO, env=cpu_env(""), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("saving 2"):
+                proc.kill()
+                break
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert any(x.startswith("saving 2") for x in lines), "".join(lines)
+    ckpt = checkpointing.Checkpointer(str(tmp_path), keep=3)
+    latest = ckpt.latest_step()
+    ckpt.close()
+    # Checkpoint 1 was committed; 2 is there only if its commit beat the kill. Either way the
+    # latest is whole and holds its own step's values.
+    assert latest in (1, 2)
+    restored = ocp.StandardCheckpointer().restore(str(tmp_path / str(latest) / "state"))
+    assert int(restored["step"]) == latest
+    for i in range(16):
+        np.testing.assert_array_equal(np.asarray(restored["params"][f"w{i}"]), latest + i)
