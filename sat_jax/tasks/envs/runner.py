@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from sat_jax.tasks.arithmetic import Prompt
+from sat_jax.tasks.prompt import Prompt
 from sat_jax.tasks.envs.base import EnvConfig, Environment
 from sat_jax.tasks.envs.episode import Episode
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
