@@ -600,7 +600,7 @@ def complete_episodes(
     """Runs one multi-turn episode per prompt, ``core.slots`` at a time, as the rollout server
     does (docs/DESIGN.md §6.1) but on one thread: a turn ends at a stop id or after
     ``turn_tokens`` tokens (or when the episode's ``core.max_decode_length`` is reached), then
-    ``after_turn(index, turn_ids, finish, room)`` (finish "eos" or "length"; room = completion
+    ``after_turn(index, turn_ids, finish, room)`` (finish "stop" or "length"; room = completion
     tokens left) returns the ids to insert, or None to end the episode; inserted ids extend the
     slot's KV cache (``DecodeCore.extend``) and decoding goes on in the same slot.
 
@@ -642,7 +642,7 @@ def complete_episodes(
             r["gen"].append(True)
             n = len(r["ids"])
             if token in stops:
-                finish = "eos"
+                finish = "stop"
             elif n - r["start"] >= turn_tokens or n >= budget:
                 finish = "length"
             else:
@@ -673,7 +673,7 @@ def complete_episodes(
             results[r["index"]] = Completion(
                 ids=tuple(r["ids"]),
                 logp=tuple(r["logp"]),
-                finish="stop" if finish == "eos" else "length",
+                finish=finish,
                 kept=tuple(r["kept"]),
                 generated=tuple(r["gen"]),
             )

@@ -30,7 +30,7 @@ def trajectory(
         if with_routing
         else None,
         reward=0.5,
-        finish_reason="eos",
+        finish_reason="stop",
         completion_text="12",
     )
     return records.Trajectory(**(fields | kw))
