@@ -249,7 +249,7 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
     ours = hf.load_qwen3_moe(export_dir)
     got = np.asarray(ours(np.asarray([ids], np.int32)))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
-    proc = command("train.eval_cli", "--k", "2", "--problems", "4", "train.weight_decay=0.1")
+    proc = command("train.eval_checkpoint", "--k", "2", "--problems", "4", "train.weight_decay=0.1")
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
 
@@ -410,7 +410,7 @@ def test_lora_trains_serves_and_exports_merged_and_as_a_peft_adapter(setup, tmp_
         base = transformers.AutoModelForCausalLM.from_pretrained(d.path).eval()
         adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
         np.testing.assert_allclose(logits(adapted), want, atol=1e-4, rtol=1e-4)
-    proc = command("train.eval_cli", "--k", "2", "--problems", "4")
+    proc = command("train.eval_checkpoint", "--k", "2", "--problems", "4")
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
 

@@ -78,7 +78,7 @@ from sat_jax.train_step import (
     make_train_step,
     shard_batch,
 )
-from train import batching, checkpointing, curves, evaluation, metrics, pulling, setup, weight_sync
+from train import batching, checkpointing, curves, held_out, metrics, pulling, setup, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool
 
@@ -323,7 +323,7 @@ def evaluate_and_log(
 ) -> float | None:
     """Held-out greedy accuracy, printed and logged at the current step (by the process with the
     ``writer``; every process evaluates)."""
-    accuracy = evaluation.held_out_accuracy(cfg, graphdef, state.model_params)
+    accuracy = held_out.held_out_accuracy(cfg, graphdef, state.model_params)
     if writer is not None:
         print(f"held-out greedy accuracy {when}: {_fmt(accuracy)}", flush=True)
         writer.write(int(state.step), {"accuracy": accuracy}, console=False)
@@ -391,7 +391,7 @@ def train_loop(
             parts.ckpt.save(step, state, progress)
         accuracy = None
         if t.eval_every and step % t.eval_every == 0 and not skipped:
-            accuracy = evaluation.held_out_accuracy(cfg, parts.graphdef, state.model_params)
+            accuracy = held_out.held_out_accuracy(cfg, parts.graphdef, state.model_params)
         if parts.writer is not None:
             timing = {
                 "tokens_per_s": stats.tokens / max(time.monotonic() - start, 1e-9),

@@ -9,7 +9,7 @@ on>/``, so only the first run pays for it.
 ``sat_jax.experiment.WarmupConfig``): it runs the configured warm-up or loads it from the cache.
 
 The warm-up's problems come from their own seed stream, ``task.seed + SFT_SEED_OFFSET``, disjoint
-from the server's prompts (``task.seed``) and the held-out evaluation's (``train.evaluation``).
+from the server's prompts (``task.seed``) and the held-out evaluation's (``train.held_out``).
 
 Dimension letters: B batch, T sequence.
 """

@@ -18,7 +18,7 @@ from sat_jax.experiment import load_config
 from sat_jax.model import hf, make_tiny
 from sat_jax.parallel import sharding
 from sat_jax.train_step import create_train_state
-from train import checkpointing, eval_cli, export, setup
+from train import checkpointing, eval_checkpoint, export, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -117,7 +117,7 @@ def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
     config = str(ROOT / "configs" / "arith_tiny.yaml")
     cfg = load_config(config, overrides)
     _save_checkpoint(cfg, 5, 0.0)
-    eval_cli.cli(["--config", config, *overrides, "--k", "3", "--problems", "5"])
+    eval_checkpoint.cli(["--config", config, *overrides, "--k", "3", "--problems", "5"])
     printed = capsys.readouterr().out
     assert "avg@3" in printed and "pass@3" in printed and "greedy" in printed
     doc = json.loads((tmp_path / "run" / "eval" / "step-5.json").read_text())
@@ -130,7 +130,7 @@ def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
     export.cli(["--config", config, *overrides, "--out", str(tmp_path / "hf")])
     capsys.readouterr()
     out = tmp_path / "hf.json"
-    eval_cli.cli(["--config", config, *overrides, "--hf", str(tmp_path / "hf"), "--k", "3",
+    eval_checkpoint.cli(["--config", config, *overrides, "--hf", str(tmp_path / "hf"), "--k", "3",
                   "--problems", "5", "--out", str(out)])  # fmt: skip
     again = json.loads(out.read_text())
     assert again["policy"] == "hf"
@@ -141,7 +141,7 @@ def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
 
 def test_eval_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        eval_cli.cli([f"train.run_dir={tmp_path}", "--k", "2", "--problems", "3"])
+        eval_checkpoint.cli([f"train.run_dir={tmp_path}", "--k", "2", "--problems", "3"])
     assert exit_info.value.code == 2
     want = f"sat-eval: no checkpoint directory {tmp_path}/checkpoints"
     assert capsys.readouterr().err.strip().splitlines() == [want]
@@ -218,12 +218,12 @@ def test_lora_run_exports_merged_and_as_a_peft_adapter(lora_run, capsys):
 def test_lora_eval_reads_base_plus_adapters_and_the_merged_export(lora_run, tmp_path):
     root, overrides, params = lora_run
     cfg = load_config(None, overrides)
-    label, _, got = eval_cli.policy_params(cfg, step=None, hf_dir=None)
+    label, _, got = eval_checkpoint.policy_params(cfg, step=None, hf_dir=None)
     assert label == "step-3"
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), got, params)
     assert all(jax.tree.leaves(same))
     export.export_run(cfg, tmp_path / "merged")
-    label, _, from_hf = eval_cli.policy_params(cfg, step=None, hf_dir=str(tmp_path / "merged"))
+    label, _, from_hf = eval_checkpoint.policy_params(cfg, step=None, hf_dir=str(tmp_path / "merged"))
     assert label == "hf"
     ids = list(range(3, 20))
     np.testing.assert_allclose(
@@ -237,8 +237,8 @@ def test_lora_export_and_eval_refuse_another_base(lora_run, tmp_path):
     cfg = load_config(None, [*overrides, f"model.hf_path={tmp_path / 'other'}"])
     with pytest.raises(export.ExportError, match="checkpoint 3: the base model differs"):
         export.export_run(cfg, tmp_path / "out")
-    with pytest.raises(eval_cli.EvalInputError, match="checkpoint 3: the base model differs"):
-        eval_cli.policy_params(cfg, step=None, hf_dir=None)
+    with pytest.raises(eval_checkpoint.EvalInputError, match="checkpoint 3: the base model differs"):
+        eval_checkpoint.policy_params(cfg, step=None, hf_dir=None)
     assert not (tmp_path / "out").exists()
     full = load_config(None, [f"train.run_dir={root / 'run'}"])
     with pytest.raises(export.ExportError, match="--adapter needs a LoRA run"):

@@ -10,7 +10,7 @@ from sat_jax.experiment import TaskConfig, TrainConfig
 from sat_jax.model import ModelConfig
 from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, Prompt
-from train import evaluation, warmup
+from train import held_out, warmup
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=20)
 TASK = TaskConfig()
@@ -39,8 +39,8 @@ def test_warmup_learns_and_is_cached(model, tmp_path):
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), tuned, again)
     assert all(jax.tree.leaves(same))
     # 30 steps already teach the answer format: an EOS-terminated digit string.
-    problems = evaluation.held_out_problems(TASK, 16)
-    texts = evaluation.greedy_completions(graphdef, tuned, problems, TOKENIZER, max_new_tokens=6)
+    problems = held_out.held_out_problems(TASK, 16)
+    texts = held_out.greedy_completions(graphdef, tuned, problems, TOKENIZER, max_new_tokens=6)
     assert sum(t.lstrip("-").isdigit() for t in texts) >= 8, texts
 
 
