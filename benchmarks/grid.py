@@ -47,9 +47,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import sampler
 import worker_group
 
-from sat_jax import objectives
+from sat_jax import objectives, sharding
 from sat_jax.experiment import load_config
-from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
 from sat_jax.train_step import TrainBatch, create_train_state, make_train_step, shard_batch

@@ -42,9 +42,9 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
+from sat_jax import sharding
 from sat_jax.experiment import RolloutConfig
 from sat_jax.model import KVCache, ModelConfig
-from sat_jax.parallel import sharding
 
 # Column layout of one generate step's output.
 TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, SEGMENT_COL, ROUTING_COL = range(
@@ -176,7 +176,7 @@ class DecodeCore:
       sampleable_v: [V] bool, the ids sampling may produce.
       seed: sampling PRNG seed.
       mesh: shard the KV cache over this mesh (KV heads over ``tensor`` by the rules of
-        ``sat_jax.parallel.sharding``); the params come in their own shardings (``param_shardings`` on the
+        ``sat_jax.sharding``); the params come in their own shardings (``param_shardings`` on the
         same mesh) and the computation follows them. None: whatever the params' devices are.
     """
 

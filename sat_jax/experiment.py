@@ -41,7 +41,7 @@ from sat_jax.model import hf
 from sat_jax.model.config import PRESETS, RUNTIME_FIELDS, LoRAConfig, ModelConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.optimizer import OptimizerConfig
-from sat_jax.parallel.sharding import MeshConfig
+from sat_jax.sharding import MeshConfig
 from sat_jax.tasks.config import TaskConfig
 from sat_jax.tasks.tokenizer import CharTokenizer, Tokenizer
 

@@ -21,15 +21,16 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 from typing import Any
 
 from flax import nnx
 
 from sat_jax import cli as sat_cli
+from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
-from sat_jax.model import hf
+from sat_jax.model import hf, placement
 from sat_jax.model.config import runtime_overrides
-from sat_jax.parallel import sharding
 from sat_jax.tasks import Prompt
 from sat_jax.tasks.pipeline import read_prompts
 from train import checkpointing, held_out, setup
@@ -55,7 +56,7 @@ def policy_params(
 ) -> tuple[str, nnx.GraphDef, Any]:
     """(label, graphdef, params) of the policy to evaluate (see the module docstring)."""
     mesh = sharding.make_mesh(cfg.train.mesh)
-    graphdef, abstract = sharding.abstract_model(cfg.model)
+    graphdef, abstract = placement.abstract_model(cfg.model)
     shardings = sharding.param_shardings(abstract, mesh)
     if hf_dir is not None:
         try:
@@ -91,7 +92,7 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=4, help="samples per problem")
     parser.add_argument("--problems", type=int, default=100, help="how many problems")
     parser.add_argument("--out", help="JSON file (default <run_dir>/eval/<step-N|hf>.json)")
-    args = command.parse(argv)
+    args = command.parse(sys.argv[1:] if argv is None else argv)
     with command.exit_on(ConfigError, EvalInputError, OSError, ValueError):
         if args.k < 1 or args.problems < 1:
             raise EvalInputError(f"--k and --problems must be >= 1, got {args.k}, {args.problems}")

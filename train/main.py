@@ -57,6 +57,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,8 +70,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from sat_jax import cli as sat_cli
+from sat_jax import sharding
 from sat_jax.experiment import ExperimentConfig
-from sat_jax.parallel import sharding
 from sat_jax.train_step import (
     TrainBatch,
     TrainState,
@@ -464,7 +465,7 @@ def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -
 def cli(argv: list[str] | None = None) -> None:
     """``sat-train --config FILE [key=value ...]``; a bad config exits with code 2 and one line."""
     command = sat_cli.Command("sat-train", __doc__)
-    args = command.parse(argv)
+    args = command.parse(sys.argv[1:] if argv is None else argv)
     cfg = command.load_config(args)
     sat_cli.log_to_stderr("train")
     result = run(cfg, args.config, args.overrides)

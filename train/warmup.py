@@ -33,8 +33,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sat_jax.experiment import TaskConfig, WarmupConfig
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
 
 SFT_SEED_OFFSET = 2_000_003
@@ -164,7 +163,7 @@ def cached_warmup(
         if os.path.isdir(path):
             return checkpointer.restore(path, abstract), True
         tokenizer = CharTokenizer(task.alphabet)
-        graphdef, _ = sharding.abstract_model(model_cfg)
+        graphdef, _ = placement.abstract_model(model_cfg)
         params = supervised_warmup(
             graphdef,
             params,

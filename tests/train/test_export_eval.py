@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sat_jax import sharding
 from sat_jax.experiment import load_config
-from sat_jax.model import hf, make_tiny
-from sat_jax.parallel import sharding
+from sat_jax.model import hf, make_tiny, placement
 from sat_jax.train_step import create_train_state
 from train import checkpointing, eval_checkpoint, export, setup
 
@@ -30,7 +30,7 @@ def _save_checkpoint(cfg, step: int, shift: float) -> dict:
     if cfg.model.hf_path:
         _, params = hf.load_params(cfg.model.hf_path, cfg.model)
     else:
-        _, params = sharding.init_sharded(cfg.model, mesh, 0)
+        _, params = placement.init_sharded(cfg.model, mesh, 0)
     params = jax.tree.map(lambda x: x + shift, params)
     optimizer = cfg.train.optimizer.make()
     state = create_train_state(cfg.model, optimizer, mesh, params)
@@ -70,7 +70,7 @@ def test_export_round_trip_and_transformers(hf_run, capsys):
     ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits.numpy()
-    model = nnx.merge(sharding.abstract_model(cfg.model)[0], back)
+    model = nnx.merge(placement.abstract_model(cfg.model)[0], back)
     np.testing.assert_allclose(np.asarray(model(np.asarray([ids]))), want, atol=1e-4, rtol=1e-4)
     eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
     assert eos == [tok.eos_token_id, tok.pad_token_id]  # <|im_end|>, <|endoftext|>
@@ -179,7 +179,7 @@ def lora_run(tmp_path_factory):
 
 
 def _lora_logits(cfg, params, ids) -> np.ndarray:
-    model = nnx.merge(sharding.abstract_model(cfg.model)[0], params)
+    model = nnx.merge(placement.abstract_model(cfg.model)[0], params)
     return np.asarray(model(np.asarray([ids])))
 
 

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sat_jax import sharding
 from sat_jax.experiment import TaskConfig, load_config
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.tasks import CharTokenizer, Prompt, sampleable_mask
 from train import held_out, warmup
 
@@ -21,7 +21,7 @@ TOKENIZER = CharTokenizer(TASK.alphabet)
 @pytest.fixture(scope="module")
 def model():
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    return sharding.init_sharded(MODEL_CFG, mesh, 0)
+    return placement.init_sharded(MODEL_CFG, mesh, 0)
 
 
 def test_held_out_problems_are_a_separate_stream():
@@ -96,7 +96,7 @@ def test_a_multi_turn_env_evaluates_whole_episodes(tmp_path):
         ],
     )
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    graphdef, state = sharding.init_sharded(cfg.model, mesh, 0)
+    graphdef, state = placement.init_sharded(cfg.model, mesh, 0)
     evaluator = held_out.Evaluator.from_config(cfg, graphdef)
     problems = [Prompt(id=f"p{i}", text=f"What is {i} + 1?", answer=str(i + 1)) for i in range(3)]
     result = evaluator.evaluate(state, problems, k=2)

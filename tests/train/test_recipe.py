@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from rollout_api import records
+from sat_jax import sharding
 from sat_jax.experiment import ConfigError, load_config
-from sat_jax.parallel import sharding
+from sat_jax.model import placement
 from tests.train.test_batching import spec as batching_spec
 from train import batching, checkpointing, main, metrics, pulling, setup
 
@@ -429,9 +430,7 @@ def _zero_params(cfg) -> dict:
     over the sampleable ids."""
     from flax import nnx
 
-    from sat_jax.parallel import sharding
-
-    abstract = nnx.to_pure_dict(sharding.abstract_model(cfg.model)[1])
+    abstract = nnx.to_pure_dict(placement.abstract_model(cfg.model)[1])
     return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype)), abstract)
 
 

@@ -6,9 +6,9 @@ import jax
 import numpy as np
 import pytest
 
+from sat_jax import sharding
 from sat_jax.experiment import TaskConfig, TrainConfig
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.tasks import CharTokenizer, Prompt
 from train import held_out, warmup
 
@@ -20,7 +20,7 @@ TOKENIZER = CharTokenizer(TASK.alphabet)
 @pytest.fixture(scope="module")
 def model():
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    return sharding.init_sharded(MODEL_CFG, mesh, 0)
+    return placement.init_sharded(MODEL_CFG, mesh, 0)
 
 
 def test_supervised_rows_mask_the_answer_and_eos():
