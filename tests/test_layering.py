@@ -239,3 +239,11 @@ def test_only_entry_points_of_sat_jax_read_argv_and_the_environment():
 def test_a_library_read_of_the_environment_is_found():
     source = Source("import os\n\n\ndef f():\n    return os.environ.get('X'), os.getenv('Y')\n")
     assert reads_process_state(source) == ["os.environ", "os.getenv"]
+
+
+def test_every_folder_of_a_package_is_a_regular_package():
+    """setuptools' ``find_packages`` (pyproject) skips a folder without ``__init__.py``."""
+    folders = {p.parent for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    assert (
+        sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()) == []
+    )
