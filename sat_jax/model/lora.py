@@ -3,8 +3,8 @@ as a PEFT adapter directory (``sat-export --adapter``).
 
 The adapters themselves are layers (``sat_jax.model.layers``: ``LoRA``, ``LORA_A`` / ``LORA_B``,
 ``is_lora_path``) configured by ``model.lora.*`` (``LoRAConfig``, ``sat_jax.model.config``); they sit
-below the ``Transformer``, which this module builds on. Merging adapters into the base weights for an
-HF export is ``sat_jax.model.hf_export``'s.
+below the ``Transformer``, which this module builds on. ``merged_weight`` folds an adapter into its
+base weight (the merged HF export, ``sat_jax.model.hf_export``).
 
 ``split_lora`` parts a params tree (or any tree of the same nested-dict layout: shardings, specs,
 shapes) into the frozen base and the adapters, ``join_lora`` puts them back together, and
@@ -50,6 +50,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -142,6 +143,30 @@ def init_lora(model_cfg: ModelConfig, shardings: Any = None, rng: int | jax.Arra
         return split_lora(nnx.to_pure_dict(nnx.state(model)))[1]
 
     return jax.jit(init, out_shardings=shardings)(key)
+
+
+@jax.jit
+def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+    """W + scale · A B in float32 (full-precision product), cast to W's dtype.
+
+    The product contracts A's last (rank) axis with B's first non-batch axis, batched over the
+    leading axes they share (the expert axis of stacked experts), as
+    ``sat_jax.model.layers.lora_weight`` does.
+
+    Args:
+      w: the base weight [*batch, *in, *out].
+      a: its adapter A [*batch, *in, r]; b: its adapter B [*batch, r, *out].
+      scale: alpha / r.
+    """
+    nb = a.ndim + b.ndim - 2 - w.ndim
+    batch = tuple(range(nb))
+    delta = jax.lax.dot_general(
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+        (((a.ndim - 1,), (nb,)), (batch, batch)),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
 
 
 ADAPTER_CONFIG = "adapter_config.json"

@@ -93,7 +93,7 @@ def test_merged_weight_is_base_plus_scaled_product_in_float32():
     w = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 4)), jnp.bfloat16)
     a = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, 3)), jnp.bfloat16)
     b = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 4)), jnp.bfloat16)
-    got = hf_export.merged_weight(w, a, b, jnp.float32(0.7))
+    got = lora.merged_weight(w, a, b, jnp.float32(0.7))
     f32 = lambda x: np.asarray(x, np.float32)
     want = (f32(w) + 0.7 * np.einsum("eir,ero->eio", f32(a), f32(b))).astype(jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
@@ -105,9 +105,7 @@ def test_peft_adapter_loads_onto_the_base_with_equal_logits(base_dir, tmp_path, 
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     cfg, graphdef, params = _lora_params(base_dir, targets)
-    out = lora.export_peft_adapter(
-        params, cfg, tmp_path / "adapter", base_model=str(base_dir)
-    )
+    out = lora.export_peft_adapter(params, cfg, tmp_path / "adapter", base_model=str(base_dir))
     assert sorted(p.name for p in out.iterdir()) == [
         lora.ADAPTER_CONFIG,
         lora.ADAPTER_WEIGHTS,
