@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax.model import LoRAConfig, hf, hf_export, lora
+from sat_jax.model import LoRAConfig, hf, hf_export, lora, safetensors
 
 ALL_TARGETS = ("attention", "mlp", "experts", "router")
 
@@ -130,7 +130,7 @@ def test_peft_adapter_loads_onto_the_base_with_equal_logits(base_dir, tmp_path, 
 
 
 def _read(path: pathlib.Path) -> dict[str, np.ndarray]:
-    return {k: np.array(v) for k, v in hf._read_safetensors(path).items()}
+    return {k: np.array(v) for k, v in safetensors.read_safetensors(path).items()}
 
 
 def test_peft_adapter_refusals(base_dir, tmp_path):
