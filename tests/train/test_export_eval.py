@@ -223,7 +223,9 @@ def test_lora_eval_reads_base_plus_adapters_and_the_merged_export(lora_run, tmp_
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), got, params)
     assert all(jax.tree.leaves(same))
     export.export_run(cfg, tmp_path / "merged")
-    label, _, from_hf = eval_checkpoint.policy_params(cfg, step=None, hf_dir=str(tmp_path / "merged"))
+    label, _, from_hf = eval_checkpoint.policy_params(
+        cfg, step=None, hf_dir=str(tmp_path / "merged")
+    )
     assert label == "hf"
     ids = list(range(3, 20))
     np.testing.assert_allclose(
@@ -237,7 +239,9 @@ def test_lora_export_and_eval_refuse_another_base(lora_run, tmp_path):
     cfg = load_config(None, [*overrides, f"model.hf_path={tmp_path / 'other'}"])
     with pytest.raises(export.ExportError, match="checkpoint 3: the base model differs"):
         export.export_run(cfg, tmp_path / "out")
-    with pytest.raises(eval_checkpoint.EvalInputError, match="checkpoint 3: the base model differs"):
+    with pytest.raises(
+        eval_checkpoint.EvalInputError, match="checkpoint 3: the base model differs"
+    ):
         eval_checkpoint.policy_params(cfg, step=None, hf_dir=None)
     assert not (tmp_path / "out").exists()
     full = load_config(None, [f"train.run_dir={root / 'run'}"])
