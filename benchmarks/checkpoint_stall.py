@@ -22,9 +22,8 @@ import time
 import jax
 import optax
 
-from sat_jax import params_io
+from sat_jax import params_io, sharding
 from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
 from sat_jax.train_step import init_train_state
 from train import checkpointing
 

@@ -30,8 +30,9 @@ import jax
 import numpy as np
 from flax import nnx
 
+from sat_jax import sharding
 from sat_jax.experiment import load_config
-from sat_jax.parallel import sharding
+from sat_jax.model import placement
 from sat_jax.train_step import TrainState
 from train import checkpointing, main, metrics, remote, setup, weight_sync
 from train.local_server import LocalServer
@@ -58,7 +59,7 @@ def _overrides(tmp: pathlib.Path) -> list[str]:
 
 
 def _params(cfg) -> dict:
-    abstract = nnx.to_pure_dict(sharding.abstract_model(cfg.model)[1])
+    abstract = nnx.to_pure_dict(placement.abstract_model(cfg.model)[1])
     rng = np.random.default_rng(0)
     return jax.tree.map(
         lambda x: jax.device_put((0.1 * rng.standard_normal(x.shape)).astype(x.dtype)), abstract

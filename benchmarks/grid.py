@@ -47,13 +47,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import sampler
 import worker_group
 
-from sat_jax import objectives
+from sat_jax import objectives, sharding
 from sat_jax.experiment import load_config
-from sat_jax.parallel import sharding
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
 from sat_jax.train_step import TrainBatch, create_train_state, make_train_step, shard_batch
-from train import evaluation, setup
+from train import held_out, setup
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -119,7 +118,7 @@ class Runner:
         self.graphdef, self.base_params = setup.base_policy(self.cfg, self.mesh)
         self.tokenizer = CharTokenizer(self.cfg.task.alphabet)
         self.vocab_mask = setup.sampleable_mask(self.cfg)
-        self.eval_set = evaluation.held_out_problems(self.cfg.task, eval_problems)
+        self.eval_set = held_out.held_out_problems(self.cfg.task, eval_problems)
         self._steps: dict[str, Any] = {}
         self._logprobs: dict[bool, Any] = {}
         prompt_len = 1 + 2 * self.cfg.task.max_digits + 2  # BOS a op b =
@@ -127,7 +126,7 @@ class Runner:
 
     def accuracy(self, params) -> float:
 
-        return evaluation.greedy_accuracy(
+        return held_out.greedy_accuracy(
             self.graphdef,
             params,
             self.eval_set,

@@ -41,10 +41,10 @@ import optax
 from train_step import make_batch
 
 from rollout_server.weights import WeightsLoader
-from sat_jax import objectives, params_io, train_step
-from sat_jax.model import ModelConfig
+from sat_jax import objectives, params_io, sharding, train_step
+from sat_jax.model import ModelConfig, placement
 from sat_jax.model.config import LoRAConfig
-from sat_jax.parallel import sharding
+from sat_jax.model.lora import abstract_adapters, init_lora
 from train.weight_sync import host_copy, tree_bytes
 
 
@@ -77,13 +77,13 @@ def bench_push(args: argparse.Namespace, base_cfg: ModelConfig, mesh) -> list[di
     """Per variant (rank 0 = full): bytes, save seconds, server load (+ merge) seconds."""
     serve = jnp.dtype(args.serve_dtype)
     served_cfg = base_cfg.replace(param_dtype=serve)
-    _, base = sharding.init_sharded(base_cfg, mesh, 0)
+    _, base = placement.init_sharded(base_cfg, mesh, 0)
     variants = {}
     for rank in [0, *args.ranks]:
         lora = _lora(rank, args.targets)
         if rank:
-            pushed = sharding.init_lora(base_cfg.replace(lora=lora), rng=1)
-            like = sharding.abstract_adapters(served_cfg.replace(lora=lora), mesh)
+            pushed = init_lora(base_cfg.replace(lora=lora), rng=1)
+            like = abstract_adapters(served_cfg.replace(lora=lora), mesh)
         else:
             pushed, like = base, None
         variants[rank] = (lora, pushed, like)
@@ -140,7 +140,7 @@ def bench_step(args: argparse.Namespace, base_cfg: ModelConfig, mesh) -> list[di
     states, steps, memory = {}, {}, {}
     for rank in [0, *args.ranks]:
         cfg = base_cfg.replace(lora=_lora(rank, args.targets))
-        _, params = sharding.init_sharded(cfg, mesh, 0)
+        _, params = placement.init_sharded(cfg, mesh, 0)
         state = train_step.create_train_state(cfg, optimizer, mesh, params)
         step = train_step.make_train_step(cfg, optimizer, loss_cfg, mesh, routing_replay=False)
         stats = step.lower(state, batch).compile().memory_analysis()

@@ -189,8 +189,8 @@ def time_train_step(batch: int, length: int, repeats: int) -> None:
     """The share of a `small`-model train step that SAT's gate costs: SAT vs PPO, same batch."""
     import optax
 
+    from sat_jax import sharding, train_step
     from sat_jax.model import ModelConfig
-    from sat_jax.parallel import sharding, train_step
 
     model_cfg = ModelConfig.preset("small")
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), devices=jax.devices()[:1])

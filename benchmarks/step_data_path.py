@@ -43,8 +43,9 @@ import numpy as np
 from rollout_api import records
 from rollout_api.proto import rollout_pb2
 from rollout_api.routing_codec import encode_routing
+from sat_jax import sharding
 from sat_jax.experiment import ExperimentConfig, load_config
-from sat_jax.parallel import sharding
+from sat_jax.model import placement
 from sat_jax.train_step import create_train_state, shard_batch
 from train import batching, main, setup
 
@@ -142,7 +143,7 @@ def make_data_path(
 def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = load_config(str(CONFIG), ["train.loss.kl_coef=0.01", *args.set])
     mesh = sharding.make_mesh(cfg.train.mesh)
-    _, params = sharding.init_sharded(cfg.model, mesh, cfg.train.seed)
+    _, params = placement.init_sharded(cfg.model, mesh, cfg.train.seed)
     one_step, state = make_data_path(cfg, mesh, params)
     groups = make_groups(cfg, args.seed)
     samples: dict[str, list[float]] = {}

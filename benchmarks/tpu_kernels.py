@@ -40,10 +40,10 @@ from flax import nnx
 from jax.experimental import topologies
 from jax.sharding import NamedSharding, PartitionSpec
 
-from sat_jax.model import ModelConfig
+from sat_jax import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.model.attention import causal_attention
 from sat_jax.model.moe import MoE
-from sat_jax.parallel import sharding
 
 D_MODEL, EXPERT_DIM, EXPERTS, TOP_K = 2048, 768, 128, 8
 HEADS, KV_HEADS, HEAD_DIM = 32, 4, 128
@@ -153,7 +153,7 @@ def attention(mesh, seq_len: int, path: str) -> dict:
 def tiny_model(mesh) -> dict:
     """The `tiny` preset's forward + backward with attention and dispatch on "auto"."""
     cfg = ModelConfig.preset("tiny")
-    graphdef, state = sharding.abstract_model(cfg)
+    graphdef, state = placement.abstract_model(cfg)
     shardings = sharding.param_shardings(state, mesh)
     params = jax.tree.map(
         lambda v, s: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s),

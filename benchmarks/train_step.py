@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sat_jax import objectives, train_step
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import plan, sharding
+from sat_jax import objectives, sharding, train_step
+from sat_jax.model import ModelConfig, placement
+from sat_jax.plan import memory as plan
 
 PROMPT = 64  # prompt tokens per row (not in the loss); the rest of T is completion
 
@@ -135,7 +135,7 @@ def bench_seq_len(args: argparse.Namespace, seq_len: int) -> tuple[list[Row], fl
         )
         for c in configs
     }
-    _, params = sharding.init_sharded(base, mesh, 0)
+    _, params = placement.init_sharded(base, mesh, 0)
     state = train_step.create_train_state(base, optimizer, mesh, params)
     batch = train_step.shard_batch(make_batch(base, args.batch, seq_len), mesh)
     n = args.matmul_n

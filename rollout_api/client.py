@@ -23,14 +23,6 @@ def bearer_metadata(token: str) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def read_ca(path: str) -> bytes | None:
-    """The PEM certificates in `path` (`train.tls_ca`), or None for "" (plaintext)."""
-    if not path:
-        return None
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def connect(
     address: str,
     max_message_bytes: int,

@@ -35,10 +35,11 @@ from rollout_api.proto import rollout_pb2
 from rollout_api.routing_codec import decode_routing, encode_routing
 
 # finish_reason of a record <-> the proto enum; "" is unspecified (or a reason this version of
-# the wire does not know: a newer server's reason is not an error).
+# the wire does not know: a newer server's reason is not an error). "stop": a stop id ended the
+# completion (any of rollout.stop_token_ids, the wire's FINISH_REASON_EOS); "length": a limit did.
 _FINISH_TO_PROTO = {
     "": rollout_pb2.FINISH_REASON_UNSPECIFIED,
-    "eos": rollout_pb2.FINISH_REASON_EOS,
+    "stop": rollout_pb2.FINISH_REASON_EOS,
     "length": rollout_pb2.FINISH_REASON_LENGTH,
 }
 _FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
@@ -71,7 +72,7 @@ class Trajectory:
 
     Attributes:
       prompt_ids: int32 [P], P >= 1, exactly the tokenizer's prompt ids (BOS included).
-      completion_ids: int32 [C], the stop id included when `finish_reason` is "eos".
+      completion_ids: int32 [C], the stop id included when `finish_reason` is "stop".
       behavior_logprobs: float32 [C], finite at generated tokens: the sampler's log-prob of each
         completion token.
       versions: int64 [C], the weights version that produced each completion token.
@@ -85,7 +86,7 @@ class Trajectory:
         every completion token generated (single-turn). At False positions the values of
         `behavior_logprobs`, `versions`, `kept_counts` and the routing are unspecified.
       reward: finite.
-      finish_reason: "eos", "length" or "" (unspecified).
+      finish_reason: "stop", "length" or "" (unspecified).
       completion_text: the completion decoded (special tokens skipped).
 
     Raises:

@@ -52,12 +52,12 @@ class FinishedSample:
 
     Attributes:
       prompt_ids: [P] int32, exactly the tokenizer's prompt ids.
-      completion_ids: [C] int32, the stop id included when `finish_reason == "eos"`.
+      completion_ids: [C] int32, the stop id included when `finish_reason == "stop"`.
       logprobs: [C] float32 behavior log-probs.
       versions: [C] int64 weights version per completion token.
       routing: [P + C, L, K] expert ids in the model's routing dtype.
       kept_counts: [C] int32 the sampler's kept-set size per completion token.
-      finish_reason: "eos" or "length".
+      finish_reason: "stop" or "length".
     """
 
     prompt_ids: np.ndarray
@@ -75,8 +75,8 @@ class TurnEnd:
     """One ended assistant turn of an episode, as `on_turn` receives it.
 
     Attributes:
-      ids: [n] the turn's generated ids (the stop id included when `finish_reason == "eos"`).
-      finish_reason: "eos" (a stop token) or "length" (the turn's or the episode's limit).
+      ids: [n] the turn's generated ids (the stop id included when `finish_reason == "stop"`).
+      finish_reason: "stop" (a stop token) or "length" (the turn's or the episode's limit).
       room: completion tokens the episode has left (`max_tokens` minus those so far).
     """
 
@@ -196,7 +196,7 @@ class RolloutRequest(orchestrator.ActiveRequest):
     segment: int = 0  # the engine segment whose steps this request takes
     waiting: bool = False  # a turn ended; the environment has not answered yet
     turn_start: int = 0  # where the current turn starts in the buffer
-    last_finish: str = "eos"  # how the last turn ended (the episode's finish reason)
+    last_finish: str = "stop"  # how the last turn ended (the episode's finish reason)
     detokenize_index: int = 0
 
 
@@ -382,14 +382,14 @@ class RolloutDriver(orchestrator.Driver):
             )
             if request.episode:
                 if token in stops:
-                    return self._end_turn(request, "eos")
+                    return self._end_turn(request, "stop")
                 if buffer.size - request.turn_start >= request.turn_tokens or (
                     buffer.size >= request.max_tokens
                 ):
                     return self._end_turn(request, "length")
                 return False
             if token in stops:
-                return self._finish(request, "eos")
+                return self._finish(request, "stop")
             if buffer.size >= request.max_tokens:
                 return self._finish(request, "length")
             return False

@@ -32,11 +32,12 @@ from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
 from rollout_server.service import RolloutService, ValidatingOrchestrator
+from sat_jax import sharding
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
-from sat_jax.model import Transformer, hf
+from sat_jax.model import Transformer, hf, placement
 from sat_jax.model.config import runtime_overrides
-from sat_jax.parallel import sharding
+from sat_jax.model.lora import abstract_adapters
 from sat_jax.tasks import make_reward, prompt_source
 from sat_jax.tasks.envs import EpisodeRunner, load_environment
 
@@ -60,14 +61,14 @@ def initial_model(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Transformer
     model_cfg = cfg.serving_model
     if model_cfg.hf_path:
         return hf.load_qwen3_moe(model_cfg.hf_path, mesh=mesh, **runtime_overrides(model_cfg))
-    return nnx.merge(*sharding.init_sharded(model_cfg, mesh, cfg.server.seed))
+    return nnx.merge(*placement.init_sharded(model_cfg, mesh, cfg.server.seed))
 
 
 def lora_adapters(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Any:
     """The LoRA adapters a trainer of `cfg` pushes, as abstract arrays in the serving dtype and
     their shardings on the engine's `mesh` (what `UpdateWeights` restores them into)."""
     served = cfg.serving_model.replace(lora=cfg.model.lora)
-    return sharding.abstract_adapters(served, mesh)
+    return abstract_adapters(served, mesh)
 
 
 class RolloutServer:

@@ -20,7 +20,7 @@ from sat_jax import cli
 def main(argv: list[str] | None = None) -> None:
     """`sat-serve [--config FILE] [key=value ...]`; a bad config exits with code 2 and one line."""
     command = cli.Command("sat-serve", __doc__)
-    cfg = command.load_config(command.parse(argv))
+    cfg = command.load_config(command.parse(sys.argv[1:] if argv is None else argv))
     cli.log_to_stderr("rollout_server")
     # A state_dir another server holds: one line, before anything heavy.
     with command.exit_on(StateDirLockedError, OSError):

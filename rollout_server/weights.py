@@ -98,7 +98,7 @@ class WeightsLoader:
       root: the server's checkpoint root ("" = loading disabled).
       lora: the trainer's LoRA config (`model.lora`); rank 0 = whole params only.
       adapters_like: with LoRA, the adapters' abstract tree in the serving mesh's shardings
-        (`sat_jax.parallel.sharding.abstract_adapters`); None without.
+        (`sat_jax.model.lora.abstract_adapters`); None without.
 
     Not thread-safe: the server calls it from its one weights thread.
     """

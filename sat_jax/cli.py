@@ -4,7 +4,7 @@
 
     command = cli.Command("sat-export", __doc__)
     command.parser.add_argument("--out", required=True, help="output directory (new or empty)")
-    args = command.parse(argv)
+    args = command.parse(sys.argv[1:] if argv is None else argv)  # the entry point reads argv
     with command.exit_on(ConfigError, ExportError, OSError):  # "sat-export: <message>", exit 2
         cfg = load_config(args.config, args.overrides)
         ...
@@ -13,7 +13,8 @@ Each command adds only its own arguments to `command.parser`. Options and overri
 any order (`sat-export k=v --out DIR k=v`). `Command.load_config` is the config step of the
 long-running commands (`sat-serve`, `sat-train`): a `ConfigError` prints
 `<prog>: config error: <the message naming the key>`. Every message is collapsed to one line.
-Only the commands' entry points use this module; the library never reads flags.
+Only the commands' entry points use this module, and they hand it their arguments: nothing here
+reads `sys.argv` or the environment.
 """
 
 from __future__ import annotations
@@ -55,10 +56,11 @@ class Command:
         self.parser.add_argument("--config", help="YAML file of overrides (configs/NAME.yaml)")
         self.parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
 
-    def parse(self, argv: Sequence[str] | None = None) -> argparse.Namespace:
-        """The parsed arguments (`sys.argv[1:]` when `argv` is None); options and overrides may
-        be intermixed. A malformed command line exits with argparse's usage line and code 2."""
-        return self.parser.parse_intermixed_args(argv)
+    def parse(self, argv: Sequence[str]) -> argparse.Namespace:
+        """The parsed arguments of `argv` (the entry point's `sys.argv[1:]`); options and
+        overrides may be intermixed. A malformed command line exits with argparse's usage line
+        and code 2."""
+        return self.parser.parse_intermixed_args(list(argv))
 
     def fail(self, message: object) -> NoReturn:
         """Prints `<prog>: <message>` on one line to stderr and exits with code 2."""

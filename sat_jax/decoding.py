@@ -42,9 +42,9 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
+from sat_jax import sharding
 from sat_jax.config import RolloutConfig
 from sat_jax.model import KVCache, ModelConfig
-from sat_jax.parallel import sharding
 
 # Column layout of one generate step's output.
 TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, SEGMENT_COL, ROUTING_COL = range(
@@ -176,7 +176,7 @@ class DecodeCore:
       sampleable_v: [V] bool, the ids sampling may produce.
       seed: sampling PRNG seed.
       mesh: shard the KV cache over this mesh (KV heads over ``tensor`` by the rules of
-        ``sat_jax.parallel.sharding``); the params come in their own shardings (``param_shardings`` on the
+        ``sat_jax.sharding``); the params come in their own shardings (``param_shardings`` on the
         same mesh) and the computation follows them. None: whatever the params' devices are.
     """
 
@@ -600,7 +600,7 @@ def complete_episodes(
     """Runs one multi-turn episode per prompt, ``core.slots`` at a time, as the rollout server
     does (docs/DESIGN.md §6.1) but on one thread: a turn ends at a stop id or after
     ``turn_tokens`` tokens (or when the episode's ``core.max_decode_length`` is reached), then
-    ``after_turn(index, turn_ids, finish, room)`` (finish "eos" or "length"; room = completion
+    ``after_turn(index, turn_ids, finish, room)`` (finish "stop" or "length"; room = completion
     tokens left) returns the ids to insert, or None to end the episode; inserted ids extend the
     slot's KV cache (``DecodeCore.extend``) and decoding goes on in the same slot.
 
@@ -642,7 +642,7 @@ def complete_episodes(
             r["gen"].append(True)
             n = len(r["ids"])
             if token in stops:
-                finish = "eos"
+                finish = "stop"
             elif n - r["start"] >= turn_tokens or n >= budget:
                 finish = "length"
             else:
@@ -673,7 +673,7 @@ def complete_episodes(
             results[r["index"]] = Completion(
                 ids=tuple(r["ids"]),
                 logp=tuple(r["logp"]),
-                finish="stop" if finish == "eos" else "length",
+                finish=finish,
                 kept=tuple(r["kept"]),
                 generated=tuple(r["gen"]),
             )

@@ -39,17 +39,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sat_jax import objectives
+from sat_jax import objectives, sharding
 from sat_jax.model import (
     ModelConfig,
     ModelOutput,
+    placement,
     router_shift_counts,
     router_shift_from_counts,
     router_shift_ratio,
 )
+from sat_jax.model.lora import join_lora, split_lora
 from sat_jax.model.moe import balance_from_stats
 from sat_jax.objectives.loss_terms import loss_count
-from sat_jax.parallel import sharding
 
 Metrics = dict[str, jax.Array]
 
@@ -64,7 +65,7 @@ class TrainState:
       opt_state: the optax state for ``params``.
       step: int32 scalar, the number of updates applied (skipped steps do not count).
       frozen: with LoRA, the base params (every non-adapter leaf, in their param dtype and
-        shardings), which the step reads and returns unchanged; ``sharding.join_lora(frozen,
+        shardings), which the step reads and returns unchanged; ``join_lora(frozen,
         params)`` is the whole model. None without LoRA.
     """
 
@@ -80,7 +81,7 @@ class TrainState:
 
 
 def _whole(frozen: Any, params: Any) -> Any:
-    return params if frozen is None else sharding.join_lora(frozen, params)
+    return params if frozen is None else join_lora(frozen, params)
 
 
 @flax.struct.dataclass
@@ -533,7 +534,7 @@ def train_state_shardings(
     """A ``TrainState`` of ``NamedSharding``: params (and with LoRA the frozen base) by the rules,
     optimizer moments like their params, scalars (step, counts) replicated. Also the target for
     an orbax restore."""
-    _, abstract = sharding.abstract_model(model_cfg)
+    _, abstract = placement.abstract_model(model_cfg)
     frozen_sh, param_sh = _trained(model_cfg, sharding.param_shardings(abstract, mesh))
     replicated = NamedSharding(mesh, PartitionSpec())
     _, trained = _trained(model_cfg, nnx.to_pure_dict(abstract))
@@ -551,10 +552,10 @@ def train_state_shardings(
 
 def _trained(model_cfg: ModelConfig, tree: Any) -> tuple[Any, Any]:
     """``(frozen, trained)`` parts of a params-layout tree: ``(None, tree)`` without LoRA, else
-    ``sharding.split_lora``'s (base, adapters)."""
+    ``split_lora``'s (base, adapters)."""
     if not model_cfg.lora.rank:
         return None, tree
-    return sharding.split_lora(tree)
+    return split_lora(tree)
 
 
 def abstract_train_state(
@@ -562,7 +563,7 @@ def abstract_train_state(
 ) -> TrainState:
     """The ``TrainState`` of ``create_train_state`` as ``ShapeDtypeStruct``s carrying their
     shardings (nothing allocated): the target of a restore or an ahead-of-time compile."""
-    _, abstract = sharding.abstract_model(model_cfg)
+    _, abstract = placement.abstract_model(model_cfg)
     frozen, params = _trained(model_cfg, nnx.to_pure_dict(abstract))
     shapes = TrainState(
         params=params,
@@ -580,7 +581,7 @@ def create_train_state(
     """A step-0 ``TrainState`` from given params (e.g. an HF import), placed in their shardings.
 
     ``params`` is the whole model's tree (``nnx.to_pure_dict`` layout). With LoRA it must hold
-    the adapters too (``sharding.init_sharded`` and ``hf.load_params`` make them): the adapters
+    the adapters too (``placement.init_sharded`` and ``hf.load_params`` make them): the adapters
     become ``params`` (the optimizer state covers only them) and the rest ``frozen``, kept in
     its param dtype. ``params`` may be host arrays or arrays on other devices; on several
     processes every process must pass the same values.
@@ -593,7 +594,7 @@ def create_train_state(
     if frozen is not None and not params:
         raise ValueError(
             "model.lora.rank > 0 but the params have no LoRA adapters; make them with "
-            "sharding.init_sharded or hf.load_params under the LoRA config (or sharding.init_lora)"
+            "placement.init_sharded or hf.load_params under the LoRA config (or init_lora)"
         )
     params = jax.device_put(params, shardings.params)
     frozen = None if frozen is None else jax.device_put(frozen, shardings.frozen)
@@ -608,9 +609,9 @@ def init_train_state(
     mesh: Mesh,
     rng: int | jax.Array = 0,
 ) -> TrainState:
-    """Initializes params (``sharding.init_sharded``, adapters included under LoRA) and the
+    """Initializes params (``placement.init_sharded``, adapters included under LoRA) and the
     optimizer state in their shardings."""
-    _, params = sharding.init_sharded(model_cfg, mesh, rng)
+    _, params = placement.init_sharded(model_cfg, mesh, rng)
     return create_train_state(model_cfg, optimizer, mesh, params)
 
 
@@ -675,7 +676,7 @@ def make_train_step(
     Returns:
       ``step(state, batch, ref_params=None) -> (state, metrics)`` (a ``Step``).
     """
-    graphdef, _ = sharding.abstract_model(model_cfg)
+    graphdef, _ = placement.abstract_model(model_cfg)
     state_sh = train_state_shardings(model_cfg, optimizer, mesh)
     data_sh = NamedSharding(mesh, PartitionSpec(sharding.batch_axes(mesh)))
     step_fn = functools.partial(

@@ -124,9 +124,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_lora_checkpoint_holds_the_adapters_resumes_and_refuses_another_base",
         "test_base_fingerprint_is_exact_and_independent_of_the_sharding",
     ),
-    "tests/train/test_evaluation.py": (
-        "test_greedy_completions_are_the_argmax_of_the_full_forward",
-    ),
+    "tests/train/test_held_out.py": ("test_greedy_completions_are_the_argmax_of_the_full_forward",),
     "tests/train/test_multi_turn.py": (
         "test_observation_values_change_neither_loss_metrics_nor_gradients",
     ),

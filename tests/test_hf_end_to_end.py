@@ -250,7 +250,7 @@ def test_train_runs_from_the_checkpoint_with_bfloat16_serving(setup, tmp_path):
     got = np.asarray(ours(np.asarray([ids], np.int32)))
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     proc = command(
-        "train.eval_cli", "--k", "2", "--problems", "4", "train.optimizer.weight_decay=0.1"
+        "train.eval_checkpoint", "--k", "2", "--problems", "4", "train.optimizer.weight_decay=0.1"
     )
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
@@ -278,7 +278,7 @@ def test_truncated_sampling_matches_transformers_and_the_trainer_replays_it(setu
     import jax
 
     from rollout_api.records import decode_pulled
-    from sat_jax.parallel import sharding
+    from sat_jax import sharding
     from sat_jax.train_step import create_train_state, shard_batch
     from train import batching
     from train import main as train_main
@@ -412,7 +412,7 @@ def test_lora_trains_serves_and_exports_merged_and_as_a_peft_adapter(setup, tmp_
         base = transformers.AutoModelForCausalLM.from_pretrained(d.path).eval()
         adapted = peft.PeftModel.from_pretrained(base, adapter_dir).eval()
         np.testing.assert_allclose(logits(adapted), want, atol=1e-4, rtol=1e-4)
-    proc = command("train.eval_cli", "--k", "2", "--problems", "4")
+    proc = command("train.eval_checkpoint", "--k", "2", "--problems", "4")
     assert proc.returncode == 0, proc.stderr
     assert "avg@2" in proc.stdout and "pass@2" in proc.stdout, proc.stdout
 

@@ -2,8 +2,9 @@
 
 Counts every import statement wherever it sits (module level, inside functions, under
 ``TYPE_CHECKING``) and the package ``__init__`` modules an import runs on the way to its target
-(except the importer's own ancestors, which Python is already running). Checks that the graph
-has no cycle and that the floors point one way.
+(except the importer's own ancestors, which Python is already running), so an import moved into a
+function to dodge a cycle still closes it here. Checks that the graph has no cycle, neither between
+modules nor between the floors inside ``sat_jax/``, and that the floors point one way.
 """
 
 import ast
@@ -23,12 +24,39 @@ ALLOWED = {
 }
 
 
-def _modules() -> dict[str, pathlib.Path]:
+# The floors inside sat_jax/, lowest first: each unit (a top-level module or subpackage) may import
+# only units of its own floor or below (docs/DESIGN.md §1). A unit not listed is an error.
+SAT_JAX_FLOORS = (
+    {"sat_jax", "sat_jax.sharding"},
+    {"sat_jax.model"},
+    {
+        "sat_jax.objectives",
+        "sat_jax.tasks",
+        "sat_jax.optimizer",
+        "sat_jax.params_io",
+        "sat_jax.config",
+    },
+    {"sat_jax.experiment", "sat_jax.decoding", "sat_jax.cli"},
+    {"sat_jax.train_step"},
+    {"sat_jax.plan"},
+)
+
+
+class Source:
+    """One module's source text and whether it is a package's ``__init__``."""
+
+    def __init__(self, text: str, is_package: bool = False):
+        self.text, self.is_package = text, is_package
+
+
+def _modules() -> dict[str, Source]:
     mods = {}
     for pkg in PACKAGES:
         for path in (ROOT / pkg).rglob("*.py"):
             name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-            mods[name.removesuffix(".__init__")] = path
+            mods[name.removesuffix(".__init__")] = Source(
+                path.read_text(), path.name == "__init__.py"
+            )
     return mods
 
 
@@ -37,9 +65,10 @@ def _ancestors(name: str) -> list[str]:
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """module -> the project modules its source imports (see the module docstring)."""
-    mods = _modules()
+def import_graph(mods: dict[str, Source] | None = None) -> dict[str, set[str]]:
+    """module -> the modules of ``mods`` (default: the project's) its source imports (see the
+    module docstring)."""
+    mods = _modules() if mods is None else mods
 
     def resolve(name: str) -> str | None:
         while name and name not in mods:
@@ -47,10 +76,10 @@ def import_graph() -> dict[str, set[str]]:
         return name or None
 
     graph: dict[str, set[str]] = collections.defaultdict(set)
-    for mod, path in mods.items():
-        is_pkg = path.name == "__init__.py"
+    for mod, source in mods.items():
+        is_pkg = source.is_package
         targets = []
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        for node in ast.walk(ast.parse(source.text, mod)):
             if isinstance(node, ast.Import):
                 targets += [resolve(a.name) for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -101,12 +130,74 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
+def unit_graph(graph: dict[str, set[str]], package: str = "sat_jax") -> dict[str, set[str]]:
+    """The graph of ``package``'s units (its top-level modules and subpackages, ``package.x``),
+    an edge wherever a module of one imports a module of another."""
+
+    def unit(mod: str) -> str:
+        return ".".join(mod.split(".")[:2])
+
+    units: dict[str, set[str]] = collections.defaultdict(set)
+    for mod, deps in graph.items():
+        if mod.split(".")[0] != package:
+            continue
+        for dep in deps:
+            if dep.split(".")[0] == package and unit(dep) != unit(mod):
+                units[unit(mod)].add(unit(dep))
+    return units
+
+
+def _floor(unit: str) -> int:
+    return next(i for i, floor in enumerate(SAT_JAX_FLOORS) if unit in floor)
+
+
 def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
+def test_no_cycle_between_the_floors_of_sat_jax():
+    assert cycles(unit_graph(import_graph())) == []
+
+
 def test_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# A package whose model dodges a cycle with an import inside a function, as sat_jax.model.hf once
+# imported the parameter shardings (which import the model) inside its loaders.
+DODGED = {
+    "pkg": Source("", is_package=True),
+    "pkg.rules": Source("import math\n"),
+    "pkg.model": Source("from pkg import rules\n\n\ndef load():\n    from pkg import shardings\n"),
+    "pkg.shardings": Source("from pkg.model import load\n"),
+}
+
+
+def test_an_import_inside_a_function_that_closes_a_cycle_is_flagged():
+    graph = import_graph(DODGED)
+    assert graph["pkg.model"] == {"pkg.rules", "pkg.shardings"}
+    assert cycles(graph) == [["pkg.model", "pkg.shardings"]]
+    assert cycles(unit_graph(graph, "pkg")) == [["pkg.model", "pkg.shardings"]]
+
+
+def test_an_import_inside_a_function_is_fine_without_a_cycle():
+    fine = {**DODGED, "pkg.shardings": Source("from pkg import rules\n")}
+    assert cycles(import_graph(fine)) == []
+
+
+def test_every_unit_of_sat_jax_has_a_floor():
+    units = {".".join(m.split(".")[:2]) for m in _modules() if m.startswith("sat_jax")}
+    assert units <= set().union(*SAT_JAX_FLOORS)
+
+
+def test_the_floors_of_sat_jax_point_down():
+    wrong = sorted(
+        (unit, dep)
+        for unit, deps in unit_graph(import_graph()).items()
+        for dep in deps
+        if _floor(dep) > _floor(unit)
+    )
+    assert wrong == [], "a unit of sat_jax imports one on a floor above it"
 
 
 @pytest.mark.parametrize("package", PACKAGES)
@@ -121,7 +212,44 @@ def test_floors_point_one_way(package):
     assert wrong == [], f"{package} imports a package above or beside it"
 
 
-def test_rules_do_not_import_the_model():
-    graph = import_graph()
-    for mod in ("sat_jax.parallel.rules", "sat_jax.parallel"):
-        assert not {d for d in graph.get(mod, ()) if d.startswith("sat_jax.model")}, mod
+def test_sharding_rules_import_nothing_of_sat_jax():
+    assert not {d for d in import_graph().get("sat_jax.sharding", ()) if d != "sat_jax"}
+
+
+# The command modules of sat_jax/, whose entry functions alone may read the command line and the
+# process environment (docs/DESIGN.md §1): the library takes both as arguments.
+ENTRY_POINTS = {"sat_jax.plan.__main__"}
+_PROCESS_STATE = {("sys", "argv"), ("os", "environ"), ("os", "getenv"), ("os", "putenv")}
+
+
+def reads_process_state(source: Source) -> list[str]:
+    """The ``sys.argv`` / ``os.environ`` / ``os.getenv`` uses in ``source``, sorted."""
+    return sorted(
+        f"{node.value.id}.{node.attr}"
+        for node in ast.walk(ast.parse(source.text))
+        if isinstance(node, ast.Attribute)
+        and isinstance(node.value, ast.Name)
+        and (node.value.id, node.attr) in _PROCESS_STATE
+    )
+
+
+def test_only_entry_points_of_sat_jax_read_argv_and_the_environment():
+    wrong = {
+        mod: reads_process_state(source)
+        for mod, source in _modules().items()
+        if mod.startswith("sat_jax") and mod not in ENTRY_POINTS
+    }
+    assert {mod: uses for mod, uses in wrong.items() if uses} == {}
+
+
+def test_a_library_read_of_the_environment_is_found():
+    source = Source("import os\n\n\ndef f():\n    return os.environ.get('X'), os.getenv('Y')\n")
+    assert reads_process_state(source) == ["os.environ", "os.getenv"]
+
+
+def test_every_folder_of_a_package_is_a_regular_package():
+    """setuptools' ``find_packages`` (pyproject) skips a folder without ``__init__.py``."""
+    folders = {p.parent for pkg in PACKAGES for p in (ROOT / pkg).rglob("*.py")}
+    assert (
+        sorted(str(f.relative_to(ROOT)) for f in folders if not (f / "__init__.py").exists()) == []
+    )

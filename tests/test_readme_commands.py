@@ -49,7 +49,13 @@ REPO_DIRS = ("configs", "benchmarks", "notebooks", "tests", "docs", "sat_jax", "
              "rollout_server", "rollout_api")  # fmt: skip
 # Commands that read the experiment config (--config and dotted overrides).
 CONFIG_SCRIPTS = {"sat-serve", "sat-train", "sat-export", "sat-eval"}
-CONFIG_MODULES = {"train", "rollout_server", "train.export", "train.eval_cli", "sat_jax.plan"}
+CONFIG_MODULES = {
+    "train",
+    "rollout_server",
+    "train.export",
+    "train.eval_checkpoint",
+    "sat_jax.plan",
+}
 OVERRIDE = re.compile(r"^[a-z_]\w*(\.\w+)+=")
 
 

@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 from sat_jax import params_io, train_step
 from sat_jax.config import CheckpointConfig
 from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model.lora import split_lora
 from sat_jax.train_step import TrainState
 
 log = logging.getLogger("train")
@@ -192,7 +192,7 @@ def restore_train_state(
     if base is None:
         raise ValueError("restoring a LoRA checkpoint needs the base params (base=...)")
     shardings = train_step.train_state_shardings(model_cfg, optimizer, mesh)
-    frozen = jax.device_put(sharding.split_lora(base)[0], shardings.frozen)
+    frozen = jax.device_put(split_lora(base)[0], shardings.frozen)
     check_base(progress.base_fingerprint, frozen, where=f"checkpoint {step}")
     return state.replace(frozen=frozen), progress
 

@@ -11,7 +11,7 @@ With LoRA (``model.lora.rank`` > 0) the checkpoint holds only the adapters: the 
 as the run made it (``train.setup.base_policy``; a base other than the run's is refused) and the
 export is merged, every adapted weight W + (alpha / rank) · A B and every other tensor the base's
 bit for bit. ``--adapter`` writes instead a PEFT adapter directory (adapter_config.json +
-adapter_model.safetensors, ``sat_jax.model.peft_export``) for
+adapter_model.safetensors, ``sat_jax.model.lora``) for
 ``peft.PeftModel.from_pretrained(<the base in transformers>, DIR)``.
 
 Bad input (a config error, no checkpoint, a step that is not there, an output directory that is
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import os
 import pathlib
+import sys
 
 from sat_jax import cli as sat_cli
+from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config, make_tokenizer
-from sat_jax.model import hf_export, peft_export
-from sat_jax.parallel import sharding
+from sat_jax.model import hf_export, lora
 from train import checkpointing, setup
 
 
@@ -85,8 +86,8 @@ def export_run(
         raise ExportError(str(e)) from None
     if adapter:
         try:
-            peft_export.export_peft_adapter(params, cfg.model, out, base_model=cfg.model.hf_path)
-        except peft_export.AdapterExportError as e:
+            lora.export_peft_adapter(params, cfg.model, out, base_model=cfg.model.hf_path)
+        except lora.AdapterExportError as e:
             raise ExportError(f"--adapter: {e}") from None
         return step, out
     eos, bos = stop_ids(cfg)
@@ -111,7 +112,7 @@ def cli(argv: list[str] | None = None) -> None:
         action="store_true",
         help="LoRA runs: write a PEFT adapter directory instead of the merged checkpoint",
     )
-    args = command.parse(argv)
+    args = command.parse(sys.argv[1:] if argv is None else argv)
     with command.exit_on(ConfigError, ExportError, OSError):
         cfg = load_config(args.config, args.overrides)
         step, out = export_run(cfg, args.out, step=args.step, adapter=args.adapter)

@@ -57,6 +57,7 @@ import dataclasses
 import functools
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -69,8 +70,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from sat_jax import cli as sat_cli
+from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig
-from sat_jax.parallel import sharding
 from sat_jax.train_step import (
     TrainBatch,
     TrainState,
@@ -78,7 +79,7 @@ from sat_jax.train_step import (
     make_train_step,
     shard_batch,
 )
-from train import batching, checkpointing, curves, evaluation, metrics, pulling, setup, weight_sync
+from train import batching, checkpointing, curves, held_out, metrics, pulling, setup, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool
 
@@ -324,7 +325,7 @@ def evaluate_and_log(
 ) -> float | None:
     """Held-out greedy accuracy, printed and logged at the current step (by the process with the
     ``writer``; every process evaluates)."""
-    accuracy = evaluation.held_out_accuracy(cfg, graphdef, state.model_params)
+    accuracy = held_out.held_out_accuracy(cfg, graphdef, state.model_params)
     if writer is not None:
         print(f"held-out greedy accuracy {when}: {_fmt(accuracy)}", flush=True)
         writer.write(int(state.step), {"accuracy": accuracy}, console=False)
@@ -396,7 +397,7 @@ def train_loop(
             parts.ckpt.save(step, state, progress)
         accuracy = None
         if t.eval.every and step % t.eval.every == 0 and not skipped:
-            accuracy = evaluation.held_out_accuracy(cfg, parts.graphdef, state.model_params)
+            accuracy = held_out.held_out_accuracy(cfg, parts.graphdef, state.model_params)
         if parts.writer is not None:
             timing = {
                 "tokens_per_s": stats.tokens / max(time.monotonic() - start, 1e-9),
@@ -469,7 +470,7 @@ def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -
 def cli(argv: list[str] | None = None) -> None:
     """``sat-train --config FILE [key=value ...]``; a bad config exits with code 2 and one line."""
     command = sat_cli.Command("sat-train", __doc__)
-    args = command.parse(argv)
+    args = command.parse(sys.argv[1:] if argv is None else argv)
     cfg = command.load_config(args)
     with command.exit_on(ConfigError, prefix="config error: "):
         setup.check_run(cfg)

@@ -19,10 +19,11 @@ import jax
 import numpy as np
 from flax import nnx
 
+from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, make_tokenizer
-from sat_jax.model import hf
+from sat_jax.model import hf, placement
 from sat_jax.model.config import LoRAConfig
-from sat_jax.parallel import sharding
+from sat_jax.model.lora import init_lora, join_lora, split_lora
 from sat_jax.tasks import sampleable_mask as tokenizer_mask
 from train import batching, warmup
 from train.local_server import LocalServer
@@ -100,30 +101,28 @@ def base_policy(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.Gra
     """The starting policy: ``model.hf_path``'s weights when set (no warm-up); else random init
     (``train.seed``), then the supervised warm-up its part configures (``train.warmup.run``:
     cached under ``train.warmup.cache_dir``). Under LoRA (``model.lora.rank`` > 0) that is the base,
-    and the adapters are fresh (``sharding.init_lora``, seeded by ``train.seed``; B = 0)."""
+    and the adapters are fresh (``init_lora``, seeded by ``train.seed``; B = 0)."""
     if cfg.model.hf_path:
         return _load_hf(cfg, mesh)
     # Under LoRA the warm-up trains the base alone (the cache is a full run's), then fresh
     # adapters (B = 0) join it: step 0 is exactly the warmed-up base.
     base_cfg = cfg.model.replace(lora=LoRAConfig())
-    _, params = sharding.init_sharded(base_cfg, mesh, cfg.train.seed)
+    _, params = placement.init_sharded(base_cfg, mesh, cfg.train.seed)
     seq_len = cfg.server.max_prefill_length + cfg.rollout.max_new_tokens
     params = warmup.run(
         cfg.train.warmup, base_cfg, cfg.task, params, init_seed=cfg.train.seed, seq_len=seq_len
     )
-    graphdef, abstract = sharding.abstract_model(cfg.model)
+    graphdef, abstract = placement.abstract_model(cfg.model)
     if cfg.model.lora.rank:
-        shardings = sharding.split_lora(sharding.param_shardings(abstract, mesh))[1]
-        params = sharding.join_lora(
-            params, sharding.init_lora(cfg.model, shardings, cfg.train.seed)
-        )
+        shardings = split_lora(sharding.param_shardings(abstract, mesh))[1]
+        params = join_lora(params, init_lora(cfg.model, shardings, cfg.train.seed))
     return graphdef, params
 
 
 def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, Any]:
     """``model.hf_path``'s weights in ``model.param_dtype``, each read straight into its sharding."""
     start = time.monotonic()
-    _, abstract = sharding.abstract_model(cfg.model)
+    _, abstract = placement.abstract_model(cfg.model)
     shardings = sharding.param_shardings(abstract, mesh)
     graphdef, params = hf.load_params(cfg.model.hf_path, cfg.model, shardings)
     log.info("loaded %s (%.1fs)", cfg.model.hf_path, time.monotonic() - start)

@@ -9,7 +9,7 @@ on>/``, so only the first run pays for it.
 ``sat_jax.experiment.WarmupConfig``): it runs the configured warm-up or loads it from the cache.
 
 The warm-up's problems come from their own seed stream, ``task.seed + SFT_SEED_OFFSET``, disjoint
-from the server's prompts (``task.seed``) and the held-out evaluation's (``train.evaluation``).
+from the server's prompts (``task.seed``) and the held-out evaluation's (``train.held_out``).
 
 Dimension letters: B batch, T sequence.
 """
@@ -33,8 +33,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from sat_jax.config import WarmupConfig
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.tasks import CharTokenizer, Prompt, arithmetic_task
 from sat_jax.tasks.config import TaskConfig
 
@@ -172,7 +171,7 @@ def cached_warmup(
         if os.path.isdir(path):
             return checkpointer.restore(path, abstract), True
         tokenizer = CharTokenizer(task.alphabet)
-        graphdef, _ = sharding.abstract_model(model_cfg)
+        graphdef, _ = placement.abstract_model(model_cfg)
         params = supervised_warmup(
             graphdef,
             params,

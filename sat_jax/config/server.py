@@ -10,7 +10,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from sat_jax.parallel.sharding import MeshConfig
+from sat_jax.sharding import MeshConfig
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 # Frozen, so one shared default instance is safe.

@@ -15,7 +15,7 @@ import os
 
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.optimizer import OptimizerConfig
-from sat_jax.parallel.sharding import MeshConfig
+from sat_jax.sharding import MeshConfig
 
 _SAT_LOSS = PolicyLossConfig(sat=SATConfig(enabled=True))
 # Frozen, so one shared default instance is safe.

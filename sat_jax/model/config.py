@@ -262,10 +262,6 @@ class ModelConfig:
         return jnp.dtype(jnp.uint8 if self.num_experts <= 256 else jnp.uint16)
 
     @property
-    def compute_dtype(self) -> jnp.dtype:
-        return jnp.dtype(self.dtype)
-
-    @property
     def params_dtype(self) -> jnp.dtype:
         return jnp.dtype(self.param_dtype)
 

@@ -20,33 +20,20 @@ made fresh (``load_params``), so the loaded model computes the checkpoint's func
 from __future__ import annotations
 
 import json
-import math
 import pathlib
-import struct
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from sat_jax import sharding
+from sat_jax.model import lora, placement, safetensors
 from sat_jax.model.config import ModelConfig
 from sat_jax.model.layers import is_lora_path
 from sat_jax.model.transformer import Transformer
 
-DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
 # Config fields that must hold these values (anything else is a feature we do not implement).
 _REQUIRED = {
     "hidden_act": "silu",
@@ -54,27 +41,6 @@ _REQUIRED = {
     "use_sliding_window": False,
     "rope_scaling": None,
 }
-
-
-def _read_safetensors(path: pathlib.Path) -> dict[str, np.ndarray]:
-    """{name: read-only memory-mapped array} of one .safetensors file."""
-    with open(path, "rb") as f:
-        (header_len,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(header_len))
-    header.pop("__metadata__", None)
-    start = 8 + header_len
-    raw = np.memmap(path, dtype=np.uint8, mode="r")
-    out = {}
-    for name, info in header.items():
-        if info["dtype"] not in DTYPES:
-            raise ValueError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        begin, end = info["data_offsets"]
-        dtype = np.dtype(DTYPES[info["dtype"]])
-        shape = tuple(info["shape"])
-        if end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"{path.name}: tensor {name!r} has {end - begin} bytes for {shape}")
-        out[name] = raw[start + begin : start + end].view(dtype).reshape(shape)
-    return out
 
 
 def read_checkpoint(path: str | pathlib.Path) -> dict[str, np.ndarray]:
@@ -89,7 +55,7 @@ def read_checkpoint(path: str | pathlib.Path) -> dict[str, np.ndarray]:
         raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {path}")
     tensors: dict[str, np.ndarray] = {}
     for name in files:
-        tensors.update(_read_safetensors(path / name))
+        tensors.update(safetensors.read_safetensors(path / name))
     return tensors
 
 
@@ -299,21 +265,19 @@ def load_params(
     its own slice out of the memory-mapped safetensors (stacked experts read only the experts in
     that slice), cast to ``cfg.param_dtype``. No host copy of the whole model is made; the peak
     host memory is one device's slice of one parameter. With LoRA (``cfg.lora.rank`` > 0) the
-    checkpoint gives the base and the adapters are fresh (``sharding.init_lora``: A random from
+    checkpoint gives the base and the adapters are fresh (``lora.init_lora``: A random from
     ``lora_rng``, B zero), so the model computes exactly the checkpoint's function.
 
     Args:
       path: a checkpoint directory (safetensors, single or sharded with an index).
       cfg: the model config (e.g. ``config_from_hf`` of its config.json).
       shardings: a nested dict of ``jax.sharding.Sharding`` per parameter (e.g.
-        ``sat_jax.parallel.sharding.param_shardings(abstract, mesh)``); default the default device.
+        ``sat_jax.sharding.param_shardings(abstract, mesh)``); default the default device.
       lora_rng: the seed of the LoRA adapters' A.
 
     Returns:
       ``(graphdef, params)``; ``nnx.merge(graphdef, params)`` is the ``Transformer``.
     """
-    from sat_jax.parallel import sharding  # sat_jax.parallel.sharding imports sat_jax.model
-
     graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
     single = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     flat = []
@@ -334,8 +298,8 @@ def load_params(
             node = node.setdefault(key, {})
         node[var_path[-1]] = array
     if cfg.lora.rank:
-        adapter_sh = sharding.split_lora(shardings)[1] if shardings is not None else single
-        params = sharding.join_lora(params, sharding.init_lora(cfg, adapter_sh, lora_rng))
+        adapter_sh = lora.split_lora(shardings)[1] if shardings is not None else single
+        params = lora.join_lora(params, lora.init_lora(cfg, adapter_sh, lora_rng))
     return graphdef, params
 
 
@@ -351,19 +315,17 @@ def load_qwen3_moe(
 
     Args:
       path: a directory with ``config.json`` and safetensors weights.
-      mesh: place each parameter on its sharding under ``sat_jax.parallel.sharding``'s logical-axis rules
+      mesh: place each parameter on its sharding under ``sat_jax.sharding``'s logical-axis rules
         over this mesh; default the default device.
       **config_overrides: ``ModelConfig`` fields to change (e.g. ``dispatch``, ``dtype``).
 
     Returns:
       The ``Transformer``; its ``config`` is the mapped ``ModelConfig``.
     """
-    from sat_jax.parallel import sharding  # sat_jax.parallel.sharding imports sat_jax.model
-
     cfg = config_from_dir(path, **config_overrides)
     shardings = None
     if mesh is not None:
-        shardings = sharding.param_shardings(sharding.abstract_model(cfg)[1], mesh)
+        shardings = sharding.param_shardings(placement.abstract_model(cfg)[1], mesh)
     graphdef, params = load_params(path, cfg, shardings)
     return nnx.merge(graphdef, params)
 

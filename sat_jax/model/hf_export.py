@@ -10,10 +10,10 @@ hub layout (one tensor per expert; a single ``model.safetensors``, or shards wit
 table in ``sat_jax.model.hf`` (``hf_names``), used in both directions.
 
 With LoRA (``cfg.lora.rank`` > 0) the export is merged: every adapted weight is written as
-W + (alpha / rank) · A B, computed in float32 and cast to W's dtype (``merged_weight``), and every
+W + (alpha / rank) · A B, computed in float32 and cast to W's dtype (``lora.merged_weight``), and every
 other tensor (norms, embeddings, router when not a target, lm_head) is the base's, bit for bit; the
 adapters themselves are not written, so the directory is a plain Qwen3-MoE checkpoint. (A PEFT
-adapter directory instead: ``sat_jax.model.peft_export``.)
+adapter directory instead: ``sat_jax.model.lora``.)
 
 The files are written one parameter at a time: the host holds one parameter (one stacked expert
 weight at most), never the whole model. Single process only (``jax.device_get`` of each leaf).
@@ -25,7 +25,6 @@ import json
 import math
 import pathlib
 import shutil
-import struct
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sat_jax.model import hf
+from sat_jax.model import hf, lora, safetensors
 from sat_jax.model.config import LoRAConfig, ModelConfig
 from sat_jax.model.layers import LORA_A, LORA_B
 from sat_jax.model.transformer import Transformer
@@ -52,7 +51,6 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "chat_template.json",
 )
-_SAFETENSORS_DTYPES = {np.dtype(v): k for k, v in hf.DTYPES.items()}
 
 
 def config_to_hf(
@@ -95,30 +93,6 @@ def config_to_hf(
     }
 
 
-@jax.jit
-def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
-    """W + scale · A B in float32 (full-precision product), cast to W's dtype.
-
-    The product contracts A's last (rank) axis with B's first non-batch axis, batched over the
-    leading axes they share (the expert axis of stacked experts), as
-    ``sat_jax.model.layers.lora_weight`` does.
-
-    Args:
-      w: the base weight [*batch, *in, *out].
-      a: its adapter A [*batch, *in, r]; b: its adapter B [*batch, r, *out].
-      scale: alpha / r.
-    """
-    nb = a.ndim + b.ndim - 2 - w.ndim
-    batch = tuple(range(nb))
-    delta = jax.lax.dot_general(
-        a.astype(jnp.float32),
-        b.astype(jnp.float32),
-        (((a.ndim - 1,), (nb,)), (batch, batch)),
-        precision=jax.lax.Precision.HIGHEST,
-    )
-    return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
-
-
 class _Merged:
     """A LoRA target of the export: shape and dtype of the base weight, merged on ``value()``
     (so only the tensor being written is ever merged)."""
@@ -128,7 +102,7 @@ class _Merged:
         self.shape, self.dtype = w.shape, w.dtype
 
     def value(self) -> jax.Array:
-        return merged_weight(self.w, self.a, self.b, jnp.float32(self.scale))
+        return lora.merged_weight(self.w, self.a, self.b, jnp.float32(self.scale))
 
 
 def _leaves(params: dict, cfg: ModelConfig) -> Iterator[tuple[tuple[Any, ...], Any, Any]]:
@@ -175,23 +149,6 @@ def _shard_plan(
     return groups
 
 
-def safetensors_header(entries: Sequence[tuple[str, tuple[int, ...], np.dtype]]) -> bytes:
-    """A safetensors header (8-byte length, JSON padded with spaces to a multiple of 8)."""
-    doc: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, dtype in entries:
-        nbytes = math.prod(shape) * dtype.itemsize
-        doc[name] = {
-            "dtype": _SAFETENSORS_DTYPES[dtype],
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    text = json.dumps(doc, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
 def _entries(params: dict, cfg: ModelConfig) -> list[tuple[str, tuple[int, ...], np.dtype]]:
     """(name, shape, dtype) of every HF tensor, from shapes alone."""
     out = []
@@ -219,7 +176,7 @@ def write_weights(
     weight_map = {}
     for name, group in zip(files, groups, strict=True):
         with open(out / name, "wb") as f:
-            f.write(safetensors_header([entries[i] for i in group]))
+            f.write(safetensors.safetensors_header([entries[i] for i in group]))
             for i in group:
                 tensor_name, array = next(tensors)
                 if (tensor_name, array.shape) != entries[i][:2]:

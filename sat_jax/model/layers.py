@@ -6,7 +6,7 @@ Dimension letters used in tensor names:
   F feed-forward hidden width.
 
 Parameters carry LOGICAL axis names in their `out_sharding` metadata ("vocab", "embed", "q_heads",
-"kv_heads", "head_dim", "exp", "mlp", "norm", "lora_rank"); `sat_jax.parallel.sharding` maps them onto
+"kv_heads", "head_dim", "exp", "mlp", "norm", "lora_rank"); `sat_jax.sharding` maps them onto
 mesh axes. Eager sharding is off so a model builds without a mesh (and under `nnx.eval_shape`).
 
 LoRA: `add_lora` gives a weight ``w`` two sibling `nnx.LoRAParam`s, ``w_lora_a`` and ``w_lora_b``

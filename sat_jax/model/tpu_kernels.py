@@ -16,7 +16,7 @@ Qwen3-30B-A3B MoE layer, benchmarks/RESULTS.md "TPU kernels"). Here:
 Sharding: XLA's SPMD partitioner cannot split a Pallas call (over sharded operands the compile
 fails: "Mosaic kernels cannot be automatically partitioned"). Under an ambient mesh (`jax.set_mesh`; the train step traces under its mesh) both
 functions therefore run per shard in `jax.shard_map`: the batch over the mesh's batch axes
-(`sat_jax.parallel.rules.batch_axes`), attention heads over "tensor", and for the experts the
+(`sat_jax.sharding.batch_axes`), attention heads over "tensor", and for the experts the
 expert dimension over "expert" and their width F over "tensor" (partial outputs summed with
 `psum`). An axis that does not divide its dimension leaves it whole (computed redundantly there).
 
@@ -43,7 +43,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import PartitionSpec as P
 
-from sat_jax.parallel.rules import batch_axes
+from sat_jax.sharding import batch_axes
 
 # TPU vector lanes: splash attention's block lengths must be multiples of it; head_dim is padded
 # to it on TPU (zero columns of q and k add nothing to q·k; zero columns of v are sliced off).

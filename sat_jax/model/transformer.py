@@ -21,7 +21,7 @@ from flax import nnx, struct
 from sat_jax.model.config import ModelConfig
 from sat_jax.model.layers import Attention, DenseMLP, RMSNorm, fan_in_init, make_param
 from sat_jax.model.moe import MoE, MoEOutput, balance_from_stats
-from sat_jax.parallel.rules import constrain_batch
+from sat_jax.sharding import constrain_batch
 
 
 @struct.dataclass

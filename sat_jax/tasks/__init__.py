@@ -1,9 +1,10 @@
-"""Built-in tasks: tokenizers (character and Hugging Face), the arithmetic task, rewards and grain prompt pipelines.
+"""Built-in tasks: the prompt record, tokenizers (character and Hugging Face), the arithmetic task,
+rewards and grain prompt pipelines.
 
 Shared by the rollout server and the trainer; nothing here imports grpc or jetstream.
 """
 
-from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
+from sat_jax.tasks.arithmetic import ArithmeticTask
 from sat_jax.tasks.config import TaskConfig
 from sat_jax.tasks.pipeline import (
     arithmetic_dataset,
@@ -13,6 +14,7 @@ from sat_jax.tasks.pipeline import (
     prompt_source,
     read_prompts,
 )
+from sat_jax.tasks.prompt import Prompt
 from sat_jax.tasks.rewards import exact_match_reward, gsm8k_reward, make_reward, math_reward
 from sat_jax.tasks.tokenizer import CharTokenizer, Tokenizer, sampleable_mask
 

@@ -10,20 +10,7 @@ import dataclasses
 
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Prompt:
-    """One prompt with its reference answer.
-
-    Attributes:
-      id: stable across runs and restarts (e.g. "arith-0-17", or a file row's id).
-      text: what the policy continues.
-      answer: the reference the reward compares against.
-    """
-
-    id: str
-    text: str
-    answer: str
+from sat_jax.tasks.prompt import Prompt
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

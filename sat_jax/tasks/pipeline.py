@@ -16,8 +16,9 @@ from typing import Any
 
 import grain
 
-from sat_jax.tasks.arithmetic import ArithmeticTask, Prompt
+from sat_jax.tasks.arithmetic import ArithmeticTask
 from sat_jax.tasks.config import TaskConfig
+from sat_jax.tasks.prompt import Prompt
 
 log = logging.getLogger(__name__)
 

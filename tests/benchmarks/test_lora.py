@@ -14,14 +14,14 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import lora as bench  # noqa: E402
 
-from sat_jax.model import ModelConfig  # noqa: E402
+from sat_jax.model import ModelConfig, placement  # noqa: E402
 from sat_jax.model.config import LoRAConfig  # noqa: E402
-from sat_jax.parallel import sharding  # noqa: E402
+from sat_jax.model.lora import split_lora  # noqa: E402
 
 
 def _count(cfg: ModelConfig) -> tuple[int, int]:
     """(base params, adapter params) of ``cfg``."""
-    base, adapters = sharding.split_lora(nnx.to_pure_dict(sharding.abstract_model(cfg)[1]))
+    base, adapters = split_lora(nnx.to_pure_dict(placement.abstract_model(cfg)[1]))
     size = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))
     return size(base), size(adapters)
 

@@ -17,8 +17,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import sampler  # noqa: E402
 
-from sat_jax.model import ModelConfig  # noqa: E402
-from sat_jax.parallel import sharding  # noqa: E402
+from sat_jax import sharding  # noqa: E402
+from sat_jax.model import ModelConfig, placement  # noqa: E402
 from sat_jax.tasks import CharTokenizer, sampleable_mask  # noqa: E402
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=24)
@@ -32,7 +32,7 @@ LOGP_TOL = 1e-5  # float32 forward and log-softmax vs a float64 log-softmax of t
 @pytest.fixture(scope="module")
 def model():
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    return sharding.init_sharded(MODEL_CFG, mesh, 0)
+    return placement.init_sharded(MODEL_CFG, mesh, 0)
 
 
 def _batch(extra: int = 2) -> tuple[np.ndarray, np.ndarray]:

@@ -1,7 +1,10 @@
 """The committed generated modules match a fresh grpcio-tools generation; size limits are set."""
 
+import pathlib
 import subprocess
 import sys
+
+import pytest
 
 from rollout_api.client import channel_options
 from rollout_api.proto import regenerate, rollout_pb2
@@ -42,10 +45,9 @@ def test_message_limits():
     assert opts["grpc.max_receive_message_length"] == limit
 
 
-def test_the_former_module_path_is_the_same_module():
-    # Clients written against rollout_server.proto keep working: one set of message classes.
-    import rollout_server.proto.rollout_pb2 as old
-    from rollout_api.proto import rollout_pb2_grpc
-    from rollout_server.proto import rollout_pb2_grpc as old_grpc
-
-    assert old is rollout_pb2 and old_grpc is rollout_pb2_grpc
+@pytest.mark.parametrize(
+    "path", ["rollout_server/proto", "sat_jax/parallel", "sat_jax/advantages.py"]
+)
+def test_one_name_per_module_no_alias_modules(path):
+    # The protocol lives in rollout_api/proto only; the former aliases are gone (DESIGN §1).
+    assert not (pathlib.Path(__file__).resolve().parents[2] / path).exists()

@@ -30,7 +30,7 @@ def trajectory(
         if with_routing
         else None,
         reward=0.5,
-        finish_reason="eos",
+        finish_reason="stop",
         completion_text="12",
     )
     return records.Trajectory(**(fields | kw))
@@ -205,7 +205,7 @@ def test_decode_pulled_keeps_the_order():
         (dict(versions=[1, 2]), "versions must be a 1-D int64 array, got list"),
         (dict(routing=np.zeros((5, L, K), np.int32)), "routing must be a uint8/uint16"),
         (dict(routing=np.zeros((5, L), np.uint8)), "routing must be a uint8/uint16"),
-        (dict(finish_reason="stop"), "unknown finish_reason 'stop'"),
+        (dict(finish_reason="eos"), "unknown finish_reason 'eos'"),
         (dict(kept_counts=np.array([1, 2], np.int64)), "kept_counts must be a 1-D int32"),
         (dict(kept_counts=np.array([1], np.int32)), "2 completion tokens but 1 kept counts"),
         (dict(loss_mask=np.array([1, 0], np.uint8)), "loss_mask must be a 1-D bool array"),

@@ -97,7 +97,7 @@ def _sample() -> FinishedSample:
         logprobs=np.zeros(2, np.float32),
         versions=np.ones(2, np.int64),
         routing=np.zeros((5, 1, 2), np.uint8),
-        finish_reason="eos",
+        finish_reason="stop",
     )
 
 
@@ -143,7 +143,7 @@ def test_a_finished_group_is_queued_as_the_proto_of_its_records():
         np.testing.assert_array_equal(t.behavior_logprobs, want.logprobs)
         np.testing.assert_array_equal(t.versions, want.versions)
         np.testing.assert_array_equal(t.routing, want.routing)
-        assert t.finish_reason == "eos" and t.completion_text == "4"  # id 7 of the tokenizer
+        assert t.finish_reason == "stop" and t.completion_text == "4"  # id 7 of the tokenizer
 
 
 def test_samples_that_make_no_valid_group_drop_it_and_count_it_failed():

@@ -93,12 +93,12 @@ def test_token_buffer_fills_preallocated_arrays_and_hands_out_views():
     for i in range(2):
         step_routing = np.full((2, 2), 20 + i, np.int32)  # the engine's int32 column
         buffer.add(7 + i, np.float32(-0.5 * i), np.int32(3), step_routing)
-    sample = buffer.sample("eos")
+    sample = buffer.sample("stop")
     assert sample.completion_ids.tolist() == [7, 8] and sample.completion_ids.dtype == np.int32
     assert sample.logprobs.tolist() == [0.0, -0.5] and sample.logprobs.dtype == np.float32
     assert sample.versions.tolist() == [3, 3] and sample.versions.dtype == np.int64
     assert sample.routing.shape == (5, 2, 2) and sample.routing.dtype == np.uint8
     np.testing.assert_array_equal(sample.routing[:3], prompt_routing)
     assert sample.routing[3:].ravel().tolist() == [20] * 4 + [21] * 4
-    assert sample.prompt_ids.dtype == np.int32 and sample.finish_reason == "eos"
+    assert sample.prompt_ids.dtype == np.int32 and sample.finish_reason == "stop"
     assert np.shares_memory(sample.routing, buffer.routing)  # no copy per finished sample

@@ -184,7 +184,7 @@ def test_a_scripted_policy_gives_the_exact_turns_deltas_and_mask(tokenizer, monk
         assert t.prompt_ids.tolist() == prompt_ids
         assert t.completion_ids.tolist() == completion
         np.testing.assert_array_equal(t.loss_mask, mask)
-        assert t.finish_reason == "eos"  # the last turn ended with its stop token
+        assert t.finish_reason == "stop"  # the last turn ended with its stop token
         assert t.reward == pytest.approx(0.5**2)  # right at turn 3, discounted twice
         assert t.num_generated == len(wrong) + len(cut) + len(right)
         # The inserted tokens decode to the environment's message, in the template's frame.

@@ -12,11 +12,11 @@ from flax import nnx, traverse_util
 
 from rollout_api.proto import rollout_pb2
 from rollout_server.weights import CheckpointPathError, WeightsLoader
-from sat_jax import params_io
+from sat_jax import params_io, sharding
 from sat_jax.experiment import load_config
-from sat_jax.model import ModelConfig, Transformer
+from sat_jax.model import ModelConfig, Transformer, placement
 from sat_jax.model.config import LoRAConfig
-from sat_jax.parallel import sharding
+from sat_jax.model.lora import abstract_adapters, init_lora, join_lora
 from tests.rollout_server.conftest import CONFIG, SHAPES, stats
 
 LORA = LoRAConfig(rank=4, alpha=8.0, targets=("attention", "experts", "router"))
@@ -30,7 +30,7 @@ def _configs(dtype=jnp.float32) -> tuple[ModelConfig, ModelConfig]:
 
 def _adapters(cfg: ModelConfig, seed: int) -> dict:
     """Adapters with non-zero B, so the merge matters."""
-    fresh = sharding.init_lora(cfg, rng=seed)
+    fresh = init_lora(cfg, rng=seed)
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda x: jnp.asarray(rng.standard_normal(x.shape) * 0.05, x.dtype), fresh)
 
@@ -39,10 +39,10 @@ def _adapters(cfg: ModelConfig, seed: int) -> dict:
 def setup(tmp_path):
     served_cfg, lora_cfg = _configs()
     mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
-    _, base = sharding.init_sharded(served_cfg, mesh, 0)
+    _, base = placement.init_sharded(served_cfg, mesh, 0)
     root = tmp_path / "root"
     params_io.save_params(root / "base-v1", base)
-    like = sharding.abstract_adapters(lora_cfg, mesh)
+    like = abstract_adapters(lora_cfg, mesh)
     return served_cfg, lora_cfg, mesh, base, root, WeightsLoader(str(root), LORA, like)
 
 
@@ -84,7 +84,7 @@ def test_served_weights_are_base_plus_scaled_product(setup):
     graph_served, _ = nnx.split(nnx.eval_shape(lambda: Transformer(served_cfg, rngs=nnx.Rngs(0))))
     graph_lora, _ = nnx.split(nnx.eval_shape(lambda: Transformer(lora_cfg, rngs=nnx.Rngs(0))))
     served = nnx.merge(graph_served, loaded.params)(tokens)
-    trained = nnx.merge(graph_lora, sharding.join_lora(base, adapters))(tokens)
+    trained = nnx.merge(graph_lora, join_lora(base, adapters))(tokens)
     served = served[0] if isinstance(served, tuple) else served
     trained = trained[0] if isinstance(trained, tuple) else trained
     np.testing.assert_allclose(np.asarray(served), np.asarray(trained), rtol=1e-4, atol=1e-5)
@@ -149,7 +149,7 @@ def test_a_server_serves_adapter_pushes_and_a_restart_reloads_them(server_factor
     served_cfg = cfg.serving_model
     assert served_cfg.lora.rank == 0  # the server serves merged weights
     mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
-    _, base = sharding.init_sharded(served_cfg, mesh, 7)
+    _, base = placement.init_sharded(served_cfg, mesh, 7)
     params_io.save_params(root / "base-v1", base)
     lora_cfg = served_cfg.replace(lora=cfg.model.lora)
     for v in (1, 2):

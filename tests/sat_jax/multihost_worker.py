@@ -60,8 +60,7 @@ def main(port: int, process_id: int, out: str) -> None:
         )
     from jax.experimental import multihost_utils
 
-    from sat_jax import train_step
-    from sat_jax.parallel import sharding
+    from sat_jax import sharding, train_step
 
     assert jax.device_count() == 8, jax.devices()
     assert jax.process_count() == (2 if port else 1), jax.process_count()

@@ -16,9 +16,8 @@ import jax
 import numpy as np
 import optax
 
-from sat_jax import objectives, train_step
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax import objectives, sharding, train_step
+from sat_jax.model import ModelConfig, placement
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "step_golden.json"
 B, T, PROMPT = 8, 12, 4
@@ -70,7 +69,7 @@ def run_case(name: str, **step_kwargs) -> dict[str, np.ndarray]:
     """{"metric/<name>": value, "grad/<path>": gradient leaf} of one case on one device."""
     loss_cfg, k, replay, with_ref = CASES[name]
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    _, params0 = sharding.init_sharded(MODEL_CFG, mesh, 0)
+    _, params0 = placement.init_sharded(MODEL_CFG, mesh, 0)
     optimizer = _grads_as_params()
     step_fn = train_step.make_train_step(
         MODEL_CFG, optimizer, loss_cfg, mesh, routing_replay=replay, microbatches=k, **step_kwargs
@@ -78,7 +77,7 @@ def run_case(name: str, **step_kwargs) -> dict[str, np.ndarray]:
     state = train_step.create_train_state(MODEL_CFG, optimizer, mesh, params0)
     ref_params = None
     if with_ref:
-        _, ref_params = sharding.init_sharded(MODEL_CFG, mesh, 1)
+        _, ref_params = placement.init_sharded(MODEL_CFG, mesh, 1)
     state, metrics = step_fn(state, train_step.shard_batch(golden_batch(), mesh), ref_params)
     out = {f"metric/{key}": np.asarray(v) for key, v in jax.device_get(metrics).items()}
     for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]:

@@ -12,9 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import decoding
-from sat_jax.model import ModelConfig, Transformer
-from sat_jax.parallel import sharding
+from sat_jax import decoding, sharding
+from sat_jax.model import ModelConfig, Transformer, placement
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
 MAX_NEW = 6
@@ -127,7 +126,7 @@ def test_sharded_core_equals_one_device(sampling: decoding.SamplingConfig) -> No
     graphdef, params = _model()
     one = jax.device_put(params, jax.devices()[0])
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1, expert=4, tensor=2))
-    shardings = sharding.param_shardings(sharding.abstract_model(CFG)[1], mesh)
+    shardings = sharding.param_shardings(placement.abstract_model(CFG)[1], mesh)
     sharded = jax.device_put(params, shardings)
     want, _ = _steps(_core(sampling, slots=4), one, MAX_NEW)
     core = decoding.DecodeCore(

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from sat_jax.parallel import hlo_flops
+from sat_jax.plan import hlo_flops
 
 
 def _compiled(fn, *shapes):

@@ -13,9 +13,9 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, train_step
-from sat_jax.model import LoRAConfig, ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax import objectives, sharding, train_step
+from sat_jax.model import LoRAConfig, ModelConfig, placement
+from sat_jax.model.lora import join_lora, split_lora
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T, PROMPT = 8, 12, 4
@@ -39,8 +39,8 @@ class Setup:
 
 @pytest.fixture(scope="module")
 def setup() -> Setup:
-    _, params0 = sharding.init_sharded(MODEL_CFG, _mesh(ONE), 0)
-    base, adapters = sharding.split_lora(jax.device_get(params0))
+    _, params0 = placement.init_sharded(MODEL_CFG, _mesh(ONE), 0)
+    base, adapters = split_lora(jax.device_get(params0))
     rng = np.random.default_rng(0)
     adapters = jax.tree_util.tree_map_with_path(
         lambda p, x: (
@@ -57,7 +57,7 @@ def setup() -> Setup:
         behavior_logp=np.log(rng.uniform(0.01, 0.3, (B, T))).astype(np.float32),
         advantages=np.repeat(rng.normal(size=(B, 1)), T, 1).astype(np.float32),
     )
-    return Setup(params0=sharding.join_lora(base, adapters), batch=batch)
+    return Setup(params0=join_lora(base, adapters), batch=batch)
 
 
 def _mesh(mesh_cfg: sharding.MeshConfig) -> jax.sharding.Mesh:
@@ -109,7 +109,7 @@ def one(setup: Setup) -> OneStep:
 
 def test_only_the_adapters_change_and_the_base_is_bit_identical(setup: Setup, one) -> None:
     after = one.after
-    want_base, want_adapters = sharding.split_lora(setup.params0)
+    want_base, want_adapters = split_lora(setup.params0)
     assert jax.tree.structure(after.frozen) == jax.tree.structure(want_base)
     for x, y in zip(jax.tree.leaves(after.frozen), jax.tree.leaves(want_base), strict=True):
         np.testing.assert_array_equal(x, y)
@@ -129,7 +129,7 @@ def test_only_the_adapters_change_and_the_base_is_bit_identical(setup: Setup, on
 
 
 def test_optimizer_state_covers_only_the_adapters(setup: Setup, one) -> None:
-    _, adapters = sharding.split_lora(setup.params0)
+    _, adapters = split_lora(setup.params0)
     n_adapter = sum(x.size for x in jax.tree.leaves(adapters))
     assert jax.tree.structure(one.after.opt_state[0].trace) == jax.tree.structure(adapters)
     adamw = optax.adamw(1e-3)
@@ -143,8 +143,8 @@ def test_optimizer_state_covers_only_the_adapters(setup: Setup, one) -> None:
 def test_state_shardings_split_base_and_adapters() -> None:
     mesh = _mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
     sh = train_step.train_state_shardings(MODEL_CFG, OPTIMIZER, mesh)
-    _, abstract = sharding.abstract_model(MODEL_CFG)
-    want_frozen, want_params = sharding.split_lora(sharding.param_shardings(abstract, mesh))
+    _, abstract = placement.abstract_model(MODEL_CFG)
+    want_frozen, want_params = split_lora(sharding.param_shardings(abstract, mesh))
     assert sh.frozen == want_frozen and sh.params == want_params
     assert sh.opt_state[0].trace == want_params
     abstract_state = train_step.abstract_train_state(MODEL_CFG, OPTIMIZER, mesh)
@@ -181,12 +181,12 @@ def test_sharded_step_matches_one_device(setup: Setup, one, mesh_cfg) -> None:
 
 def test_reference_params_are_the_whole_model(setup: Setup) -> None:
     # The base (fresh adapters: B = 0) as the reference of the KL penalty.
-    base, adapters = sharding.split_lora(setup.params0)
+    base, adapters = split_lora(setup.params0)
     zero_b = jax.tree_util.tree_map_with_path(
         lambda p, x: np.zeros_like(x) if str(p[-1].key).endswith("_lora_b") else x, adapters
     )
     mesh = _mesh(ONE)
-    ref = sharding.join_lora(base, zero_b)
+    ref = join_lora(base, zero_b)
     loss_cfg = dataclasses.replace(LOSS_CFG, kl_coef=0.1)
     step_fn = train_step.make_train_step(MODEL_CFG, OPTIMIZER, loss_cfg, mesh, routing_replay=False)
     state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
@@ -197,7 +197,7 @@ def test_reference_params_are_the_whole_model(setup: Setup) -> None:
 def test_rank_zero_keeps_the_state_as_before() -> None:
     cfg = MODEL_CFG.replace(lora=LoRAConfig())
     mesh = _mesh(ONE)
-    _, abstract = sharding.abstract_model(cfg)
+    _, abstract = placement.abstract_model(cfg)
     params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.to_pure_dict(abstract))
     state = train_step.create_train_state(cfg, OPTIMIZER, mesh, params)
     assert state.frozen is None
@@ -207,7 +207,7 @@ def test_rank_zero_keeps_the_state_as_before() -> None:
 
 def test_lora_params_without_adapters_are_a_clear_error() -> None:
     mesh = _mesh(ONE)
-    _, base = sharding.abstract_model(MODEL_CFG.replace(lora=LoRAConfig()))
+    _, base = placement.abstract_model(MODEL_CFG.replace(lora=LoRAConfig()))
     params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.to_pure_dict(base))
     with pytest.raises(ValueError, match="no LoRA adapters"):
         train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, params)

@@ -18,9 +18,8 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, train_step
-from sat_jax.model import ModelConfig, token_logprobs
-from sat_jax.parallel import sharding
+from sat_jax import objectives, sharding, train_step
+from sat_jax.model import ModelConfig, placement, token_logprobs
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T, PROMPT = 16, 12, 4
@@ -77,8 +76,8 @@ class Setup:
 @pytest.fixture(scope="module")
 def setup() -> Setup:
     mesh1 = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    _, params0 = sharding.init_sharded(MODEL_CFG, mesh1, 0)
-    _, ref_params = sharding.init_sharded(MODEL_CFG, mesh1, 1)
+    _, params0 = placement.init_sharded(MODEL_CFG, mesh1, 0)
+    _, ref_params = placement.init_sharded(MODEL_CFG, mesh1, 1)
     return Setup(
         params0=jax.device_get(params0), batch=_batch(), ref_params=jax.device_get(ref_params)
     )
@@ -148,7 +147,7 @@ def test_microbatch_threshold_scope_uses_each_microbatch_quantile(setup: Setup) 
     _, metrics = _step(setup, loss_cfg, ONE, k)
     _, batch_metrics = _step(setup, objectives.PolicyLossConfig(sat=SAT), ONE, k)
     # The current policy's logp, from the reference model's forward.
-    graphdef, _ = sharding.abstract_model(MODEL_CFG)
+    graphdef, _ = placement.abstract_model(MODEL_CFG)
     logp = jax.jit(lambda p, x: nnx.merge(graphdef, p).logprobs(x)[0])(
         setup.params0, setup.batch.tokens
     )
@@ -237,7 +236,7 @@ def test_rewards_and_group_ids_give_the_host_advantages_step(
 def _host_reference_logp(ref_params: dict, tokens: np.ndarray, temperature: float, vocab_mask):
     """The reference log-probs the trainer computed outside the step before (train/setup.py):
     the reference's full [B, T, V] logits, log-softmax at the targets, column 0 = 0."""
-    graphdef, _ = sharding.abstract_model(MODEL_CFG)
+    graphdef, _ = placement.abstract_model(MODEL_CFG)
 
     @jax.jit
     def ref_logp(p, x):

@@ -12,8 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from sat_jax.model import LoRAConfig, ModelConfig
-from sat_jax.parallel import plan, sharding
+from sat_jax import sharding
+from sat_jax.model import LoRAConfig, ModelConfig, placement
+from sat_jax.plan import memory as plan
+from sat_jax.plan.__main__ import main as plan_main
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -58,7 +60,7 @@ def test_per_device_bytes_follow_the_specs() -> None:
     got = plan.plan_memory(cfg, mesh_cfg)
     assert got.num_devices == 16 and got.mesh["fsdp"] == 4
     # Independently: each param's bytes over the product of the axis sizes it is sharded on.
-    _, abstract = sharding.abstract_model(cfg)
+    _, abstract = placement.abstract_model(cfg)
     sizes = {"data": 2, "fsdp": 4, "expert": 1, "tensor": 2}
     specs = sharding.param_specs(abstract, sizes)
     import jax
@@ -123,7 +125,7 @@ def test_cli_qwen3_30b_on_fsdp_64() -> None:
     ],
 )
 def test_bad_arguments_are_clear_errors(args: tuple[str, ...], message: str) -> None:
-    assert plan.main(list(args)) == 2
+    assert plan_main(list(args)) == 2
     if args[1] == "nope":  # one subprocess run is enough to cover the CLI error path
         res = _cli(*args)
         assert res.returncode == 2 and message in res.stderr
@@ -133,14 +135,14 @@ def test_bad_arguments_are_clear_errors(args: tuple[str, ...], message: str) -> 
 def test_cli_config_of_the_pod_setup() -> None:
     """The paper's pod config: its model and train.mesh (fsdp=64), from the YAML."""
     config = str(REPO / "configs" / "qwen3_30b_a3b_gsm8k.yaml")
-    assert plan.main(["--config", config]) == 0
+    assert plan_main(["--config", config]) == 0
     want = plan.plan_memory(ModelConfig.preset("qwen3_30b_a3b"), sharding.MeshConfig(fsdp=64))
     assert want.num_devices == 64 and want.total_params == 30_532_122_624
     res = _cli("--config", config)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == plan.format_plan("qwen3_30b_a3b_gsm8k", want)
-    assert plan.main(["--config", config, "model.bogus=1"]) == 2
-    assert plan.main(["--preset", "tiny"]) == 2  # a preset needs --mesh
+    assert plan_main(["--config", config, "model.bogus=1"]) == 2
+    assert plan_main(["--preset", "tiny"]) == 2  # a preset needs --mesh
 
 
 def test_optimizer_state_dtypes_come_from_its_init():
@@ -155,7 +157,7 @@ def test_optimizer_state_dtypes_come_from_its_init():
 @pytest.mark.slow  # compiles the sharded step three times
 def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:
     args = ["--preset", "tiny", "--mesh", "fsdp=8", "--batch", "8", "--seq-len", "64"]
-    assert plan.main([*args, "--compile", "--set", "remat=layer"]) == 0
+    assert plan_main([*args, "--compile", "remat=layer"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[:-2] == plan.format_plan("tiny", _plan("tiny", "fsdp=8")).splitlines()
     label, _, value = lines[-1].partition(": ")
@@ -172,7 +174,7 @@ def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:
 
 
 def test_compile_needs_a_batch_shape() -> None:
-    assert plan.main(["--preset", "tiny", "--mesh", "fsdp=1", "--compile"]) == 2
+    assert plan_main(["--preset", "tiny", "--mesh", "fsdp=1", "--compile"]) == 2
 
 
 def test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proximal():
@@ -182,7 +184,7 @@ def test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proxim
     import optax
 
     from sat_jax import objectives
-    from sat_jax.parallel import programs
+    from sat_jax.plan import programs
 
     cfg = ModelConfig.preset("tiny")
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
@@ -234,11 +236,11 @@ def test_lora_trains_only_the_adapters_and_counts_the_base_once(preset: str) -> 
 
 
 def test_cli_sets_lora_fields(capsys) -> None:
-    args = ["--preset", "tiny", "--mesh", "fsdp=1", "--set", "lora.rank=8"]
-    assert plan.main([*args, "--set", "lora.targets=[attention]"]) == 0
+    args = ["--preset", "tiny", "--mesh", "fsdp=1", "lora.rank=8"]
+    assert plan_main([*args, "lora.targets=[attention]"]) == 0
     out = capsys.readouterr().out
     cfg = ModelConfig.preset("tiny", lora=LoRAConfig(rank=8, targets=("attention",)))
     want = plan.plan_memory(cfg, sharding.MeshConfig(fsdp=1))
     assert out.strip() == plan.format_plan("tiny", want)
     assert f"trained params   {want.trained_params:,} (LoRA adapters)" in out
-    assert plan.main([*args, "--set", "lora.targets=[shared_expert]"]) == 2
+    assert plan_main([*args, "lora.targets=[shared_expert]"]) == 2

@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-from sat_jax.parallel import plan, topology
+from sat_jax.plan import memory as plan
+from sat_jax.plan import topology
+from sat_jax.plan.__main__ import main as plan_main
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 GIB = 2**30
@@ -56,7 +58,7 @@ def _total(stdout: str) -> tuple[str, float, str]:
 
 TINY_TRAIN = (
     "--preset", "tiny", "--mesh", "fsdp=4", "--topology", "v5p:2x2x1", "--compile",
-    "--batch", "8", "--seq-len", "64", "--set", "remat=layer",
+    "--batch", "8", "--seq-len", "64", "remat=layer",
 )  # fmt: skip
 
 
@@ -87,7 +89,7 @@ def test_a_batch_the_compiler_refuses_does_not_fit() -> None:
     # 16 GiB v5e chips; a batch whose activations XLA:TPU cannot place in them.
     res = _plan(
         "--preset", "tiny", "--mesh", "fsdp=4", "--topology", "v5e:2x2", "--compile",
-        "--batch", "4096", "--seq-len", "4096", "--set", "max_seq_len=4096",
+        "--batch", "4096", "--seq-len", "4096", "max_seq_len=4096",
     )  # fmt: skip
     assert res.returncode == 1, res.stderr[-3000:]
     assert "XLA:TPU refused the program: RESOURCE_EXHAUSTED" in res.stdout
@@ -108,11 +110,17 @@ def test_server_programs_compile_for_a_v5p_slice() -> None:
         assert re.search(rf"^\s*{re.escape(label)}\s", res.stdout, re.M), (label, res.stdout)
 
 
-def test_a_topology_without_libtpu_is_a_clear_error(monkeypatch) -> None:
-    monkeypatch.setattr(topology, "libtpu_installed", lambda: False)
-    with pytest.raises(topology.LibtpuMissing, match="libtpu is not installed"):
-        topology.topology_devices("v5p:2x2x1")
-    assert plan.main([*TINY_TRAIN]) == 2
+def test_a_topology_without_libtpu_is_a_clear_error(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(topology, "libtpu_installed", lambda library_path="": False)
+    assert plan_main([*TINY_TRAIN]) == 2
+    assert "libtpu is not installed" in capsys.readouterr().err
+
+
+def test_the_offline_libtpu_environment_names_the_slice() -> None:
+    env = topology.offline_libtpu_env("v5p:4x4x4")
+    assert env["TPU_ACCELERATOR_TYPE"] == "v5p-128"
+    assert topology.offline_libtpu_env("v5e:4x4")["TPU_ACCELERATOR_TYPE"] == "v5litepod-16"
+    assert env["ALLOW_MULTIPLE_LIBTPU_LOAD"] == "1" and env["TPU_SKIP_MDS_QUERY"] == "1"
 
 
 @pytest.mark.parametrize(

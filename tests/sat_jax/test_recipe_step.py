@@ -12,9 +12,8 @@ import numpy as np
 import optax
 import pytest
 
-from sat_jax import decoding, objectives, train_step
+from sat_jax import decoding, objectives, sharding, train_step
 from sat_jax.experiment import ConfigError, load_config
-from sat_jax.parallel import sharding
 from tests.sat_jax import test_decoding
 
 CFG, SAMPLEABLE = test_decoding.CFG, test_decoding.SAMPLEABLE

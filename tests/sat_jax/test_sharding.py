@@ -9,8 +9,9 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from sat_jax.model import LoRAConfig, ModelConfig, Transformer
-from sat_jax.parallel import sharding
+from sat_jax import sharding
+from sat_jax.model import LoRAConfig, ModelConfig, Transformer, placement
+from sat_jax.model.lora import join_lora, split_lora
 
 MeshConfig = sharding.MeshConfig
 TINY = ModelConfig.preset("tiny", mlp_only_layers=(0,))
@@ -129,7 +130,7 @@ def test_logical_to_spec_without_shape_or_mesh_and_errors() -> None:
 
 
 def _specs(mesh_sizes: dict[str, int], **kwargs) -> dict:
-    _, abstract = sharding.abstract_model(TINY)
+    _, abstract = placement.abstract_model(TINY)
     return sharding.param_specs(abstract, mesh_sizes, **kwargs)
 
 
@@ -171,8 +172,8 @@ def test_param_specs_custom_exceptions_first_match_wins() -> None:
 def test_init_sharded_places_each_param_as_the_rules_say() -> None:
     # Placement on the other meshes is checked by test_train_step (same param_shardings).
     mesh = sharding.make_mesh(MeshConfig(fsdp=2, tensor=4))
-    graphdef, params = sharding.init_sharded(TINY, mesh, rng=0)
-    _, abstract = sharding.abstract_model(TINY)
+    graphdef, params = placement.init_sharded(TINY, mesh, rng=0)
+    _, abstract = placement.abstract_model(TINY)
     shardings = sharding.param_shardings(abstract, mesh)
     got = jax.tree_util.tree_flatten_with_path(params)[0]
     assert len(got) == len(jax.tree.leaves(shardings))
@@ -196,24 +197,24 @@ def test_batch_spec() -> None:
 
 def test_split_and_join_lora_part_any_tree_of_the_params_layout() -> None:
     cfg = TINY.replace(lora=LoRAConfig(rank=2, targets=("attention", "router")))
-    _, abstract = sharding.abstract_model(cfg)
+    _, abstract = placement.abstract_model(cfg)
     params = nnx.to_pure_dict(abstract)
-    base, adapters = sharding.split_lora(params)
+    base, adapters = split_lora(params)
     assert jax.tree.structure(base) == jax.tree.structure(
-        nnx.to_pure_dict(sharding.abstract_model(TINY)[1])
+        nnx.to_pure_dict(placement.abstract_model(TINY)[1])
     )
     names = {str(p[-1].key) for p, _ in jax.tree_util.tree_leaves_with_path(adapters)}
     assert names == {
         f"{w}_lora_{x}" for w in ("w_q_dnh", "w_k_dgh", "w_v_dgh", "w_o_nhd") for x in "ab"
     } | {"w_router_de_lora_a", "w_router_de_lora_b"}
     assert "mlp" not in adapters["layers"][0]  # a dense layer: no router
-    assert jax.tree.structure(sharding.join_lora(base, adapters)) == jax.tree.structure(params)
+    assert jax.tree.structure(join_lora(base, adapters)) == jax.tree.structure(params)
     # Specs (a tuple subclass) split as leaves, not as containers.
     specs = sharding.param_specs(abstract, {"fsdp": 2, "tensor": 2})
-    spec_base, spec_adapters = sharding.split_lora(specs)
+    spec_base, spec_adapters = split_lora(specs)
     assert spec_adapters["layers"][1]["attn"]["w_o_nhd_lora_a"] == P("tensor", None, None)
-    assert sharding.join_lora(spec_base, spec_adapters) == specs
+    assert join_lora(spec_base, spec_adapters) == specs
     # Without adapters: the tree itself and nothing.
-    assert sharding.split_lora(base) == (base, {})
+    assert split_lora(base) == (base, {})
     with pytest.raises(ValueError, match="in both parts"):
-        sharding.join_lora(base, base)
+        join_lora(base, base)

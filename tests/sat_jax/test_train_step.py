@@ -10,9 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, train_step
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax import objectives, sharding, train_step
+from sat_jax.model import ModelConfig, placement
 
 # float32 throughout; sharding only reorders reductions (~1e-7 relative per op).
 RTOL, ATOL = 1e-5, 1e-6
@@ -35,7 +34,7 @@ class Reference:
 
 def _own_logp_and_routing(params: dict, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float64 log π(tokens[t] | tokens[:t]) at t >= 1 (0 at t = 0) and the model's own routing."""
-    graphdef, _ = sharding.abstract_model(MODEL_CFG)
+    graphdef, _ = placement.abstract_model(MODEL_CFG)
     fwd = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, return_routing=True))
     logits, routing = jax.device_get(fwd(params, tokens))
     logits = logits.astype(np.float64)
@@ -50,7 +49,7 @@ def _own_logp_and_routing(params: dict, tokens: np.ndarray) -> tuple[np.ndarray,
 @pytest.fixture(scope="module")
 def ref() -> Reference:
     mesh1 = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    _, params0 = sharding.init_sharded(MODEL_CFG, mesh1, 0)
+    _, params0 = placement.init_sharded(MODEL_CFG, mesh1, 0)
     params0 = jax.device_get(params0)
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, MODEL_CFG.vocab_size, (B, T)).astype(np.int32)
@@ -104,7 +103,7 @@ def test_alignment_logits_at_t_minus_1_score_token_t(ref: Reference) -> None:
 
 def _model_logprobs(params: dict, tokens: np.ndarray, **kwargs) -> tuple[np.ndarray, np.ndarray]:
     """(``Transformer.logprobs`` of the tokens, the full forward's float64 logits [B, T, V])."""
-    graphdef, _ = sharding.abstract_model(MODEL_CFG)
+    graphdef, _ = placement.abstract_model(MODEL_CFG)
     both = jax.jit(
         lambda p, x: (nnx.merge(graphdef, p).logprobs(x, **kwargs)[0], nnx.merge(graphdef, p)(x))
     )
@@ -138,7 +137,7 @@ def test_sharded_step_matches_one_device(
 ) -> None:
     mesh = sharding.make_mesh(mesh_cfg)
     state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, ref.params0)
-    _, abstract = sharding.abstract_model(MODEL_CFG)
+    _, abstract = placement.abstract_model(MODEL_CFG)
     specs = sharding.param_specs(abstract, mesh)
     for (path, leaf), spec in zip(
         jax.tree_util.tree_flatten_with_path(state.params)[0],

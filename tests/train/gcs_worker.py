@@ -19,8 +19,8 @@ import jax
 import numpy as np
 import optax
 
+from sat_jax import sharding
 from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
 from sat_jax.train_step import init_train_state
 from train import checkpointing
 

@@ -273,13 +273,12 @@ def test_bucketed_batch_trains_like_the_capacity_padded_one():
     import jax
     import optax
 
-    from sat_jax import objectives, train_step
-    from sat_jax.model import ModelConfig
-    from sat_jax.parallel import sharding
+    from sat_jax import objectives, sharding, train_step
+    from sat_jax.model import ModelConfig, placement
 
     model_cfg = ModelConfig.preset("tiny", dispatch="dense", router_aux_loss_coef=0.05)
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    _, params0 = sharding.init_sharded(model_cfg, mesh, 0)
+    _, params0 = placement.init_sharded(model_cfg, mesh, 0)
     params0 = jax.device_get(params0)
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=True))
     step_fn = train_step.make_train_step(

@@ -15,10 +15,9 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 
-from sat_jax import params_io
+from sat_jax import params_io, sharding
 from sat_jax.experiment import load_config
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.train_step import (
     TrainBatch,
     init_train_state,
@@ -183,7 +182,7 @@ def test_lora_checkpoint_holds_the_adapters_resumes_and_refuses_another_base(tmp
     optimizer = cfg.train.optimizer.make(cfg.train.steps)
     step_fn = make_train_step(cfg.model, optimizer, cfg.train.loss, mesh, routing_replay=False)
     batch = shard_batch(_lora_batch(cfg), mesh)
-    base = lambda seed: sharding.init_sharded(cfg.model, mesh, seed)[1]
+    base = lambda seed: placement.init_sharded(cfg.model, mesh, seed)[1]
 
     ckpt = checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=2)
     state, progress = main.start_or_resume(cfg, ckpt, optimizer, mesh, base(0))
@@ -229,8 +228,8 @@ def test_base_fingerprint_is_exact_and_independent_of_the_sharding():
     cfg = MODEL_CFG
     one = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     eight = sharding.make_mesh(sharding.MeshConfig(fsdp=2, expert=2, tensor=2))
-    _, params = sharding.init_sharded(cfg, one, 0)
-    _, abstract = sharding.abstract_model(cfg)
+    _, params = placement.init_sharded(cfg, one, 0)
+    _, abstract = placement.abstract_model(cfg)
     spread = jax.device_put(params, sharding.param_shardings(abstract, eight))
     assert checkpointing.base_fingerprint(params) == checkpointing.base_fingerprint(spread)
     # One bit of one element, or two elements swapped, change that leaf's hash only.

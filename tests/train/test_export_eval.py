@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sat_jax import sharding
 from sat_jax.experiment import load_config
-from sat_jax.model import hf, make_tiny
-from sat_jax.parallel import sharding
+from sat_jax.model import hf, make_tiny, placement
 from sat_jax.train_step import create_train_state
-from train import checkpointing, eval_cli, export, setup
+from train import checkpointing, eval_checkpoint, export, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def _save_checkpoint(cfg, step: int, shift: float) -> dict:
     if cfg.model.hf_path:
         _, params = hf.load_params(cfg.model.hf_path, cfg.model)
     else:
-        _, params = sharding.init_sharded(cfg.model, mesh, 0)
+        _, params = placement.init_sharded(cfg.model, mesh, 0)
     params = jax.tree.map(lambda x: x + shift, params)
     optimizer = cfg.train.optimizer.make(cfg.train.steps)
     state = create_train_state(cfg.model, optimizer, mesh, params)
@@ -70,7 +70,7 @@ def test_export_round_trip_and_transformers(hf_run, capsys):
     ref = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         want = ref(torch.tensor([ids])).logits.numpy()
-    model = nnx.merge(sharding.abstract_model(cfg.model)[0], back)
+    model = nnx.merge(placement.abstract_model(cfg.model)[0], back)
     np.testing.assert_allclose(np.asarray(model(np.asarray([ids]))), want, atol=1e-4, rtol=1e-4)
     eos = json.loads((out / "generation_config.json").read_text())["eos_token_id"]
     assert eos == [tok.eos_token_id, tok.pad_token_id]  # <|im_end|>, <|endoftext|>
@@ -117,7 +117,7 @@ def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
     config = str(ROOT / "configs" / "arith_tiny.yaml")
     cfg = load_config(config, overrides)
     _save_checkpoint(cfg, 5, 0.0)
-    eval_cli.cli(["--config", config, *overrides, "--k", "3", "--problems", "5"])
+    eval_checkpoint.cli(["--config", config, *overrides, "--k", "3", "--problems", "5"])
     printed = capsys.readouterr().out
     assert "avg@3" in printed and "pass@3" in printed and "greedy" in printed
     doc = json.loads((tmp_path / "run" / "eval" / "step-5.json").read_text())
@@ -130,7 +130,7 @@ def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
     export.cli(["--config", config, *overrides, "--out", str(tmp_path / "hf")])
     capsys.readouterr()
     out = tmp_path / "hf.json"
-    eval_cli.cli(["--config", config, *overrides, "--hf", str(tmp_path / "hf"), "--k", "3",
+    eval_checkpoint.cli(["--config", config, *overrides, "--hf", str(tmp_path / "hf"), "--k", "3",
                   "--problems", "5", "--out", str(out)])  # fmt: skip
     again = json.loads(out.read_text())
     assert again["policy"] == "hf"
@@ -141,7 +141,7 @@ def test_eval_of_checkpoint_and_of_its_export_agree(tmp_path, capsys):
 
 def test_eval_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        eval_cli.cli([f"train.run_dir={tmp_path}", "--k", "2", "--problems", "3"])
+        eval_checkpoint.cli([f"train.run_dir={tmp_path}", "--k", "2", "--problems", "3"])
     assert exit_info.value.code == 2
     want = f"sat-eval: no checkpoint directory {tmp_path}/checkpoints"
     assert capsys.readouterr().err.strip().splitlines() == [want]
@@ -179,7 +179,7 @@ def lora_run(tmp_path_factory):
 
 
 def _lora_logits(cfg, params, ids) -> np.ndarray:
-    model = nnx.merge(sharding.abstract_model(cfg.model)[0], params)
+    model = nnx.merge(placement.abstract_model(cfg.model)[0], params)
     return np.asarray(model(np.asarray([ids])))
 
 
@@ -218,12 +218,14 @@ def test_lora_run_exports_merged_and_as_a_peft_adapter(lora_run, capsys):
 def test_lora_eval_reads_base_plus_adapters_and_the_merged_export(lora_run, tmp_path):
     root, overrides, params = lora_run
     cfg = load_config(None, overrides)
-    label, _, got = eval_cli.policy_params(cfg, step=None, hf_dir=None)
+    label, _, got = eval_checkpoint.policy_params(cfg, step=None, hf_dir=None)
     assert label == "step-3"
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), b), got, params)
     assert all(jax.tree.leaves(same))
     export.export_run(cfg, tmp_path / "merged")
-    label, _, from_hf = eval_cli.policy_params(cfg, step=None, hf_dir=str(tmp_path / "merged"))
+    label, _, from_hf = eval_checkpoint.policy_params(
+        cfg, step=None, hf_dir=str(tmp_path / "merged")
+    )
     assert label == "hf"
     ids = list(range(3, 20))
     np.testing.assert_allclose(
@@ -237,8 +239,10 @@ def test_lora_export_and_eval_refuse_another_base(lora_run, tmp_path):
     cfg = load_config(None, [*overrides, f"model.hf_path={tmp_path / 'other'}"])
     with pytest.raises(export.ExportError, match="checkpoint 3: the base model differs"):
         export.export_run(cfg, tmp_path / "out")
-    with pytest.raises(eval_cli.EvalInputError, match="checkpoint 3: the base model differs"):
-        eval_cli.policy_params(cfg, step=None, hf_dir=None)
+    with pytest.raises(
+        eval_checkpoint.EvalInputError, match="checkpoint 3: the base model differs"
+    ):
+        eval_checkpoint.policy_params(cfg, step=None, hf_dir=None)
     assert not (tmp_path / "out").exists()
     full = load_config(None, [f"train.run_dir={root / 'run'}"])
     with pytest.raises(export.ExportError, match="--adapter needs a LoRA run"):

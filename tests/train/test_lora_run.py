@@ -23,9 +23,10 @@ import pytest
 from flax import nnx, traverse_util
 
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
-from sat_jax import params_io
+from sat_jax import params_io, sharding
 from sat_jax.experiment import load_config
-from sat_jax.parallel import sharding
+from sat_jax.model import placement
+from sat_jax.model.lora import abstract_adapters, split_lora
 from tests.train.test_main import CONFIG, _env, _records
 from train.local_server import LocalServer
 
@@ -77,8 +78,8 @@ def test_a_lora_run_pushes_only_adapters_and_serves_their_merge(tmp_path):
         server.stop()
     out = done.stdout + done.stderr
     assert "done: 4 steps" in out, out
-    _, abstract = sharding.abstract_model(cfg.model)
-    base, adapters = sharding.split_lora(nnx.to_pure_dict(abstract))
+    _, abstract = placement.abstract_model(cfg.model)
+    base, adapters = split_lora(nnx.to_pure_dict(abstract))
     dtype = cfg.serving_model.param_dtype
     adapter_bytes, base_bytes = _bytes(adapters, dtype), _bytes(base, dtype)
     steps = [r for r in _records(run_dir) if "lag_max" in r]
@@ -97,7 +98,7 @@ def test_a_lora_run_pushes_only_adapters_and_serves_their_merge(tmp_path):
     assert [w for w in weights if w.startswith("base-")] == ["base-v1"]
     # ... and the adapters did move: the last push's B are not zero.
     mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
-    like = sharding.abstract_adapters(cfg.serving_model.replace(lora=cfg.model.lora), mesh)
+    like = abstract_adapters(cfg.serving_model.replace(lora=cfg.model.lora), mesh)
     last = params_io.load_params(run_dir / "weights" / "v5", like)
     b = {
         p: np.asarray(x)

@@ -27,8 +27,9 @@ import pytest
 from flax import nnx
 
 from rollout_api.records import Group, Trajectory
+from sat_jax import sharding
 from sat_jax.experiment import load_config
-from sat_jax.parallel import sharding
+from sat_jax.model import placement
 from sat_jax.train_step import TrainState
 from tests.train.conftest import JAX_CACHE
 from train import checkpointing, main, metrics, setup, weight_sync
@@ -227,7 +228,7 @@ def test_sync_run_survives_sigkill_and_resumes(tmp_path):
 
 def _random_params(cfg) -> dict:
     """Params of the model's structure, without compiling an init."""
-    abstract = nnx.to_pure_dict(sharding.abstract_model(cfg.model)[1])
+    abstract = nnx.to_pure_dict(placement.abstract_model(cfg.model)[1])
     rng = np.random.default_rng(0)
     return jax.tree.map(
         lambda x: jax.device_put((0.1 * rng.standard_normal(x.shape)).astype(x.dtype)), abstract

@@ -22,9 +22,8 @@ import optax
 import pytest
 
 from rollout_api import records
-from sat_jax import objectives, train_step
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax import objectives, sharding, train_step
+from sat_jax.model import ModelConfig, placement
 from tests.train.test_batching import assemble, make_group, spec
 from train import batching
 
@@ -220,7 +219,7 @@ def test_observation_positions_are_out_of_sats_quantile():
 def _step_runs(configs):
     """[(metrics, params)] of one train step per (batch, step options) on fresh equal states."""
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    _, params0 = sharding.init_sharded(MODEL, mesh, 0)
+    _, params0 = placement.init_sharded(MODEL, mesh, 0)
     params0 = jax.device_get(params0)
     compiled, out = {}, []
     for batch, options in configs:

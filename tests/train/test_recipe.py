@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from rollout_api import records
+from sat_jax import sharding
 from sat_jax.experiment import ConfigError, load_config
-from sat_jax.parallel import sharding
+from sat_jax.model import placement
 from tests.train.test_batching import spec as batching_spec
 from train import batching, checkpointing, main, metrics, pulling, setup
 
@@ -26,7 +27,7 @@ L, K = 2, 2
 
 
 def traj(
-    reward: float, length: int, *, finish: str = "eos", version: int = 9, prompt=(1, 5, 6)
+    reward: float, length: int, *, finish: str = "stop", version: int = 9, prompt=(1, 5, 6)
 ) -> records.Trajectory:
     p = len(prompt)
     return records.Trajectory(
@@ -42,7 +43,7 @@ def traj(
 
 def group(group_id: int, rewards, *, lengths=None, finish=None, version: int = 9) -> records.Group:
     lengths = lengths or [2] * len(rewards)
-    finish = finish or ["eos"] * len(rewards)
+    finish = finish or ["stop"] * len(rewards)
     return records.Group(
         group_id=group_id,
         prompt_id=f"p{group_id}",
@@ -183,7 +184,7 @@ def test_the_budget_mid_pull_keeps_the_rest_of_that_pull():
 
 def test_stats_json_carries_the_new_fields():
     s = spec(filter_groups="all_equal")
-    groups = [group(1, [1, 1]), group(2, [1, 0], finish=["length", "eos"], lengths=[8, 2])]
+    groups = [group(1, [1, 1]), group(2, [1, 0], finish=["length", "stop"], lengths=[8, 2])]
     batch, stats = assemble(groups, s)
     assert (stats.filtered, stats.overlong_frac) == (1, 0.5)
     back = batching.BatchStats.from_json(stats.to_json(), lags=stats.lags)
@@ -195,8 +196,8 @@ def test_stats_json_carries_the_new_fields():
 
 def test_mask_zeroes_exactly_the_truncated_rows_and_keeps_their_rewards_in_the_baseline():
     groups = [
-        group(1, [1, 0], lengths=[8, 3], finish=["length", "eos"]),
-        group(2, [0.5, 0], lengths=[2, 8], finish=["eos", "length"]),
+        group(1, [1, 0], lengths=[8, 3], finish=["length", "stop"]),
+        group(2, [0.5, 0], lengths=[2, 8], finish=["stop", "length"]),
     ]
     plain, plain_stats = assemble(groups, spec())
     masked, stats = assemble(groups, spec(overlong="mask"))
@@ -228,7 +229,7 @@ def _soft(length: int, l_max: int, cache: int, penalty: float) -> float:
 def test_soft_punishment_below_at_inside_and_at_the_end_of_the_cache_window(penalty):
     # L_max 8, L_cache 4: window (4, 8].
     lengths = [3, 4, 5, 6, 7, 8]
-    finish = ["eos"] * 5 + ["length"]
+    finish = ["stop"] * 5 + ["length"]
     shape = dict(group_size=6, batch_groups=1)
     s = spec(**shape, overlong="soft", overlong_cache=4, overlong_penalty=penalty)
     rewards = [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
@@ -260,7 +261,7 @@ def test_overlong_frac_counts_truncated_trajectories_of_the_batch():
 @pytest.mark.parametrize("defaults", [{}, {"filter_max_rounds": 9, "overlong_cache": 0}])
 def test_every_option_off_gives_todays_batch_bit_for_bit(defaults):
     groups = [
-        group(1, [1, 0], lengths=[8, 3], finish=["length", "eos"]),
+        group(1, [1, 0], lengths=[8, 3], finish=["length", "stop"]),
         group(2, [0.5, 0.5], lengths=[2, 7]),
     ]
     base = spec(**defaults)
@@ -371,7 +372,7 @@ def test_loop_writes_groups_filtered_and_overlong_frac_per_step(tmp_path):
         group(3, [1, 0], version=1),
         group(4, [0, 0], version=2),
         group(5, [0, 0], version=2),
-        group(6, [1, 0], lengths=[8, 2], finish=["length", "eos"], version=2),
+        group(6, [1, 0], lengths=[8, 2], finish=["length", "stop"], version=2),
         group(7, [0.5, 0], version=2),
     ]
 
@@ -429,9 +430,7 @@ def _zero_params(cfg) -> dict:
     over the sampleable ids."""
     from flax import nnx
 
-    from sat_jax.parallel import sharding
-
-    abstract = nnx.to_pure_dict(sharding.abstract_model(cfg.model)[1])
+    abstract = nnx.to_pure_dict(placement.abstract_model(cfg.model)[1])
     return jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype)), abstract)
 
 

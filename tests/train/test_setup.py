@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
+from sat_jax import sharding
 from sat_jax.experiment import load_config
-from sat_jax.parallel import sharding
 from tests.train.test_remote import FakeRollout, serve
 from train import remote, setup
 

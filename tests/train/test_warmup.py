@@ -6,12 +6,12 @@ import jax
 import numpy as np
 import pytest
 
+from sat_jax import sharding
 from sat_jax.config import WarmupConfig
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.tasks import CharTokenizer, Prompt
 from sat_jax.tasks.config import TaskConfig
-from train import evaluation, warmup
+from train import held_out, warmup
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=20)
 TASK = TaskConfig()
@@ -21,7 +21,7 @@ TOKENIZER = CharTokenizer(TASK.alphabet)
 @pytest.fixture(scope="module")
 def model():
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    return sharding.init_sharded(MODEL_CFG, mesh, 0)
+    return placement.init_sharded(MODEL_CFG, mesh, 0)
 
 
 def test_supervised_rows_mask_the_answer_and_eos():
@@ -40,8 +40,8 @@ def test_warmup_learns_and_is_cached(model, tmp_path):
     same = jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)), tuned, again)
     assert all(jax.tree.leaves(same))
     # 30 steps already teach the answer format: an EOS-terminated digit string.
-    problems = evaluation.held_out_problems(TASK, 16)
-    texts = evaluation.greedy_completions(graphdef, tuned, problems, TOKENIZER, max_new_tokens=6)
+    problems = held_out.held_out_problems(TASK, 16)
+    texts = held_out.greedy_completions(graphdef, tuned, problems, TOKENIZER, max_new_tokens=6)
     assert sum(t.lstrip("-").isdigit() for t in texts) >= 8, texts
 
 

@@ -10,7 +10,7 @@ default), `feedback` and `calculator`. Pure Python: no server, model or grpc dep
 from sat_jax.tasks.envs.base import EnvConfig, Environment, Message, SingleTurn, Step
 from sat_jax.tasks.envs.calculator import CALCULATOR_TOOL, Calculator
 from sat_jax.tasks.envs.episode import EnvError, Episode
-from sat_jax.tasks.envs.evaluator import CalculatorError, calculate, evaluate
+from sat_jax.tasks.envs.expression import CalculatorError, calculate, evaluate
 from sat_jax.tasks.envs.feedback import RETRY_MESSAGE, Feedback
 from sat_jax.tasks.envs.registry import SHIPPED, check_env_name, load_environment
 from sat_jax.tasks.envs.runner import EpisodeRunner

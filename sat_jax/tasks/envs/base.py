@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sat_jax.tasks.arithmetic import Prompt
+from sat_jax.tasks.prompt import Prompt
 from sat_jax.tasks.rewards import make_reward
 
 Message = dict[str, str]

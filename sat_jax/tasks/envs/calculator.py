@@ -7,7 +7,7 @@ Tool calls are read in the model's chat format, Qwen3's (and Qwen2.5's, Hermes')
     </tool_call>
 
 Each call in an assistant turn is answered by one tool message, `{"role": "tool", "content":
-"84"}`, computed by the AST evaluator of evaluator.py (no `eval`, bounded sizes and time). A
+"84"}`, computed by the AST evaluator of expression.py (no `eval`, bounded sizes and time). A
 malformed or hostile call (not JSON, an unknown tool, missing or extra arguments, an unterminated
 `<tool_call>`, an expression the evaluator refuses) is answered with an "error: ..." message: the
 policy sees its mistake, the episode goes on, nothing raises. An assistant turn without a tool
@@ -25,7 +25,7 @@ import json
 from typing import Any
 
 from sat_jax.tasks.envs.base import Environment, Message, Step
-from sat_jax.tasks.envs.evaluator import MAX_CHARS, calculate
+from sat_jax.tasks.envs.expression import MAX_CHARS, calculate
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_CALLS = 8  # answered per assistant turn; more get one error message

@@ -20,8 +20,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from sat_jax.tasks.arithmetic import Prompt
 from sat_jax.tasks.envs.base import EnvConfig, Environment, Message, Step
+from sat_jax.tasks.prompt import Prompt
 
 
 class EnvError(RuntimeError):

@@ -24,10 +24,10 @@ from typing import Any
 
 import numpy as np
 
-from sat_jax.tasks.arithmetic import Prompt
 from sat_jax.tasks.envs.base import EnvConfig, Environment
 from sat_jax.tasks.envs.episode import Episode
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
+from sat_jax.tasks.prompt import Prompt
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class EpisodeRunner:
         Args:
           episode: the episode `start` made.
           ids: the turn's generated ids (its stop id included when it ended on one).
-          finish_reason: "eos" (a stop id ended the turn) or "length" (a limit did).
+          finish_reason: "stop" (a stop id ended the turn) or "length" (a limit did).
           room: completion tokens the episode has left.
 
         Returns:
@@ -88,7 +88,7 @@ class EpisodeRunner:
         step = episode.step(text, last=room <= 1)
         if step.done:
             return None
-        closed = finish_reason == "eos" and self.tokenizer.closes_turn(int(ids[-1]))
+        closed = finish_reason == "stop" and self.tokenizer.closes_turn(int(ids[-1]))
         inserted = self.tokenizer.observation_ids(
             step.observations, tools=episode.tools, close_turn=not closed
         )

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax.model import ModelConfig, Transformer, hf, hf_export
-from sat_jax.parallel import sharding
+from sat_jax import sharding
+from sat_jax.model import ModelConfig, Transformer, hf, hf_export, placement
 
 # Tied and untied, a forced-dense layer, bfloat16 storage: every table entry gets exercised.
 CASES = {
@@ -79,7 +79,7 @@ def test_sharded_load_places_every_param_on_its_rule(tmp_path: pathlib.Path) -> 
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1, expert=4, tensor=2))
     model = hf.load_qwen3_moe(out, mesh=mesh)
     loaded = nnx.to_pure_dict(nnx.state(model))
-    want = sharding.param_shardings(sharding.abstract_model(cfg)[1], mesh)
+    want = sharding.param_shardings(placement.abstract_model(cfg)[1], mesh)
     _assert_same(loaded, params)
     for (path, array), target in zip(
         jax.tree_util.tree_leaves_with_path(loaded), jax.tree.leaves(want), strict=True
@@ -109,6 +109,6 @@ def test_transformers_reads_the_export_with_equal_logits(tmp_path: pathlib.Path)
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)).astype(np.int32)
     with torch.no_grad():
         want = ref(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
-    model = nnx.merge(sharding.abstract_model(cfg)[0], params)
+    model = nnx.merge(placement.abstract_model(cfg)[0], params)
     got = np.asarray(model(jnp.asarray(tokens)))
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

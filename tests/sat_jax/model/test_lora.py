@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sat_jax import sharding
 from sat_jax.model import LoRAConfig, ModelConfig, Transformer, hf, hf_export
 from sat_jax.model.layers import LORA_A, LORA_B, is_lora_path
-from sat_jax.parallel import sharding
+from sat_jax.model.lora import init_lora, join_lora, split_lora
 
 ALL = ("attention", "mlp", "experts", "router")
 # A dense layer, then a MoE layer: every target has weights to adapt.
@@ -104,7 +105,7 @@ def test_scale_is_alpha_over_rank():
 def test_rank_zero_has_no_adapters_and_lora_leaves_the_base_init_alone(models):
     base, lora = models
     assert not any(is_lora_path(p) for p, _ in nnx.to_flat_state(nnx.state(base)))
-    got_base, adapters = sharding.split_lora(_pure(lora))
+    got_base, adapters = split_lora(_pure(lora))
     want = _pure(base)
     assert jax.tree.structure(got_base) == jax.tree.structure(want)
     for x, y in zip(jax.tree.leaves(got_base), jax.tree.leaves(want), strict=True):
@@ -186,7 +187,7 @@ def test_fresh_adapters_give_bit_identical_prefill_and_decode(models):
 def _trained(lora: Transformer, seed: int = 0) -> dict:
     """The LoRA model's params with every B drawn at random (as after some training)."""
     rng = np.random.default_rng(seed)
-    base, adapters = sharding.split_lora(_pure(lora))
+    base, adapters = split_lora(_pure(lora))
     adapters = jax.tree_util.tree_map_with_path(
         lambda p, x: (
             jnp.asarray(rng.normal(0, 0.3, x.shape), x.dtype)
@@ -195,12 +196,12 @@ def _trained(lora: Transformer, seed: int = 0) -> dict:
         ),
         adapters,
     )
-    return sharding.join_lora(base, adapters)
+    return join_lora(base, adapters)
 
 
 def _merged(params: dict, scale: float) -> dict:
     """The base params with each adapted W replaced by W + scale · A B, in float64 NumPy."""
-    base, adapters = sharding.split_lora(params)
+    base, adapters = split_lora(params)
     base = jax.tree.map(lambda x: np.asarray(x, np.float64), base)
 
     def merge(tree: dict, ads: dict) -> None:
@@ -264,10 +265,10 @@ def test_hf_import_with_lora_reads_the_base_and_makes_fresh_adapters(tmp_path: p
     out = hf_export.export_qwen3_moe(params, cfg, tmp_path / "hf")
     lora_cfg = hf.config_from_dir(out, lora=LoRAConfig(rank=4, targets=ALL))
     graphdef, loaded = hf.load_params(out, lora_cfg)
-    base, adapters = sharding.split_lora(loaded)
+    base, adapters = split_lora(loaded)
     for x, y in zip(jax.tree.leaves(base), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(x, y)
-    want = sharding.init_lora(lora_cfg, None, 0)
+    want = init_lora(lora_cfg, None, 0)
     assert jax.tree.structure(adapters) == jax.tree.structure(want)
     for x, y in zip(jax.tree.leaves(adapters), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(x, y)

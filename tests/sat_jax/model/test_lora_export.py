@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax.model import LoRAConfig, hf, hf_export, peft_export
+from sat_jax.model import LoRAConfig, hf, hf_export, lora, safetensors
 
 ALL_TARGETS = ("attention", "mlp", "experts", "router")
 
@@ -93,7 +93,7 @@ def test_merged_weight_is_base_plus_scaled_product_in_float32():
     w = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 4)), jnp.bfloat16)
     a = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, 3)), jnp.bfloat16)
     b = jnp.asarray(np.random.default_rng(2).normal(size=(2, 3, 4)), jnp.bfloat16)
-    got = hf_export.merged_weight(w, a, b, jnp.float32(0.7))
+    got = lora.merged_weight(w, a, b, jnp.float32(0.7))
     f32 = lambda x: np.asarray(x, np.float32)
     want = (f32(w) + 0.7 * np.einsum("eir,ero->eio", f32(a), f32(b))).astype(jnp.bfloat16)
     assert got.dtype == jnp.bfloat16
@@ -105,14 +105,12 @@ def test_peft_adapter_loads_onto_the_base_with_equal_logits(base_dir, tmp_path, 
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     cfg, graphdef, params = _lora_params(base_dir, targets)
-    out = peft_export.export_peft_adapter(
-        params, cfg, tmp_path / "adapter", base_model=str(base_dir)
-    )
+    out = lora.export_peft_adapter(params, cfg, tmp_path / "adapter", base_model=str(base_dir))
     assert sorted(p.name for p in out.iterdir()) == [
-        peft_export.ADAPTER_CONFIG,
-        peft_export.ADAPTER_WEIGHTS,
+        lora.ADAPTER_CONFIG,
+        lora.ADAPTER_WEIGHTS,
     ]
-    assert json.loads((out / peft_export.ADAPTER_CONFIG).read_text())["r"] == 3
+    assert json.loads((out / lora.ADAPTER_CONFIG).read_text())["r"] == 3
 
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir).eval()
     tokens = _tokens()
@@ -120,7 +118,7 @@ def test_peft_adapter_loads_onto_the_base_with_equal_logits(base_dir, tmp_path, 
     model = peft.PeftModel.from_pretrained(base, out).eval()
     # every adapter tensor was read (none missing, none unexpected): PEFT's state dict is ours
     theirs = peft.get_peft_model_state_dict(model)
-    written = _read(out / peft_export.ADAPTER_WEIGHTS)
+    written = _read(out / lora.ADAPTER_WEIGHTS)
     assert sorted(theirs) == sorted(written)
     for k, v in theirs.items():
         np.testing.assert_array_equal(v.numpy(), written[k], err_msg=k)
@@ -132,28 +130,28 @@ def test_peft_adapter_loads_onto_the_base_with_equal_logits(base_dir, tmp_path, 
 
 
 def _read(path: pathlib.Path) -> dict[str, np.ndarray]:
-    return {k: np.array(v) for k, v in hf._read_safetensors(path).items()}
+    return {k: np.array(v) for k, v in safetensors.read_safetensors(path).items()}
 
 
 def test_peft_adapter_refusals(base_dir, tmp_path):
     cfg = hf.config_from_dir(base_dir)
     _, params = hf.load_params(base_dir, cfg)
-    with pytest.raises(peft_export.AdapterExportError, match="rank > 0"):
-        peft_export.export_peft_adapter(params, cfg, tmp_path / "a")
+    with pytest.raises(lora.AdapterExportError, match="rank > 0"):
+        lora.export_peft_adapter(params, cfg, tmp_path / "a")
     lora_cfg, _, lora_params = _lora_params(base_dir, ("attention",))
     # an adapter on a weight PEFT has no name for (here: a made-up one) is refused by name
     lora_params["layers"][1]["attn"]["w_extra_lora_a"] = np.zeros((2, 3), np.float32)
     lora_params["layers"][1]["attn"]["w_extra_lora_b"] = np.zeros((3, 2), np.float32)
-    with pytest.raises(peft_export.AdapterExportError, match="layers/1/attn/w_extra.*merged"):
-        peft_export.export_peft_adapter(lora_params, lora_cfg, tmp_path / "b")
+    with pytest.raises(lora.AdapterExportError, match="layers/1/attn/w_extra.*merged"):
+        lora.export_peft_adapter(lora_params, lora_cfg, tmp_path / "b")
     assert not (tmp_path / "b").exists()
     del lora_params["layers"][1]["attn"]["w_extra_lora_a"]
     del lora_params["layers"][1]["attn"]["w_extra_lora_b"]
     lora_params["lm_head_dv_lora_a"] = np.zeros((2, 3), np.float32)
-    with pytest.raises(peft_export.AdapterExportError, match="lm_head_dv_lora_a.*merged"):
-        peft_export.export_peft_adapter(lora_params, lora_cfg, tmp_path / "b")
+    with pytest.raises(lora.AdapterExportError, match="lm_head_dv_lora_a.*merged"):
+        lora.export_peft_adapter(lora_params, lora_cfg, tmp_path / "b")
     assert not (tmp_path / "b").exists()
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "x").write_text("")
     with pytest.raises(FileExistsError, match="not empty"):
-        peft_export.export_peft_adapter(lora_params, lora_cfg, tmp_path / "c")
+        lora.export_peft_adapter(lora_params, lora_cfg, tmp_path / "c")

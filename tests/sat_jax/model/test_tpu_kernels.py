@@ -18,8 +18,8 @@ from sat_jax.model import ModelConfig, Transformer
 from sat_jax.model.attention import causal_attention, dense_attention, resolve_attention
 from sat_jax.model.moe import Experts, dispatch_dense, dispatch_ragged, resolve_dispatch
 from sat_jax.model.tpu_kernels import gmm_dispatch, gmm_row_tile, splash_attention, splash_block
-from sat_jax.parallel import topology
-from sat_jax.parallel.rules import MeshConfig, make_mesh
+from sat_jax.plan import topology
+from sat_jax.sharding import MeshConfig, make_mesh
 
 RTOL, ATOL = 1e-5, 1e-5
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from sat_jax.tasks import Prompt, TaskConfig
 from sat_jax.tasks.envs import CALCULATOR_TOOL, Calculator, CalculatorError, Episode, evaluate
 from sat_jax.tasks.envs.calculator import MAX_CALLS, find_tool_calls, run_tool_call
-from sat_jax.tasks.envs.evaluator import (
+from sat_jax.tasks.envs.expression import (
     MAX_CHARS,
     MAX_DEPTH,
     MAX_EXPONENT,

@@ -4,7 +4,7 @@ analytic costs.
 Every input is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the real program gets, so
 ``lower(...).compile()`` builds the executable the trainer or server would run on that mesh
 without allocating anything: on this host's devices (``sat_jax.plan --compile``) or on a TPU
-topology's compile-only devices (``--topology``, ``sat_jax.parallel.topology``).
+topology's compile-only devices (``--topology``, ``sat_jax.plan.topology``).
 
 * Train step: ``train_step.make_train_step`` exactly as ``train.main`` builds it (the config's
   loss, routing replay with the recorded routing in the batch, per-row rewards and group ids
@@ -37,10 +37,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sat_jax import objectives, train_step
+from sat_jax import objectives, sharding, train_step
 from sat_jax.decoding import DecodeCore, SamplingConfig
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import hlo_flops, sharding
+from sat_jax.model import ModelConfig, placement
+from sat_jax.plan import hlo_flops
 
 
 def _with(x: Any, sh: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -49,7 +49,7 @@ def _with(x: Any, sh: NamedSharding) -> jax.ShapeDtypeStruct:
 
 def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> Any:
     """The params' pure dict as ``ShapeDtypeStruct``s in their rule shardings on ``mesh``."""
-    _, abstract = sharding.abstract_model(model_cfg)
+    _, abstract = placement.abstract_model(model_cfg)
     shardings = sharding.param_shardings(abstract, mesh)
     return jax.tree.map(_with, nnx.to_pure_dict(abstract), shardings)
 
@@ -282,7 +282,7 @@ def compile_server_programs(
     Raises:
       ProgramOutOfMemory: XLA:TPU refused a program for lack of HBM (which one is named).
     """
-    graphdef, _ = sharding.abstract_model(model_cfg)
+    graphdef, _ = placement.abstract_model(model_cfg)
     core = DecodeCore(
         graphdef,
         model_cfg,

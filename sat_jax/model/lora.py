@@ -1,4 +1,16 @@
-"""Export LoRA adapters as a PEFT adapter directory (``sat-export --adapter``).
+"""LoRA adapters as whole trees: split from and joined to the base, initialized fresh, and exported
+as a PEFT adapter directory (``sat-export --adapter``).
+
+The adapters themselves are layers (``sat_jax.model.layers``: ``LoRA``, ``LORA_A`` / ``LORA_B``,
+``is_lora_path``) configured by ``model.lora.*`` (``LoRAConfig``, ``sat_jax.model.config``); they sit
+below the ``Transformer``, which this module builds on. ``merged_weight`` folds an adapter into its
+base weight (the merged HF export, ``sat_jax.model.hf_export``).
+
+``split_lora`` parts a params tree (or any tree of the same nested-dict layout: shardings, specs,
+shapes) into the frozen base and the adapters, ``join_lora`` puts them back together, and
+``init_lora`` makes fresh adapters on their own (for a base read from a checkpoint).
+
+PEFT export:
 
     export_peft_adapter(params, cfg, "runs/x/adapter", base_model="Qwen/Qwen3-30B-A3B")
     # then, in torch:
@@ -34,16 +46,128 @@ from __future__ import annotations
 
 import json
 import pathlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
+from sat_jax import sharding
+from sat_jax.model import placement
 from sat_jax.model.config import ModelConfig
-from sat_jax.model.hf_export import safetensors_header
-from sat_jax.model.layers import LORA_A, LORA_B
+from sat_jax.model.layers import LORA_A, LORA_B, is_lora_path
+from sat_jax.model.safetensors import safetensors_header
+from sat_jax.model.transformer import Transformer
+
+
+def split_lora(tree: Mapping) -> tuple[dict, dict]:
+    """``(base, adapters)``: a nested dict of the params' layout (``nnx.to_pure_dict``; leaves may
+    be arrays, shardings, specs, shapes) parted by ``sat_jax.model.layers.is_lora_path``.
+
+    Sub-dicts left empty are dropped, so without adapters ``base`` is ``tree`` and ``adapters``
+    is ``{}``. ``join_lora(*split_lora(tree))`` equals ``tree``.
+    """
+    base: dict = {}
+    adapters: dict = {}
+    for path, leaf in _flat_dict(tree):
+        _put(adapters if is_lora_path(path) else base, path, leaf)
+    return base, adapters
+
+
+def join_lora(base: Mapping, adapters: Mapping) -> dict:
+    """The full params tree of ``split_lora``'s two parts (``nnx.merge`` takes it whole)."""
+    out: dict = {}
+    for part in (base, adapters):
+        for path, leaf in _flat_dict(part):
+            _put(out, path, leaf)
+    return out
+
+
+def _flat_dict(tree: Mapping, prefix: tuple = ()) -> list[tuple[tuple, Any]]:
+    out = []
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            out += _flat_dict(value, (*prefix, key))
+        else:
+            out.append(((*prefix, key), value))
+    return out
+
+
+def _put(tree: dict, path: tuple, leaf: Any) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    if path[-1] in tree:
+        raise ValueError(f"parameter {'/'.join(map(str, path))} is in both parts")
+    tree[path[-1]] = leaf
+
+
+def abstract_adapters(model_cfg: ModelConfig, mesh: Mesh) -> dict:
+    """The LoRA adapters of ``model_cfg`` as ``jax.ShapeDtypeStruct``s in their shardings on
+    ``mesh`` (the rules'), nothing allocated: what a loader restores adapters into.
+
+    Raises:
+      ValueError: ``model_cfg.lora.rank`` is 0.
+    """
+    if not model_cfg.lora.rank:
+        raise ValueError("abstract_adapters needs model_cfg.lora.rank > 0")
+    _, abstract = placement.abstract_model(model_cfg)
+    shardings = split_lora(sharding.param_shardings(abstract, mesh))[1]
+    shapes = split_lora(nnx.to_pure_dict(abstract))[1]
+    return jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+    )
+
+
+def init_lora(model_cfg: ModelConfig, shardings: Any = None, rng: int | jax.Array = 0) -> dict:
+    """Fresh LoRA adapters of ``model_cfg``: those of ``init_sharded(model_cfg, mesh, rng)`` (A
+    random, fan-in scaled; B zero), for a base that comes from elsewhere (an HF checkpoint).
+
+    The model's init runs under ``jax.jit`` with only the adapters as outputs, so the base's
+    random init is dead code XLA drops: nothing of the base is computed or allocated.
+
+    Args:
+      model_cfg: a config with ``lora.rank`` > 0.
+      shardings: the adapters' shardings (a nested dict, e.g. ``split_lora`` of
+        ``param_shardings``), or None for the default device.
+      rng: an int seed or a PRNG key.
+    """
+    if not model_cfg.lora.rank:
+        raise ValueError("init_lora needs model_cfg.lora.rank > 0")
+    key = jax.random.key(rng) if isinstance(rng, int) else rng
+
+    def init(key: jax.Array) -> dict:
+        model = Transformer(model_cfg, rngs=nnx.Rngs(key))
+        return split_lora(nnx.to_pure_dict(nnx.state(model)))[1]
+
+    return jax.jit(init, out_shardings=shardings)(key)
+
+
+@jax.jit
+def merged_weight(w: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+    """W + scale · A B in float32 (full-precision product), cast to W's dtype.
+
+    The product contracts A's last (rank) axis with B's first non-batch axis, batched over the
+    leading axes they share (the expert axis of stacked experts), as
+    ``sat_jax.model.layers.lora_weight`` does.
+
+    Args:
+      w: the base weight [*batch, *in, *out].
+      a: its adapter A [*batch, *in, r]; b: its adapter B [*batch, r, *out].
+      scale: alpha / r.
+    """
+    nb = a.ndim + b.ndim - 2 - w.ndim
+    batch = tuple(range(nb))
+    delta = jax.lax.dot_general(
+        a.astype(jnp.float32),
+        b.astype(jnp.float32),
+        (((a.ndim - 1,), (nb,)), (batch, batch)),
+        precision=jax.lax.Precision.HIGHEST,
+    )
+    return (w.astype(jnp.float32) + scale * delta).astype(w.dtype)
+
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -193,8 +317,6 @@ def export_peft_adapter(
       FileExistsError: ``out`` exists and is not empty.
       AdapterExportError: LoRA is off, or an adapter has no PEFT form (nothing is written).
     """
-    from sat_jax.parallel import sharding  # sat_jax.parallel.sharding imports sat_jax.model
-
     out = pathlib.Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"export directory {out} exists and is not empty")
@@ -202,7 +324,7 @@ def export_peft_adapter(
         params = nnx.to_pure_dict(params)
     config = peft_config(cfg, base_model=base_model)
     # Adapters are small (a fraction of the model): all of them on the host at once is fine.
-    tensors = list(_tensors(sharding.split_lora(params)[1], cfg))
+    tensors = list(_tensors(split_lora(params)[1], cfg))
     entries = [(k, tuple(v.shape), v.dtype) for k, v in tensors]
     out.mkdir(parents=True, exist_ok=True)
     with open(out / ADAPTER_WEIGHTS, "wb") as f:

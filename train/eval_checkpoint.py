@@ -1,5 +1,5 @@
 """``sat-eval --config CFG [dotted.key=value ...] [--step N | --hf DIR] --k K --problems N``:
-avg@K, pass@K and greedy accuracy of a policy (also ``python -m train.eval_cli``).
+avg@K, pass@K and greedy accuracy of a policy (also ``python -m train.eval_checkpoint``).
 
 The policy: checkpoint ``N`` of the run (``--step``; default the latest), or the weights of a
 Hugging Face directory (``--hf``, e.g. a ``sat-export`` output; its architecture must be the
@@ -8,7 +8,7 @@ checkpoint (``model.lora.rank`` > 0) holds only the adapters: they are joined to
 as the run made it (``train.setup.base_policy``; another base is refused); ``--hf`` of its merged
 export is read as a base with fresh (zero) adapters, i.e. exactly the export. The problems: the
 arithmetic task's held-out stream, or the first N rows of ``task.path``. Completions go through
-the server's decoding core (``train.evaluation.Evaluator``), scored by ``task.reward``. Prints a
+the server's decoding core (``train.held_out.Evaluator``), scored by ``task.reward``. Prints a
 table and writes every number and completion to ``--out`` (default
 ``<run_dir>/eval/<step-N|hf>.json``).
 
@@ -21,18 +21,19 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import sys
 from typing import Any
 
 from flax import nnx
 
 from sat_jax import cli as sat_cli
+from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
-from sat_jax.model import hf
+from sat_jax.model import hf, placement
 from sat_jax.model.config import runtime_overrides
-from sat_jax.parallel import sharding
 from sat_jax.tasks import Prompt
 from sat_jax.tasks.pipeline import read_prompts
-from train import checkpointing, evaluation, setup
+from train import checkpointing, held_out, setup
 
 
 class EvalInputError(Exception):
@@ -42,7 +43,7 @@ class EvalInputError(Exception):
 def problems_of(cfg: ExperimentConfig, n: int) -> list[Prompt]:
     """The first ``n`` evaluation problems of the task (file rows lacking a column are skipped)."""
     if cfg.task.source == "arithmetic":
-        return evaluation.held_out_problems(cfg.task, n)
+        return held_out.held_out_problems(cfg.task, n)
     t = cfg.task
     prompts, _ = read_prompts(
         t.path, prompt_key=t.prompt_key, answer_key=t.answer_key, id_key=t.id_key
@@ -55,7 +56,7 @@ def policy_params(
 ) -> tuple[str, nnx.GraphDef, Any]:
     """(label, graphdef, params) of the policy to evaluate (see the module docstring)."""
     mesh = sharding.make_mesh(cfg.train.mesh)
-    graphdef, abstract = sharding.abstract_model(cfg.model)
+    graphdef, abstract = placement.abstract_model(cfg.model)
     shardings = sharding.param_shardings(abstract, mesh)
     if hf_dir is not None:
         try:
@@ -91,14 +92,14 @@ def cli(argv: list[str] | None = None) -> None:
     parser.add_argument("--k", type=int, default=4, help="samples per problem")
     parser.add_argument("--problems", type=int, default=100, help="how many problems")
     parser.add_argument("--out", help="JSON file (default <run_dir>/eval/<step-N|hf>.json)")
-    args = command.parse(argv)
+    args = command.parse(sys.argv[1:] if argv is None else argv)
     with command.exit_on(ConfigError, EvalInputError, OSError, ValueError):
         if args.k < 1 or args.problems < 1:
             raise EvalInputError(f"--k and --problems must be >= 1, got {args.k}, {args.problems}")
         cfg = load_config(args.config, args.overrides)
         label, graphdef, params = policy_params(cfg, step=args.step, hf_dir=args.hf)
         problems = problems_of(cfg, args.problems)
-    evaluator = evaluation.Evaluator.from_config(cfg, graphdef)
+    evaluator = held_out.Evaluator.from_config(cfg, graphdef)
     result = evaluator.evaluate(params, problems, k=args.k)
     out = pathlib.Path(args.out or os.path.join(setup.run_paths(cfg)[0], "eval", f"{label}.json"))
     out.parent.mkdir(parents=True, exist_ok=True)

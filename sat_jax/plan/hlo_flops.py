@@ -17,7 +17,7 @@ would be a fraction of the work. ``matmul_flops`` walks the optimized per-device
   ``compare(i, constant)`` (jax's ``scan`` and ``fori_loop`` count i from 0). A loop whose bound
   is not a constant counts once and is reported in ``HloFlops.unknown_loops``.
 
-Elementwise work is not counted: the analytic side (``sat_jax.parallel.programs``) counts matmuls
+Elementwise work is not counted: the analytic side (``sat_jax.plan.programs``) counts matmuls
 only, so the ratio of the two shows recomputation and dense (all-expert) dispatch.
 """
 

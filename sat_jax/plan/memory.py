@@ -3,13 +3,13 @@
     python -m sat_jax.plan --preset qwen3_30b_a3b --mesh fsdp=64
     python -m sat_jax.plan --config configs/qwen3_30b_a3b_gsm8k.yaml   # its model and train.mesh
     python -m sat_jax.plan --preset small --mesh fsdp=8 --batch 8 --seq-len 2048 --compile \
-        --set remat=layer   # with XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU
+        remat=layer   # with XLA_FLAGS=--xla_force_host_platform_device_count=8 on CPU
 
 prints total and active parameter counts and the per-device bytes of parameters, gradients and the
 optimizer state. Shapes come from ``nnx.eval_shape`` (the optimizer state's shapes and dtypes from
 ``jax.eval_shape`` of the trainer's real ``optimizer.init``: Adam's m and v are float32 whatever the
 parameter dtype, ``sat_jax.optimizer``) and shardings from the rules in
-``sat_jax.parallel.sharding`` applied to the mesh's axis sizes, so the numbers are exactly what
+``sat_jax.sharding`` applied to the mesh's axis sizes, so the numbers are exactly what
 ``init_train_state`` would place on each device (per-device bytes of a parameter = its bytes divided
 by the product of the mesh axes its ``PartitionSpec`` shards it over). With ``--compile`` it also
 lowers and compiles the real train step (the trainer's optimizer, the default SAT loss) for a
@@ -37,30 +37,27 @@ gradients and optimizer state cover the adapters only and the frozen base is cou
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import sys
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import yaml
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from sat_jax import objectives, train_step
+from sat_jax import objectives, sharding, train_step
 from sat_jax.config import TrainConfig
 from sat_jax.decoding import SamplingConfig
-from sat_jax.experiment import ExperimentConfig, load_config
-from sat_jax.model import ModelConfig
-from sat_jax.model.config import LoRAConfig
+from sat_jax.experiment import ExperimentConfig
+from sat_jax.model import ModelConfig, placement
 from sat_jax.model.layers import is_lora_path
+from sat_jax.model.lora import split_lora
 from sat_jax.optimizer import OptimizerConfig
-from sat_jax.parallel import programs, sharding, topology
-from sat_jax.parallel.topology import GIB
+from sat_jax.plan import programs, topology
+from sat_jax.plan.topology import GIB
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,7 +125,7 @@ def plan_memory(
             raise ValueError("a mesh with a -1 axis needs num_devices (--devices)")
         num_devices = math.prod(sizes.values())
     mesh = sharding.abstract_mesh(mesh_cfg, num_devices)
-    _, abstract = sharding.abstract_model(model_cfg)
+    _, abstract = placement.abstract_model(model_cfg)
     specs = dict(nnx.to_flat_state(nnx.State(sharding.param_specs(abstract, mesh))))
     lora = model_cfg.lora.rank > 0
     total = expert = adapter = 0
@@ -179,7 +176,7 @@ def _optimizer_bytes(
     params = nnx.to_pure_dict(abstract)
     specs = sharding.param_specs(abstract, mesh)
     if lora:
-        params, specs = sharding.split_lora(params)[1], sharding.split_lora(specs)[1]
+        params, specs = split_lora(params)[1], split_lora(specs)[1]
     state = jax.eval_shape(optimizer.init, params)
     specs = optax.tree_map_params(
         optimizer,
@@ -292,7 +289,7 @@ def _memory_rows(memory: topology.ProgramMemory) -> list[str]:
     ]
 
 
-def _header(name: str, devices: Sequence[jax.Device], chip: topology.Chip) -> str:
+def header(name: str, devices: Sequence[jax.Device], chip: topology.Chip) -> str:
     return (
         f"topology         {name}: {len(devices)} x {devices[0].device_kind} ({chip.name}), "
         f"{chip.hbm_gib:g} GiB HBM and {chip.hbm_gbps:g} GB/s per chip "
@@ -459,172 +456,3 @@ def _roofline(
         f"roofline         {slots / step_s:,.0f} tokens/s per server at {chip.hbm_gbps:g} GB/s "
         f"({step_s * 1e3:.2f} ms per step memory-bound; compute floor {compute_s * 1e3:.2f} ms)",
     ]
-
-
-def _model_config(preset: str, settings: Sequence[str]) -> ModelConfig:
-    """The preset with ``--set`` overrides; ``lora.FIELD=VALUE`` sets a ``LoRAConfig`` field."""
-    overrides, lora = {}, {}
-    for item in settings:
-        key, sep, text = item.partition("=")
-        if not sep:
-            raise ValueError(f"--set {item!r} is not field=value")
-        key, value = key.strip(), yaml.safe_load(text)
-        if key.startswith("lora."):
-            lora[key.removeprefix("lora.")] = tuple(value) if isinstance(value, list) else value
-        else:
-            overrides[key] = value
-    if lora:
-        overrides["lora"] = LoRAConfig(**lora)
-    return ModelConfig.preset(preset, **overrides)
-
-
-def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m sat_jax.plan", description=__doc__.split("\n")[0]
-    )
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help="a ModelConfig preset name")
-    source.add_argument("--config", help="an experiment YAML: its model and train.mesh")
-    parser.add_argument(
-        "--mesh",
-        help="axis sizes, e.g. fsdp=64 or data=2,fsdp=32 (default with --config: train.mesh, "
-        "or server.mesh with --serve)",
-    )
-    parser.add_argument("--devices", type=int, default=None, help="device count for a -1 axis")
-    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of --config")
-    parser.add_argument(
-        "--set", action="append", default=[], metavar="FIELD=VALUE", help="ModelConfig override"
-    )
-    parser.add_argument("--compile", action="store_true", help="compile the train step too")
-    parser.add_argument("--batch", type=int, default=None, help="B, rows of the batch")
-    parser.add_argument("--seq-len", type=int, default=None, help="T, tokens per row")
-    parser.add_argument(
-        "--microbatches",
-        type=int,
-        default=None,
-        help="gradient accumulation k (train.microbatches)",
-    )
-    parser.add_argument(
-        "--topology", help="compile with XLA:TPU for this slice, e.g. v5p:4x4x4 (needs libtpu)"
-    )
-    parser.add_argument(
-        "--serve", action="store_true", help="the rollout server's programs (server.*) instead"
-    )
-    parser.add_argument("--hbm-gib", type=float, default=None, help="override the chip's HBM")
-    parser.add_argument("--dump-hlo", help="write the compiled train step's HLO text here")
-    return parser.parse_intermixed_args(argv)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    name: str
-    model: ModelConfig
-    mesh: sharding.MeshConfig
-    train: TrainConfig
-    experiment: ExperimentConfig | None
-
-
-def _configs(args: argparse.Namespace) -> _Setup:
-    """The model, mesh and train config from --preset/--set/--mesh or --config and overrides."""
-    if args.config is None:
-        if args.mesh is None or args.overrides:
-            raise ValueError("--preset needs --mesh and takes no key=value overrides")
-        if args.serve:
-            raise ValueError("--serve needs --config (its server.* settings)")
-        model_cfg = _model_config(args.preset, args.set)
-        return _Setup(
-            args.preset, model_cfg, sharding.MeshConfig.parse(args.mesh), TrainConfig(), None
-        )
-    if args.set:
-        raise ValueError("--set is for --preset; give a --config model.FIELD=VALUE instead")
-    cfg = load_config(args.config, args.overrides)
-    default = cfg.server.mesh if args.serve else cfg.train.mesh
-    mesh_cfg = sharding.MeshConfig.parse(args.mesh) if args.mesh else default
-    if args.serve:
-        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, mesh=mesh_cfg))
-    return _Setup(
-        cfg.name, cfg.serving_model if args.serve else cfg.model, mesh_cfg, cfg.train, cfg
-    )
-
-
-def _batch_shape(args: argparse.Namespace, setup: _Setup) -> tuple[int | None, int | None, int]:
-    """(B, T, k): the flags, else the config's batch (batch_groups · group_size rows of
-    prefill + max_new_tokens) and train.microbatches."""
-    cfg = setup.experiment
-    batch, seq_len = args.batch, args.seq_len
-    if cfg is not None:
-        batch = batch or cfg.rollout.batch_groups * cfg.rollout.group_size
-        seq_len = seq_len or cfg.server.max_prefill_length + cfg.completion_tokens
-    return batch, seq_len, args.microbatches or setup.train.microbatches
-
-
-def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
-    """``--topology``: compile with XLA:TPU for the slice and report; 0 fits, 1 does not."""
-    if jax.config.jax_platforms is None:
-        # Host computations stay on the CPU: on a TPU VM the plan must not take the chips.
-        jax.config.update("jax_platforms", "cpu")
-    devices = topology.topology_devices(args.topology)
-    chip = topology.chip_of(devices, args.hbm_gib)
-    mesh = sharding.make_mesh(setup.mesh, devices)
-    print(_header(args.topology, devices, chip))
-    if args.serve:
-        lines, fits = report_serve(setup.experiment, mesh, chip)
-    else:
-        batch, seq_len, k = _batch_shape(args, setup)
-        if batch is None or seq_len is None:
-            raise ValueError("--compile needs --batch and --seq-len (or a --config)")
-        spec = programs.TrainStepSpec(
-            optimizer=setup.train.optimizer.make(setup.train.steps),
-            loss=setup.train.loss,
-            routing_replay=setup.train.routing_replay,
-            microbatches=k,
-            temperature=setup.experiment.rollout.temperature if setup.experiment else 1.0,
-            estimator=setup.train.advantage_estimator,
-            normalize_std=setup.train.normalize_std,
-            kept_counts=bool(setup.experiment and setup.experiment.rollout.replays_truncation),
-            recompute_old_logp=setup.train.old_logp == "recompute",
-        )
-        plan = plan_memory(setup.model, setup.mesh, len(devices), spec.optimizer)
-        print(format_plan(setup.name, plan))
-        lines, fits = report_train(
-            setup.model, spec, mesh, chip, plan, batch, seq_len, dump_hlo=args.dump_hlo
-        )
-    print("\n".join(lines))
-    return 0 if fits else 1
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command-line entry point; returns the exit status (1: the program does not fit)."""
-    args = _parse(argv)
-    try:
-        setup = _configs(args)
-        if args.topology:
-            if not (args.compile or args.serve):
-                raise ValueError("--topology needs --compile or --serve")
-            return _for_topology(args, setup)
-        if args.serve:
-            raise ValueError("--serve needs --topology (the chip to compile for)")
-        optimizer = setup.train.optimizer.make(setup.train.steps)
-        plan = plan_memory(setup.model, setup.mesh, args.devices, optimizer)
-        batch, seq_len, k = _batch_shape(args, setup)
-        if args.compile and (batch is None or seq_len is None):
-            raise ValueError("--compile needs --batch and --seq-len")
-    except (ValueError, TypeError, topology.LibtpuMissing, topology.LibtpuUnavailable) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(format_plan(setup.name, plan))
-    if args.compile:
-        try:
-            temp = compiled_temp_bytes(
-                setup.model, setup.mesh, batch, seq_len, microbatches=k, optimizer=optimizer
-            )
-        except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        print(f"batch            [{batch}, {seq_len}], {k} microbatch(es)")
-        print(f"compiled temp bytes per device: {temp}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,8 @@ JAX compiles for a TPU topology on any machine where libtpu is installed:
 .compile()`` runs the real XLA:TPU compiler, so its memory analysis and cost analysis are the
 target's (MaxText's train_compile.py works the same way). Nothing runs and no TPU is touched.
 
-libtpu outside a TPU VM (``offline_libtpu_env``, set before libtpu first loads):
+libtpu outside a TPU VM (``offline_libtpu_env``, which ``python -m sat_jax.plan`` sets before libtpu
+first loads):
 
 * ``TPU_SKIP_MDS_QUERY=1``: libtpu does not ask the GCE metadata server
   (metadata.google.internal) for the host's accelerator type and worker list. JAX also sets it
@@ -90,19 +91,31 @@ class LibtpuUnavailable(RuntimeError):
     """libtpu is installed but did not load or did not give the topology."""
 
 
-def offline_libtpu_env(accelerator_type: str = "v5p-8") -> None:
-    """Sets the environment that keeps libtpu off the network and off its lockfile (module
-    docstring). Call before libtpu first loads (it reads them once); values already set are
-    kept. ``accelerator_type`` is a Cloud TPU name such as "v5p-128"."""
-    os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
-    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
-    os.environ.setdefault("TPU_ACCELERATOR_TYPE", accelerator_type)
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+def offline_libtpu_env(name: str) -> dict[str, str]:
+    """The environment that keeps libtpu off the network and off its lockfile for a compile for
+    topology ``name`` (module docstring). The command sets each value where it is unset
+    (``os.environ.setdefault``: a TPU VM's own values win) before libtpu first loads; the library
+    reads no environment variables.
+
+    Raises:
+      ValueError: a malformed name (``parse_topology``).
+    """
+    kind, dims = parse_topology(name)
+    chips = math.prod(dims)
+    # Cloud TPU names count TensorCores on v4 and v5p (two per chip), chips on v5e and v6e.
+    accelerator = {"v4": f"v4-{2 * chips}", "v5e": f"v5litepod-{chips}", "v6e": f"v6e-{chips}"}
+    return {
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        "TPU_ACCELERATOR_TYPE": accelerator.get(kind, f"v5p-{2 * chips}"),
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
 
 
-def libtpu_installed() -> bool:
-    """Whether JAX can find libtpu (the ``libtpu`` package or ``TPU_LIBRARY_PATH``)."""
-    path = os.environ.get("TPU_LIBRARY_PATH", "")
+def libtpu_installed(library_path: str = "") -> bool:
+    """Whether JAX can find libtpu: the ``libtpu`` package, or ``library_path`` (the value of
+    ``TPU_LIBRARY_PATH``, which the command reads) naming a file."""
+    path = library_path
     return bool(path and os.path.isfile(path)) or importlib.util.find_spec("libtpu") is not None
 
 
@@ -127,24 +140,18 @@ def parse_topology(name: str) -> tuple[str, tuple[int, ...]]:
 def topology_devices(name: str) -> list[jax.Device]:
     """The compile-only devices of TPU topology ``name`` (one per chip), from libtpu.
 
+    Call it with libtpu's environment set (``offline_libtpu_env``; ``python -m sat_jax.plan``
+    sets it).
+
     A full cube of a 3D torus (every dimension a multiple of 4) and the 16-chip sides of a 2D one
     wrap around, as on the real slices; hosts hold 2x2 chips.
 
     Raises:
       ValueError: a malformed name (``parse_topology``).
-      LibtpuMissing: libtpu is not installed.
       LibtpuUnavailable: libtpu did not load or refused the topology.
     """
     kind, dims = parse_topology(name)
-    if not libtpu_installed():
-        raise LibtpuMissing(
-            "libtpu is not installed: compiling for a TPU topology needs it "
-            "(pip install -e '.[tpu]', or put the libtpu package on PYTHONPATH)"
-        )
     chips = math.prod(dims)
-    # Cloud TPU names count TensorCores on v4 and v5p (two per chip), chips on v5e and v6e.
-    accelerator = {"v4": f"v4-{2 * chips}", "v5e": f"v5litepod-{chips}", "v6e": f"v6e-{chips}"}
-    offline_libtpu_env(accelerator.get(kind, f"v5p-{2 * chips}"))
     from jax.experimental import topologies
 
     if len(dims) == 3:

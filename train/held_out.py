@@ -1,5 +1,5 @@
 """Evaluation through the server's decoding core (docs/DESIGN.md §4): K samples per problem,
-avg@K, pass@K and greedy accuracy, scored by the task's reward. ``sat-eval`` (train/eval_cli.py)
+avg@K, pass@K and greedy accuracy, scored by the task's reward. ``sat-eval`` (train/eval_checkpoint.py)
 and the trainer's periodic evaluation both run ``Evaluator``.
 
 Completions come from ``sat_jax.decoding`` (batched over ``server.slots`` slots with a KV cache,

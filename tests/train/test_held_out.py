@@ -1,4 +1,4 @@
-"""Held-out problems and greedy accuracy (train/evaluation.py)."""
+"""Held-out problems and greedy accuracy (train/held_out.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sat_jax import sharding
 from sat_jax.experiment import load_config
-from sat_jax.model import ModelConfig
-from sat_jax.parallel import sharding
+from sat_jax.model import ModelConfig, placement
 from sat_jax.tasks import CharTokenizer, Prompt, sampleable_mask
 from sat_jax.tasks.config import TaskConfig
-from train import evaluation, warmup
+from train import held_out, warmup
 
 MODEL_CFG = ModelConfig.preset("tiny", vocab_size=20)
 TASK = TaskConfig()
@@ -22,22 +22,22 @@ TOKENIZER = CharTokenizer(TASK.alphabet)
 @pytest.fixture(scope="module")
 def model():
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    return sharding.init_sharded(MODEL_CFG, mesh, 0)
+    return placement.init_sharded(MODEL_CFG, mesh, 0)
 
 
 def test_held_out_problems_are_a_separate_stream():
-    held = evaluation.held_out_problems(TASK, 50)
+    held = held_out.held_out_problems(TASK, 50)
     assert len({p.id for p in held}) == 50
-    assert all(p.id.startswith(f"arith-{TASK.seed + evaluation.EVAL_SEED_OFFSET}-") for p in held)
-    assert evaluation.EVAL_SEED_OFFSET != warmup.SFT_SEED_OFFSET
+    assert all(p.id.startswith(f"arith-{TASK.seed + held_out.EVAL_SEED_OFFSET}-") for p in held)
+    assert held_out.EVAL_SEED_OFFSET != warmup.SFT_SEED_OFFSET
 
 
 def test_greedy_completions_are_the_argmax_of_the_full_forward(model):
     """Greedy = argmax over the sampleable ids (the server's set), through the decoding core."""
     graphdef, params = model
     sampleable = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size)
-    problems = evaluation.held_out_problems(TASK, 4)
-    texts = evaluation.greedy_completions(graphdef, params, problems, TOKENIZER, max_new_tokens=4)
+    problems = held_out.held_out_problems(TASK, 4)
+    texts = held_out.greedy_completions(graphdef, params, problems, TOKENIZER, max_new_tokens=4)
     # Re-check every generated token against one forward pass over prompt + completion.
     for p, text in zip(problems, texts, strict=True):
         prompt = TOKENIZER.encode(p.text, bos=True)
@@ -48,20 +48,20 @@ def test_greedy_completions_are_the_argmax_of_the_full_forward(model):
             assert ids[t] == int(np.argmax(logits[t - 1]))
         if len(text) < 4:  # stopped early: EOS was the argmax after the text
             assert int(np.argmax(logits[-1])) == TOKENIZER.eos_id
-    assert evaluation.greedy_completions(graphdef, params, [], TOKENIZER, max_new_tokens=4) == []
+    assert held_out.greedy_completions(graphdef, params, [], TOKENIZER, max_new_tokens=4) == []
 
 
 def test_accuracy_is_the_exact_match_rate_of_the_greedy_completions(model):
     graphdef, params = model
-    problems = evaluation.held_out_problems(TASK, 6)
-    texts = evaluation.greedy_completions(graphdef, params, problems, TOKENIZER, max_new_tokens=4)
+    problems = held_out.held_out_problems(TASK, 6)
+    texts = held_out.greedy_completions(graphdef, params, problems, TOKENIZER, max_new_tokens=4)
     # Odd problems get the model's own completion (with spaces) as their answer: hits; even ones
     # an answer no completion can be: misses.
     rigged = [
         Prompt(id=p.id, text=p.text, answer=f" {t} " if i % 2 else "x")
         for i, (p, t) in enumerate(zip(problems, texts, strict=True))
     ]
-    acc = evaluation.greedy_accuracy(graphdef, params, rigged, TOKENIZER, max_new_tokens=4)
+    acc = held_out.greedy_accuracy(graphdef, params, rigged, TOKENIZER, max_new_tokens=4)
     assert acc == 0.5
 
 
@@ -71,7 +71,7 @@ def test_accuracy_is_the_exact_match_rate_of_the_greedy_completions(model):
 def test_no_held_out_accuracy_without_problems(overrides):
     # A file task's default is no held-out evaluation; asking for one is refused by the config.
     cfg = load_config(None, overrides)
-    assert evaluation.held_out_accuracy(cfg, None, None) is None
+    assert held_out.held_out_accuracy(cfg, None, None) is None
 
 
 def test_a_multi_turn_env_evaluates_whole_episodes(tmp_path):
@@ -98,8 +98,8 @@ def test_a_multi_turn_env_evaluates_whole_episodes(tmp_path):
         ],
     )
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    graphdef, state = sharding.init_sharded(cfg.model, mesh, 0)
-    evaluator = evaluation.Evaluator.from_config(cfg, graphdef)
+    graphdef, state = placement.init_sharded(cfg.model, mesh, 0)
+    evaluator = held_out.Evaluator.from_config(cfg, graphdef)
     problems = [Prompt(id=f"p{i}", text=f"What is {i} + 1?", answer=str(i + 1)) for i in range(3)]
     result = evaluator.evaluate(state, problems, k=2)
     assert result.problems == 3 and result.skipped == 0

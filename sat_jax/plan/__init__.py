@@ -1,0 +1,11 @@
+"""Plans of a config on a mesh, above everything else in ``sat_jax`` (docs/DESIGN.md §1, §9.1).
+
+- ``memory``: per-device parameter, gradient and optimizer bytes from shapes alone, and the reports
+  of a compiled train step or server (``report_train``, ``report_serve``).
+- ``programs``: the train step and the serving programs, lowered and compiled without allocating.
+- ``topology``: compile-only devices of a TPU slice from libtpu, the chips' figures, HBM accounting.
+- ``hlo_flops``: the matmul FLOPs of a compiled program's HLO.
+
+``python -m sat_jax.plan`` (``__main__``) is the command line; it alone reads flags and the
+environment. The package imports none of its modules.
+"""
