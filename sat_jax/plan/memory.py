@@ -359,6 +359,38 @@ def report_train(
     return lines, memory.total <= chip.hbm_bytes
 
 
+def _serve_table(
+    cfg: ExperimentConfig,
+    progs: programs.ServerPrograms,
+    mem: dict[str, topology.ProgramMemory],
+    cache: int,
+    cache_shards: int,
+    param_bytes: int,
+) -> list[str]:
+    """The server report's lines before its verdict: shapes, compile time, each program's memory,
+    the KV cache and the params."""
+    model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
+    lines = [
+        f"server           {s.slots} slots, prefill {s.max_prefill_length}, max_new_tokens "
+        f"{r.max_new_tokens} ({progs.cache_length} cache positions), params "
+        f"{model_cfg.params_dtype.name}, dtype {jnp.dtype(model_cfg.dtype).name}",
+        f"compile time     {progs.seconds:.1f} s (prefill, insert, generate)",
+        "per device (XLA:TPU memory analysis):   argument     output      alias       temp",
+    ]
+    for name, m in mem.items():
+        label = f"generate[{progs.window}]" if name == "generate" else name
+        lines.append(
+            f"  {label:<15}"
+            + "".join(f"{x / GIB:>11.3f}" for x in (m.argument, m.output, m.alias, m.temp))
+        )
+    return [
+        *lines,
+        f"KV cache         {_gib(cache // cache_shards)} per device ({_gib(cache)} in all, "
+        f"over {cache_shards} shard(s))",
+        f"params           {_gib(param_bytes)} per device, once more during a weight swap",
+    ]
+
+
 def report_serve(
     cfg: ExperimentConfig, mesh: jax.sharding.Mesh, chip: topology.Chip
 ) -> tuple[list[str], bool]:
@@ -403,25 +435,8 @@ def report_serve(
         + max(m.temp for m in mem.values())
         + sum(m.code for m in mem.values())
     )
-    lines = [
-        f"server           {s.slots} slots, prefill {s.max_prefill_length}, max_new_tokens "
-        f"{r.max_new_tokens} ({progs.cache_length} cache positions), params "
-        f"{model_cfg.params_dtype.name}, dtype {jnp.dtype(model_cfg.dtype).name}",
-        f"compile time     {progs.seconds:.1f} s (prefill, insert, generate)",
-        "per device (XLA:TPU memory analysis):   argument     output      alias       temp",
-    ]
-    for name, m in mem.items():
-        label = f"generate[{progs.window}]" if name == "generate" else name
-        lines.append(
-            f"  {label:<15}"
-            + "".join(f"{x / GIB:>11.3f}" for x in (m.argument, m.output, m.alias, m.temp))
-        )
-    lines += [
-        f"KV cache         {_gib(cache // cache_shards)} per device ({_gib(cache)} in all, "
-        f"over {cache_shards} shard(s))",
-        f"params           {_gib(plan.param_bytes)} per device, once more during a weight swap",
-        verdict(total, chip.hbm_bytes),
-    ]
+    lines = _serve_table(cfg, progs, mem, cache, cache_shards, plan.param_bytes)
+    lines.append(verdict(total, chip.hbm_bytes))
     lines += _roofline(
         model_cfg,
         plan,
