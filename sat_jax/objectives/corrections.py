@@ -8,7 +8,7 @@ with its metrics; the kernels they call are in ``stabilizers`` and ``large_lag``
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +22,9 @@ from sat_jax.objectives.stabilizers import (
     truncated_importance_weights,
 )
 
-if TYPE_CHECKING:
-    from sat_jax.objectives.policy import PolicyLossConfig
-    from sat_jax.objectives.policy import _Batch as Batch
+# policy imports this module, so its types are named here, not imported (no import cycle).
+PolicyLossConfig = Any  # policy.PolicyLossConfig
+Batch = Any  # policy._Batch
 
 
 def stabilize(per_token: jax.Array, ratio: jax.Array, batch: Batch, cfg: PolicyLossConfig):

@@ -5,17 +5,18 @@ and the additive terms of the batch's effective sample size ``ess`` (§3.6).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from sat_jax.objectives.large_lag import ESS_WEIGHT_SQ_SUM, ESS_WEIGHT_SUM, importance_weight_sums
 
-if TYPE_CHECKING:
-    from sat_jax.objectives.policy import PolicyLossConfig
-    from sat_jax.objectives.policy import _Batch as Batch
-    from sat_jax.objectives.policy import _TrustRegion as TrustRegion
+# policy imports this module, so its types are named here, not imported (no import cycle).
+PolicyLossConfig = Any  # policy.PolicyLossConfig
+Batch = Any  # policy._Batch
+TrustRegion = Any  # policy._TrustRegion
+
 
 # docs/DESIGN.md §4: a token counts as an importance-sampling outlier when |r − 1| > 1.5.
 _IS_DEVIATION_THRESHOLD = 1.5

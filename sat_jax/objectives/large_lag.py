@@ -24,14 +24,15 @@ Shapes: ``B`` responses, ``T`` tokens; every per-token array is ``[B, T]``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-if TYPE_CHECKING:
-    from sat_jax.objectives.policy import PolicyLossConfig
+# policy imports this module, so its types are named here, not imported (no import cycle).
+_PolicyLossConfig = Any  # policy.PolicyLossConfig
+
 
 # PolicyLossTerms.totals keys of the ESS sums (N is ``active_tokens``).
 ESS_WEIGHT_SUM = "ess_weight_sum"
@@ -78,7 +79,7 @@ def m2po_cutoff(
 
 
 def m2po_batch_cutoff(
-    logp: ArrayLike, behavior_logp: ArrayLike, mask: ArrayLike, cfg: PolicyLossConfig
+    logp: ArrayLike, behavior_logp: ArrayLike, mask: ArrayLike, cfg: _PolicyLossConfig
 ) -> jax.Array:
     """M2PO's cutoff of a batch: the one :func:`~sat_jax.objectives.policy_loss` computes for it.
 

@@ -136,6 +136,11 @@ def test_smoke_run_writes_tables_pictures_and_per_step_fields(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "frontier.py"), "--smoke", "--out", str(out)]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
+    check_smoke_output(out)
+
+
+def check_smoke_output(out: pathlib.Path) -> None:
+    """What ``--smoke`` must leave in ``out`` (also usable on a smoke run made by hand)."""
     names = sorted(p.name for p in (out / "cells").iterdir())
     main = [
         f"{m}_lag{lag}_lr0.001_seed0.jsonl"
