@@ -250,8 +250,9 @@ def train_step(
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
       ``total_loss``, ``aux_loss``, ``balance_loss``, ``grad_norm``, ``update_norm``,
-      ``step_skipped`` and, when ``batch.routing`` is given, ``router_shift_ratio`` (recorded
-      experts not in the trainer's own top-k, over active tokens).
+      ``step_skipped``, ``ess_step_scale`` with ``loss_cfg.ess_scaling`` (VCPO: the update is
+      multiplied by sqrt(ess)) and, when ``batch.routing`` is given, ``router_shift_ratio``
+      (recorded experts not in the trainer's own top-k, over active tokens).
     """
     if routing_replay and batch.routing is None:
         raise ValueError("routing_replay=True needs TrainBatch.routing [B, T, L, K]")

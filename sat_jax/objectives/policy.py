@@ -14,11 +14,7 @@ sg = stop_gradient:
 * (3.6) ε̃_high = ε_high·c₊, ε̃_low = ε_low·c₋ (detached) replace ε in (3.1).
 
 SAT measures staleness against the behavior policy even when ``old_logp`` is given (decoupled
-PPO): the ratio r and its clip stay around old_logp, but the quantile and the gate read d_SAT.
-Without ``old_logp``, d_SAT = sg(d). Were SAT to gate on d, a proximal old_logp recomputed by the
-current params just before a single update (AReaL's decoupled objective) would make d identically 0
-at the update, and the gate would never fire; the high-staleness tail is where a token's log-ratio
-to the sampler is large, and the clip contracts on the side that log-ratio points to.
+PPO; :func:`sat_threshold` says why). M2PO's mask and the ESS (§3.6) are in ``large_lag``.
 
 The kernels are shaped like ``optax.losses``: per-token and unreduced, hyperparameters
 keyword-only, the mask passed as ``where=``. :func:`policy_loss` is the thin reducing wrapper; it is
