@@ -1,8 +1,8 @@
 """The stability frontier: where fixed-clip GRPO collapses as learning rate and lag grow, and how
-far SAT and R3 push it.
+far SAT, R3 and the field's large-lag corrections push it.
 
-    python benchmarks/frontier.py --out runs/frontier [--steps 160] [--seeds 3] [--lags 8 16 1]
-        [--lrs 1e-3 1.5e-3 2e-3] [--workers 2] [--knob-lr auto] [--set key=value ...]
+    python benchmarks/frontier.py --out runs/frontier [--steps 160] [--seeds 3]
+        [--lags 8 32 128 64 1] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2] [--knob-lr auto] [--set key=value ...]
     python benchmarks/frontier.py --out runs/frontier --report-only
     python benchmarks/frontier.py --smoke            (a few tiny cells into a temporary directory)
 
@@ -11,7 +11,9 @@ in-process sampler (its ``Runner``) — with two more axes: the learning rate, a
 exponent. Three phases run in order, each spread over the worker processes, so a cut-off keeps
 the most important cells:
 
-1. the GRPO family (GRPO, + SAT, + R3, + SAT + R3) × ``--lags`` × ``--lrs`` × seeds;
+1. the GRPO family (GRPO, + SAT, + R3, + SAT + R3) and the large-lag corrections (``FIELD``: SAT
+   with each microbatch's own threshold, TIS, IcePop, sequence masking, DPPO-TV, M2PO, VCPO) ×
+   ``--lags`` (1 to 128) × ``--lrs`` × seeds;
 2. SAT's knobs: GRPO + SAT at ``--knob-lag`` and ``--knob-lr`` (``auto``: the smallest learning
    rate at which plain GRPO is unstable there, from phase 1), quantile × exponent;
 3. GSPO and GSPO + SAT with a window wide enough that SAT's threshold can fall inside it
@@ -64,12 +66,31 @@ from sat_jax import objectives
 from sat_jax.train_step import create_train_state, make_train_step, shard_batch
 
 GRPO_FAMILY = ("GRPO", "GRPO+SAT", "GRPO+R3", "GRPO+SAT+R3")
+# The field's large-lag corrections, each on GRPO's clip (docs/DESIGN.md §3.4, §3.6), and SAT with
+# each microbatch's own threshold: name -> (PolicyLossConfig fields, the step's microbatches).
+# TIS, IcePop and sequence masking weigh behavior -> proximal (the trainer's own log-probs before
+# the update, as grid.py gives TIS). IcePop's band and MIS's window are this study's choices.
+MICROBATCH_Q_K = 4
+ICEPOP_RANGE = (0.5, 2.0)
+SEQ_MASK_RANGE = (0.95, 1.05)
+M2_THRESHOLD = 0.04  # M2PO's τ (the paper's)
+FIELD = {
+    "GRPO+SAT-mbq": ({"sat": objectives.SATConfig(threshold_scope="microbatch")}, MICROBATCH_Q_K),
+    "GRPO+TIS": ({"tis_cap": grid.TIS_CAP}, 1),
+    "GRPO+IcePop": ({"icepop_range": ICEPOP_RANGE}, 1),
+    "GRPO+SeqMask": ({"seq_mask_range": SEQ_MASK_RANGE}, 1),
+    "GRPO+DPPO-TV": ({"dppo_tv_delta": grid.DPPO_TV_DELTA}, 1),
+    "GRPO+M2PO": ({"m2_threshold": M2_THRESHOLD}, 1),
+    "GRPO+VCPO": ({"ess_scaling": True}, 1),
+}
+LARGE_LAG = tuple(FIELD)
 # GSPO's sequence log-ratio |s_b| has a 0.9 quantile of 0.03–0.13 at lr 1e-3 (RESULTS.md, the
 # comparison grid) and 0.16–0.75 at 2e-3, lag 8 (a pilot), beyond a window of 2e-3–5e-2 on nearly
 # every step; GRPO's own window is the narrowest that puts q inside it on part of the steps.
 GSPO_WIDE_CLIP = 0.2
 GSPO_WIDE = ("GSPOwide", "GSPOwide+SAT")
-METHODS = GRPO_FAMILY + GSPO_WIDE
+METHODS = GRPO_FAMILY + LARGE_LAG + GSPO_WIDE
+LAGS = (8, 32, 128, 64, 1)  # the full grid's lags, the ones that matter most first
 DEFAULT_SAT = (0.9, 2.0)  # (quantile, exponent): SATConfig's defaults
 STABLE_FRACTION = 0.8
 COLLAPSE_FRACTION = grid.COLLAPSE_FRACTION
@@ -101,14 +122,27 @@ def loss_config(method: str, quantile: float = 0.9, exponent: float = 2.0):
     """The ``PolicyLossConfig`` and routing-replay switch of a frontier method and SAT knobs."""
     if method not in METHODS:
         raise ValueError(f"unknown frontier method {method!r}; choose from {', '.join(METHODS)}")
-    cfg, replay = grid.loss_config(method.replace("GSPOwide", "GSPO"))
+    if method in FIELD:
+        cfg, replay = dataclasses.replace(grid.loss_config("GRPO")[0], **FIELD[method][0]), False
+    else:
+        cfg, replay = grid.loss_config(method.replace("GSPOwide", "GSPO"))
     if method.startswith("GSPOwide"):
         cfg = dataclasses.replace(cfg, clip_low=GSPO_WIDE_CLIP, clip_high=GSPO_WIDE_CLIP)
     if cfg.sat.enabled:
-        cfg = dataclasses.replace(
-            cfg, sat=objectives.SATConfig(quantile=quantile, exponent=exponent)
-        )
+        sat = dataclasses.replace(cfg.sat, quantile=quantile, exponent=exponent)
+        cfg = dataclasses.replace(cfg, sat=sat)
     return cfg, replay
+
+
+def microbatches(method: str) -> int:
+    """The train step's microbatches for a method (SAT's per-microbatch threshold needs k > 1)."""
+    return FIELD[method][1] if method in FIELD else 1
+
+
+def needs_proximal(cfg: objectives.PolicyLossConfig) -> bool:
+    """Whether the config weighs behavior -> proximal, so the batch needs ``old_logp``."""
+    weights = (cfg.tis_cap, cfg.icepop_range, cfg.seq_tis_cap, cfg.seq_mask_range)
+    return any(w is not None for w in weights)
 
 
 def sat_reach(cfg: objectives.PolicyLossConfig) -> float:
@@ -140,6 +174,7 @@ class Runner(grid.Runner):
                 vocab_mask=self.vocab_mask,
                 estimator=self.cfg.train.advantage_estimator,
                 normalize_std=self.cfg.train.normalize_std,
+                microbatches=microbatches(cell.method),
             )
         return self._steps[key]
 
@@ -154,7 +189,7 @@ class Runner(grid.Runner):
         stop_after: int,
     ) -> list[dict]:
         """Trains one cell (``grid.Runner.run``'s loop); returns its records."""
-        _, replay = loss_config(cell.method, *cell.knobs)
+        loss_cfg, replay = loss_config(cell.method, *cell.knobs)
         step_fn = self.cell_step_fn(cell)
         state = create_train_state(
             self.cfg.model, self.optimizer(cell.lr), self.mesh, grid._copy(self.base_params)
@@ -175,6 +210,8 @@ class Runner(grid.Runner):
                 logp = self.proximal_logp(state.params, batch, replay)
                 d = np.abs(logp - batch.behavior_logp)[batch.loss_mask > 0]
                 tail = {"d_abs_q99": float(np.quantile(d, 0.99)), "d_abs_max": float(d.max())}
+            if needs_proximal(loss_cfg):
+                batch = batch.replace(old_logp=self.proximal_logp(state.params, batch, replay))
             prev = grid._copy(state.params)
             state, metrics = step_fn(state, shard_batch(batch, self.mesh))
             record = {k: float(v) for k, v in jax.device_get(metrics).items()}
@@ -435,6 +472,7 @@ def _lr_cell(got: dict | None, seeds: int = 3) -> str:
 
 
 def report(args: argparse.Namespace, wall_s: float | None) -> str:
+    """Writes ``frontier.md``, ``frontier_summary.json`` and the pictures; returns the tables."""
     runs = load_runs(args.out)
     if not runs:
         raise SystemExit(f"frontier: no finished runs under {args.out / 'cells'}")
@@ -444,47 +482,82 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
         wall_path.write_text(json.dumps(wall_s))
     elif wall_path.exists():  # a report-only rerun keeps the study's own wall time
         wall_s = json.loads(wall_path.read_text())
+    lines = _header_lines(args, runs, wall_s)
+    frontier = {}
+    lines += _accuracy_table(args, table, frontier)
+    lines += _frontier_tables(table, frontier)
+    lines += _collapse_table(table)
+    lines += _knob_tables(args, table)
+    text = "\n".join(lines) + "\n"
+    (args.out / "frontier.md").write_text(text)
+    rows = [
+        {"method": k[0], "lag": k[1], "lr": k[2], "quantile": k[3][0], "exponent": k[3][1], **g}
+        for k, g in table.items()
+    ]
+    (args.out / "frontier_summary.json").write_text(json.dumps(rows, indent=1) + "\n")
+    plot_heatmap(rows, args.out / "frontier_heatmap.png")
+    plot_q_reach(runs, args.out / "frontier_q_reach.png")
+    return text
+
+
+def _axes(table: dict[tuple, dict]) -> tuple[list[str], list[int], list[float]]:
+    """The methods (in ``METHODS`` order), lags and learning rates that ran."""
+    methods = [m for m in METHODS if any(k[0] == m for k in table)]
+    return methods, sorted({k[1] for k in table}), sorted({k[2] for k in table})
+
+
+def _header_lines(args: argparse.Namespace, runs: dict[Cell, dict], wall_s) -> list[str]:
     run_s = sum(g["head"]["seconds"] for g in runs.values())
     steps = sum(g["steps"] for g in runs.values())
-    lrs = sorted({k[2] for k in table})
-    methods = [m for m in METHODS if any(k[0] == m for k in table)]
-    lags = sorted({k[1] for k in table})
     base = runs[next(iter(runs))]["base"]
-    lines = [
+    return [
         f"{len(runs)} runs ({steps} RL steps in all, at most {args.steps} per run; seeds "
         f"{sorted({c.seed for c in runs})}); held-out accuracy of the base policy {base:.3f}; run "
         f"time summed over runs {run_s / 60:.0f} min"
         + (f", wall {wall_s / 60:.0f} min" if wall_s else "")
         + ".",
         "",
+    ]
+
+
+def _accuracy_table(args: argparse.Namespace, table: dict, frontier: dict) -> list[str]:
+    """Final accuracy per (method, lag) over the rates; fills ``frontier`` with the largest
+    stable rate of each (method, lag)."""
+    methods, lags, lrs = _axes(table)
+    lines = [
         f"**Final held-out accuracy** (mean ± std over seeds; † k/n: k of n seeds collapsed, i.e. "
         f"final < {COLLAPSE_FRACTION:g} × best or a skipped-step storm; **bold**: the cell is stable, "
-        "≥ 2/3 of its seeds with final ≥ "
-        f"{STABLE_FRACTION:g} × best) and the **largest stable "
+        f"≥ 2/3 of its seeds with final ≥ {STABLE_FRACTION:g} × best) and the **largest stable "
         "learning rate** (stable there and at every smaller rate; — none)",
         "",
         "| method | lag | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | largest stable lr |",
         "| --- | ---: | " + " | ".join("---:" for _ in lrs) + " | ---: |",
     ]
-    frontier = {}
     for m in methods:
         for lag in lags:
             row = {lr: table.get((m, lag, lr, DEFAULT_SAT)) for lr in lrs}
             if not any(row.values()):
                 continue
             ran = {lr: g["stable"] for lr, g in row.items() if g is not None}
-            frontier[(m, lag)] = largest_stable_lr(ran)
+            frontier[(m, lag)] = best = largest_stable_lr(ran)
             cells = [
                 f"**{_lr_cell(g, args.seeds)}**" if g and g["stable"] else _lr_cell(g, args.seeds)
                 for g in row.values()
             ]
-            best = frontier[(m, lag)]
-            lines.append(
-                f"| {m} | {lag} | "
-                + " | ".join(cells)
-                + f" | {'—' if best is None else f'{best:g}'} |"
-            )
-    lines += [
+            text = "—" if best is None else f"{best:g}"
+            lines.append(f"| {m} | {lag} | " + " | ".join(cells) + f" | {text} |")
+    return lines
+
+
+def _rate_row(m: str, got: list) -> str:
+    text = ["—" if x is None else x if isinstance(x, str) else f"{x:g}" for x in got]
+    return f"| {m} | " + " | ".join(text) + " |"
+
+
+def _frontier_tables(table: dict, frontier: dict) -> list[str]:
+    """The largest stable rate, and the largest rate that keeps the lag's best, per method × lag."""
+    methods, lags, lrs = _axes(table)
+    lines = [
         "",
         "**Largest stable learning rate** per method and lag (of the sweep "
         + ", ".join(f"{lr:g}" for lr in lrs)
@@ -493,10 +566,7 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
         "| method | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
         "| --- | " + " | ".join("---:" for _ in lags) + " |",
     ]
-    for m in methods:
-        got = [frontier.get((m, lag), "n/a") for lag in lags]
-        text = ["—" if x is None else x if isinstance(x, str) else f"{x:g}" for x in got]
-        lines.append(f"| {m} | " + " | ".join(text) + " |")
+    lines += [_rate_row(m, [frontier.get((m, lag), "n/a") for lag in lags]) for m in methods]
     keeps = keeping_lrs(table)
     lines += [
         "",
@@ -510,11 +580,13 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
         + " |",
         "| --- | " + " | ".join("---:" for _ in lags) + " |",
     ]
-    for m in methods:
-        got = [keeps["lr"].get((m, lag), "n/a") for lag in lags]
-        text = ["—" if x is None else x if isinstance(x, str) else f"{x:g}" for x in got]
-        lines.append(f"| {m} | " + " | ".join(text) + " |")
-    lines += [
+    lines += [_rate_row(m, [keeps["lr"].get((m, lag), "n/a") for lag in lags]) for m in methods]
+    return lines
+
+
+def _collapse_table(table: dict) -> list[str]:
+    """Steps to collapse, the mismatch tail and how often SAT could act, per cell."""
+    lines = [
         "",
         "**Steps to collapse** of the collapsed seeds (the first evaluation after the best below "
         f"{COLLAPSE_FRACTION:g} × best) and the **mismatch tail**: the 0.99 quantile of "
@@ -536,8 +608,14 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
             f"| {m} | {lag} | {lr:g} | {', '.join(map(str, sorted(g['collapse_steps']))) or '—'} | "
             f"{_fmt(g['tail_q99_collapsed'])} | {_fmt(g['tail_q99_stable'])} | {live} |"
         )
+    return lines
+
+
+def _knob_tables(args: argparse.Namespace, table: dict) -> list[str]:
+    """GRPO + SAT's final accuracy over quantile × exponent at the knob lag, one table per rate."""
     knob_rows = {k: g for k, g in table.items() if k[0] == "GRPO+SAT" and k[1] == args.knob_lag}
-    knob_lrs = sorted({k[2] for k, g in knob_rows.items() if k[3] != DEFAULT_SAT})
+    knob_lrs = sorted({k[2] for k in knob_rows if k[3] != DEFAULT_SAT})
+    lines = []
     for lr in knob_lrs:
         qs = sorted({k[3][0] for k in knob_rows if k[2] == lr})
         ps = sorted({k[3][1] for k in knob_rows if k[2] == lr})
@@ -558,16 +636,7 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
                 text = _lr_cell(g, args.seeds) + (f" (acts {g['sat_live']:.0%})" if g else "")
                 cells.append(f"**{text}**" if g and g["stable"] else text)
             lines.append(f"| q = {q:g} | " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n"
-    (args.out / "frontier.md").write_text(text)
-    rows = [
-        {"method": k[0], "lag": k[1], "lr": k[2], "quantile": k[3][0], "exponent": k[3][1], **g}
-        for k, g in table.items()
-    ]
-    (args.out / "frontier_summary.json").write_text(json.dumps(rows, indent=1) + "\n")
-    plot_heatmap(rows, args.out / "frontier_heatmap.png")
-    plot_q_reach(runs, args.out / "frontier_q_reach.png")
-    return text
+    return lines
 
 
 def _fmt(x: float) -> str:
@@ -673,7 +742,8 @@ def plot_q_reach(runs: dict[Cell, dict], path: pathlib.Path) -> None:
 # Entry point.
 
 SMOKE = [
-    "--steps", "4", "--seeds", "1", "--lags", "2", "--lrs", "1e-3", "--methods", "GRPO+SAT",
+    "--steps", "4", "--seeds", "1", "--lags", "2", "128", "--lrs", "1e-3",
+    "--methods", "GRPO+SAT", *LARGE_LAG,
     "--knob-lag", "2", "--knob-quantiles", "0.8", "--knob-exponents", "1", "--gspo-lags", "2",
     "--gspo-methods", "GSPOwide+SAT", "--workers", "1", "--eval-every", "2",
     "--eval-problems", "16", "--stop-after", "0", "--tail-every", "1",
@@ -687,9 +757,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a few tiny cells (a test of the script)")
     p.add_argument("--steps", type=int, default=160, help="RL updates per run (at most)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per cell (0..n-1)")
-    p.add_argument("--lags", type=int, nargs="+", default=[8, 16, 1], help="configured lags n")
+    p.add_argument("--lags", type=int, nargs="+", default=list(LAGS), help="configured lags n")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1.5e-3, 2e-3])
-    p.add_argument("--methods", nargs="+", default=list(GRPO_FAMILY), help="phase 1 methods")
+    p.add_argument(
+        "--methods", nargs="+", default=list(GRPO_FAMILY + LARGE_LAG), help="phase 1 methods"
+    )
     p.add_argument("--knob-lag", type=int, default=8)
     p.add_argument("--knob-lr", default="auto", help="a rate, or auto (GRPO's frontier)")
     p.add_argument("--knob-quantiles", type=float, nargs="*", default=[0.8, 0.9, 0.95])

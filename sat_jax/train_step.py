@@ -251,8 +251,9 @@ def train_step(
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
       ``total_loss``, ``aux_loss``, ``balance_loss``, ``grad_norm``, ``update_norm``,
-      ``step_skipped`` and, when ``batch.routing`` is given, ``router_shift_ratio`` (recorded
-      experts not in the trainer's own top-k, over active tokens).
+      ``step_skipped``, ``ess_step_scale`` with ``loss_cfg.ess_scaling`` (VCPO: the update is
+      multiplied by sqrt(ess)) and, when ``batch.routing`` is given, ``router_shift_ratio``
+      (recorded experts not in the trainer's own top-k, over active tokens).
     """
     if routing_replay and batch.routing is None:
         raise ValueError("routing_replay=True needs TrainBatch.routing [B, T, L, K]")
@@ -287,7 +288,11 @@ def train_step(
         grads, metrics = _accumulated(
             state.params, batch, forward, reference, loss_cfg, microbatches, coef
         )
-    return _apply(state, grads, metrics, optimizer, batch.loss_mask)
+    step_scale = None
+    if loss_cfg.loss.ess_scaling:
+        step_scale = objectives.ess_step_scale(metrics["ess"])
+        metrics = {**metrics, "ess_step_scale": step_scale}
+    return _apply(state, grads, metrics, optimizer, batch.loss_mask, step_scale)
 
 
 def _logprobs(
@@ -362,7 +367,7 @@ class _TermsConfig:
 
 
 def _policy_terms(
-    logp_bt, batch: TrainBatch, cfg: _TermsConfig, sat_q=None
+    logp_bt, batch: TrainBatch, cfg: _TermsConfig, sat_q=None, m2_cutoff=None
 ) -> objectives.PolicyLossTerms:
     old_logp = batch.old_logp
     if cfg.recompute_old_logp:
@@ -379,6 +384,7 @@ def _policy_terms(
         ref_logp=batch.ref_logp,
         sat_q=sat_q,
         fresh_mask=batch.fresh_mask,
+        m2_cutoff=m2_cutoff,
     )
 
 
@@ -412,7 +418,8 @@ def _unsplit(x: jax.Array) -> jax.Array:
 
 
 def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, loss_cfg, coef, w_k):
-    """(sat_q, router f [L, E]) of the whole batch, from a forward pass without gradient.
+    """((sat_q, m2_cutoff), router f [L, E]) of the whole batch, from a forward pass without
+    gradient; M2PO's cutoff (docs/DESIGN.md §3.6) is a sort over the batch's tokens, like q.
 
     ``w_k`` [k] is each microbatch's share of the batch's real tokens (``_token_shares``); f of
     the batch is the microbatches' f weighted by it.
@@ -424,15 +431,19 @@ def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, los
     """
     sat = loss_cfg.sat
     need_q = sat.enabled and sat.threshold_scope == "batch"
-    if not need_q and coef == 0:
-        return None, None
+    if not need_q and not loss_cfg.loss.m2po and coef == 0:
+        return (None, None), None
 
     def one(_, mb: TrainBatch):
         logp_bt, out = forward(params, mb)
         return None, (logp_bt, out.router_frac_le)
 
     _, (logp_kbt, frac_kle) = jax.lax.scan(one, None, micro)
-    sat_q = None
+    sat_q, m2_cutoff = None, None
+    if loss_cfg.loss.m2po:
+        m2_cutoff = objectives.m2po_batch_cutoff(
+            _unsplit(logp_kbt), batch.behavior_logp, batch.loss_mask, loss_cfg.loss
+        )
     if need_q:
         sat_q = objectives.sat_threshold(
             _unsplit(logp_kbt),
@@ -441,7 +452,7 @@ def _batch_statistics(params, batch: TrainBatch, micro: TrainBatch, forward, los
             loss_cfg.loss,
             old_logp=None if loss_cfg.recompute_old_logp else batch.old_logp,
         )
-    return sat_q, _weighted(frac_kle, w_k)
+    return (sat_q, m2_cutoff), _weighted(frac_kle, w_k)
 
 
 def _token_shares(micro: TrainBatch) -> jax.Array:
@@ -469,12 +480,14 @@ def _accumulated(params, batch: TrainBatch, forward, reference, loss_cfg, k: int
     """
     micro = _split(batch, k)
     w_k = _token_shares(micro)
-    sat_q, frac_le = _batch_statistics(params, batch, micro, forward, loss_cfg, coef, w_k)
+    (sat_q, m2_cutoff), frac_le = _batch_statistics(
+        params, batch, micro, forward, loss_cfg, coef, w_k
+    )
     count = jnp.maximum(loss_count(batch.loss_mask, loss_cfg.loss_agg), 1).astype(jnp.float32)
 
     def objective(p: Any, mb: TrainBatch, w: jax.Array):
         logp_bt, out = forward(p, mb)
-        terms = _policy_terms(logp_bt, mb, loss_cfg, sat_q)
+        terms = _policy_terms(logp_bt, mb, loss_cfg, sat_q, m2_cutoff)
         value = terms.loss_sum / count
         if coef:
             value = value + w * coef * balance_from_stats(frac_le, out.router_prob_le)
@@ -506,10 +519,17 @@ def _with_aux(loss: jax.Array, metrics: Metrics, aux: jax.Array, balance: jax.Ar
     return {**metrics, "aux_loss": aux, "balance_loss": balance, "total_loss": loss + aux}
 
 
-def _apply(state: TrainState, grads: Any, metrics: Metrics, optimizer, mask_bt) -> tuple:
-    """The optimizer update, skipped when the loss or gradient is not finite or nothing is active."""
+def _apply(
+    state: TrainState, grads: Any, metrics: Metrics, optimizer, mask_bt, step_scale=None
+) -> tuple:
+    """The optimizer update, skipped when the loss or gradient is not finite or nothing is active.
+
+    ``step_scale`` (VCPO's sqrt(ess), docs/DESIGN.md §3.6) multiplies the optimizer's update,
+    i.e. the learning rate."""
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    if step_scale is not None:
+        updates = jax.tree.map(lambda u: (u * step_scale).astype(u.dtype), updates)
     params = optax.apply_updates(state.params, updates)
     ok = jnp.isfinite(metrics["total_loss"]) & jnp.isfinite(grad_norm) & (jnp.sum(mask_bt) > 0)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)

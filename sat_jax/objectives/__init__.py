@@ -10,11 +10,24 @@ importable from here. The modules behind it, each usable on its own:
 - ``quantile``: the exact masked inverted-CDF quantile SAT's threshold uses;
 - ``stabilizers``: TIS, IcePop, DPPO-TV, the sequence-level rollout corrections (sequence TIS,
   geometric-mean sequence masking) and the KL penalty estimators;
+- ``large_lag``: M2PO's second-moment mask (``m2po_cutoff``, ``m2po_mask``, the batch's
+  ``m2po_batch_cutoff``) and the effective sample size of the importance weights
+  (``importance_weight_sums``, ``effective_sample_size``, VCPO's ``ess_step_scale``);
+- ``corrections`` and ``diagnostics``: the wrapper's corrections to the per-token loss and its
+  metrics (internal to ``policy_loss_terms``);
 - ``advantages``: group-relative advantages (GRPO, Dr.GRPO), jittable, and the host-side check
   of their group ids.
 """
 
 from sat_jax.objectives.advantages import AdvantageEstimator, check_group_ids, group_advantages
+from sat_jax.objectives.large_lag import (
+    effective_sample_size,
+    ess_step_scale,
+    importance_weight_sums,
+    m2po_batch_cutoff,
+    m2po_cutoff,
+    m2po_mask,
+)
 from sat_jax.objectives.loss_terms import LossAgg, PolicyLossTerms, aggregate, loss_count
 from sat_jax.objectives.policy import (
     PolicyLossConfig,
@@ -55,11 +68,17 @@ __all__ = [
     "check_group_ids",
     "clipped_surrogate_loss",
     "dppo_tv_mask",
+    "effective_sample_size",
+    "ess_step_scale",
     "geometric_mean_mask",
     "group_advantages",
     "icepop_weights",
+    "importance_weight_sums",
     "kl_penalty",
     "loss_count",
+    "m2po_batch_cutoff",
+    "m2po_cutoff",
+    "m2po_mask",
     "masked_quantile",
     "policy_loss",
     "policy_loss_terms",

@@ -13,6 +13,12 @@ import jax.numpy as jnp
 from flax import struct
 from jax.typing import ArrayLike
 
+from sat_jax.objectives.large_lag import (
+    ESS_WEIGHT_SQ_SUM,
+    ESS_WEIGHT_SUM,
+    effective_sample_size,
+)
+
 LossAgg = Literal["token_mean", "seq_mean_token_mean"]
 
 
@@ -21,7 +27,7 @@ class PolicyLossTerms:
     """Unreduced loss and metrics, as pairs that add up across microbatches and hosts.
 
     ``loss_sum / loss_count`` is the loss; ``sums[k] / counts[k]`` is metric k; ``mins`` reduce by
-    minimum and ``totals`` by sum. For gradient accumulation differentiate ``loss_sum`` of each
+    minimum and ``totals`` by sum (the ESS's Σ w and Σ w² become the metric ``ess``). For gradient accumulation differentiate ``loss_sum`` of each
     microbatch and divide by the merged ``loss_count``.
     """
 
@@ -50,7 +56,11 @@ class PolicyLossTerms:
         loss = safe(self.loss_sum, self.loss_count)
         metrics = {k: safe(self.sums[k], self.counts[k]) for k in self.sums}
         metrics.update(self.mins)
-        metrics.update({k: v.astype(jnp.float32) for k, v in self.totals.items()})
+        totals = dict(self.totals)
+        if ESS_WEIGHT_SUM in totals:  # ess = (Σ w)² / (N·Σ w²) of the merged sums
+            w_sum, w_sq_sum = totals.pop(ESS_WEIGHT_SUM), totals.pop(ESS_WEIGHT_SQ_SUM)
+            metrics["ess"] = effective_sample_size(w_sum, w_sq_sum, totals["active_tokens"])
+        metrics.update({k: v.astype(jnp.float32) for k, v in totals.items()})
         return loss, metrics
 
 

@@ -14,11 +14,7 @@ sg = stop_gradient:
 * (3.6) ε̃_high = ε_high·c₊, ε̃_low = ε_low·c₋ (detached) replace ε in (3.1).
 
 SAT measures staleness against the behavior policy even when ``old_logp`` is given (decoupled
-PPO): the ratio r and its clip stay around old_logp, but the quantile and the gate read d_SAT.
-Without ``old_logp``, d_SAT = sg(d). Were SAT to gate on d, a proximal old_logp recomputed by the
-current params just before a single update (AReaL's decoupled objective) would make d identically 0
-at the update, and the gate would never fire; the high-staleness tail is where a token's log-ratio
-to the sampler is large, and the clip contracts on the side that log-ratio points to.
+PPO; :func:`sat_threshold` says why). M2PO's mask and the ESS (§3.6) are in ``large_lag``.
 
 The kernels are shaped like ``optax.losses``: per-token and unreduced, hyperparameters
 keyword-only, the mask passed as ``where=``. :func:`policy_loss` is the thin reducing wrapper; it is
@@ -38,18 +34,12 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from sat_jax.objectives import corrections, diagnostics
+from sat_jax.objectives.diagnostics import clamp as _clamp
+from sat_jax.objectives.large_lag import m2po_batch_cutoff
 from sat_jax.objectives.loss_terms import LossAgg, PolicyLossTerms, aggregate
 from sat_jax.objectives.quantile import masked_quantile
-from sat_jax.objectives.stabilizers import (
-    KL_ESTIMATORS,
-    KLEstimator,
-    dppo_tv_mask,
-    geometric_mean_mask,
-    icepop_weights,
-    kl_penalty,
-    sequence_importance_weights,
-    truncated_importance_weights,
-)
+from sat_jax.objectives.stabilizers import KL_ESTIMATORS, KLEstimator, kl_penalty
 
 RatioLevel = Literal["token", "sequence"]
 ThresholdScope = Literal["batch", "microbatch"]
@@ -57,8 +47,6 @@ ThresholdScope = Literal["batch", "microbatch"]
 _RATIO_LEVELS = ("token", "sequence")
 _LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
 _THRESHOLD_SCOPES = ("batch", "microbatch")
-# docs/DESIGN.md §4: a token counts as an importance-sampling outlier when |r − 1| > 1.5.
-_IS_DEVIATION_THRESHOLD = 1.5
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -126,6 +114,11 @@ class PolicyLossConfig:
       log_ratio_clamp: numerical guard: ratios are exp(clip(d, −L, L)) so they stay finite in float32
         (verl uses 20). The clamp has zero gradient outside ±L. None = no clamp. SAT's quantile and
         gate use the unclamped d_SAT.
+      m2_threshold: M2PO's τ (docs/DESIGN.md §3.6; the paper's 0.04): mask the tokens with the
+        largest (logp − behavior_logp)² until the rest's mean is below τ (a batch statistic,
+        see :func:`m2po_batch_cutoff`). None or 0 = off.
+      ess_scaling: VCPO's step scaling: the train step multiplies the optimizer's update by
+        sqrt(ess), the batch's effective sample size fraction (§3.6). The loss does not read it.
     """
 
     ratio_level: RatioLevel = "token"
@@ -142,6 +135,8 @@ class PolicyLossConfig:
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
     log_ratio_clamp: float | None = 20.0
+    m2_threshold: float | None = None
+    ess_scaling: bool = False
 
     def __post_init__(self):
         _check_choice("ratio_level", self.ratio_level, _RATIO_LEVELS)
@@ -149,7 +144,7 @@ class PolicyLossConfig:
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
         dual, tis, icepop = self.dual_clip, self.tis_cap, self.icepop_range
         tv, clamp = self.dppo_tv_delta, self.log_ratio_clamp
-        seq_tis, seq_mask = self.seq_tis_cap, self.seq_mask_range
+        seq_tis, seq_mask, m2 = self.seq_tis_cap, self.seq_mask_range, self.m2_threshold
         rules = {  # field: (value, valid, what a valid value is)
             "clip_low": (self.clip_low, 0.0 <= self.clip_low < 1.0, "in [0, 1)"),
             "clip_high": (self.clip_high, self.clip_high >= 0.0, ">= 0"),
@@ -170,10 +165,17 @@ class PolicyLossConfig:
             "dppo_tv_delta": (tv, tv is None or tv >= 0.0, ">= 0 or None"),
             "kl_coef": (self.kl_coef, self.kl_coef >= 0.0, ">= 0"),
             "log_ratio_clamp": (clamp, clamp is None or clamp > 0.0, "> 0 or None"),
+            "m2_threshold": (m2, m2 is None or m2 >= 0.0, ">= 0 or None"),
+            "ess_scaling": (self.ess_scaling, isinstance(self.ess_scaling, bool), "a bool"),
         }
         for name, (value, valid, want) in rules.items():
             if not valid:
                 raise ValueError(f"PolicyLossConfig.{name} must be {want}, got {value!r}")
+
+    @property
+    def m2po(self) -> bool:
+        """Whether M2PO's mask is on (``m2_threshold`` set and > 0)."""
+        return bool(self.m2_threshold)
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
@@ -381,10 +383,6 @@ def _log_ratio(logp: jax.Array, old: jax.Array, active: jax.Array, ratio_level: 
     return s_b1, jnp.sum(active, axis=-1, keepdims=True, dtype=jnp.int32)
 
 
-def _clamp(log_ratio: jax.Array, limit: float | None) -> jax.Array:
-    return log_ratio if limit is None else jnp.clip(log_ratio, -limit, limit)
-
-
 def sat_threshold(
     logp: ArrayLike,
     behavior_logp: ArrayLike,
@@ -466,101 +464,6 @@ def _trust_region(d: jax.Array, active: jax.Array, cfg: PolicyLossConfig, q: Arr
     return _TrustRegion(eps_low, eps_high, c_low, c_high, q, _sat_gate(d_sg, q), c_min)
 
 
-def _stabilize(per_token: jax.Array, ratio: jax.Array, batch: _Batch, cfg: PolicyLossConfig):
-    """Applies the docs/DESIGN.md §3.4 stabilizers to −S; returns it and their per-token metrics."""
-    metrics = {}
-    if cfg.dppo_tv_delta is not None:
-        mask = dppo_tv_mask(batch.logp, batch.old, ratio, batch.adv, delta=cfg.dppo_tv_delta)
-        tv_masked = batch.active & mask
-        per_token = jnp.where(tv_masked, jax.lax.stop_gradient(per_token), per_token)
-        metrics["dppo_tv_masked_frac"] = tv_masked
-    if cfg.tis_cap is not None:
-        weight = truncated_importance_weights(batch.old, batch.behavior, cap=cfg.tis_cap)
-        per_token = jnp.where(batch.active, per_token * weight, 0.0)
-        metrics["tis_weight_mean"] = weight
-    if cfg.icepop_range is not None:
-        low, high = cfg.icepop_range
-        weight = icepop_weights(batch.old, batch.behavior, low=low, high=high)
-        per_token = jnp.where(batch.active, per_token * weight, 0.0)
-        metrics["icepop_kept_frac"] = weight > 0
-    return per_token, metrics
-
-
-def _sequence_corrections(per_token: jax.Array, batch: _Batch, cfg: PolicyLossConfig):
-    """Applies the sequence-level rollout corrections (docs/DESIGN.md §3.4: sequence TIS and MIS
-    sequence masking) to −S; returns it and their metrics' (sums, counts), each a mean over the
-    responses with an active token (exact across row microbatches, which split whole responses)."""
-    sums, counts = {}, {}
-    if cfg.seq_tis_cap is None and cfg.seq_mask_range is None:
-        return per_token, sums, counts
-    has_active_b1 = jnp.any(batch.active, axis=-1, keepdims=True)
-    n_responses = jnp.sum(has_active_b1, dtype=jnp.int32)
-    seq = dict(where=batch.active, keepdims=True)
-    if cfg.seq_tis_cap is not None:
-        w_b1 = sequence_importance_weights(batch.old, batch.behavior, cap=cfg.seq_tis_cap, **seq)
-        per_token = jnp.where(batch.active, per_token * w_b1, 0.0)
-        sums["seq_tis_weight_mean"] = jnp.sum(jnp.where(has_active_b1, w_b1, 0.0))
-        counts["seq_tis_weight_mean"] = n_responses
-    if cfg.seq_mask_range is not None:
-        low, high = cfg.seq_mask_range
-        masked_b1 = geometric_mean_mask(batch.old, batch.behavior, low=low, high=high, **seq)
-        per_token = jnp.where(masked_b1, 0.0, per_token)
-        sums["seq_masked_frac"] = jnp.sum(has_active_b1 & masked_b1, dtype=jnp.float32)
-        counts["seq_masked_frac"] = n_responses
-    return per_token, sums, counts
-
-
-def _diagnostics(ratio: jax.Array, region: _TrustRegion, batch: _Batch, cfg: PolicyLossConfig):
-    """The per-token docs/DESIGN.md §4 metrics, each to be averaged over active tokens."""
-    # The mismatch diagnostics are always against the behavior policy, at token level.
-    mismatch = jax.lax.stop_gradient(jnp.where(batch.active, batch.logp - batch.behavior, 0.0))
-    clamped = _clamp(mismatch, cfg.log_ratio_clamp)
-    r_sg, adv = jax.lax.stop_gradient(ratio), batch.adv
-    metrics = {
-        "mismatch_abs_mean": jnp.abs(mismatch),
-        "is_deviation_frac": jnp.abs(jnp.exp(clamped) - 1.0) > _IS_DEVIATION_THRESHOLD,
-        "kl_k3": jnp.exp(clamped) - 1.0 - clamped,
-        "clip_frac_low": (adv < 0) & (r_sg < 1.0 - region.eps_low),
-        "clip_frac_high": (adv > 0) & (r_sg > 1.0 + region.eps_high),
-    }
-    if cfg.dual_clip is not None:
-        metrics["dual_clip_frac"] = (adv < 0) & (r_sg > cfg.dual_clip)
-    metrics["ratio_mean"] = r_sg
-    metrics["sat_gate_rate"] = region.gate
-    metrics["sat_eps_low_mean"] = region.c_low  # times ε in _metric_terms
-    metrics["sat_eps_high_mean"] = region.c_high
-    return metrics
-
-
-def _metric_terms(token_metrics: dict, region: _TrustRegion, active: jax.Array, cfg):
-    """(sums, counts) of the metrics: ``sat_q`` and the active-token means of ``token_metrics``."""
-    sums, counts = {"sat_q": region.q}, {"sat_q": jnp.ones((), jnp.int32)}
-    # One fused reduction per metric. Boolean metrics are counted as (active & flag): on CPU XLA
-    # that is much faster than summing where(active, flag, 0.0) in float32.
-    n_active = jnp.sum(active, dtype=jnp.int32)
-    for name, value in token_metrics.items():
-        value = jax.lax.stop_gradient(value)
-        if value.dtype == jnp.bool_:
-            sums[name] = jnp.sum(active & value, dtype=jnp.float32)
-        else:
-            sums[name] = jnp.sum(jnp.where(active, value.astype(jnp.float32), 0.0))
-        counts[name] = n_active
-    # ε·mean(c) rather than mean(ε·c): equal, and exact (ε itself) whenever nothing contracts.
-    sums["sat_eps_low_mean"] = cfg.clip_low * sums["sat_eps_low_mean"]
-    sums["sat_eps_high_mean"] = cfg.clip_high * sums["sat_eps_high_mean"]
-    return sums, counts
-
-
-def _sampler_kl_terms(k3: jax.Array, batch: _Batch, sums: dict, counts: dict):
-    """(sum, count) of ``sampler_kl``: k3 to the sampler over the active tokens that are fresh
-    (lag 0), all active tokens without a fresh mask (then it is ``kl_k3``'s pair)."""
-    if batch.fresh is None:
-        return sums["kl_k3"], counts["kl_k3"]
-    k3 = jax.lax.stop_gradient(k3)
-    total = jnp.sum(jnp.where(batch.fresh, k3, 0.0))
-    return total, jnp.sum(batch.fresh, dtype=jnp.int32)
-
-
 def policy_loss_terms(
     logp: ArrayLike,
     behavior_logp: ArrayLike,
@@ -572,12 +475,13 @@ def policy_loss_terms(
     ref_logp: ArrayLike | None = None,
     sat_q: ArrayLike | None = None,
     fresh_mask: ArrayLike | None = None,
+    m2_cutoff: ArrayLike | None = None,
 ) -> PolicyLossTerms:
     """The loss of :func:`policy_loss` and its metrics as (sum, count) pairs; same arguments.
 
-    Microbatches of one batch that all get the batch's ``sat_q`` (:func:`sat_threshold`) merge to
-    the full batch's loss and metrics (docs/DESIGN.md §3.5); the merged ``sat_q`` metric is then
-    that shared q.
+    Microbatches of one batch that all get the batch's ``sat_q`` (:func:`sat_threshold`) and
+    ``m2_cutoff`` (:func:`m2po_batch_cutoff`) merge to the full batch's loss and metrics
+    (docs/DESIGN.md §3.5); the merged ``sat_q`` metric is then that shared q.
     """
     batch = _prepare(
         logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q, fresh_mask
@@ -595,8 +499,13 @@ def policy_loss_terms(
         dual_clip=cfg.dual_clip,
         where=batch.active,
     )
-    per_token, stabilizer_metrics = _stabilize(per_token, ratio, batch, cfg)
-    per_token, seq_sums, seq_counts = _sequence_corrections(per_token, batch, cfg)
+    per_token, stabilizer_metrics = corrections.stabilize(per_token, ratio, batch, cfg)
+    per_token, seq_sums, seq_counts = corrections.sequence_corrections(per_token, batch, cfg)
+    if cfg.m2po:
+        if m2_cutoff is None:
+            m2_cutoff = m2po_batch_cutoff(logp, behavior_logp, mask, cfg)
+        per_token, m2_sums, m2_counts = corrections.m2po_correction(per_token, batch, m2_cutoff)
+        seq_sums, seq_counts = {**seq_sums, **m2_sums}, {**seq_counts, **m2_counts}
 
     loss_sum, loss_count = aggregate(per_token, batch.active, cfg.loss_agg)
     sums = {"pg_loss": jax.lax.stop_gradient(loss_sum)}
@@ -608,9 +517,10 @@ def policy_loss_terms(
             loss_sum = loss_sum + cfg.kl_coef * kl_sum
     sums["loss"] = jax.lax.stop_gradient(loss_sum)
 
-    token_metrics = {**stabilizer_metrics, **_diagnostics(ratio, region, batch, cfg)}
-    metric_sums, metric_counts = _metric_terms(token_metrics, region, batch.active, cfg)
-    kl_sum, n_fresh = _sampler_kl_terms(token_metrics["kl_k3"], batch, metric_sums, metric_counts)
+    token_metrics = {**stabilizer_metrics, **diagnostics.diagnostics(ratio, region, batch, cfg)}
+    metric_sums, metric_counts = diagnostics.metric_terms(token_metrics, region, batch.active, cfg)
+    kl_k3 = token_metrics["kl_k3"]
+    kl_sum, n_fresh = diagnostics.sampler_kl_terms(kl_k3, batch, metric_sums, metric_counts)
     metric_sums["sampler_kl"], metric_counts["sampler_kl"] = kl_sum, n_fresh
     return PolicyLossTerms(
         loss_sum=loss_sum,
@@ -618,7 +528,11 @@ def policy_loss_terms(
         sums={**sums, **metric_sums, **seq_sums},
         counts={**dict.fromkeys(sums, loss_count), **metric_counts, **seq_counts},
         mins={"sat_c_min": region.c_min},
-        totals={"active_tokens": metric_counts["kl_k3"], "fresh_tokens": n_fresh},
+        totals={
+            "active_tokens": metric_counts["kl_k3"],
+            "fresh_tokens": n_fresh,
+            **diagnostics.ess_totals(batch, cfg),
+        },
     )
 
 
@@ -633,6 +547,7 @@ def policy_loss(
     ref_logp: ArrayLike | None = None,
     sat_q: ArrayLike | None = None,
     fresh_mask: ArrayLike | None = None,
+    m2_cutoff: ArrayLike | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """The policy-gradient loss (PPO/GRPO, GSPO, SAT, stabilizers) and its metrics (docs/DESIGN.md §3–4).
 
@@ -658,6 +573,8 @@ def policy_loss(
       fresh_mask: optional, [B, T]: 1 where the token was sampled by the weights being trained
         (lag 0). Only the ``sampler_kl`` and ``fresh_tokens`` metrics read it; every active token
         counts as fresh when None.
+      m2_cutoff: optional M2PO cutoff (:func:`m2po_batch_cutoff` of the whole batch) used
+        instead of this call's; ignored when M2PO is off.
 
     Returns:
       (loss, metrics): a float32 scalar and a dict of float32 scalars with the docs/DESIGN.md §4 names
@@ -666,10 +583,11 @@ def policy_loss(
       ``sat_eps_high_mean``, ``sat_c_min``) plus ``loss``, ``pg_loss``, ``ratio_mean``,
       ``active_tokens``, ``sampler_kl`` (k3 = e^x − 1 − x, x = logp − behavior_logp clamped as
       for ``kl_k3``, averaged over the active tokens that are fresh: the sampler–trainer mismatch
-      with staleness excluded), ``fresh_tokens`` (the number of those tokens) and the metrics of
-      enabled options (``dual_clip_frac``, ``tis_weight_mean``, ``icepop_kept_frac``,
+      with staleness excluded), ``fresh_tokens`` (the number of those tokens), ``ess`` (§3.6) and
+      the metrics of enabled options (``dual_clip_frac``, ``tis_weight_mean``, ``icepop_kept_frac``,
       ``seq_tis_weight_mean`` and ``seq_masked_frac`` (means over the responses with an active
-      token of w_b and of the masked flag), ``dppo_tv_masked_frac``, ``kl_ref``).
+      token of w_b and of the masked flag), ``dppo_tv_masked_frac``, ``kl_ref``,
+      ``m2po_masked_frac``, ``m2po_second_moment``).
       An all-padding batch gives loss 0 and zero gradient.
     """
     terms = policy_loss_terms(
@@ -682,5 +600,6 @@ def policy_loss(
         ref_logp=ref_logp,
         sat_q=sat_q,
         fresh_mask=fresh_mask,
+        m2_cutoff=m2_cutoff,
     )
     return terms.reduce()

@@ -89,6 +89,31 @@ def test_largest_stable_lr(stable, expected):
     assert frontier.largest_stable_lr(stable) == expected
 
 
+def test_large_lag_methods_map_to_their_options():
+    want = {
+        "GRPO+TIS": ("tis_cap", frontier.grid.TIS_CAP),
+        "GRPO+IcePop": ("icepop_range", frontier.ICEPOP_RANGE),
+        "GRPO+SeqMask": ("seq_mask_range", frontier.SEQ_MASK_RANGE),
+        "GRPO+DPPO-TV": ("dppo_tv_delta", frontier.grid.DPPO_TV_DELTA),
+        "GRPO+M2PO": ("m2_threshold", 0.04),
+        "GRPO+VCPO": ("ess_scaling", True),
+    }
+    for method, (field, value) in want.items():
+        cfg, replay = frontier.loss_config(method)
+        assert getattr(cfg, field) == value and not replay and not cfg.sat.enabled, method
+        assert (cfg.ratio_level, cfg.clip_low, cfg.clip_high) == ("token", 0.2, 0.2)
+        assert frontier.microbatches(method) == 1
+        needs = field in ("tis_cap", "icepop_range", "seq_mask_range")
+        assert frontier.needs_proximal(cfg) == needs, method
+    cfg, _ = frontier.loss_config("GRPO+SAT-mbq", quantile=0.8)
+    assert cfg.sat.enabled and cfg.sat.threshold_scope == "microbatch" and cfg.sat.quantile == 0.8
+    assert frontier.microbatches("GRPO+SAT-mbq") == frontier.MICROBATCH_Q_K > 1
+    assert frontier.loss_config("GRPO+SAT")[0].sat.threshold_scope == "batch"
+    args = frontier.parse_args(["--out", "x"])
+    assert args.lags == [8, 32, 128, 64, 1]
+    assert set(args.methods) == set(frontier.GRPO_FAMILY) | set(frontier.LARGE_LAG)
+
+
 def test_methods_and_knobs_map_to_the_loss_configs():
     cfg, replay = frontier.loss_config("GRPO+SAT+R3", quantile=0.8, exponent=4.0)
     assert (cfg.ratio_level, cfg.sat.quantile, cfg.sat.exponent) == ("token", 0.8, 4.0) and replay
@@ -104,34 +129,67 @@ def test_methods_and_knobs_map_to_the_loss_configs():
     assert frontier.Cell("GRPO+SAT", 8, 2e-3, 1, 0.8, 4.0).name.endswith("_q0.8_p4_seed1")
 
 
-@pytest.mark.slow  # a subprocess that trains three tiny runs
+@pytest.mark.slow  # a subprocess that trains eighteen tiny runs
 def test_smoke_run_writes_tables_pictures_and_per_step_fields(tmp_path):
     out = tmp_path / "frontier"
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one device, as users run it
     cmd = [sys.executable, str(REPO / "benchmarks" / "frontier.py"), "--smoke", "--out", str(out)]
-    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
+    check_smoke_output(out)
+
+
+def check_smoke_output(out: pathlib.Path) -> None:
+    """What ``--smoke`` must leave in ``out`` (also usable on a smoke run made by hand)."""
     names = sorted(p.name for p in (out / "cells").iterdir())
-    assert names == [
+    main = [
+        f"{m}_lag{lag}_lr0.001_seed0.jsonl"
+        for m in ("GRPO+SAT", *frontier.LARGE_LAG)
+        for lag in (2, 128)
+    ]
+    knobs_and_gspo = [
         "GRPO+SAT_lag2_lr0.001_q0.8_p1_seed0.jsonl",
-        "GRPO+SAT_lag2_lr0.001_seed0.jsonl",
         "GSPOwide+SAT_lag2_lr0.001_seed0.jsonl",
     ]
-    lines = (out / "cells" / names[1]).read_text().splitlines()
-    head, records = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+    assert names == sorted(main + knobs_and_gspo)
+
+    def records(name):
+        lines = (out / "cells" / name).read_text().splitlines()
+        head, recs = json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+        return head, [r for r in recs if "lag" in r], recs
+
+    head, steps, recs = records("GRPO+SAT_lag2_lr0.001_seed0.jsonl")
     assert head["cell"]["lr"] == 1e-3 and head["reach"] == pytest.approx(-math.log(0.8))
-    steps = [r for r in records if "lag" in r]
     assert [r["lag"] for r in steps] == [0, 1, 2, 1]
     assert all(r["d_abs_q99"] >= 0 and "sat_q" in r and "step_skipped" in r for r in steps)
     assert steps[0]["d_abs_q99"] < 1e-4  # lag 0: behavior = current weights
-    assert [r["step"] for r in records if "accuracy" in r] == [0, 2, 4]
+    assert [r["step"] for r in recs if "accuracy" in r] == [0, 2, 4]
+    # Lag 128 in 4 steps: the first weights generate every batch.
+    assert [r["lag"] for r in records("GRPO+M2PO_lag128_lr0.001_seed0.jsonl")[1]] == [0, 1, 2, 3]
+    # Every method logs the ESS; each new option its own metrics.
+    expected = {
+        "GRPO+M2PO": "m2po_masked_frac",
+        "GRPO+VCPO": "ess_step_scale",
+        "GRPO+TIS": "tis_weight_mean",
+        "GRPO+IcePop": "icepop_kept_frac",
+        "GRPO+SeqMask": "seq_masked_frac",
+        "GRPO+DPPO-TV": "dppo_tv_masked_frac",
+        "GRPO+SAT-mbq": "sat_q",
+    }
+    for method, metric in expected.items():
+        for lag in (2, 128):
+            _, steps, _ = records(f"{method}_lag{lag}_lr0.001_seed0.jsonl")
+            assert all(0.0 < r["ess"] <= 1.0 + 1e-6 and metric in r for r in steps), method
+    vcpo = records("GRPO+VCPO_lag128_lr0.001_seed0.jsonl")[1]
+    assert all(r["ess_step_scale"] == pytest.approx(math.sqrt(r["ess"]), rel=1e-5) for r in vcpo)
     table = (out / "frontier.md").read_text()
     assert "| GRPO+SAT | 2 |" in table and "SAT's knobs" in table and "| q = 0.8 |" in table
+    assert "| GRPO+M2PO | 128 |" in table and "| GRPO+VCPO | 128 |" in table
     summary = json.loads((out / "frontier_summary.json").read_text())
-    assert {(r["method"], r["quantile"], r["exponent"]) for r in summary} == {
-        ("GRPO+SAT", 0.9, 2.0),
-        ("GRPO+SAT", 0.8, 1.0),
-        ("GSPOwide+SAT", 0.9, 2.0),
+    assert {(r["method"], r["lag"], r["quantile"], r["exponent"]) for r in summary} == {
+        *((m, lag, 0.9, 2.0) for m in ("GRPO+SAT", *frontier.LARGE_LAG) for lag in (2, 128)),
+        ("GRPO+SAT", 2, 0.8, 1.0),
+        ("GSPOwide+SAT", 2, 0.9, 2.0),
     }
     assert all(r["seeds"] == 1 and "final_mean" in r and "stable" in r for r in summary)
     assert (out / "frontier_heatmap.png").stat().st_size > 0

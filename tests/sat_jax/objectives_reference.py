@@ -23,6 +23,28 @@ def quantile_inverted_cdf(values, level: float) -> float:
     return float(xs[rank - 1])
 
 
+def m2po_masked(d_sampler, act, threshold) -> np.ndarray:
+    """M2PO's mask as AReaL words it: sort the active (log r)² descending, mask the fewest
+    largest after which the rest's mean is below τ (all but the smallest one when none is);
+    tokens tied with the smallest masked value are masked with it (docs/DESIGN.md §3.6)."""
+    m2 = np.asarray(d_sampler, np.float64) ** 2
+    desc = sorted((float(v) for v in m2[act]), reverse=True)
+    n = len(desc)
+    k = next((k for k in range(n) if sum(desc[k:]) / (n - k) < threshold), max(n - 1, 0))
+    cutoff = desc[k - 1] if k > 0 else math.inf
+    return act & (m2 >= cutoff)
+
+
+def reference_ess(logp, behavior_logp, mask, clamp_limit=20.0) -> float:
+    """(Σ w)² / (N·Σ w²) over the N active tokens, w = exp(logp − behavior_logp) clamped."""
+    act = np.asarray(mask) > 0
+    d = np.asarray(logp, np.float64)[act] - np.asarray(behavior_logp, np.float64)[act]
+    if clamp_limit is not None:
+        d = np.clip(d, -clamp_limit, clamp_limit)
+    w = np.exp(d)
+    return float(w.sum() ** 2 / (len(w) * (w**2).sum())) if len(w) else 0.0
+
+
 def reference_policy_loss(
     logp, behavior_logp, advantages, mask, cfg, old_logp=None, ref_logp=None, fresh_mask=None
 ):
@@ -72,6 +94,9 @@ def reference_policy_loss(
             g = np.exp(total / max(len(toks), 1))
             seq_masked[b] = not cfg.seq_mask_range[0] <= g <= cfg.seq_mask_range[1]
 
+    m2_threshold = getattr(cfg, "m2_threshold", None)
+    m2_mask = m2po_masked(logp - beh, act, m2_threshold) if m2_threshold else np.zeros((B, T), bool)
+
     def psi(u):
         return 1.0 / (1.0 + (u / q) ** sat.exponent)
 
@@ -117,7 +142,7 @@ def reference_policy_loss(
                 w = k if cfg.icepop_range[0] <= k <= cfg.icepop_range[1] else 0.0
                 weight *= w
                 extra["icepop"].append(w > 0)
-            weight *= seq_w[b] * (not seq_masked[b])
+            weight *= seq_w[b] * (not seq_masked[b]) * (not m2_mask[b, t])
             S[b, t], dS_dd[b, t] = s * weight, ds * weight
             m["clip_low"].append(a < 0 and r < lo)
             m["clip_high"].append(a > 0 and r > hi)
@@ -198,6 +223,7 @@ def reference_policy_loss(
         sat_eps_high_mean=mean(m["eps_high"]) if m["eps_high"] else 0.0,
         sat_c_min=min(m["c"]) if (m["c"] and sat.enabled) else 1.0,
         active_tokens=float(act.sum()),
+        ess=reference_ess(logp, beh, act, L),
     )
     if cfg.dual_clip is not None:
         metrics["dual_clip_frac"] = mean(m["dual"])
@@ -212,4 +238,7 @@ def reference_policy_loss(
         metrics["seq_masked_frac"] = mean(seq_masked[responses])
     if cfg.dppo_tv_delta is not None:
         metrics["dppo_tv_masked_frac"] = mean(extra["tv"])
+    if m2_threshold:
+        metrics["m2po_masked_frac"] = mean(m2_mask[act])
+        metrics["m2po_second_moment"] = mean([x * x for x in lr_b])
     return loss, metrics, grad

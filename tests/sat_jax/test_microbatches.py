@@ -35,6 +35,9 @@ LOSSES = {
         ratio_level="sequence", loss_agg="seq_mean_token_mean", sat=SAT, kl_coef=0.1
     ),
     "ppo": objectives.PolicyLossConfig(),
+    # The large-lag options (docs/DESIGN.md §3.6): M2PO's cutoff is a batch statistic like SAT's
+    # q; the ESS (and VCPO's step scale) comes from sums. τ keeps part of this batch's tokens.
+    "m2po-sat-vcpo": objectives.PolicyLossConfig(sat=SAT, m2_threshold=2.0, ess_scaling=True),
 }
 
 
@@ -123,12 +126,35 @@ ONE = sharding.MeshConfig(fsdp=1)
 EIGHT = sharding.MeshConfig(data=2, fsdp=4)
 
 
-@pytest.mark.parametrize(("loss_name", "k"), [("sat-token", 4), ("sat-gspo-kl", 2), ("ppo", 2)])
+@pytest.mark.parametrize(
+    ("loss_name", "k"),
+    [("sat-token", 4), ("sat-gspo-kl", 2), ("ppo", 2), ("m2po-sat-vcpo", 4)],
+)
 def test_microbatches_equal_one_pass(setup: Setup, loss_name: str, k: int) -> None:
     loss_cfg = LOSSES[loss_name]
     want = _step(setup, loss_cfg, ONE, 1)
     assert want[1]["step_skipped"] == 0.0 and want[1]["aux_loss"] > 0
+    assert 0 < want[1]["ess"] <= 1
+    if loss_cfg.m2po:
+        assert 0 < want[1]["m2po_masked_frac"] < 1
     _assert_same(_step(setup, loss_cfg, ONE, k), want)
+
+
+def test_ess_scaling_multiplies_the_update_by_sqrt_ess(setup: Setup) -> None:
+    """VCPO: the update (here gradient − params) is the unscaled one times sqrt(ess)."""
+    plain = objectives.PolicyLossConfig(sat=SAT)
+    params, metrics = _step(setup, plain, ONE, 2)
+    scaled, scaled_metrics = _step(setup, dataclasses.replace(plain, ess_scaling=True), ONE, 2)
+    scale = float(scaled_metrics["ess_step_scale"])
+    assert scale == pytest.approx(np.sqrt(metrics["ess"]), rel=1e-6) and 0 < scale < 1
+    for p0, p, s in zip(
+        jax.tree.leaves(setup.params0),
+        jax.tree.leaves(params),
+        jax.tree.leaves(scaled),
+        strict=True,
+    ):
+        np.testing.assert_allclose(s - p0, scale * (p - p0), rtol=1e-5, atol=1e-6)
+    assert "ess_step_scale" not in metrics
 
 
 def test_microbatches_on_eight_devices_with_replay(setup: Setup) -> None:

@@ -121,6 +121,10 @@ CONFIGS = {
         kl_coef=0.05,
         loss_agg="seq_mean_token_mean",
     ),
+    "m2po": PolicyLossConfig(m2_threshold=0.04),
+    "m2po_sat_seqmean": PolicyLossConfig(m2_threshold=0.1, sat=SAT, loss_agg="seq_mean_token_mean"),
+    "m2po_gspo": PolicyLossConfig(ratio_level="sequence", m2_threshold=0.1),
+    "vcpo": PolicyLossConfig(ess_scaling=True),
 }
 
 

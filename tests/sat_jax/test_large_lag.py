@@ -1,0 +1,197 @@
+"""M2PO's second-moment mask and the effective sample size (VCPO) against float64 NumPy (§3.6).
+
+The references (``objectives_reference.m2po_masked``, ``reference_ess``) follow the sources'
+wording (AReaL's descending sort and suffix means; (Σ w)² / (N·Σ w²)), not the implementation's
+ascending cumulative sums.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sat_jax import objectives
+from sat_jax.objectives import PolicyLossConfig, SATConfig
+
+from .objectives_reference import m2po_masked, reference_ess, reference_policy_loss
+from .test_objectives import loss_and_grad, make_batch
+
+RTOL, ATOL = 2e-5, 1e-6
+
+
+def _heavy_tailed(seed, B=6, T=12, mask_p=0.8):
+    """d = logp − behavior_logp with a few large stale outliers, and a mask."""
+    rng = np.random.default_rng(seed)
+    d = 0.15 * rng.normal(size=(B, T))
+    d[rng.random((B, T)) < 0.1] *= 12.0
+    mask = rng.random((B, T)) < mask_p
+    mask[0] = False
+    return d.astype(np.float32), mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("threshold", [0.01, 0.04, 0.2, 10.0])
+def test_m2po_mask_is_the_areal_rule(seed, threshold):
+    d, mask = _heavy_tailed(seed)
+    cutoff = objectives.m2po_cutoff(d, threshold=threshold, where=mask)
+    got = np.asarray(objectives.m2po_mask(d, cutoff, where=mask))
+    want = m2po_masked(d, mask, threshold)
+    np.testing.assert_array_equal(got, want)
+    kept = (d.astype(np.float64) ** 2)[mask & ~want]
+    assert kept.size >= 1 and (kept.mean() < threshold or kept.size == 1)
+    if (d.astype(np.float64) ** 2)[mask].mean() < threshold:
+        assert not want.any() and np.isinf(float(cutoff))
+
+
+def test_m2po_degenerate_batches():
+    d = np.full((2, 3), 0.5, np.float32)
+    mask = np.ones((2, 3), bool)
+    # All tied above τ: ties with the smallest masked value go with it, so all are masked.
+    cut = objectives.m2po_cutoff(d, threshold=0.04, where=mask)
+    assert np.asarray(objectives.m2po_mask(d, cut, where=mask)).all()
+    # One active token above τ: AReaL keeps one token, so nothing is masked.
+    one = np.zeros((2, 3), bool)
+    one[1, 2] = True
+    cut = objectives.m2po_cutoff(d, threshold=0.04, where=one)
+    assert np.isinf(float(cut)) and not np.asarray(objectives.m2po_mask(d, cut, where=one)).any()
+    # No active token: +inf, nothing masked, no NaN.
+    none = np.zeros((2, 3), bool)
+    assert np.isinf(float(objectives.m2po_cutoff(d, threshold=0.04, where=none)))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        PolicyLossConfig(m2_threshold=0.04),
+        PolicyLossConfig(m2_threshold=0.04, sat=SATConfig(quantile=0.8)),
+        PolicyLossConfig(m2_threshold=0.02, loss_agg="seq_mean_token_mean", dual_clip=2.0),
+    ],
+    ids=["m2po", "m2po_sat", "m2po_seqmean_dual"],
+)
+def test_m2po_loss_gradient_and_metrics_match_float64(seed, cfg):
+    batch = make_batch(seed, scale=0.3)
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    ref_loss, ref_metrics, ref_grad = reference_policy_loss(**batch, cfg=cfg)
+    np.testing.assert_allclose(loss, ref_loss, rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(grad, ref_grad, rtol=RTOL, atol=ATOL)
+    assert set(metrics) == set(ref_metrics)
+    for k, v in ref_metrics.items():
+        np.testing.assert_allclose(metrics[k], v, rtol=RTOL, atol=ATOL, err_msg=k)
+    assert 0.0 < float(metrics["m2po_masked_frac"]) < 0.5
+    # Masked tokens get no gradient; they stay in the denominator: the loss is the base loss
+    # with their advantages zeroed.
+    d = batch["logp"].astype(np.float64) - batch["behavior_logp"]
+    masked = m2po_masked(d, batch["mask"] > 0, cfg.m2_threshold)
+    assert np.all(np.asarray(grad)[masked] == 0.0)
+    zeroed = {**batch, "advantages": np.where(masked, 0.0, batch["advantages"]).astype(np.float32)}
+    base = PolicyLossConfig(**{**cfg.__dict__, "m2_threshold": None})
+    np.testing.assert_allclose(loss, loss_and_grad(zeroed, base)[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("scale", [0.01, 0.4, 3.0])
+def test_ess_matches_float64(seed, scale):
+    batch = make_batch(seed, scale=scale, with_old=True)
+    for cfg in (PolicyLossConfig(), PolicyLossConfig(ratio_level="sequence", tis_cap=2.0)):
+        _, metrics, _ = loss_and_grad(batch, cfg)
+        want = reference_ess(batch["logp"], batch["behavior_logp"], batch["mask"])
+        np.testing.assert_allclose(metrics["ess"], want, rtol=RTOL)
+        assert 0.0 < float(metrics["ess"]) <= 1.0 + 1e-6
+
+
+def test_ess_bounds_and_step_scale():
+    n = 8
+    equal = objectives.effective_sample_size(n * 2.0, n * 4.0, n)  # every w = 2
+    np.testing.assert_allclose(equal, 1.0, rtol=1e-6)
+    # One weight dominating: ess → 1/N.
+    w = np.array([1e6] + [1e-3] * (n - 1), np.float32)
+    one = objectives.effective_sample_size(w.sum(), (w.astype(np.float64) ** 2).sum(), n)
+    np.testing.assert_allclose(one, 1.0 / n, rtol=1e-4)
+    assert float(objectives.effective_sample_size(0.0, 0.0, 0)) == 0.0
+    np.testing.assert_allclose(objectives.ess_step_scale(0.25), 0.5)
+    # Extreme log-ratios (clamped at ±20): finite, in (0, 1].
+    d = np.array([[80.0, -80.0, 0.0, 1.0]], np.float32)
+    s1, s2 = objectives.importance_weight_sums(np.clip(d, -20, 20))
+    ess = float(objectives.effective_sample_size(s1, s2, 4))
+    assert np.isfinite(ess) and 0.0 < ess <= 1.0
+
+
+@pytest.mark.parametrize("base", ["ppo", "sat", "gspo"])
+def test_options_off_are_bit_identical(base):
+    cfgs = {
+        "ppo": PolicyLossConfig(),
+        "sat": PolicyLossConfig(sat=SATConfig(quantile=0.8)),
+        "gspo": PolicyLossConfig(ratio_level="sequence", clip_low=3e-4, clip_high=4e-4),
+    }
+    cfg = cfgs[base]
+    batch = make_batch(3, scale=0.3)
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    # m2_threshold 0 is off; ess_scaling changes only the train step's update, not the loss.
+    for off in (dict(m2_threshold=0.0), dict(m2_threshold=None), dict(ess_scaling=True)):
+        other = PolicyLossConfig(**{**cfg.__dict__, **off})
+        loss2, metrics2, grad2 = loss_and_grad(batch, other)
+        assert np.asarray(loss2).tobytes() == np.asarray(loss).tobytes()
+        assert np.asarray(grad2).tobytes() == np.asarray(grad).tobytes()
+        assert metrics2.keys() == metrics.keys()
+        for k in metrics:
+            assert np.asarray(metrics2[k]).tobytes() == np.asarray(metrics[k]).tobytes(), k
+
+
+@pytest.mark.parametrize("n_micro", [2, 4])
+def test_microbatches_with_the_batch_cutoff_merge_to_full_batch(n_micro):
+    """Row microbatches given the batch's M2PO cutoff merge to the full batch; ess is exact."""
+    cfg = PolicyLossConfig(m2_threshold=0.04, sat=SATConfig(quantile=0.8))
+    batch = make_batch(12, B=8, scale=0.3)
+    b = {k: jnp.asarray(v) for k, v in batch.items()}
+    q = objectives.sat_threshold(b["logp"], b["behavior_logp"], b["mask"], cfg)
+    cut = objectives.m2po_batch_cutoff(b["logp"], b["behavior_logp"], b["mask"], cfg)
+
+    def terms(lp, rows):
+        args = (lp[rows], b["behavior_logp"][rows], b["advantages"][rows], b["mask"][rows], cfg)
+        return objectives.policy_loss_terms(*args, sat_q=q, m2_cutoff=cut)
+
+    full_loss, full_metrics, full_grad = loss_and_grad(b, cfg)
+    parts = [slice(i, i + 8 // n_micro) for i in range(0, 8, 8 // n_micro)]
+    merged = functools.reduce(lambda x, y: x.merge(y), (terms(b["logp"], s) for s in parts))
+    grad = sum(jax.grad(lambda lp, s=s: terms(lp, s).loss_sum)(b["logp"]) for s in parts)
+    loss, metrics = merged.reduce()
+    np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
+    np.testing.assert_allclose(grad / merged.loss_count, full_grad, rtol=1e-6, atol=1e-9)
+    assert set(metrics) == set(full_metrics)
+    for k in full_metrics:
+        np.testing.assert_allclose(metrics[k], full_metrics[k], rtol=1e-6, atol=1e-9, err_msg=k)
+    assert 0.0 < float(metrics["m2po_masked_frac"]) < 1.0
+    # Each microbatch's own cutoff would mask differently: the batch statistic matters.
+    own = functools.reduce(
+        lambda x, y: x.merge(y),
+        (
+            objectives.policy_loss_terms(
+                b["logp"][s], b["behavior_logp"][s], b["advantages"][s], b["mask"][s], cfg, sat_q=q
+            )
+            for s in parts
+        ),
+    )
+    assert float(own.reduce()[1]["m2po_masked_frac"]) != float(metrics["m2po_masked_frac"])
+
+
+def test_all_padding_batch_is_zero_and_finite():
+    cfg = PolicyLossConfig(m2_threshold=0.04, ess_scaling=True)
+    batch = make_batch(0)
+    batch["mask"] = np.zeros_like(batch["mask"])
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    assert float(loss) == 0.0 and not np.asarray(grad).any()
+    assert all(np.isfinite(float(v)) for v in metrics.values())
+    assert float(metrics["ess"]) == 0.0 and float(metrics["m2po_masked_frac"]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"), [(dict(m2_threshold=-0.1), "m2_threshold"), (dict(ess_scaling=1), "ess")]
+)
+def test_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        PolicyLossConfig(**kwargs)
