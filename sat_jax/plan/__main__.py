@@ -18,7 +18,8 @@ import jax
 import yaml
 
 from sat_jax import sharding
-from sat_jax.experiment import ExperimentConfig, TrainConfig, load_config
+from sat_jax.config import TrainConfig
+from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import ModelConfig
 from sat_jax.model.config import LoRAConfig
 from sat_jax.plan import memory, programs, topology
@@ -151,7 +152,7 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
         if batch is None or seq_len is None:
             raise ValueError("--compile needs --batch and --seq-len (or a --config)")
         spec = programs.TrainStepSpec(
-            optimizer=setup.train.optimizer.make(),
+            optimizer=setup.train.optimizer.make(setup.train.steps),
             loss=setup.train.loss,
             routing_replay=setup.train.routing_replay,
             microbatches=k,
@@ -181,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _for_topology(args, setup)
         if args.serve:
             raise ValueError("--serve needs --topology (the chip to compile for)")
-        optimizer = setup.train.optimizer.make()
+        optimizer = setup.train.optimizer.make(setup.train.steps)
         plan = memory.plan_memory(setup.model, setup.mesh, args.devices, optimizer)
         batch, seq_len, k = _batch_shape(args, setup)
         if args.compile and (batch is None or seq_len is None):
