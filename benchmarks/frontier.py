@@ -61,7 +61,7 @@ import grid
 import worker_group
 
 from sat_jax import objectives
-from sat_jax.train_step import create_train_state, make_train_step, shard_batch
+from sat_jax.step import create_train_state, make_train_step, shard_batch
 
 GRPO_FAMILY = ("GRPO", "GRPO+SAT", "GRPO+R3", "GRPO+SAT+R3")
 # GSPO's sequence log-ratio |s_b| has a 0.9 quantile of 0.03–0.13 at lr 1e-3 (RESULTS.md, the
@@ -129,17 +129,13 @@ class Runner(grid.Runner):
     def cell_step_fn(self, cell: Cell):
         key = (cell.method, cell.lr, cell.knobs)
         if key not in self._steps:
-            loss_cfg, replay = loss_config(cell.method, *cell.knobs)
+            options = self.step_options(*loss_config(cell.method, *cell.knobs))
             self._steps[key] = make_train_step(
                 self.cfg.model,
                 self.optimizer(cell.lr),
-                loss_cfg,
+                options,
                 self.mesh,
-                routing_replay=replay,
-                temperature=self.cfg.rollout.temperature,
                 vocab_mask=self.vocab_mask,
-                estimator=self.cfg.train.advantage_estimator,
-                normalize_std=self.cfg.train.normalize_std,
             )
         return self._steps[key]
 

@@ -178,7 +178,7 @@ def main(port: int, process_id: int, out_dir: str) -> None:
     )
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from sat_jax.train_step import TrainState
+    from sat_jax.step import TrainState
     from train import batching, main, pulling
 
     assert jax.process_count() == 2 and jax.device_count() == 2, jax.devices()
