@@ -80,7 +80,6 @@ class BatchSpec:
       routing_dtype: "uint8" (≤ 256 experts) or "uint16"; fixed so the step compiles once.
       max_staleness: the largest lag a kept group may have under the "drop" policy.
       stale_policy: "drop" or "keep".
-      estimator, normalize_std: ``group_advantages`` options.
       vocab_size: token ids must be in [0, vocab_size).
       num_experts: routing ids must be in [0, num_experts).
       kept_counts: the batch carries the sampler's per-token kept-set sizes for the step's
@@ -105,8 +104,6 @@ class BatchSpec:
     routing_dtype: str
     max_staleness: int
     stale_policy: str
-    estimator: str
-    normalize_std: bool
     vocab_size: int
     num_experts: int
     kept_counts: bool = False

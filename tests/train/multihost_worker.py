@@ -31,8 +31,6 @@ SPEC_KWARGS = dict(
     routing_dtype="uint8",
     max_staleness=1,
     stale_policy="drop",
-    estimator="grpo",
-    normalize_std=True,
     vocab_size=64,
     num_experts=8,
 )

@@ -55,8 +55,6 @@ def spec(**kw) -> batching.BatchSpec:
         routing_dtype="uint8",
         max_staleness=1,
         stale_policy="drop",
-        estimator="grpo",
-        normalize_std=True,
         vocab_size=64,
         num_experts=8,
     )
