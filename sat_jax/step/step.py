@@ -231,7 +231,6 @@ def make_train_step(
         jit(in_shardings=(state_sh, data_sh)),
         jit(in_shardings=(state_sh, data_sh, whole_params(state_sh.frozen, state_sh.params))),
         mesh,
-        cfg,
     )
 
 
@@ -240,12 +239,11 @@ class Step:
 
     Two compiled programs, one without reference params and one with them; each is traced and
     run with ``mesh`` as the ambient mesh, so the model's activation constraints
-    (``sharding.constrain_batch``) see it; ``lower`` is forwarded the same way. ``cfg`` is the
-    ``StepConfig`` it was built from.
+    (``sharding.constrain_batch``) see it; ``lower`` is forwarded the same way.
     """
 
-    def __init__(self, plain: Any, with_reference: Any, mesh: Mesh, cfg: StepConfig):
-        self.plain, self.with_reference, self.mesh, self.cfg = plain, with_reference, mesh, cfg
+    def __init__(self, plain: Any, with_reference: Any, mesh: Mesh):
+        self.plain, self.with_reference, self.mesh = plain, with_reference, mesh
 
     def __call__(
         self, state: TrainState, batch: TrainBatch, ref_params: Any = None
