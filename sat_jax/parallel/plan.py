@@ -556,7 +556,7 @@ def _batch_shape(args: argparse.Namespace, setup: _Setup) -> tuple[int | None, i
     return batch, seq_len, args.microbatches or setup.train.microbatches
 
 
-def train_step_config(setup: _Setup, microbatches: int) -> StepConfig:
+def _train_step_config(setup: _Setup, microbatches: int) -> StepConfig:
     """The step ``--compile`` compiles, with or without ``--topology``: ``step_config`` of the
     experiment (of the defaults around the preset's model with ``--preset``), with
     ``microbatches`` (``--microbatches``, else ``train.microbatches``)."""
@@ -585,7 +585,7 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
         lines, fits = report_train(
             setup.model,
             optimizer,
-            train_step_config(setup, k),
+            _train_step_config(setup, k),
             mesh,
             chip,
             plan,
@@ -619,7 +619,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(format_plan(setup.name, plan))
     if args.compile:
         try:
-            step_cfg = train_step_config(setup, k)
+            step_cfg = _train_step_config(setup, k)
             temp = compiled_temp_bytes(
                 setup.model, setup.mesh, step_cfg, batch, seq_len, optimizer=optimizer
             )
