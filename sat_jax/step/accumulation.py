@@ -35,7 +35,7 @@ Metrics = dict[str, jax.Array]
 Forward = Callable[[Any, TrainBatch], tuple[jax.Array, ModelOutput]]
 
 
-def policy_terms(
+def _policy_terms(
     logp_bt: jax.Array, batch: TrainBatch, cfg: StepConfig, sat_q: jax.Array | None = None
 ) -> objectives.PolicyLossTerms:
     """The (micro)batch's policy-loss terms (sums and counts, ``objectives.policy_loss_terms``),
@@ -66,9 +66,9 @@ def one_pass(
 
     def loss_fn(params: Any) -> tuple[jax.Array, Metrics]:
         logp_bt, out = forward(params, batch)
-        loss, metrics = policy_terms(logp_bt, batch, cfg).reduce()
+        loss, metrics = _policy_terms(logp_bt, batch, cfg).reduce()
         # ModelOutput.aux_loss is already weighted by config.router_aux_loss_coef (0 = off).
-        metrics = with_aux(loss, metrics, out.aux_loss, out.balance_loss)
+        metrics = _with_aux(loss, metrics, out.aux_loss, out.balance_loss)
         if batch.routing is not None:
             metrics["router_shift_ratio"] = router_shift_ratio(
                 batch.routing, out.routing_btlk, batch.loss_mask
@@ -169,7 +169,7 @@ def accumulated(
 
     def objective(p: Any, mb: TrainBatch, w: jax.Array):
         logp_bt, out = forward(p, mb)
-        terms = policy_terms(logp_bt, mb, cfg, sat_q)
+        terms = _policy_terms(logp_bt, mb, cfg, sat_q)
         value = terms.loss_sum / count
         if coef:
             value = value + w * coef * balance_from_stats(frac_le, out.router_prob_le)
@@ -189,13 +189,13 @@ def accumulated(
     unstacked = [jax.tree.map(lambda x, i=i: x[i], terms_k) for i in range(k)]
     loss, metrics = functools.reduce(objectives.PolicyLossTerms.merge, unstacked).reduce()
     balance = balance_from_stats(_weighted(frac_kle, w_k), _weighted(prob_kle, w_k))
-    metrics = with_aux(loss, metrics, coef * balance, balance)
+    metrics = _with_aux(loss, metrics, coef * balance, balance)
     if batch.routing is not None:
         shift = router_shift_from_counts(jnp.sum(missing_k), jnp.sum(slots_k))
         metrics["router_shift_ratio"] = shift
     return grads, metrics
 
 
-def with_aux(loss: jax.Array, metrics: Metrics, aux: jax.Array, balance: jax.Array) -> Metrics:
+def _with_aux(loss: jax.Array, metrics: Metrics, aux: jax.Array, balance: jax.Array) -> Metrics:
     """The policy metrics plus the router aux terms and ``total_loss`` = loss + aux."""
     return {**metrics, "aux_loss": aux, "balance_loss": balance, "total_loss": loss + aux}
