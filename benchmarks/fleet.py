@@ -33,7 +33,7 @@ from flax import nnx
 from sat_jax import sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import placement
-from sat_jax.train_step import TrainState
+from sat_jax.step import TrainState
 from train import checkpointing, main, metrics, remote, setup, weight_sync
 from train.local_server import LocalServer
 

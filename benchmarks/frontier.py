@@ -63,7 +63,7 @@ import grid
 import worker_group
 
 from sat_jax import objectives
-from sat_jax.train_step import create_train_state, make_train_step, shard_batch
+from sat_jax.step import create_train_state, make_train_step, shard_batch
 
 GRPO_FAMILY = ("GRPO", "GRPO+SAT", "GRPO+R3", "GRPO+SAT+R3")
 # The field's large-lag corrections, each on GRPO's clip (docs/DESIGN.md §3.4, §3.6), and SAT with
@@ -158,23 +158,21 @@ class Runner(grid.Runner):
         self.base_accuracy = self.accuracy(self.base_params)  # step 0 of every cell
 
     def optimizer(self, lr: float):
-        return dataclasses.replace(self.cfg.train.optimizer, learning_rate=lr).make()
+        return dataclasses.replace(self.cfg.train.optimizer, learning_rate=lr).make(self.cfg.train.steps)
 
     def cell_step_fn(self, cell: Cell):
         key = (cell.method, cell.lr, cell.knobs)
         if key not in self._steps:
-            loss_cfg, replay = loss_config(cell.method, *cell.knobs)
+            options = dataclasses.replace(
+                self.step_options(*loss_config(cell.method, *cell.knobs)),
+                microbatches=microbatches(cell.method),
+            )
             self._steps[key] = make_train_step(
                 self.cfg.model,
                 self.optimizer(cell.lr),
-                loss_cfg,
+                options,
                 self.mesh,
-                routing_replay=replay,
-                temperature=self.cfg.rollout.temperature,
                 vocab_mask=self.vocab_mask,
-                estimator=self.cfg.train.advantage_estimator,
-                normalize_std=self.cfg.train.normalize_std,
-                microbatches=microbatches(cell.method),
             )
         return self._steps[key]
 

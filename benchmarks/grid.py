@@ -49,9 +49,16 @@ import worker_group
 
 from sat_jax import objectives, sharding
 from sat_jax.experiment import load_config
+from sat_jax.step import (
+    StepConfig,
+    TrainBatch,
+    create_train_state,
+    make_train_step,
+    shard_batch,
+    step_config,
+)
 from sat_jax.tasks import CharTokenizer, arithmetic_task
 from sat_jax.tasks.rewards import exact_match_reward
-from sat_jax.train_step import TrainBatch, create_train_state, make_train_step, shard_batch
 from train import held_out, setup
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -134,19 +141,28 @@ class Runner:
             max_new_tokens=self.cfg.rollout.max_new_tokens,
         )
 
+    def step_options(self, loss_cfg: objectives.PolicyLossConfig, replay: bool) -> StepConfig:
+        """The configured step (``step_config``) with a method's loss and routing replay. The
+        benchmark samples without truncation and computes the proximal log-probs itself
+        (``proximal_logp``), so its batches carry no kept counts and the step recomputes
+        nothing."""
+        return dataclasses.replace(
+            step_config(self.cfg),
+            loss=loss_cfg,
+            routing_replay=replay,
+            recompute_old_logp=False,
+            kept_counts=False,
+        )
+
     def step_fn(self, method: str):
         if method not in self._steps:
-            loss_cfg, replay = loss_config(method)
+            options = self.step_options(*loss_config(method))
             self._steps[method] = make_train_step(
                 self.cfg.model,
                 self.cfg.train.optimizer.make(self.cfg.train.steps),
-                loss_cfg,
+                options,
                 self.mesh,
-                routing_replay=replay,
-                temperature=self.cfg.rollout.temperature,
                 vocab_mask=self.vocab_mask,
-                estimator=self.cfg.train.advantage_estimator,
-                normalize_std=self.cfg.train.normalize_std,
             )
         return self._steps[method]
 

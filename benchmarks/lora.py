@@ -13,7 +13,7 @@ the kept base (base + scale·A·B for every target, float32 math, cast back). By
 (what moves) and the directory's on disk (orbax compresses). Medians over ``--repeats``, the
 variants interleaved in one run.
 
-Step: the real jitted ``sat_jax.train_step`` (SAT loss, Adam, float32) at ``--batch`` rows of
+Step: the real jitted ``sat_jax.step.train_step`` (SAT loss, Adam, float32) at ``--batch`` rows of
 ``--seq-len`` tokens on one device: XLA's compiled memory (arguments: the params, the frozen base
 under LoRA, the optimizer state; temporaries) and the median step time of ``--repeats`` calls after
 a warm-up, the variants interleaved. Decode speed is not measured here: the server serves the
@@ -41,10 +41,11 @@ import optax
 from train_step import make_batch
 
 from rollout_server.weights import WeightsLoader
-from sat_jax import objectives, params_io, sharding, train_step
+from sat_jax import objectives, params_io, sharding
 from sat_jax.model import ModelConfig, placement
 from sat_jax.model.config import LoRAConfig
 from sat_jax.model.lora import abstract_adapters, init_lora
+from sat_jax.step import StepConfig, create_train_state, make_train_step, shard_batch
 from train.weight_sync import host_copy, tree_bytes
 
 
@@ -136,13 +137,13 @@ def bench_step(args: argparse.Namespace, base_cfg: ModelConfig, mesh) -> list[di
     """Per variant: compiled argument/temp bytes and the median step time."""
     optimizer = optax.adam(1e-5)
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=True))
-    batch = train_step.shard_batch(make_batch(base_cfg, args.batch, args.seq_len), mesh)
+    batch = shard_batch(make_batch(base_cfg, args.batch, args.seq_len), mesh)
     states, steps, memory = {}, {}, {}
     for rank in [0, *args.ranks]:
         cfg = base_cfg.replace(lora=_lora(rank, args.targets))
         _, params = placement.init_sharded(cfg, mesh, 0)
-        state = train_step.create_train_state(cfg, optimizer, mesh, params)
-        step = train_step.make_train_step(cfg, optimizer, loss_cfg, mesh, routing_replay=False)
+        state = create_train_state(cfg, optimizer, mesh, params)
+        step = make_train_step(cfg, optimizer, StepConfig(loss=loss_cfg), mesh)
         stats = step.lower(state, batch).compile().memory_analysis()
         memory[rank] = (stats.argument_size_in_bytes, stats.temp_size_in_bytes)
         trained = sum(x.size for x in jax.tree.leaves(state.params))

@@ -189,8 +189,9 @@ def time_train_step(batch: int, length: int, repeats: int) -> None:
     """The share of a `small`-model train step that SAT's gate costs: SAT vs PPO, same batch."""
     import optax
 
-    from sat_jax import sharding, train_step
+    from sat_jax import sharding
     from sat_jax.model import ModelConfig
+    from sat_jax.step import StepConfig, TrainBatch, init_train_state, make_train_step
 
     model_cfg = ModelConfig.preset("small")
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), devices=jax.devices()[:1])
@@ -199,7 +200,7 @@ def time_train_step(batch: int, length: int, repeats: int) -> None:
     tokens = rng.integers(3, model_cfg.vocab_size, (batch, length)).astype(np.int32)
     mask = np.zeros((batch, length), np.float32)
     mask[:, length // 4 :] = 1.0
-    step_batch = train_step.TrainBatch(
+    step_batch = TrainBatch(
         tokens=jnp.asarray(tokens),
         loss_mask=jnp.asarray(mask),
         behavior_logp=jnp.asarray(
@@ -210,10 +211,8 @@ def time_train_step(batch: int, length: int, repeats: int) -> None:
     steps, states = {}, {}
     for name, sat_on in (("ppo", False), ("sat", True)):
         loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=sat_on))
-        steps[name] = train_step.make_train_step(
-            model_cfg, optimizer, loss_cfg, mesh, routing_replay=False
-        )
-        states[name] = train_step.init_train_state(model_cfg, optimizer, mesh, rng=0)
+        steps[name] = make_train_step(model_cfg, optimizer, StepConfig(loss=loss_cfg), mesh)
+        states[name] = init_train_state(model_cfg, optimizer, mesh, rng=0)
     times = {name: [] for name in steps}
     for i in range(repeats + 1):  # the first round compiles
         for name, step in steps.items():

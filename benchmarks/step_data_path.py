@@ -46,7 +46,7 @@ from rollout_api.routing_codec import encode_routing
 from sat_jax import sharding
 from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import placement
-from sat_jax.train_step import create_train_state, shard_batch
+from sat_jax.step import create_train_state, shard_batch
 from train import batching, main, setup
 
 REPO = pathlib.Path(__file__).resolve().parents[1]

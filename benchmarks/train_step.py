@@ -36,9 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives
 from sat_jax.model import ModelConfig, placement
-from sat_jax.plan import memory as plan
+from sat_jax.parallel import plan, sharding
+from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
 
 PROMPT = 64  # prompt tokens per row (not in the loss); the rest of T is completion
 
@@ -94,13 +95,13 @@ def step_flops(cfg: ModelConfig, batch: int, seq_len: int) -> float:
     return batch * seq_len * (6 * matmul_params + attention)
 
 
-def make_batch(cfg: ModelConfig, batch: int, seq_len: int) -> train_step.TrainBatch:
+def make_batch(cfg: ModelConfig, batch: int, seq_len: int) -> TrainBatch:
     """Random tokens, a prompt of PROMPT (or T/2) tokens, the rest completion in the loss."""
     rng = np.random.default_rng(0)
     prompt = min(PROMPT, seq_len // 2)
     mask = np.zeros((batch, seq_len), np.float32)
     mask[:, prompt:] = 1.0
-    return train_step.TrainBatch(
+    return TrainBatch(
         tokens=rng.integers(3, cfg.vocab_size, (batch, seq_len)).astype(np.int32),
         loss_mask=mask,
         behavior_logp=(mask * (-3.0 + 0.1 * rng.standard_normal((batch, seq_len)))).astype(
@@ -125,19 +126,14 @@ def bench_seq_len(args: argparse.Namespace, seq_len: int) -> tuple[list[Row], fl
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=True))
     configs = [(r, k) for r in ("none", "layer") for k in (1, 4)]
     steps = {
-        c: train_step.make_train_step(
-            base.replace(remat=c[0]),
-            optimizer,
-            loss_cfg,
-            mesh,
-            routing_replay=False,
-            microbatches=c[1],
+        c: make_train_step(
+            base.replace(remat=c[0]), optimizer, StepConfig(loss=loss_cfg, microbatches=c[1]), mesh
         )
         for c in configs
     }
     _, params = placement.init_sharded(base, mesh, 0)
-    state = train_step.create_train_state(base, optimizer, mesh, params)
-    batch = train_step.shard_batch(make_batch(base, args.batch, seq_len), mesh)
+    state = create_train_state(base, optimizer, mesh, params)
+    batch = shard_batch(make_batch(base, args.batch, seq_len), mesh)
     n = args.matmul_n
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(args.dtype)
     matmul = jax.jit(lambda x: jnp.dot(x, x))

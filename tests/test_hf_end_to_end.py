@@ -279,7 +279,7 @@ def test_truncated_sampling_matches_transformers_and_the_trainer_replays_it(setu
 
     from rollout_api.records import decode_pulled
     from sat_jax import sharding
-    from sat_jax.train_step import create_train_state, shard_batch
+    from sat_jax.step import create_train_state, shard_batch
     from train import batching
     from train import main as train_main
     from train import setup as train_setup

@@ -37,7 +37,7 @@ SAT_JAX_FLOORS = (
         "sat_jax.config",
     },
     {"sat_jax.experiment", "sat_jax.decoding", "sat_jax.cli"},
-    {"sat_jax.train_step"},
+    {"sat_jax.step"},
     {"sat_jax.plan"},
 )
 

@@ -36,14 +36,14 @@ the policy generated are trained. An observation token (loss mask 0, inserted by
 is context: it gets loss mask 0 in the batch, and its behavior log-prob, kept count and routing
 (unspecified on the wire) are replaced by the padding's (0, 0, the padding's expert ids), so
 nothing the server put there reaches the step, and the step routes it by its live router
-(``sat_jax.train_step.replay_mask``). Lags, the fresh mask, the staleness checks and every
+(``sat_jax.step.replay_mask``). Lags, the fresh mask, the staleness checks and every
 per-token stat read the generated tokens only; a trajectory's advantage is its episode's
 (its reward, spread over its generated tokens). ``response_len_mean`` counts generated tokens,
 and the soft overlong punishment reads a trajectory's longest turn (run of generated tokens;
 ``rollout.max_new_tokens`` bounds each turn): for a single-turn trajectory both are its
 completion length.
 
-Alignment follows ``sat_jax.train_step``: per-token arrays are indexed at the TARGET token, so the
+Alignment follows ``sat_jax.step.batch``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
 """
 
@@ -57,7 +57,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from rollout_api.records import Group, GroupLimits, InvalidGroup, Trajectory
-from sat_jax.train_step import TrainBatch
+from sat_jax.step import TrainBatch
 
 log = logging.getLogger("train")
 
@@ -80,7 +80,6 @@ class BatchSpec:
       routing_dtype: "uint8" (≤ 256 experts) or "uint16"; fixed so the step compiles once.
       max_staleness: the largest lag a kept group may have under the "drop" policy.
       stale_policy: "drop" or "keep".
-      estimator, normalize_std: ``group_advantages`` options.
       vocab_size: token ids must be in [0, vocab_size).
       num_experts: routing ids must be in [0, num_experts).
       kept_counts: the batch carries the sampler's per-token kept-set sizes for the step's
@@ -105,8 +104,6 @@ class BatchSpec:
     routing_dtype: str
     max_staleness: int
     stale_policy: str
-    estimator: str
-    normalize_std: bool
     vocab_size: int
     num_experts: int
     kept_counts: bool = False

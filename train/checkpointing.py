@@ -36,11 +36,12 @@ import optax
 import orbax.checkpoint as ocp
 from jax.sharding import Mesh
 
-from sat_jax import params_io, train_step
+from sat_jax import params_io
 from sat_jax.config import CheckpointConfig
 from sat_jax.model import ModelConfig
 from sat_jax.model.lora import split_lora
-from sat_jax.train_step import TrainState
+from sat_jax.step import TrainState
+from sat_jax.step import state as train_state
 
 log = logging.getLogger("train")
 
@@ -91,8 +92,8 @@ def abstract_train_state(
     model_cfg: ModelConfig, optimizer: optax.GradientTransformation, mesh: Mesh
 ) -> TrainState:
     """What a checkpoint holds, as ``ShapeDtypeStruct``s carrying their target shardings (nothing
-    allocated): ``sat_jax.train_step.abstract_train_state`` without the frozen base."""
-    return train_step.abstract_train_state(model_cfg, optimizer, mesh).replace(frozen=None)
+    allocated): ``sat_jax.step.abstract_train_state`` without the frozen base."""
+    return train_state.abstract_train_state(model_cfg, optimizer, mesh).replace(frozen=None)
 
 
 class CheckpointNotFound(ValueError):
@@ -191,7 +192,7 @@ def restore_train_state(
         return state, progress
     if base is None:
         raise ValueError("restoring a LoRA checkpoint needs the base params (base=...)")
-    shardings = train_step.train_state_shardings(model_cfg, optimizer, mesh)
+    shardings = train_state.train_state_shardings(model_cfg, optimizer, mesh)
     frozen = jax.device_put(split_lora(base)[0], shardings.frozen)
     check_base(progress.base_fingerprint, frozen, where=f"checkpoint {step}")
     return state.replace(frozen=frozen), progress

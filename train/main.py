@@ -72,12 +72,13 @@ from jax.experimental import multihost_utils
 from sat_jax import cli as sat_cli
 from sat_jax import sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig
-from sat_jax.train_step import (
+from sat_jax.step import (
     TrainBatch,
     TrainState,
     create_train_state,
     make_train_step,
     shard_batch,
+    step_config,
 )
 from train import batching, checkpointing, curves, held_out, metrics, pulling, setup, weight_sync
 from train.local_server import LocalServer
@@ -221,7 +222,7 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         # The KL penalty's reference is the base policy. The step donates the train state, whose
         # params may share these buffers (device_put to the same sharding does not copy), so the
         # reference keeps its own copy.
-        ref_params = jax.tree.map(jnp.copy, params) if t.loss.kl_coef > 0 else None
+        ref_params = jax.tree.map(jnp.copy, params) if step_config(cfg).uses_reference else None
         ckpt = stack.enter_context(checkpointing.Checkpointer.from_config(t.checkpoint, run_dir))
         state, progress = start_or_resume(cfg, ckpt, optimizer, mesh, params)
         writer = stack.enter_context(open_writer(cfg, run_dir)) if lead else None
@@ -299,17 +300,7 @@ def make_step_fn(
     group ids, and, with ``ref_params`` (the KL penalty's reference policy), their log-probs, all
     inside the step; log-probs renormalize over the ids the servers sample from."""
     step_fn = make_train_step(
-        cfg.model,
-        optimizer,
-        cfg.train.loss,
-        mesh,
-        routing_replay=cfg.train.routing_replay,
-        temperature=cfg.rollout.temperature,
-        vocab_mask=setup.sampleable_mask(cfg),
-        microbatches=cfg.train.microbatches,
-        estimator=cfg.train.advantage_estimator,
-        normalize_std=cfg.train.normalize_std,
-        recompute_old_logp=cfg.train.old_logp == "recompute",
+        cfg.model, optimizer, step_config(cfg), mesh, vocab_mask=setup.sampleable_mask(cfg)
     )
     if ref_params is None:
         return step_fn

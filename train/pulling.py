@@ -24,7 +24,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from rollout_api.records import Group, InvalidGroup
-from sat_jax.train_step import TrainBatch
+from sat_jax.step import TrainBatch
 from train import batching, checkpointing
 from train.remote import ServerPool
 

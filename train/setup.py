@@ -143,8 +143,6 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         routing_dtype=np.dtype(m.routing_dtype).name,
         max_staleness=cfg.rollout.max_staleness,
         stale_policy=cfg.train.stale_policy,
-        estimator=cfg.train.advantage_estimator,
-        normalize_std=cfg.train.normalize_std,
         vocab_size=m.vocab_size,
         num_experts=m.num_experts,
         kept_counts=cfg.rollout.replays_truncation,

@@ -345,14 +345,14 @@ def _prepare(
     logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q, fresh_mask
 ) -> _Batch:
     """Checks the arguments of :func:`policy_loss_terms` against ``cfg`` and converts them."""
-    fresh = {} if fresh_mask is None else {"fresh_mask": fresh_mask}
+    optional = {"fresh_mask": fresh_mask, "old_logp": old_logp}
     _check_shapes(
         "policy_loss",
         logp=logp,
         behavior_logp=behavior_logp,
         advantages=advantages,
         mask=mask,
-        **fresh,
+        **{name: x for name, x in optional.items() if x is not None},
     )
     needs_old = [name for name in _NEEDS_OLD_LOGP if getattr(cfg, name) is not None]
     if old_logp is None and needs_old:
@@ -404,17 +404,23 @@ def sat_threshold(
     single update (AReaL's decoupled objective), logp − old_logp is identically 0 at the update and
     a gate on it would never fire, while the high-staleness tail is where a token's log-ratio to
     the sampler is large. Without ``old_logp`` (which then stands for behavior_logp), d_SAT is d.
+    So for every ``old_logp``, q is the ``sat_q`` that :func:`policy_loss` reports for the same
+    arguments (docs/DESIGN.md §3.3).
 
     Args:
       logp, behavior_logp, mask: as in :func:`policy_loss`, [B, T].
       cfg: a :class:`PolicyLossConfig`.
-      old_logp: accepted so that calls mirror :func:`policy_loss`'s; q does not read it.
+      old_logp: optional proximal log-probs, as in :func:`policy_loss`: checked like its (the
+        same [B, T] shape), so a call mirrors the loss's; its values do not move q (see above).
 
     Returns:
       A float32 scalar under stop_gradient; 0 when SAT is disabled or no token is active.
+
+    Raises:
+      ValueError: the arrays (``old_logp`` included, when given) do not share one shape.
     """
-    del old_logp  # d_SAT is against behavior_logp (see above)
-    _check_shapes("sat_threshold", logp=logp, behavior_logp=behavior_logp, mask=mask)
+    given = {} if old_logp is None else {"old_logp": old_logp}
+    _check_shapes("sat_threshold", logp=logp, behavior_logp=behavior_logp, mask=mask, **given)
     if not cfg.sat.enabled:
         return jnp.zeros((), jnp.float32)
     behavior = jnp.asarray(behavior_logp, jnp.float32)

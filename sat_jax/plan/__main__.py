@@ -22,7 +22,8 @@ from sat_jax.config import TrainConfig
 from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import ModelConfig
 from sat_jax.model.config import LoRAConfig
-from sat_jax.plan import memory, programs, topology
+from sat_jax.plan import memory, topology
+from sat_jax.step import StepConfig, step_config
 
 
 def _offline_libtpu(name: str) -> None:
@@ -135,6 +136,14 @@ def _batch_shape(args: argparse.Namespace, setup: _Setup) -> tuple[int | None, i
     return batch, seq_len, args.microbatches or setup.train.microbatches
 
 
+def _train_step_config(setup: _Setup, microbatches: int) -> StepConfig:
+    """The step ``--compile`` compiles, with or without ``--topology``: ``step_config`` of the
+    experiment (of the defaults around the preset's model with ``--preset``), with
+    ``microbatches`` (``--microbatches``, else ``train.microbatches``)."""
+    cfg = setup.experiment or ExperimentConfig(name=setup.name, model=setup.model)
+    return dataclasses.replace(step_config(cfg), microbatches=microbatches)
+
+
 def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
     """``--topology``: compile with XLA:TPU for the slice and report; 0 fits, 1 does not."""
     if jax.config.jax_platforms is None:
@@ -151,21 +160,19 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
         batch, seq_len, k = _batch_shape(args, setup)
         if batch is None or seq_len is None:
             raise ValueError("--compile needs --batch and --seq-len (or a --config)")
-        spec = programs.TrainStepSpec(
-            optimizer=setup.train.optimizer.make(setup.train.steps),
-            loss=setup.train.loss,
-            routing_replay=setup.train.routing_replay,
-            microbatches=k,
-            temperature=setup.experiment.rollout.temperature if setup.experiment else 1.0,
-            estimator=setup.train.advantage_estimator,
-            normalize_std=setup.train.normalize_std,
-            kept_counts=bool(setup.experiment and setup.experiment.rollout.replays_truncation),
-            recompute_old_logp=setup.train.old_logp == "recompute",
-        )
-        plan = memory.plan_memory(setup.model, setup.mesh, len(devices), spec.optimizer)
+        optimizer = setup.train.optimizer.make(setup.train.steps)
+        plan = memory.plan_memory(setup.model, setup.mesh, len(devices), optimizer)
         print(memory.format_plan(setup.name, plan))
         lines, fits = memory.report_train(
-            setup.model, spec, mesh, chip, plan, batch, seq_len, dump_hlo=args.dump_hlo
+            setup.model,
+            optimizer,
+            _train_step_config(setup, k),
+            mesh,
+            chip,
+            plan,
+            batch,
+            seq_len,
+            dump_hlo=args.dump_hlo,
         )
     print("\n".join(lines))
     return 0 if fits else 1
@@ -193,8 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(memory.format_plan(setup.name, plan))
     if args.compile:
         try:
+            step_cfg = _train_step_config(setup, k)
             temp = memory.compiled_temp_bytes(
-                setup.model, setup.mesh, batch, seq_len, microbatches=k, optimizer=optimizer
+                setup.model, setup.mesh, step_cfg, batch, seq_len, optimizer=optimizer
             )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)

@@ -12,8 +12,9 @@ parameter dtype, ``sat_jax.optimizer``) and shardings from the rules in
 ``sat_jax.sharding`` applied to the mesh's axis sizes, so the numbers are exactly what
 ``init_train_state`` would place on each device (per-device bytes of a parameter = its bytes divided
 by the product of the mesh axes its ``PartitionSpec`` shards it over). With ``--compile`` it also
-lowers and compiles the real train step (the trainer's optimizer, the default SAT loss) for a
-[batch, seq-len] batch on the mesh's devices and prints XLA's memory analysis of it:
+lowers and compiles the configured train step (``sat_jax.step.step_config`` of the config, or of
+the defaults with ``--preset``; the trainer's optimizer), the same one ``--topology`` compiles, for
+a [batch, seq-len] batch on the mesh's devices and prints XLA's memory analysis of it:
 ``compiled temp bytes per device: N`` (activations and other temporaries).
 
 For a TPU slice, with libtpu installed (no TPU needed; docs/DESIGN.md §9.1, docs/POD.md):
@@ -22,7 +23,7 @@ For a TPU slice, with libtpu installed (no TPU needed; docs/DESIGN.md §9.1, doc
     python -m sat_jax.plan --config CFG [k=v ...] --topology v5p:2x2x1 --serve
 
 ``--compile`` compiles with XLA:TPU the train step exactly as the trainer builds it (the config's
-mesh, microbatches, remat, attention, dispatch, dtypes, optimizer, loss, routing replay; batch and
+mesh, remat, attention, dispatch, dtypes, optimizer, and its ``StepConfig``; batch and
 length default to the config's: ``rollout.batch_groups · rollout.group_size`` rows of
 ``server.max_prefill_length + rollout.max_new_tokens`` tokens) and prints its memory per device,
 ``per-device total: X GiB of Y GiB HBM: fits`` (or ``: does not fit``, exit status 1) and
@@ -48,7 +49,7 @@ import optax
 from flax import nnx
 from jax.sharding import PartitionSpec
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import sharding
 from sat_jax.config import TrainConfig
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig
@@ -58,6 +59,7 @@ from sat_jax.model.lora import split_lora
 from sat_jax.optimizer import OptimizerConfig
 from sat_jax.plan import programs, topology
 from sat_jax.plan.topology import GIB
+from sat_jax.step import StepConfig
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,7 +110,7 @@ def plan_memory(
     """Counts parameters and per-device bytes of ``model_cfg`` sharded on ``mesh_cfg``.
 
     With LoRA the base is counted once (``param_bytes``), and gradients and optimizer state
-    cover the adapters only, as ``train_step.create_train_state`` holds them.
+    cover the adapters only, as ``sat_jax.step.create_train_state`` holds them.
 
     Args:
       model_cfg: the model config.
@@ -171,7 +173,7 @@ def _optimizer_bytes(
 ) -> int:
     """Per-device bytes of ``optimizer.init``'s state (``jax.eval_shape``) over the trained
     params (with LoRA, the adapters): param-like leaves sharded like their params, the rest
-    replicated (as ``train_step.train_state_shardings``)."""
+    replicated (as ``sat_jax.step.train_state_shardings``)."""
     is_spec = lambda x: isinstance(x, PartitionSpec)
     params = nnx.to_pure_dict(abstract)
     specs = sharding.param_specs(abstract, mesh)
@@ -232,28 +234,24 @@ def format_plan(name: str, plan: MemoryPlan) -> str:
 def compiled_temp_bytes(
     model_cfg: ModelConfig,
     mesh_cfg: sharding.MeshConfig,
+    step_cfg: StepConfig,
     batch: int,
     seq_len: int,
     *,
-    microbatches: int = 1,
     optimizer: optax.GradientTransformation | None = None,
 ) -> int:
     """Per-device temporary bytes of the compiled train step, from XLA's memory analysis.
 
-    Lowers ``train_step.make_train_step`` (``optimizer``, default the trainer's; SAT on, no
-    routing replay) for a [batch, seq_len] batch on a mesh of this host's first devices (all of
+    Compiles ``programs.compile_train_step`` (``optimizer``, default the trainer's; the step of
+    ``step_cfg``) for a [batch, seq_len] batch on a mesh of this host's first devices (all of
     them for a -1 axis), from shapes only (nothing is allocated besides what compilation needs).
     """
     sizes = [getattr(mesh_cfg, name) for name in sharding.MESH_AXES]
     count = jax.device_count() if -1 in sizes else math.prod(sizes)
     mesh = sharding.make_mesh(mesh_cfg, jax.devices()[:count])
     optimizer = optimizer or OptimizerConfig().make(TrainConfig().steps)
-    loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig())
-    step = train_step.make_train_step(
-        model_cfg, optimizer, loss_cfg, mesh, routing_replay=False, microbatches=microbatches
-    )
-    state, data = programs.abstract_train_inputs(model_cfg, optimizer, mesh, batch, seq_len)
-    return step.lower(state, data).compile().memory_analysis().temp_size_in_bytes
+    compiled, _ = programs.compile_train_step(model_cfg, optimizer, step_cfg, mesh, batch, seq_len)
+    return compiled.memory_analysis().temp_size_in_bytes
 
 
 def verdict(total: int, hbm_bytes: int) -> str:
@@ -299,7 +297,8 @@ def header(name: str, devices: Sequence[jax.Device], chip: topology.Chip) -> str
 
 def report_train(
     model_cfg: ModelConfig,
-    spec: programs.TrainStepSpec,
+    optimizer: optax.GradientTransformation,
+    step_cfg: StepConfig,
     mesh: jax.sharding.Mesh,
     chip: topology.Chip,
     plan: MemoryPlan,
@@ -321,14 +320,16 @@ def report_train(
     """
     c = model_cfg
     lines = [
-        f"train step       batch [{batch}, {seq_len}], {spec.microbatches} microbatch(es), "
+        f"train step       batch [{batch}, {seq_len}], {step_cfg.microbatches} microbatch(es), "
         f"remat={c.remat}, attention={c.attention}, dispatch={c.dispatch}, "
         f"dtype={jnp.dtype(c.dtype).name}, params {jnp.dtype(c.param_dtype).name}, "
-        f"routing replay {'on' if spec.routing_replay else 'off'}"
+        f"routing replay {'on' if step_cfg.routing_replay else 'off'}"
     ]
     try:
         with topology.traced_for("tpu", mesh.devices.size):
-            compiled, seconds = programs.compile_train_step(c, spec, mesh, batch, seq_len)
+            compiled, seconds = programs.compile_train_step(
+                c, optimizer, step_cfg, mesh, batch, seq_len
+            )
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -341,7 +342,7 @@ def report_train(
     counted = programs.matmul_flops(compiled)
     flops = counted.flops * devices
     analytic = programs.train_flops(c, plan.active_params, batch, seq_len)
-    factor, reasons = programs.expected_recompute(c, spec)
+    factor, reasons = programs.expected_recompute(c, step_cfg)
     lines += [
         f"compile time     {seconds:.1f} s",
         "per device (XLA:TPU memory analysis):",

@@ -6,11 +6,12 @@ Every input is a ``jax.ShapeDtypeStruct`` carrying the ``NamedSharding`` the rea
 without allocating anything: on this host's devices (``sat_jax.plan --compile``) or on a TPU
 topology's compile-only devices (``--topology``, ``sat_jax.plan.topology``).
 
-* Train step: ``train_step.make_train_step`` exactly as ``train.main`` builds it (the config's
-  loss, routing replay with the recorded routing in the batch, per-row rewards and group ids
-  with the advantages computed in the step, the reference policy's params with a KL penalty,
-  microbatches, temperature and a [V] vocabulary mask; remat, attention, dispatch and dtypes
-  come with the model config).
+* Train step: ``make_train_step`` of the configured ``StepConfig`` (``sat_jax.step.step_config``),
+  exactly as ``train.main`` builds it, with the inputs the trainer gives it (routing replay with
+  the recorded routing in the batch, per-row rewards and group ids with the advantages computed
+  in the step, the kept counts of a truncating sampler, the reference policy's params with a KL
+  penalty, and a [V] vocabulary mask; remat, attention, dispatch and dtypes come with the model
+  config).
 * Server: ``sat_jax.decoding.DecodeCore``'s jitted prefill (one prompt padded to the prefill
   length), insert (a prefix into the donated decode state) and generate (one sampling + decode
   step of every slot, donated state) at its largest attention window, the whole cache.
@@ -37,10 +38,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import sharding
 from sat_jax.decoding import DecodeCore, SamplingConfig
 from sat_jax.model import ModelConfig, placement
 from sat_jax.plan import hlo_flops
+from sat_jax.step import (
+    StepConfig,
+    TrainBatch,
+    TrainState,
+    abstract_train_state,
+    batch_shardings,
+    make_train_step,
+)
 
 
 def _with(x: Any, sh: NamedSharding) -> jax.ShapeDtypeStruct:
@@ -64,7 +73,7 @@ def abstract_train_inputs(
     routing: bool = False,
     rewards: bool = False,
     kept_counts: bool = False,
-) -> tuple[train_step.TrainState, train_step.TrainBatch]:
+) -> tuple[TrainState, TrainBatch]:
     """``(state, batch)`` of a [batch, seq_len] step as sharded ``ShapeDtypeStruct``s.
 
     Args:
@@ -74,10 +83,10 @@ def abstract_train_inputs(
         [B, T].
       kept_counts: the batch carries the sampler's kept-set sizes (truncation replay).
     """
-    state = train_step.abstract_train_state(model_cfg, optimizer, mesh)
+    state = abstract_train_state(model_cfg, optimizer, mesh)
     f32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
     lk = (model_cfg.num_moe_layers, model_cfg.num_experts_per_tok)
-    data = train_step.TrainBatch(
+    data = TrainBatch(
         tokens=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
         loss_mask=f32,
         behavior_logp=f32,
@@ -92,72 +101,44 @@ def abstract_train_inputs(
         kept_counts=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) if kept_counts else None,
         fresh_mask=jax.ShapeDtypeStruct((batch, seq_len), jnp.uint8) if rewards else None,
     )
-    return state, jax.tree.map(_with, data, train_step.batch_shardings(data, mesh))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainStepSpec:
-    """What ``compile_train_step`` builds: the trainer's settings besides the model config.
-
-    Attributes:
-      optimizer: the optax transformation (``cfg.train.optimizer.make(cfg.train.steps)``).
-      loss: the ``PolicyLossConfig``.
-      routing_replay: R3 (the batch carries routing ids).
-      microbatches: gradient accumulation k.
-      temperature: the rollout's sampling temperature.
-      estimator, normalize_std: the advantages the step computes from the rewards.
-      kept_counts: the batch carries kept-set sizes (``rollout.replays_truncation``).
-      recompute_old_logp: ``train.old_logp == "recompute"``.
-    """
-
-    optimizer: optax.GradientTransformation
-    loss: objectives.PolicyLossConfig
-    routing_replay: bool
-    microbatches: int = 1
-    temperature: float = 1.0
-    estimator: objectives.AdvantageEstimator = "grpo"
-    normalize_std: bool = True
-    kept_counts: bool = False
-    recompute_old_logp: bool = False
+    return state, jax.tree.map(_with, data, batch_shardings(data, mesh))
 
 
 def compile_train_step(
-    model_cfg: ModelConfig, spec: TrainStepSpec, mesh: Mesh, batch: int, seq_len: int
+    model_cfg: ModelConfig,
+    optimizer: optax.GradientTransformation,
+    cfg: StepConfig,
+    mesh: Mesh,
+    batch: int,
+    seq_len: int,
 ) -> tuple[jax.stages.Compiled, float]:
     """(the compiled train step of a [batch, seq_len] batch on ``mesh``, compile seconds).
+
+    The step is ``make_train_step(model_cfg, optimizer, cfg, mesh)``, given what the trainer
+    gives it: per-row rewards and group ids with the lag-0 mask, the recorded routing under
+    ``cfg.routing_replay``, the kept counts under ``cfg.kept_counts``, the reference policy's
+    params when ``cfg.uses_reference``, and a [V] vocabulary mask.
 
     Raises:
       ValueError: the batch does not divide over the mesh's batch axes or the microbatches.
       jax.errors.JaxRuntimeError: the compiler's own errors (RESOURCE_EXHAUSTED when the
         program does not fit the target's memory).
     """
-    step = train_step.make_train_step(
-        model_cfg,
-        spec.optimizer,
-        spec.loss,
-        mesh,
-        routing_replay=spec.routing_replay,
-        temperature=spec.temperature,
-        # The trainer always renormalizes over the sampleable ids; the mask's values do not
-        # change the program.
-        vocab_mask=np.ones((model_cfg.vocab_size,), bool),
-        microbatches=spec.microbatches,
-        estimator=spec.estimator,
-        normalize_std=spec.normalize_std,
-        recompute_old_logp=spec.recompute_old_logp,
-    )
+    # The trainer always renormalizes over the sampleable ids; the mask's values do not change
+    # the program.
+    vocab_mask = np.ones((model_cfg.vocab_size,), bool)
+    step = make_train_step(model_cfg, optimizer, cfg, mesh, vocab_mask=vocab_mask)
     state, data = abstract_train_inputs(
         model_cfg,
-        spec.optimizer,
+        optimizer,
         mesh,
         batch,
         seq_len,
-        routing=spec.routing_replay,
+        routing=cfg.routing_replay,
         rewards=True,
-        kept_counts=spec.kept_counts,
+        kept_counts=cfg.kept_counts,
     )
-    # With a KL penalty the trainer passes the reference policy's params (not donated).
-    ref_params = abstract_params(model_cfg, mesh) if spec.loss.kl_coef > 0 else None
+    ref_params = abstract_params(model_cfg, mesh) if cfg.uses_reference else None
     start = time.monotonic()
     compiled = step.lower(state, data, ref_params).compile()
     return compiled, time.monotonic() - start
@@ -199,22 +180,22 @@ def train_flops(model_cfg: ModelConfig, active_params: int, batch: int, seq_len:
     return dense + 3.0 * attention_flops(model_cfg, tokens, (seq_len + 1) / 2)
 
 
-def expected_recompute(model_cfg: ModelConfig, spec: TrainStepSpec) -> tuple[float, list[str]]:
+def expected_recompute(model_cfg: ModelConfig, cfg: StepConfig) -> tuple[float, list[str]]:
     """(the FLOPs factor over ``train_flops`` the step's design implies, its reasons).
 
     remat="layer" runs each layer's forward again in the backward pass (4 forwards' worth
     instead of 3); with several microbatches, SAT's batch-scope threshold and the router's
-    batch statistics take one more forward pass over the batch (``train_step._batch_statistics``).
+    batch statistics take one more forward pass over the batch (``sat_jax.step.accumulation``).
     """
     passes, why = 3.0, []
     if model_cfg.remat == "layer":
         passes += 1
         why.append("remat=layer recomputes the forward in the backward pass")
-    sat = spec.loss.sat
+    sat = cfg.loss.sat
     needs_stats = (sat.enabled and sat.threshold_scope == "batch") or (
         model_cfg.router_aux_loss_coef > 0
     )
-    if spec.microbatches > 1 and needs_stats:
+    if cfg.microbatches > 1 and needs_stats:
         passes += 1
         why.append("microbatches > 1: one extra forward for the batch's SAT q / router stats")
     return passes / 3.0, why

@@ -21,8 +21,9 @@ def build_case():
     """(model_cfg, optimizer, loss_cfg, host TrainBatch) used by both processes and the test."""
     import optax
 
-    from sat_jax import objectives, train_step
+    from sat_jax import objectives
     from sat_jax.model import ModelConfig
+    from sat_jax.step import TrainBatch
 
     model_cfg = ModelConfig.preset("tiny", num_layers=1, dispatch="dense")
     optimizer = optax.sgd(0.1, momentum=0.9)
@@ -30,7 +31,7 @@ def build_case():
     rng = np.random.default_rng(1)
     b, t = 8, 12
     mask = (np.arange(t)[None, :] >= 5) & (np.arange(t)[None, :] < rng.integers(7, t + 1, (b, 1)))
-    batch = train_step.TrainBatch(
+    batch = TrainBatch(
         tokens=rng.integers(0, model_cfg.vocab_size, (b, t)).astype(np.int32),
         loss_mask=mask.astype(np.float32),
         behavior_logp=(-4.0 + 0.3 * rng.normal(size=(b, t))).astype(np.float32),
@@ -60,15 +61,16 @@ def main(port: int, process_id: int, out: str) -> None:
         )
     from jax.experimental import multihost_utils
 
-    from sat_jax import sharding, train_step
+    from sat_jax import sharding
+    from sat_jax.step import StepConfig, init_train_state, make_train_step, shard_batch
 
     assert jax.device_count() == 8, jax.devices()
     assert jax.process_count() == (2 if port else 1), jax.process_count()
     model_cfg, optimizer, loss_cfg, batch = build_case()
     mesh = sharding.make_mesh(sharding.MeshConfig(**MESH))
-    state = train_step.init_train_state(model_cfg, optimizer, mesh, rng=0)
-    step = train_step.make_train_step(model_cfg, optimizer, loss_cfg, mesh, routing_replay=False)
-    state, metrics = step(state, train_step.shard_batch(batch, mesh))
+    state = init_train_state(model_cfg, optimizer, mesh, rng=0)
+    step = make_train_step(model_cfg, optimizer, StepConfig(loss=loss_cfg), mesh)
+    state, metrics = step(state, shard_batch(batch, mesh))
     params = multihost_utils.process_allgather(state.params, tiled=True)
     loss = np.asarray(metrics["loss"].addressable_data(0))
     if process_id == 0:

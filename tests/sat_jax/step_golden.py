@@ -16,8 +16,9 @@ import jax
 import numpy as np
 import optax
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives, sharding
 from sat_jax.model import ModelConfig, placement
+from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
 
 GOLDEN = pathlib.Path(__file__).parent / "data" / "step_golden.json"
 B, T, PROMPT = 8, 12, 4
@@ -49,13 +50,13 @@ def _grads_as_params() -> optax.GradientTransformation:
     )
 
 
-def golden_batch() -> train_step.TrainBatch:
+def golden_batch() -> TrainBatch:
     rng = np.random.default_rng(7)
     tokens = rng.integers(0, MODEL_CFG.vocab_size, (B, T)).astype(np.int32)
     ends = rng.integers(PROMPT + 2, T + 1, (B, 1))
     mask = ((np.arange(T) >= PROMPT) & (np.arange(T) < ends)).astype(np.float32)
     shape = (B, T, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
-    return train_step.TrainBatch(
+    return TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=np.log(rng.uniform(0.01, 0.3, (B, T))).astype(np.float32),
@@ -65,20 +66,20 @@ def golden_batch() -> train_step.TrainBatch:
     )
 
 
-def run_case(name: str, **step_kwargs) -> dict[str, np.ndarray]:
-    """{"metric/<name>": value, "grad/<path>": gradient leaf} of one case on one device."""
+def run_case(name: str, **options) -> dict[str, np.ndarray]:
+    """{"metric/<name>": value, "grad/<path>": gradient leaf} of one case on one device; ``options``
+    are further ``StepConfig`` fields."""
     loss_cfg, k, replay, with_ref = CASES[name]
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     _, params0 = placement.init_sharded(MODEL_CFG, mesh, 0)
     optimizer = _grads_as_params()
-    step_fn = train_step.make_train_step(
-        MODEL_CFG, optimizer, loss_cfg, mesh, routing_replay=replay, microbatches=k, **step_kwargs
-    )
-    state = train_step.create_train_state(MODEL_CFG, optimizer, mesh, params0)
+    cfg = StepConfig(loss=loss_cfg, routing_replay=replay, microbatches=k, **options)
+    step_fn = make_train_step(MODEL_CFG, optimizer, cfg, mesh)
+    state = create_train_state(MODEL_CFG, optimizer, mesh, params0)
     ref_params = None
     if with_ref:
         _, ref_params = placement.init_sharded(MODEL_CFG, mesh, 1)
-    state, metrics = step_fn(state, train_step.shard_batch(golden_batch(), mesh), ref_params)
+    state, metrics = step_fn(state, shard_batch(golden_batch(), mesh), ref_params)
     out = {f"metric/{key}": np.asarray(v) for key, v in jax.device_get(metrics).items()}
     for path, leaf in jax.tree_util.tree_flatten_with_path(jax.device_get(state.params))[0]:
         out[f"grad/{jax.tree_util.keystr(path)}"] = np.asarray(leaf)

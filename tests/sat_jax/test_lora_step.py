@@ -13,9 +13,19 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives, sharding
 from sat_jax.model import LoRAConfig, ModelConfig, placement
 from sat_jax.model.lora import join_lora, split_lora
+from sat_jax.step import (
+    StepConfig,
+    TrainBatch,
+    TrainState,
+    abstract_train_state,
+    create_train_state,
+    make_train_step,
+    shard_batch,
+    train_state_shardings,
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T, PROMPT = 8, 12, 4
@@ -34,7 +44,7 @@ ONE = sharding.MeshConfig(fsdp=1)
 @dataclasses.dataclass(frozen=True)
 class Setup:
     params0: dict  # the whole model, B already moved off zero so A gets gradients too
-    batch: train_step.TrainBatch
+    batch: TrainBatch
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +61,7 @@ def setup() -> Setup:
     tokens = rng.integers(0, MODEL_CFG.vocab_size, (B, T)).astype(np.int32)
     ends = rng.integers(PROMPT + 2, T + 1, (B, 1))
     mask = ((np.arange(T) >= PROMPT) & (np.arange(T) < ends)).astype(np.float32)
-    batch = train_step.TrainBatch(
+    batch = TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=np.log(rng.uniform(0.01, 0.3, (B, T))).astype(np.float32),
@@ -68,11 +78,9 @@ def _mesh(mesh_cfg: sharding.MeshConfig) -> jax.sharding.Mesh:
 def _step(setup: Setup, mesh_cfg=ONE, k: int = 1):
     """(the state after one step, its metrics on the host)."""
     mesh = _mesh(mesh_cfg)
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
-    step_fn = train_step.make_train_step(
-        MODEL_CFG, OPTIMIZER, LOSS_CFG, mesh, routing_replay=False, microbatches=k
-    )
-    state, metrics = step_fn(state, train_step.shard_batch(setup.batch, mesh))
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
+    step_fn = make_train_step(MODEL_CFG, OPTIMIZER, StepConfig(loss=LOSS_CFG, microbatches=k), mesh)
+    state, metrics = step_fn(state, shard_batch(setup.batch, mesh))
     assert metrics["step_skipped"] == 0.0
     return state, jax.device_get(metrics)
 
@@ -86,7 +94,7 @@ def _assert_close(got, want) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class OneStep:
-    after: train_step.TrainState  # on the host
+    after: TrainState  # on the host
     metrics: dict
     base_moved: bool  # the base's buffers after the step are not those before
 
@@ -97,11 +105,11 @@ def one(setup: Setup) -> OneStep:
     # Arrays XLA owns: the CPU client may wrap NumPy memory without a copy, and it copies
     # such a buffer rather than alias it to an output.
     params = jax.tree.map(lambda x: jnp.copy(jnp.asarray(x)), setup.params0)
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, params)
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh, params)
     # (Not read back before the step: a host view of a buffer keeps it from being donated.)
     pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state.frozen)]
-    step_fn = train_step.make_train_step(MODEL_CFG, OPTIMIZER, LOSS_CFG, mesh, routing_replay=False)
-    state, metrics = step_fn(state, train_step.shard_batch(setup.batch, mesh))
+    step_fn = make_train_step(MODEL_CFG, OPTIMIZER, StepConfig(loss=LOSS_CFG), mesh)
+    state, metrics = step_fn(state, shard_batch(setup.batch, mesh))
     assert metrics["step_skipped"] == 0.0
     moved = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state.frozen)] != pointers
     return OneStep(jax.device_get(state), jax.device_get(metrics), moved)
@@ -133,7 +141,7 @@ def test_optimizer_state_covers_only_the_adapters(setup: Setup, one) -> None:
     n_adapter = sum(x.size for x in jax.tree.leaves(adapters))
     assert jax.tree.structure(one.after.opt_state[0].trace) == jax.tree.structure(adapters)
     adamw = optax.adamw(1e-3)
-    state = train_step.create_train_state(MODEL_CFG, adamw, _mesh(ONE), setup.params0)
+    state = create_train_state(MODEL_CFG, adamw, _mesh(ONE), setup.params0)
     adam = state.opt_state[0]
     for moment in (adam.mu, adam.nu):
         assert jax.tree.structure(moment) == jax.tree.structure(adapters)
@@ -142,12 +150,12 @@ def test_optimizer_state_covers_only_the_adapters(setup: Setup, one) -> None:
 
 def test_state_shardings_split_base_and_adapters() -> None:
     mesh = _mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
-    sh = train_step.train_state_shardings(MODEL_CFG, OPTIMIZER, mesh)
+    sh = train_state_shardings(MODEL_CFG, OPTIMIZER, mesh)
     _, abstract = placement.abstract_model(MODEL_CFG)
     want_frozen, want_params = split_lora(sharding.param_shardings(abstract, mesh))
     assert sh.frozen == want_frozen and sh.params == want_params
     assert sh.opt_state[0].trace == want_params
-    abstract_state = train_step.abstract_train_state(MODEL_CFG, OPTIMIZER, mesh)
+    abstract_state = abstract_train_state(MODEL_CFG, OPTIMIZER, mesh)
     assert jax.tree.map(lambda x: x.sharding, abstract_state) == sh
 
 
@@ -174,7 +182,7 @@ def test_sharded_step_matches_one_device(setup: Setup, one, mesh_cfg) -> None:
     frozen = jax.tree.leaves(jax.device_get(state.frozen))
     for x, y in zip(frozen, jax.tree.leaves(want.frozen), strict=True):
         np.testing.assert_array_equal(x, y)
-    want_sh = train_step.train_state_shardings(MODEL_CFG, OPTIMIZER, mesh)
+    want_sh = train_state_shardings(MODEL_CFG, OPTIMIZER, mesh)
     got_sh = jax.tree.map(lambda x: x.sharding, state)
     assert jax.tree.leaves(got_sh) == jax.tree.leaves(want_sh)
 
@@ -188,9 +196,9 @@ def test_reference_params_are_the_whole_model(setup: Setup) -> None:
     mesh = _mesh(ONE)
     ref = join_lora(base, zero_b)
     loss_cfg = dataclasses.replace(LOSS_CFG, kl_coef=0.1)
-    step_fn = train_step.make_train_step(MODEL_CFG, OPTIMIZER, loss_cfg, mesh, routing_replay=False)
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
-    _, metrics = step_fn(state, train_step.shard_batch(setup.batch, mesh), ref)
+    step_fn = make_train_step(MODEL_CFG, OPTIMIZER, StepConfig(loss=loss_cfg), mesh)
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
+    _, metrics = step_fn(state, shard_batch(setup.batch, mesh), ref)
     assert metrics["step_skipped"] == 0.0 and metrics["kl_ref"] > 0
 
 
@@ -199,10 +207,10 @@ def test_rank_zero_keeps_the_state_as_before() -> None:
     mesh = _mesh(ONE)
     _, abstract = placement.abstract_model(cfg)
     params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.to_pure_dict(abstract))
-    state = train_step.create_train_state(cfg, OPTIMIZER, mesh, params)
+    state = create_train_state(cfg, OPTIMIZER, mesh, params)
     assert state.frozen is None
     assert jax.tree.structure(state.params) == jax.tree.structure(params)
-    assert train_step.train_state_shardings(cfg, OPTIMIZER, mesh).frozen is None
+    assert train_state_shardings(cfg, OPTIMIZER, mesh).frozen is None
 
 
 def test_lora_params_without_adapters_are_a_clear_error() -> None:
@@ -210,4 +218,4 @@ def test_lora_params_without_adapters_are_a_clear_error() -> None:
     _, base = placement.abstract_model(MODEL_CFG.replace(lora=LoRAConfig()))
     params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), nnx.to_pure_dict(base))
     with pytest.raises(ValueError, match="no LoRA adapters"):
-        train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, params)
+        create_train_state(MODEL_CFG, OPTIMIZER, mesh, params)

@@ -18,8 +18,17 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives, sharding
 from sat_jax.model import ModelConfig, placement, token_logprobs
+from sat_jax.step import (
+    StepConfig,
+    TrainBatch,
+    create_train_state,
+    make_train_step,
+    shard_batch,
+    token_mask,
+    with_advantages,
+)
 
 RTOL, ATOL = 1e-5, 1e-6
 B, T, PROMPT = 16, 12, 4
@@ -52,14 +61,14 @@ def _grads_as_params() -> optax.GradientTransformation:
 OPTIMIZER = _grads_as_params()
 
 
-def _batch() -> train_step.TrainBatch:
+def _batch() -> TrainBatch:
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, MODEL_CFG.vocab_size, (B, T)).astype(np.int32)
     ends = rng.integers(PROMPT + 2, T + 1, (B, 1))
     mask = ((np.arange(T) >= PROMPT) & (np.arange(T) < ends)).astype(np.float32)
     mask[3] = 0.0  # a response without active token
     shape = (B, T, MODEL_CFG.num_moe_layers, MODEL_CFG.num_experts_per_tok)
-    return train_step.TrainBatch(
+    return TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=np.log(rng.uniform(0.01, 0.3, (B, T))).astype(np.float32),
@@ -72,7 +81,7 @@ def _batch() -> train_step.TrainBatch:
 @dataclasses.dataclass(frozen=True)
 class Setup:
     params0: dict
-    batch: train_step.TrainBatch
+    batch: TrainBatch
     ref_params: dict  # another init: the KL penalty's reference policy
 
 
@@ -93,20 +102,20 @@ def _step(
     k: int,
     replay: bool = False,
     *,
-    batch: train_step.TrainBatch | None = None,
+    batch: TrainBatch | None = None,
     ref_params: dict | None = None,
-    **step_kwargs,
+    vocab_mask: np.ndarray | None = None,
+    **options,
 ):
     devices = jax.devices()[:1] if mesh_cfg.fsdp == 1 and mesh_cfg.data == 1 else None
     mesh = sharding.make_mesh(mesh_cfg, devices)
-    step_fn = train_step.make_train_step(
-        MODEL_CFG, OPTIMIZER, loss_cfg, mesh, routing_replay=replay, microbatches=k, **step_kwargs
-    )
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
+    cfg = StepConfig(loss=loss_cfg, routing_replay=replay, microbatches=k, **options)
+    step_fn = make_train_step(MODEL_CFG, OPTIMIZER, cfg, mesh, vocab_mask=vocab_mask)
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh, setup.params0)
     batch = setup.batch if batch is None else batch
     if ref_params is not None:
         ref_params = jax.device_put(ref_params, jax.tree.map(lambda x: x.sharding, state.params))
-    state, metrics = step_fn(state, train_step.shard_batch(batch, mesh), ref_params)
+    state, metrics = step_fn(state, shard_batch(batch, mesh), ref_params)
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
@@ -202,13 +211,13 @@ def test_threshold_scope_is_validated() -> None:
 def test_token_mask_is_each_row_up_to_its_last_completion_token():
     loss_mask = np.array([[0, 0, 1, 1, 0, 0], [0, 1, 0, 1, 1, 1], [0, 0, 0, 0, 0, 0]], np.float32)
     want = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1], [0, 0, 0, 0, 0, 0]], bool)
-    np.testing.assert_array_equal(np.asarray(train_step.token_mask(loss_mask)), want)
+    np.testing.assert_array_equal(np.asarray(token_mask(loss_mask)), want)
 
 
 GROUP = 4  # rows per group, consecutive as assembled: every group spans every microbatch
 
 
-def _with_rewards(batch: train_step.TrainBatch) -> train_step.TrainBatch:
+def _with_rewards(batch: TrainBatch) -> TrainBatch:
     """The batch with 0/1 rewards and group ids instead of advantages; its last 2 rows are
     padding (group -1, no token), and row 3 keeps its group with no token."""
     rng = np.random.default_rng(1)
@@ -222,7 +231,7 @@ def _with_rewards(batch: train_step.TrainBatch) -> train_step.TrainBatch:
     )
 
 
-def _host_advantages(batch: train_step.TrainBatch, estimator: str) -> np.ndarray:
+def _host_advantages(batch: TrainBatch, estimator: str) -> np.ndarray:
     """[B, T] advantages as the host computed them before the step did (train/batching.py):
     eager group_advantages over the active rows, spread over each row's loss mask."""
     active = batch.group_ids >= 0
@@ -300,7 +309,7 @@ def test_advantages_and_reference_come_in_exactly_one_form(setup: Setup) -> None
         with pytest.raises(ValueError, match="either advantages"):
             _step(setup, LOSSES["ppo"], ONE, 1, batch=bad)
         with pytest.raises(ValueError, match="either advantages"):
-            train_step.with_advantages(bad)
+            with_advantages(bad)
     out_of_range = rows.replace(group_ids=np.where(rows.group_ids == 1, B, rows.group_ids))
     with pytest.raises(ValueError, match=r"group_ids must lie in \[0, 16\) or be -1"):
         _step(setup, LOSSES["ppo"], ONE, 1, batch=out_of_range)

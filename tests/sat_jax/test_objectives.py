@@ -540,6 +540,29 @@ def test_sat_threshold_without_sat_or_tokens_is_zero():
         objectives.sat_threshold(b["logp"], b["behavior_logp"][:, :3], b["mask"], CONFIGS["sat"])
 
 
+@pytest.mark.parametrize("name", ["sat", "gspo_sat"])
+def test_sat_threshold_checks_old_logp_as_policy_loss_does(name):
+    """old_logp does not move q (d_SAT is against the sampler; the reference test above and the
+    decoupled-PPO test below check the value) but it is not ignored: a call passes the loss's
+    arguments, and an old_logp of the wrong shape is the same error in both."""
+    b = make_batch(16, with_old=True)
+    cfg = CONFIGS[name]
+    q = objectives.sat_threshold(
+        b["logp"], b["behavior_logp"], b["mask"], cfg, old_logp=b["old_logp"]
+    )
+    _, metrics = objectives.policy_loss(
+        b["logp"], b["behavior_logp"], b["advantages"], b["mask"], cfg, old_logp=b["old_logp"]
+    )
+    assert float(q) == float(metrics["sat_q"])
+    bad = b["old_logp"][:, :3]
+    with pytest.raises(ValueError, match="old_logp"):
+        objectives.sat_threshold(b["logp"], b["behavior_logp"], b["mask"], cfg, old_logp=bad)
+    with pytest.raises(ValueError, match="old_logp"):
+        objectives.policy_loss(
+            b["logp"], b["behavior_logp"], b["advantages"], b["mask"], cfg, old_logp=bad
+        )
+
+
 @pytest.mark.parametrize("jit", [True, False])
 @pytest.mark.parametrize(
     "name", ["sat", "sat_p3_q75", "sat_dual", "gspo_sat", "kl_k3", "everything"]

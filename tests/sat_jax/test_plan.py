@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -9,13 +10,17 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from sat_jax import sharding
+from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import LoRAConfig, ModelConfig, placement
 from sat_jax.plan import memory as plan
+from sat_jax.plan import programs, topology
 from sat_jax.plan.__main__ import main as plan_main
+from sat_jax.step import StepConfig, step_config
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -164,12 +169,13 @@ def test_compile_prints_xla_temp_bytes_of_the_sharded_step(capsys) -> None:
     assert label == "compiled temp bytes per device" and int(value) > 0
     # Sharding the 8 rows over 8 devices must shrink each device's share (the scanned layers'
     # carry keeps its batch sharding).
+    model_cfg = ModelConfig.preset("tiny", remat="layer")
+    # --preset compiles the default experiment's step around the preset's model.
+    step_cfg = step_config(ExperimentConfig(name="tiny", model=model_cfg))
     one_row = plan.compiled_temp_bytes(
-        ModelConfig.preset("tiny", remat="layer"), sharding.MeshConfig.parse("fsdp=8"), 8, 64
+        model_cfg, sharding.MeshConfig.parse("fsdp=8"), step_cfg, 8, 64
     )
-    eight_rows = plan.compiled_temp_bytes(
-        ModelConfig.preset("tiny", remat="layer"), sharding.MeshConfig(fsdp=1), 8, 64
-    )
+    eight_rows = plan.compiled_temp_bytes(model_cfg, sharding.MeshConfig(fsdp=1), step_cfg, 8, 64)
     assert one_row == int(value) and one_row < eight_rows / 2
 
 
@@ -190,19 +196,72 @@ def test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proxim
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     inputs = {}
     for kept in (False, True):
-        spec = programs.TrainStepSpec(
-            optimizer=optax.adam(1e-3),
+        step_cfg = StepConfig(
             loss=objectives.PolicyLossConfig(tis_cap=2.0),
             routing_replay=True,
             kept_counts=kept,
             recompute_old_logp=True,
         )
-        compiled, _ = programs.compile_train_step(cfg, spec, mesh, 4, 32)
+        compiled, _ = programs.compile_train_step(cfg, optax.adam(1e-3), step_cfg, mesh, 4, 32)
         assert programs.xla_cost_flops(compiled) > 0
         inputs[kept] = [(x.shape, x.dtype) for x in jax.tree.leaves(compiled.args_info)]
     assert len(inputs[True]) == len(inputs[False]) + 1
     token_shaped = ((4, 32), jax.numpy.dtype("int32"))  # the tokens, and the kept counts
     assert inputs[True].count(token_shaped) == inputs[False].count(token_shaped) + 1
+
+
+class _Compiled(Exception):
+    """Stops ``plan.main`` once it has asked for the train step."""
+
+
+def _compiled_steps(monkeypatch, argv: list[str]) -> list[tuple]:
+    """What ``plan.main(argv)`` asks ``programs.compile_train_step`` to compile: (model config,
+    step config, mesh shape, batch, seq_len) per call. A topology's devices are this host's CPU
+    devices, so the --topology path runs without a TPU up to the compile."""
+    calls = []
+
+    def compile_train_step(model_cfg, optimizer, step_cfg, mesh, batch, seq_len):
+        calls.append((model_cfg, step_cfg, dict(mesh.shape), batch, seq_len))
+        raise _Compiled
+
+    monkeypatch.setattr(programs, "compile_train_step", compile_train_step)
+    monkeypatch.setattr(topology, "topology_devices", lambda name: jax.devices()[:4])
+    monkeypatch.setattr(topology, "chip_of", lambda devices, hbm_gib=None: topology.CHIPS["TPU v5"])
+    with pytest.raises(_Compiled):
+        plan.main(argv)
+    return calls
+
+
+OPTIONS = [  # every step option away from its default
+    "train.loss.sat.enabled=false",
+    "train.loss.tis_cap=2.0",
+    "train.loss.kl_coef=0.1",
+    "train.old_logp=recompute",
+    "train.microbatches=2",
+    "train.advantage_estimator=dr_grpo",
+    "rollout.top_p=0.9",
+    "rollout.temperature=0.7",
+    "train.mesh.fsdp=4",
+]
+
+
+def test_compile_with_and_without_a_topology_builds_the_configured_step(monkeypatch) -> None:
+    """``--compile`` on this host and ``--topology`` compile the same step: the experiment's
+    ``step_config`` (routing replay, the KL reference, truncation replay, the recomputed proximal,
+    microbatches, ...), on the same model, mesh and batch."""
+    config = str(REPO / "configs" / "arith_tiny.yaml")
+    want = step_config(load_config(config, OPTIONS))
+    assert want.uses_reference and want.kept_counts and want.recompute_old_logp
+    assert want.routing_replay and want.microbatches == 2 and want.estimator == "dr_grpo"
+    host = _compiled_steps(monkeypatch, ["--config", config, *OPTIONS, "--compile"])
+    tpu = _compiled_steps(
+        monkeypatch, ["--config", config, *OPTIONS, "--topology", "v5p:2x2x1", "--compile"]
+    )
+    assert host == tpu and len(host) == 1
+    assert host[0][1] == want
+    # --microbatches overrides train.microbatches in both.
+    flag = ["--config", config, *OPTIONS, "--compile", "--microbatches", "4"]
+    assert _compiled_steps(monkeypatch, flag)[0][1] == dataclasses.replace(want, microbatches=4)
 
 
 def _adapters_by_hand(cfg: ModelConfig) -> int:

@@ -12,8 +12,9 @@ import numpy as np
 import optax
 import pytest
 
-from sat_jax import decoding, objectives, sharding, train_step
+from sat_jax import decoding, objectives, sharding
 from sat_jax.experiment import ConfigError, load_config
+from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
 from tests.sat_jax import test_decoding
 
 CFG, SAMPLEABLE = test_decoding.CFG, test_decoding.SAMPLEABLE
@@ -28,7 +29,7 @@ def _params():
 
 
 @functools.cache
-def _batch() -> train_step.TrainBatch:
+def _batch() -> TrainBatch:
     """G samples of each prompt, sampled with top-k / top-p by the params being trained (lag 0)."""
     graphdef, params = _params()
     core = decoding.DecodeCore(
@@ -44,7 +45,7 @@ def _batch() -> train_step.TrainBatch:
         p, n = len(prompt), len(c.ids)
         tokens[r, :p], tokens[r, p : p + n] = prompt, c.ids
         mask[r, p : p + n], behavior[r, p : p + n], kept[r, p : p + n] = 1.0, c.logp, c.kept
-    return train_step.TrainBatch(
+    return TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=behavior,
@@ -55,15 +56,18 @@ def _batch() -> train_step.TrainBatch:
     )
 
 
-def _metrics(batch, loss_cfg, **step_kwargs) -> dict:
+def _metrics(batch, loss_cfg, **options) -> dict:
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     optimizer = optax.sgd(0.0)
-    step = train_step.make_train_step(
-        CFG, optimizer, loss_cfg, mesh, routing_replay=False,
-        temperature=SAMPLING.temperature, vocab_mask=SAMPLEABLE, **step_kwargs,
-    )  # fmt: skip
-    state = train_step.create_train_state(CFG, optimizer, mesh, jax.device_get(_params()[1]))
-    _, metrics = step(state, train_step.shard_batch(batch, mesh))
+    cfg = StepConfig(
+        loss=loss_cfg,
+        temperature=SAMPLING.temperature,
+        kept_counts=batch.kept_counts is not None,
+        **options,
+    )
+    step = make_train_step(CFG, optimizer, cfg, mesh, vocab_mask=SAMPLEABLE)
+    state = create_train_state(CFG, optimizer, mesh, jax.device_get(_params()[1]))
+    _, metrics = step(state, shard_batch(batch, mesh))
     return jax.device_get(metrics)
 
 

@@ -10,8 +10,16 @@ import optax
 import pytest
 from flax import nnx
 
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives, sharding
 from sat_jax.model import ModelConfig, placement
+from sat_jax.step import (
+    StepConfig,
+    TrainBatch,
+    create_train_state,
+    make_train_step,
+    shard_batch,
+    train_state_shardings,
+)
 
 # float32 throughout; sharding only reorders reductions (~1e-7 relative per op).
 RTOL, ATOL = 1e-5, 1e-6
@@ -25,7 +33,7 @@ B, T, PROMPT = 8, 12, 4
 @dataclasses.dataclass(frozen=True)
 class Reference:
     params0: dict
-    batch: train_step.TrainBatch
+    batch: TrainBatch
     noise: np.ndarray
     params1: dict
     metrics: dict
@@ -57,18 +65,16 @@ def ref() -> Reference:
     mask = ((np.arange(T) >= PROMPT) & (np.arange(T) < ends)).astype(np.float32)
     own_logp, routing = _own_logp_and_routing(params0, tokens)
     noise = (0.3 * rng.normal(size=(B, T))).astype(np.float32)
-    batch = train_step.TrainBatch(
+    batch = TrainBatch(
         tokens=tokens,
         loss_mask=mask,
         behavior_logp=(own_logp + noise).astype(np.float32),
         advantages=rng.normal(size=(B, T)).astype(np.float32),
         routing=routing,
     )
-    step_fn = train_step.make_train_step(
-        MODEL_CFG, OPTIMIZER, LOSS_CFG, mesh1, routing_replay=False
-    )
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh1, params0)
-    state, metrics = step_fn(state, train_step.shard_batch(batch, mesh1))
+    step_fn = make_train_step(MODEL_CFG, OPTIMIZER, StepConfig(loss=LOSS_CFG), mesh1)
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh1, params0)
+    state, metrics = step_fn(state, shard_batch(batch, mesh1))
     return Reference(
         params0=params0,
         batch=batch,
@@ -136,7 +142,7 @@ def test_sharded_step_matches_one_device(
     ref: Reference, name: str, mesh_cfg: sharding.MeshConfig, replay: bool
 ) -> None:
     mesh = sharding.make_mesh(mesh_cfg)
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh, ref.params0)
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh, ref.params0)
     _, abstract = placement.abstract_model(MODEL_CFG)
     specs = sharding.param_specs(abstract, mesh)
     for (path, leaf), spec in zip(
@@ -147,10 +153,10 @@ def test_sharded_step_matches_one_device(
         assert leaf.sharding == jax.sharding.NamedSharding(mesh, spec), path
     old_leaf = jax.tree.leaves(state.params)[0]
 
-    step_fn = train_step.make_train_step(
-        MODEL_CFG, OPTIMIZER, LOSS_CFG, mesh, routing_replay=replay
+    step_fn = make_train_step(
+        MODEL_CFG, OPTIMIZER, StepConfig(loss=LOSS_CFG, routing_replay=replay), mesh
     )
-    new_state, metrics = step_fn(state, train_step.shard_batch(ref.batch, mesh))
+    new_state, metrics = step_fn(state, shard_batch(ref.batch, mesh))
 
     assert old_leaf.is_deleted(), "the train state must be donated"
     assert int(new_state.step) == 1
@@ -159,7 +165,7 @@ def test_sharded_step_matches_one_device(
             metrics[key], ref.metrics[key], rtol=RTOL, atol=ATOL, err_msg=key
         )
     _assert_tree_close(new_state.params, ref.params1)
-    want_sh = train_step.train_state_shardings(MODEL_CFG, OPTIMIZER, mesh)
+    want_sh = train_state_shardings(MODEL_CFG, OPTIMIZER, mesh)
     assert jax.tree.leaves(jax.tree.map(lambda x: x.sharding, new_state)) == jax.tree.leaves(
         want_sh
     )
@@ -178,8 +184,8 @@ def test_non_finite_or_empty_batch_skips_the_update(ref: Reference, broken: str)
         batch = ref.batch.replace(advantages=adv)
     else:
         batch = ref.batch.replace(loss_mask=np.zeros_like(ref.batch.loss_mask))
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh1, ref.params0)
-    state, metrics = ref.step_fn(state, train_step.shard_batch(batch, mesh1))
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh1, ref.params0)
+    state, metrics = ref.step_fn(state, shard_batch(batch, mesh1))
     assert metrics["step_skipped"] == 1.0
     assert int(state.step) == 0
     _assert_tree_close(state.params, ref.params0)
@@ -188,23 +194,25 @@ def test_non_finite_or_empty_batch_skips_the_update(ref: Reference, broken: str)
 
 def test_replay_without_recorded_routing_is_an_error(ref: Reference) -> None:
     mesh1 = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    step_fn = train_step.make_train_step(MODEL_CFG, OPTIMIZER, LOSS_CFG, mesh1, routing_replay=True)
-    state = train_step.create_train_state(MODEL_CFG, OPTIMIZER, mesh1, ref.params0)
+    step_fn = make_train_step(
+        MODEL_CFG, OPTIMIZER, StepConfig(loss=LOSS_CFG, routing_replay=True), mesh1
+    )
+    state = create_train_state(MODEL_CFG, OPTIMIZER, mesh1, ref.params0)
     with pytest.raises(ValueError, match="routing"):
-        step_fn(state, train_step.shard_batch(ref.batch.replace(routing=None), mesh1))
+        step_fn(state, shard_batch(ref.batch.replace(routing=None), mesh1))
 
 
 def test_batch_not_divisible_by_data_shards_is_a_clear_error(ref: Reference) -> None:
     mesh = sharding.make_mesh(sharding.MeshConfig(data=8, fsdp=1))
     small = jax.tree.map(lambda x: x[:6], ref.batch)
     with pytest.raises(ValueError, match="batch size 6 is not divisible by the 8 data shards"):
-        train_step.shard_batch(small, mesh)
+        shard_batch(small, mesh)
 
 
 def test_adam_moments_are_sharded_like_their_params() -> None:
     mesh = sharding.make_mesh(sharding.MeshConfig(data=2, fsdp=2, tensor=2))
     adam = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, b2=0.98))
-    sh = train_step.train_state_shardings(MODEL_CFG, adam, mesh)
+    sh = train_state_shardings(MODEL_CFG, adam, mesh)
     adam_state = sh.opt_state[1][0]
     assert adam_state.mu == sh.params and adam_state.nu == sh.params
     assert adam_state.count.spec == jax.sharding.PartitionSpec()

@@ -21,7 +21,7 @@ import optax
 
 from sat_jax import sharding
 from sat_jax.model import ModelConfig
-from sat_jax.train_step import init_train_state
+from sat_jax.step import init_train_state
 from train import checkpointing
 
 MODEL_CFG = ModelConfig.preset("tiny")

@@ -31,8 +31,6 @@ SPEC_KWARGS = dict(
     routing_dtype="uint8",
     max_staleness=1,
     stale_policy="drop",
-    estimator="grpo",
-    normalize_std=True,
     vocab_size=64,
     num_experts=8,
 )
@@ -178,7 +176,7 @@ def main(port: int, process_id: int, out_dir: str) -> None:
     )
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from sat_jax.train_step import TrainState
+    from sat_jax.step import TrainState
     from train import batching, main, pulling
 
     assert jax.process_count() == 2 and jax.device_count() == 2, jax.devices()

@@ -10,7 +10,14 @@ import numpy as np
 import pytest
 
 from rollout_api import records
-from sat_jax import train_step
+from sat_jax.model import placement
+from sat_jax.step import (
+    StepConfig,
+    create_train_state,
+    make_train_step,
+    shard_batch,
+    with_advantages,
+)
 from train import batching, pulling
 
 L, K = 2, 2
@@ -49,8 +56,6 @@ def spec(**kw) -> batching.BatchSpec:
         routing_dtype="uint8",
         max_staleness=1,
         stale_policy="drop",
-        estimator="grpo",
-        normalize_std=True,
         vocab_size=64,
         num_experts=8,
     )
@@ -69,11 +74,10 @@ def assemble(groups, batch_spec, *, trainer_version, min_version=0, seen=()):
     return batching.assemble_batch(selection, batch_spec, trainer_version=trainer_version)
 
 
-def advantages(batch, batch_spec) -> np.ndarray:
-    """[R, T] the advantages the train step computes from the batch's rewards and group ids."""
-    with_adv = train_step.with_advantages(
-        batch, estimator=batch_spec.estimator, normalize_std=batch_spec.normalize_std
-    )
+def advantages(batch) -> np.ndarray:
+    """[R, T] the advantages the train step computes from the batch's rewards and group ids
+    (GRPO with the std division, the step's defaults)."""
+    with_adv = with_advantages(batch)
     return np.asarray(with_adv.advantages)
 
 
@@ -92,7 +96,7 @@ def test_alignment_shapes_and_advantages():
     np.testing.assert_allclose(batch.behavior_logp[1, 3:6], [-0.5, -1.5, -2.5])
     # GRPO with std normalization: rewards (1, 0) → ±0.5/(std + eps), std = 1/√2 (ddof = 1).
     a = 0.5 / (np.std([1.0, 0.0], ddof=1) + 1e-6)
-    adv = advantages(batch, spec())
+    adv = advantages(batch)
     np.testing.assert_allclose(adv[0, 3:5], [a, a], rtol=1e-5)
     np.testing.assert_allclose(adv[1, 3:6], [-a] * 3, rtol=1e-5)
     assert np.all(adv[batch.loss_mask == 0] == 0)
@@ -136,7 +140,7 @@ def test_lag_histogram_last_bin_collects_old_tokens():
 
 def test_equal_rewards_give_zero_advantage_and_empty_batch_is_all_padding():
     batch, _ = assemble([make_group(1, [1, 1], [[2], [2]])], spec(), trainer_version=2)
-    assert np.all(advantages(batch, spec()) == 0)
+    assert np.all(advantages(batch) == 0)
     batch, stats = assemble([], spec(routing_lk=None), trainer_version=0)
     assert batch.routing is None and batch.loss_mask.sum() == 0 and stats.lag_max == 0
 
@@ -251,14 +255,14 @@ def test_a_batch_of_short_rows_gets_a_short_shape_and_its_pad_frac():
     groups = [make_group(1, [1, 0], [[1, 1], [1, 1, 1]])]
     batch, stats = assemble(groups, spec(length_bucket=4), trainer_version=1)
     assert batch.tokens.shape == (6, 8) and batch.routing.shape == (6, 8, L, K)
-    adv = advantages(batch, spec(length_bucket=4))
+    adv = advantages(batch)
     assert batch.loss_mask.shape == adv.shape == batch.behavior_logp.shape == (6, 8)
     assert stats.pad_frac == pytest.approx(1 - 11 / 48)
     full, full_stats = assemble(groups, spec(), trainer_version=1)
     assert full.tokens.shape == (6, 10) and full_stats.pad_frac == pytest.approx(1 - 11 / 60)
     for short, long in zip(
         (batch.tokens, batch.loss_mask, batch.behavior_logp, adv, batch.routing),
-        (full.tokens, full.loss_mask, full.behavior_logp, advantages(full, spec()), full.routing),
+        (full.tokens, full.loss_mask, full.behavior_logp, advantages(full), full.routing),
         strict=True,
     ):
         np.testing.assert_array_equal(short, long[:, :8])
@@ -273,17 +277,15 @@ def test_bucketed_batch_trains_like_the_capacity_padded_one():
     import jax
     import optax
 
-    from sat_jax import objectives, sharding, train_step
-    from sat_jax.model import ModelConfig, placement
+    from sat_jax import objectives, sharding
+    from sat_jax.model import ModelConfig
 
     model_cfg = ModelConfig.preset("tiny", dispatch="dense", router_aux_loss_coef=0.05)
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     _, params0 = placement.init_sharded(model_cfg, mesh, 0)
     params0 = jax.device_get(params0)
     loss_cfg = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=True))
-    step_fn = train_step.make_train_step(
-        model_cfg, optax.sgd(0.1), loss_cfg, mesh, routing_replay=False
-    )
+    step_fn = make_train_step(model_cfg, optax.sgd(0.1), StepConfig(loss=loss_cfg), mesh)
     groups = [
         make_group(1, [1, 0], [[1, 1], [1, 1, 1]]),
         make_group(2, [0.5, 0], [[1], [1, 1, 1, 1]]),
@@ -291,8 +293,8 @@ def test_bucketed_batch_trains_like_the_capacity_padded_one():
     results = []
     for bucket in (4, 0):
         batch, _ = assemble(groups, spec(length_bucket=bucket, routing_lk=None), trainer_version=1)
-        state = train_step.create_train_state(model_cfg, optax.sgd(0.1), mesh, params0)
-        state, metrics = step_fn(state, train_step.shard_batch(batch, mesh))
+        state = create_train_state(model_cfg, optax.sgd(0.1), mesh, params0)
+        state, metrics = step_fn(state, shard_batch(batch, mesh))
         results.append((batch.tokens.shape, jax.device_get(state.params), jax.device_get(metrics)))
     (short_shape, short_params, short_m), (long_shape, long_params, long_m) = results
     assert short_shape == (6, 8) and long_shape == (6, 10)

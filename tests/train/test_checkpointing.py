@@ -18,7 +18,8 @@ import pytest
 from sat_jax import params_io, sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import ModelConfig, placement
-from sat_jax.train_step import (
+from sat_jax.step import (
+    StepConfig,
     TrainBatch,
     init_train_state,
     make_train_step,
@@ -180,7 +181,9 @@ def test_lora_checkpoint_holds_the_adapters_resumes_and_refuses_another_base(tmp
     cfg = load_config(None, [f"train.run_dir={tmp_path}", "model.lora.rank=4"])
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=2, expert=2), jax.devices()[:4])
     optimizer = cfg.train.optimizer.make(cfg.train.steps)
-    step_fn = make_train_step(cfg.model, optimizer, cfg.train.loss, mesh, routing_replay=False)
+    step_fn = make_train_step(
+        cfg.model, optimizer, StepConfig(loss=cfg.train.loss, routing_replay=False), mesh
+    )
     batch = shard_batch(_lora_batch(cfg), mesh)
     base = lambda seed: placement.init_sharded(cfg.model, mesh, seed)[1]
 

@@ -17,7 +17,7 @@ from flax import nnx
 from sat_jax import sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import hf, make_tiny, placement
-from sat_jax.train_step import create_train_state
+from sat_jax.step import create_train_state
 from train import checkpointing, eval_checkpoint, export, setup
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

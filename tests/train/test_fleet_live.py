@@ -29,7 +29,7 @@ import pytest
 from rollout_api.client import connect
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax.experiment import load_config
-from sat_jax.train_step import TrainState
+from sat_jax.step import TrainState
 from tests.clock import wait_until
 from tests.train.conftest import JAX_CACHE
 from tests.train.test_main import CONFIG, _loop_parts, _push_to, _random_params

@@ -30,7 +30,7 @@ from rollout_api.records import Group, Trajectory
 from sat_jax import sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import placement
-from sat_jax.train_step import TrainState
+from sat_jax.step import TrainState
 from tests.train.conftest import JAX_CACHE
 from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer

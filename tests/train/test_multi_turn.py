@@ -22,8 +22,16 @@ import optax
 import pytest
 
 from rollout_api import records
-from sat_jax import objectives, sharding, train_step
+from sat_jax import objectives, sharding
 from sat_jax.model import ModelConfig, placement
+from sat_jax.step import (
+    StepConfig,
+    TrainBatch,
+    create_train_state,
+    make_train_step,
+    replay_mask,
+    shard_batch,
+)
 from tests.train.test_batching import assemble, make_group, spec
 from train import batching
 
@@ -107,7 +115,7 @@ def batch_spec(**kw) -> batching.BatchSpec:
     return spec(**(base | kw))
 
 
-def assert_same_batch(a: train_step.TrainBatch, b: train_step.TrainBatch) -> None:
+def assert_same_batch(a: TrainBatch, b: TrainBatch) -> None:
     assert jax.tree.structure(a) == jax.tree.structure(b)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         assert x.dtype == y.dtype
@@ -229,16 +237,20 @@ def _step_runs(configs):
                 sat=objectives.SATConfig(enabled=True, quantile=0.5),
                 tis_cap=2.0 if options.get("recompute_old_logp") else None,
             )
-            compiled[key] = train_step.make_train_step(
-                MODEL, optax.sgd(0.1), loss_cfg, mesh, routing_replay=True, **options
+            cfg = StepConfig(
+                loss=loss_cfg,
+                routing_replay=True,
+                kept_counts=batch.kept_counts is not None,
+                **options,
             )
-        state = train_step.create_train_state(MODEL, optax.sgd(0.1), mesh, params0)
-        state, metrics = compiled[key](state, train_step.shard_batch(batch, mesh))
+            compiled[key] = make_train_step(MODEL, optax.sgd(0.1), cfg, mesh)
+        state = create_train_state(MODEL, optax.sgd(0.1), mesh, params0)
+        state, metrics = compiled[key](state, shard_batch(batch, mesh))
         out.append((jax.device_get(metrics), jax.device_get(state.params)))
     return out
 
 
-def _perturb_observations(batch: train_step.TrainBatch, seed: int) -> train_step.TrainBatch:
+def _perturb_observations(batch: TrainBatch, seed: int) -> TrainBatch:
     """Other behavior log-probs, kept counts, routing and fresh flags at the observation positions
     in the middle of every row (not their token ids: they are context)."""
     rng = np.random.default_rng(seed)
@@ -256,7 +268,7 @@ def _perturb_observations(batch: train_step.TrainBatch, seed: int) -> train_step
     )
 
 
-def _with_end_tokens(batch: train_step.TrainBatch, seed: int) -> train_step.TrainBatch:
+def _with_end_tokens(batch: TrainBatch, seed: int) -> TrainBatch:
     """Other token ids (and values) of the observation tokens that end every row."""
     rng = np.random.default_rng(seed)
     tokens = np.array(batch.tokens)
@@ -293,6 +305,6 @@ def test_replay_mask_is_off_only_between_generated_tokens():
     mask = np.zeros((3, 8), np.float32)
     mask[0, 2:8] = [1, 0, 0, 1, 1, 0]  # multi-turn, ends with an inserted token
     mask[1, 3:6] = 1  # single-turn, padded
-    got = np.asarray(train_step.replay_mask(mask))  # row 2: padding, all replayed
+    got = np.asarray(replay_mask(mask))  # row 2: padding, all replayed
     np.testing.assert_array_equal(got[0], [1, 1, 1, 0, 0, 1, 1, 1])
     assert got[1:].all()

@@ -349,7 +349,7 @@ def test_cache_may_be_the_whole_completion():
 
 
 def test_loop_writes_groups_filtered_and_overlong_frac_per_step(tmp_path):
-    from sat_jax.train_step import TrainState
+    from sat_jax.step import TrainState
 
     cfg = load_config(
         None,
@@ -440,7 +440,7 @@ def test_live_filtering_trains_informative_groups_and_the_server_replaces_the_re
 ):
     from rollout_api.client import connect
     from rollout_api.proto import rollout_pb2
-    from sat_jax.train_step import TrainState
+    from sat_jax.step import TrainState
     from tests.train.conftest import JAX_CACHE
     from tests.train.test_main import CONFIG, _push_to
     from train import weight_sync

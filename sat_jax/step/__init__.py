@@ -1,0 +1,51 @@
+"""The train step in parts (docs/DESIGN.md §7.1):
+
+- ``config``: ``StepConfig``, the step's options held once, and ``step_config``, the one function
+  that reads them from an experiment's config.
+- ``state``: ``TrainState``, its shardings, and how it is created, initialized or described as
+  shapes.
+- ``batch``: ``TrainBatch``, its checks, masks and advantages, and its placement on the mesh.
+- ``accumulation``: the batch's gradient and metrics, in one pass or over microbatches.
+- ``step``: ``train_step`` and ``make_train_step``, the jitted ``Step``.
+"""
+
+from sat_jax.step.batch import (
+    TrainBatch,
+    batch_shardings,
+    check_batch,
+    replay_mask,
+    shard_batch,
+    token_mask,
+    with_advantages,
+)
+from sat_jax.step.config import StepConfig, step_config
+from sat_jax.step.state import (
+    TrainState,
+    abstract_train_state,
+    create_train_state,
+    init_train_state,
+    train_state_shardings,
+    whole_params,
+)
+from sat_jax.step.step import Step, make_train_step, train_step
+
+__all__ = [
+    "Step",
+    "StepConfig",
+    "TrainBatch",
+    "TrainState",
+    "abstract_train_state",
+    "batch_shardings",
+    "check_batch",
+    "create_train_state",
+    "init_train_state",
+    "make_train_step",
+    "replay_mask",
+    "shard_batch",
+    "step_config",
+    "token_mask",
+    "train_state_shardings",
+    "train_step",
+    "whole_params",
+    "with_advantages",
+]

@@ -1,0 +1,195 @@
+"""The train batch: one global batch of trajectories as a typed pytree, its host-side checks,
+the masks the step derives from it, the advantages computed from its per-row rewards, and its
+placement on the mesh.
+
+Token alignment: every per-token array of a ``TrainBatch`` is indexed by the position of the TARGET
+token. ``logp[b, t]`` is log π(tokens[b, t] | tokens[b, :t]), computed from the logits at position
+t − 1; position 0 has no prediction, so its mask is forced to 0. ``loss_mask[b, t] = 1`` marks the
+completion tokens (t ≥ 1), exactly the positions where the rollout engine recorded
+``behavior_logp[b, t]`` for the sampled token ``tokens[b, t]``.
+
+Multi-turn rows (docs/DESIGN.md §7.1): an observation token, inserted by the environment between
+two generated ones, has loss mask 0 like the prompt, so it is out of the loss, SAT's quantile and
+every metric (all of them read only loss-mask tokens); under routing replay it is routed by the
+live router, not replayed (``replay_mask``), and its recorded routing is never read.
+
+Dimension letters: B batch, T sequence, L MoE layers, K experts per token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from sat_jax import objectives, sharding
+
+
+@flax.struct.dataclass
+class TrainBatch:
+    """One global batch of trajectories, per-token arrays aligned to the target token.
+
+    Attributes:
+      tokens: [B, T] int32, prompt followed by completion (and padding).
+      loss_mask: [B, T] float, 1 on completion tokens (the target's position), 0 elsewhere
+        (also on a multi-turn row's observation tokens, which R3 does not replay:
+        ``replay_mask``).
+      behavior_logp: [B, T] float, rollout log-prob of ``tokens[b, t]``.
+      advantages: [B, T] float per-token advantages; or None, and then ``rewards`` and
+        ``group_ids`` are given and the step computes them (``with_advantages``). Exactly one of
+        the two forms.
+      rewards: [B] float per-row rewards (with ``group_ids``; instead of ``advantages``).
+      group_ids: [B] int32 each row's group in [0, B); -1 marks a padding row (no group, no
+        advantage).
+      routing: optional [B, T, L, K] uint8/uint16 expert ids recorded by the rollout (for R3).
+      old_logp: optional [B, T] float proximal log-probs (the step can instead take its own,
+        ``recompute_old_logp``).
+      ref_logp: optional [B, T] float reference-policy log-probs (KL penalty); the step computes
+        them itself when given the reference's params instead.
+      kept_counts: optional [B, T] int32, the sampler's kept-set size of ``tokens[b, t]`` after
+        top-k / top-p truncation (0 where there was none, and off the completion): the step's
+        log-probs (the policy's and the reference's) replay that truncation
+        (``Transformer.logprobs``, docs/DESIGN.md §2).
+      fresh_mask: optional [B, T] (uint8 from the trainer), 1 on the completion tokens sampled by the weights being
+        trained (lag 0): the ``sampler_kl`` metric averages over them (all active tokens when
+        None).
+    """
+
+    tokens: jax.Array
+    loss_mask: jax.Array
+    behavior_logp: jax.Array
+    advantages: jax.Array | None = None
+    rewards: jax.Array | None = None
+    group_ids: jax.Array | None = None
+    routing: jax.Array | None = None
+    old_logp: jax.Array | None = None
+    ref_logp: jax.Array | None = None
+    kept_counts: jax.Array | None = None
+    fresh_mask: jax.Array | None = None
+
+
+def with_advantages(
+    batch: TrainBatch,
+    *,
+    estimator: objectives.AdvantageEstimator = "grpo",
+    normalize_std: bool = True,
+) -> TrainBatch:
+    """The batch with per-token ``advantages`` and without ``rewards`` / ``group_ids``.
+
+    Given advantages are kept. Otherwise each row's ``objectives.group_advantages`` over the whole
+    batch (``num_groups`` = B, static; rows of group id -1 are padding) is spread over its
+    loss-mask tokens, exactly what the host used to send as [B, T]. Jittable.
+
+    Raises:
+      ValueError: not exactly one of ``advantages`` and (``rewards``, ``group_ids``).
+    """
+    _check_advantage_form(batch)
+    if batch.advantages is not None:
+        return batch
+    group_ids = jnp.asarray(batch.group_ids, jnp.int32)
+    per_row_b = objectives.group_advantages(
+        batch.rewards,
+        jnp.maximum(group_ids, 0),
+        num_groups=group_ids.shape[0],
+        estimator=estimator,
+        normalize_std=normalize_std,
+        where=group_ids >= 0,
+    )
+    advantages_bt = per_row_b[:, None] * jnp.asarray(batch.loss_mask, jnp.float32)
+    return batch.replace(advantages=advantages_bt, rewards=None, group_ids=None)
+
+
+def _check_advantage_form(batch: TrainBatch) -> None:
+    """Raises ValueError unless the batch has exactly one of ``advantages`` and (``rewards``,
+    ``group_ids``) (which fields are set is static: this holds under ``jit`` too)."""
+    per_row = (batch.rewards is not None, batch.group_ids is not None)
+    if (batch.advantages is None) != all(per_row) or any(per_row) != all(per_row):
+        shape = lambda x: "None" if x is None else str(tuple(np.shape(x)))
+        raise ValueError(
+            "TrainBatch needs either advantages [B, T] or both rewards [B] and group_ids [B]; got "
+            f"advantages={shape(batch.advantages)}, rewards={shape(batch.rewards)}, "
+            f"group_ids={shape(batch.group_ids)}"
+        )
+
+
+def check_batch(batch: TrainBatch) -> None:
+    """Host-side checks of a concrete batch that the jitted step cannot make on values: exactly
+    one form of advantages; rewards and group ids [B], the ids in [0, B) or -1 (padding).
+
+    Raises:
+      ValueError: naming what is wrong.
+    """
+    _check_advantage_form(batch)
+    if batch.group_ids is None:
+        return
+    group_ids = np.asarray(batch.group_ids)
+    rows = np.shape(batch.tokens)[0]
+    if group_ids.shape != (rows,) or np.shape(batch.rewards) != (rows,):
+        raise ValueError(
+            f"TrainBatch rewards and group_ids must be [B] = [{rows}], got "
+            f"{np.shape(batch.rewards)} and {group_ids.shape}"
+        )
+    if group_ids.size and (group_ids.min() < -1 or group_ids.max() >= rows):
+        raise ValueError(
+            f"TrainBatch.group_ids must lie in [0, {rows}) or be -1 (padding), got "
+            f"[{group_ids.min()}, {group_ids.max()}]"
+        )
+
+
+def token_mask(loss_mask_bt: jax.Array) -> jax.Array:
+    """[B, T] bool: each row's real tokens, everything up to its last completion token.
+
+    Padding sits after the completion, so it is what follows the last ``loss_mask`` position; a
+    row without completion tokens counts none. The model takes it as ``mask_bt``: padded keys
+    leave attention (a no-op for the real queries of right-padded causal rows) and padded
+    positions leave the router's load statistics and the balance loss.
+    """
+    active_bt = jnp.asarray(loss_mask_bt) > 0
+    t = jnp.arange(active_bt.shape[1])
+    last_b1 = jnp.max(jnp.where(active_bt, t, -1), axis=1, keepdims=True)
+    return t <= last_b1
+
+
+def replay_mask(loss_mask_bt: jax.Array) -> jax.Array:
+    """[B, T] bool: the positions whose recorded routing R3 replays.
+
+    Every position but a multi-turn row's observation tokens: those between its first and last
+    loss-mask positions with loss mask 0, which the environment inserted (the server's routing
+    there is unspecified), and which the live router routes. Single-turn rows (one run of
+    completion tokens) replay every position, as without the mask. Positions after the last
+    loss-mask token (padding, or observation tokens that end a trajectory) replay the padding's
+    ids: they are out of the router's statistics (``token_mask``) and, being last, in no
+    trained token's context.
+    """
+    active_bt = jnp.asarray(loss_mask_bt) > 0
+    t = jnp.arange(active_bt.shape[1])
+    first_b1 = jnp.min(jnp.where(active_bt, t, active_bt.shape[1]), axis=1, keepdims=True)
+    last_b1 = jnp.max(jnp.where(active_bt, t, -1), axis=1, keepdims=True)
+    return active_bt | (t < first_b1) | (t > last_b1)
+
+
+def batch_shardings(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
+    """``NamedSharding`` per batch field: dimension 0 over the batch mesh axes (checked)."""
+    return jax.tree.map(
+        lambda x: NamedSharding(mesh, sharding.batch_spec(x.shape[0], mesh, x.ndim)), batch
+    )
+
+
+def shard_batch(batch: TrainBatch, mesh: Mesh) -> TrainBatch:
+    """Host arrays (the full global batch, on every process) → global sharded ``jax.Array``s,
+    after ``check_batch``.
+
+    Works single- and multi-host: each process only transfers the slices its devices hold.
+    """
+    check_batch(batch)
+    shardings = batch_shardings(batch, mesh)
+
+    def put(x: Any, sh: NamedSharding) -> jax.Array:
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sh, lambda idx: x[idx])
+
+    return jax.tree.map(put, batch, shardings)
