@@ -2,7 +2,14 @@
 (truncation replay, decoupled PPO, filters, sequence corrections) existed.
 
 ``tests/sat_jax/test_recipe_off.py`` checks that with every recipe option off the step gives
-these bit for bit. Regenerate only on purpose (a change that is meant to move the numbers):
+these bit for bit. XLA's CPU code generation follows the host's instruction set, so the bits are
+those of one jax version on one kind of CPU: the file keeps one set of fingerprints per host kind
+(``host_kind``: the CPU model and its vector extensions), each written by the same code, the step
+before the options. On a host kind the file has, the hashes must match; on another, the sums and
+norms (which agree across them to float32 precision).
+
+Regenerate only on purpose (a change that is meant to move the numbers), or add a host kind by
+running this module from the commit that wrote the file (``git log`` of the data file):
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 .venv/bin/python -m tests.sat_jax.step_golden``.
 """
 
@@ -11,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import pathlib
+import platform
 
 import jax
 import numpy as np
@@ -98,12 +106,30 @@ def fingerprint(value: np.ndarray) -> dict[str, object]:
     }
 
 
+def host_kind() -> str:
+    """The kind of CPU XLA compiles for: its model name and the vector extensions it reports."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+    except OSError:
+        pass
+    vector = sorted(f for f in flags if f.startswith(("avx", "amx", "fma", "f16c", "sse", "bmi")))
+    return f"{model} [{' '.join(vector)}]"
+
+
 def main() -> None:
-    golden = {
-        "jax_version": jax.__version__,
-        "cases": {
-            name: {key: fingerprint(v) for key, v in run_case(name).items()} for name in CASES
-        },
+    golden = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {"hosts": {}}
+    if golden.get("jax_version", jax.__version__) != jax.__version__:
+        golden = {"hosts": {}}  # another jax version: the old bits no longer apply
+    golden["jax_version"] = jax.__version__
+    golden["hosts"][host_kind()] = {
+        name: {key: fingerprint(v) for key, v in run_case(name).items()} for name in CASES
     }
     GOLDEN.parent.mkdir(parents=True, exist_ok=True)
     GOLDEN.write_text(json.dumps(golden, indent=1, sort_keys=True) + "\n")
