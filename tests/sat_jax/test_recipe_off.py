@@ -3,7 +3,8 @@ the step before the options existed (``tests/sat_jax/step_golden.py`` wrote them
 
 With the jax version that wrote the golden file, on a kind of CPU it holds fingerprints of
 (``step_golden.host_kind``), every array's SHA-256 must match; with another version or CPU kind
-(XLA may round differently) their sums and norms must agree to float32 precision.
+(XLA may round differently) their sums and norms must agree to float32 precision
+(``_assert_close``).
 Metrics added since are not in the file and are not compared.
 """
 
@@ -36,20 +37,23 @@ def test_options_off_give_the_golden_step(golden: dict, name: str) -> None:
         if same_host:
             assert fp["sha256"] == expected["sha256"], (key, fp, expected)
         else:
-            np.testing.assert_allclose(
-                [fp["sum"], fp["norm"]], [expected["sum"], expected["norm"]], rtol=1e-5, atol=1e-7
-            )
+            _assert_close(fp, expected, key)
 
 
 def test_every_host_kind_of_the_golden_file_agrees_to_float32_precision(golden: dict) -> None:
     kinds = list(golden["hosts"].values())
     for other in kinds[1:]:
         for name, keys in kinds[0].items():
-            for key, expected in keys.items():
-                got = other[name][key]
-                np.testing.assert_allclose(
-                    [got["sum"], got["norm"]],
-                    [expected["sum"], expected["norm"]],
-                    rtol=1e-5,
-                    atol=1e-7,
-                )
+            for key in keys.keys() & other[name].keys():  # later files hold newer metrics too
+                _assert_close(other[name][key], keys[key], f"{name} {key}")
+
+
+def _assert_close(got: dict, want: dict, what: str) -> None:
+    """Agreement across CPU kinds or XLA builds, where rounding differs from the first matmul on
+    and carries through the forward and backward pass: norms to 2e-5 relative, sums to 1e-4 of
+    the array's norm (gradient sums nearly cancel, so their own relative error is meaningless).
+    Measured between the two host kinds of the file: at most 6.6e-6 and 3.8e-5."""
+    np.testing.assert_allclose(got["norm"], want["norm"], rtol=2e-5, err_msg=what)
+    np.testing.assert_allclose(
+        got["sum"], want["sum"], rtol=0, atol=1e-4 * want["norm"] + 1e-9, err_msg=what
+    )
