@@ -600,9 +600,12 @@ def token_logprobs(
 
     ``kept_bt`` ([B, T] int, optional) replays the sampler's top-k / top-p truncation
     (docs/DESIGN.md §2): at a position with kept count n > 0 the distribution is renormalised
-    over the n highest scaled logits (ties at the n-th value kept, as the sampler keeps them) and
-    the target itself (kept even when this policy ranks it lower, so its log-prob is finite);
-    n = 0 keeps everything. The cut is found exactly by `kth_largest` and is not differentiated.
+    over this policy's top-max(n, r) scaled logits, r the target's rank (ties at the cut value
+    kept, as the sampler keeps them). When the target is among the top n that is the sampler's
+    own top-n cut; when this policy ranks it lower, the cut moves down to the target, so every
+    token ranked at or above it is kept (a truncation a top-k sampler could have made, and the
+    target's log-prob stays finite), not the top n plus the target alone. n = 0 keeps
+    everything. The cut is found exactly by `kth_largest_key` and is not differentiated.
     """
     if vocab_mask is not None:
         # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
