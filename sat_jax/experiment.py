@@ -492,8 +492,9 @@ class TrainConfig:
         _ = (self.optimizer, self.warmup, self.checkpoints)
 
     def _check_old_logp(self) -> None:
-        """The loss options that need proximal log-probs need "recompute", and the clip-based
-        ones do nothing with it (one update per batch: r = π/π_old is 1 at the update)."""
+        """The loss options that need proximal log-probs need "recompute", the clip-based ones
+        do nothing with it (one update per batch: r = π/π_old is 1 at the update), and without
+        one of the former it is unweighted, unclipped REINFORCE on stale samples."""
         loss = self.loss
         needs = [
             name
@@ -521,6 +522,14 @@ class TrainConfig:
                     "batch, so the ratio to the recomputed proximal policy is 1 at the update "
                     "and the clip (SAT's contraction, DPPO-TV, dual-clip) never acts; use "
                     "old_logp 'behavior' with it, or drop it (docs/DESIGN.md §3.4)"
+                )
+            if not needs:
+                # No weight and no clip: the gradient would be −A/N per token, plain REINFORCE
+                # on stale samples.
+                raise ValueError(
+                    "old_logp 'recompute' needs a rollout correction: set loss.tis_cap, "
+                    "loss.icepop_range, loss.seq_tis_cap or loss.seq_mask_range "
+                    "(docs/DESIGN.md §3.4)"
                 )
 
     @property
