@@ -311,7 +311,7 @@ class DecodeCore:
         generated: jax.Array,
         version: jax.Array,
         segment: jax.Array,
-    ) -> DecodeState:
+    ) -> tuple[DecodeState, jax.Array]:
         model = nnx.merge(self.graphdef, params)
         c = state.cache
         row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)
@@ -319,14 +319,14 @@ class DecodeCore:
             k_lbsgh=row(c.k_lbsgh), v_lbsgh=row(c.v_lbsgh), lengths_b=start.reshape(1)
         )
         mask_1t = (jnp.arange(tokens_t.shape[0]) < n)[None]
-        out = model.extend(cache_1, tokens_t[None], mask_bt=mask_1t)
+        out = model.extend(cache_1, tokens_t[None], mask_bt=mask_1t, return_routing=True)
         put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=1)
         cache = KVCache(
             k_lbsgh=put(c.k_lbsgh, out.cache.k_lbsgh),
             v_lbsgh=put(c.v_lbsgh, out.cache.v_lbsgh),
             lengths_b=c.lengths_b.at[slot].set(start + n),
         )
-        return DecodeState(
+        new_state = DecodeState(
             cache=self._shard_cache(cache),
             logits_bv=state.logits_bv.at[slot].set(out.logits_btv[0, n - 1]),
             logits_version_b=state.logits_version_b.at[slot].set(version),
@@ -334,6 +334,7 @@ class DecodeCore:
             key=state.key,
             segment_b=state.segment_b.at[slot].set(segment),
         )
+        return new_state, out.routing_btlk[0].astype(jnp.int32)
 
     def _sample(
         self, logits_bv: jax.Array, key: jax.Array, positions_b: jax.Array
@@ -394,11 +395,17 @@ class DecodeCore:
         generated: int,
         version: int,
         segment: int,
-    ) -> DecodeState:
+    ) -> tuple[DecodeState, jax.Array]:
         """Continues ``slot`` after inserted tokens: its cache is cut back to ``start`` positions
         (the end of the turn; what later steps wrote is dropped) and ``tokens`` are appended in
         one chunked forward under ``params``, whose logits after the last token are what the
         slot samples next (as of ``version``). ``state`` is donated.
+
+        Returns:
+          The new state and the inserted tokens' routing ids [n, L, K] int32 (on device), as
+          the chunked forward routed them: what the trainer replays at those positions, like
+          ``Prefix.routing_plk`` for a prompt and the step output's routing for a generated
+          token.
 
         Args:
           slot: the slot (it must hold a request: the caller tracks that).
@@ -424,7 +431,7 @@ class DecodeCore:
         chunk = min(max(16, 1 << (n - 1).bit_length()), self.cache_length)
         tokens_t = np.zeros((chunk,), np.int32)
         tokens_t[:n] = tokens
-        state = self._extend_step(
+        state, routing_tlk = self._extend_step(
             params,
             state,
             jnp.int32(slot),
@@ -438,7 +445,7 @@ class DecodeCore:
         self._lengths_b[slot], self._generated_b[slot] = start + n, generated
         self.extend_calls += 1
         self.extend_tokens += n
-        return state
+        return state, routing_tlk[:n]
 
     def evict(self, state: DecodeState, slot: jax.Array | int, segment: int = -1) -> DecodeState:
         """Marks ``slot`` exhausted: it emits nothing valid until the next insert. A ``segment``
@@ -547,13 +554,16 @@ class Completion:
     log-probs, why it ended ("stop" or "length"), and each token's kept-set size (the
     truncation replay's input; the sampleable vocabulary's size without truncation). An episode
     (`complete_episodes`) also has `generated`: True where the policy generated the id, False
-    where the environment inserted it (log-prob 0 and kept 0 there); () = all generated."""
+    where the environment inserted it (log-prob 0 and kept 0 there); () = all generated.
+    `routing` is every id's [len(ids), L, K] int32 routing ids: a generated id's from its decode
+    step, an inserted id's from the cache extension (what the trainer replays)."""
 
     ids: tuple[int, ...]
     logp: tuple[float, ...]
     finish: str
     kept: tuple[int, ...] = ()
     generated: tuple[bool, ...] = ()
+    routing: np.ndarray | None = None
 
 
 def complete(
@@ -606,7 +616,8 @@ def complete_episodes(
 
     Returns:
       Per prompt, its completion: every turn and inserted id, with ``generated`` marking which is
-      which; ``finish`` is the last turn's ("stop" or "length").
+      which; ``finish`` is "length" when any turn was cut (at ``turn_tokens`` or the episode's
+      budget), else "stop": the episode's overlong test, as the rollout server records it.
 
     Raises:
       ValueError: a prompt is empty or too long, or ``after_turn`` returned ids that do not fit
@@ -630,7 +641,16 @@ def complete_episodes(
                 index, ids = pending.popleft()
                 state = core.insert(core.prefill_prompt(params, ids, version), state, slot)
                 running[slot] = dict(
-                    index=index, prompt=len(ids), ids=[], logp=[], kept=[], gen=[], start=0, seg=0
+                    index=index,
+                    prompt=len(ids),
+                    ids=[],
+                    logp=[],
+                    kept=[],
+                    gen=[],
+                    start=0,
+                    seg=0,
+                    cut=False,
+                    routing=[],
                 )
         state, data = core.generate(params, state, jnp.int32(version))
         step = unpack_step(jax.device_get(data), c.num_moe_layers, c.num_experts_per_tok)
@@ -640,11 +660,12 @@ def complete_episodes(
             r["logp"].append(float(step["logp"][slot]))
             r["kept"].append(int(step["kept"][slot]))
             r["gen"].append(True)
+            r["routing"].append(step["routing"][slot])
             n = len(r["ids"])
             if token in stops:
                 finish = "eos"
             elif n - r["start"] >= turn_tokens or n >= budget:
-                finish = "length"
+                finish, r["cut"] = "length", True
             else:
                 continue
             inserted = after_turn(r["index"], r["ids"][r["start"] :], finish, budget - n)
@@ -654,7 +675,7 @@ def complete_episodes(
                         f"after_turn returned {len(inserted)} ids with room for {budget - n - 1}"
                     )
                 r["seg"] += 1
-                state = core.extend(
+                state, routing = core.extend(
                     params,
                     state,
                     slot,
@@ -668,14 +689,16 @@ def complete_episodes(
                 r["logp"] += [0.0] * len(inserted)
                 r["kept"] += [0] * len(inserted)
                 r["gen"] += [False] * len(inserted)
+                r["routing"] += list(np.asarray(routing))
                 r["start"] = len(r["ids"])
                 continue
             results[r["index"]] = Completion(
                 ids=tuple(r["ids"]),
                 logp=tuple(r["logp"]),
-                finish="stop" if finish == "eos" else "length",
+                finish="length" if r["cut"] else "stop",
                 kept=tuple(r["kept"]),
                 generated=tuple(r["gen"]),
+                routing=np.stack(r["routing"]).astype(np.int32),
             )
             del running[slot]
             state = core.evict(state, slot)

@@ -364,11 +364,13 @@ class TrainConfig:
       filter_max_rounds: at most `filter_max_rounds` · `rollout.batch_groups` groups are
         filtered while filling one batch; past that the rest of the batch is filled without the
         filter, with a warning (>= 1).
-      overlong: a truncated trajectory (finish reason "length"): "none"; "mask" (its loss mask
-        is 0; its reward still counts in its group's baseline); or "soft" (DAPO's soft overlong
-        punishment, with L_max = `rollout.max_new_tokens`, L_cache = `overlong_cache`, added to
-        every trajectory's reward: 0 up to L_max − L_cache tokens, then
-        `overlong_penalty` · ((L_max − L_cache) − length) / L_cache). Metric `overlong_frac`.
+      overlong: a truncated trajectory (finish reason "length"; an episode any of whose turns
+        was cut): "none"; "mask" (its loss mask is 0; its reward still counts in its group's
+        baseline); or "soft" (DAPO's soft overlong punishment, with L_max =
+        `rollout.max_new_tokens`, L_cache = `overlong_cache`, added to every trajectory's
+        reward: −`overlong_penalty` when truncated, else 0 up to L_max − L_cache tokens of its
+        longest turn, then `overlong_penalty` · ((L_max − L_cache) − length) / L_cache).
+        Metric `overlong_frac`.
       overlong_cache: L_cache; "soft" needs 0 < overlong_cache <= `rollout.max_new_tokens`.
       overlong_penalty: the soft punishment's factor (>= 0): it ranges over [−penalty, 0].
       learning_rate, lr_schedule, lr_warmup_steps: peak rate, "constant" | "cosine" | "linear"

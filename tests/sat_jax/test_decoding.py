@@ -251,3 +251,57 @@ def test_episodes_insert_between_turns_and_stay_the_behavior_policy() -> None:
         want = ref[np.arange(len(c.ids)), list(c.ids)][gen]
         np.testing.assert_allclose(np.asarray(c.logp)[gen], want, atol=1e-4)
         assert c.finish == "length"
+
+
+def _replayed_error(model, prompt: list[int], c: decoding.Completion, temperature: float):
+    """(max |trainer log-prob − behavior log-prob| over the generated ids under R3, replaying
+    the completion's recorded routing of every id and the prompt's live routing, and the
+    trainer's live routing [C, L, K] of the completion)."""
+    p = len(prompt)
+    tokens = jnp.asarray([[*prompt, *c.ids]], jnp.int32)
+    live = np.asarray(model.forward(tokens).routing_btlk[0])
+    routing = np.concatenate([live[:p], c.routing]).astype(live.dtype)[None]
+    kw = dict(temperature=temperature, vocab_mask=jnp.asarray(SAMPLEABLE))
+    logp = np.asarray(model.logprobs(tokens, replay_routing=jnp.asarray(routing), **kw)[0])[0, p:]
+    gen = np.asarray(c.generated, bool) if c.generated else np.ones(len(c.ids), bool)
+    return float(np.max(np.abs(logp - np.asarray(c.logp))[gen])), live[p:]
+
+
+def test_episode_routing_is_recorded_and_replayed_like_single_turn() -> None:
+    """Lag 0, float32: the cache extension records the inserted ids' routing, which is the
+    trainer's own (live) routing of them; replaying every recorded routing, the trainer's
+    log-probs of the generated ids after an observation equal the behavior log-probs as
+    tightly as a single-turn completion's do."""
+    graphdef, params = _model()
+    model = nnx.merge(graphdef, params)
+    core = decoding.DecodeCore(
+        graphdef,
+        CFG,
+        slots=2,
+        max_prefill_length=8,
+        max_decode_length=40,
+        sampling=decoding.SamplingConfig(temperature=0.8),
+        sampleable_v=SAMPLEABLE,
+    )
+    turns: dict[int, int] = {}
+
+    def after_turn(i, ids, finish, room):
+        turns[i] = turns.get(i, 0) + 1
+        return [41, 42, 43 + i, 5, 9] if turns[i] < 3 else None
+
+    episodes = decoding.complete_episodes(
+        core, params, PROMPTS, stop_ids=(), turn_tokens=MAX_NEW, after_turn=after_turn
+    )
+    singles = decoding.complete(core, params, PROMPTS)
+    multi_err, single_err = [], []
+    for prompt, c, s in zip(PROMPTS, episodes, singles, strict=True):
+        inserted = ~np.asarray(c.generated)
+        assert c.routing.shape == (len(c.ids), CFG.num_moe_layers, CFG.num_experts_per_tok)
+        err, live = _replayed_error(model, prompt, c, 0.8)
+        np.testing.assert_array_equal(np.sort(c.routing[inserted], -1), np.sort(live[inserted], -1))
+        np.testing.assert_array_equal(np.sort(c.routing, -1), np.sort(live, -1))
+        multi_err.append(err)
+        single_err.append(_replayed_error(model, prompt, s, 0.8)[0])
+    print(f"max |logp - behavior| under R3: multi-turn {max(multi_err):.2e}, "
+          f"single-turn {max(single_err):.2e}")  # fmt: skip
+    assert max(multi_err) <= 1e-5 and max(single_err) <= 1e-5
