@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from sat_jax import decoding, objectives, train_step
+from sat_jax import completions, decoding, objectives, train_step
 from sat_jax.experiment import ConfigError, load_config
 from sat_jax.parallel import sharding
 from tests.sat_jax import test_decoding
@@ -37,7 +37,7 @@ def _batch() -> train_step.TrainBatch:
         sampling=SAMPLING, sampleable_v=SAMPLEABLE,
     )  # fmt: skip
     prompts = [p for p in PROMPTS for _ in range(G)]
-    done = decoding.complete(core, params, prompts)
+    done = completions.complete(core, params, prompts)
     rows = len(prompts)
     tokens, mask = np.zeros((rows, T), np.int32), np.zeros((rows, T), np.float32)
     behavior, kept = np.zeros((rows, T), np.float32), np.zeros((rows, T), np.int32)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from sat_jax.decoding import SamplingConfig, sample
 from sat_jax.model import token_logprobs
-from sat_jax.model.transformer import _order_key, kth_largest_key
+from sat_jax.model.logprobs import _order_key, kth_largest_key
 
 
 def _reference(logits, targets, kept, temperature, vocab_mask=None):
