@@ -158,7 +158,9 @@ class Runner(grid.Runner):
         self.base_accuracy = self.accuracy(self.base_params)  # step 0 of every cell
 
     def optimizer(self, lr: float):
-        return dataclasses.replace(self.cfg.train.optimizer, learning_rate=lr).make(self.cfg.train.steps)
+        return dataclasses.replace(self.cfg.train.optimizer, learning_rate=lr).make(
+            self.cfg.train.steps
+        )
 
     def cell_step_fn(self, cell: Cell):
         key = (cell.method, cell.lr, cell.knobs)

@@ -379,7 +379,7 @@ def bench_prefill_time(bench: Bench, trajectory: records.Trajectory, rows: list[
         run_full, run_extend = full(k), None  # turn 1: the prompt's prefill either way
         if k:
             before = spans[k][0] - spans[k - 1][2]  # the completion before the observation
-            state = core.extend(
+            state, _ = core.extend(
                 params,
                 state,
                 0,
@@ -393,7 +393,7 @@ def bench_prefill_time(bench: Bench, trajectory: records.Trajectory, rows: list[
 
             def run_extend(obs=obs, before=before):
                 nonlocal state
-                state = core.extend(
+                state, _ = core.extend(
                     params,
                     state,
                     0,

@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from sat_jax import objectives
+from sat_jax import objectives, sharding
 from sat_jax.model import ModelConfig, placement
-from sat_jax.parallel import plan, sharding
+from sat_jax.plan import memory as plan
 from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
 
 PROMPT = 64  # prompt tokens per row (not in the loss); the rest of T is completion

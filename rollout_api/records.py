@@ -14,10 +14,11 @@ generates a replacement.
 
 Multi-turn trajectories (docs/DESIGN.md §6.2): `Trajectory.loss_mask` marks which completion
 tokens the policy generated (True) and which the environment inserted (observation tokens,
-False). The per-token fields keep one entry per completion token, and their values at inserted
-positions are unspecified: nothing here checks them (a garbage log-prob, version or kept count
-of an observation token never makes a group invalid), and the trainer never reads them
-(`train.batching`). The token ids of inserted tokens are real context and are checked.
+False). The per-token fields keep one entry per completion token, and the values of the
+behavior log-prob, version and kept count at inserted positions are unspecified: nothing here
+checks them (a garbage one never makes a group invalid), and the trainer never reads them
+(`train.batching`). The token ids of inserted tokens are real context and are checked, and so
+is their routing: the server's cache extension records it and R3 replays it.
 
 Shapes: P prompt tokens (BOS included), C completion tokens, T = P + C positions, L MoE layers,
 K experts per token.
@@ -84,9 +85,12 @@ class Trajectory:
         the environment inserted it (a multi-turn observation, or the end-of-turn tokens that
         close a turn cut at the token limit); the first completion token is generated. None =
         every completion token generated (single-turn). At False positions the values of
-        `behavior_logprobs`, `versions`, `kept_counts` and the routing are unspecified.
+        `behavior_logprobs`, `versions` and `kept_counts` are unspecified; the routing is the
+        one the server's cache extension recorded for the inserted token (replayed by R3).
       reward: finite.
-      finish_reason: "stop", "length" or "" (unspecified).
+      finish_reason: "stop", "length" or "" (unspecified). A multi-turn episode's is "length"
+        when any of its turns was cut by a limit (`max_new_tokens` or the episode's token
+        budget): the trainer's one test of an overlong trajectory.
       completion_text: the completion decoded (special tokens skipped).
 
     Raises:
@@ -273,9 +277,9 @@ def decode_group(message: rollout_pb2.Group, limits: GroupLimits | None = None) 
         different lengths, an empty prompt, a non-finite log-prob (of a generated token) or
         reward, a `loss_mask` that is not a mask of the completion (`decode_loss_mask`); with
         `limits`, a token id outside [0, vocab_size), a missing or unreadable routing, a routing
-        of another (L, K), a routing id outside [0, num_experts) at a position the trainer
-        replays (the prompt and the generated tokens), a kept count of a generated token over
-        the vocabulary.
+        of another (L, K), a routing id outside [0, num_experts) at any position (the trainer
+        replays them all: prompt, generated and inserted tokens), a kept count of a generated
+        token over the vocabulary.
     """
     trajectories = []
     for i, t in enumerate(message.trajectories):
@@ -337,11 +341,9 @@ def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) ->
         lk = tuple(limits.routing_lk)
         if routing.shape[1:] != lk:
             raise ValueError(f"routing of (L, K) = {routing.shape[1:]}, expected {lk}")
-        # Inserted tokens are routed by the trainer's live router: their ids are not read.
-        replayed = np.concatenate([np.ones(prompt_ids.size, bool), generated])
-        if routing.shape[0] == replayed.size:  # else the record names the length mismatch
-            routing_ids = routing if loss_mask is None else routing[replayed]
-            _check_range("routing id", routing_ids, limits.num_experts, "the experts")
+        # Every position is replayed, inserted (observation) tokens too.
+        if routing.shape[0] == prompt_ids.size + completion_ids.size:  # else a length mismatch
+            _check_range("routing id", routing, limits.num_experts, "the experts")
     finish = int(t.finish_reason)
     kept = np.array(t.kept_counts, np.int32) if len(t.kept_counts) else None
     if kept is not None and limits is not None and kept.size == generated.size:

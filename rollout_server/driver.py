@@ -15,7 +15,9 @@ stop token, the per-turn `turn_tokens`, or the episode's `max_tokens`) the reque
 own action queue, drained before every step it reads, so the buffer is only ever touched here: a continuation appends the observation
 tokens (loss mask 0) and only then schedules the engine's extension, whose steps carry the next
 segment number; steps of an older segment (the slot decoded on while the environment ran) are
-dropped.
+dropped. With the first step of the new segment the buffer takes the routing the extension
+recorded for the observation tokens (`MoEEngine.extension_routing`), so every position of a
+trajectory carries the routing that served it and R3 replays observation tokens too.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ class FinishedSample:
       versions: [C] int64 weights version per completion token.
       routing: [P + C, L, K] expert ids in the model's routing dtype.
       kept_counts: [C] int32 the sampler's kept-set size per completion token.
-      finish_reason: "stop" or "length".
+      finish_reason: "stop" or "length" (an episode's: "length" when any of its turns was cut).
     """
 
     prompt_ids: np.ndarray
@@ -140,7 +142,8 @@ class TokenBuffer:
 
     def insert(self, tokens: np.ndarray) -> None:
         """Appends inserted (observation) tokens: loss mask 0, log-prob 0, the last generated
-        token's version, kept count 0 and routing 0 (the trainer reads none of them).
+        token's version and kept count 0 (the trainer reads none of them); their routing is 0
+        until `set_routing` writes what the cache extension recorded (the trainer replays it).
 
         Raises:
           ValueError: the buffer is not masked, or the tokens do not fit.
@@ -158,6 +161,12 @@ class TokenBuffer:
         self.routing[p + n : p + n + k] = 0
         self.mask[n : n + k] = False
         self.size = n + k
+
+    def set_routing(self, start: int, routing: np.ndarray) -> None:
+        """Writes the routing [n, L, K] of completion tokens start .. start + n − 1 (inserted
+        tokens', recorded by the cache extension)."""
+        p = len(self.prompt_ids)
+        self.routing[p + start : p + start + len(routing)] = routing
 
     def sample(self, finish_reason: str) -> FinishedSample:
         """The finished sample: views of the filled part of the arrays."""
@@ -196,7 +205,12 @@ class RolloutRequest(orchestrator.ActiveRequest):
     segment: int = 0  # the engine segment whose steps this request takes
     waiting: bool = False  # a turn ended; the environment has not answered yet
     turn_start: int = 0  # where the current turn starts in the buffer
-    last_finish: str = "stop"  # how the last turn ended (the episode's finish reason)
+    # The episode's finish reason: "length" once any turn was cut by a limit (the turn's or
+    # the episode's token budget), else "stop" (docs/DESIGN.md §7.1, overlong episodes).
+    episode_finish: str = "stop"
+    # (buffer position, count) of inserted tokens whose routing the engine's extension has
+    # yet to hand over (taken with the first step after it).
+    inserted_routing: tuple[int, int] | None = None
     detokenize_index: int = 0
 
 
@@ -242,8 +256,8 @@ class RolloutDriver(orchestrator.Driver):
         self._actions(request.detokenize_index).put(_Continue(request, tokens))
 
     def end_episode(self, request: RolloutRequest) -> None:
-        """Ends a waiting episode: `on_done` receives its sample (finish reason: its last turn's)
-        and the slot is freed. Thread-safe."""
+        """Ends a waiting episode: `on_done` receives its sample (finish reason "length" when any
+        of its turns was cut by a limit, else "stop") and the slot is freed. Thread-safe."""
         self._actions(request.detokenize_index).put(_End(request))
 
     def prefill_backlog_size(self) -> int:
@@ -373,6 +387,13 @@ class RolloutDriver(orchestrator.Driver):
         token = int(step["token"][slot])
         if isinstance(request, RolloutRequest):
             buffer = request.buffer
+            if request.inserted_routing is not None:
+                at, n = request.inserted_routing
+                request.inserted_routing = None
+                routing = engine.extension_routing(slot, request.segment)
+                if routing.shape[0] != n:
+                    raise ValueError(f"extension routing of {routing.shape[0]} tokens, not {n}")
+                buffer.set_routing(at, routing)
             buffer.add(
                 token,
                 step["logp"][slot],
@@ -410,7 +431,9 @@ class RolloutDriver(orchestrator.Driver):
     def _end_turn(self, request: RolloutRequest, reason: str) -> bool:
         """Hands an ended turn to `on_turn`; the request keeps its slot and waits."""
         buffer = request.buffer
-        request.waiting, request.last_finish = True, reason
+        request.waiting = True
+        if reason == "length":
+            request.episode_finish = "length"
         turn = TurnEnd(
             ids=buffer.tokens[request.turn_start : buffer.size].copy(),
             finish_reason=reason,
@@ -436,11 +459,12 @@ class RolloutDriver(orchestrator.Driver):
             return
         try:
             if isinstance(item, _End):
-                self._finish(request, request.last_finish)
+                self._finish(request, request.episode_finish)
                 done = True
             else:
                 buffer = request.buffer
                 start = len(buffer.prompt_ids) + buffer.size
+                request.inserted_routing = (buffer.size, len(item.tokens))
                 buffer.insert(item.tokens)
                 request.segment += 1
                 request.waiting, request.turn_start = False, buffer.size

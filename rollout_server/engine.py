@@ -21,7 +21,9 @@ Multi-turn episodes continue in their slot: the driver's detokenize thread asks 
 (`schedule_extend`: the observation tokens, where the turn ended) and the generate thread applies
 it at the start of its next `generate`, before that step samples (`DecodeCore.extend`: only the new
 tokens are computed). The slot's segment number, in every step's output, tells the driver which
-steps follow the extension.
+steps follow the extension; the inserted tokens' routing waits on the host side of the engine
+(`extension_routing`) until the driver takes it with the first of those steps, so observation
+tokens carry recorded routing like the prompt and the generated tokens.
 
 The engine owns `(version, params)` and passes params into the core's jitted functions as
 arguments, so `swap_params` changes weights between two steps without recompiling; weights of
@@ -128,6 +130,9 @@ class MoEEngine(engine_api.Engine):
         self._swap_lock = threading.Lock()
         # (slot, tokens, start, generated, segment) waiting for the generate thread.
         self._extensions: list[tuple[int, np.ndarray, int, int, int]] = []
+        # slot -> (segment, the inserted tokens' routing [n, L, K] on device), until the driver
+        # takes it (`extension_routing`).
+        self._extension_routing: dict[int, tuple[int, jax.Array]] = {}
         self._extensions_lock = threading.Lock()
         self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
 
@@ -269,12 +274,27 @@ class MoEEngine(engine_api.Engine):
         with self._extensions_lock:
             self._extensions.append((slot, np.asarray(tokens, np.int32), start, generated, segment))
 
+    def extension_routing(self, slot: int, segment: int) -> np.ndarray:
+        """[n, L, K] routing ids of the tokens `slot`'s extension to `segment` inserted, as its
+        chunked forward routed them (taken: each extension's routing is returned once). The
+        driver reads it when the first step of that segment arrives, so the extension has run.
+        Thread-safe.
+
+        Raises:
+          KeyError: no routing of that extension is waiting.
+        """
+        with self._extensions_lock:
+            entry = self._extension_routing.pop(slot, None)
+        if entry is None or entry[0] != segment:
+            raise KeyError(f"no routing of slot {slot}'s extension to segment {segment}")
+        return np.asarray(entry[1])
+
     def _apply_extensions(self, state: DecodeState, version: int, params: Any) -> DecodeState:
         with self._extensions_lock:
             pending, self._extensions = self._extensions, []
         for slot, tokens, start, generated, segment in pending:
             try:
-                state = self.core.extend(
+                state, routing = self.core.extend(
                     params,
                     state,
                     slot,
@@ -284,6 +304,8 @@ class MoEEngine(engine_api.Engine):
                     version=version,
                     segment=segment,
                 )
+                with self._extensions_lock:
+                    self._extension_routing[slot] = (segment, routing)
             except Exception:
                 log.exception("extending slot %d failed; the slot stays empty", slot)
                 state = self.core.evict(state, jnp.int32(slot), segment)

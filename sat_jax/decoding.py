@@ -1,9 +1,9 @@
 """The KV-cache decoding core: sampling, prefill, insert into slots, one decode step for every slot.
 
 One implementation serves both the rollout server (``rollout_server.engine.MoEEngine`` adapts it
-to JetStream's Engine API and adds weight swaps) and evaluation (``complete``, batched over the
-slots, used by ``sat-eval`` and the trainer's periodic evaluation), so an evaluation samples
-exactly as the server does (docs/DESIGN.md §1, §6.1).
+to JetStream's Engine API and adds weight swaps) and evaluation (``sat_jax.completions``, batched
+over the slots, used by ``sat-eval`` and the trainer's periodic evaluation), so an evaluation
+samples exactly as the server does (docs/DESIGN.md §1, §6.1).
 
 Per generated token, ``DecodeCore.generate`` returns, in int32 columns of one [B, 7 + L·K] array
 (one host copy per step): the token, whether it is valid (the slot was active), the slot's
@@ -32,8 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -311,7 +310,7 @@ class DecodeCore:
         generated: jax.Array,
         version: jax.Array,
         segment: jax.Array,
-    ) -> DecodeState:
+    ) -> tuple[DecodeState, jax.Array]:
         model = nnx.merge(self.graphdef, params)
         c = state.cache
         row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)
@@ -319,14 +318,14 @@ class DecodeCore:
             k_lbsgh=row(c.k_lbsgh), v_lbsgh=row(c.v_lbsgh), lengths_b=start.reshape(1)
         )
         mask_1t = (jnp.arange(tokens_t.shape[0]) < n)[None]
-        out = model.extend(cache_1, tokens_t[None], mask_bt=mask_1t)
+        out = model.extend(cache_1, tokens_t[None], mask_bt=mask_1t, return_routing=True)
         put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=1)
         cache = KVCache(
             k_lbsgh=put(c.k_lbsgh, out.cache.k_lbsgh),
             v_lbsgh=put(c.v_lbsgh, out.cache.v_lbsgh),
             lengths_b=c.lengths_b.at[slot].set(start + n),
         )
-        return DecodeState(
+        new_state = DecodeState(
             cache=self._shard_cache(cache),
             logits_bv=state.logits_bv.at[slot].set(out.logits_btv[0, n - 1]),
             logits_version_b=state.logits_version_b.at[slot].set(version),
@@ -334,6 +333,7 @@ class DecodeCore:
             key=state.key,
             segment_b=state.segment_b.at[slot].set(segment),
         )
+        return new_state, out.routing_btlk[0].astype(jnp.int32)
 
     def _sample(
         self, logits_bv: jax.Array, key: jax.Array, positions_b: jax.Array
@@ -394,11 +394,17 @@ class DecodeCore:
         generated: int,
         version: int,
         segment: int,
-    ) -> DecodeState:
+    ) -> tuple[DecodeState, jax.Array]:
         """Continues ``slot`` after inserted tokens: its cache is cut back to ``start`` positions
         (the end of the turn; what later steps wrote is dropped) and ``tokens`` are appended in
         one chunked forward under ``params``, whose logits after the last token are what the
         slot samples next (as of ``version``). ``state`` is donated.
+
+        Returns:
+          The new state and the inserted tokens' routing ids [n, L, K] int32 (on device), as
+          the chunked forward routed them: what the trainer replays at those positions, like
+          ``Prefix.routing_plk`` for a prompt and the step output's routing for a generated
+          token.
 
         Args:
           slot: the slot (it must hold a request: the caller tracks that).
@@ -424,7 +430,7 @@ class DecodeCore:
         chunk = min(max(16, 1 << (n - 1).bit_length()), self.cache_length)
         tokens_t = np.zeros((chunk,), np.int32)
         tokens_t[:n] = tokens
-        state = self._extend_step(
+        state, routing_tlk = self._extend_step(
             params,
             state,
             jnp.int32(slot),
@@ -438,7 +444,7 @@ class DecodeCore:
         self._lengths_b[slot], self._generated_b[slot] = start + n, generated
         self.extend_calls += 1
         self.extend_tokens += n
-        return state
+        return state, routing_tlk[:n]
 
     def evict(self, state: DecodeState, slot: jax.Array | int, segment: int = -1) -> DecodeState:
         """Marks ``slot`` exhausted: it emits nothing valid until the next insert. A ``segment``
@@ -539,144 +545,3 @@ def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.n
         "segment": data[:, SEGMENT_COL],
         "routing": data[:, ROUTING_COL:].reshape(-1, num_moe_layers, k),
     }
-
-
-@dataclasses.dataclass(frozen=True)
-class Completion:
-    """One request's completion ids (ending in the stop id when one was sampled), their behavior
-    log-probs, why it ended ("stop" or "length"), and each token's kept-set size (the
-    truncation replay's input; the sampleable vocabulary's size without truncation). An episode
-    (`complete_episodes`) also has `generated`: True where the policy generated the id, False
-    where the environment inserted it (log-prob 0 and kept 0 there); () = all generated."""
-
-    ids: tuple[int, ...]
-    logp: tuple[float, ...]
-    finish: str
-    kept: tuple[int, ...] = ()
-    generated: tuple[bool, ...] = ()
-
-
-def complete(
-    core: DecodeCore,
-    params: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    stop_ids: Sequence[int] = (),
-    version: int = 0,
-) -> list[Completion]:
-    """Generates a completion of every prompt, ``core.slots`` at a time (continuous batching).
-
-    A slot is refilled as soon as its request ends: at a stop id (kept as the last id) or after
-    ``core.max_decode_length`` tokens.
-
-    Raises:
-      ValueError: a prompt is empty or longer than ``core.max_prefill_length``.
-    """
-    done = complete_episodes(
-        core,
-        params,
-        prompts,
-        stop_ids=stop_ids,
-        turn_tokens=core.max_decode_length,
-        after_turn=lambda *_: None,  # every completion is one turn
-        version=version,
-    )
-    return [dataclasses.replace(c, generated=()) for c in done]
-
-
-AfterTurn = Callable[[int, Sequence[int], str, int], "Sequence[int] | None"]
-
-
-def complete_episodes(
-    core: DecodeCore,
-    params: Any,
-    prompts: Sequence[Sequence[int]],
-    *,
-    stop_ids: Sequence[int],
-    turn_tokens: int,
-    after_turn: AfterTurn,
-    version: int = 0,
-) -> list[Completion]:
-    """Runs one multi-turn episode per prompt, ``core.slots`` at a time, as the rollout server
-    does (docs/DESIGN.md §6.1) but on one thread: a turn ends at a stop id or after
-    ``turn_tokens`` tokens (or when the episode's ``core.max_decode_length`` is reached), then
-    ``after_turn(index, turn_ids, finish, room)`` (finish "stop" or "length"; room = completion
-    tokens left) returns the ids to insert, or None to end the episode; inserted ids extend the
-    slot's KV cache (``DecodeCore.extend``) and decoding goes on in the same slot.
-
-    Returns:
-      Per prompt, its completion: every turn and inserted id, with ``generated`` marking which is
-      which; ``finish`` is the last turn's ("stop" or "length").
-
-    Raises:
-      ValueError: a prompt is empty or too long, or ``after_turn`` returned ids that do not fit
-        ``room`` with one more token.
-    """
-    for i, ids in enumerate(prompts):
-        if not 0 < len(ids) <= core.max_prefill_length:
-            raise ValueError(
-                f"prompt {i} has {len(ids)} tokens; it must have 1 to {core.max_prefill_length}"
-            )
-    stops = set(int(i) for i in stop_ids)
-    c = core.config
-    budget = core.max_decode_length
-    pending = deque(enumerate(prompts))
-    running: dict[int, dict[str, Any]] = {}
-    results: list[Completion | None] = [None] * len(prompts)
-    state = core.init_state(version)
-    while pending or running:
-        for slot in range(core.slots):
-            if slot not in running and pending:
-                index, ids = pending.popleft()
-                state = core.insert(core.prefill_prompt(params, ids, version), state, slot)
-                running[slot] = dict(
-                    index=index, prompt=len(ids), ids=[], logp=[], kept=[], gen=[], start=0, seg=0
-                )
-        state, data = core.generate(params, state, jnp.int32(version))
-        step = unpack_step(jax.device_get(data), c.num_moe_layers, c.num_experts_per_tok)
-        for slot, r in list(running.items()):
-            token = int(step["token"][slot])
-            r["ids"].append(token)
-            r["logp"].append(float(step["logp"][slot]))
-            r["kept"].append(int(step["kept"][slot]))
-            r["gen"].append(True)
-            n = len(r["ids"])
-            if token in stops:
-                finish = "stop"
-            elif n - r["start"] >= turn_tokens or n >= budget:
-                finish = "length"
-            else:
-                continue
-            inserted = after_turn(r["index"], r["ids"][r["start"] :], finish, budget - n)
-            if inserted is not None and len(inserted):
-                if n + len(inserted) + 1 > budget:
-                    raise ValueError(
-                        f"after_turn returned {len(inserted)} ids with room for {budget - n - 1}"
-                    )
-                r["seg"] += 1
-                state = core.extend(
-                    params,
-                    state,
-                    slot,
-                    inserted,
-                    start=r["prompt"] + n,
-                    generated=n + len(inserted),
-                    version=version,
-                    segment=r["seg"],
-                )
-                r["ids"] += [int(i) for i in inserted]
-                r["logp"] += [0.0] * len(inserted)
-                r["kept"] += [0] * len(inserted)
-                r["gen"] += [False] * len(inserted)
-                r["start"] = len(r["ids"])
-                continue
-            results[r["index"]] = Completion(
-                ids=tuple(r["ids"]),
-                logp=tuple(r["logp"]),
-                finish=finish,
-                kept=tuple(r["kept"]),
-                generated=tuple(r["gen"]),
-            )
-            del running[slot]
-            state = core.evict(state, slot)
-    return [r for r in results if r is not None]

@@ -421,8 +421,9 @@ def test_multi_turn_episodes_match_transformers_and_sat_train_runs_them(setup, t
     """`task.env=feedback` on the checkpoint: the server runs episodes of up to 3 turns. Every
     inserted run decodes to the chat template's delta of the environment's message (after the
     template's end-of-turn token when a turn ended otherwise), every generated token's behavior
-    log-prob equals transformers' over the whole multi-turn sequence, and sat-train trains on
-    them."""
+    log-prob equals transformers' over the whole multi-turn sequence, the trainer at lag 0 with
+    R3 routes the inserted tokens as the server recorded and scores the generated ones as the
+    server did (``_check_multi_turn_routing_replay``), and sat-train trains on them."""
     d, config, _, stops = setup
     env = ["task.env=feedback", "task.max_turns=3", "task.max_episode_tokens=64"]
     server = _Server(config, tmp_path, *env)
@@ -469,6 +470,7 @@ def test_multi_turn_episodes_match_transformers_and_sat_train_runs_them(setup, t
                 np.asarray(t.behavior_logprobs)[mask], want[mask], atol=LOGP_ATOL, rtol=0
             )
     assert inserted_runs > 0  # random weights answer wrong: the environment asked again
+    _check_multi_turn_routing_replay(d, config, env, groups)
 
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "train", "--config", str(config), "train.steps=2", *env,
@@ -483,6 +485,70 @@ def test_multi_turn_episodes_match_transformers_and_sat_train_runs_them(setup, t
     steps = [r for r in steps if "lag_max" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(np.isfinite(r["loss"]) for r in steps), steps
+
+
+def _check_multi_turn_routing_replay(d, config, env, groups) -> None:
+    """R3 at lag 0 on the pulled episodes (the checkpoint's weights, float32, as served): the
+    trainer's own routing of every inserted token is the routing the server's cache extension
+    recorded; replaying the recorded routing of every position, the trainer's log-probs of the
+    generated tokens after an observation equal the behavior log-probs as tightly as those of
+    the first turn (a single-turn completion's), and the train step's sampler_kl is ~0."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from rollout_api.records import decode_pulled
+    from rollout_api.routing_codec import decode_routing
+    from sat_jax import sharding
+    from sat_jax.step import create_train_state, shard_batch
+    from train import batching
+    from train import main as train_main
+    from train import setup as train_setup
+
+    cfg = load_config(str(config), env)
+    graphdef, params = hf.load_params(cfg.model.hf_path, cfg.model)
+    model = nnx.merge(graphdef, params)
+    vocab = jnp.arange(cfg.model.vocab_size) < len(d.tokenizer)
+    first_turn, later_turns, compared = [], [], 0
+    for g in groups:
+        for t in g.trajectories:
+            p, mask = len(t.prompt_ids), np.asarray(t.loss_mask, bool)
+            seq = jnp.asarray([[*t.prompt_ids, *t.completion_ids]], jnp.int32)
+            recorded = decode_routing(t.routing).astype(np.int32)
+            live = np.asarray(model.forward(seq).routing_btlk[0])
+            inserted = p + np.flatnonzero(~mask)
+            np.testing.assert_array_equal(
+                np.sort(recorded[inserted], -1), np.sort(live[inserted], -1)
+            )
+            compared += inserted.size
+            logp = model.logprobs(seq, vocab_mask=vocab, replay_routing=jnp.asarray(recorded)[None])
+            err = np.abs(np.asarray(logp[0])[0, p:] - np.asarray(t.behavior_logprobs))
+            first_obs = int(np.argmin(mask)) if not mask.all() else mask.size
+            first_turn += list(err[:first_obs])
+            later_turns += list(err[first_obs:][mask[first_obs:]])
+    assert compared > 0 and later_turns
+    print(f"R3 at lag 0: {compared} inserted tokens routed as recorded; max |logp - behavior| "
+          f"first turn {max(first_turn):.2e}, after an observation {max(later_turns):.2e}")  # fmt: skip
+    assert max(later_turns) <= max(2 * max(first_turn), 1e-5), (first_turn, later_turns)
+
+    spec = train_setup.batch_spec(cfg)
+    selection = batching.select_groups(
+        decode_pulled(groups[: cfg.rollout.batch_groups], spec.limits),
+        spec,
+        trainer_version=0,
+        min_version=0,
+    )
+    batch, _ = batching.assemble_batch(selection, spec, trainer_version=0)
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    optimizer = cfg.train.optimizer.make()
+    state = create_train_state(cfg.model, optimizer, mesh, params)
+    _, m = train_main.make_step_fn(cfg, optimizer, mesh)(state, shard_batch(batch, mesh))
+    m = jax.device_get(m)
+    print(f"train step at lag 0: sampler_kl {float(m['sampler_kl']):.2e} over "
+          f"{int(m['fresh_tokens'])} tokens, mismatch_abs_mean "
+          f"{float(m['mismatch_abs_mean']):.2e}")  # fmt: skip
+    assert m["fresh_tokens"] > 0 and m["sampler_kl"] < 1e-5, m
+    assert m["mismatch_abs_mean"] <= max(2 * max(first_turn), 1e-5), m
 
 
 def test_the_calculator_config_runs(setup, tmp_path):

@@ -16,9 +16,13 @@ rewards are all equal (zero advantage, nothing to learn) is filtered, up to a bu
 (``select_groups``). Every case is counted, and the counts travel with the kept groups
 (``Selection``) into the batch's ``BatchStats``.
 
-Overlong shaping (``BatchSpec.overlong``, applied by ``assemble_batch``; a trajectory is truncated
-when its ``finish_reason`` is "length"): "mask" zeroes a truncated trajectory's loss mask, "soft"
-adds DAPO's soft overlong punishment to its reward (``overlong_penalty``).
+Overlong shaping (``BatchSpec.overlong``, applied by ``assemble_batch``): a trajectory is
+truncated (overlong) when its ``finish_reason`` is "length", which for a multi-turn episode the
+server records when ANY of its turns was cut by a limit (``rollout.max_new_tokens`` or the
+episode's token budget), not only its last. Both modes read that one test: "mask" zeroes a
+truncated trajectory's loss mask; "soft" adds DAPO's soft overlong punishment to its reward
+(``overlong_penalty``): the full punishment for a truncated one (as for a completion cut at
+L_max), and the graded one of its longest turn for any other.
 
 Every batch has ``rows = batch_groups · group_size`` rows (missing rows, from dropped groups, are
 padding with an all-zero loss mask) and a time axis bucketed by length (``bucket_length``): the
@@ -33,15 +37,15 @@ Lags are built once, as the flat vector of the trained completion tokens in row-
 
 Multi-turn trajectories (``Trajectory.loss_mask``, docs/DESIGN.md §6.2, §7.1): only the tokens
 the policy generated are trained. An observation token (loss mask 0, inserted by the environment)
-is context: it gets loss mask 0 in the batch, and its behavior log-prob, kept count and routing
-(unspecified on the wire) are replaced by the padding's (0, 0, the padding's expert ids), so
-nothing the server put there reaches the step, and the step routes it by its live router
-(``sat_jax.step.replay_mask``). Lags, the fresh mask, the staleness checks and every
+is context: it gets loss mask 0 in the batch, and its behavior log-prob and kept count
+(unspecified on the wire) are replaced by the padding's (0, 0), so nothing the server put there
+reaches the step; its routing is the one the server's cache extension recorded, which R3
+replays like any other position's. Lags, the fresh mask, the staleness checks and every
 per-token stat read the generated tokens only; a trajectory's advantage is its episode's
 (its reward, spread over its generated tokens). ``response_len_mean`` counts generated tokens,
-and the soft overlong punishment reads a trajectory's longest turn (run of generated tokens;
-``rollout.max_new_tokens`` bounds each turn): for a single-turn trajectory both are its
-completion length.
+and the soft overlong punishment of an episode that is not truncated reads its longest turn
+(run of generated tokens; ``rollout.max_new_tokens`` bounds each turn): for a single-turn
+trajectory both are its completion length.
 
 Alignment follows ``sat_jax.step.batch``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
@@ -90,7 +94,8 @@ class BatchSpec:
       filter_max_rounds: at most ``filter_max_rounds · batch_groups`` groups are filtered while
         filling one batch; past that the filter is off for the rest of that batch.
       overlong: "none", "mask" or "soft": what ``assemble_batch`` does with a truncated
-        trajectory (finish reason "length"), see ``overlong_penalty`` and the module docstring.
+        trajectory (finish reason "length": a turn was cut), see ``overlong_penalty`` and the
+        module docstring.
       overlong_cache: L_cache, the soft punishment's window (tokens before ``max_new_tokens``).
       overlong_penalty: the soft punishment's factor: it ranges over [−overlong_penalty, 0].
       max_new_tokens: L_max, the completion length limit (the soft punishment's end).
@@ -381,13 +386,15 @@ def assemble_batch(
       spec: the batch shape.
       trainer_version: version of the weights being trained (for the lags).
 
-    Overlong shaping (``spec.overlong``; truncated = finish reason "length"): "mask" zeroes a
-    truncated trajectory's loss mask (it leaves the loss and its tokens the lags, but keeps its
-    group id, so its reward still counts in its group's advantage baseline); "soft" adds
-    ``overlong_shaping`` of its completion length (its longest turn, ``longest_turn``) to every
-    trajectory's reward (the batch's ``rewards``; ``stats.reward_mean`` stays the raw reward).
+    Overlong shaping (``spec.overlong``; truncated = finish reason "length", an episode with a
+    cut turn): "mask" zeroes a truncated trajectory's loss mask (it leaves the loss and its
+    tokens the lags, but keeps its group id, so its reward still counts in its group's advantage
+    baseline); "soft" adds ``overlong_shaping`` to every trajectory's reward: of L_max for a
+    truncated one (the full punishment), of its longest turn (``longest_turn``) for any other
+    (the batch's ``rewards``; ``stats.reward_mean`` stays the raw reward).
     Observation tokens (``Trajectory.loss_mask`` 0) are out of the loss mask, the lags and the
-    fresh mask, and carry the padding's behavior log-prob, kept count and routing.
+    fresh mask, and carry the padding's behavior log-prob and kept count (their recorded
+    routing stays).
 
     Returns:
       ``(batch, stats)``: tokens [R, T] int32 (T = ``bucket_length`` of the longest row),
@@ -441,7 +448,8 @@ def assemble_batch(
             rewards[row], group_ids[row], active[row] = traj.reward, g, True
             lengths.append(traj.num_generated)
             if spec.overlong == "soft":
-                shaping[row] = overlong_shaping(longest_turn(traj), spec)
+                length = spec.max_new_tokens if is_truncated else longest_turn(traj)
+                shaping[row] = overlong_shaping(length, spec)
     reward_mean = float(rewards[active].mean()) if active.any() else 0.0  # raw rewards
     batch = TrainBatch(
         tokens=tokens,
@@ -515,7 +523,8 @@ def _fill_row(
     routing: np.ndarray | None,
 ) -> None:
     """Writes one trajectory into row ``row`` (its per-token fields line up: it is a record).
-    Observation tokens get loss mask 0, behavior log-prob 0 and the padding's routing."""
+    Observation tokens get loss mask 0 and behavior log-prob 0, and keep their recorded
+    routing (R3 replays every position)."""
     p, c = len(traj.prompt_ids), len(traj.completion_ids)
     if p + c > spec.seq_len:
         raise ValueError(f"trajectory of {p} + {c} tokens exceeds seq_len {spec.seq_len}")
@@ -532,7 +541,3 @@ def _fill_row(
                 f"[T, L, K] = {routing.shape[1:]}"
             )
         routing[row, : ids.shape[0]] = ids
-        if traj.loss_mask is not None:  # the padding's ids: valid, and never replayed
-            routing[row, p + np.flatnonzero(~generated)] = np.arange(
-                routing.shape[3], dtype=routing.dtype
-            )

@@ -2,7 +2,7 @@
 avg@K, pass@K and greedy accuracy, scored by the task's reward. ``sat-eval`` (train/eval_checkpoint.py)
 and the trainer's periodic evaluation both run ``Evaluator``.
 
-Completions come from ``sat_jax.decoding`` (batched over ``server.slots`` slots with a KV cache,
+Completions come from ``sat_jax.completions`` over ``sat_jax.decoding`` (batched over ``server.slots`` slots with a KV cache,
 the server's sampleable ids and stop ids): the K samples with the rollout's temperature / top-k /
 top-p, the greedy one with top-k = 1. ``avg@K`` is the mean reward of all K·N samples, ``pass@K``
 the mean over problems of the best of its K rewards (the fraction solved when rewards are 0/1),
@@ -10,7 +10,7 @@ greedy accuracy the mean reward of the greedy completions. Prompts longer than
 ``server.max_prefill_length`` are skipped and counted.
 
 With a multi-turn ``task.env`` every sample is an episode, played as the rollout server plays it
-(``sat_jax.tasks.envs.EpisodeRunner`` and ``decoding.complete_episodes``: the environment's
+(``sat_jax.tasks.envs.EpisodeRunner`` and ``completions.complete_episodes``: the environment's
 opening with its tools, ``rollout.max_new_tokens`` per turn, ``task.max_episode_tokens`` per
 episode); its reward is the episode's, and its text the whole transcript after the prompt.
 
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from sat_jax import decoding
+from sat_jax import completions, decoding
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import ModelConfig
 from sat_jax.tasks import (
@@ -167,7 +167,7 @@ class Evaluator:
         if not prompts:
             return []
         core = self.greedy if greedy else self.sampled
-        done = decoding.complete(core, params, prompts, stop_ids=self.stop_ids)
+        done = completions.complete(core, params, prompts, stop_ids=self.stop_ids)
         return [self.decode(c.ids) for c in done]
 
     def evaluate(self, params: Any, problems: Sequence[Prompt], *, k: int) -> EvalResult:
@@ -212,7 +212,7 @@ class Evaluator:
                 episode.done = True
                 return None
 
-        done = decoding.complete_episodes(
+        done = completions.complete_episodes(
             self.greedy if greedy else self.sampled,
             params,
             [ids for _, ids in runs],

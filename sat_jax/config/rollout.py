@@ -16,10 +16,10 @@ class RolloutConfig:
       max_new_tokens: completion length limit (EOS included).
       temperature, top_p, top_k: the sampler; top_p = 1 and top_k = 0 disable truncation.
       logprob_replay: how the trainer scores a token sampled under top-k / top-p truncation:
-        "truncated" (the default) renormalises over the trainer's own top-n tokens, n the
-        sampler's kept-set size recorded per token, so that at lag 0 the trainer's log-prob is
-        the behavior log-prob; "full" over the whole vocabulary (the truncation then reads as a
-        mismatch). Without truncation both are the same.
+        "truncated" (the default) renormalises over the trainer's own top-max(n, r) tokens, n
+        the sampler's kept-set size recorded per token and r the trainer's rank of the sampled
+        token, so that at lag 0 the trainer's log-prob is the behavior log-prob; "full" over the
+        whole vocabulary (the truncation then reads as a mismatch). Without truncation both are the same.
       batch_groups: groups per trainer step (the `batch` of docs/DESIGN.md §6's admission rule).
       max_staleness: versions a group may lag; admission keeps
         (max_staleness + version + 1)·batch_groups − (consumed + queued + running) > 0, counted

@@ -179,11 +179,13 @@ class TrainConfig:
       filter_max_rounds: at most ``filter_max_rounds`` · ``rollout.batch_groups`` groups are
         filtered while filling one batch; past that the rest of the batch is filled without the
         filter, with a warning (>= 1).
-      overlong: a truncated trajectory (finish reason "length"): "none"; "mask" (its loss mask
-        is 0; its reward still counts in its group's baseline); or "soft" (DAPO's soft overlong
-        punishment, with L_max = ``rollout.max_new_tokens``, L_cache = ``overlong_cache``,
-        added to every trajectory's reward: 0 up to L_max − L_cache tokens, then
-        ``overlong_penalty`` · ((L_max − L_cache) − length) / L_cache). Metric ``overlong_frac``.
+      overlong: a truncated trajectory (finish reason "length"; an episode any of whose turns
+        was cut): "none"; "mask" (its loss mask is 0; its reward still counts in its group's
+        baseline); or "soft" (DAPO's soft overlong punishment, with L_max =
+        ``rollout.max_new_tokens``, L_cache = ``overlong_cache``, added to every trajectory's
+        reward: −``overlong_penalty`` when truncated, else 0 up to L_max − L_cache tokens of its
+        longest turn, then ``overlong_penalty`` · ((L_max − L_cache) − length) / L_cache).
+        Metric ``overlong_frac``.
       overlong_cache: L_cache; "soft" needs 0 < overlong_cache <= ``rollout.max_new_tokens``.
       overlong_penalty: the soft punishment's factor (>= 0): it ranges over [−penalty, 0].
       mesh: the device mesh of the train step.
@@ -255,8 +257,9 @@ class TrainConfig:
         self._check_old_logp()
 
     def _check_old_logp(self) -> None:
-        """The loss options that need proximal log-probs need "recompute", and the clip-based
-        ones do nothing with it (one update per batch: r = π/π_old is 1 at the update)."""
+        """The loss options that need proximal log-probs need "recompute", the clip-based ones
+        do nothing with it (one update per batch: r = π/π_old is 1 at the update), and without
+        one of the former it is unweighted, unclipped REINFORCE on stale samples."""
         loss = self.loss
         needs = [name for name in _ROLLOUT_CORRECTIONS if getattr(loss, name, None) is not None]
         if needs and self.old_logp != "recompute":
@@ -281,4 +284,12 @@ class TrainConfig:
                 "batch, so the ratio to the recomputed proximal policy is 1 at the update "
                 "and the clip (SAT's contraction, DPPO-TV, dual-clip) never acts; use "
                 "old_logp 'behavior' with it, or drop it (docs/DESIGN.md §3.4)"
+            )
+        if not needs:
+            # No weight and no clip: the gradient would be −A/N per token, plain REINFORCE on
+            # stale samples.
+            raise ValueError(
+                "old_logp 'recompute' needs a rollout correction: set loss.tis_cap, "
+                "loss.icepop_range, loss.seq_tis_cap or loss.seq_mask_range "
+                "(docs/DESIGN.md §3.4)"
             )

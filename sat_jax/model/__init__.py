@@ -1,17 +1,14 @@
 """The Qwen3-MoE-family policy model: config, Flax NNX modules, routing capture/replay, decoding."""
 
 from sat_jax.model.config import PRESETS, LoRAConfig, ModelConfig
-from sat_jax.model.transformer import (
-    DecodeOutput,
-    KVCache,
-    ModelOutput,
-    PrefillOutput,
-    Transformer,
+from sat_jax.model.kv_cache import DecodeOutput, KVCache, PrefillOutput
+from sat_jax.model.logprobs import token_logprobs
+from sat_jax.model.router_shift import (
     router_shift_counts,
     router_shift_from_counts,
     router_shift_ratio,
-    token_logprobs,
 )
+from sat_jax.model.transformer import ModelOutput, Transformer
 
 __all__ = [
     "PRESETS",

@@ -8,9 +8,9 @@ Routing replay (R3): given recorded expert ids, the layer uses that expert SET w
 from the CURRENT dense softmax of the router logits (renormalized over the K when `norm_topk_prob`),
 so the router still gets gradients. Gathering from the dense softmax, never from top-k-zeroed
 probabilities, keeps the weights defined for experts outside the current top-k. A per-token replay
-mask replays only some tokens (a multi-turn trajectory's generated ones) and routes the rest by
-the live top-k, exactly as without replay: their weights are the same softmax entries top-k
-returns.
+mask replays only some tokens and routes the rest by the live top-k, exactly as without replay:
+their weights are the same softmax entries top-k returns. (The train step replays every token:
+the server records the routing of multi-turn observation tokens too.)
 
 Dispatch paths (all dropless, identical in exact arithmetic):
   "dense": every expert computes every token; the outputs are combined with a [T, E] weight matrix

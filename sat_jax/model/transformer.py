@@ -19,7 +19,9 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from sat_jax.model.config import ModelConfig
+from sat_jax.model.kv_cache import DecodeOutput, KVCache, PrefillOutput
 from sat_jax.model.layers import Attention, DenseMLP, RMSNorm, fan_in_init, make_param
+from sat_jax.model.logprobs import token_logprobs
 from sat_jax.model.moe import MoE, MoEOutput, balance_from_stats
 from sat_jax.sharding import constrain_batch
 
@@ -50,43 +52,6 @@ class ModelOutput:
     router_frac_le: jax.Array
     router_prob_le: jax.Array
     hidden_btd: jax.Array
-
-
-@struct.dataclass
-class KVCache:
-    """Keys and values of every layer for B independent rows (slots).
-
-    Attributes:
-      k_lbsgh: [num_layers, B, S, G, H] keys (normed and rotated).
-      v_lbsgh: [num_layers, B, S, G, H] values.
-      lengths_b: [B] int32 valid positions per row; the next token of row b goes to lengths_b[b].
-    """
-
-    k_lbsgh: jax.Array
-    v_lbsgh: jax.Array
-    lengths_b: jax.Array
-
-    @property
-    def max_len(self) -> int:
-        return self.k_lbsgh.shape[2]
-
-
-@struct.dataclass
-class PrefillOutput:
-    """Logits of the prompt, its routing (when asked for), and the filled cache."""
-
-    logits_btv: jax.Array
-    routing_btlk: jax.Array | None
-    cache: KVCache
-
-
-@struct.dataclass
-class DecodeOutput:
-    """Logits of the next token per row, this step's routing [B, L, K] (when asked), the cache."""
-
-    logits_bv: jax.Array
-    routing_blk: jax.Array | None
-    cache: KVCache
 
 
 @struct.dataclass
@@ -584,105 +549,6 @@ class Transformer(nnx.Module):
         return PrefillOutput(
             logits_btv=self._logits(trunk.x_btd), routing_btlk=routing, cache=cache
         )
-
-
-def token_logprobs(
-    logits_btv: jax.Array,
-    targets_bt: jax.Array,
-    *,
-    temperature: float = 1.0,
-    vocab_mask: jax.Array | None = None,
-    kept_bt: jax.Array | None = None,
-) -> jax.Array:
-    """[B, T] float32 log softmax(logits / temperature) at the targets (the sampler's scaling).
-
-    ``vocab_mask`` ([V] bool, optional) renormalizes over those ids only.
-
-    ``kept_bt`` ([B, T] int, optional) replays the sampler's top-k / top-p truncation
-    (docs/DESIGN.md §2): at a position with kept count n > 0 the distribution is renormalised
-    over the n highest scaled logits (ties at the n-th value kept, as the sampler keeps them) and
-    the target itself (kept even when this policy ranks it lower, so its log-prob is finite);
-    n = 0 keeps everything. The cut is found exactly by `kth_largest` and is not differentiated.
-    """
-    if vocab_mask is not None:
-        # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
-        floor = jnp.finfo(logits_btv.dtype).min
-        logits_btv = jnp.where(jnp.asarray(vocab_mask, bool), logits_btv, floor)
-    targets = targets_bt[..., None].astype(jnp.int32)
-    if kept_bt is None:
-        logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
-        return jnp.take_along_axis(logp_btv, targets, axis=-1)[..., 0]
-    x_btv = logits_btv.astype(jnp.float32) / temperature
-    key_btv = _order_key(jax.lax.stop_gradient(x_btv))
-    cut_bt = kth_largest_key(key_btv, kept_bt)
-    cut_bt = jnp.minimum(cut_bt, jnp.take_along_axis(key_btv, targets, axis=-1)[..., 0])
-    kept_btv = key_btv >= cut_bt[..., None]
-    log_z_bt = jax.nn.logsumexp(jnp.where(kept_btv, x_btv, -jnp.inf), axis=-1)
-    return jnp.take_along_axis(x_btv, targets, axis=-1)[..., 0] - log_z_bt
-
-
-def _order_key(x: jax.Array) -> jax.Array:
-    """uint32 keys of float32 values in the same order (IEEE bits, negatives' flipped, sign bit
-    offset), so an exact order statistic is a bitwise search over integers."""
-    bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
-    negative = (bits >> 31) == 1
-    return jnp.where(negative, ~bits, bits | jnp.uint32(0x80000000))
-
-
-def kth_largest_key(key_btv: jax.Array, k_bt: jax.Array) -> jax.Array:
-    """[B, T] uint32: the k-th largest of ``key_btv`` along the last axis (k ≥ 1), exactly; 0
-    (the smallest key, so every entry is ≥ it) where k ≤ 0.
-
-    Built bit by bit from the top: the largest key c with #{key ≥ c} ≥ k is the k-th largest.
-    32 compare-and-count passes over V, no sort (a vocabulary-wide sort per position is far
-    slower on TPU).
-    """
-    k_bt = k_bt.astype(jnp.int32)
-
-    def step(i, cut_bt):
-        bit = jnp.uint32(1) << (jnp.uint32(31) - i.astype(jnp.uint32))
-        trial_bt = cut_bt | bit
-        count_bt = jnp.sum(key_btv >= trial_bt[..., None], axis=-1, dtype=jnp.int32)
-        return jnp.where(count_bt >= k_bt, trial_bt, cut_bt)
-
-    cut_bt = jax.lax.fori_loop(0, 32, step, jnp.zeros(k_bt.shape, jnp.uint32))
-    return jnp.where(k_bt > 0, cut_bt, jnp.uint32(0))
-
-
-def router_shift_ratio(
-    recorded_btlk: jax.Array, current_btlk: jax.Array, mask_bt: jax.Array
-) -> jax.Array:
-    """Fraction of recorded top-k experts not in the current top-k set (docs/DESIGN.md §4).
-
-    Averaged over active tokens, MoE layers and the K recorded slots.
-
-    Args:
-      recorded_btlk: [B, T, L, K] expert ids recorded at rollout.
-      current_btlk: [B, T, L, K] the trainer's own top-k ids for the same tokens.
-      mask_bt: [B, T] active tokens.
-
-    Returns:
-      Scalar float32 in [0, 1]; 0 when nothing is active or there are no MoE layers.
-    """
-    return router_shift_from_counts(*router_shift_counts(recorded_btlk, current_btlk, mask_bt))
-
-
-def router_shift_from_counts(missing: jax.Array, slots: jax.Array) -> jax.Array:
-    """missing / slots of `router_shift_counts` (summed over microbatches), 0 when slots is 0."""
-    return jnp.where(slots > 0, missing / jnp.maximum(slots, 1.0), 0.0)
-
-
-def router_shift_counts(
-    recorded_btlk: jax.Array, current_btlk: jax.Array, mask_bt: jax.Array
-) -> tuple[jax.Array, jax.Array]:
-    """(missing, slots) of `router_shift_ratio` as float32 sums, which add across microbatches."""
-    rec = recorded_btlk.astype(jnp.int32)
-    cur = current_btlk.astype(jnp.int32)
-    found_btlk = jnp.any(rec[..., :, None] == cur[..., None, :], axis=-1)
-    weight_bt = mask_bt.astype(jnp.float32)
-    missing = jnp.sum(jnp.sum(~found_btlk, axis=(2, 3)) * weight_bt)
-    slots = jnp.sum(weight_bt) * rec.shape[2] * rec.shape[3]
-    return missing, slots
 
 
 @struct.dataclass

@@ -10,8 +10,8 @@ completion tokens (t ≥ 1), exactly the positions where the rollout engine reco
 
 Multi-turn rows (docs/DESIGN.md §7.1): an observation token, inserted by the environment between
 two generated ones, has loss mask 0 like the prompt, so it is out of the loss, SAT's quantile and
-every metric (all of them read only loss-mask tokens); under routing replay it is routed by the
-live router, not replayed (``replay_mask``), and its recorded routing is never read.
+every metric (all of them read only loss-mask tokens); under routing replay it replays the
+routing the server's cache extension recorded for it, like every other position.
 
 Dimension letters: B batch, T sequence, L MoE layers, K experts per token.
 """
@@ -36,8 +36,7 @@ class TrainBatch:
     Attributes:
       tokens: [B, T] int32, prompt followed by completion (and padding).
       loss_mask: [B, T] float, 1 on completion tokens (the target's position), 0 elsewhere
-        (also on a multi-turn row's observation tokens, which R3 does not replay:
-        ``replay_mask``).
+        (also on a multi-turn row's observation tokens).
       behavior_logp: [B, T] float, rollout log-prob of ``tokens[b, t]``.
       advantages: [B, T] float per-token advantages; or None, and then ``rewards`` and
         ``group_ids`` are given and the step computes them (``with_advantages``). Exactly one of
@@ -152,24 +151,6 @@ def token_mask(loss_mask_bt: jax.Array) -> jax.Array:
     t = jnp.arange(active_bt.shape[1])
     last_b1 = jnp.max(jnp.where(active_bt, t, -1), axis=1, keepdims=True)
     return t <= last_b1
-
-
-def replay_mask(loss_mask_bt: jax.Array) -> jax.Array:
-    """[B, T] bool: the positions whose recorded routing R3 replays.
-
-    Every position but a multi-turn row's observation tokens: those between its first and last
-    loss-mask positions with loss mask 0, which the environment inserted (the server's routing
-    there is unspecified), and which the live router routes. Single-turn rows (one run of
-    completion tokens) replay every position, as without the mask. Positions after the last
-    loss-mask token (padding, or observation tokens that end a trajectory) replay the padding's
-    ids: they are out of the router's statistics (``token_mask``) and, being last, in no
-    trained token's context.
-    """
-    active_bt = jnp.asarray(loss_mask_bt) > 0
-    t = jnp.arange(active_bt.shape[1])
-    first_b1 = jnp.min(jnp.where(active_bt, t, active_bt.shape[1]), axis=1, keepdims=True)
-    last_b1 = jnp.max(jnp.where(active_bt, t, -1), axis=1, keepdims=True)
-    return active_bt | (t < first_b1) | (t > last_b1)
 
 
 def batch_shardings(batch: TrainBatch, mesh: Mesh) -> TrainBatch:

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sat_jax import objectives, sharding
 from sat_jax.model import ModelConfig, ModelOutput, placement
 from sat_jax.step import accumulation
-from sat_jax.step.batch import TrainBatch, replay_mask, token_mask, with_advantages
+from sat_jax.step.batch import TrainBatch, token_mask, with_advantages
 from sat_jax.step.config import StepConfig
 from sat_jax.step.state import TrainState, train_state_shardings, whole_params
 
@@ -155,7 +155,6 @@ def _logprobs(
         vocab_mask=vocab_mask,
         mask_bt=token_mask(batch.loss_mask),
         replay_routing=batch.routing if replay else None,
-        replay_mask_bt=replay_mask(batch.loss_mask) if replay else None,
         kept_bt=batch.kept_counts,
     )
 

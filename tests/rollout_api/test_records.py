@@ -228,24 +228,18 @@ def test_a_record_is_well_formed_by_construction(fields, message):
 
 def multi_turn(**kw) -> records.Trajectory:
     """Two turns and an end-of-turn token closing the second: generated, observation (3 tokens),
-    generated, inserted; the inserted positions' log-probs, versions, kept counts and routing
-    are garbage (unspecified on the wire)."""
+    generated, inserted; the inserted positions' log-probs, versions and kept counts are
+    garbage (unspecified on the wire); their routing is real (the extension recorded it)."""
     gen = np.array([1, 1, 0, 0, 0, 1, 1, 0], bool)
     obs = ~gen
     t = trajectory(8, dtype=np.uint16, kept_counts=np.full(8, 7, np.int32), **kw)
     behavior, versions = t.behavior_logprobs.copy(), t.versions.copy()
-    kept, routing = t.kept_counts.copy(), t.routing.copy()
+    kept = t.kept_counts.copy()
     behavior[obs] = [np.nan, np.inf, -np.inf, 1e30]
     versions[obs] = -(2**40)
     kept[obs] = [0, -3, 10**6, 0]
-    routing[3:][obs] = 65_535  # the prompt's 3 positions come first
     return dataclasses.replace(
-        t,
-        loss_mask=gen,
-        behavior_logprobs=behavior,
-        versions=versions,
-        kept_counts=kept,
-        routing=routing,
+        t, loss_mask=gen, behavior_logprobs=behavior, versions=versions, kept_counts=kept
     )
 
 
@@ -296,10 +290,12 @@ def test_loss_mask_decode_and_encode(values):
     [
         (0, 300, r"routing id 300 outside \[0, 300\)"),  # a prompt position: replayed
         (3, 300, r"routing id 300 outside \[0, 300\)"),  # the first (generated) completion token
-        (5, 300, None),  # an observation: routed by the live router, not read
+        # An observation: the extension recorded it and R3 replays it, so it is checked too.
+        (5, 300, r"routing id 300 outside \[0, 300\)"),
+        (5, 299, None),
     ],
 )
-def test_routing_is_checked_where_it_is_replayed(position, value, message):
+def test_routing_is_checked_at_every_replayed_position(position, value, message):
     t = multi_turn()
     routing = t.routing.copy()
     routing[position] = value

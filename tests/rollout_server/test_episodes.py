@@ -184,7 +184,8 @@ def test_a_scripted_policy_gives_the_exact_turns_deltas_and_mask(tokenizer, monk
         assert t.prompt_ids.tolist() == prompt_ids
         assert t.completion_ids.tolist() == completion
         np.testing.assert_array_equal(t.loss_mask, mask)
-        assert t.finish_reason == "stop"  # the last turn ended with its stop token
+        # The last turn ended with its stop token, but the middle one was cut: overlong.
+        assert t.finish_reason == "length"
         assert t.reward == pytest.approx(0.5**2)  # right at turn 3, discounted twice
         assert t.num_generated == len(wrong) + len(cut) + len(right)
         # The inserted tokens decode to the environment's message, in the template's frame.
@@ -205,6 +206,25 @@ def test_a_scripted_policy_gives_the_exact_turns_deltas_and_mask(tokenizer, monk
     for t in group.trajectories:
         np.testing.assert_allclose(
             t.behavior_logprobs[t.loss_mask], np.asarray(want)[np.asarray(mask)], atol=2e-4
+        )
+
+    # Every position's recorded routing, the inserted tokens' included (the extension's), is
+    # the trainer's own routing of it at lag 0; replaying it, the trainer's log-probs are the
+    # behavior log-probs at every generated token.
+    live = np.sort(np.asarray(model.forward(seq).routing_btlk[0]), -1)
+    inserted = p + np.flatnonzero(~np.asarray(mask))
+    for t in group.trajectories:
+        np.testing.assert_array_equal(np.sort(t.routing, -1)[inserted], live[inserted])
+        np.testing.assert_array_equal(np.sort(t.routing, -1), live)
+        replayed = model.logprobs(
+            seq,
+            vocab_mask=jnp.asarray(engine.sampleable_ids),
+            replay_routing=jnp.asarray(t.routing.astype(np.int32))[None],
+        )[0]
+        np.testing.assert_allclose(
+            t.behavior_logprobs[t.loss_mask],
+            np.asarray(replayed)[0, p:][np.asarray(mask)],
+            atol=2e-4,
         )
 
 

@@ -1,5 +1,6 @@
-"""sat_jax.decoding.complete: continuous batching over fewer slots than prompts gives, per prompt,
-the tokens and behavior log-probs of a full forward pass, and ends at a stop id or the limit."""
+"""sat_jax.decoding through sat_jax.completions.complete: continuous batching over fewer slots than
+prompts gives, per prompt, the tokens and behavior log-probs of a full forward pass, and ends at a
+stop id or the limit."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sat_jax import decoding, sharding
+from sat_jax import completions, decoding, sharding
 from sat_jax.model import ModelConfig, Transformer, placement
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
@@ -58,7 +59,7 @@ def _reference_logp(prompt: list[int], ids: tuple[int, ...], temperature: float)
 def test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id() -> None:
     _, params = _model()
     core = _core(decoding.SamplingConfig(top_k=1))
-    free = decoding.complete(core, params, PROMPTS)
+    free = completions.complete(core, params, PROMPTS)
     assert [c.finish for c in free] == ["length"] * len(PROMPTS)
     for prompt, c in zip(PROMPTS, free, strict=True):
         ref = _reference_logp(prompt, c.ids, 1.0)
@@ -67,7 +68,7 @@ def test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id() -> N
         np.testing.assert_allclose(c.logp, 0.0)  # top-k = 1 is a point mass
     # Make the third greedy token of every prompt a stop id: each completion ends right there.
     stops = {c.ids[2] for c in free}
-    stopped = decoding.complete(core, params, PROMPTS, stop_ids=sorted(stops))
+    stopped = completions.complete(core, params, PROMPTS, stop_ids=sorted(stops))
     for c, s in zip(free, stopped, strict=True):
         cut = next(i for i, t in enumerate(c.ids) if t in stops)
         assert s.ids == c.ids[: cut + 1] and s.finish == "stop"
@@ -79,7 +80,7 @@ def test_sampled_logprobs_are_the_behavior_policy(temperature: float) -> None:
     _, params = _model()
     core = _core(decoding.SamplingConfig(temperature=temperature))
     prompts = [p for p in PROMPTS for _ in range(3)]  # groups of 3 samples per prompt
-    done = decoding.complete(core, params, prompts)
+    done = completions.complete(core, params, prompts)
     assert core.prefill_calls == len(PROMPTS)  # one prefill per group
     assert len({c.ids for c in done}) > len(PROMPTS)  # the samples of a group differ
     for prompt, c in zip(prompts, done, strict=True):
@@ -93,9 +94,9 @@ def test_bad_prompts_and_masks_are_errors() -> None:
     _, params = _model()
     core = _core(decoding.SamplingConfig())
     with pytest.raises(ValueError, match="prompt 1 has 9 tokens; it must have 1 to 8"):
-        decoding.complete(core, params, [[1], [1] * 9])
+        completions.complete(core, params, [[1], [1] * 9])
     with pytest.raises(ValueError, match="prompt 0 has 0 tokens"):
-        decoding.complete(core, params, [[]])
+        completions.complete(core, params, [[]])
     with pytest.raises(ValueError, match=r"sampleable_v has shape \(3,\)"):
         decoding.DecodeCore(
             _model()[0],
@@ -199,7 +200,7 @@ def test_truncated_sampling_is_replayed_by_the_trainers_logprobs(temperature, to
     the behavior log-probs (1e-5); over the whole vocabulary they do not."""
     graphdef, params = _model()
     sampling = decoding.SamplingConfig(temperature=temperature, top_k=top_k, top_p=top_p)
-    done = decoding.complete(_core(sampling), params, PROMPTS)
+    done = completions.complete(_core(sampling), params, PROMPTS)
     model = nnx.merge(graphdef, params)
     for prompt, c in zip(PROMPTS, done, strict=True):
         assert all(1 <= n <= (top_k or CFG.vocab_size) for n in c.kept)
@@ -235,7 +236,7 @@ def test_episodes_insert_between_turns_and_stay_the_behavior_policy() -> None:
         seen.setdefault(i, []).append((len(ids), finish, room))
         return [41, 42, 43 + i] if len(seen[i]) < 3 else None
 
-    done = decoding.complete_episodes(
+    done = completions.complete_episodes(
         core, params, PROMPTS, stop_ids=(), turn_tokens=MAX_NEW, after_turn=after_turn
     )
     turn = [True] * MAX_NEW
@@ -250,3 +251,57 @@ def test_episodes_insert_between_turns_and_stay_the_behavior_policy() -> None:
         want = ref[np.arange(len(c.ids)), list(c.ids)][gen]
         np.testing.assert_allclose(np.asarray(c.logp)[gen], want, atol=1e-4)
         assert c.finish == "length"
+
+
+def _replayed_error(model, prompt: list[int], c: completions.Completion, temperature: float):
+    """(max |trainer log-prob − behavior log-prob| over the generated ids under R3, replaying
+    the completion's recorded routing of every id and the prompt's live routing, and the
+    trainer's live routing [C, L, K] of the completion)."""
+    p = len(prompt)
+    tokens = jnp.asarray([[*prompt, *c.ids]], jnp.int32)
+    live = np.asarray(model.forward(tokens).routing_btlk[0])
+    routing = np.concatenate([live[:p], c.routing]).astype(live.dtype)[None]
+    kw = dict(temperature=temperature, vocab_mask=jnp.asarray(SAMPLEABLE))
+    logp = np.asarray(model.logprobs(tokens, replay_routing=jnp.asarray(routing), **kw)[0])[0, p:]
+    gen = np.asarray(c.generated, bool) if c.generated else np.ones(len(c.ids), bool)
+    return float(np.max(np.abs(logp - np.asarray(c.logp))[gen])), live[p:]
+
+
+def test_episode_routing_is_recorded_and_replayed_like_single_turn() -> None:
+    """Lag 0, float32: the cache extension records the inserted ids' routing, which is the
+    trainer's own (live) routing of them; replaying every recorded routing, the trainer's
+    log-probs of the generated ids after an observation equal the behavior log-probs as
+    tightly as a single-turn completion's do."""
+    graphdef, params = _model()
+    model = nnx.merge(graphdef, params)
+    core = decoding.DecodeCore(
+        graphdef,
+        CFG,
+        slots=2,
+        max_prefill_length=8,
+        max_decode_length=40,
+        sampling=decoding.SamplingConfig(temperature=0.8),
+        sampleable_v=SAMPLEABLE,
+    )
+    turns: dict[int, int] = {}
+
+    def after_turn(i, ids, finish, room):
+        turns[i] = turns.get(i, 0) + 1
+        return [41, 42, 43 + i, 5, 9] if turns[i] < 3 else None
+
+    episodes = completions.complete_episodes(
+        core, params, PROMPTS, stop_ids=(), turn_tokens=MAX_NEW, after_turn=after_turn
+    )
+    singles = completions.complete(core, params, PROMPTS)
+    multi_err, single_err = [], []
+    for prompt, c, s in zip(PROMPTS, episodes, singles, strict=True):
+        inserted = ~np.asarray(c.generated)
+        assert c.routing.shape == (len(c.ids), CFG.num_moe_layers, CFG.num_experts_per_tok)
+        err, live = _replayed_error(model, prompt, c, 0.8)
+        np.testing.assert_array_equal(np.sort(c.routing[inserted], -1), np.sort(live[inserted], -1))
+        np.testing.assert_array_equal(np.sort(c.routing, -1), np.sort(live, -1))
+        multi_err.append(err)
+        single_err.append(_replayed_error(model, prompt, s, 0.8)[0])
+    print(f"max |logp - behavior| under R3: multi-turn {max(multi_err):.2e}, "
+          f"single-turn {max(single_err):.2e}")  # fmt: skip
+    assert max(multi_err) <= 1e-5 and max(single_err) <= 1e-5

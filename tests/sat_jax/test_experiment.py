@@ -105,6 +105,30 @@ def test_cross_section_check():
         load_config(None, ["rollout.max_new_tokens=200"])
 
 
+@pytest.mark.parametrize(
+    "correction",
+    [
+        None,
+        "train.loss.tis_cap=2.0",
+        "train.loss.icepop_range=[0.5,2.0]",
+        "train.loss.seq_tis_cap=2.0",
+        "train.loss.seq_mask_range=[0.5,2.0]",
+    ],
+)
+def test_recompute_needs_a_rollout_correction(correction):
+    """Without a correction `recompute` would be unweighted, unclipped REINFORCE on stale data."""
+    overrides = ["train.old_logp=recompute", "train.loss.sat.enabled=false"]
+    if correction is None:
+        with pytest.raises(ConfigError) as err:
+            load_config(None, overrides)
+        message = str(err.value)
+        assert "\n" not in message
+        for key in ("tis_cap", "icepop_range", "seq_tis_cap", "seq_mask_range"):
+            assert f"loss.{key}" in message
+        return
+    assert load_config(None, [*overrides, correction]).train.old_logp == "recompute"
+
+
 def test_not_key_value():
     with pytest.raises(ConfigError, match="key=value"):
         load_config(None, ["rollout.group_size"])

@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from sat_jax import decoding, objectives, sharding
+from sat_jax import completions, decoding, objectives, sharding
 from sat_jax.experiment import ConfigError, load_config
 from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
 from tests.sat_jax import test_decoding
@@ -37,7 +37,7 @@ def _batch() -> TrainBatch:
         sampling=SAMPLING, sampleable_v=SAMPLEABLE,
     )  # fmt: skip
     prompts = [p for p in PROMPTS for _ in range(G)]
-    done = decoding.complete(core, params, prompts)
+    done = completions.complete(core, params, prompts)
     rows = len(prompts)
     tokens, mask = np.zeros((rows, T), np.int32), np.zeros((rows, T), np.float32)
     behavior, kept = np.zeros((rows, T), np.float32), np.zeros((rows, T), np.int32)

@@ -1,12 +1,13 @@
 """Multi-turn trajectories on the trainer side (issue 24, docs/DESIGN.md §7.1): observation tokens
 (``Trajectory.loss_mask`` 0, inserted by the environment) are context only. Out of the loss, SAT's
-quantile and every metric; their behavior log-probs, versions, kept counts and routing (unspecified
-on the wire) reach neither the batch nor the staleness checks; R3 routes them by the live router.
+quantile and every metric; their behavior log-probs, versions and kept counts (unspecified on the
+wire) reach neither the batch nor the staleness checks; R3 replays their recorded routing (the
+server's cache extension records it), like every other position's.
 
-"Only the observation tokens' values change" cannot include their token ids in the middle of a
-trajectory: those ids are the context of the later generated tokens, and the loss must see them.
-What an observation token carries besides its id (its behavior log-prob, version, kept count and
-routing) may change freely; and the loss terms of an observation position's own log-prob are
+"Only the observation tokens' values change" cannot include their token ids or routing in the
+middle of a trajectory: those are the context of the later generated tokens, and the loss must
+see them. What an observation token carries besides (its behavior log-prob, version and kept
+count) may change freely; and the loss terms of an observation position's own log-prob are
 shown out of the loss separately, by changing the ids of observation tokens that END a trajectory
 (a turn cut at the token limit, closed by end-of-turn tokens, then the episode ended): they are in
 no generated token's context, so only their own log-prob terms see them.
@@ -29,7 +30,6 @@ from sat_jax.step import (
     TrainBatch,
     create_train_state,
     make_train_step,
-    replay_mask,
     shard_batch,
 )
 from tests.train.test_batching import assemble, make_group, spec
@@ -49,9 +49,9 @@ END_OBS = OBS[OBS >= 8]  # after the last generated token
 def episode(
     seed: int, reward: float, version: int, *, garbage: int | None = None
 ) -> records.Trajectory:
-    """A multi-turn trajectory; its generated tokens' values come from ``seed``, its
-    observation tokens' log-probs, versions, kept counts and routing from ``garbage`` (None:
-    the values a careful server would send: 0.0, the version, 1 kept, expert ids 0..K-1)."""
+    """A multi-turn trajectory; its tokens' values and routing come from ``seed``, its
+    observation tokens' log-probs, versions and kept counts from ``garbage`` (None: the values
+    a careful server would send: 0.0, the version, 1 kept)."""
     rng = np.random.default_rng(seed)
     c = GENERATED.size
     routing = np.stack(
@@ -71,10 +71,8 @@ def episode(
         reward=reward,
     )
     n = OBS.size
-    routing = t.routing.copy()
     if garbage is None:
         values = np.zeros(n, np.float32), np.full(n, version), np.ones(n, np.int32)
-        routing[P + OBS] = np.arange(LK[1], dtype=np.uint8)
     else:
         g = np.random.default_rng(1000 + garbage)
         values = (
@@ -82,12 +80,9 @@ def episode(
             g.integers(-(2**40), 2**40, n),
             g.integers(-5, 10**6, n).astype(np.int32),
         )
-        routing[P + OBS] = g.integers(0, 256, (n, *LK))  # out of range too: never read
     behavior, versions, kept = t.behavior_logprobs.copy(), t.versions.copy(), t.kept_counts.copy()
     behavior[OBS], versions[OBS], kept[OBS] = values
-    return dataclasses.replace(
-        t, behavior_logprobs=behavior, versions=versions, kept_counts=kept, routing=routing
-    )
+    return dataclasses.replace(t, behavior_logprobs=behavior, versions=versions, kept_counts=kept)
 
 
 def groups(garbage: int | None = None) -> list[records.Group]:
@@ -130,14 +125,14 @@ def test_observation_values_do_not_reach_the_batch_or_its_stats():
         assert_same_batch(batch, clean)
         assert stats == dataclasses.replace(clean_stats, lags=stats.lags)
         np.testing.assert_array_equal(stats.lags, clean_stats.lags)
-    # What the batch holds at the observation positions: the padding's values.
+    # What the batch holds at the observation positions: the padding's values, and the
+    # recorded routing (R3 replays it).
     row = slice(P, P + GENERATED.size)
     np.testing.assert_array_equal(clean.loss_mask[:4, row], np.tile(GENERATED, (4, 1)))
     assert not clean.behavior_logp[:, P + OBS].any() and not clean.kept_counts[:, P + OBS].any()
     assert not clean.fresh_mask[:, P + OBS].any()
-    np.testing.assert_array_equal(
-        clean.routing[:, P + OBS], np.broadcast_to(np.arange(2), (4, 5, 2, 2))
-    )
+    for r, t in enumerate(g for group in groups(7) for g in group.trajectories):
+        np.testing.assert_array_equal(clean.routing[r, : P + GENERATED.size], t.routing)
     # Generated tokens keep theirs.
     t = groups(7)[0].trajectories[0]
     np.testing.assert_array_equal(
@@ -186,6 +181,52 @@ def test_the_soft_overlong_punishment_reads_the_longest_turn():
     batch, _ = assemble(groups(), s, trainer_version=5)
     # Turns of 3 and 2 tokens: 3 = L_max - L_cache + 1, punished by 1/2 (not the 10 tokens).
     np.testing.assert_allclose(batch.rewards[:4], np.array([1.0, 0.0, 0.5, 0.0]) - 0.5)
+
+
+def _turns(turns: list[tuple[int, int]], finish: str) -> records.Trajectory:
+    """An episode of [(generated, inserted)] token runs with the server's finish reason."""
+    mask = np.concatenate([[True] * g + [False] * i for g, i in turns]).astype(bool)
+    c, lk = mask.size, (MODEL.num_moe_layers, MODEL.num_experts_per_tok)
+    return records.Trajectory(
+        prompt_ids=np.array([1, 5, 6], np.int32),
+        completion_ids=np.full(c, 7, np.int32),
+        behavior_logprobs=np.full(c, -1.0, np.float32),
+        versions=np.zeros(c, np.int64),
+        routing=np.broadcast_to(np.arange(lk[1], dtype=np.uint8), (P + c, *lk)).copy(),
+        loss_mask=mask,
+        reward=1.0,
+        finish_reason=finish,
+    )
+
+
+# max_new_tokens 4, overlong_cache 2, penalty 1: a turn of 3 tokens is punished by 1/2.
+OVERLONG_CASES = {
+    # The middle turn was cut at max_new_tokens, the last ended on its stop id: the server
+    # records "length" (any cut turn), so mask masks it and soft gives the full punishment.
+    "middle_turn_cut": (_turns([(4, 2), (1, 0)], "length"), True, -1.0),
+    # The episode's token budget cut the last turn after 2 tokens: overlong too, although no
+    # turn reached max_new_tokens.
+    "budget_cut": (_turns([(1, 2), (2, 0)], "length"), True, -1.0),
+    # Every turn ended on its stop id: not overlong; soft grades its longest turn (3 tokens).
+    "stopped": (_turns([(3, 2), (1, 0)], "stop"), False, -0.5),
+    # Ended because the next observation would not fit: no turn was cut, not overlong.
+    "observation_did_not_fit": (_turns([(2, 2), (1, 0)], "stop"), False, 0.0),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLONG_CASES))
+def test_mask_and_soft_agree_on_which_episodes_are_overlong(case):
+    """One definition (finish reason "length": a turn was cut, by max_new_tokens or the
+    episode's budget) for both modes: a masked episode is exactly one soft punishes fully."""
+    traj, overlong, shaping = OVERLONG_CASES[case]
+    group = records.Group(group_id=0, prompt_id="p", trajectories=(traj, traj))
+    kw = dict(batch_groups=1, max_new_tokens=4, overlong_cache=2, overlong_penalty=1.0)
+    masked, stats = assemble([group], batch_spec(overlong="mask", **kw), trainer_version=0)
+    assert (not masked.loss_mask[:2].any()) == overlong
+    assert stats.overlong_frac == float(overlong)
+    soft, _ = assemble([group], batch_spec(overlong="soft", **kw), trainer_version=0)
+    np.testing.assert_allclose(soft.rewards[:2], 1.0 + shaping)
+    assert soft.loss_mask[:2].any()
 
 
 def test_single_turn_batches_are_unchanged_by_an_all_generated_mask():
@@ -251,21 +292,27 @@ def _step_runs(configs):
 
 
 def _perturb_observations(batch: TrainBatch, seed: int) -> TrainBatch:
-    """Other behavior log-probs, kept counts, routing and fresh flags at the observation positions
-    in the middle of every row (not their token ids: they are context)."""
+    """Other behavior log-probs, kept counts and fresh flags at the observation positions in the
+    middle of every row (not their token ids or routing: they are context)."""
     rng = np.random.default_rng(seed)
     at = (slice(0, 4), P + MID_OBS)
     behavior, kept = np.array(batch.behavior_logp), np.array(batch.kept_counts)
-    routing, fresh = np.array(batch.routing), np.array(batch.fresh_mask)
+    fresh = np.array(batch.fresh_mask)
     n = 4 * MID_OBS.size
     behavior[at] = -rng.uniform(0, 30, n).reshape(4, -1)
     kept[at] = rng.integers(0, MODEL.vocab_size + 5, n).reshape(4, -1)
-    ids = np.stack([rng.permutation(MODEL.num_experts)[: LK[1]] for _ in range(n * LK[0])])
-    routing[at] = ids.reshape(4, MID_OBS.size, *LK).astype(routing.dtype)
     fresh[at] = 1
-    return batch.replace(
-        behavior_logp=behavior, kept_counts=kept, routing=routing, fresh_mask=fresh
-    )
+    return batch.replace(behavior_logp=behavior, kept_counts=kept, fresh_mask=fresh)
+
+
+def _reroute_observations(batch: TrainBatch, seed: int) -> TrainBatch:
+    """Other routing at the observation positions in the middle of every row."""
+    rng = np.random.default_rng(seed)
+    routing = np.array(batch.routing)
+    n = 4 * MID_OBS.size
+    ids = np.stack([rng.permutation(MODEL.num_experts)[: LK[1]] for _ in range(n * LK[0])])
+    routing[:4, P + MID_OBS] = ids.reshape(4, MID_OBS.size, *LK).astype(routing.dtype)
+    return batch.replace(routing=routing)
 
 
 def _with_end_tokens(batch: TrainBatch, seed: int) -> TrainBatch:
@@ -285,12 +332,14 @@ def test_observation_values_change_neither_loss_metrics_nor_gradients(options):
     """The "done when" test: R3 on, SAT on, truncation replay, fresh mask; bit-identical."""
     base, _ = assemble(groups(), batch_spec(), trainer_version=5)
     variants = [base, _perturb_observations(base, 1), _with_end_tokens(base, 2)]
-    # The control: the same perturbation at a GENERATED position changes the step.
+    # The controls: the same perturbation at a GENERATED position changes the step, and so
+    # does other routing at the observation positions (R3 replays it: they are context).
     control = np.array(base.behavior_logp)
     control[0, P + 1] -= 3.0
     variants.append(base.replace(behavior_logp=control))
+    variants.append(_reroute_observations(base, 3))
     runs = _step_runs([(b, options) for b in variants])
-    (m0, p0), *same, (mc, pc) = runs
+    (m0, p0), *same, (mc, pc), (mr, pr) = runs
     assert m0["step_skipped"] == 0 and m0["active_tokens"] == 20
     for m, p in same:
         assert m.keys() == m0.keys()
@@ -299,12 +348,4 @@ def test_observation_values_change_neither_loss_metrics_nor_gradients(options):
         for x, y in zip(jax.tree.leaves(p), jax.tree.leaves(p0), strict=True):
             np.testing.assert_array_equal(x, y)
     assert mc["mismatch_abs_mean"] != m0["mismatch_abs_mean"]
-
-
-def test_replay_mask_is_off_only_between_generated_tokens():
-    mask = np.zeros((3, 8), np.float32)
-    mask[0, 2:8] = [1, 0, 0, 1, 1, 0]  # multi-turn, ends with an inserted token
-    mask[1, 3:6] = 1  # single-turn, padded
-    got = np.asarray(replay_mask(mask))  # row 2: padding, all replayed
-    np.testing.assert_array_equal(got[0], [1, 1, 1, 0, 0, 1, 1, 1])
-    assert got[1:].all()
+    assert mr["mismatch_abs_mean"] != m0["mismatch_abs_mean"]

@@ -5,7 +5,7 @@ that involve more than tokens.
 messages with the chat template and its tools; `after_turn` gives the environment the decoded
 turn and renders its observation messages as the chat template's delta ids, or says the episode
 ends. Decoding, the KV cache and the per-token records stay with the caller: the rollout server's
-driver and engine (docs/DESIGN.md §6.1) and the evaluator's `sat_jax.decoding.complete_episodes`
+driver and engine (docs/DESIGN.md §6.1) and the evaluator's `sat_jax.completions.complete_episodes`
 both run episodes through it, so an evaluation plays episodes exactly as training does.
 
 An episode ends when the environment says so, at `task.max_turns`, or when the next observation

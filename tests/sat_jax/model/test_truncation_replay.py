@@ -1,6 +1,7 @@
 """Truncation replay (docs/DESIGN.md §2): ``token_logprobs(..., kept_bt=...)`` renormalises over
-the n highest scaled logits, as the sampler's top-k / top-p did, against a float64 NumPy
-reference; ``kth_largest_key`` is an exact order statistic."""
+the top-max(n, r) scaled logits (n the sampler's kept count, r the target's rank), as the
+sampler's top-k / top-p did, against a float64 NumPy reference; ``kth_largest_key`` is an exact
+order statistic."""
 
 from __future__ import annotations
 
@@ -13,11 +14,12 @@ from hypothesis import strategies as st
 
 from sat_jax.decoding import SamplingConfig, sample
 from sat_jax.model import token_logprobs
-from sat_jax.model.transformer import _order_key, kth_largest_key
+from sat_jax.model.logprobs import _order_key, kth_largest_key
 
 
 def _reference(logits, targets, kept, temperature, vocab_mask=None):
-    """float64 log-probs over each position's n highest scaled logits plus the target."""
+    """float64 log-probs over each position's top-max(n, r) scaled logits, r the target's rank:
+    every logit at or above min(n-th largest, the target's)."""
     x = np.asarray(logits, np.float64) / temperature
     if vocab_mask is not None:
         x = np.where(vocab_mask, x, -np.inf)
@@ -87,6 +89,31 @@ def test_no_truncation_and_a_target_outside_the_kept_set():
     got = token_logprobs(logits, targets, temperature=0.8, kept_bt=kept)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got, _reference(logits, targets, kept, 0.8), atol=1e-5)
+
+
+def test_a_target_ranked_below_n_keeps_every_token_above_it():
+    """The documented example: logits 5.0, 4.5, …, 1.5, n = 2, target ranked 6th. The replay
+    keeps the top 6 (−3.3817), not the top 2 plus the target (−3.0239), and tokens ranked 3–5
+    receive gradient."""
+    x = np.arange(5.0, 1.0, -0.5)  # 8 logits
+    y, n = 5, 2
+    top6 = x[:6].max() + np.log(np.exp(x[:6] - x[:6].max()).sum())
+    want = x[y] - top6  # float64, written from the rule
+    assert want == pytest.approx(-3.3817, abs=1e-4)
+    gap = np.asarray([x[0], x[1], x[y]])
+    assert x[y] - (gap.max() + np.log(np.exp(gap - gap.max()).sum())) == pytest.approx(
+        -3.0239, abs=1e-4
+    )
+    logits = jnp.asarray(x[None, None], jnp.float32)
+    targets = jnp.asarray([[y]], jnp.int32)
+    kept = jnp.asarray([[n]], jnp.int32)
+    got = float(token_logprobs(logits, targets, kept_bt=kept)[0, 0])
+    np.testing.assert_allclose(got, want, atol=1e-6, rtol=0)
+    np.testing.assert_allclose(got, _reference(x, np.int64(y), np.int64(n), 1.0), atol=1e-6)
+    grad = np.asarray(
+        jax.grad(lambda z: jnp.sum(token_logprobs(z, targets, kept_bt=kept)))(logits)[0, 0]
+    )
+    assert np.all(grad[2:5] < 0) and np.all(grad[6:] == 0)
 
 
 def test_replay_gradient_is_the_kept_sets_softmax():
