@@ -24,7 +24,7 @@ import optax
 
 from sat_jax import params_io, sharding
 from sat_jax.model import ModelConfig
-from sat_jax.train_step import init_train_state
+from sat_jax.step import init_train_state
 from train import checkpointing
 
 

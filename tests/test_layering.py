@@ -36,7 +36,7 @@ SAT_JAX_FLOORS = (
         "sat_jax.params_io",
         "sat_jax.config",
     },
-    {"sat_jax.experiment", "sat_jax.decoding", "sat_jax.cli"},
+    {"sat_jax.experiment", "sat_jax.decoding", "sat_jax.completions", "sat_jax.cli"},
     {"sat_jax.step"},
     {"sat_jax.plan"},
 )
