@@ -198,6 +198,9 @@ class RolloutRequest(orchestrator.ActiveRequest):
     turn_start: int = 0  # where the current turn starts in the buffer
     last_finish: str = "eos"  # how the last turn ended (the episode's finish reason)
     detokenize_index: int = 0
+    # Ends the turn (or the request) like a stop id when it returns True for the turn's ids so
+    # far: the HTTP endpoint's `stop` strings (`rollout_server.chat`). None = stop ids only.
+    stop_when: Callable[[np.ndarray], bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -380,6 +383,9 @@ class RolloutDriver(orchestrator.Driver):
                 step["routing"][slot],
                 step["kept"][slot],
             )
+            if token not in stops and request.stop_when is not None:
+                if request.stop_when(buffer.tokens[request.turn_start : buffer.size]):
+                    stops = frozenset({token})  # a stop string ended it: as a stop id would
             if request.episode:
                 if token in stops:
                     return self._end_turn(request, "eos")
