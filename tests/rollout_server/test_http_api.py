@@ -364,3 +364,28 @@ def test_hostile_requests_get_4xx_and_the_server_serves_on(live, data, headers, 
 def test_no_token_is_refused_by_the_client(live):
     with pytest.raises(openai.AuthenticationError):
         _client(live, token="wrong").models.list()
+
+
+def test_sat_serve_serves_http_beside_grpc(server_factory):
+    """`sat-serve ... server.http_port=N`: the endpoint starts and stops with the process."""
+    import portpicker
+
+    port = portpicker.pick_unused_port()
+    server = server_factory(
+        [f"server.http_port={port}", f"server.token={TOKEN}", "server.wait_for_weights=false"]
+    )
+    client = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0, timeout=120
+    )
+    assert len(client.models.list().data) == 1
+    out = client.completions.create(model="m", prompt="1+2=", max_tokens=3, logprobs=1)
+    assert out.usage.completion_tokens == len(out.choices[0].logprobs.token_logprobs) >= 1
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0
+        ).models.list()
+    # A chat request to a tokenizer without a chat template is a 400, and the server serves on.
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+2"}])
+    assert client.completions.create(model="m", prompt="3+4=", max_tokens=2).choices
+    assert server.stop() == 0, server.log()
