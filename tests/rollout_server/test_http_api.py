@@ -52,6 +52,22 @@ STATELESS_MESSAGES = [
     {"role": "system", "content": "You add numbers. " * 8},
     {"role": "user", "content": "What is 7 + 5?"},
 ]
+# Qwen3's rule, cut down: an assistant message before the last user message loses its reasoning
+# when the conversation is rendered again. A session never re-renders, so its ids keep it.
+REASONING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) -%}"
+    "{%- for m in messages %}{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}"
+    "{% endif %}{% endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- set content = m['content'] -%}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1] -%}"
+    "{%- endif -%}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif -%}"
+)
+REASONING_MESSAGES = [{"role": "user", "content": "Think, then add 5 and 7. " * 12}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "5 + 7"}}</tool_call>'
 TOKEN = "secret-token"
 IDLE_S = 30.0
@@ -72,7 +88,9 @@ def _ids(tokenizer, text):
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
-    make_tokenizer(tmp / "tok")
+    fast = make_tokenizer(tmp / "tok", chat_template=False)
+    fast.chat_template = REASONING_TEMPLATE
+    fast.save_pretrained(str(tmp / "tok"))
     tok = HFTokenizer(str(tmp / "tok"), chat_template=True)
     end = int(tok._tok.convert_tokens_to_ids("<|im_end|>"))
     # The script: a tool call then the answer for the session, "7 + 5 = 12" for the stateless.
@@ -88,6 +106,14 @@ def live(tmp_path_factory):
     script[q : q + len(turn2)] = turn2
     assert p1 > q + len(turn2)
     script[p1 : p1 + len(plain)] = plain
+    # The reasoning session: "<think>...</think>7", a user's "Again.", then "12".
+    p2 = len(tok.encode_messages(REASONING_MESSAGES))
+    assert p2 > p1 + len(plain)
+    r1 = [*_ids(tok, "<think>5 + 7</think>7"), end]
+    r_delta = tok.observation_ids([{"role": "user", "content": "Again."}])
+    r2 = [*_ids(tok, "12"), end]
+    script[p2 : p2 + len(r1)] = r1
+    script[p2 + len(r1) + len(r_delta) : p2 + len(r1) + len(r_delta) + len(r2)] = r2
     mp = pytest.MonkeyPatch()
     mp.setattr(ForcedCore, "SCRIPT", script)
     mp.setattr(engine_module, "DecodeCore", ForcedCore)
@@ -121,7 +147,7 @@ def live(tmp_path_factory):
         prompts=grain.MapDataset.source([PROMPT]).repeat().to_iter_dataset(),
         reward_fn=exact_match_reward,
         tokenizer=tok,
-        cfg=RolloutConfig(group_size=2, max_new_tokens=100, batch_groups=1, max_staleness=1),
+        cfg=RolloutConfig(group_size=2, max_new_tokens=100, batch_groups=1, max_staleness=3),
         store=StateStore(str(tmp / "state")),
         wait_for_weights=False,
         max_response_bytes=ServerConfig().max_message_bytes,
@@ -154,6 +180,7 @@ def live(tmp_path_factory):
             clock=clock,
             turns=(turn1, delta, turn2),
             plain=plain,
+            reasoning=(r1, r_delta, r2),
             p0=p0,
         )
     finally:
@@ -241,6 +268,16 @@ def _take(live, n=1):
     return r
 
 
+def _take_all(live, n):
+    """`n` sessions, taken over as many requests as it takes (a take returns what is offered)."""
+    taken = []
+    while len(taken) < n:
+        r = _take(live, n - len(taken))
+        assert r.status_code == 200, r.text
+        taken += r.json()["sessions"]
+    return taken
+
+
 def _wait(cond, what, timeout_s=120):
     deadline = time.monotonic() + timeout_s
     while not cond():
@@ -275,8 +312,10 @@ def _play(live, session_id):
 
 def test_sessions_make_a_group_with_the_wire_logprobs(live):
     loop, tok = live["loop"], live["tok"]
-    taken = _take(live, 2).json()["sessions"]
-    assert len(taken) == 2 and taken[0]["prompt"]["text"] == PROMPT.text
+    taken = _take_all(live, 2)
+    assert (
+        taken[0]["group_id"] == taken[1]["group_id"] and taken[0]["prompt"]["text"] == PROMPT.text
+    )
     # Two sessions are open: a third is refused.
     assert _take(live).status_code == 429
     replies = {}
@@ -306,12 +345,67 @@ def test_sessions_make_a_group_with_the_wire_logprobs(live):
         np.testing.assert_array_equal(t.loss_mask, mask)
         np.testing.assert_allclose(t.behavior_logprobs[t.loss_mask], want, atol=2e-4)
         assert t.reward == 1.0
+    # The template is prefix-stable here (no user message after a reasoning turn): the ids are
+    # the full render of the conversation, up to the newline the template puts after the last
+    # end-of-turn.
+    conversation = [
+        *SESSION_MESSAGES,
+        {"role": "assistant", "content": CALL},
+        {"role": "tool", "content": "12"},
+        {"role": "assistant", "content": "12"},
+    ]
+    render = tok._tok.apply_chat_template(conversation, tokenize=False)
+    render_ids = tok._tok(render, add_special_tokens=False)["input_ids"]
+    assert render_ids[: len(prompt + completion)] == prompt + completion
+    assert tok._tok.decode(render_ids[len(prompt + completion) :]) == "\n"
     # The returned log-probs are the wire's, bit for bit.
     wire = group.trajectories[0].behavior_logprobs[np.asarray(mask)]
     first, second = next(iter(replies.values()))
     got = [t.logprob for c in (first, second) for t in c.choices[0].logprobs.content]
     np.testing.assert_array_equal(np.float32(got), wire)
     loop.ack([group.group_id])
+
+
+def test_a_session_extends_by_the_delta_where_a_rerender_drops_reasoning(live):
+    """Qwen3-style templates drop earlier reasoning when the conversation is rendered again: the
+    session's ids are the incremental ones the model saw, not the re-render."""
+    loop, tok = live["loop"], live["tok"]
+    _wait(lambda: live["sessions"].open_sessions == 0, "sessions of the last test still open")
+    taken = _take_all(live, 2)
+    assert taken[0]["group_id"] == taken[1]["group_id"]
+    for s in taken:
+        client = _client(live, f"/sessions/{s['session_id']}/v1")
+        messages = list(REASONING_MESSAGES)
+        first = client.chat.completions.create(model="m", messages=messages)
+        assert first.choices[0].message.content == "<think>5 + 7</think>7"
+        messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Again."}]
+        second = client.chat.completions.create(model="m", messages=messages)
+        assert second.choices[0].message.content == "12"
+        messages.append(second.choices[0].message.model_dump())
+        r = requests.post(
+            live["url"] + f"/sessions/{s['session_id']}/end",
+            json={"reward": 0.25},
+            headers={"Authorization": f"Bearer {TOKEN}"},
+            timeout=60,
+        )
+        assert r.json()["reward"] == 0.25
+    group_id = taken[0]["group_id"]
+    _wait(lambda: any(m.group_id == group_id for m in loop.queue.snapshot()), "no reasoning group")
+    (group,) = [records.decode_group(m) for m in loop.queue.snapshot() if m.group_id == group_id]
+    r1, r_delta, r2 = live["reasoning"]
+    prompt = tok.encode_messages(REASONING_MESSAGES)
+    rerender = tok._tok.apply_chat_template(
+        [m if m["role"] != "assistant" else {"role": "assistant", "content": m["content"]}
+         for m in messages],
+        tokenize=False,
+    )  # fmt: skip
+    rerender_ids = tok._tok(rerender, add_special_tokens=False)["input_ids"]
+    for t in group.trajectories:
+        ids = t.prompt_ids.tolist() + t.completion_ids.tolist()
+        assert ids == prompt + r1 + r_delta + r2
+        assert "<think>" not in rerender and ids[: len(rerender_ids)] != rerender_ids
+        assert t.reward == 0.25
+    loop.ack([group_id])
 
 
 def test_an_abandoned_session_is_dropped_counted_and_replaced(live):
@@ -325,8 +419,9 @@ def test_an_abandoned_session_is_dropped_counted_and_replaced(live):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="m", messages=SESSION_MESSAGES)
     # Its sample is offered again as a new session.
-    again = _take(live, 2).json()["sessions"]
-    assert len(again) == 2 and s["session_id"] not in {x["session_id"] for x in again}
+    _wait(lambda: sessions.open_sessions == 0, "the dropped session still holds its slot")
+    again = _take_all(live, 2)
+    assert s["session_id"] not in {x["session_id"] for x in again}
 
 
 def _post(live, path, data, headers=None):
