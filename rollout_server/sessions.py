@@ -251,18 +251,20 @@ class SessionManager:
             raise ApiError(
                 429, f"{self.limits.max_sessions} sessions are open (server.http_max_sessions)"
             )
-        deadline = self.clock() + timeout_s
+        # The wait is a real one, on the event loop's clock (`clock` only measures idleness).
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
         while True:
             with self._offer_lock:
                 taken = [
                     self._offered.popleft()
                     for _ in range(min(room, max_sessions, len(self._offered)))
                 ]
-            if taken or self.clock() >= deadline:
+            if taken or loop.time() >= deadline:
                 break
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - self.clock()))
+                await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 pass
         for s in taken:

@@ -45,6 +45,7 @@ from tests.hf_fixtures import make_tokenizer
 from tests.rollout_server.test_episodes import ForcedCore
 
 openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.slow
 
 PROMPT = Prompt(id="p0", text="What is 5 + 7?", answer="12")
 SESSION_MESSAGES = [{"role": "user", "content": PROMPT.text}]
@@ -422,6 +423,39 @@ def test_an_abandoned_session_is_dropped_counted_and_replaced(live):
     _wait(lambda: sessions.open_sessions == 0, "the dropped session still holds its slot")
     again = _take_all(live, 2)
     assert s["session_id"] not in {x["session_id"] for x in again}
+    for x in again:  # played and ended, so the groups can finish
+        c = _client(live, f"/sessions/{x['session_id']}/v1")
+        c.chat.completions.create(model="m", messages=SESSION_MESSAGES, max_tokens=2)
+        _client(live, "").post(
+            f"/sessions/{x['session_id']}/end", body={"reward": 0.0}, cast_to=object
+        )
+
+
+def test_the_example_agent_plays_sessions_into_groups(live):
+    """examples/http_agent: its workers, on the official client only, finish the open groups."""
+    from examples.http_agent import calculator_agent
+
+    loop, sessions = live["loop"], live["sessions"]
+    before = loop.groups_produced
+    stop, done = threading.Event(), []
+    workers = [
+        threading.Thread(
+            target=calculator_agent.worker, args=(live["url"], TOKEN, stop, done), daemon=True
+        )
+        for _ in range(2)
+    ]
+    for w in workers:
+        w.start()
+    try:
+        _wait(lambda: loop.groups_produced >= before + 1, "no group from the example agent")
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(300)
+    assert done and sessions.finished >= len(done)
+    group = records.decode_group(loop.queue.snapshot()[-1])
+    system = live["tok"].decode(group.trajectories[0].prompt_ids)
+    assert calculator_agent.SYSTEM in system
 
 
 def _post(live, path, data, headers=None):
