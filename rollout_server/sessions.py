@@ -311,7 +311,12 @@ class SessionManager:
         s.messages, s.tools = list(req.messages), list(req.tools)
         s.state = "generating"
         s.turn = asyncio.get_running_loop().create_future()
-        turn: TurnEnd | None = await s.turn
+        try:
+            turn: TurnEnd | None = await s.turn
+        except asyncio.CancelledError:
+            # The client went away mid-turn: the session is dropped when its turn ends.
+            s.dropped = True
+            raise
         s.turn = None
         if turn is None:
             raise ApiError(500, "generation failed", code="server_error")
@@ -405,10 +410,12 @@ class SessionManager:
         return reply
 
     def _on_turn(self, s: Session, turn_data) -> None:
-        if s.turn is not None:
-            _resolve(s.turn, turn_data)
-        elif s.dropped and s.request is not None:
+        if s.dropped:  # abandoned mid-turn: free the slot; the loop samples it again
+            s.turn, s.state = None, "ending"
+            self.abandoned += 1
             self.gen.driver.end_episode(s.request)
+        elif s.turn is not None:
+            _resolve(s.turn, turn_data)
 
     def _on_done(self, s: Session, sample: FinishedSample | None) -> None:
         if s.turn is not None:
