@@ -212,6 +212,9 @@ class RolloutRequest(orchestrator.ActiveRequest):
     # yet to hand over (taken with the first step after it).
     inserted_routing: tuple[int, int] | None = None
     detokenize_index: int = 0
+    # Ends the turn (or the request) like a stop id when it returns True for the turn's ids so
+    # far: the HTTP endpoint's `stop` strings (`rollout_server.chat`). None = stop ids only.
+    stop_when: Callable[[np.ndarray], bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -401,6 +404,9 @@ class RolloutDriver(orchestrator.Driver):
                 step["routing"][slot],
                 step["kept"][slot],
             )
+            if token not in stops and request.stop_when is not None:
+                if request.stop_when(buffer.tokens[request.turn_start : buffer.size]):
+                    stops = frozenset({token})  # a stop string ended it: as a stop id would
             if request.episode:
                 if token in stops:
                     return self._end_turn(request, "stop")

@@ -28,10 +28,12 @@ from rollout_server import weights
 from rollout_server.auth import TokenInterceptor
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
+from rollout_server.http_api import HttpApi, HttpLimits
 from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
 from rollout_server.service import RolloutService, ValidatingOrchestrator
+from rollout_server.sessions import Generator, SessionLimits, SessionManager
 from sat_jax import sharding
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
@@ -126,6 +128,18 @@ class RolloutServer:
             interleaved_mode=True,
             jax_padding=False,
         )
+        self.generator = Generator(self.driver, self.engine, self.tokenizer)
+        self.sessions = (
+            SessionManager(
+                self.generator,
+                make_reward(cfg.task.reward),
+                SessionLimits(max_sessions=s.http_max_sessions, idle_s=s.http_session_idle_s),
+            )
+            if s.http_sessions
+            else None
+        )
+        if self.sessions is not None and not cfg.task.chat_template:
+            raise ValueError("server.http_sessions needs task.chat_template: true")
         self.loop = RolloutLoop(
             driver=self.driver,
             engine=self.engine,
@@ -140,15 +154,17 @@ class RolloutServer:
             lease_s=s.lease_s,
             episodes=(
                 EpisodeRunner(load_environment(cfg.task.env), cfg.task.env_config, self.tokenizer)
-                if cfg.task.multi_turn
+                if cfg.task.multi_turn and self.sessions is None
                 else None
             ),
+            sessions=self.sessions,
         )
         self.metrics = ServerMetrics(
             self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()
         )
         self.grpc_server: grpc.aio.Server | None = None
         self.service: RolloutService | None = None
+        self.http: HttpApi | None = None
 
     def _reload(self, version: int, path: str, base_path: str) -> bool:
         """Installs the persisted weights (under LoRA, the adapters over their base); False
@@ -213,6 +229,21 @@ class RolloutServer:
         if s.metrics_port:
             self.metrics.serve(s.metrics_port, s.metrics_host)
         await self.grpc_server.start()
+        if s.http_port:
+            self.http = HttpApi(
+                generator=self.generator,
+                sessions=self.sessions,
+                limits=HttpLimits(
+                    max_body_bytes=s.http_max_body_bytes,
+                    max_messages=s.http_max_messages,
+                    max_requests=s.http_max_requests,
+                ),
+                token=s.token,
+                model_name=self.cfg.model.hf_path.rstrip("/").rsplit("/", 1)[-1] or "sat-jax",
+                default_tokens=self.cfg.rollout.max_new_tokens,
+            )
+            self.http_port = await self.http.start(s.host, s.http_port)
+            log.info("HTTP (OpenAI-compatible) on %s:%d", s.host, self.http_port)
         self.loop.start()
         log.info(
             "serving on %s:%d (metrics port %d), weights version %d",
@@ -228,6 +259,8 @@ class RolloutServer:
         """Stops the rollout loop (saving its state), the gRPC server (1 s grace), the driver,
         and releases the state directory."""
         self.loop.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace=1)
         if self.service is not None:

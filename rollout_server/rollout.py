@@ -42,7 +42,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grain
 
@@ -103,6 +103,17 @@ def admission_budget(
 _TURN = object()  # marks an ended turn in the loop's queue
 
 
+class SessionSource(Protocol):
+    """Where admitted samples go when external agents play them (`sessions.SessionManager`)."""
+
+    def offer(
+        self,
+        prompt: Prompt,
+        tag: tuple[int, int],
+        done: Callable[[tuple[int, int], FinishedSample | None], None],
+    ) -> Any: ...
+
+
 def _prompt(record: dict[str, Any]) -> Prompt:
     return Prompt(id=record["id"], text=record["text"], answer=record["answer"])
 
@@ -139,6 +150,10 @@ class RolloutLoop:
         `reward_fn`. Each sample is then an episode in one slot: `rollout.max_new_tokens`
         bounds each turn and the engine's `max_decode_length` the episode; its reward is the
         episode's, its trajectory carries the loss mask.
+      sessions: hands each admitted sample to an external agent as an HTTP session instead
+        (`rollout_server.sessions`, docs/DESIGN.md §6.6): its `offer(prompt, tag, done)`
+        returns the session (which has the `reward`, like an episode) and later calls
+        `done(tag, sample or None)`; a None sample is sampled again, as a failed one is.
     """
 
     def __init__(
@@ -157,9 +172,11 @@ class RolloutLoop:
         rows_skipped: int = 0,
         clock: Callable[[], float] = time.monotonic,
         episodes: EpisodeRunner | None = None,
+        sessions: SessionSource | None = None,
     ):
         self._driver, self._engine, self._cfg = driver, engine, cfg
         self._episodes = episodes
+        self._sessions = sessions
         self._truncates = SamplingConfig.from_rollout(cfg).truncates
         self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
         self.queue = GroupQueue(cfg.queue_groups)
@@ -511,6 +528,11 @@ class RolloutLoop:
             self._submit(group, i)
 
     def _submit(self, group: _RunningGroup, index: int) -> None:
+        if self._sessions is not None:
+            group.episodes[index] = self._sessions.offer(
+                _prompt(group.record), (group.record["group_id"], index), self._session_done
+            )
+            return
         ids, episode = group.prompt_ids, None
         if self._episodes is not None:
             try:
@@ -535,6 +557,9 @@ class RolloutLoop:
             on_turn=self._on_turn,
         )
         self._driver.place_request_on_prefill_queue(request)
+
+    def _session_done(self, tag: tuple[int, int], sample: FinishedSample | None) -> None:
+        self._done.put((tag, sample))
 
     def _on_done(self, request: RolloutRequest, sample: FinishedSample | None) -> None:
         # Called on JetStream's detokenize thread: only hand over.

@@ -110,7 +110,7 @@ class ExperimentConfig:
                 f"({self.server.max_prefill_length} + {self.rollout.max_new_tokens}) exceeds "
                 f"model.max_seq_len ({self.model.max_seq_len})"
             )
-        if self.task.multi_turn:
+        if self.task.multi_turn or self.server.http_sessions:
             episode = self.completion_tokens
             if self.server.max_prefill_length + episode > self.model.max_seq_len:
                 raise ValueError(
@@ -179,8 +179,9 @@ class ExperimentConfig:
         for a multi-turn `task.env`, the episode's generated and inserted tokens together,
         `task.max_episode_tokens` (0 = what `model.max_seq_len` leaves after
         `server.max_prefill_length`). The server's per-slot decode budget and the trainer's
-        capacity (prompt + completion) follow it."""
-        if not self.task.multi_turn:
+        capacity (prompt + completion) follow it. HTTP sessions (`server.http_sessions`) are
+        multi-turn episodes too."""
+        if not (self.task.multi_turn or self.server.http_sessions):
             return self.rollout.max_new_tokens
         return self.task.max_episode_tokens or (
             self.model.max_seq_len - self.server.max_prefill_length

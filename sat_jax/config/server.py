@@ -51,6 +51,17 @@ class ServerConfig:
       mesh: the engine's device mesh, the trainer's `MeshConfig` and logical-axis rules (params
         by the rules, the KV cache's heads over `tensor`); the default is one device, and a -1
         axis takes every device (docs/DESIGN.md §12).
+      http_port: the OpenAI-compatible HTTP endpoint's port on `host` (0 = off): chat and
+        completions on the rollouts' engine, with `token` as its bearer token (docs/DESIGN.md
+        §6.6).
+      http_sessions: admitted samples are played by external agents as HTTP sessions instead of
+        in-server episodes (needs `http_port` and `task.chat_template`).
+      http_max_body_bytes, http_max_messages: the largest request body and the most messages
+        of a chat request.
+      http_max_sessions: sessions taken and not ended at once (more are refused with 429).
+      http_max_requests: requests without a session generating at once (more get 429).
+      http_session_idle_s: a taken session with no request for this long is dropped and its
+        sample generated again.
     """
 
     host: str = "127.0.0.1"
@@ -74,8 +85,16 @@ class ServerConfig:
     tls_key: str = ""
     dtype: str = ""
     mesh: MeshConfig = _ONE_DEVICE_MESH
+    http_port: int = 0
+    http_sessions: bool = False
+    http_max_body_bytes: int = 1024 * 1024
+    http_max_messages: int = 256
+    http_max_sessions: int = 256
+    http_max_requests: int = 64
+    http_session_idle_s: float = 600.0
 
     def __post_init__(self) -> None:
+        self._check_http()
         if self.dtype:
             _check_float_dtype(self.dtype)
         if self.host not in _LOOPBACK_HOSTS and not self.token:
@@ -97,6 +116,21 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
         if self.max_request_bytes < 64 * 1024:
             raise ValueError(f"max_request_bytes must be >= 64 KiB, got {self.max_request_bytes}")
+
+    def _check_http(self) -> None:
+        if not 0 <= self.http_port < 65536:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}")
+        if self.http_port and self.http_port == self.port:
+            raise ValueError(f"http_port {self.http_port} is the gRPC port")
+        if self.http_sessions and not self.http_port:
+            raise ValueError("http_sessions needs an http_port")
+        if self.http_max_body_bytes < 1024:
+            raise ValueError(f"http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
+        for name in ("http_max_messages", "http_max_sessions", "http_max_requests"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not self.http_session_idle_s > 0:
+            raise ValueError(f"http_session_idle_s must be > 0, got {self.http_session_idle_s}")
 
 
 def _check_float_dtype(name: str) -> None:

@@ -1,0 +1,424 @@
+"""The OpenAI schema of the HTTP endpoint: requests checked into plain records, replies built from
+generated tokens (docs/DESIGN.md §6.6).
+
+A request is checked field by field before anything runs: an unknown field, a wrong type, a value
+the engine cannot honour (a temperature other than the server's: the behavior log-probs are those
+of the server's one sampler) is an `ApiError` with the OpenAI error body and a 4xx status. Tool
+calls are the model's chat format, Hermes / Qwen's `<tool_call>{json}</tool_call>` blocks, parsed
+into OpenAI `tool_calls`; the template renders them back when the conversation continues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from sat_jax.decoding import SamplingConfig
+from sat_jax.tasks.envs.calculator import find_tool_calls
+
+MAX_STOPS = 4
+MAX_STOP_CHARS = 64
+MAX_N = 16
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+# Fields the official client may send that change nothing here (or only when at their default).
+_IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier", "seed")
+_DEFAULT_ONLY = {
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "logit_bias": ({},),
+    "top_logprobs": (0,),
+    "response_format": ({"type": "text"},),
+    "reasoning_effort": (),
+    "modalities": (["text"],),
+}
+_CHAT_FIELDS = {
+    "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
+    "temperature", "top_p", "top_k", "n", "stop", "logprobs", "stream", "stream_options",
+    "session_id", *_IGNORED, *_DEFAULT_ONLY,
+}  # fmt: skip
+_COMPLETION_FIELDS = {
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs",
+    "stream", "stream_options", "echo", "suffix", "best_of", *_IGNORED, *_DEFAULT_ONLY,
+}  # fmt: skip
+
+
+class ApiError(Exception):
+    """An error the endpoint answers with `{"error": {...}}` (the OpenAI error body)."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str = ""):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+        self.code = code or {400: "invalid_request_error", 401: "invalid_api_key"}.get(
+            status, "error"
+        )
+
+    def body(self) -> dict[str, Any]:
+        kind = {
+            401: "authentication_error",
+            404: "not_found_error",
+            409: "conflict_error",
+            413: "invalid_request_error",
+            429: "rate_limit_error",
+        }
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind.get(self.status, "invalid_request_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Generation:
+    """What one request asks the engine for.
+
+    Attributes:
+      max_tokens: the most tokens to generate (per choice; per turn in a session).
+      n: choices.
+      stop: stop strings (the reply ends before the first one).
+      logprobs: return each generated token's behavior log-prob.
+      stream: answer as server-sent events.
+      include_usage: the stream's last chunk carries the usage.
+    """
+
+    max_tokens: int
+    n: int = 1
+    stop: tuple[str, ...] = ()
+    logprobs: bool = False
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ChatRequest:
+    """A checked `POST /v1/chat/completions` body."""
+
+    model: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]]
+    generation: Generation
+    session_id: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompletionRequest:
+    """A checked `POST /v1/completions` body."""
+
+    model: str
+    prompt: str
+    generation: Generation
+
+
+def _need(cond: bool, message: str, param: str) -> None:
+    if not cond:
+        raise ApiError(400, message, param=param)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _check_fields(body: Any, allowed: set[str]) -> None:
+    _need(isinstance(body, dict), "the request body must be a JSON object", None)
+    unknown = sorted(str(k)[:40] for k in body if k not in allowed)
+    _need(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown[:4])}", None)
+    for key in _IGNORED:
+        body.pop(key, None)
+    for key, defaults in _DEFAULT_ONLY.items():
+        value = body.get(key)
+        _need(
+            value is None or value in defaults,
+            f"{key}={json.dumps(value)[:40]} is not supported by this server",
+            key,
+        )
+
+
+def _generation(
+    body: dict[str, Any], sampling: SamplingConfig, *, max_tokens: int, default_tokens: int
+) -> Generation:
+    """The shared sampling fields; the server's sampler is the only one (module docstring)."""
+    for key, served in (
+        ("temperature", sampling.temperature),
+        ("top_p", sampling.top_p),
+        ("top_k", sampling.top_k),
+    ):
+        value = body.get(key)
+        if value is None:
+            continue
+        _need(_is_number(value), f"{key} must be a number", key)
+        _need(
+            math.isclose(value, served, rel_tol=1e-6) or (key == "top_k" and value == served),
+            f"{key}={value} differs from this server's sampler ({key}={served}): the behavior "
+            "log-probs are those of the server's one sampler (rollout.temperature, top_p, top_k)",
+            key,
+        )
+    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if tokens is None:
+        tokens = default_tokens
+    _need(
+        _is_int(tokens) and 1 <= tokens <= max_tokens,
+        f"max_tokens must be an integer in [1, {max_tokens}]",
+        "max_tokens",
+    )
+    n = body.get("n", 1) if body.get("n") is not None else 1
+    _need(_is_int(n) and 1 <= n <= MAX_N, f"n must be an integer in [1, {MAX_N}]", "n")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    _need(
+        isinstance(stop, list)
+        and len(stop) <= MAX_STOPS
+        and all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in stop),
+        f"stop must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+        f"{MAX_STOP_CHARS} characters",
+        "stop",
+    )
+    stream = body.get("stream") or False
+    _need(isinstance(stream, bool), "stream must be a boolean", "stream")
+    options = body.get("stream_options") or {}
+    _need(
+        isinstance(options, dict) and set(options) <= {"include_usage"},
+        "stream_options may only hold include_usage",
+        "stream_options",
+    )
+    logprobs = body.get("logprobs") or False
+    _need(
+        isinstance(logprobs, bool) or (_is_int(logprobs) and logprobs in (0, 1)),
+        "logprobs must be a boolean",
+        "logprobs",
+    )
+    return Generation(
+        max_tokens=tokens,
+        n=n,
+        stop=tuple(stop),
+        logprobs=bool(logprobs),
+        stream=stream,
+        include_usage=bool(options.get("include_usage")),
+    )
+
+
+def parse_chat(
+    body: Any,
+    sampling: SamplingConfig,
+    *,
+    max_tokens: int,
+    default_tokens: int,
+    max_messages: int,
+    session_id: str = "",
+) -> ChatRequest:
+    """Checks a chat completion body.
+
+    Raises:
+      ApiError: 400 naming the field.
+    """
+    _check_fields(body, _CHAT_FIELDS)
+    model = body.get("model")
+    _need(isinstance(model, str) and model, "model is required", "model")
+    messages = body.get("messages")
+    _need(
+        isinstance(messages, list) and 1 <= len(messages) <= max_messages,
+        f"messages must be a list of 1 to {max_messages} messages",
+        "messages",
+    )
+    messages = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
+    tools = body.get("tools") or []
+    _need(
+        isinstance(tools, list)
+        and all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        ),
+        'tools must be a list of {"type": "function", "function": {"name": ...}}',
+        "tools",
+    )
+    choice = body.get("tool_choice")
+    _need(choice in (None, "auto", "none"), "tool_choice must be auto or none", "tool_choice")
+    sid = body.get("session_id") or session_id
+    _need(isinstance(sid, str) and len(sid) <= 128, "session_id must be a string", "session_id")
+    return ChatRequest(
+        model=model,
+        messages=messages,
+        tools=[] if choice == "none" else tools,
+        generation=_generation(
+            body, sampling, max_tokens=max_tokens, default_tokens=default_tokens
+        ),
+        session_id=sid,
+    )
+
+
+def parse_completion(
+    body: Any, sampling: SamplingConfig, *, max_tokens: int, default_tokens: int
+) -> CompletionRequest:
+    """Checks a (legacy) completion body: one prompt string.
+
+    Raises:
+      ApiError: 400 naming the field.
+    """
+    _check_fields(body, _COMPLETION_FIELDS)
+    model = body.get("model")
+    _need(isinstance(model, str) and model, "model is required", "model")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    _need(isinstance(prompt, str) and prompt, "prompt must be one non-empty string", "prompt")
+    _need(not body.get("echo"), "echo is not supported", "echo")
+    _need(body.get("suffix") is None, "suffix is not supported", "suffix")
+    _need(body.get("best_of") in (None, 1), "best_of is not supported", "best_of")
+    if body.get("logprobs") is not None:  # an int here: the number of alternatives
+        _need(body["logprobs"] in (0, 1, True, False), "logprobs must be 0 or 1", "logprobs")
+    return CompletionRequest(
+        model=model,
+        prompt=prompt,
+        generation=_generation(
+            body, sampling, max_tokens=max_tokens, default_tokens=default_tokens
+        ),
+    )
+
+
+def normalize_message(message: Any, where: str) -> dict[str, Any]:
+    """A message as the chat template and the session rule see it: role, content as a string
+    (text parts joined; None = ""), and `tool_calls` / `tool_call_id` / `name` when present (the
+    client's extra None-valued fields, e.g. `refusal`, dropped).
+
+    Raises:
+      ApiError: 400 for anything else.
+    """
+    _need(isinstance(message, dict), f"{where} must be an object", where)
+    role = message.get("role")
+    _need(role in _ROLES, f"{where}.role must be one of {', '.join(_ROLES)}", where)
+    content = message.get("content")
+    if isinstance(content, list):
+        _need(
+            all(isinstance(p, dict) and p.get("type") == "text" for p in content),
+            f"{where}.content: only text parts are supported",
+            where,
+        )
+        content = "".join(str(p.get("text", "")) for p in content)
+    content = "" if content is None else content
+    _need(isinstance(content, str), f"{where}.content must be a string", where)
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": content}
+    calls = message.get("tool_calls")
+    if calls:
+        _need(role == "assistant" and isinstance(calls, list), f"{where}.tool_calls", where)
+        out["tool_calls"] = [
+            _normalize_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)
+        ]
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            _need(isinstance(message[key], str), f"{where}.{key} must be a string", where)
+            out[key] = message[key]
+    return out
+
+
+def _normalize_call(call: Any, where: str) -> dict[str, Any]:
+    ok = isinstance(call, dict) and isinstance(call.get("function"), dict)
+    _need(ok, f"{where} must be a function call", where)
+    fn = call["function"]
+    name, arguments = fn.get("name"), fn.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ApiError(400, f"{where}.function.arguments is not JSON", param=where) from None
+    _need(isinstance(name, str) and isinstance(arguments, dict), f"{where}: bad function", where)
+    # Arguments as a mapping: what HF chat templates render (`| tojson`).
+    return {
+        "id": str(call.get("id", "")),
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages as a chat template takes them (tool calls as HF's {name, arguments})."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        if "tool_calls" in m:
+            m["tool_calls"] = [
+                {"type": "function", "id": c["id"], "function": c["function"]}
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+def truncate_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """`text` before the first stop string, and whether one was found."""
+    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+    return (text, False) if cut < 0 else (text[:cut], True)
+
+
+def make_stop_when(tokenizer: Any, stops: Sequence[str]):
+    """The driver's `stop_when` for stop strings: decodes the turn's last tokens (enough for
+    the longest stop string) and looks for one."""
+    if not stops:
+        return None
+    window = 2 * max(len(s) for s in stops) + 8
+
+    def stop_when(ids: np.ndarray) -> bool:
+        tail = tokenizer.decode(ids[-window:])
+        return any(s in tail for s in stops)
+
+    return stop_when
+
+
+def assistant_message(text: str, *, tools: bool, call_prefix: str) -> dict[str, Any]:
+    """The reply as an OpenAI assistant message: with `tools`, the `<tool_call>` blocks become
+    `tool_calls` (ids `call_prefix` + index) and the text before them the content."""
+    if tools and "<tool_call>" in text.rsplit("</think>", 1)[-1]:
+        calls = []
+        for i, body in enumerate(find_tool_calls(text)):
+            try:
+                call = json.loads(body) if body is not None else None
+            except ValueError:
+                call = None
+            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+                continue
+            arguments = call.get("arguments", {})
+            calls.append(
+                {
+                    "id": f"{call_prefix}{i}",
+                    "type": "function",
+                    "function": {
+                        "name": call["name"],
+                        "arguments": arguments
+                        if isinstance(arguments, str)
+                        else json.dumps(arguments),
+                    },
+                }
+            )
+        if calls:
+            head = text[: text.find("<tool_call>")].strip()
+            return {"role": "assistant", "content": head or None, "tool_calls": calls}
+    return {"role": "assistant", "content": text}
+
+
+def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> list[dict]:
+    """OpenAI `logprobs.content`: each generated token with its behavior log-prob."""
+    out = []
+    for i, lp in zip(ids.tolist(), logprobs.tolist(), strict=True):
+        text = tokenizer.decode([i])
+        out.append(
+            {
+                "token": text,
+                "logprob": lp,
+                "bytes": list(text.encode()),
+                "top_logprobs": [],
+                "token_id": i,
+            }
+        )
+    return out

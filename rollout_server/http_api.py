@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP endpoint of sat-serve (`server.http_port`; docs/DESIGN.md §6.6).
+
+    POST /v1/chat/completions     chat (tools, n, stop, logprobs, stream, usage)
+    POST /v1/completions          one prompt string, no chat template
+    GET  /v1/models               the one served model
+    POST /sessions                an agent runner takes admitted sessions (`server.http_sessions`)
+    POST /sessions/{id}/v1/chat/completions   a session's request (or `session_id` in the body)
+    POST /sessions/{id}/end       ends a session, with its reward or none
+
+Every request carries `Authorization: Bearer <server.token>` when a token is set; bodies over
+`server.http_max_body_bytes` are refused before they are read, and every error is the OpenAI
+error body with its 4xx status. Requests run on the same engine, slots and weights as the
+rollouts; their log-probs are the behavior log-probs the engine records.
+
+aiohttp serves it (already a dependency of the stack through JetStream's and grpc's tooling, and
+one asyncio server in the process's own loop: no second server thread).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import logging
+import math
+import time
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from rollout_server.chat import (
+    ApiError,
+    Generation,
+    parse_chat,
+    parse_completion,
+    token_logprobs,
+)
+from rollout_server.sessions import Generator, Reply, SessionManager
+
+log = logging.getLogger(__name__)
+
+MAX_TAKE = 256
+MAX_TAKE_TIMEOUT_S = 60.0
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HttpLimits:
+    """The endpoint's bounds (`server.http_*`).
+
+    Attributes:
+      max_body_bytes: the largest request body read.
+      max_messages: messages per chat request.
+      max_requests: stateless requests generating at once (more get 429).
+      reap_every_s: how often idle sessions are looked for.
+    """
+
+    max_body_bytes: int
+    max_messages: int
+    max_requests: int
+    reap_every_s: float = 1.0
+
+
+class HttpApi:
+    """The aiohttp application over a `Generator` (and a `SessionManager` when sessions are on).
+
+    Args:
+      generator: the engine side.
+      sessions: the RL sessions, or None (the session routes then answer 404).
+      limits: the bounds.
+      token: the bearer token ("" = none).
+      model_name: what `/v1/models` lists.
+      default_tokens: max_tokens when a request names none (`rollout.max_new_tokens`).
+    """
+
+    def __init__(
+        self,
+        *,
+        generator: Generator,
+        sessions: SessionManager | None,
+        limits: HttpLimits,
+        token: str,
+        model_name: str,
+        default_tokens: int,
+    ):
+        self.gen, self.sessions, self.limits = generator, sessions, limits
+        self.token, self.model_name, self.default_tokens = token, model_name, default_tokens
+        self.in_flight = 0
+        self._runner: web.AppRunner | None = None
+        self._reaper: asyncio.Task | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.limits.max_body_bytes, middlewares=[self._middleware]
+        )
+        app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/sessions", self._take)
+        app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_post("/sessions/{sid}/end", self._end)
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        """Serves on `host:port` (0 = a free port); returns the port."""
+        if self.sessions is not None:
+            self.sessions.bind(asyncio.get_running_loop())
+            self._reaper = asyncio.create_task(self._reap())
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        await site.start()
+        return site._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(self.limits.reap_every_s)
+            try:
+                self.sessions.reap()
+            except Exception:
+                log.exception("reaping idle sessions failed")
+
+    @web.middleware
+    async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            if self.token:
+                given = request.headers.get("Authorization", "")
+                if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+                    raise ApiError(401, "bad or missing bearer token")
+            return await handler(request)
+        except ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPRequestEntityTooLarge:
+            e = ApiError(
+                413,
+                f"the body is larger than {self.limits.max_body_bytes} bytes "
+                "(server.http_max_body_bytes)",
+            )
+            return web.json_response(e.body(), status=413)
+        except web.HTTPException as e:  # 404 / 405 of the router
+            if e.status < 400:
+                raise
+            body = ApiError(e.status, e.reason or "error").body()
+            return web.json_response(body, status=e.status)
+
+    async def _json(self, request: web.Request) -> Any:
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise
+        try:
+            return json.loads(raw)
+        except (ValueError, RecursionError):
+            raise ApiError(400, "the body is not valid JSON") from None
+
+    async def _models(self, request: web.Request) -> web.Response:
+        model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sat-jax"}
+        return web.json_response({"object": "list", "data": [model]})
+
+    def _limits(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.gen.engine.max_decode_length,
+            "default_tokens": self.default_tokens,
+        }
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        req = parse_chat(
+            body,
+            self.gen.engine.sampling,
+            max_messages=self.limits.max_messages,
+            session_id=request.match_info.get("sid", ""),
+            **self._limits(),
+        )
+        gen = req.generation
+        if req.session_id:
+            if self.sessions is None:
+                raise ApiError(404, "this server runs no sessions (server.http_sessions)")
+            replies = [await self.sessions.chat(req)]
+        else:
+            ids = self.gen.prompt_ids(req.messages, req.tools)
+            replies = await self._stateless(
+                [
+                    self.gen.generate(ids, gen, tools=bool(req.tools), call_prefix=f"call_{i}_")
+                    for i in range(gen.n)
+                ]
+            )
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if gen.stream:
+            return await self._stream_chat(request, rid, req.model, replies, gen)
+        choices = [
+            {
+                "index": i,
+                "message": r.message,
+                "logprobs": self._logprobs(r) if gen.logprobs else None,
+                "finish_reason": r.finish_reason,
+            }
+            for i, r in enumerate(replies)
+        ]
+        out = {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": choices,
+            "usage": _usage(replies),
+        }
+        return web.json_response(out)
+
+    async def _stateless(self, coros: list) -> list[Reply]:
+        n = len(coros)
+        if self.in_flight + n > self.limits.max_requests:
+            for c in coros:
+                c.close()
+            raise ApiError(
+                429,
+                f"{self.limits.max_requests} requests are generating (server.http_max_requests)",
+            )
+        self.in_flight += n
+        try:
+            return list(await asyncio.gather(*coros))
+        finally:
+            self.in_flight -= n
+
+    def _logprobs(self, r: Reply) -> dict[str, Any]:
+        return {"content": token_logprobs(self.gen.tokenizer, r.ids, r.logprobs)}
+
+    async def _stream_chat(
+        self, request: web.Request, rid: str, model: str, replies: list[Reply], gen: Generation
+    ) -> web.StreamResponse:
+        """The replies as server-sent events: per choice its role, its content (one chunk; the
+        reply is sent when its turn ends) and its finish; then the usage if asked, and [DONE]."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time())}
+        head["model"] = model
+
+        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+            data = json.dumps({**head, "choices": choices, **extra})
+            await response.write(f"data: {data}\n\n".encode())
+
+        for i, r in enumerate(replies):
+            delta: dict[str, Any] = {"role": "assistant", "content": r.message.get("content")}
+            if r.message.get("tool_calls"):
+                delta["tool_calls"] = [
+                    {"index": k, **c} for k, c in enumerate(r.message["tool_calls"])
+                ]
+            logprobs = self._logprobs(r) if gen.logprobs else None
+            await send([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
+            await send([{"index": i, "delta": {}, "finish_reason": r.finish_reason}])
+        if gen.include_usage:
+            await send([], usage=_usage(replies))
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._json(request)
+        req = parse_completion(body, self.gen.engine.sampling, **self._limits())
+        gen = req.generation
+        ids = self.gen.tokenizer.encode(req.prompt)
+        self.gen.check_length(len(ids))
+        replies = await self._stateless(
+            [self.gen.generate(ids, gen, tools=False, call_prefix="") for _ in range(gen.n)]
+        )
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        choices = []
+        for i, r in enumerate(replies):
+            logprobs = None
+            if gen.logprobs:
+                content = token_logprobs(self.gen.tokenizer, r.ids, r.logprobs)
+                logprobs = {
+                    "tokens": [c["token"] for c in content],
+                    "token_logprobs": [c["logprob"] for c in content],
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
+            choices.append(
+                {
+                    "index": i,
+                    "text": r.message["content"],
+                    "logprobs": logprobs,
+                    "finish_reason": r.finish_reason,
+                }
+            )
+        out = {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": choices,
+            "usage": _usage(replies),
+        }
+        if gen.stream:
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            await response.write(f"data: {json.dumps(out)}\n\n".encode())
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        return web.json_response(out)
+
+    async def _take(self, request: web.Request) -> web.Response:
+        if self.sessions is None:
+            raise ApiError(404, "this server runs no sessions (server.http_sessions)")
+        body = await self._json(request)
+        if not isinstance(body, dict) or set(body) - {"max_sessions", "timeout_s"}:
+            raise ApiError(400, "the body takes max_sessions and timeout_s")
+        n, timeout = body.get("max_sessions", 1), body.get("timeout_s", 0.0)
+        if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_TAKE):
+            raise ApiError(400, f"max_sessions must be in [1, {MAX_TAKE}]", param="max_sessions")
+        ok = isinstance(timeout, int | float) and not isinstance(timeout, bool)
+        if not (ok and math.isfinite(timeout) and 0 <= timeout <= MAX_TAKE_TIMEOUT_S):
+            raise ApiError(
+                400, f"timeout_s must be in [0, {MAX_TAKE_TIMEOUT_S}]", param="timeout_s"
+            )
+        taken = await self.sessions.take(n, float(timeout))
+        sessions = [
+            {
+                "session_id": s.id,
+                "group_id": s.tag[0],
+                "prompt": {"id": s.prompt.id, "text": s.prompt.text},
+                "answer": s.prompt.answer,
+            }
+            for s in taken
+        ]
+        return web.json_response({"sessions": sessions})
+
+    async def _end(self, request: web.Request) -> web.Response:
+        if self.sessions is None:
+            raise ApiError(404, "this server runs no sessions (server.http_sessions)")
+        body = await self._json(request) if request.can_read_body else {}
+        if not isinstance(body, dict) or set(body) - {"reward"}:
+            raise ApiError(400, "the body takes only reward")
+        reward = body.get("reward")
+        if reward is not None and not (
+            isinstance(reward, int | float)
+            and not isinstance(reward, bool)
+            and math.isfinite(reward)
+        ):
+            raise ApiError(400, "reward must be a finite number", param="reward")
+        s = self.sessions.end(request.match_info["sid"], reward)
+        return web.json_response({"session_id": s.id, "reward": s.reward, "turns": s.turns})
+
+
+def _usage(replies: list[Reply]) -> dict[str, int]:
+    prompt = replies[0].prompt_tokens if replies else 0
+    completion = sum(len(r.ids) for r in replies)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
