@@ -84,7 +84,6 @@ class RolloutServer:
 
     def __init__(self, cfg: ExperimentConfig, store: StateStore):
         self.cfg = cfg
-        s, r = cfg.server, cfg.rollout
         self.store = store
         self.fatal: BaseException | None = None
         self.tokenizer = make_tokenizer(cfg)
@@ -99,27 +98,19 @@ class RolloutServer:
             initial_model(cfg, mesh),
             mesh=mesh,
             tokenizer=self.tokenizer,
-            slots=s.slots,
-            max_prefill_length=s.max_prefill_length,
+            slots=cfg.server.slots,
+            max_prefill_length=cfg.server.max_prefill_length,
             max_decode_length=cfg.completion_tokens,  # an episode's, multi-turn
-            sampling=SamplingConfig.from_rollout(r),
-            seed=s.seed,
+            sampling=SamplingConfig.from_rollout(cfg.rollout),
+            seed=cfg.server.seed,
         )
         self.loader = weights.WeightsLoader(
-            s.checkpoint_root,
+            cfg.server.checkpoint_root,
             cfg.model.lora,
             lora_adapters(cfg, mesh) if cfg.model.lora.rank else None,
         )
-        persisted = store.load()
-        if persisted.checkpoint_path and not self._reload(
-            persisted.version, persisted.checkpoint_path, persisted.base_path
-        ):
-            # Back to the initial weights: the next UpdateWeights starts a fresh admission epoch.
-            persisted.version, persisted.checkpoint_path, persisted.base_path = 0, "", ""
-            persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
-            store.save(persisted)
+        self._restore_weights()
         params = self.engine.load_params()
-        prompts, rows_skipped = prompt_source(cfg.task)
         self.driver = RolloutDriver(
             prefill_engines=[self.engine],
             generate_engines=[self.engine],
@@ -129,42 +120,57 @@ class RolloutServer:
             jax_padding=False,
         )
         self.generator = Generator(self.driver, self.engine, self.tokenizer)
-        self.sessions = (
-            SessionManager(
-                self.generator,
-                make_reward(cfg.task.reward),
-                SessionLimits(max_sessions=s.http_max_sessions, idle_s=s.http_session_idle_s),
-            )
-            if s.http_sessions
-            else None
-        )
-        if self.sessions is not None and not cfg.task.chat_template:
-            raise ValueError("server.http_sessions needs task.chat_template: true")
-        self.loop = RolloutLoop(
-            driver=self.driver,
-            engine=self.engine,
-            prompts=prompts,
-            reward_fn=make_reward(cfg.task.reward),
-            tokenizer=self.tokenizer,
-            cfg=r,
-            store=store,
-            wait_for_weights=s.wait_for_weights,
-            max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
-            rows_skipped=rows_skipped,
-            lease_s=s.lease_s,
-            episodes=(
-                EpisodeRunner(load_environment(cfg.task.env), cfg.task.env_config, self.tokenizer)
-                if cfg.task.multi_turn and self.sessions is None
-                else None
-            ),
-            sessions=self.sessions,
-        )
+        self.sessions = self._session_manager()
+        self.loop = self._rollout_loop()
         self.metrics = ServerMetrics(
             self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()
         )
         self.grpc_server: grpc.aio.Server | None = None
         self.service: RolloutService | None = None
         self.http: HttpApi | None = None
+
+    def _restore_weights(self) -> None:
+        """Installs the weights the state directory names; when they cannot be loaded, goes
+        back to the initial weights (the next UpdateWeights starts a fresh admission epoch)."""
+        persisted = self.store.load()
+        if persisted.checkpoint_path and not self._reload(
+            persisted.version, persisted.checkpoint_path, persisted.base_path
+        ):
+            persisted.version, persisted.checkpoint_path, persisted.base_path = 0, "", ""
+            persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
+            self.store.save(persisted)
+
+    def _session_manager(self) -> SessionManager | None:
+        """With ``server.http_sessions``, the manager of the HTTP agents' sessions."""
+        s = self.cfg.server
+        if not s.http_sessions:
+            return None
+        limits = SessionLimits(max_sessions=s.http_max_sessions, idle_s=s.http_session_idle_s)
+        return SessionManager(self.generator, make_reward(self.cfg.task.reward), limits)
+
+    def _rollout_loop(self) -> RolloutLoop:
+        """The admission and generation loop over the configured prompts."""
+        cfg, s = self.cfg, self.cfg.server
+        prompts, rows_skipped = prompt_source(cfg.task)
+        episodes = None
+        if cfg.task.multi_turn and self.sessions is None:
+            env = load_environment(cfg.task.env)
+            episodes = EpisodeRunner(env, cfg.task.env_config, self.tokenizer)
+        return RolloutLoop(
+            driver=self.driver,
+            engine=self.engine,
+            prompts=prompts,
+            reward_fn=make_reward(cfg.task.reward),
+            tokenizer=self.tokenizer,
+            cfg=cfg.rollout,
+            store=self.store,
+            wait_for_weights=s.wait_for_weights,
+            max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
+            rows_skipped=rows_skipped,
+            lease_s=s.lease_s,
+            episodes=episodes,
+            sessions=self.sessions,
+        )
 
     def _reload(self, version: int, path: str, base_path: str) -> bool:
         """Installs the persisted weights (under LoRA, the adapters over their base); False
@@ -230,20 +236,7 @@ class RolloutServer:
             self.metrics.serve(s.metrics_port, s.metrics_host)
         await self.grpc_server.start()
         if s.http_port:
-            self.http = HttpApi(
-                generator=self.generator,
-                sessions=self.sessions,
-                limits=HttpLimits(
-                    max_body_bytes=s.http_max_body_bytes,
-                    max_messages=s.http_max_messages,
-                    max_requests=s.http_max_requests,
-                ),
-                token=s.token,
-                model_name=self.cfg.model.hf_path.rstrip("/").rsplit("/", 1)[-1] or "sat-jax",
-                default_tokens=self.cfg.rollout.max_new_tokens,
-            )
-            self.http_port = await self.http.start(s.host, s.http_port)
-            log.info("HTTP (OpenAI-compatible) on %s:%d", s.host, self.http_port)
+            await self._start_http()
         self.loop.start()
         log.info(
             "serving on %s:%d (metrics port %d), weights version %d",
@@ -254,6 +247,24 @@ class RolloutServer:
         )
         if s.wait_for_weights and not self.loop.persisted.checkpoint_path:
             log.info("waiting for the first UpdateWeights before generating")
+
+    async def _start_http(self) -> None:
+        """The OpenAI-compatible endpoint on ``server.http_port``, over the same engine."""
+        s = self.cfg.server
+        self.http = HttpApi(
+            generator=self.generator,
+            sessions=self.sessions,
+            limits=HttpLimits(
+                max_body_bytes=s.http_max_body_bytes,
+                max_messages=s.http_max_messages,
+                max_requests=s.http_max_requests,
+            ),
+            token=s.token,
+            model_name=self.cfg.model.hf_path.rstrip("/").rsplit("/", 1)[-1] or "sat-jax",
+            default_tokens=self.cfg.rollout.max_new_tokens,
+        )
+        self.http_port = await self.http.start(s.host, s.http_port)
+        log.info("HTTP (OpenAI-compatible) on %s:%d", s.host, self.http_port)
 
     async def stop(self) -> None:
         """Stops the rollout loop (saving its state), the gRPC server (1 s grace), the driver,

@@ -154,6 +154,8 @@ class ExperimentConfig:
                 )
             if self.task.chat_template:
                 raise ValueError("task.chat_template needs task.tokenizer 'hf'")
+        if self.server.http_sessions and not self.task.chat_template:
+            raise ValueError("server.http_sessions needs task.chat_template: true")
         elif not self.tokenizer_path:
             raise ValueError("task.tokenizer 'hf' needs task.tokenizer_path or model.hf_path")
         for i in self.rollout.stop_token_ids:
