@@ -154,10 +154,10 @@ class ExperimentConfig:
                 )
             if self.task.chat_template:
                 raise ValueError("task.chat_template needs task.tokenizer 'hf'")
-        if self.server.http_sessions and not self.task.chat_template:
-            raise ValueError("server.http_sessions needs task.chat_template: true")
         elif not self.tokenizer_path:
             raise ValueError("task.tokenizer 'hf' needs task.tokenizer_path or model.hf_path")
+        if self.server.http_sessions and not self.task.chat_template:
+            raise ValueError("server.http_sessions needs task.chat_template: true")
         for i in self.rollout.stop_token_ids:
             if i >= self.model.vocab_size:
                 raise ValueError(
