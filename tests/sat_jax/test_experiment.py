@@ -555,3 +555,10 @@ def test_a_part_built_by_hand_is_checked_too():
         dataclasses.replace(TrainConfig().optimizer, learning_rate=0.0)
     with pytest.raises(ValueError, match="keep must be positive"):
         dataclasses.replace(TrainConfig().checkpoint, keep=0)
+
+
+def test_http_sessions_need_a_chat_template_and_an_http_port():
+    with pytest.raises(ConfigError, match="server.http_sessions needs task.chat_template"):
+        load_config(None, ["server.http_port=9100", "server.http_sessions=true"])
+    with pytest.raises(ConfigError, match="http_sessions needs an http_port"):
+        load_config(None, ["server.http_sessions=true"])
