@@ -33,10 +33,10 @@ def test_the_example_agent_trains(tmp_path):
     env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "train", "--config", str(REPO / "configs/http_agent_gsm8k.yaml"),
            f"model.hf_path={d.path}", f"task.path={d.data}", "train.steps=1",
-           f"train.run_dir={run_dir}", "train.eval_problems=0", "rollout.batch_groups=1",
+           f"train.run_dir={run_dir}", "train.eval.problems=0", "rollout.batch_groups=1",
            "rollout.group_size=2", "rollout.max_new_tokens=8", "task.max_episode_tokens=32",
            "server.max_prefill_length=128", "model.max_seq_len=256", f"server.http_port={port}",
-           "train.server_wait_s=300"]  # fmt: skip
+           "train.client.wait_s=300"]  # fmt: skip
     stop, done = threading.Event(), []
     workers = [
         threading.Thread(
