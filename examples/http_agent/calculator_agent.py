@@ -22,7 +22,7 @@ from typing import Any
 import openai
 
 from sat_jax.tasks.envs.calculator import CALCULATOR_TOOL
-from sat_jax.tasks.envs.evaluator import calculate
+from sat_jax.tasks.envs.expression import calculate
 
 SYSTEM = 'Use the calculator tool for arithmetic. Put the final answer after "####".'
 log = logging.getLogger("calculator_agent")
