@@ -25,16 +25,31 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 64
 MAX_N = 16
 _ROLES = ("system", "developer", "user", "assistant", "tool")
-# Fields the official client may send that change nothing here (or only when at their default).
-_IGNORED = ("user", "metadata", "store", "parallel_tool_calls", "service_tier", "seed")
-_DEFAULT_ONLY = {
-    "presence_penalty": (0, 0.0),
-    "frequency_penalty": (0, 0.0),
-    "logit_bias": ({},),
-    "top_logprobs": (0,),
-    "response_format": ({"type": "text"},),
-    "reasoning_effort": (),
-    "modalities": (["text"],),
+# A label for the provider's abuse monitoring: nothing to honour in the reply.
+_IGNORED = ("user",)
+_UNSUPPORTED = "is not supported by this server"
+# Fields accepted only at the values this server honours (a default, or what it does anyway);
+# any other value is a 400 with the reason, never accepted and ignored.
+_DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
+    "presence_penalty": ((0, 0.0), _UNSUPPORTED),
+    "frequency_penalty": ((0, 0.0), _UNSUPPORTED),
+    "logit_bias": (({},), _UNSUPPORTED),
+    "top_logprobs": ((0,), _UNSUPPORTED),
+    "response_format": (({"type": "text"},), _UNSUPPORTED),
+    "reasoning_effort": ((), _UNSUPPORTED),
+    "modalities": ((["text"],), _UNSUPPORTED),
+    "seed": (
+        (),
+        "cannot be honoured: the engine samples every slot from one PRNG key stream, so a "
+        "request's seed cannot fix its tokens",
+    ),
+    "store": ((False,), "is not supported: this server stores no completions"),
+    "metadata": (({},), "is not supported: it tags stored completions and none are stored"),
+    "parallel_tool_calls": (
+        (True,),
+        "is not supported: every tool call the model writes in a reply is returned",
+    ),
+    "service_tier": (("auto", "default"), "is not supported: this server has one tier"),
 }
 _CHAT_FIELDS = {
     "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
@@ -135,13 +150,11 @@ def _check_fields(body: Any, allowed: set[str]) -> None:
     _need(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown[:4])}", None)
     for key in _IGNORED:
         body.pop(key, None)
-    for key, defaults in _DEFAULT_ONLY.items():
+    for key, (accepted, why) in _DEFAULT_ONLY.items():
         value = body.get(key)
-        _need(
-            value is None or value in defaults,
-            f"{key}={json.dumps(value)[:40]} is not supported by this server",
-            key,
-        )
+        # By type too: `True == 1` would let a boolean pass for a number and the reverse.
+        ok = value is None or any(type(value) is type(a) and value == a for a in accepted)
+        _need(ok, f"{key}={json.dumps(value)[:40]} {why}", key)
 
 
 def _generation(

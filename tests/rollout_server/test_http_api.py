@@ -71,6 +71,10 @@ REASONING_TEMPLATE = (
 REASONING_MESSAGES = [{"role": "user", "content": "Think, then add 5 and 7. " * 12}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "5 + 7"}}</tool_call>'
 TOKEN = "secret-token"
+# Fields accepted only at the values the server honours (rollout_server/chat.py).
+HONOURED_ONLY = (
+    "seed", "store", "metadata", "parallel_tool_calls", "service_tier", "presence_penalty",
+)  # fmt: skip
 IDLE_S = 30.0
 
 
@@ -477,6 +481,13 @@ def _post(live, path, data, headers=None):
         (json.dumps({"model": "m", "messages": [{"role": "x"}]}), None, 400, None),
         (json.dumps({"model": "m", "messages": SESSION_MESSAGES * 17}), None, 400, None),
         (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "session_id": "nope"}), None, 404, None),
+        # Accepted only where honoured: a seed cannot be (one PRNG stream for every slot).
+        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "seed": 3}), None, 400, "seed"),
+        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "store": True}), None, 400, "store"),
+        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "metadata": {"a": "b"}}), None, 400, "metadata"),
+        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "parallel_tool_calls": False}), None, 400, "parallel_tool_calls"),
+        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "service_tier": "flex"}), None, 400, "service_tier"),
+        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "presence_penalty": True}), None, 400, "presence_penalty"),
     ],
 )  # fmt: skip
 def test_hostile_requests_get_4xx_and_the_server_serves_on(live, data, headers, status, code):
@@ -484,10 +495,33 @@ def test_hostile_requests_get_4xx_and_the_server_serves_on(live, data, headers, 
     assert r.status_code == status
     error = r.json()["error"]
     assert error["message"]
-    if code:
+    if code in HONOURED_ONLY:  # a field accepted only where honoured: named, with the reason
+        assert error["param"] == code and error["type"] == "invalid_request_error"
+        assert error["message"].startswith(f"{code}=") and len(error["message"]) > 30
+    elif code:
         assert error["code"] == code or error["type"] == code
     out = _client(live).chat.completions.create(model="m", messages=STATELESS_MESSAGES)
     assert out.choices[0].message.content == "7 + 5 = 12"
+
+
+def test_the_fields_at_the_values_honoured_are_accepted(live):
+    """The official client's fields at the values this server honours (or null) pass; a seed
+    only as null."""
+    out = _client(live).chat.completions.create(
+        model="m",
+        messages=STATELESS_MESSAGES,
+        seed=None,
+        store=False,
+        metadata={},
+        parallel_tool_calls=True,
+        service_tier="auto",
+        presence_penalty=0.0,
+        user="agent-7",
+    )
+    assert out.choices[0].message.content == "7 + 5 = 12"
+    with pytest.raises(openai.BadRequestError, match="one PRNG key stream") as e:
+        _client(live).chat.completions.create(model="m", messages=STATELESS_MESSAGES, seed=0)
+    assert e.value.param == "seed"
 
 
 def test_no_token_is_refused_by_the_client(live):
