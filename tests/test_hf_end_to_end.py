@@ -540,7 +540,7 @@ def _check_multi_turn_routing_replay(d, config, env, groups) -> None:
     )
     batch, _ = batching.assemble_batch(selection, spec, trainer_version=0)
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
-    optimizer = cfg.train.optimizer.make()
+    optimizer = cfg.train.optimizer.make(cfg.train.steps)
     state = create_train_state(cfg.model, optimizer, mesh, params)
     _, m = train_main.make_step_fn(cfg, optimizer, mesh)(state, shard_batch(batch, mesh))
     m = jax.device_get(m)

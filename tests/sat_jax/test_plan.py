@@ -17,6 +17,7 @@ import pytest
 from sat_jax import sharding
 from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import LoRAConfig, ModelConfig, placement
+from sat_jax.plan import __main__ as plan_command
 from sat_jax.plan import memory as plan
 from sat_jax.plan import programs, topology
 from sat_jax.plan.__main__ import main as plan_main
@@ -227,8 +228,10 @@ def _compiled_steps(monkeypatch, argv: list[str]) -> list[tuple]:
     monkeypatch.setattr(programs, "compile_train_step", compile_train_step)
     monkeypatch.setattr(topology, "topology_devices", lambda name: jax.devices()[:4])
     monkeypatch.setattr(topology, "chip_of", lambda devices, hbm_gib=None: topology.CHIPS["TPU v5"])
+    # The entry point keeps libtpu off the network through the environment: not in this process.
+    monkeypatch.setattr(plan_command, "_offline_libtpu", lambda name: None)
     with pytest.raises(_Compiled):
-        plan.main(argv)
+        plan_main(argv)
     return calls
 
 

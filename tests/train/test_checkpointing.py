@@ -255,7 +255,9 @@ def test_a_background_save_holds_its_steps_state_while_the_next_steps_donate_it(
     cfg = load_config(None, [])
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     optimizer = cfg.train.optimizer.make(cfg.train.steps)
-    step_fn = make_train_step(cfg.model, optimizer, cfg.train.loss, mesh, routing_replay=False)
+    step_fn = make_train_step(
+        cfg.model, optimizer, StepConfig(loss=cfg.train.loss, routing_replay=False), mesh
+    )
     batch = shard_batch(_lora_batch(cfg), mesh)
     state = init_train_state(cfg.model, optimizer, mesh, 0)
     state, _ = step_fn(state, batch)
