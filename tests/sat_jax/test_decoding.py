@@ -289,12 +289,13 @@ def test_episode_routing_is_recorded_and_replayed_like_single_turn() -> None:
         turns[i] = turns.get(i, 0) + 1
         return [41, 42, 43 + i, 5, 9] if turns[i] < 3 else None
 
+    prompts = PROMPTS[:3]  # more than the slots: a slot is refilled; each is checked eagerly
     episodes = completions.complete_episodes(
-        core, params, PROMPTS, stop_ids=(), turn_tokens=MAX_NEW, after_turn=after_turn
+        core, params, prompts, stop_ids=(), turn_tokens=MAX_NEW, after_turn=after_turn
     )
-    singles = completions.complete(core, params, PROMPTS)
+    singles = completions.complete(core, params, prompts)
     multi_err, single_err = [], []
-    for prompt, c, s in zip(PROMPTS, episodes, singles, strict=True):
+    for prompt, c, s in zip(prompts, episodes, singles, strict=True):
         inserted = ~np.asarray(c.generated)
         assert c.routing.shape == (len(c.ids), CFG.num_moe_layers, CFG.num_experts_per_tok)
         err, live = _replayed_error(model, prompt, c, 0.8)
