@@ -742,7 +742,7 @@ def plot_q_reach(runs: dict[Cell, dict], path: pathlib.Path) -> None:
 # Entry point.
 
 SMOKE = [
-    "--steps", "4", "--seeds", "1", "--lags", "128", "--lrs", "1e-3",
+    "--steps", "4", "--seeds", "1", "--lags", "2", "128", "--lrs", "1e-3",
     "--methods", "GRPO+SAT", *LARGE_LAG,
     "--knob-lag", "2", "--knob-quantiles", "0.8", "--knob-exponents", "1", "--gspo-lags", "2",
     "--gspo-methods", "GSPOwide+SAT", "--workers", "1", "--eval-every", "2",

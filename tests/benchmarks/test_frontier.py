@@ -145,7 +145,7 @@ def check_smoke_output(out: pathlib.Path) -> None:
     main = [
         f"{m}_lag{lag}_lr0.001_seed0.jsonl"
         for m in ("GRPO+SAT", *frontier.LARGE_LAG)
-        for lag in (128,)
+        for lag in (2, 128)
     ]
     knobs_and_gspo = [
         "GRPO+SAT_lag2_lr0.001_q0.8_p1_seed0.jsonl",
