@@ -4,6 +4,35 @@ One small JSON file, replaced atomically (write to a unique temporary name, fsyn
 the directory), so a killed server restarts at the same prompt position and re-issues every prompt
 whose group the trainer has not acknowledged. The directory is locked (`fcntl.flock`) while a
 server uses it: a second server on the same `state_dir` is refused (`StateDirLockedError`).
+
+**Group commit** (docs/DESIGN.md §6.4). The loop never writes under its lock: it hands every state
+change to `StateStore.submit` (a shallow snapshot, numbered), and one writer thread writes the
+newest snapshot not yet written, serializing and fsyncing outside every lock the RPCs take. At most
+one write is in flight; changes that arrive while it runs go together into the next one (only the
+newest snapshot is written: each covers every change numbered up to it). An RPC whose reply
+depends on a change waits, outside the loop's lock, for the write that covers it
+(`StateStore.wait`); changes no reply has revealed yet are written when the writer gets to them.
+What must be on disk before which reply, for exactly-once across kill -9:
+
+- **Ack, and a Pull that carries acknowledgements**: the acknowledgement. The trainer forgets an
+  acknowledgement once a reply confirms it; lost in a crash, the restarted server would re-issue a
+  group the trainer trained, and count it once more (consumed, and admission's `epoch_used` when
+  the trainer rejects the repeat).
+- **A Pull that returns groups**: the dispatch of each group (its `group_id`, its prompt, the prompt
+  position after it, and the `server_id` the reply names it by). Lost, a restarted server would
+  draw that prompt again, and under a fresh `server_id` (none saved yet) deliver it as a new group.
+  A group finishes long after its dispatch, so that write is almost always done: a Pull waits for
+  nothing in practice.
+- **UpdateWeights**: the installed version, path and admission epoch, so a restarted server reloads
+  the weights the trainer was told it holds.
+- **A dispatch, a skipped prompt, a dropped group**: nothing waits. Until a reply reveals them they
+  can be lost: a restart re-draws the same prompts from the saved position under the same group
+  ids (or re-issues the dropped group), as if the server had been killed just before them.
+
+A failed write (a full disk) changes nothing in memory: it is logged, the RPCs waiting for it are
+answered as the synchronous save did (the state stays in memory, the reply goes out), and the
+newest snapshot is written again at the next change, at every `retry` (each turn of the loop) and
+at shutdown (`flush`).
 """
 
 from __future__ import annotations
@@ -12,11 +41,15 @@ import contextlib
 import dataclasses
 import fcntl
 import json
+import logging
 import os
 import pathlib
 import tempfile
+import threading
 import uuid
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _FILE = "rollout_state.json"
 _LOCK = "lock"
@@ -73,6 +106,9 @@ class StateStore:
     """Saves and loads `RolloutState` in `directory` ("" = keep nothing), holding the directory's
     lock until `close` (or the process's exit).
 
+    `save` writes synchronously. `submit`, `wait`, `retry` and `flush` commit in groups: one
+    writer thread at a time, started when a snapshot waits for it and ended when none does.
+
     Raises:
       StateDirLockedError: another process holds `directory`.
     """
@@ -83,9 +119,19 @@ class StateStore:
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._lock_fd = _lock(self.path.parent / _LOCK)
+        self._cond = threading.Condition()
+        self._latest: RolloutState | None = None  # the snapshot numbered `_submitted`
+        self._submitted = 0  # the number of the newest snapshot
+        self._attempted = 0  # the newest one whose write has ended (done or failed)
+        self._durable = 0  # the newest one on disk
+        self._writing = False  # a writer thread runs
+        self.failed = False  # the last write failed
+        self.writes = 0  # writes attempted (for benchmarks and logs)
 
     def close(self) -> None:
-        """Releases the directory's lock."""
+        """Waits for the write in flight (if any), then releases the directory's lock."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._writing)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
@@ -122,6 +168,101 @@ class StateStore:
             os.fsync(directory)
         finally:
             os.close(directory)
+
+    # Group commit.
+
+    def submit(self, state: RolloutState) -> int:
+        """Snapshots `state` for the writer and returns the snapshot's number (for `wait`).
+
+        Cheap (the lists are copied, not their records): call it under the lock that guards
+        `state`, so the snapshot is consistent. The snapshot shares `state`'s records and
+        iterator state, which the loop replaces and never mutates.
+        """
+        snapshot = dataclasses.replace(
+            state, unfinished=list(state.unfinished), epoch_excluded=list(state.epoch_excluded)
+        )
+        with self._cond:
+            self._submitted += 1
+            self._latest = snapshot
+            if self.path is None:  # nothing to write: every snapshot is as durable as it gets
+                self._attempted = self._durable = self._submitted
+            else:
+                self._start_writer_locked()
+            return self._submitted
+
+    def wait(self, seq: int) -> bool:
+        """Blocks until the write covering snapshot `seq` has ended; whether it is on disk (False:
+        that write failed, see the module's docstring). Never call it holding the lock `submit`
+        is called under: the writer takes no lock of the caller's, but the caller's RPCs would
+        queue behind the disk."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._attempted >= seq)
+            return self._durable >= seq
+
+    @property
+    def durable(self) -> int:
+        """The number of the newest snapshot on disk (with no directory: the newest)."""
+        with self._cond:
+            return self._durable
+
+    @property
+    def submitted(self) -> int:
+        """The number of the newest snapshot (0 = none yet)."""
+        with self._cond:
+            return self._submitted
+
+    def retry(self) -> int:
+        """Writes the newest snapshot again if the last write failed and none is pending;
+        returns the number to `wait` for (0 = nothing to retry)."""
+        with self._cond:
+            if not self.failed or self._latest is None:
+                return 0
+            if self._submitted == self._attempted:
+                self._submitted += 1  # the same snapshot, numbered again
+                self._start_writer_locked()
+            return self._submitted
+
+    def flush(self) -> bool:
+        """Writes every change submitted so far (retrying a failed write once) and waits; whether
+        all of it is on disk."""
+        return self.wait(self.retry() or self.submitted)
+
+    def _start_writer_locked(self) -> None:
+        if not self._writing:
+            self._writing = True
+            threading.Thread(
+                target=self._write_all, name="rollout-state-writer", daemon=True
+            ).start()
+
+    def _write_all(self) -> None:
+        """The writer: writes the newest snapshot until every one submitted has been tried."""
+        with self._cond:
+            while self._attempted < self._submitted:
+                seq, snapshot = self._submitted, self._latest
+                self._cond.release()
+                error = None
+                try:
+                    self.save(snapshot)
+                except Exception as e:  # OSError (a full disk); anything else is logged alike
+                    error = e
+                finally:
+                    self._cond.acquire()
+                self._ended_locked(seq, error)
+            self._writing = False
+            self._cond.notify_all()
+
+    def _ended_locked(self, seq: int, error: Exception | None) -> None:
+        self.writes += 1
+        self._attempted = seq
+        if error is None:
+            if self.failed:
+                log.info("the rollout state is saved again")
+            self._durable, self.failed = seq, False
+        else:
+            if not self.failed:
+                log.error("cannot save the rollout state (%s); retrying until it succeeds", error)
+            self.failed = True
+        self._cond.notify_all()
 
 
 def new_server_id() -> str:

@@ -27,10 +27,13 @@ trainer killed before acknowledging) puts the groups back at the front of the qu
 group reaches the trainer at least once; the trainer drops repeats by (server_id, group_id).
 Leased groups count as queued for admission and for the queue's capacity.
 
-Every dispatch and every acknowledgement saves the prompt position and the prompts not yet
-acknowledged (`persistence.StateStore`), so a restarted server re-issues them before drawing new
-ones. A failed save (e.g. a full disk) changes nothing in memory: it is logged and retried on the
-loop's next turn until one succeeds.
+Every dispatch and every acknowledgement hands the prompt position and the prompts not yet
+acknowledged to the store's writer (`persistence.StateStore`, group commit: written outside the
+loop's lock), so a restarted server re-issues them before drawing new ones. A reply that reveals a
+change (an Ack, a Pull's acknowledgements and the dispatch of the groups it returns, an
+UpdateWeights) waits, outside the lock, until the change is on disk (docs/DESIGN.md §6.4). A failed
+save (e.g. a full disk) changes nothing in memory: it is logged and retried on the loop's next turn
+until one succeeds.
 """
 
 from __future__ import annotations
@@ -72,6 +75,7 @@ class _RunningGroup:
     # Multi-turn: each sample's episode, and the samples whose environment failed mid-episode.
     episodes: dict[int, Episode] = dataclasses.field(default_factory=dict)
     env_failed: set[int] = dataclasses.field(default_factory=set)
+    seq: int = 0  # the state snapshot that holds its dispatch (`StateStore.submit`)
 
 
 def admission_budget(
@@ -186,7 +190,8 @@ class RolloutLoop:
         self._clock = clock
         # group id -> (the group, when its lease ends), in lease order.
         self._leased: dict[int, tuple[rollout_pb2.Group, float]] = {}
-        self._save_failed = False
+        # Queued groups whose dispatch was not on disk yet when they finished: id -> snapshot.
+        self._undurable: dict[int, int] = {}
         self._run_seen = self._clock()  # the attached run's last call (or the start)
         self._state = store.load()
         if not self._state.server_id:
@@ -225,14 +230,15 @@ class RolloutLoop:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stops the loop, waits (up to 10 s) for its thread and saves the state once more if
-        the last save failed."""
+        """Stops the loop, waits (up to 10 s) for its thread and saves the state once more (every
+        change not yet written, or a failed save, is on disk once this returns, unless that write
+        fails too)."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         with self._lock:
-            if self._save_failed:
-                self._save_locked()
+            seq = self._save_locked()
+        self._store.wait(seq)
 
     def alive(self) -> bool:
         """Whether the loop's thread runs and has not been asked to stop."""
@@ -290,12 +296,14 @@ class RolloutLoop:
         finished groups (waiting up to `timeout_s` for the first).
 
         Taking groups off the queue and leasing them happen under the loop's lock, in one step:
-        in between, admission would see them in no count and start a group too many.
+        in between, admission would see them in no count and start a group too many. The reply
+        waits (outside the lock) until the acknowledgements and the returned groups' dispatches
+        are on disk (docs/DESIGN.md §6.4).
         """
-        if ack or reject:
-            self.ack(ack, reject=reject, run_id=run_id)
+        seq = self._ack(ack, reject, run_id)[1] if ack or reject else 0
         self._touch(run_id)
         if not self.queue.wait(timeout_s):
+            self._store.wait(seq)
             return []
         with self._lock:
             groups = self.queue.get_many(max_groups, 0.0)
@@ -312,6 +320,8 @@ class RolloutLoop:
             until = self._clock() + self._lease_s
             for g in groups:
                 self._leased[g.group_id] = (g, until)
+                seq = max(seq, self._undurable.pop(g.group_id, 0))
+        self._store.wait(seq)
         return groups
 
     def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
@@ -324,7 +334,15 @@ class RolloutLoop:
         epoch's `epoch_used` grows by their number, so admission starts as many replacements;
         except a group outstanding before the epoch began (`epoch_excluded`), which the epoch
         never counted: rejected, it stays uncounted; trained, it now counts.
+
+        Returns once the acknowledgement is on disk (docs/DESIGN.md §6.4).
         """
+        acked, seq = self._ack(group_ids, reject, run_id)
+        self._store.wait(seq)
+        return acked
+
+    def _ack(self, group_ids: Sequence[int], reject: Sequence[int], run_id: str) -> tuple[int, int]:
+        """`ack` without waiting: (groups removed, the snapshot a reply must wait for)."""
         self._touch(run_id)
         rejected = set(reject)
         ids = set(group_ids) | rejected
@@ -350,8 +368,9 @@ class RolloutLoop:
                 self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:
                     self._unfinished.pop(i, None)
-                self._save_locked()
-        return len(done)
+                return len(done), self._save_locked()
+        # Nothing removed now: the ids may be of an acknowledgement whose write is in flight.
+        return 0, self._store.submitted if ids else 0
 
     def release(self, groups: Sequence[rollout_pb2.Group]) -> None:
         """Ends the leases of `groups` now (their Pull's reply was never sent): they are queued
@@ -431,7 +450,8 @@ class RolloutLoop:
             self.push_bytes = push_bytes
             self.push_bytes_total += push_bytes
             self._touch(run_id)
-            self._save_locked()
+            seq = self._save_locked()
+        self._store.wait(seq)
 
     def _outstanding_ids_locked(self) -> set[int]:
         """Ids of the groups queued, leased or running."""
@@ -523,7 +543,7 @@ class RolloutLoop:
             group = _RunningGroup(record=record, prompt_ids=ids)
             self._running[record["group_id"]] = group
             self._unfinished[record["group_id"]] = record
-            self._save_locked()
+            group.seq = self._save_locked()
         for i in range(self._cfg.group_size):
             self._submit(group, i)
 
@@ -645,6 +665,10 @@ class RolloutLoop:
             return
         with self._lock:
             del self._running[group_id]
+            durable = self._store.durable
+            self._undurable = {i: s for i, s in self._undurable.items() if s > durable}
+            if group.seq > durable:  # its Pull waits for it
+                self._undurable[group_id] = group.seq
             self.queue.put(message)
             self.groups_produced += 1
 
@@ -690,22 +714,12 @@ class RolloutLoop:
             log.exception("reward failed for prompt %s; scoring 0", record["id"])
             return 0.0
 
-    def _save_locked(self) -> None:
-        """Saves the state; a failure is logged and left to `_retry_failed_save` (the state in
-        memory stays as it is: nothing is undone or lost)."""
+    def _save_locked(self) -> int:
+        """Hands a snapshot of the state to the store's writer and returns its number, which a
+        reply revealing the change waits for (`StateStore.wait`, outside the lock). A failed write
+        is logged and retried (`_retry_failed_save`); the state in memory stays as it is."""
         self._state.unfinished = list(self._reissue) + list(self._unfinished.values())
-        try:
-            self._store.save(self._state)
-        except OSError as e:
-            if not self._save_failed:
-                log.error("cannot save the rollout state (%s); retrying until it succeeds", e)
-            self._save_failed = True
-            return
-        if self._save_failed:
-            log.info("the rollout state is saved again")
-        self._save_failed = False
+        return self._store.submit(self._state)
 
     def _retry_failed_save(self) -> None:
-        with self._lock:
-            if self._save_failed:
-                self._save_locked()
+        self._store.wait(self._store.retry())
