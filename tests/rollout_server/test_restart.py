@@ -106,7 +106,9 @@ def test_sigkill_in_a_burst_of_acks_and_dispatches_keeps_exactly_once(server_fac
         "server.checkpoint_root=",
         "server.wait_for_weights=false",
         f"rollout.batch_groups={BATCH}",
-        "rollout.max_staleness=1",
+        # Admission bounded by the queue alone: each acknowledged group is replaced at once.
+        "rollout.max_staleness=100000",
+        f"rollout.queue_groups={2 * BATCH}",
     ]
     first = server_factory(overrides)
     server_id = first.rollout_stub().Health(rollout_pb2.HealthRequest(), timeout=30).server_id
