@@ -5,6 +5,7 @@ a burst of acknowledgements and dispatches (docs/DESIGN.md §6.4)."""
 from __future__ import annotations
 
 import json
+import os
 import threading
 
 import grpc
@@ -95,12 +96,41 @@ class _Trainer:
             self.owed |= set(mine)
 
 
-def test_sigkill_in_a_burst_of_acks_and_dispatches_keeps_exactly_once(server_factory, tmp_path):
-    """Three clients pull and acknowledge while the server dispatches replacements; the server is
-    killed right after the 10th reply that confirmed acknowledgements (the others mid-call, groups
-    mid-generation, state writes in flight). After the restart no acknowledged group comes back,
-    every group up to the last one delivered is delivered and acknowledged, each prompt under one
-    name, and the server counts each acknowledged group once."""
+# Loaded by the first server through PYTHONPATH: once the file HOLD names exists, a state write
+# starts (creating "held" beside it) and never ends, as one in flight when the kill lands.
+_HOLD_WRITES = """
+import os, pathlib, threading
+from rollout_server import persistence
+
+_hold = pathlib.Path(os.environ["SATJAX_TEST_HOLD_WRITES"])
+_save = persistence.StateStore.save
+
+def save(self, state):
+    if _hold.exists():
+        (_hold.parent / "held").touch()
+        threading.Event().wait()
+    _save(self, state)
+
+persistence.StateStore.save = save
+"""
+
+
+def test_sigkill_in_a_burst_of_acks_and_dispatches_keeps_exactly_once(
+    server_factory, tmp_path, monkeypatch
+):
+    """Three clients pull and acknowledge while the server dispatches replacements. After the 10th
+    reply that confirmed acknowledgements, the test pulls two groups, holds the server's state
+    writes, and acknowledges them: no reply may come while the write is held. Then the server is
+    killed (the clients mid-call, groups mid-generation, a write in flight). After the restart no
+    acknowledged group comes back, every group up to the last one delivered is delivered and
+    acknowledged, each prompt under one name, and the server counts each acknowledged group
+    once."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_HOLD_WRITES)
+    hold = hook / "hold"
+    monkeypatch.setenv("SATJAX_TEST_HOLD_WRITES", str(hold))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
     overrides = [
         f"server.state_dir={tmp_path / 'state'}",
         "server.checkpoint_root=",
@@ -120,11 +150,22 @@ def test_sigkill_in_a_burst_of_acks_and_dispatches_keeps_exactly_once(server_fac
     for c in clients:
         c.start()
     assert kill.wait(timeout=300), "10 acknowledging replies never came"
+    stub = first.rollout_stub()
+    mine = stub.Pull(rollout_pb2.PullRequest(max_groups=2, timeout_s=30), timeout=60).groups
+    assert mine
+    trainer.delivered += mine
+    trainer.owed |= {g.group_id for g in mine}
+    hold.touch()
+    with pytest.raises(grpc.RpcError) as unanswered:
+        stub.Ack(rollout_pb2.AckRequest(group_ids=[g.group_id for g in mine]), timeout=5)
+    assert unanswered.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for(lambda: (hook / "held").exists())
     first.kill()
     stop.set()
     for c in clients:
         c.join(timeout=120)
         assert not c.is_alive()
+    hold.unlink()
     before = {g.group_id for g in trainer.delivered}
     acked_before = set(trainer.confirmed)
     assert len(acked_before) >= 10
