@@ -32,7 +32,7 @@ What must be on disk before which reply, for exactly-once across kill -9:
 A failed write (a full disk) changes nothing in memory: it is logged, the RPCs waiting for it are
 answered as the synchronous save did (the state stays in memory, the reply goes out), and the
 newest snapshot is written again at the next change, at every `retry` (each turn of the loop) and
-at shutdown (`flush`).
+at shutdown (`RolloutLoop.stop` submits the state once more and waits for it).
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class StateStore:
     """Saves and loads `RolloutState` in `directory` ("" = keep nothing), holding the directory's
     lock until `close` (or the process's exit).
 
-    `save` writes synchronously. `submit`, `wait`, `retry` and `flush` commit in groups: one
+    `save` writes synchronously. `submit`, `wait` and `retry` commit in groups: one
     writer thread at a time, started when a snapshot waits for it and ended when none does.
 
     Raises:
@@ -222,11 +222,6 @@ class StateStore:
                 self._start_writer_locked()
             return self._submitted
 
-    def flush(self) -> bool:
-        """Writes every change submitted so far (retrying a failed write once) and waits; whether
-        all of it is on disk."""
-        return self.wait(self.retry() or self.submitted)
-
     def _start_writer_locked(self) -> None:
         if not self._writing:
             self._writing = True
@@ -260,7 +255,11 @@ class StateStore:
             self._durable, self.failed = seq, False
         else:
             if not self.failed:
-                log.error("cannot save the rollout state (%s); retrying until it succeeds", error)
+                log.error(
+                    "cannot save the rollout state (%s); retrying until it succeeds",
+                    error,
+                    exc_info=None if isinstance(error, OSError) else error,  # a bug: its trace
+                )
             self.failed = True
         self._cond.notify_all()
 
