@@ -130,7 +130,10 @@ def run(args: argparse.Namespace, directory: str) -> dict:
         lease_s=600.0,
     )
     loop.start()
+    deadline = time.monotonic() + 120
     while len(loop.queue) < cfg.queue_groups // 2:  # a queue of finished groups to start with
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the loop queued {len(loop.queue)} groups in 120 s (see its log)")
         time.sleep(0.05)
     stop, out = threading.Event(), []
     threads = [
@@ -171,7 +174,7 @@ def run(args: argparse.Namespace, directory: str) -> dict:
     return result
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--clients", type=int, default=4)
@@ -180,7 +183,19 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--dir", default="", help="the state_dir's parent (default: /tmp)")
     parser.add_argument("--json", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.seconds <= _WARMUP_S:
+        parser.error(f"--seconds must be more than the {_WARMUP_S:g} s of warm-up left out")
+    for name in ("clients", "max_groups", "group_size"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.queue_groups < 2:
+        parser.error("--queue-groups must be >= 2")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.dir or None) as root:
         result = run(args, os.path.join(root, "state"))
     import rollout_server
@@ -194,6 +209,7 @@ def main() -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    return result
 
 
 if __name__ == "__main__":
