@@ -200,6 +200,7 @@ class RolloutLoop:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._draining = False  # `drain`: admission closed for good
         self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
         self.groups_produced = 0
         self.prompts_drawn = 0
@@ -238,6 +239,30 @@ class RolloutLoop:
         """Whether the loop's thread runs and has not been asked to stop."""
         return self._thread.is_alive() and not self._stop.is_set()
 
+    def drain(self) -> None:
+        """Closes admission for good (a preemption notice, docs/DESIGN.md §6.5): the groups
+        running finish and, like the ones queued, wait to be pulled; a Pull no longer waits once
+        nothing runs. What the trainer has not acknowledged when the server stops stays in the
+        persisted state and is re-issued by a restart, so nothing is lost."""
+        with self._lock:
+            self._draining = True
+            log.info(
+                "draining: admission closed; %d groups running, %d queued, %d leased",
+                len(self._running),
+                len(self.queue),
+                len(self._leased),
+            )
+
+    @property
+    def draining(self) -> bool:
+        """Whether `drain` was called."""
+        return self._draining
+
+    def drained(self) -> bool:
+        """Draining, and every group made was acknowledged: none running, queued or leased."""
+        with self._lock:
+            return self._draining and not (self._running or self._leased or len(self.queue))
+
     # Counters.
 
     def stats(self) -> dict[str, Any]:
@@ -267,6 +292,8 @@ class RolloutLoop:
             }
 
     def _admission_open_locked(self) -> bool:
+        if self._draining:
+            return False
         if self._wait_for_weights and not self._state.checkpoint_path:
             return False
         queued, running = len(self.queue) + len(self._leased), len(self._running)
@@ -295,7 +322,7 @@ class RolloutLoop:
         if ack or reject:
             self.ack(ack, reject=reject, run_id=run_id)
         self._touch(run_id)
-        if not self.queue.wait(timeout_s):
+        if not self._wait_for_a_group(timeout_s):
             return []
         with self._lock:
             groups = self.queue.get_many(max_groups, 0.0)
@@ -313,6 +340,22 @@ class RolloutLoop:
             for g in groups:
                 self._leased[g.group_id] = (g, until)
         return groups
+
+    def _wait_for_a_group(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for a queued group. It looks every quarter second whether
+        the server drains (every 50 ms once it does): then it waits only while a group still
+        runs (one may also fail and never be queued)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            if self.queue.wait(min(left, 0.05 if self._draining else 0.25)):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if self._draining:
+                with self._lock:
+                    if not self._running:
+                        return False
 
     def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
         """Removes the groups `group_ids` and `reject` for good (leased ones, ones whose lease

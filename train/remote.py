@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from rollout_api.client import bearer_metadata, connect
+from rollout_api.client import bearer_metadata, connect, is_draining
 from rollout_api.proto import rollout_pb2
 from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
 
@@ -82,6 +82,7 @@ class _Server:
     next_probe: float = 0.0
     backoff: float = _FIRST_BACKOFF_S
     reason: str = ""  # why it is down (logged when it changes)
+    draining: bool = False  # left because it drains: its probes fail quietly until it rejoins
     server_id: str = ""
     pulled: int = 0
     # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
@@ -246,6 +247,9 @@ class ServerPool:
                 )
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "Pull", e)
+                if is_draining(e):  # it answered: no failure streak, no grace, no backoff
+                    self._drained(server)
+                    continue
                 self._failed(server, f"Pull: {e.code().name}", started)
                 failed.add(server.index)
                 if failed >= {s.index for s in up}:  # every server up failed: wait a little
@@ -352,6 +356,9 @@ class ServerPool:
                 )
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "UpdateWeights", e)
+                if is_draining(e):
+                    self._drained(server)
+                    continue
                 with self._lock:
                     self._leave(server, f"UpdateWeights v{version} failed: {e.code().name}")
                 continue
@@ -503,6 +510,7 @@ class ServerPool:
 
     def _join(self, server: _Server, how: str) -> None:
         server.up, server.failing_since, server.reason = True, None, ""
+        server.draining = False
         server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
         log.info(
             "rollout server %s joined %s (%d up)",
@@ -525,10 +533,36 @@ class ServerPool:
             sum(s.up for s in self._servers),
         )
 
+    def _drained(self, server: _Server) -> None:
+        """``server`` answered that it drains (SIGTERM, a preemption notice): it leaves at once
+        (one log line; its share goes to the others with the next push), and the
+        acknowledgements it waits for are sent now, in one Ack, so it can stop before its drain
+        time is over. Those that fail wait for it to come back, as for any server down."""
+        with self._lock:
+            self._answered(server)
+            self._leave(server, "draining (it got SIGTERM: a preemption notice)")
+            server.draining = True
+            acks = self._pending(server, server.acks)
+            rejects = self._pending(server, server.rejects)
+        if not (acks or rejects):
+            return
+        request = rollout_pb2.AckRequest(
+            group_ids=[i for _, i in acks],
+            reject_group_ids=[i for _, i in rejects],
+            run_id=self._run_id,
+        )
+        try:
+            server.stub.Ack(request, timeout=_HEALTH_S, metadata=self._metadata)
+        except grpc.RpcError:
+            return
+        with self._lock:
+            server.acks = [a for a in server.acks if a not in set(acks)]
+            server.rejects = [r for r in server.rejects if r not in set(rejects)]
+
     def _schedule_probe(self, server: _Server, reason: str) -> None:
         """The next probe of a down server, after its backoff (which doubles, up to
         ``retry_max_s``); a new reason is logged once."""
-        if reason != server.reason:
+        if reason != server.reason and not server.draining:
             log.warning("rollout server %s stays out: %s", server.address, reason)
             server.reason = reason
         server.next_probe = self._clock() + server.backoff
