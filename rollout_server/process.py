@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
@@ -300,7 +301,8 @@ async def serve(cfg: ExperimentConfig, store: StateStore) -> int:
                 log.info("second SIGTERM: stopping now")
             done.set()
             return
-        draining.append(loop.create_task(drain(server.loop, cfg.server.drain_s, done)))
+        told = server.service.drain_told.is_set if server.service else lambda: True
+        draining.append(loop.create_task(drain(server.loop, cfg.server.drain_s, done, told)))
 
     server.driver.on_fatal = on_fatal
     await server.start()
@@ -315,17 +317,23 @@ async def serve(cfg: ExperimentConfig, store: StateStore) -> int:
     return 0
 
 
-async def drain(rollout: RolloutLoop, drain_s: float, done: asyncio.Event) -> None:
+async def drain(
+    rollout: RolloutLoop,
+    drain_s: float,
+    done: asyncio.Event,
+    told: Callable[[], bool] = lambda: True,
+) -> None:
     """A preemption notice (SIGTERM; docs/DESIGN.md §6.5): closes admission, then sets `done` once
-    every group made has been acknowledged (`RolloutLoop.drained`), after `drain_s` seconds, or
-    when something else (a second SIGTERM, a failure) set it first. The trainer meanwhile pulls
-    the running groups as they finish and the queued ones; whatever it has not acknowledged by
-    the stop stays in the saved state and is re-issued when the server restarts."""
+    every group made has been acknowledged (`RolloutLoop.drained`) and the trainer was told so
+    (`told`: a Pull found nothing left), after `drain_s` seconds, or when something else (a second
+    SIGTERM, a failure) set it first. The trainer meanwhile pulls the running groups as they
+    finish and the queued ones; whatever it has not acknowledged by the stop stays in the saved
+    state and is re-issued when the server restarts."""
     log.info("SIGTERM: draining for up to %.0fs (a second SIGTERM stops at once)", drain_s)
     rollout.drain()
     deadline = asyncio.get_running_loop().time() + drain_s
     while not done.is_set():
-        if rollout.drained():
+        if rollout.drained() and told():
             log.info("drained: every group made was acknowledged")
             break
         left = deadline - asyncio.get_running_loop().time()

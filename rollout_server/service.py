@@ -12,6 +12,7 @@ import functools
 import hmac
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -90,6 +91,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self._pulls = ThreadPoolExecutor(pull_threads, thread_name_prefix="pull")
         self._acks = ThreadPoolExecutor(1, thread_name_prefix="ack")
         self._updates = ThreadPoolExecutor(1, thread_name_prefix="update-weights")
+        # Set once a Pull was told that this draining server has nothing left (its trainer then
+        # counts it as gone, and has sent every acknowledgement it owed with that Pull).
+        self.drain_told = threading.Event()
 
     def close(self) -> None:
         """Stops the executors (running work finishes; queued work is dropped)."""
@@ -138,6 +142,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             self._loop.release(groups)
             return rollout_pb2.PullResponse()
         if not groups and self._loop.draining:
+            self.drain_told.set()
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{DRAINING} this server is shutting down (SIGTERM) and has no group left",

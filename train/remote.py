@@ -248,6 +248,9 @@ class ServerPool:
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "Pull", e)
                 if is_draining(e):  # it answered: no failure streak, no grace, no backoff
+                    with self._lock:  # it took the acknowledgements before it answered
+                        server.acks = [a for a in server.acks if a not in set(acks)]
+                        server.rejects = [r for r in server.rejects if r not in set(rejects)]
                     self._drained(server)
                     continue
                 self._failed(server, f"Pull: {e.code().name}", started)
@@ -344,7 +347,7 @@ class ServerPool:
         with self._lock:
             # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
             self._weights = (version, checkpoint_path, base_path)
-            targets = [s for s in self._servers if s.up]
+            targets = [s for s in self._servers if s.up and not s.draining]
         share = 1.0 / max(len(targets), 1)
         for server in targets:
             request = self._update_request(
@@ -356,8 +359,10 @@ class ServerPool:
                 )
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "UpdateWeights", e)
-                if is_draining(e):
-                    self._drained(server)
+                if is_draining(e):  # it stays in the pull rotation until it has nothing left
+                    with self._lock:
+                        self._answered(server)
+                        self._note_draining(server)
                     continue
                 with self._lock:
                     self._leave(server, f"UpdateWeights v{version} failed: {e.code().name}")
@@ -533,15 +538,32 @@ class ServerPool:
             sum(s.up for s in self._servers),
         )
 
+    def _note_draining(self, server: _Server) -> None:
+        """``server`` drains (SIGTERM, a preemption notice): no more weights go to it and its
+        share goes to the others with the next push; it stays in the pull rotation until a Pull
+        finds nothing left (``_drained``). One log line, the first time."""
+        if server.draining:
+            return
+        server.draining = True
+        log.warning(
+            "rollout server %s is draining (it got SIGTERM: a preemption notice): it leaves "
+            "once its groups are pulled, and is probed until it answers again (%d up)",
+            server.address,
+            sum(s.up and not s.draining for s in self._servers),
+        )
+
     def _drained(self, server: _Server) -> None:
-        """``server`` answered that it drains (SIGTERM, a preemption notice): it leaves at once
-        (one log line; its share goes to the others with the next push), and the
-        acknowledgements it waits for are sent now, in one Ack, so it can stop before its drain
-        time is over. Those that fail wait for it to come back, as for any server down."""
+        """A Pull found a draining ``server`` with nothing left: it leaves at once (no grace, no
+        failure streak; logged once, by ``_note_draining``), and the acknowledgements it waits
+        for that the Pull did not carry are sent now, in one Ack. Those that fail wait for it to
+        come back, as for any server down."""
         with self._lock:
             self._answered(server)
-            self._leave(server, "draining (it got SIGTERM: a preemption notice)")
-            server.draining = True
+            self._note_draining(server)
+            if server.up:
+                server.up, server.failing_since = False, None
+                server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
+                server.next_probe = self._clock() + server.backoff
             acks = self._pending(server, server.acks)
             rejects = self._pending(server, server.rejects)
         if not (acks or rejects):

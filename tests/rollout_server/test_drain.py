@@ -67,16 +67,21 @@ def test_the_drain_ends_when_drained_at_its_time_or_when_stopped_otherwise():
             self.checks += 1
             return self.drained_after is not None and self.checks > self.drained_after
 
-    async def run(rollout, drain_s, preset=False):
+    async def run(rollout, drain_s, preset=False, told=lambda: True):
         done = asyncio.Event()
         if preset:
             done.set()
-        await asyncio.wait_for(process.drain(rollout, drain_s, done), 60)
+        await asyncio.wait_for(process.drain(rollout, drain_s, done, told), 60)
         return done.is_set()
 
     drained = Loop(drained_after=3)
     assert asyncio.run(run(drained, drain_s=3600)) and drained.drains == 1
     assert drained.checks == 4  # it stopped at the first check that found it drained
+    # Drained at once, but it stays until its trainer was told so (a Pull found nothing left).
+    asks = []
+    untold = Loop(drained_after=0)
+    assert asyncio.run(run(untold, drain_s=3600, told=lambda: asks.append(1) or len(asks) > 2))
+    assert untold.checks == 3
     never = Loop(drained_after=None)
     assert asyncio.run(run(never, drain_s=0.0)) and never.checks == 1  # time over at once
     stopped = Loop(drained_after=None)

@@ -70,43 +70,61 @@ def _server(tmp_path: pathlib.Path, name: str, overrides: list[str]) -> LocalSer
     return LocalServer(CONFIG, [*overrides, state], str(tmp_path / f"server-{name}.log"))
 
 
-def _hooked_step(seconds: float, hooks: dict[int, callable], *, caught_up=None):
-    """A train step that only takes time and, before step k (1-based), runs ``hooks[k]``;
-    ``caught_up`` (servers), if given, is waited for after the sleep (``_caught_up``)."""
+def _hooked_step(hooks: dict[int, callable], servers: list[LocalServer]):
+    """A train step that changes nothing and, before step k (1-based), runs ``hooks[k]``; then
+    it waits until ``servers`` have caught up (``_caught_up``): generation stays faster than
+    training however loaded the machine is, by an event rather than a sleep."""
     calls = [0]
 
     def step(state: TrainState, batch):
         calls[0] += 1
         if calls[0] in hooks:
             hooks[calls[0]]()
-        time.sleep(seconds)
-        if caught_up is not None:
-            _caught_up(caught_up)
+        _caught_up(servers)
         return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
 
     return step
 
 
-def _caught_up(servers: list[LocalServer], timeout_s: float = 30.0) -> None:
-    """Waits (at most ``timeout_s``) until no answering server has a group running, i.e. each
-    has made every group its admission allows for the weights it has: generation stays faster
-    than training however loaded the machine is. A server that does not answer (killed, stopped
-    or restarting) is not waited for."""
-    deadline = time.monotonic() + timeout_s
+def _caught_up(servers: list[LocalServer], timeout_s: float = 300.0) -> None:
+    """Waits until every answering server has made every group its admission allows for the
+    weights it holds: admission closed and no group running. A server that does not answer
+    (killed, stopped or restarting) is not waited for.
+
+    Raises:
+      AssertionError: a server answers but has not caught up within ``timeout_s`` (a safety
+        limit: only a broken server takes that long).
+    """
     for server in servers:
         channel = grpc.insecure_channel(server.address)
         try:
             stub = rollout_pb2_grpc.RolloutStub(channel)
-            while time.monotonic() < deadline:
+
+            def done(stub=stub) -> bool:
                 try:
                     stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=2)
                 except grpc.RpcError:
-                    break
-                if stats.groups_running == 0:
-                    break
-                time.sleep(0.05)
+                    return True
+                return stats.groups_running == 0 and not stats.admission_open
+
+            wait_until(done, timeout_s=timeout_s, interval_s=0.05)
         finally:
             channel.close()
+
+
+class _SkippingClock:
+    """The monotonic clock plus every wait a ``ServerPool`` was asked to make, which returns at
+    once: its grace, backoff and ``train.client.wait_s`` pass on this clock without the test
+    waiting for them."""
+
+    def __init__(self):
+        self.skipped = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.skipped
+
+    def sleep(self, seconds: float) -> None:
+        self.skipped += seconds
 
 
 def _train(cfg, pool, state, progress, writer, step_fn):
@@ -145,7 +163,7 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
         cfg = load_config(CONFIG, [*overrides, f"train.steps={before_steps}"])
         state, progress = _start(cfg)
         with setup.connect(cfg, server) as pool:
-            state, before = _train(cfg, pool, state, progress, w, _hooked_step(1.0, {}))
+            state, before = _train(cfg, pool, state, progress, w, _hooked_step({}, [server]))
         # SIGKILL the server with groups queued for versions ahead, then resume the trainer from
         # a checkpoint of step 2 (version 3): the restarted server is past it, so the trainer
         # jumps ahead and drops everything made before.
@@ -157,7 +175,7 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
         state = state.replace(step=np.int32(2))
         cfg = load_config(CONFIG, [*overrides, f"train.steps={2 + after_steps}"])
         with setup.connect(cfg, server) as pool:
-            _, after = _train(cfg, pool, state, resumed, w, _hooked_step(1.0, {}))
+            _, after = _train(cfg, pool, state, resumed, w, _hooked_step({}, [server]))
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
     assert len(records) == before_steps + after_steps
@@ -179,6 +197,7 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
     )
     a, c = _server(tmp_path, "a", overrides), _server(tmp_path, "c", overrides)
     pool_ref, seen = [], {}
+    clock = _SkippingClock()  # the pool's: its 20 s of silence pass without the test waiting
 
     def add_c():
         listing.write_text(f"{a.address}\n{c.address}\n")
@@ -193,7 +212,7 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
         for s in (a, c):
             s.proc.kill()
             s.proc.wait()
-        seen["killed"] = time.monotonic()
+        seen["killed"] = clock()
 
     hooks = {2: add_c, 4: wait_for_c, 7: kill_all}
     with a, c, metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=99, console=None) as w:
@@ -203,11 +222,13 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
         cfg = load_config(CONFIG, [*overrides, "train.steps=99"])
         assert cfg.train.client.servers == ()
         state, progress = _start(cfg)
-        with setup.connect(cfg, None) as pool:
+        args = setup.connection_args(cfg)
+        with ServerPool((), background=True, clock=clock, sleep=clock.sleep, **args) as pool:
             pool_ref.append(pool)
             with pytest.raises(ServersDownError, match=r"no rollout server answered for 20s"):
-                _train(cfg, pool, state, progress, w, _hooked_step(1.0, hooks))
-    assert time.monotonic() - seen["killed"] >= 20
+                _train(cfg, pool, state, progress, w, _hooked_step(hooks, [a, c]))
+            # It gave up only once 20 s had passed, on its own clock, since the kill.
+            assert clock() - seen["killed"] >= 20
     assert seen["up"] == 2 and seen["pulled_c"] > 0  # c joined and was pulled from
 
 
@@ -276,7 +297,9 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     trainer waits on that server (its Pull, then its UpdateWeights), on a stopped server, so it
     is mid-call by construction. Each time the run goes on with the other server, and the killed
     one, restarted on its port and state_dir, rejoins at the trainer's current weights."""
-    overrides = _overrides(tmp_path, "train.client.wait_s=240", "train.client.grace_s=2")
+    # grace_s=0: the killed call itself makes b leave, whatever the pace of the steps (a grace
+    # would need the steps to take longer than it while b is down).
+    overrides = _overrides(tmp_path, "train.client.wait_s=240", "train.client.grace_s=0")
     a, b = _server(tmp_path, "a", overrides), _server(tmp_path, "b", overrides)
     steps = 22
     killer: list[_KillDuringCall] = []
@@ -311,7 +334,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # kill, the next steps' hooks restart b once it landed, and a later one waits for b to rejoin.
     # The Pull: b stopped as it starts, killed 0.3 s into it (a Pull waiting for groups); the push:
     # killed 20 ms into b's UpdateWeights, which loads weights for 50-90 ms here.
-    hooks = {k: restart_b_once_killed for k in range(7, steps)}  # 3 s down: past the grace
+    hooks = {k: restart_b_once_killed for k in range(7, steps)}
     hooks.update({
         3: arm("Pull", 0.3, stop_first=True),
         9: wait_for_b("rejoined_1", "Pull"),
@@ -331,7 +354,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
         ) as pool:
             pool_ref.append(pool)
             state, progress = _start(cfg)
-            step = _hooked_step(1.0, hooks, caught_up=[a, b])
+            step = _hooked_step(hooks, [a, b])
             state, progress = _train(cfg, pool, state, progress, w, step)
             final = pool.metrics()
             # b's first groups after a restart come from the weights it restarted with and go
@@ -342,7 +365,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
                 extra += 4
                 more = load_config(CONFIG, [*overrides, f"train.client.servers=[{a.address},{b.address}]",
                                             f"train.steps={steps + extra}"])  # fmt: skip
-                step = _hooked_step(1.0, {}, caught_up=[a, b])
+                step = _hooked_step({}, [a, b])
                 state, progress = _train(more, pool, state, progress, w, step)
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
