@@ -1,6 +1,7 @@
 """The elastic fleet and the fleet's staleness budget, live (docs/DESIGN.md §6.3, §6.5): the
-trainer's loop in this process with a slow stand-in train step (generation faster than training,
-so admission is what bounds staleness) against rollout server processes.
+trainer's loop in this process with a stand-in train step that waits until the servers have
+caught up (generation faster than training, by an event rather than a sleep, so admission is what
+bounds staleness) against rollout server processes.
 
 - After a SIGKILL of the server and a resume of the trainer from an earlier checkpoint, stale drops
   per step return to the rate before the kill within a few steps.
@@ -10,12 +11,15 @@ so admission is what bounds staleness) against rollout server processes.
   trained twice.
 - A server listed in train.client.servers_file mid-run joins; with every server killed the run stops
   after train.client.wait_s with a clear error.
+- A server that gets SIGTERM mid-run (a preemption notice) drains: the trainer pulls what it has
+  left and counts it as gone; it exits with status 0, nothing it made lost or trained twice.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -27,12 +31,11 @@ import numpy as np
 import pytest
 
 from rollout_api.client import connect
-from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax.experiment import load_config
 from sat_jax.step import TrainState
 from tests.clock import wait_until
 from tests.train.conftest import JAX_CACHE
-from tests.train.test_main import CONFIG, _loop_parts, _push_to, _random_params
+from tests.train.test_main import CONFIG, _caught_up, _loop_parts, _push_to, _random_params
 from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool, ServersDownError
@@ -84,32 +87,6 @@ def _hooked_step(hooks: dict[int, callable], servers: list[LocalServer]):
         return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
 
     return step
-
-
-def _caught_up(servers: list[LocalServer], timeout_s: float = 300.0) -> None:
-    """Waits until every answering server has made every group its admission allows for the
-    weights it holds: admission closed and no group running. A server that does not answer
-    (killed, stopped or restarting) is not waited for.
-
-    Raises:
-      AssertionError: a server answers but has not caught up within ``timeout_s`` (a safety
-        limit: only a broken server takes that long).
-    """
-    for server in servers:
-        channel = grpc.insecure_channel(server.address)
-        try:
-            stub = rollout_pb2_grpc.RolloutStub(channel)
-
-            def done(stub=stub) -> bool:
-                try:
-                    stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=2)
-                except grpc.RpcError:
-                    return True
-                return stats.groups_running == 0 and not stats.admission_open
-
-            wait_until(done, timeout_s=timeout_s, interval_s=0.05)
-        finally:
-            channel.close()
 
 
 class _SkippingClock:
@@ -388,3 +365,63 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # the weights then installed and pulled a version later, stale again (seen on loaded
     # machines: 2 drops a step for 6 steps; docs/DESIGN.md §6.5).
     assert records[15]["stale_dropped"] <= 4 * B
+
+
+def test_a_server_sigtermed_mid_run_drains_exits_0_and_the_run_loses_nothing(tmp_path, caplog):
+    """A preemption notice (docs/DESIGN.md §6.5): b gets SIGTERM mid-run. It admits nothing more,
+    the trainer pulls what it has left, gives it no more weights, and counts it as gone once a
+    Pull finds nothing left (one log line; a grace of 600 s shows no failure made it leave); b,
+    drained, exits with status 0 (its drain time, 600 s, is not what ends it), every group it made
+    acknowledged. Restarted, it rejoins, and the run finishes with every group trained once."""
+    overrides = _overrides(
+        tmp_path, "train.client.wait_s=240", "train.client.grace_s=600", "server.drain_s=600"
+    )
+    a, b = _server(tmp_path, "a", overrides), _server(tmp_path, "b", overrides)
+    steps, seen = 20, {}
+    pool_ref: list[ServerPool] = []
+
+    def sigterm_b():
+        b.proc.send_signal(signal.SIGTERM)
+
+    def restart_b_once_drained():
+        # Between the SIGTERM and here b was pulled from at every other step at least: far more
+        # than the at most (max_staleness + 1) batches it held. Told it has nothing left, it
+        # exits whatever the trainer does, so this wait is only a safety limit.
+        seen["returncode"] = b.proc.wait(timeout=300)
+        seen["state"] = json.loads((tmp_path / "state-b" / "rollout_state.json").read_text())
+        b.restart_if_exited()  # same port, same state_dir
+        pool = pool_ref[0]
+        wait_until(lambda: pool.metrics()["servers_up"] == 2, timeout_s=300, interval_s=0.2)
+
+    hooks = {4: sigterm_b, 16: restart_b_once_drained}
+    with (
+        a,
+        b,
+        metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=steps, console=None) as w,
+        caplog.at_level(logging.INFO, logger="train"),
+    ):
+        a.wait_ready(timeout_s=240)
+        b.wait_ready(timeout_s=240)
+        servers = f"train.client.servers=[{a.address},{b.address}]"
+        cfg = load_config(CONFIG, [*overrides, servers, f"train.steps={steps}"])
+        with setup.connect(cfg, None) as pool:
+            pool_ref.append(pool)
+            state, progress = _start(cfg)
+            state, progress = _train(cfg, pool, state, progress, w, _hooked_step(hooks, [a, b]))
+        path = w.jsonl_path
+    records = metrics.read_jsonl(path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # the run finished
+    assert seen["returncode"] == 0
+    log_b = (tmp_path / "server-b.log").read_text()
+    assert "SIGTERM: draining" in log_b and "drained: every group made was acknowledged" in log_b
+    # Nothing b made was lost: every group it dispatched was acknowledged (trained or rejected).
+    state_b = seen["state"]
+    assert state_b["unfinished"] == [] and state_b["consumed"] == state_b["next_group_id"]
+    # The trainer counted b as gone after the SIGTERM and before its restart, and back at the end.
+    up = [r["servers_up"] for r in records]
+    assert 1 in up[4:15] and up[-1] == 2, up
+    lines = [r.getMessage() for r in caplog.records if b.address in r.getMessage()]
+    assert len(lines) == 2 and "is draining" in lines[0] and "joined" in lines[1], lines
+    # Exactly once: every step trained B groups, none of them twice.
+    keys = progress.recent_group_keys
+    assert len(keys) == steps * B and len(set(keys)) == len(keys), keys
