@@ -35,7 +35,7 @@ from sat_jax.experiment import load_config
 from sat_jax.step import TrainState
 from tests.clock import wait_until
 from tests.train.conftest import JAX_CACHE
-from tests.train.test_main import CONFIG, _caught_up, _loop_parts, _push_to, _random_params
+from tests.train.test_main import CONFIG, PacedStep, _loop_parts, _push_to, _random_params
 from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool, ServersDownError
@@ -73,22 +73,6 @@ def _server(tmp_path: pathlib.Path, name: str, overrides: list[str]) -> LocalSer
     return LocalServer(CONFIG, [*overrides, state], str(tmp_path / f"server-{name}.log"))
 
 
-def _hooked_step(hooks: dict[int, callable], servers: list[LocalServer]):
-    """A train step that changes nothing and, before step k (1-based), runs ``hooks[k]``; then
-    it waits until ``servers`` have caught up (``_caught_up``): generation stays faster than
-    training however loaded the machine is, by an event rather than a sleep."""
-    calls = [0]
-
-    def step(state: TrainState, batch):
-        calls[0] += 1
-        if calls[0] in hooks:
-            hooks[calls[0]]()
-        _caught_up(servers)
-        return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
-
-    return step
-
-
 class _SkippingClock:
     """The monotonic clock plus every wait a ``ServerPool`` was asked to make, which returns at
     once: its grace, backoff and ``train.client.wait_s`` pass on this clock without the test
@@ -104,11 +88,13 @@ class _SkippingClock:
         self.skipped += seconds
 
 
-def _train(cfg, pool, state, progress, writer, step_fn):
-    """``sync_weights`` then ``train_loop`` to ``cfg.train.steps`` over ``pool``."""
+def _train(cfg, pool, state, progress, writer, step_fn: PacedStep):
+    """``sync_weights`` then ``train_loop`` to ``cfg.train.steps`` over ``pool``, paced by
+    ``step_fn`` (which waits for this run's pushes)."""
     _, _, weights_dir = setup.run_paths(cfg)
     push = functools.partial(_push_to, pool, weights_dir=weights_dir)
     with weight_sync.WeightPusher(push) as pusher:
+        step_fn.pusher = pusher
         progress = main.sync_weights(pool, state, progress, weights_dir)
         parts = _loop_parts(cfg, pool, pusher, writer, step_fn)
         return main.train_loop(cfg, parts, state, progress)
@@ -140,7 +126,7 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
         cfg = load_config(CONFIG, [*overrides, f"train.steps={before_steps}"])
         state, progress = _start(cfg)
         with setup.connect(cfg, server) as pool:
-            state, before = _train(cfg, pool, state, progress, w, _hooked_step({}, [server]))
+            state, before = _train(cfg, pool, state, progress, w, PacedStep([server], {}))
         # SIGKILL the server with groups queued for versions ahead, then resume the trainer from
         # a checkpoint of step 2 (version 3): the restarted server is past it, so the trainer
         # jumps ahead and drops everything made before.
@@ -152,7 +138,7 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
         state = state.replace(step=np.int32(2))
         cfg = load_config(CONFIG, [*overrides, f"train.steps={2 + after_steps}"])
         with setup.connect(cfg, server) as pool:
-            _, after = _train(cfg, pool, state, resumed, w, _hooked_step({}, [server]))
+            _, after = _train(cfg, pool, state, resumed, w, PacedStep([server], {}))
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
     assert len(records) == before_steps + after_steps
@@ -203,7 +189,7 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
         with ServerPool((), background=True, clock=clock, sleep=clock.sleep, **args) as pool:
             pool_ref.append(pool)
             with pytest.raises(ServersDownError, match=r"no rollout server answered for 20s"):
-                _train(cfg, pool, state, progress, w, _hooked_step(hooks, [a, c]))
+                _train(cfg, pool, state, progress, w, PacedStep([a, c], hooks))
             # It gave up only once 20 s had passed, on its own clock, since the kill.
             assert clock() - seen["killed"] >= 20
     assert seen["up"] == 2 and seen["pulled_c"] > 0  # c joined and was pulled from
@@ -331,7 +317,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
         ) as pool:
             pool_ref.append(pool)
             state, progress = _start(cfg)
-            step = _hooked_step(hooks, [a, b])
+            step = PacedStep([a, b], hooks)
             state, progress = _train(cfg, pool, state, progress, w, step)
             final = pool.metrics()
             # b's first groups after a restart come from the weights it restarted with and go
@@ -342,7 +328,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
                 extra += 4
                 more = load_config(CONFIG, [*overrides, f"train.client.servers=[{a.address},{b.address}]",
                                             f"train.steps={steps + extra}"])  # fmt: skip
-                step = _hooked_step({}, [a, b])
+                step = PacedStep([a, b], {})
                 state, progress = _train(more, pool, state, progress, w, step)
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
@@ -407,7 +393,7 @@ def test_a_server_sigtermed_mid_run_drains_exits_0_and_the_run_loses_nothing(tmp
         with setup.connect(cfg, None) as pool:
             pool_ref.append(pool)
             state, progress = _start(cfg)
-            state, progress = _train(cfg, pool, state, progress, w, _hooked_step(hooks, [a, b]))
+            state, progress = _train(cfg, pool, state, progress, w, PacedStep([a, b], hooks))
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
     assert [r["step"] for r in records] == list(range(1, steps + 1))  # the run finished

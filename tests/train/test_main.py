@@ -5,9 +5,9 @@ run is SIGKILLed after its second checkpoint and restarted with the same command
 the last checkpoint (step and version monotone), re-syncs the server, never trains a prompt twice,
 finishes, and every trained token had lag 0.
 
-The loop against a live server with a stand-in train step that waits until the server has made
-every group its admission allows (generation faster than training, by an event rather than a
-sleep): async mode then really runs ahead (lag > 0, never beyond max_staleness), sync mode stays
+The loop against a live server with a stand-in train step that waits until its weight push has
+landed and the server has made every group its admission allows (generation faster than training,
+by events rather than a sleep): async mode then really runs ahead (lag > 0, never beyond max_staleness), sync mode stays
 at lag 0.
 """
 
@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 import jax
@@ -244,16 +245,26 @@ def _push_to(pool, version, params, *, weights_dir):
     weight_sync.push_weights(pool, params, version, weights_dir)
 
 
-def _caught_up_step(servers: list[LocalServer]):
-    """A train step that changes nothing (the params, and so the pushed weights, stay put) and
-    waits until ``servers`` have caught up (``_caught_up``): generation is faster than training
-    by an event, however loaded the machine is, not by a sleep."""
+class PacedStep:
+    """A stand-in train step that changes nothing (the params, and so the pushed weights, stay
+    put) and paces the loop by events, not sleeps: before step k (1-based) it runs ``hooks[k]``,
+    then waits until the weights pushed after the step before have landed (``pusher``, set once
+    the test's pusher exists) and until ``servers`` have caught up (``_caught_up``). Generation
+    and weight pushes are then faster than training however loaded the machine is."""
 
-    def step(state: TrainState, batch):
-        _caught_up(servers)
+    def __init__(self, servers: list[LocalServer], hooks: dict[int, Callable] | None = None):
+        self.servers, self.hooks = servers, hooks or {}
+        self.pusher: weight_sync.WeightPusher | None = None
+        self.calls = 0
+
+    def __call__(self, state: TrainState, batch):
+        self.calls += 1
+        if self.calls in self.hooks:
+            self.hooks[self.calls]()
+        if self.pusher is not None:
+            self.pusher.wait()
+        _caught_up(self.servers)
         return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
-
-    return step
 
 
 def _caught_up(servers: list[LocalServer], timeout_s: float = 300.0) -> None:
@@ -332,7 +343,8 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
             weight_sync.WeightPusher(functools.partial(push, pool)) as pusher,
         ):
             progress = main.sync_weights(pool, state, progress, weights_dir)
-            step = _caught_up_step([server])
+            step = PacedStep([server])
+            step.pusher = pusher
             parts = _loop_parts(cfg, pool, pusher, writer, step, ckpt=ckpt)
             state, progress = main.train_loop(cfg, parts, state, progress)
         path = writer.jsonl_path
