@@ -129,7 +129,7 @@ def main(port: int, process_id: int, out: pathlib.Path, steps: int, hold_at: int
                 lambda x: (
                     jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                     if isinstance(x, jax.Array)
-                    else x
+                    else jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
                 ),
                 state,
             )
