@@ -27,6 +27,10 @@ trainer killed before acknowledging) puts the groups back at the front of the qu
 group reaches the trainer at least once; the trainer drops repeats by (server_id, group_id).
 Leased groups count as queued for admission and for the queue's capacity.
 
+`drain` (SIGTERM, a preemption notice; docs/DESIGN.md §6.5) closes admission for good: the groups
+running finish and, with the queued ones, are still handed out; what is not acknowledged when the
+server stops is in the saved state and re-issued by a restart.
+
 Every dispatch and every acknowledgement saves the prompt position and the prompts not yet
 acknowledged (`persistence.StateStore`), so a restarted server re-issues them before drawing new
 ones. A failed save (e.g. a full disk) changes nothing in memory: it is logged and retried on the
