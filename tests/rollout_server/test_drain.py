@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 
 import grain
+import pytest
 
 from rollout_api.proto import rollout_pb2
 from rollout_server import process
 from rollout_server.persistence import StateStore
 from sat_jax.config import RolloutConfig
+from sat_jax.experiment import ConfigError, load_config
 from sat_jax.tasks import Prompt
 from tests.rollout_server.test_rollout import (
     B,
@@ -95,3 +97,10 @@ def test_a_draining_loop_stays_closed_whatever_the_budget(tmp_path):
     for version in (1, 2, 3):
         loop.install_weights(version, f"/ckpt/v{version}", params=None, new_epoch=True)
         assert not loop.stats()["admission_open"]
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "3601"])
+def test_a_bad_drain_time_is_refused_naming_the_key(value):
+    with pytest.raises(ConfigError, match=r"server\.drain_s|drain_s must be in \[0, 3600\]"):
+        load_config(None, [f"server.drain_s={value}"])
+    assert load_config(None, ["server.drain_s=0"]).server.drain_s == 0
