@@ -74,18 +74,23 @@ def _server(tmp_path: pathlib.Path, name: str, overrides: list[str]) -> LocalSer
 
 
 class _SkippingClock:
-    """The monotonic clock plus every wait a ``ServerPool`` was asked to make, which returns at
-    once: its grace, backoff and ``train.client.wait_s`` pass on this clock without the test
-    waiting for them."""
+    """The monotonic clock plus every wait a ``ServerPool`` was asked to make once ``skip`` is
+    set, which then returns at once: from then on its grace, backoff and
+    ``train.client.wait_s`` pass on this clock without the test waiting for them. (Before, its
+    waits are real: a pool waiting for its first server to join must not spin its clock on.)"""
 
     def __init__(self):
         self.skipped = 0.0
+        self.skip = False
 
     def __call__(self) -> float:
         return time.monotonic() + self.skipped
 
     def sleep(self, seconds: float) -> None:
-        self.skipped += seconds
+        if self.skip:
+            self.skipped += seconds
+        else:
+            time.sleep(seconds)
 
 
 def _train(cfg, pool, state, progress, writer, step_fn: PacedStep):
@@ -176,6 +181,7 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
             s.proc.kill()
             s.proc.wait()
         seen["killed"] = clock()
+        clock.skip = True
 
     hooks = {2: add_c, 4: wait_for_c, 7: kill_all}
     with a, c, metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=99, console=None) as w:
