@@ -141,7 +141,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         if context.cancelled() or context.done():
             self._loop.release(groups)
             return rollout_pb2.PullResponse()
-        if not groups and self._loop.draining:
+        if not groups and self._loop.draining and not self._loop.stats()["groups_running"]:
             self.drain_told.set()
             await context.abort(
                 grpc.StatusCode.UNAVAILABLE,
