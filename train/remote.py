@@ -8,7 +8,9 @@ the push set with one log line, and the run goes on with the others; a down serv
 (Health) with exponential backoff capped at ``retry_max_s``, and when it answers it first gets the
 current weights (the last pushed version, with a new admission epoch) and then rejoins, with one
 log line. ``update_weights`` never waits for a down server. Servers listed in ``servers_file``
-(re-read every few seconds) join the same way, and leave when their line goes. The pool gives up
+(re-read every few seconds) join the same way, and leave when their line goes. A server that
+answers "draining" (SIGTERM, a preemption notice) gets no more weights nor share, is pulled until
+it has nothing left and then leaves at once, with one log line and no grace. The pool gives up
 (``ServersDownError``) only when no server has answered for ``server_wait_s``. Each push tells
 every server its share of the fleet's admission budget (1/k with k servers up), so k servers run
 ahead by what one would alone (docs/DESIGN.md §6.3). A reply or request over the gRPC message
@@ -82,7 +84,7 @@ class _Server:
     next_probe: float = 0.0
     backoff: float = _FIRST_BACKOFF_S
     reason: str = ""  # why it is down (logged when it changes)
-    draining: bool = False  # left because it drains: its probes fail quietly until it rejoins
+    draining: bool = False  # it drains (SIGTERM): no weights, no share; probes quiet until back
     server_id: str = ""
     pulled: int = 0
     # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
