@@ -9,6 +9,18 @@ import grpc
 
 from rollout_api.proto import rollout_pb2_grpc
 
+# How a draining server (SIGTERM, docs/DESIGN.md §6.5) answers a Pull it has nothing left for and
+# any UpdateWeights: UNAVAILABLE with details starting with this; the trainer then counts it as
+# leaving at once, without the grace a failing server gets.
+DRAINING = "draining:"
+
+
+def is_draining(error: grpc.RpcError) -> bool:
+    """Whether `error` is a draining server's answer (`DRAINING`)."""
+    code = error.code() if hasattr(error, "code") else None
+    details = (error.details() if hasattr(error, "details") else "") or ""
+    return code == grpc.StatusCode.UNAVAILABLE and details.startswith(DRAINING)
+
 
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """gRPC options raising the 4 MB default message limit both ways (for real batches)."""

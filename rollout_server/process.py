@@ -2,7 +2,8 @@
 valid.
 
 build tokenizer and model (`model.hf_path`'s weights, or a random init) → engine → JetStream driver (our subclass) → rollout loop → one gRPC server with
-JetStream's Orchestrator service and our Rollout service → serve until SIGINT/SIGTERM.
+JetStream's Orchestrator service and our Rollout service → serve until SIGINT, or SIGTERM and a
+drain of up to `server.drain_s` (docs/DESIGN.md §6.5).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import logging
 import math
 import signal
+from collections.abc import Callable
 from typing import Any
 
 from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstream imports)
@@ -281,21 +283,31 @@ class RolloutServer:
 
 
 async def serve(cfg: ExperimentConfig, store: StateStore) -> int:
-    """Runs the server (with `store`, see `RolloutServer`) until SIGINT or SIGTERM (exit code 0),
-    or until generation fails (the state is saved and the exit code is 1: a supervisor restarts
-    the server where it was)."""
+    """Runs the server (with `store`, see `RolloutServer`) until SIGINT (exit code 0), SIGTERM
+    (drained for up to `server.drain_s`, see `drain`; exit code 0) or until generation fails (the
+    state is saved and the exit code is 1: a supervisor restarts the server where it was)."""
     server = RolloutServer(cfg, store)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
 
     def on_fatal(error: BaseException) -> None:  # called on a driver thread
         server.fatal = error
         loop.call_soon_threadsafe(done.set)
 
+    def on_sigterm() -> None:
+        if draining or cfg.server.drain_s <= 0:
+            if draining:
+                log.info("second SIGTERM: stopping now")
+            done.set()
+            return
+        told = server.service.drain_told.is_set if server.service else lambda: True
+        draining.append(loop.create_task(drain(server.loop, cfg.server.drain_s, done, told)))
+
     server.driver.on_fatal = on_fatal
     await server.start()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, done.set)
+    loop.add_signal_handler(signal.SIGINT, done.set)
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
     await done.wait()
     log.info("stopping")
     await server.stop()
@@ -303,3 +315,33 @@ async def serve(cfg: ExperimentConfig, store: StateStore) -> int:
         log.error("generation failed (%r); state saved, exiting with code 1", server.fatal)
         return 1
     return 0
+
+
+async def drain(
+    rollout: RolloutLoop,
+    drain_s: float,
+    done: asyncio.Event,
+    told: Callable[[], bool] = lambda: True,
+) -> None:
+    """A preemption notice (SIGTERM; docs/DESIGN.md §6.5): closes admission, then sets `done` once
+    every group made has been acknowledged (`RolloutLoop.drained`) and the trainer was told so
+    (`told`: a Pull found nothing left), after `drain_s` seconds, or when something else (a second
+    SIGTERM, a failure) set it first. The trainer meanwhile pulls the running groups as they
+    finish and the queued ones; whatever it has not acknowledged by the stop stays in the saved
+    state and is re-issued when the server restarts."""
+    log.info("SIGTERM: draining for up to %.0fs (a second SIGTERM stops at once)", drain_s)
+    rollout.drain()
+    deadline = asyncio.get_running_loop().time() + drain_s
+    while not done.is_set():
+        if rollout.drained() and told():
+            log.info("drained: every group made was acknowledged")
+            break
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            log.info("drain time (server.drain_s = %.0fs) over: the rest is saved", drain_s)
+            break
+        try:
+            await asyncio.wait_for(done.wait(), min(left, 0.05))
+        except TimeoutError:
+            pass
+    done.set()

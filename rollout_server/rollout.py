@@ -27,6 +27,10 @@ trainer killed before acknowledging) puts the groups back at the front of the qu
 group reaches the trainer at least once; the trainer drops repeats by (server_id, group_id).
 Leased groups count as queued for admission and for the queue's capacity.
 
+`drain` (SIGTERM, a preemption notice; docs/DESIGN.md §6.5) closes admission for good: the groups
+running finish and, with the queued ones, are still handed out; what is not acknowledged when the
+server stops is in the saved state and re-issued by a restart.
+
 Every dispatch and every acknowledgement hands the prompt position and the prompts not yet
 acknowledged to the store's writer (`persistence.StateStore`, group commit: written outside the
 loop's lock), so a restarted server re-issues them before drawing new ones. A reply that reveals a
@@ -205,6 +209,7 @@ class RolloutLoop:
         self._done: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._draining = False  # `drain`: admission closed for good
         self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
         self.groups_produced = 0
         self.prompts_drawn = 0
@@ -244,6 +249,30 @@ class RolloutLoop:
         """Whether the loop's thread runs and has not been asked to stop."""
         return self._thread.is_alive() and not self._stop.is_set()
 
+    def drain(self) -> None:
+        """Closes admission for good (a preemption notice, docs/DESIGN.md §6.5): the groups
+        running finish and, like the ones queued, wait to be pulled; a Pull no longer waits once
+        nothing runs. What the trainer has not acknowledged when the server stops stays in the
+        persisted state and is re-issued by a restart, so nothing is lost."""
+        with self._lock:
+            self._draining = True
+            log.info(
+                "draining: admission closed; %d groups running, %d queued, %d leased",
+                len(self._running),
+                len(self.queue),
+                len(self._leased),
+            )
+
+    @property
+    def draining(self) -> bool:
+        """Whether `drain` was called."""
+        return self._draining
+
+    def drained(self) -> bool:
+        """Draining, and every group made was acknowledged: none running, queued or leased."""
+        with self._lock:
+            return self._draining and not (self._running or self._leased or len(self.queue))
+
     # Counters.
 
     def stats(self) -> dict[str, Any]:
@@ -273,6 +302,8 @@ class RolloutLoop:
             }
 
     def _admission_open_locked(self) -> bool:
+        if self._draining:
+            return False
         if self._wait_for_weights and not self._state.checkpoint_path:
             return False
         queued, running = len(self.queue) + len(self._leased), len(self._running)
@@ -302,7 +333,7 @@ class RolloutLoop:
         """
         seq = self._ack(ack, reject, run_id)[1] if ack or reject else 0
         self._touch(run_id)
-        if not self.queue.wait(timeout_s):
+        if not self._wait_for_a_group(timeout_s):
             self._store.wait(seq)
             return []
         with self._lock:
@@ -323,6 +354,22 @@ class RolloutLoop:
                 seq = max(seq, self._undurable.pop(g.group_id, 0))
         self._store.wait(seq)
         return groups
+
+    def _wait_for_a_group(self, timeout_s: float) -> bool:
+        """Waits up to `timeout_s` for a queued group. It looks every quarter second whether
+        the server drains (every 50 ms once it does): then it waits only while a group still
+        runs (one may also fail and never be queued)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            left = max(deadline - time.monotonic(), 0.0)
+            if self.queue.wait(min(left, 0.05 if self._draining else 0.25)):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            if self._draining:
+                with self._lock:
+                    if not self._running:
+                        return False
 
     def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
         """Removes the groups `group_ids` and `reject` for good (leased ones, ones whose lease

@@ -12,6 +12,7 @@ import functools
 import hmac
 import logging
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -23,6 +24,7 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2
 
+from rollout_api.client import DRAINING
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server import weights
 from rollout_server.auth import has_token
@@ -44,6 +46,10 @@ MAX_CHARS_PER_TOKEN = 32
 
 class RolloutService(rollout_pb2_grpc.RolloutServicer):
     """Pull / Ack / UpdateWeights / Stats / Health over a running `RolloutLoop` and `MoEEngine`.
+
+    While the loop drains (SIGTERM, docs/DESIGN.md §6.5) Pull and Ack go on, a Pull with nothing
+    left to hand out and every UpdateWeights answer UNAVAILABLE with `rollout_api.client.DRAINING`
+    details, and Health answers not live.
 
     Blocking work runs off the event loop on bounded executors of its own: Pulls (which wait for
     groups) on `pull_threads` threads, acknowledgements on one, weight loads and swaps on another,
@@ -85,6 +91,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         self._pulls = ThreadPoolExecutor(pull_threads, thread_name_prefix="pull")
         self._acks = ThreadPoolExecutor(1, thread_name_prefix="ack")
         self._updates = ThreadPoolExecutor(1, thread_name_prefix="update-weights")
+        # Set once a Pull was told that this draining server has nothing left (its trainer then
+        # counts it as gone, and has sent every acknowledgement it owed with that Pull).
+        self.drain_told = threading.Event()
 
     def close(self) -> None:
         """Stops the executors (running work finishes; queued work is dropped)."""
@@ -132,6 +141,12 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         if context.cancelled() or context.done():
             self._loop.release(groups)
             return rollout_pb2.PullResponse()
+        if not groups and self._loop.draining and not self._loop.stats()["groups_running"]:
+            self.drain_told.set()
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{DRAINING} this server is shutting down (SIGTERM) and has no group left",
+            )
         return rollout_pb2.PullResponse(groups=groups)
 
     def _give_back(self, future: asyncio.Future) -> None:
@@ -169,6 +184,11 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         if not 0 <= request.version <= MAX_VERSION:
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"version must be in [0, {MAX_VERSION}]"
+            )
+        if self._loop.draining:
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                f"{DRAINING} this server is shutting down (SIGTERM) and loads no more weights",
             )
         async with self._update_lock:
             current = self._engine.version
@@ -253,9 +273,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def Health(
         self, request: rollout_pb2.HealthRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.HealthResponse:
-        """Whether the rollout loop runs, the weights version and the server's id."""
+        """Whether the rollout loop runs (not while it drains: a trainer does not take the server
+        back), the weights version and the server's id."""
         return rollout_pb2.HealthResponse(
-            live=bool(self._driver.live and self._loop.alive()),
+            live=bool(self._driver.live and self._loop.alive() and not self._loop.draining),
             version=self._engine.version,
             server_id=self._loop.persisted.server_id,
         )

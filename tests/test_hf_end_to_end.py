@@ -114,7 +114,7 @@ def setup(tmp_path_factory):
 
 class _Server:
     """`python -m rollout_server --config CFG ...` on a free port, sampling with the checkpoint's
-    own weights (no trainer); stopped with SIGTERM."""
+    own weights (no trainer); stopped with SIGINT (at once; SIGTERM would drain first)."""
 
     def __init__(self, config: pathlib.Path, tmp: pathlib.Path, *overrides: str):
         self.port = portpicker.pick_unused_port()
@@ -139,7 +139,7 @@ class _Server:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

@@ -3,6 +3,9 @@
 The child runs ``python -m rollout_server`` with the trainer's own config file and overrides plus a
 free port, logs to ``<run_dir>/server.log``, and is asked by the kernel to exit when the trainer
 dies (``PR_SET_PDEATHSIG``), so a SIGKILLed trainer leaves no orphan holding the server's state.
+Both that and ``stop`` send SIGINT, which stops a server at once (state saved): SIGTERM would start
+a drain of ``server.drain_s`` for a trainer that pulls no more, and keep the state directory
+locked from a restarted trainer's new child meanwhile.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ log = logging.getLogger("train")
 _EXEC_WITH_PDEATHSIG = f"""
 import ctypes, os, signal, sys
 try:
-    ctypes.CDLL("libc.so.6").prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)
+    ctypes.CDLL("libc.so.6").prctl({_PR_SET_PDEATHSIG}, signal.SIGINT)
 except OSError:
     pass
 os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
@@ -135,7 +138,7 @@ class LocalServer:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:

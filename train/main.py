@@ -39,7 +39,9 @@ Several JAX processes (multi-host): only process 0 talks to the servers. It pull
 each batch and broadcasts it (``pulling.next_batch``), calls ``UpdateWeights`` and writes metrics.
 Every process writes its own shards of each weights version (nothing is gathered; process 0
 finalizes it) and of the checkpoints (orbax coordinates them); pushes are drained before a
-checkpoint, so all processes enter orbax's barriers in one order.
+checkpoint, so all processes enter orbax's barriers in one order. The processes watch each other
+(``train.peers``): when one is lost (killed, crashed, failed) every other one logs which and exits
+with code 75 at once; relaunching them all resumes from the last checkpoint.
 
 Delivery: the servers lease pulled groups until this trainer acknowledges them, which it does
 once their batch's step has run (docs/DESIGN.md §6.2); a group pulled and not yet trained when the
@@ -80,7 +82,17 @@ from sat_jax.step import (
     shard_batch,
     step_config,
 )
-from train import batching, checkpointing, curves, held_out, metrics, pulling, setup, weight_sync
+from train import (
+    batching,
+    checkpointing,
+    curves,
+    held_out,
+    metrics,
+    peers,
+    pulling,
+    setup,
+    weight_sync,
+)
 from train.local_server import LocalServer
 from train.remote import ServerPool
 
@@ -212,6 +224,8 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
     lead = jax.process_index() == 0  # talks to the servers, writes metrics and weights
     run_dir, _, weights_dir = setup.run_paths(cfg)
     with contextlib.ExitStack() as stack:
+        # With several processes, a lost one stops this one at once, naming it (train.peers).
+        stack.enter_context(peers.watch())
         # A local server starts first: its start-up overlaps the warm-up and the first evaluation.
         server = None
         if lead and t.client.local_server:

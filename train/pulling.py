@@ -165,7 +165,7 @@ def next_batch(
 
 def broadcast_pulled(pulled: PulledBatch | None, spec: batching.BatchSpec) -> PulledBatch:
     """Process 0's ``pulled`` on every process (a collective: every process calls it, process 0
-    with its batch, the others with None)."""
+    with its batch, the others with None); the groups to acknowledge stay on process 0."""
     source = jax.process_index() == 0
     length = pulled.batch.tokens.shape[1] if source else 0
     length = int(multihost_utils.broadcast_one_to_all(np.int32(length), is_source=source))
@@ -183,7 +183,10 @@ def broadcast_pulled(pulled: PulledBatch | None, spec: batching.BatchSpec) -> Pu
         broadcast_bytes(blob, is_source=source),
         lags=np.asarray(lags)[:tokens].astype(np.int64),
     )
-    return PulledBatch(batch=batch, stats=stats)
+    # Process 0 keeps what it pulled: it acknowledges those groups once the step has run (without
+    # this, a multi-process trainer never acknowledged a group: each came back after its lease
+    # and was rejected as a duplicate, buying a replacement).
+    return PulledBatch(batch=batch, stats=stats, pulled=pulled.pulled if source else ())
 
 
 def broadcast_bytes(data: bytes, *, is_source: bool) -> bytes:

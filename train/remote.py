@@ -8,7 +8,9 @@ the push set with one log line, and the run goes on with the others; a down serv
 (Health) with exponential backoff capped at ``retry_max_s``, and when it answers it first gets the
 current weights (the last pushed version, with a new admission epoch) and then rejoins, with one
 log line. ``update_weights`` never waits for a down server. Servers listed in ``servers_file``
-(re-read every few seconds) join the same way, and leave when their line goes. The pool gives up
+(re-read every few seconds) join the same way, and leave when their line goes. A server that
+answers "draining" (SIGTERM, a preemption notice) gets no more weights nor share, is pulled until
+it has nothing left and then leaves at once, with one log line and no grace. The pool gives up
 (``ServersDownError``) only when no server has answered for ``server_wait_s``. Each push tells
 every server its share of the fleet's admission budget (1/k with k servers up), so k servers run
 ahead by what one would alone (docs/DESIGN.md §6.3). A reply or request over the gRPC message
@@ -35,7 +37,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from rollout_api.client import bearer_metadata, connect
+from rollout_api.client import bearer_metadata, connect, is_draining
 from rollout_api.proto import rollout_pb2
 from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
 
@@ -82,6 +84,7 @@ class _Server:
     next_probe: float = 0.0
     backoff: float = _FIRST_BACKOFF_S
     reason: str = ""  # why it is down (logged when it changes)
+    draining: bool = False  # it drains (SIGTERM): no weights, no share; probes quiet until back
     server_id: str = ""
     pulled: int = 0
     # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
@@ -246,6 +249,12 @@ class ServerPool:
                 )
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "Pull", e)
+                if is_draining(e):  # it answered: no failure streak, no grace, no backoff
+                    with self._lock:  # it took the acknowledgements before it answered
+                        server.acks = [a for a in server.acks if a not in set(acks)]
+                        server.rejects = [r for r in server.rejects if r not in set(rejects)]
+                    self._drained(server)
+                    continue
                 self._failed(server, f"Pull: {e.code().name}", started)
                 failed.add(server.index)
                 if failed >= {s.index for s in up}:  # every server up failed: wait a little
@@ -340,7 +349,7 @@ class ServerPool:
         with self._lock:
             # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
             self._weights = (version, checkpoint_path, base_path)
-            targets = [s for s in self._servers if s.up]
+            targets = [s for s in self._servers if s.up and not s.draining]
         share = 1.0 / max(len(targets), 1)
         for server in targets:
             request = self._update_request(
@@ -352,6 +361,11 @@ class ServerPool:
                 )
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "UpdateWeights", e)
+                if is_draining(e):  # it stays in the pull rotation until it has nothing left
+                    with self._lock:
+                        self._answered(server)
+                        self._note_draining(server)
+                    continue
                 with self._lock:
                     self._leave(server, f"UpdateWeights v{version} failed: {e.code().name}")
                 continue
@@ -503,6 +517,7 @@ class ServerPool:
 
     def _join(self, server: _Server, how: str) -> None:
         server.up, server.failing_since, server.reason = True, None, ""
+        server.draining = False
         server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
         log.info(
             "rollout server %s joined %s (%d up)",
@@ -525,10 +540,53 @@ class ServerPool:
             sum(s.up for s in self._servers),
         )
 
+    def _note_draining(self, server: _Server) -> None:
+        """``server`` drains (SIGTERM, a preemption notice): no more weights go to it and its
+        share goes to the others with the next push; it stays in the pull rotation until a Pull
+        finds nothing left (``_drained``). One log line, the first time."""
+        if server.draining:
+            return
+        server.draining = True
+        log.warning(
+            "rollout server %s is draining (it got SIGTERM: a preemption notice): it leaves "
+            "once its groups are pulled, and is probed until it answers again (%d up)",
+            server.address,
+            sum(s.up and not s.draining for s in self._servers),
+        )
+
+    def _drained(self, server: _Server) -> None:
+        """A Pull found a draining ``server`` with nothing left: it leaves at once (no grace, no
+        failure streak; logged once, by ``_note_draining``), and the acknowledgements it waits
+        for that the Pull did not carry are sent now, in one Ack. Those that fail wait for it to
+        come back, as for any server down."""
+        with self._lock:
+            self._answered(server)
+            self._note_draining(server)
+            if server.up:
+                server.up, server.failing_since = False, None
+                server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
+                server.next_probe = self._clock() + server.backoff
+            acks = self._pending(server, server.acks)
+            rejects = self._pending(server, server.rejects)
+        if not (acks or rejects):
+            return
+        request = rollout_pb2.AckRequest(
+            group_ids=[i for _, i in acks],
+            reject_group_ids=[i for _, i in rejects],
+            run_id=self._run_id,
+        )
+        try:
+            server.stub.Ack(request, timeout=_HEALTH_S, metadata=self._metadata)
+        except grpc.RpcError:
+            return
+        with self._lock:
+            server.acks = [a for a in server.acks if a not in set(acks)]
+            server.rejects = [r for r in server.rejects if r not in set(rejects)]
+
     def _schedule_probe(self, server: _Server, reason: str) -> None:
         """The next probe of a down server, after its backoff (which doubles, up to
         ``retry_max_s``); a new reason is logged once."""
-        if reason != server.reason:
+        if reason != server.reason and not server.draining:
             log.warning("rollout server %s stays out: %s", server.address, reason)
             server.reason = reason
         server.next_probe = self._clock() + server.backoff

@@ -43,6 +43,11 @@ class ServerConfig:
       grpc_threads: threads that wait for and hand out groups (Pull); UpdateWeights has its own.
       max_concurrent_rpcs: RPCs served at once; more are refused with RESOURCE_EXHAUSTED.
       lease_s: a pulled group not acknowledged within this many seconds returns to the queue.
+      drain_s: on SIGTERM (a preemption notice: Cloud TPU spot/preemptible VMs and GKE send it)
+        the server stops admitting, lets the trainer pull its running and finished groups for up
+        to this many seconds, saves its state and exits with status 0; what is left is re-issued
+        when it restarts on its `state_dir` (docs/DESIGN.md §6.5). 0 = stop at once, as SIGINT
+        does. A second SIGTERM ends the drain at once.
       max_version_jump: UpdateWeights may raise the weights version by at most this much.
       seed: sampling PRNG seed.
       tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
@@ -79,6 +84,7 @@ class ServerConfig:
     grpc_threads: int = 8
     max_concurrent_rpcs: int = 64
     lease_s: float = 300.0
+    drain_s: float = 20.0
     max_version_jump: int = 1_000_000
     seed: int = 0
     tls_cert: str = ""
@@ -107,6 +113,8 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if not self.lease_s > 0:
             raise ValueError(f"lease_s must be > 0, got {self.lease_s}")
+        if not 0 <= self.drain_s <= 3600:
+            raise ValueError(f"drain_s must be in [0, 3600], got {self.drain_s}")
         n = self.max_prefill_length
         if n < 16 or n > 32768 or n & (n - 1):
             raise ValueError(f"max_prefill_length must be a power of two in [16, 32768], got {n}")

@@ -1,6 +1,7 @@
 """The elastic fleet and the fleet's staleness budget, live (docs/DESIGN.md §6.3, §6.5): the
-trainer's loop in this process with a slow stand-in train step (generation faster than training,
-so admission is what bounds staleness) against rollout server processes.
+trainer's loop in this process with a stand-in train step that waits until the servers have
+caught up (generation faster than training, by an event rather than a sleep, so admission is what
+bounds staleness) against rollout server processes.
 
 - After a SIGKILL of the server and a resume of the trainer from an earlier checkpoint, stale drops
   per step return to the rate before the kill within a few steps.
@@ -10,12 +11,15 @@ so admission is what bounds staleness) against rollout server processes.
   trained twice.
 - A server listed in train.client.servers_file mid-run joins; with every server killed the run stops
   after train.client.wait_s with a clear error.
+- A server that gets SIGTERM mid-run (a preemption notice) drains: the trainer pulls what it has
+  left and counts it as gone; it exits with status 0, nothing it made lost or trained twice.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pathlib
 import signal
@@ -27,12 +31,11 @@ import numpy as np
 import pytest
 
 from rollout_api.client import connect
-from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from sat_jax.experiment import load_config
 from sat_jax.step import TrainState
 from tests.clock import wait_until
 from tests.train.conftest import JAX_CACHE
-from tests.train.test_main import CONFIG, _loop_parts, _push_to, _random_params
+from tests.train.test_main import CONFIG, PacedStep, _loop_parts, _push_to, _random_params
 from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer
 from train.remote import ServerPool, ServersDownError
@@ -70,50 +73,33 @@ def _server(tmp_path: pathlib.Path, name: str, overrides: list[str]) -> LocalSer
     return LocalServer(CONFIG, [*overrides, state], str(tmp_path / f"server-{name}.log"))
 
 
-def _hooked_step(seconds: float, hooks: dict[int, callable], *, caught_up=None):
-    """A train step that only takes time and, before step k (1-based), runs ``hooks[k]``;
-    ``caught_up`` (servers), if given, is waited for after the sleep (``_caught_up``)."""
-    calls = [0]
+class _SkippingClock:
+    """The monotonic clock plus every wait a ``ServerPool`` was asked to make once ``skip`` is
+    set, which then returns at once: from then on its grace, backoff and
+    ``train.client.wait_s`` pass on this clock without the test waiting for them. (Before, its
+    waits are real: a pool waiting for its first server to join must not spin its clock on.)"""
 
-    def step(state: TrainState, batch):
-        calls[0] += 1
-        if calls[0] in hooks:
-            hooks[calls[0]]()
-        time.sleep(seconds)
-        if caught_up is not None:
-            _caught_up(caught_up)
-        return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
+    def __init__(self):
+        self.skipped = 0.0
+        self.skip = False
 
-    return step
+    def __call__(self) -> float:
+        return time.monotonic() + self.skipped
 
-
-def _caught_up(servers: list[LocalServer], timeout_s: float = 30.0) -> None:
-    """Waits (at most ``timeout_s``) until no answering server has a group running, i.e. each
-    has made every group its admission allows for the weights it has: generation stays faster
-    than training however loaded the machine is. A server that does not answer (killed, stopped
-    or restarting) is not waited for."""
-    deadline = time.monotonic() + timeout_s
-    for server in servers:
-        channel = grpc.insecure_channel(server.address)
-        try:
-            stub = rollout_pb2_grpc.RolloutStub(channel)
-            while time.monotonic() < deadline:
-                try:
-                    stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=2)
-                except grpc.RpcError:
-                    break
-                if stats.groups_running == 0:
-                    break
-                time.sleep(0.05)
-        finally:
-            channel.close()
+    def sleep(self, seconds: float) -> None:
+        if self.skip:
+            self.skipped += seconds
+        else:
+            time.sleep(seconds)
 
 
-def _train(cfg, pool, state, progress, writer, step_fn):
-    """``sync_weights`` then ``train_loop`` to ``cfg.train.steps`` over ``pool``."""
+def _train(cfg, pool, state, progress, writer, step_fn: PacedStep):
+    """``sync_weights`` then ``train_loop`` to ``cfg.train.steps`` over ``pool``, paced by
+    ``step_fn`` (which waits for this run's pushes)."""
     _, _, weights_dir = setup.run_paths(cfg)
     push = functools.partial(_push_to, pool, weights_dir=weights_dir)
     with weight_sync.WeightPusher(push) as pusher:
+        step_fn.pusher = pusher
         progress = main.sync_weights(pool, state, progress, weights_dir)
         parts = _loop_parts(cfg, pool, pusher, writer, step_fn)
         return main.train_loop(cfg, parts, state, progress)
@@ -145,7 +131,7 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
         cfg = load_config(CONFIG, [*overrides, f"train.steps={before_steps}"])
         state, progress = _start(cfg)
         with setup.connect(cfg, server) as pool:
-            state, before = _train(cfg, pool, state, progress, w, _hooked_step(1.0, {}))
+            state, before = _train(cfg, pool, state, progress, w, PacedStep([server], {}))
         # SIGKILL the server with groups queued for versions ahead, then resume the trainer from
         # a checkpoint of step 2 (version 3): the restarted server is past it, so the trainer
         # jumps ahead and drops everything made before.
@@ -157,7 +143,7 @@ def test_stale_drops_return_to_the_pre_kill_rate_after_a_resume(tmp_path):
         state = state.replace(step=np.int32(2))
         cfg = load_config(CONFIG, [*overrides, f"train.steps={2 + after_steps}"])
         with setup.connect(cfg, server) as pool:
-            _, after = _train(cfg, pool, state, resumed, w, _hooked_step(1.0, {}))
+            _, after = _train(cfg, pool, state, resumed, w, PacedStep([server], {}))
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
     assert len(records) == before_steps + after_steps
@@ -179,6 +165,7 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
     )
     a, c = _server(tmp_path, "a", overrides), _server(tmp_path, "c", overrides)
     pool_ref, seen = [], {}
+    clock = _SkippingClock()  # the pool's: its 20 s of silence pass without the test waiting
 
     def add_c():
         listing.write_text(f"{a.address}\n{c.address}\n")
@@ -193,7 +180,8 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
         for s in (a, c):
             s.proc.kill()
             s.proc.wait()
-        seen["killed"] = time.monotonic()
+        seen["killed"] = clock()
+        clock.skip = True
 
     hooks = {2: add_c, 4: wait_for_c, 7: kill_all}
     with a, c, metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=99, console=None) as w:
@@ -203,11 +191,13 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
         cfg = load_config(CONFIG, [*overrides, "train.steps=99"])
         assert cfg.train.client.servers == ()
         state, progress = _start(cfg)
-        with setup.connect(cfg, None) as pool:
+        args = setup.connection_args(cfg)
+        with ServerPool((), background=True, clock=clock, sleep=clock.sleep, **args) as pool:
             pool_ref.append(pool)
             with pytest.raises(ServersDownError, match=r"no rollout server answered for 20s"):
-                _train(cfg, pool, state, progress, w, _hooked_step(1.0, hooks))
-    assert time.monotonic() - seen["killed"] >= 20
+                _train(cfg, pool, state, progress, w, PacedStep([a, c], hooks))
+            # It gave up only once 20 s had passed, on its own clock, since the kill.
+            assert clock() - seen["killed"] >= 20
     assert seen["up"] == 2 and seen["pulled_c"] > 0  # c joined and was pulled from
 
 
@@ -276,7 +266,9 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     trainer waits on that server (its Pull, then its UpdateWeights), on a stopped server, so it
     is mid-call by construction. Each time the run goes on with the other server, and the killed
     one, restarted on its port and state_dir, rejoins at the trainer's current weights."""
-    overrides = _overrides(tmp_path, "train.client.wait_s=240", "train.client.grace_s=2")
+    # grace_s=0: the killed call itself makes b leave, whatever the pace of the steps (a grace
+    # would need the steps to take longer than it while b is down).
+    overrides = _overrides(tmp_path, "train.client.wait_s=240", "train.client.grace_s=0")
     a, b = _server(tmp_path, "a", overrides), _server(tmp_path, "b", overrides)
     steps = 22
     killer: list[_KillDuringCall] = []
@@ -311,7 +303,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # kill, the next steps' hooks restart b once it landed, and a later one waits for b to rejoin.
     # The Pull: b stopped as it starts, killed 0.3 s into it (a Pull waiting for groups); the push:
     # killed 20 ms into b's UpdateWeights, which loads weights for 50-90 ms here.
-    hooks = {k: restart_b_once_killed for k in range(7, steps)}  # 3 s down: past the grace
+    hooks = {k: restart_b_once_killed for k in range(7, steps)}
     hooks.update({
         3: arm("Pull", 0.3, stop_first=True),
         9: wait_for_b("rejoined_1", "Pull"),
@@ -331,7 +323,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
         ) as pool:
             pool_ref.append(pool)
             state, progress = _start(cfg)
-            step = _hooked_step(1.0, hooks, caught_up=[a, b])
+            step = PacedStep([a, b], hooks)
             state, progress = _train(cfg, pool, state, progress, w, step)
             final = pool.metrics()
             # b's first groups after a restart come from the weights it restarted with and go
@@ -342,7 +334,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
                 extra += 4
                 more = load_config(CONFIG, [*overrides, f"train.client.servers=[{a.address},{b.address}]",
                                             f"train.steps={steps + extra}"])  # fmt: skip
-                step = _hooked_step(1.0, {}, caught_up=[a, b])
+                step = PacedStep([a, b], {})
                 state, progress = _train(more, pool, state, progress, w, step)
         path = w.jsonl_path
     records = metrics.read_jsonl(path)
@@ -365,3 +357,63 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # the weights then installed and pulled a version later, stale again (seen on loaded
     # machines: 2 drops a step for 6 steps; docs/DESIGN.md §6.5).
     assert records[15]["stale_dropped"] <= 4 * B
+
+
+def test_a_server_sigtermed_mid_run_drains_exits_0_and_the_run_loses_nothing(tmp_path, caplog):
+    """A preemption notice (docs/DESIGN.md §6.5): b gets SIGTERM mid-run. It admits nothing more,
+    the trainer pulls what it has left, gives it no more weights, and counts it as gone once a
+    Pull finds nothing left (one log line; a grace of 600 s shows no failure made it leave); b,
+    drained, exits with status 0 (its drain time, 600 s, is not what ends it), every group it made
+    acknowledged. Restarted, it rejoins, and the run finishes with every group trained once."""
+    overrides = _overrides(
+        tmp_path, "train.client.wait_s=240", "train.client.grace_s=600", "server.drain_s=600"
+    )
+    a, b = _server(tmp_path, "a", overrides), _server(tmp_path, "b", overrides)
+    steps, seen = 20, {}
+    pool_ref: list[ServerPool] = []
+
+    def sigterm_b():
+        b.proc.send_signal(signal.SIGTERM)
+
+    def restart_b_once_drained():
+        # Between the SIGTERM and here b was pulled from at every other step at least: far more
+        # than the at most (max_staleness + 1) batches it held. Told it has nothing left, it
+        # exits whatever the trainer does, so this wait is only a safety limit.
+        seen["returncode"] = b.proc.wait(timeout=300)
+        seen["state"] = json.loads((tmp_path / "state-b" / "rollout_state.json").read_text())
+        b.restart_if_exited()  # same port, same state_dir
+        pool = pool_ref[0]
+        wait_until(lambda: pool.metrics()["servers_up"] == 2, timeout_s=300, interval_s=0.2)
+
+    hooks = {4: sigterm_b, 16: restart_b_once_drained}
+    with (
+        a,
+        b,
+        metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=steps, console=None) as w,
+        caplog.at_level(logging.INFO, logger="train"),
+    ):
+        a.wait_ready(timeout_s=240)
+        b.wait_ready(timeout_s=240)
+        servers = f"train.client.servers=[{a.address},{b.address}]"
+        cfg = load_config(CONFIG, [*overrides, servers, f"train.steps={steps}"])
+        with setup.connect(cfg, None) as pool:
+            pool_ref.append(pool)
+            state, progress = _start(cfg)
+            state, progress = _train(cfg, pool, state, progress, w, PacedStep([a, b], hooks))
+        path = w.jsonl_path
+    records = metrics.read_jsonl(path)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))  # the run finished
+    assert seen["returncode"] == 0
+    log_b = (tmp_path / "server-b.log").read_text()
+    assert "SIGTERM: draining" in log_b and "drained: every group made was acknowledged" in log_b
+    # Nothing b made was lost: every group it dispatched was acknowledged (trained or rejected).
+    state_b = seen["state"]
+    assert state_b["unfinished"] == [] and state_b["consumed"] == state_b["next_group_id"]
+    # The trainer counted b as gone after the SIGTERM and before its restart, and back at the end.
+    up = [r["servers_up"] for r in records]
+    assert 1 in up[4:15] and up[-1] == 2, up
+    lines = [r.getMessage() for r in caplog.records if b.address in r.getMessage()]
+    assert len(lines) == 2 and "is draining" in lines[0] and "joined" in lines[1], lines
+    # Exactly once: every step trained B groups, none of them twice.
+    keys = progress.recent_group_keys
+    assert len(keys) == steps * B and len(set(keys)) == len(keys), keys

@@ -34,7 +34,7 @@ def _exec_done(pid: int) -> bool:
         return f.read().split(b"\0")[1:3] == [b"-c", b"import time; time.sleep(120)"]
 
 
-def test_child_gets_sigterm_when_the_parent_is_killed():
+def test_child_gets_sigint_when_the_parent_is_killed():
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
     child = None
     try:

@@ -5,8 +5,10 @@ run is SIGKILLed after its second checkpoint and restarted with the same command
 the last checkpoint (step and version monotone), re-syncs the server, never trains a prompt twice,
 finishes, and every trained token had lag 0.
 
-The loop against a live server with a slow stand-in train step (generation faster than training):
-async mode then really runs ahead (lag > 0, never beyond max_staleness), sync mode stays at lag 0.
+The loop against a live server with a stand-in train step that waits until its weight push has
+landed and the server has made every group its admission allows (generation faster than training,
+by events rather than a sleep): async mode then really runs ahead (lag > 0, never beyond max_staleness), sync mode stays
+at lag 0.
 """
 
 from __future__ import annotations
@@ -20,17 +22,21 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 
+import grpc
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
+from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_api.records import Group, Trajectory
 from sat_jax import sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import placement
 from sat_jax.step import TrainState
+from tests.clock import wait_until
 from tests.train.conftest import JAX_CACHE
 from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer
@@ -239,14 +245,52 @@ def _push_to(pool, version, params, *, weights_dir):
     weight_sync.push_weights(pool, params, version, weights_dir)
 
 
-def _slow_step(seconds: float):
-    """A train step that only takes time: the params (and so the pushed weights) stay put."""
+class PacedStep:
+    """A stand-in train step that changes nothing (the params, and so the pushed weights, stay
+    put) and paces the loop by events, not sleeps: before step k (1-based) it runs ``hooks[k]``,
+    then waits until the weights pushed after the step before have landed (``pusher``, set once
+    the test's pusher exists) and until ``servers`` have caught up (``_caught_up``). Generation
+    and weight pushes are then faster than training however loaded the machine is."""
 
-    def step(state: TrainState, batch):
-        time.sleep(seconds)
+    def __init__(self, servers: list[LocalServer], hooks: dict[int, Callable] | None = None):
+        self.servers, self.hooks = servers, hooks or {}
+        self.pusher: weight_sync.WeightPusher | None = None
+        self.calls = 0
+
+    def __call__(self, state: TrainState, batch):
+        self.calls += 1
+        if self.calls in self.hooks:
+            self.hooks[self.calls]()
+        if self.pusher is not None:
+            self.pusher.wait()
+        _caught_up(self.servers)
         return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
 
-    return step
+
+def _caught_up(servers: list[LocalServer], timeout_s: float = 300.0) -> None:
+    """Waits until every answering server has made every group its admission allows for the
+    weights it holds: admission closed and no group running. A server that does not answer
+    (killed, stopped or restarting) is not waited for.
+
+    Raises:
+      AssertionError: a server answers but has not caught up within ``timeout_s`` (a safety
+        limit: only a broken server takes that long).
+    """
+    for server in servers:
+        channel = grpc.insecure_channel(server.address)
+        try:
+            stub = rollout_pb2_grpc.RolloutStub(channel)
+
+            def done(stub=stub) -> bool:
+                try:
+                    stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=2)
+                except grpc.RpcError:
+                    return True
+                return stats.groups_running == 0 and not stats.admission_open
+
+            wait_until(done, timeout_s=timeout_s, interval_s=0.05)
+        finally:
+            channel.close()
 
 
 def _loop_parts(cfg, pool, pusher, writer, step_fn, *, ckpt=None) -> main.LoopParts:
@@ -299,7 +343,9 @@ def test_async_runs_ahead_and_sync_stays_at_lag_0(mode, staleness, tmp_path, mon
             weight_sync.WeightPusher(functools.partial(push, pool)) as pusher,
         ):
             progress = main.sync_weights(pool, state, progress, weights_dir)
-            parts = _loop_parts(cfg, pool, pusher, writer, _slow_step(1.5), ckpt=ckpt)
+            step = PacedStep([server])
+            step.pusher = pusher
+            parts = _loop_parts(cfg, pool, pusher, writer, step, ckpt=ckpt)
             state, progress = main.train_loop(cfg, parts, state, progress)
         path = writer.jsonl_path
     lags = [r["lag_max"] for r in metrics.read_jsonl(path)]
