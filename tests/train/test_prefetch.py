@@ -224,15 +224,14 @@ def test_prefetch_trains_what_the_serial_loop_trains(staleness, policy, lags, sk
 
 
 def test_a_failure_mid_pull_and_the_resume_train_what_the_serial_loop_trains():
-    # Checkpoint at step 2 (the second batch is skipped); the 19th pull (for the fifth batch,
-    # prefetched while step 3 runs)
-    # fails: the loop raises the pool's own error; the restart resumes from checkpoint 2 with the
+    # Checkpoint at step 2 (the second batch is skipped); the 22nd pull (the fifth batch's second
+    # group, prefetched while step 3 runs, its first leased) fails: the loop raises the pool's own error; the restart resumes from checkpoint 2 with the
     # leased groups delivered again. Prefetch or not, the same groups are trained, once each
     # after the checkpoint, at the same lags.
     cfg = _cfg(1, "drop", steps=6, every=2)
     out = {}
     for on in (False, True):
-        pool = ScriptedPool(script(40, (0, 1, 2, 0)), per_pull=1, fail_at=19)
+        pool = ScriptedPool(script(40, (0, 1, 2, 0)), per_pull=1, fail_at=22)
         ckpt, trained = MemoryCheckpoints(), []
         with pytest.raises(ServerDied) as raised:
             _run(cfg, pool, ckpt, trained, {2}, prefetch_on=on)
