@@ -51,7 +51,8 @@ from train import batching, checkpointing, main, setup
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import step_data_path
 
-CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "arith_main.yaml"
+# The config of the tree under test (the one ``train`` is imported from).
+CONFIG = pathlib.Path(main.__file__).resolve().parents[1] / "configs" / "arith_main.yaml"
 
 
 class FastPool:
