@@ -2,7 +2,8 @@
 
 build mesh → base policy (``model.hf_path``'s weights, or init + cached supervised warm-up) →
 restore or start → servers (a local child when ``train.client.servers`` is empty) → sync weights → loop:
-pull → lag-tag/drop → step → push weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
+step k on batch k while a background thread pulls, lag-tags/drops, assembles and shards batch k+1
+→ push weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
 (optimizer, base policy, batch shape, server pool, ...) live in ``train.setup``; this module is
 the job that runs them, and the command line.
 
@@ -36,7 +37,8 @@ groups only once the weights they need are in, so generation waits for the new w
 trained token has lag 0.
 
 Several JAX processes (multi-host): only process 0 talks to the servers. It pulls and assembles
-each batch and broadcasts it (``pulling.next_batch``), calls ``UpdateWeights`` and writes metrics.
+each batch and sends it to the others host to host (``pulling.next_batch``; each process then
+makes its own shards), calls ``UpdateWeights`` and writes metrics.
 Every process writes its own shards of each weights version (nothing is gathered; process 0
 finalizes it) and of the checkpoints (orbax coordinates them); pushes are drained before a
 checkpoint, so all processes enter orbax's barriers in one order.
