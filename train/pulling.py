@@ -260,8 +260,8 @@ def receive_pulled(key: str, *, cancel: threading.Event | None = None) -> Pulled
         try:
             count = client.blocking_key_value_get_bytes(f"{key}/count", _WAIT_MS)
             break
-        except Exception as e:  # the runtime raises a generic error on a timeout
-            if "DEADLINE_EXCEEDED" not in str(e) and "timed out" not in str(e).lower():
+        except jax.errors.JaxRuntimeError as e:  # a timeout is DEADLINE_EXCEEDED: wait on
+            if "DEADLINE_EXCEEDED" not in str(e):
                 raise
     if count.startswith(b"error "):
         raise RuntimeError(

@@ -209,6 +209,27 @@ def _train_two_steps(pool, mesh) -> dict[str, np.ndarray]:
     return got
 
 
+class BrokenPool(FakePool):
+    """A pool whose every pull fails (a server gone)."""
+
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
+        raise ConnectionError("server gone mid-Pull")
+
+
+def _failed_batch(process_id: int) -> str:
+    """``next_batch`` with process 0's pull failing: what each process raised, as a string."""
+    from train import batching, pulling
+
+    pool = BrokenPool() if process_id == 0 else None
+    try:
+        pulling.next_batch(
+            pool, batching.BatchSpec(**SPEC_KWARGS), progress(), timeout_s=0.1, stall_s=5
+        )
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "nothing raised"
+
+
 def _no_device_broadcast() -> None:
     from jax.experimental import multihost_utils
 
@@ -271,6 +292,7 @@ def main(port: int, process_id: int, out_dir: str) -> None:
         facts[str(round_)] = fact
     loop_mesh = sharding.make_mesh(sharding.MeshConfig())
     arrays.update(_train_two_steps(FakePool(rounds=3) if process_id == 0 else None, loop_mesh))
+    facts["failure"] = _failed_batch(process_id)
     multihost_utils.broadcast_one_to_all = broadcast_one_to_all  # sync_weights' version
     if process_id == 0:  # the batches still stored: those not yet marked read when the last went
         left = pulling._client().key_value_dir_get_bytes("sat_jax/")

@@ -49,6 +49,10 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
             np.testing.assert_array_equal(arrays[pid][f"loop/{n}/own"], want[rows])
             own.append(rows)
         assert sorted(np.concatenate(own).tolist()) == list(range(want.shape[0])), own
+    # Process 0's pull failed: it raised the pool's error, and process 1 raised it too (no hang).
+    assert facts[0]["failure"] == "ConnectionError: server gone mid-Pull"
+    assert facts[1]["failure"].startswith("RuntimeError: process 0 failed to make the batch")
+    assert facts[1]["failure"].endswith("ConnectionError: server gone mid-Pull")
     # Four batches were sent; those every reader had marked read were deleted as later ones went.
     assert 1 <= len(facts[0]["batches_left"]) <= 2, facts[0]["batches_left"]
     # Process 0 found its server at version 7 and pushed version 8 (new admission epoch); both
