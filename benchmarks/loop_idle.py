@@ -20,7 +20,9 @@ does on its own). Then, for step k after the first:
 - ``idle``: max(0, handed(k) − ready(k−1)), the time the device had no step program to run
   because the loop had not yet dispatched the next one;
 - ``busy``: ready(k) − max(handed(k), ready(k−1)), the step program's own time;
-- the idle fraction is the sum of ``idle`` over the sum of ``busy`` (target ≤ 5%).
+- the idle fraction is the sum of ``idle`` over the sum of ``busy`` (target ≤ 5%);
+- the period: from the first step's outputs ready to the last's, per step (on a CPU backend the
+  host work competes with the step for the same cores, so the period need not fall with idle).
 
 The median over the repeats is printed, with each repeat's. On a CPU backend the "device" is
 the same cores the host work runs on, so the host thread that prefetches competes with the step
@@ -160,7 +162,13 @@ def run(args: argparse.Namespace) -> dict:
             w.join()
         idle = [max(0.0, handed[k] - ready[k - 1]) for k in range(1, len(handed))]
         busy = [ready[k] - max(handed[k], ready[k - 1]) for k in range(1, len(handed))]
-        return state, {"idle_s": sum(idle), "busy_s": sum(busy), "gaps": len(idle)}
+        period = (ready[-1] - ready[0]) / len(idle)
+        return state, {
+            "idle_s": sum(idle),
+            "busy_s": sum(busy),
+            "gaps": len(idle),
+            "period": period,
+        }
 
     state, _ = loop(state, 1, 2)  # compiles
     version, runs = 3, []
@@ -177,6 +185,7 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": args.repeats,
         "step_s": statistics.median(r["busy_s"] / r["gaps"] for r in runs),
         "idle_s_per_step": statistics.median(r["idle_s"] / r["gaps"] for r in runs),
+        "period_s": statistics.median(r["period"] for r in runs),
         "idle_frac": statistics.median(fracs),
         "idle_frac_each": fracs,
         "prefetch": "prefetch" in {f.name for f in dataclasses.fields(main.LoopParts)},
@@ -191,7 +200,8 @@ def main_cli(argv: list[str] | None = None) -> dict:
     print(
         f"{out['preset']} ({out['batch']}), {out['devices']}, prefetch {out['prefetch']}: step "
         f"program {out['step_s']:.3f} s, device idle between step programs "
-        f"{out['idle_s_per_step']:.4f} s per step = {100 * out['idle_frac']:.1f}% of the step "
+        f"{out['idle_s_per_step']:.4f} s per step = {100 * out['idle_frac']:.1f}% of the step, "
+        f"one step every {out['period_s']:.3f} s "
         "(each repeat: "
         + ", ".join(f"{100 * f:.1f}%" for f in out["idle_frac_each"])
         + f"); load average {out['load_average'][0]:.1f} on {out['cpus']} CPUs",
