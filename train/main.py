@@ -2,7 +2,8 @@
 
 build mesh → base policy (``model.hf_path``'s weights, or init + cached supervised warm-up) →
 restore or start → servers (a local child when ``train.client.servers`` is empty) → sync weights → loop:
-pull → lag-tag/drop → step → push weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
+step k on batch k while a background thread pulls, lag-tags/drops, assembles and shards batch k+1
+→ push weights every n updates → checkpoint every k → metrics. See docs/DESIGN.md §7. The builders
 (optimizer, base policy, batch shape, server pool, ...) live in ``train.setup``; this module is
 the job that runs them, and the command line.
 
@@ -36,7 +37,8 @@ groups only once the weights they need are in, so generation waits for the new w
 trained token has lag 0.
 
 Several JAX processes (multi-host): only process 0 talks to the servers. It pulls and assembles
-each batch and broadcasts it (``pulling.next_batch``), calls ``UpdateWeights`` and writes metrics.
+each batch and sends it to the others host to host (``pulling.next_batch``; each process then
+makes its own shards), calls ``UpdateWeights`` and writes metrics.
 Every process writes its own shards of each weights version (nothing is gathered; process 0
 finalizes it) and of the checkpoints (orbax coordinates them); pushes are drained before a
 checkpoint, so all processes enter orbax's barriers in one order. The processes watch each other
@@ -79,7 +81,6 @@ from sat_jax.step import (
     TrainState,
     create_train_state,
     make_train_step,
-    shard_batch,
     step_config,
 )
 from train import (
@@ -89,6 +90,7 @@ from train import (
     held_out,
     metrics,
     peers,
+    prefetch,
     pulling,
     setup,
     weight_sync,
@@ -342,7 +344,8 @@ class LoopParts:
     """What the loop uses, built once by ``run`` (a record, not a framework).
 
     ``pool`` and ``writer`` exist on process 0 only (None on the others); ``pusher`` on every
-    process (each writes its own shards).
+    process (each writes its own shards). ``prefetch``: make batch k+1 while step k runs (async
+    mode; synchronous mode never does, see ``train_loop``); False gives the serial loop.
     """
 
     pool: ServerPool | None
@@ -353,6 +356,7 @@ class LoopParts:
     step_fn: Callable[[TrainState, TrainBatch], tuple[TrainState, dict[str, jax.Array]]]
     mesh: jax.sharding.Mesh
     spec: batching.BatchSpec
+    prefetch: bool = True
 
 
 def train_loop(
@@ -361,7 +365,27 @@ def train_loop(
     state: TrainState,
     progress: checkpointing.Progress,
 ) -> tuple[TrainState, checkpointing.Progress]:
-    """Pull → assemble → step → push every n → checkpoint every k → log, until ``train.steps``.
+    """Take the ready batch → dispatch the step → start the next batch → finish the step (ack,
+    push every n, checkpoint every k, eval) → log it once the next step is dispatched; until
+    ``train.steps`` (docs/DESIGN.md §7.1 has the timeline of one step).
+
+    Prefetch (``parts.prefetch``, async mode): right after step k is dispatched, a background
+    thread (``prefetch.BatchSource``) pulls, selects and assembles batch k+1 and puts it on the
+    devices, against the progress after batch k: the version batch k+1 will be trained with (one
+    more per consumed batch, skipped or not, so it is known before step k ends: lags and the
+    stale-drop decision are exact) and batch k's group keys among the trained ones (the duplicate
+    check). It is started only when the run needs another batch whatever step k does (a skipped
+    step k needs one more), so no batch is pulled for nothing. Synchronous mode never prefetches:
+    the server generates batch k+1 only from the weights of step k, which the loop pushes and waits
+    for after step k, so there is nothing to pull before then; the batch is made on the loop's
+    thread after the push, as in the serial loop.
+
+    Step k is finished (its metrics read, its groups acknowledged, its push, checkpoint and
+    evaluation) once it is done and before step k+1 is dispatched: all of them depend on whether it
+    was skipped, and the push and the checkpoint read its state, whose buffers step k+1 donates.
+    Its record is written to the metrics after step k+1 is dispatched. The checkpoint holds the
+    progress after step k; batch k+1, pulled and not acknowledged, is not in it (its groups stay
+    leased and come back after a restart).
 
     Pushes run in the background (``weight_sync.WeightPusher``), except in sync mode, which waits
     for each; the loop returns once the last one has landed. Every process runs the loop; see the
@@ -369,55 +393,96 @@ def train_loop(
 
     Raises:
       RuntimeError: a weight push failed (raised at the next step), or no groups arrive.
+      Whatever stopped the batch being made (raised as is, e.g. the pool's ``ServersDownError``).
     """
     t = cfg.train
     rng = jax.random.wrap_key_data(np.asarray(progress.rng_key, np.uint32))
-    while int(state.step) < t.steps:
-        if parts.pusher is not None:
-            parts.pusher.check()
-        start = time.monotonic()
-        pulled = pulling.next_batch(
-            parts.pool,
-            parts.spec,
-            progress,
-            timeout_s=t.client.pull_timeout_s,
-            stall_s=t.client.wait_s,
-        )
-        got_batch = time.monotonic()
-        batch, stats = pulled.batch, pulled.stats
-        # The step is deterministic; the key is split per step and checkpointed so that a
-        # stochastic phase (e.g. subsampling a batch) would resume reproducibly.
-        rng, _ = jax.random.split(rng)
-        state, step_metrics = parts.step_fn(state, shard_batch(batch, parts.mesh))
-        step_metrics = jax.device_get(step_metrics)
-        skipped = bool(step_metrics["step_skipped"])
-        progress = advance(progress, stats, skipped, rng)
-        if parts.pool is not None:  # trained (or dropped): the servers may forget them
-            parts.pool.ack(pulled.pulled)
-        step = int(state.step)
-        publish_if_due(cfg, parts, state, progress, skipped)
-        if not skipped and step % t.checkpoint.every == 0:
-            if parts.pusher is not None and jax.process_count() > 1:
-                parts.pusher.wait()  # one order of orbax barriers on every process
-            parts.ckpt.save(step, state, progress)
-        accuracy = None
-        if t.eval.every and step % t.eval.every == 0 and not skipped:
-            accuracy = held_out.held_out_accuracy(cfg, parts.graphdef, state.model_params)
-        if parts.writer is not None:
-            timing = {
-                "tokens_per_s": stats.tokens / max(time.monotonic() - start, 1e-9),
-                "pull_wait_s": got_batch - start,
-                "step_s": time.monotonic() - got_batch,
-            }
-            scalars = {**step_metrics, **loop_scalars(stats, progress), **timing}
-            scalars.update(parts.pusher.metrics() if parts.pusher else {}, accuracy=accuracy)
-            scalars.update(parts.pool.metrics() if parts.pool else {})
-            parts.writer.write(step, scalars, stats)
+    step = int(state.step)
+    ahead = parts.prefetch and t.mode != "sync"
+    record = None  # the finished step's log record, written once the next step is dispatched
+    source = prefetch.BatchSource(
+        parts.pool,
+        parts.spec,
+        parts.mesh,
+        timeout_s=t.client.pull_timeout_s,
+        stall_s=t.client.wait_s,
+        background=ahead,
+    )
+    with source:
+        while step < t.steps:
+            if parts.pusher is not None:
+                parts.pusher.check()
+            start = time.monotonic()
+            if not source.pending:
+                source.start(progress)
+            ready = source.take()
+            got_batch = time.monotonic()
+            # The step is deterministic; the key is split per step and checkpointed so that a
+            # stochastic phase (e.g. subsampling a batch) would resume reproducibly.
+            rng, _ = jax.random.split(rng)
+            state, step_metrics = parts.step_fn(state, ready.batch)
+            if ahead and step + 1 < t.steps:
+                source.start(advance(progress, ready.pulled.stats, False, rng))
+            if record is not None:
+                write_record(parts, *record)
+            step, progress, record = finish_step(
+                cfg, parts, state, progress, ready.pulled, step_metrics, rng
+            )
+            record[1].update(
+                tokens_per_s=ready.pulled.stats.tokens / max(time.monotonic() - start, 1e-9),
+                pull_wait_s=got_batch - start,
+                step_s=time.monotonic() - got_batch,
+            )
+        if record is not None:
+            write_record(parts, *record)
     if parts.pusher is not None:
         parts.pusher.wait()
     if parts.pool is not None:
         parts.pool.flush_acks()
     return state, progress
+
+
+def finish_step(
+    cfg: ExperimentConfig,
+    parts: LoopParts,
+    state: TrainState,
+    progress: checkpointing.Progress,
+    pulled: pulling.PulledBatch,
+    step_metrics: dict[str, jax.Array],
+    rng: jax.Array,
+) -> tuple[int, checkpointing.Progress, tuple[int, dict[str, Any], batching.BatchStats]]:
+    """Waits for the dispatched step (its metrics), then acknowledges its groups, pushes,
+    checkpoints and evaluates as due. Returns the step count, the progress after the batch and
+    the step's log record (step, scalars, stats) for ``write_record``."""
+    t = cfg.train
+    step_metrics = jax.device_get(step_metrics)
+    skipped = bool(step_metrics["step_skipped"])
+    progress = advance(progress, pulled.stats, skipped, rng)
+    if parts.pool is not None:  # trained (or dropped): the servers may forget them
+        parts.pool.ack(pulled.pulled)
+    step = int(state.step)
+    publish_if_due(cfg, parts, state, progress, skipped)
+    if not skipped and step % t.checkpoint.every == 0:
+        if parts.pusher is not None and jax.process_count() > 1:
+            parts.pusher.wait()  # one order of orbax barriers on every process
+        parts.ckpt.save(step, state, progress)
+    accuracy = None
+    if t.eval.every and step % t.eval.every == 0 and not skipped:
+        accuracy = held_out.held_out_accuracy(cfg, parts.graphdef, state.model_params)
+    scalars = {}
+    if parts.writer is not None:
+        scalars = {**step_metrics, **loop_scalars(pulled.stats, progress)}
+        scalars.update(parts.pusher.metrics() if parts.pusher else {}, accuracy=accuracy)
+        scalars.update(parts.pool.metrics() if parts.pool else {})
+    return step, progress, (step, scalars, pulled.stats)
+
+
+def write_record(
+    parts: LoopParts, step: int, scalars: dict[str, Any], stats: batching.BatchStats
+) -> None:
+    """Writes one finished step's record (process 0, which has the writer)."""
+    if parts.writer is not None:
+        parts.writer.write(step, scalars, stats)
 
 
 def publish_if_due(

@@ -1,27 +1,33 @@
 """The next batch (docs/DESIGN.md §7.1, steps 1 to 4): pull groups until a batch's worth
-pass the staleness policy, assemble them, and, with several JAX processes, broadcast the batch from
+pass the staleness policy, assemble them, and, with several JAX processes, send the batch from
 process 0 (the only one that talks to the servers) to every process.
 
 Pulled groups are ``rollout_api.records`` (``ServerPool.pull`` decodes and validates them once),
 tracked by their ``key``.
 
-Broadcast (``broadcast_pulled``, docs/DESIGN.md §7.1 step 4, §7.3): the batch's length bucket T
-first; the other processes fill ``batching.empty_batch`` of that bucket (shapes from the spec and
-T alone), and the batch's arrays and the flat lags of its trained tokens, padded to R · T, travel
-as one pytree (``multihost_utils.broadcast_one_to_all``); the rest of the ``BatchStats`` as its
-JSON (``BatchStats.to_json``), padded to a power of two so that only a few shapes ever compile.
-Every process then holds the same ``PulledBatch``.
+Broadcast (``broadcast_pulled``, docs/DESIGN.md §7.1 step 4, §7.3): host to host, through the
+key-value store of JAX's distributed runtime (the coordination service ``jax.distributed``
+starts; the client orbax uses for its barriers), never through the devices. Process 0 writes the
+batch's arrays, the flat lags of its trained tokens and the rest of its ``BatchStats`` (as JSON)
+as one ``.npz`` under the batch's key, in chunks of ``CHUNK_BYTES``; every other process reads
+them back and so holds the same host arrays, from which each then makes only its own devices'
+shards (``shard_batch``). Keys are distinct per batch (no ordering between processes is
+needed, so a background thread may send or receive); each reader marks the batch read and process
+0 deletes a batch's keys once every reader has. A failure on process 0 while it makes the batch
+is written under the batch's key instead, so the other processes raise it rather than wait.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import itertools
 import logging
+import threading
 import time
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from rollout_api.records import Group, InvalidGroup
 from sat_jax.step import TrainBatch
@@ -30,7 +36,13 @@ from train.remote import ServerPool
 
 log = logging.getLogger("train")
 
-_MIN_BLOB = 1024  # bytes; the JSON part is padded to max(this, the next power of two)
+CHUNK_BYTES = 16 << 20  # one value in the coordination service's key-value store
+_WAIT_MS = 10_000  # a reader's wait per try for the batch (it gives up only when cancelled)
+_KEYS = itertools.count()  # next_batch's broadcast keys: the same sequence on every process
+
+
+class Cancelled(Exception):
+    """The batch was no longer wanted (``cancel`` was set): the loop stopped."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -57,6 +69,7 @@ def pull_batch(
     *,
     timeout_s: float,
     stall_s: float,
+    cancel: threading.Event | None = None,
 ) -> batching.Selection:
     """Pulls until ``spec.batch_groups`` groups pass ``batching.select_groups`` (the staleness
     policy, the duplicate check and, with ``spec.filter_groups``, the all-equal-rewards filter);
@@ -74,15 +87,20 @@ def pull_batch(
       progress: the trainer version, ``min_version`` and recently trained prompt ids.
       timeout_s: how long one pull may wait for groups.
       stall_s: how long the servers may answer without sending a group.
+      cancel: set by another thread to stop between two pulls (the groups pulled so far stay
+        leased, so their servers deliver them again to the next trainer that asks).
 
     Raises:
       RuntimeError: the servers answered but sent no group for ``stall_s`` seconds.
+      Cancelled: ``cancel`` was set.
     """
     seen_groups = set(progress.recent_group_keys)
     selection = batching.Selection.empty()
     last_group = time.monotonic()
     filter_off = spec.filter_groups == "none"
     while len(selection.kept) < spec.batch_groups:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(f"batch for version {progress.version}")
         pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s, limits=spec.limits)
         chosen = batching.select_groups(
             pulled,
@@ -133,68 +151,150 @@ def next_batch(
     *,
     timeout_s: float,
     stall_s: float,
+    key: str | None = None,
+    cancel: threading.Event | None = None,
 ) -> PulledBatch:
     """Pulls and assembles the next batch on process 0 and gives it to every process.
 
     Args:
       pool: the servers on process 0; None on every other process.
       spec: the batch shape and staleness policy.
-      progress: the trainer version, ``min_version`` and recently trained prompt ids.
-      timeout_s, stall_s: as in ``pull_batch``.
+      progress: the trainer version, ``min_version`` and recently trained group keys.
+      timeout_s, stall_s, cancel: as in ``pull_batch``.
+      key: the batch's broadcast key, the same on every process and distinct per batch (None:
+        the next of a sequence that every process draws from in the same order, for callers that
+        make every batch on one thread).
 
     Returns:
-      The same ``PulledBatch`` on every process.
+      The same ``PulledBatch`` on every process (its ``pulled`` on process 0 only).
 
     Raises:
       ValueError: ``pool`` is given on a process other than 0, or missing on process 0.
-      RuntimeError: from ``pull_batch``.
+      RuntimeError: from ``pull_batch``; on the other processes, a failure of process 0's.
+      Cancelled: ``cancel`` was set.
     """
     if (pool is not None) != (jax.process_index() == 0):
         raise ValueError(
             f"process {jax.process_index()}: only process 0 pulls (pool given: {pool is not None})"
         )
-    pulled = None
-    if pool is not None:
-        selection = pull_batch(pool, spec, progress, timeout_s=timeout_s, stall_s=stall_s)
+    several = jax.process_count() > 1
+    if several and key is None:
+        key = f"sat_jax/batch/{next(_KEYS)}"
+    if pool is None:
+        return receive_pulled(key, cancel=cancel)
+    try:
+        selection = pull_batch(
+            pool, spec, progress, timeout_s=timeout_s, stall_s=stall_s, cancel=cancel
+        )
         batch, stats = batching.assemble_batch(selection, spec, trainer_version=progress.version)
-        pulled = PulledBatch(batch=batch, stats=stats, pulled=selection.pulled)
-    if jax.process_count() == 1:
+    except BaseException as e:
+        if several:  # the others wait for this batch: tell them why it will not come
+            send_failure(key, e)
+        raise
+    pulled = PulledBatch(batch=batch, stats=stats, pulled=selection.pulled)
+    if several:
+        send_pulled(key, pulled)
+    return pulled
+
+
+def broadcast_pulled(
+    pulled: PulledBatch | None, *, key: str, cancel: threading.Event | None = None
+) -> PulledBatch:
+    """Process 0's ``pulled`` on every process: process 0 sends it (and returns it), every other
+    process passes None and returns what it receives (see the module docstring)."""
+    if jax.process_index() == 0:
+        send_pulled(key, pulled)
         return pulled
-    return broadcast_pulled(pulled, spec)
+    return receive_pulled(key, cancel=cancel)
 
 
-def broadcast_pulled(pulled: PulledBatch | None, spec: batching.BatchSpec) -> PulledBatch:
-    """Process 0's ``pulled`` on every process (a collective: every process calls it, process 0
-    with its batch, the others with None); the groups to acknowledge stay on process 0."""
-    source = jax.process_index() == 0
-    length = pulled.batch.tokens.shape[1] if source else 0
-    length = int(multihost_utils.broadcast_one_to_all(np.int32(length), is_source=source))
-    # The lags ride at a fixed size per bucket (R · T ≥ the trained tokens), as int32 (JAX's
-    # default integer width); the first `tokens` of them are the batch's.
-    lags = np.zeros(spec.rows * length, np.int32)
-    if source:
-        batch, blob = pulled.batch, pulled.stats.to_json()
-        lags[: pulled.stats.lags.size] = pulled.stats.lags
-    else:
-        batch, blob = batching.empty_batch(spec, length), b""
-    batch, lags = multihost_utils.broadcast_one_to_all((batch, lags), is_source=source)
-    tokens = int(np.count_nonzero(np.asarray(batch.loss_mask)))
-    stats = batching.BatchStats.from_json(
-        broadcast_bytes(blob, is_source=source),
-        lags=np.asarray(lags)[:tokens].astype(np.int64),
+def encode_pulled(pulled: PulledBatch) -> bytes:
+    """The batch's host arrays, its lags and the rest of its stats as one ``.npz`` (no pickle)."""
+    arrays = {f"batch/{k}": np.asarray(v) for k, v in vars(pulled.batch).items() if v is not None}
+    arrays["lags"] = np.asarray(pulled.stats.lags)
+    arrays["stats"] = np.frombuffer(pulled.stats.to_json(), np.uint8)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    return buffer.getvalue()
+
+
+def decode_pulled(data: bytes) -> PulledBatch:
+    """The inverse of ``encode_pulled`` (``pulled`` empty: only process 0 acknowledges)."""
+    with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+        fields = {k.removeprefix("batch/"): npz[k] for k in npz.files if k.startswith("batch/")}
+        stats = batching.BatchStats.from_json(npz["stats"].tobytes(), lags=npz["lags"])
+    return PulledBatch(batch=TrainBatch(**fields), stats=stats)
+
+
+def send_pulled(key: str, pulled: PulledBatch) -> None:
+    """Writes ``pulled`` under ``key`` for the other processes (process 0), chunk by chunk and
+    the chunk count last, then deletes the keys of earlier batches every reader has marked read."""
+    client = _client()
+    data = encode_pulled(pulled)
+    chunks = range(0, max(len(data), 1), CHUNK_BYTES)
+    for i, at in enumerate(chunks):
+        client.key_value_set_bytes(f"{key}/chunk/{i}", data[at : at + CHUNK_BYTES])
+    client.key_value_set_bytes(f"{key}/count", str(len(chunks)).encode())
+    _sent.append(key)
+    _forget_read(client)
+
+
+def send_failure(key: str, error: BaseException) -> None:
+    """Tells the other processes that process 0 will not send the batch under ``key``."""
+    message = f"{type(error).__name__}: {error}"
+    _client().key_value_set_bytes(f"{key}/count", b"error " + message.encode())
+
+
+def receive_pulled(key: str, *, cancel: threading.Event | None = None) -> PulledBatch:
+    """The batch process 0 sends under ``key`` (a process other than 0); waits for it however
+    long process 0 pulls, until ``cancel`` is set.
+
+    Raises:
+      RuntimeError: process 0 failed to make this batch (its error in the message).
+      Cancelled: ``cancel`` was set.
+    """
+    client = _client()
+    while True:
+        if cancel is not None and cancel.is_set():
+            raise Cancelled(key)
+        try:
+            count = client.blocking_key_value_get_bytes(f"{key}/count", _WAIT_MS)
+            break
+        except jax.errors.JaxRuntimeError as e:  # a timeout is DEADLINE_EXCEEDED: wait on
+            if "DEADLINE_EXCEEDED" not in str(e):
+                raise
+    if count.startswith(b"error "):
+        raise RuntimeError(
+            f"process 0 failed to make the batch {key}: {count[6:].decode(errors='replace')}"
+        )
+    data = b"".join(
+        client.blocking_key_value_get_bytes(f"{key}/chunk/{i}", _WAIT_MS) for i in range(int(count))
     )
-    # Process 0 keeps what it pulled: it acknowledges those groups once the step has run (without
-    # this, a multi-process trainer never acknowledged a group: each came back after its lease
-    # and was rejected as a duplicate, buying a replacement).
-    return PulledBatch(batch=batch, stats=stats, pulled=pulled.pulled if source else ())
+    client.key_value_set_bytes(f"{key}/read/{jax.process_index()}", b"")
+    return decode_pulled(data)
 
 
-def broadcast_bytes(data: bytes, *, is_source: bool) -> bytes:
-    """``data`` of the source process on every process (the others pass anything, e.g. b"")."""
-    size = multihost_utils.broadcast_one_to_all(np.int32(len(data)), is_source=is_source)
-    capacity = max(_MIN_BLOB, 1 << (int(size) - 1).bit_length())
-    buffer = np.zeros(capacity, np.uint8)
-    if is_source:
-        buffer[: len(data)] = np.frombuffer(data, np.uint8)
-    buffer = multihost_utils.broadcast_one_to_all(buffer, is_source=is_source)
-    return buffer[: int(size)].tobytes()
+_sent: list[str] = []  # keys process 0 wrote and has not deleted yet
+
+
+def _forget_read(client) -> None:
+    """Deletes the keys of every sent batch that all other processes have read."""
+    readers = jax.process_count() - 1
+    for key in list(_sent):
+        if len(client.key_value_dir_get(f"{key}/read/")) >= readers:
+            client.key_value_delete(key)
+            _sent.remove(key)
+
+
+def _client():
+    """The distributed runtime's client (``jax.distributed.initialize`` made it); JAX exposes no
+    public accessor, and orbax reads the same attribute."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError(
+            "several JAX processes but no distributed runtime client: call "
+            "jax.distributed.initialize() before the trainer"
+        )
+    return client

@@ -4,14 +4,19 @@ Run as ``python tests/train/multihost_worker.py PORT PROCESS_ID OUT_DIR`` (one C
 a 2-process ``jax.distributed`` job on 127.0.0.1:PORT (gloo), then
 
 - ``pulling.next_batch`` twice, with a ``FakePool`` on process 0 and None on process 1 (the second
-  batch's prompt ids are long, so the JSON part takes a larger padded size);
+  batch's prompt ids are long, so the JSON part is larger); the batches go host to host
+  (``multihost_utils.broadcast_one_to_all`` is made to fail);
+- ``main.train_loop`` for two steps with prefetch, over a mesh of both processes' devices, with a
+  step that gathers the batch it was given (``process_allgather``, in the step, so in the same
+  order on both processes): each process made only its own shards, and both train the same
+  batches;
 - ``main.sync_weights`` with params sharded over both processes (``W_SIZE`` random float32s, pushed
   in bfloat16): process 0 finds its server at version 7 and pushes version 8; each process writes
   its own half of the weights (``process_allgather`` is made to fail, and the bytes of each host
   copy are recorded); both get version 8 back;
 
-and writes what it got to OUT_DIR/p{PROCESS_ID}.npz and .json. ``reference`` computes the same
-batches in one process, for the test to compare.
+and writes what it got to OUT_DIR/p{PROCESS_ID}.npz and .json. ``reference`` and
+``reference_loop`` compute the same batches in one process, for the test to compare.
 """
 
 from __future__ import annotations
@@ -76,10 +81,11 @@ def fake_groups(round_: int) -> list:
 
 
 class FakePool:
-    """Serves `fake_groups` two at a time; a server at version 7 that records weight pushes."""
+    """Serves `fake_groups` of ``rounds`` two at a time; a server at version 7 that records weight
+    pushes."""
 
-    def __init__(self):
-        self.queue = fake_groups(0) + fake_groups(1)
+    def __init__(self, rounds: int = 2):
+        self.queue = [g for r in range(rounds) for g in fake_groups(r)]
         self.pushes: list[tuple[int, str, bool]] = []
         self.acked: list = []
 
@@ -90,6 +96,9 @@ class FakePool:
 
     def ack(self, groups, *, rejected: bool = False) -> None:
         self.acked.extend(groups)
+
+    def flush_acks(self) -> None:
+        pass
 
     def versions(self) -> list[int]:
         return [7]
@@ -141,6 +150,95 @@ def reference() -> list[tuple[dict[str, np.ndarray], dict]]:
     ]
 
 
+def reference_loop() -> list[np.ndarray]:
+    """The tokens of the two batches the loop trains, made in one process: the second against the
+    progress after the first (its version, and its groups counted as trained)."""
+    import jax
+
+    from train import batching, main, pulling
+
+    pool, spec = FakePool(rounds=3), batching.BatchSpec(**SPEC_KWARGS)
+    first = pulling.next_batch(pool, spec, progress(), timeout_s=0.1, stall_s=5)
+    after = main.advance(progress(), first.stats, False, jax.random.key(0))
+    second = pulling.next_batch(pool, spec, after, timeout_s=0.1, stall_s=5)
+    return [np.asarray(first.batch.tokens), np.asarray(second.batch.tokens)]
+
+
+def _train_two_steps(pool, mesh) -> dict[str, np.ndarray]:
+    """Runs ``main.train_loop`` for two steps with prefetch; returns what each step was given:
+    the global tokens (gathered inside the step) and this process's own shards of them."""
+    from jax.experimental import multihost_utils
+
+    from sat_jax.experiment import load_config
+    from sat_jax.step import TrainState
+    from train import batching, main
+
+    cfg = load_config(
+        str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"),
+        [
+            "train.steps=2",
+            "train.checkpoint.every=100",
+            "train.eval.every=0",
+            "train.client.wait_s=5",
+        ],
+    )
+    got: dict[str, np.ndarray] = {}
+
+    def step(state, batch):
+        n = int(state.step)
+        got[f"loop/{n}/tokens"] = np.asarray(
+            multihost_utils.process_allgather(batch.tokens, tiled=True)
+        )
+        [shard] = batch.tokens.addressable_shards
+        got[f"loop/{n}/own_rows"] = np.arange(batch.tokens.shape[0])[shard.index[0]]
+        got[f"loop/{n}/own"] = np.asarray(shard.data)
+        return state.replace(step=state.step + 1), {"step_skipped": np.float32(0)}
+
+    parts = main.LoopParts(
+        pool=pool,
+        pusher=None,
+        ckpt=None,
+        writer=None,
+        graphdef=None,
+        step_fn=step,
+        mesh=mesh,
+        spec=batching.BatchSpec(**SPEC_KWARGS),
+    )
+    state = TrainState(params={}, opt_state=(), step=np.int32(0))
+    main.train_loop(cfg, parts, state, progress())
+    return got
+
+
+class BrokenPool(FakePool):
+    """A pool whose every pull fails (a server gone)."""
+
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
+        raise ConnectionError("server gone mid-Pull")
+
+
+def _failed_batch(process_id: int) -> str:
+    """``next_batch`` with process 0's pull failing: what each process raised, as a string."""
+    from train import batching, pulling
+
+    pool = BrokenPool() if process_id == 0 else None
+    try:
+        pulling.next_batch(
+            pool, batching.BatchSpec(**SPEC_KWARGS), progress(), timeout_s=0.1, stall_s=5
+        )
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "nothing raised"
+
+
+def _no_device_broadcast() -> None:
+    from jax.experimental import multihost_utils
+
+    def fail(*args, **kwargs):
+        raise AssertionError("a batch went through the devices (broadcast_one_to_all)")
+
+    multihost_utils.broadcast_one_to_all = fail
+
+
 def _record_host_copies() -> list[int]:
     """Makes ``process_allgather`` fail and ``weight_sync.host_copy`` record the bytes of every
     host copy it makes in this process (the list returned)."""
@@ -174,8 +272,10 @@ def main(port: int, process_id: int, out_dir: str) -> None:
         process_id=process_id,
         initialization_timeout=60,
     )
+    from jax.experimental import multihost_utils
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+    from sat_jax import sharding
     from sat_jax.step import TrainState
     from train import batching, main, pulling
 
@@ -183,11 +283,20 @@ def main(port: int, process_id: int, out_dir: str) -> None:
     pool = FakePool() if process_id == 0 else None
     spec = batching.BatchSpec(**SPEC_KWARGS)
     arrays, facts = {}, {}
+    broadcast_one_to_all = multihost_utils.broadcast_one_to_all
+    _no_device_broadcast()
     for round_ in range(2):
         got = pulling.next_batch(pool, spec, progress(), timeout_s=0.1, stall_s=5)
         batch, fact = record(got)
         arrays.update({f"{round_}/{k}": v for k, v in batch.items()})
         facts[str(round_)] = fact
+    loop_mesh = sharding.make_mesh(sharding.MeshConfig())
+    arrays.update(_train_two_steps(FakePool(rounds=3) if process_id == 0 else None, loop_mesh))
+    facts["failure"] = _failed_batch(process_id)
+    multihost_utils.broadcast_one_to_all = broadcast_one_to_all  # sync_weights' version
+    if process_id == 0:  # the batches still stored: those not yet marked read when the last went
+        left = pulling._client().key_value_dir_get_bytes("sat_jax/")
+        facts["batches_left"] = sorted(k for k, _ in left if k.endswith("/count"))
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     w = weights()

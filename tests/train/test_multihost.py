@@ -1,6 +1,7 @@
 """Two trainer processes (jax.distributed, gloo, one CPU device each): process 0 alone pulls from the
-servers and calls UpdateWeights; every process gets the same batch, stats and synced version, and
-writes its own half of the weights (no gather)."""
+servers and calls UpdateWeights; every process gets the same batch (host to host, never through
+the devices), stats and synced version, trains the same batches in the prefetching loop from its
+own shards, and writes its own half of the weights (no gather)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,22 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
                 got = arrays[pid][f"{round_}/{key}"]
                 assert got.dtype == value.dtype, (pid, key)
                 np.testing.assert_array_equal(got, value, err_msg=f"process {pid} {key}")
+    # The loop, with prefetch: both processes trained the same two batches, the ones one process
+    # makes, and each put only its own rows on its device.
+    for n, want in enumerate(multihost_worker.reference_loop()):
+        own = []
+        for pid in range(2):
+            np.testing.assert_array_equal(arrays[pid][f"loop/{n}/tokens"], want)
+            rows = arrays[pid][f"loop/{n}/own_rows"]
+            np.testing.assert_array_equal(arrays[pid][f"loop/{n}/own"], want[rows])
+            own.append(rows)
+        assert sorted(np.concatenate(own).tolist()) == list(range(want.shape[0])), own
+    # Process 0's pull failed: it raised the pool's error, and process 1 raised it too (no hang).
+    assert facts[0]["failure"] == "ConnectionError: server gone mid-Pull"
+    assert facts[1]["failure"].startswith("RuntimeError: process 0 failed to make the batch")
+    assert facts[1]["failure"].endswith("ConnectionError: server gone mid-Pull")
+    # Four batches were sent; those every reader had marked read were deleted as later ones went.
+    assert 1 <= len(facts[0]["batches_left"]) <= 2, facts[0]["batches_left"]
     # Process 0 found its server at version 7 and pushed version 8 (new admission epoch); both
     # processes continue at version 8.
     assert facts[0]["synced"] == facts[1]["synced"] == [8, 8]
