@@ -40,31 +40,38 @@ class FileServer:
         self.path = out / "acked.json"
         self.acked: list[int] = json.loads(self.path.read_text()) if self.path.exists() else []
         self.pulled: set[int] = set()
+        # The loop acknowledges trained groups on its thread while the prefetch thread pulls and
+        # rejects; and a kill may land mid-write: one writer at a time, each write atomic.
+        self._lock = threading.Lock()
 
     def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
         from rollout_api.records import Group, Trajectory
 
         groups, i = [], 0
-        while len(groups) < max_groups:
-            if i not in self.pulled and i not in self.acked:
-                self.pulled.add(i)
-                trajectories = tuple(
-                    Trajectory(
-                        prompt_ids=np.array([1, 5, 6], np.int32),
-                        completion_ids=np.array([7, 2], np.int32),
-                        behavior_logprobs=np.array([-1.0, -0.5], np.float32),
-                        versions=np.full(2, 1, np.int64),
-                        reward=float(j),
+        with self._lock:
+            while len(groups) < max_groups:
+                if i not in self.pulled and i not in self.acked:
+                    self.pulled.add(i)
+                    trajectories = tuple(
+                        Trajectory(
+                            prompt_ids=np.array([1, 5, 6], np.int32),
+                            completion_ids=np.array([7, 2], np.int32),
+                            behavior_logprobs=np.array([-1.0, -0.5], np.float32),
+                            versions=np.full(2, 1, np.int64),
+                            reward=float(j),
+                        )
+                        for j in range(2)
                     )
-                    for j in range(2)
-                )
-                groups.append(Group(group_id=i, prompt_id=f"p{i}", trajectories=trajectories))
-            i += 1
+                    groups.append(Group(group_id=i, prompt_id=f"p{i}", trajectories=trajectories))
+                i += 1
         return groups
 
     def ack(self, groups, *, rejected: bool = False) -> None:
-        self.acked.extend(g.group_id for g in groups)
-        self.path.write_text(json.dumps(self.acked))
+        with self._lock:
+            self.acked.extend(g.group_id for g in groups)
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.acked))
+            tmp.replace(self.path)
 
     def flush_acks(self) -> None:
         pass
