@@ -30,7 +30,9 @@ K experts per token.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -44,6 +46,8 @@ from jax.sharding import NamedSharding
 from sat_jax import sharding
 from sat_jax.config import RolloutConfig
 from sat_jax.model import KVCache, ModelConfig
+
+log = logging.getLogger(__name__)
 
 # Column layout of one generate step's output.
 TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, SEGMENT_COL, ROUTING_COL = range(
@@ -140,16 +144,27 @@ class DecodeState:
 
 
 class _Serialized:
-    """A jitted function called under a lock (and, when ``wait``, finished inside it); other
-    attributes (``lower``, ``_cache_size``) are the jitted function's."""
+    """A jitted function called under a lock (and, when ``wait``, finished inside it), traced,
+    lowered and run with ``mesh`` as the ambient mesh (``jax.set_mesh``) when there is one, as
+    the train step is; other attributes (``_cache_size``) are the jitted function's."""
 
-    def __init__(self, fn: Any, lock: threading.Lock, wait: bool):
-        self.fn, self.lock, self.wait = fn, lock, wait
+    def __init__(
+        self, fn: Any, lock: threading.Lock, wait: bool, mesh: jax.sharding.Mesh | None = None
+    ):
+        self.fn, self.lock, self.wait, self.mesh = fn, lock, wait, mesh
+
+    def _ambient(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def __call__(self, *args: Any) -> Any:
-        with self.lock:
+        with self.lock, self._ambient():
             out = self.fn(*args)
             return jax.block_until_ready(out) if self.wait else out
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """``jit(...).lower`` under the same ambient mesh as a call."""
+        with self._ambient():
+            return self.fn.lower(*args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
@@ -176,7 +191,12 @@ class DecodeCore:
       seed: sampling PRNG seed.
       mesh: shard the KV cache over this mesh (KV heads over ``tensor`` by the rules of
         ``sat_jax.sharding``); the params come in their own shardings (``param_shardings`` on the
-        same mesh) and the computation follows them. None: whatever the params' devices are.
+        same mesh) and the computation follows them. Every program is traced with it as the
+        ambient mesh (``jax.set_mesh``), as the train step is, so the model's "auto" paths take
+        the same TPU kernels as the trainer (megablox ``gmm`` for the experts, per shard;
+        docs/DESIGN.md §6.1). None: whatever the params' devices are (one device: a process
+        with several TPU devices and no mesh cannot place the kernels and keeps ``ragged_dot``,
+        which is logged as a warning).
     """
 
     def __init__(
@@ -206,6 +226,12 @@ class DecodeCore:
         self.sampleable_v = np.asarray(sampleable_v, bool)
         self.seed = seed
         self.mesh = mesh
+        if mesh is None and config.dispatch == "auto" and _kernels_unplaceable():
+            log.warning(
+                "DecodeCore without a mesh on %d TPU devices: the experts run ragged_dot, not "
+                "the trainer's megablox kernels; give it the server's mesh (server.mesh)",
+                jax.device_count(),
+            )
         # The last prefill, reused while the same prompt comes again under the same version (a
         # group's G samples arrive together): one prefill per group.
         self.prefill_calls = 0
@@ -245,7 +271,7 @@ class DecodeCore:
         self._generated_b = np.full((slots,), max_decode_length, np.int64)
 
     def _serialized(self, fn: Any) -> _Serialized:
-        return _Serialized(fn, self._device_lock, self._wait_inside_lock)
+        return _Serialized(fn, self._device_lock, self._wait_inside_lock, self.mesh)
 
     def _shard_cache(self, cache: KVCache) -> KVCache:
         """The cache [L, B, S, G, H] with KV heads over the mesh's ``tensor`` axis (no-op
@@ -525,6 +551,12 @@ class DecodeCore:
         tokens_p = np.zeros((self.max_prefill_length,), np.int32)
         tokens_p[:n] = ids
         return self.prefill_once(params, tokens_p, n, version)
+
+
+def _kernels_unplaceable() -> bool:
+    """Whether this process has several TPU devices, where a program traced without a mesh cannot
+    place a Pallas kernel (``sat_jax.model.tpu_kernels.kernels_placeable``)."""
+    return jax.default_backend() == "tpu" and jax.device_count() > 1
 
 
 def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.ndarray]:

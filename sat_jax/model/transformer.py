@@ -56,6 +56,10 @@ class ModelOutput:
 
 @struct.dataclass
 class _Trunk:
+    """What `Transformer._trunk` computes: the residual stream after the last layer, each MoE
+    layer's output, and the keys and values: [L, B, T, G, H] of the T positions without a cache,
+    the whole updated cache [L, B, S, G, H] with one."""
+
     x_btd: jax.Array
     moe: tuple[MoEOutput, ...]
     k_lbtgh: jax.Array
@@ -161,23 +165,30 @@ class Transformer(nnx.Module):
         """Runs every layer. With `cache`, the T new keys/values of row b go to its positions
         `positions_bt[b]` (lengths_b[b] onwards; positions past the cache are dropped) and
         attention covers the cache's first `window` positions (default all); without, it covers
-        the T new positions."""
+        the T new positions.
+
+        With `cache`, each layer's keys and values are scattered into the whole [L, B, S, G, H]
+        buffers carried from layer to layer, and the returned `_Trunk` holds those buffers: under
+        `jit` with the cache donated, XLA writes the new entries into the donated buffers in
+        place, so no second cache is built (docs/DESIGN.md §5). Without, the T positions' keys
+        and values are stacked over layers."""
         c = self.config
         x_btd = self.embedding_vd[...].astype(c.dtype)[tokens_bt]
         rows_b = jnp.arange(tokens_bt.shape[0])
         moe_outs, ks, vs = [], [], []
+        k_all, v_all = (None, None) if cache is None else (cache.k_lbsgh, cache.v_lbsgh)
         for i, layer in enumerate(self.layers):
             qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
             k_bsgh, v_bsgh = qkv.k_btgh, qkv.v_btgh
-            if cache is not None:  # T new tokens per row, written at their positions
-                k_new, v_new = (x.astype(cache.k_lbsgh.dtype) for x in (k_bsgh, v_bsgh))
-                at = (rows_b[:, None], positions_bt)
-                k_bsgh = cache.k_lbsgh[i].at[at].set(k_new, mode="drop")
-                v_bsgh = cache.v_lbsgh[i].at[at].set(v_new, mode="drop")
-            ks.append(k_bsgh)
-            vs.append(v_bsgh)
-            if window is not None:
-                k_bsgh, v_bsgh = k_bsgh[:, :window], v_bsgh[:, :window]
+            if cache is None:
+                ks.append(k_bsgh)
+                vs.append(v_bsgh)
+            else:  # T new tokens per row, written at their positions of layer i
+                at = (i, rows_b[:, None], positions_bt)
+                k_all = k_all.at[at].set(k_bsgh.astype(k_all.dtype), mode="drop")
+                v_all = v_all.at[at].set(v_bsgh.astype(v_all.dtype), mode="drop")
+                span = k_all.shape[2] if window is None else window
+                k_bsgh, v_bsgh = k_all[i, :, :span], v_all[i, :, :span]
             x_btd = x_btd + layer.attn.attend(qkv.q_btnh, k_bsgh, v_bsgh, allowed_bts)
             h_btd = layer.mlp_norm(x_btd)
             if layer.is_moe:
@@ -190,9 +201,9 @@ class Transformer(nnx.Module):
                 x_btd = x_btd + out.y_btd
             else:
                 x_btd = x_btd + layer.mlp(h_btd)
-        return _Trunk(
-            x_btd=x_btd, moe=tuple(moe_outs), k_lbtgh=jnp.stack(ks), v_lbtgh=jnp.stack(vs)
-        )
+        if cache is None:
+            k_all, v_all = jnp.stack(ks), jnp.stack(vs)
+        return _Trunk(x_btd=x_btd, moe=tuple(moe_outs), k_lbtgh=k_all, v_lbtgh=v_all)
 
     def _logits(self, x_btd: jax.Array) -> jax.Array:
         return self._project(self.final_norm(x_btd).astype(self.config.dtype))
