@@ -393,7 +393,10 @@ def _serve_table(
 
 
 def report_serve(
-    cfg: ExperimentConfig, mesh: jax.sharding.Mesh, chip: topology.Chip
+    cfg: ExperimentConfig,
+    mesh: jax.sharding.Mesh,
+    chip: topology.Chip,
+    dump_hlo: str | None = None,
 ) -> tuple[list[str], bool]:
     """(the report lines, whether it fits) of the rollout server's programs on ``mesh``.
 
@@ -401,7 +404,7 @@ def report_serve(
     state (generate's arguments), a second copy of the params (a weight update is loaded before
     the old params are dropped, ``MoEEngine.swap_params``), two prefixes (``prefill_once``
     keeps the last one and hands out a copy), the largest program's temporaries and every
-    program's code.
+    program's code. ``dump_hlo``: a path to write the compiled decode step's HLO text to.
     """
     model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
     try:
@@ -416,6 +419,9 @@ def report_serve(
             )
     except programs.ProgramOutOfMemory as e:
         return _out_of_memory(e.__cause__, chip, e.program), False
+    if dump_hlo:
+        with open(dump_hlo, "w") as f:
+            f.write(progs.generate.as_text())
     mem = {
         name: topology.ProgramMemory.of(getattr(progs, name))
         for name in ("prefill", "insert", "generate")
