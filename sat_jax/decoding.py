@@ -49,6 +49,8 @@ from sat_jax.model import KVCache, ModelConfig
 
 log = logging.getLogger(__name__)
 
+# The KV cache's positions per slot are a multiple of this (`DecodeCore.cache_positions`).
+CACHE_POSITION_MULTIPLE = 16
 # Column layout of one generate step's output.
 TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, SEGMENT_COL, ROUTING_COL = range(
     8
@@ -222,6 +224,13 @@ class DecodeCore:
         self.max_prefill_length = max_prefill_length
         self.max_decode_length = max_decode_length
         self.cache_length = max_prefill_length + max_decode_length + 1
+        # Positions stored per slot: the cache length rounded up to a multiple of 16 (the TPU's
+        # bfloat16 sublane tile), so the decode step's in-place write sees the cache as rows of
+        # [L, B·S, G, H] without a relayout (`Transformer._trunk`). Programs attend over at most
+        # `cache_length` positions; the others are never read.
+        self.cache_positions = -(-self.cache_length // CACHE_POSITION_MULTIPLE) * (
+            CACHE_POSITION_MULTIPLE
+        )
         self.sampling = sampling
         self.sampleable_v = np.asarray(sampleable_v, bool)
         self.seed = seed
@@ -344,7 +353,9 @@ class DecodeCore:
             k_lbsgh=row(c.k_lbsgh), v_lbsgh=row(c.v_lbsgh), lengths_b=start.reshape(1)
         )
         mask_1t = (jnp.arange(tokens_t.shape[0]) < n)[None]
-        out = model.extend(cache_1, tokens_t[None], mask_bt=mask_1t, return_routing=True)
+        out = model.extend(
+            cache_1, tokens_t[None], mask_bt=mask_1t, return_routing=True, window=self.cache_length
+        )
         put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=1)
         cache = KVCache(
             k_lbsgh=put(c.k_lbsgh, out.cache.k_lbsgh),
@@ -505,7 +516,7 @@ class DecodeCore:
         c = self.config
         self._lengths_b[:] = 0
         self._generated_b[:] = self.max_decode_length
-        shape = (c.num_layers, self.slots, self.cache_length, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, self.slots, self.cache_positions, c.num_kv_heads, c.head_dim)
         # Stored in the serving dtype (the params'), e.g. bfloat16 whatever the compute dtype.
         cache = KVCache(
             k_lbsgh=jnp.zeros(shape, c.params_dtype),

@@ -373,7 +373,8 @@ def _serve_table(
     model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
     lines = [
         f"server           {s.slots} slots, prefill {s.max_prefill_length}, max_new_tokens "
-        f"{r.max_new_tokens} ({progs.cache_length} cache positions), params "
+        f"{r.max_new_tokens} ({progs.cache_length} cache positions, {progs.cache_positions} "
+        "stored), params "
         f"{model_cfg.params_dtype.name}, dtype {jnp.dtype(model_cfg.dtype).name}",
         f"compile time     {progs.seconds:.1f} s (prefill, insert, generate)",
         "per device (XLA:TPU memory analysis):   argument     output      alias       temp",
@@ -430,11 +431,11 @@ def report_serve(
     sizes = dict(mesh.shape)
     cache_spec = sharding.logical_to_spec(
         ("layers", None, "length", "kv_heads", "head_dim"),
-        shape=(model_cfg.num_layers, s.slots, progs.cache_length, model_cfg.num_kv_heads, 1),
+        shape=(model_cfg.num_layers, s.slots, progs.cache_positions, model_cfg.num_kv_heads, 1),
         mesh=sizes,
     )
     cache_shards = _num_shards(cache_spec, sizes)
-    cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_length)
+    cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_positions)
     total = (
         mem["generate"].argument
         + plan.param_bytes
