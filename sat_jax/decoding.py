@@ -30,7 +30,9 @@ K experts per token.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +47,10 @@ from sat_jax import sharding
 from sat_jax.config import RolloutConfig
 from sat_jax.model import KVCache, ModelConfig
 
+log = logging.getLogger(__name__)
+
+# The KV cache's positions per slot are a multiple of this (`DecodeCore.cache_positions`).
+CACHE_POSITION_MULTIPLE = 16
 # Column layout of one generate step's output.
 TOKEN_COL, VALID_COL, LENGTH_COL, LOGP_COL, VERSION_COL, KEPT_COL, SEGMENT_COL, ROUTING_COL = range(
     8
@@ -140,16 +146,27 @@ class DecodeState:
 
 
 class _Serialized:
-    """A jitted function called under a lock (and, when ``wait``, finished inside it); other
-    attributes (``lower``, ``_cache_size``) are the jitted function's."""
+    """A jitted function called under a lock (and, when ``wait``, finished inside it), traced,
+    lowered and run with ``mesh`` as the ambient mesh (``jax.set_mesh``) when there is one, as
+    the train step is; other attributes (``_cache_size``) are the jitted function's."""
 
-    def __init__(self, fn: Any, lock: threading.Lock, wait: bool):
-        self.fn, self.lock, self.wait = fn, lock, wait
+    def __init__(
+        self, fn: Any, lock: threading.Lock, wait: bool, mesh: jax.sharding.Mesh | None = None
+    ):
+        self.fn, self.lock, self.wait, self.mesh = fn, lock, wait, mesh
+
+    def _ambient(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext() if self.mesh is None else jax.set_mesh(self.mesh)
 
     def __call__(self, *args: Any) -> Any:
-        with self.lock:
+        with self.lock, self._ambient():
             out = self.fn(*args)
             return jax.block_until_ready(out) if self.wait else out
+
+    def lower(self, *args: Any) -> jax.stages.Lowered:
+        """``jit(...).lower`` under the same ambient mesh as a call."""
+        with self._ambient():
+            return self.fn.lower(*args)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.fn, name)
@@ -176,7 +193,12 @@ class DecodeCore:
       seed: sampling PRNG seed.
       mesh: shard the KV cache over this mesh (KV heads over ``tensor`` by the rules of
         ``sat_jax.sharding``); the params come in their own shardings (``param_shardings`` on the
-        same mesh) and the computation follows them. None: whatever the params' devices are.
+        same mesh) and the computation follows them. Every program is traced with it as the
+        ambient mesh (``jax.set_mesh``), as the train step is, so the model's "auto" paths take
+        the same TPU kernels as the trainer (megablox ``gmm`` for the experts, per shard;
+        docs/DESIGN.md §6.1). None: whatever the params' devices are (one device: a process
+        with several TPU devices and no mesh cannot place the kernels and keeps ``ragged_dot``,
+        which is logged as a warning).
     """
 
     def __init__(
@@ -202,10 +224,23 @@ class DecodeCore:
         self.max_prefill_length = max_prefill_length
         self.max_decode_length = max_decode_length
         self.cache_length = max_prefill_length + max_decode_length + 1
+        # Positions stored per slot: the cache length rounded up to a multiple of 16 (the TPU's
+        # bfloat16 sublane tile), so the decode step's in-place write sees the cache as rows of
+        # [L, B·S, G, H] without a relayout (`Transformer._trunk`). Programs attend over at most
+        # `cache_length` positions; the others are never read.
+        self.cache_positions = -(-self.cache_length // CACHE_POSITION_MULTIPLE) * (
+            CACHE_POSITION_MULTIPLE
+        )
         self.sampling = sampling
         self.sampleable_v = np.asarray(sampleable_v, bool)
         self.seed = seed
         self.mesh = mesh
+        if mesh is None and config.dispatch == "auto" and _kernels_unplaceable():
+            log.warning(
+                "DecodeCore without a mesh on %d TPU devices: the experts run ragged_dot, not "
+                "the trainer's megablox kernels; give it the server's mesh (server.mesh)",
+                jax.device_count(),
+            )
         # The last prefill, reused while the same prompt comes again under the same version (a
         # group's G samples arrive together): one prefill per group.
         self.prefill_calls = 0
@@ -245,7 +280,7 @@ class DecodeCore:
         self._generated_b = np.full((slots,), max_decode_length, np.int64)
 
     def _serialized(self, fn: Any) -> _Serialized:
-        return _Serialized(fn, self._device_lock, self._wait_inside_lock)
+        return _Serialized(fn, self._device_lock, self._wait_inside_lock, self.mesh)
 
     def _shard_cache(self, cache: KVCache) -> KVCache:
         """The cache [L, B, S, G, H] with KV heads over the mesh's ``tensor`` axis (no-op
@@ -318,7 +353,9 @@ class DecodeCore:
             k_lbsgh=row(c.k_lbsgh), v_lbsgh=row(c.v_lbsgh), lengths_b=start.reshape(1)
         )
         mask_1t = (jnp.arange(tokens_t.shape[0]) < n)[None]
-        out = model.extend(cache_1, tokens_t[None], mask_bt=mask_1t, return_routing=True)
+        out = model.extend(
+            cache_1, tokens_t[None], mask_bt=mask_1t, return_routing=True, window=self.cache_length
+        )
         put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=1)
         cache = KVCache(
             k_lbsgh=put(c.k_lbsgh, out.cache.k_lbsgh),
@@ -479,7 +516,7 @@ class DecodeCore:
         c = self.config
         self._lengths_b[:] = 0
         self._generated_b[:] = self.max_decode_length
-        shape = (c.num_layers, self.slots, self.cache_length, c.num_kv_heads, c.head_dim)
+        shape = (c.num_layers, self.slots, self.cache_positions, c.num_kv_heads, c.head_dim)
         # Stored in the serving dtype (the params'), e.g. bfloat16 whatever the compute dtype.
         cache = KVCache(
             k_lbsgh=jnp.zeros(shape, c.params_dtype),
@@ -525,6 +562,12 @@ class DecodeCore:
         tokens_p = np.zeros((self.max_prefill_length,), np.int32)
         tokens_p[:n] = ids
         return self.prefill_once(params, tokens_p, n, version)
+
+
+def _kernels_unplaceable() -> bool:
+    """Whether this process has several TPU devices, where a program traced without a mesh cannot
+    place a Pallas kernel (``sat_jax.model.tpu_kernels.kernels_placeable``)."""
+    return jax.default_backend() == "tpu" and jax.device_count() > 1
 
 
 def unpack_step(data: np.ndarray, num_moe_layers: int, k: int) -> dict[str, np.ndarray]:

@@ -56,6 +56,10 @@ class ModelOutput:
 
 @struct.dataclass
 class _Trunk:
+    """What `Transformer._trunk` computes: the residual stream after the last layer, each MoE
+    layer's output, and the keys and values: [L, B, T, G, H] of the T positions without a cache,
+    the whole updated cache [L, B, S, G, H] with one."""
+
     x_btd: jax.Array
     moe: tuple[MoEOutput, ...]
     k_lbtgh: jax.Array
@@ -161,23 +165,43 @@ class Transformer(nnx.Module):
         """Runs every layer. With `cache`, the T new keys/values of row b go to its positions
         `positions_bt[b]` (lengths_b[b] onwards; positions past the cache are dropped) and
         attention covers the cache's first `window` positions (default all); without, it covers
-        the T new positions."""
+        the T new positions.
+
+        With `cache`, each layer's keys and values are scattered into the whole [L, B, S, G, H]
+        buffers carried from layer to layer, and the returned `_Trunk` holds those buffers: under
+        `jit` with the cache donated, XLA writes the new entries into the donated buffers in
+        place, so no second cache is built (docs/DESIGN.md §5). Without, the T positions' keys
+        and values are stacked over layers."""
         c = self.config
         x_btd = self.embedding_vd[...].astype(c.dtype)[tokens_bt]
         rows_b = jnp.arange(tokens_bt.shape[0])
         moe_outs, ks, vs = [], [], []
+        k_all, v_all = (None, None) if cache is None else (cache.k_lbsgh, cache.v_lbsgh)
+        if cache is not None:
+            # Row b's position p is row b·S + p of the cache seen as [L, B·S, G, H] (positions
+            # past the cache go to B·S, out of range, and are dropped). One index per update, not
+            # (row, position): XLA:TPU lays out a scatter indexed by an iota over rows with the
+            # rows minor to the positions, against the positions-minor layout the attention
+            # reads, and relayouts the whole cache around every step. The reshape is free when
+            # S is a multiple of the sublane tile (`DecodeCore` rounds it up to 16).
+            num_l, b, s, g, h = cache.k_lbsgh.shape
+            flat_bt = jnp.where(positions_bt < s, rows_b[:, None] * s + positions_bt, b * s)
         for i, layer in enumerate(self.layers):
             qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
             k_bsgh, v_bsgh = qkv.k_btgh, qkv.v_btgh
-            if cache is not None:  # T new tokens per row, written at their positions
-                k_new, v_new = (x.astype(cache.k_lbsgh.dtype) for x in (k_bsgh, v_bsgh))
-                at = (rows_b[:, None], positions_bt)
-                k_bsgh = cache.k_lbsgh[i].at[at].set(k_new, mode="drop")
-                v_bsgh = cache.v_lbsgh[i].at[at].set(v_new, mode="drop")
-            ks.append(k_bsgh)
-            vs.append(v_bsgh)
-            if window is not None:
-                k_bsgh, v_bsgh = k_bsgh[:, :window], v_bsgh[:, :window]
+            if cache is None:
+                ks.append(k_bsgh)
+                vs.append(v_bsgh)
+            else:  # T new tokens per row, written at their positions of layer i
+                put = lambda c, x, i=i: (
+                    c.reshape(num_l, b * s, g, h)
+                    .at[i, flat_bt]
+                    .set(x.astype(c.dtype), mode="drop")
+                    .reshape(num_l, b, s, g, h)
+                )
+                k_all, v_all = put(k_all, k_bsgh), put(v_all, v_bsgh)
+                span = k_all.shape[2] if window is None else window
+                k_bsgh, v_bsgh = k_all[i, :, :span], v_all[i, :, :span]
             x_btd = x_btd + layer.attn.attend(qkv.q_btnh, k_bsgh, v_bsgh, allowed_bts)
             h_btd = layer.mlp_norm(x_btd)
             if layer.is_moe:
@@ -190,9 +214,9 @@ class Transformer(nnx.Module):
                 x_btd = x_btd + out.y_btd
             else:
                 x_btd = x_btd + layer.mlp(h_btd)
-        return _Trunk(
-            x_btd=x_btd, moe=tuple(moe_outs), k_lbtgh=jnp.stack(ks), v_lbtgh=jnp.stack(vs)
-        )
+        if cache is None:
+            k_all, v_all = jnp.stack(ks), jnp.stack(vs)
+        return _Trunk(x_btd=x_btd, moe=tuple(moe_outs), k_lbtgh=k_all, v_lbtgh=v_all)
 
     def _logits(self, x_btd: jax.Array) -> jax.Array:
         return self._project(self.final_norm(x_btd).astype(self.config.dtype))
@@ -500,6 +524,7 @@ class Transformer(nnx.Module):
         *,
         mask_bt: jax.Array | None = None,
         return_routing: bool = False,
+        window: int | None = None,
     ) -> PrefillOutput:
         """Appends T tokens per row to a filled cache: row b's tokens go to positions
         lengths_b[b] onwards, each attending to the row's cache before it and to the new tokens
@@ -515,6 +540,8 @@ class Transformer(nnx.Module):
           mask_bt: [B, T] the real tokens (default all); row b gains mask_bt[b].sum() positions.
             Padding positions are written past the new length, where they are ignored.
           return_routing: also return the new tokens' routing ids [B, T, L, K].
+          window: attend over the cache's first `window` positions (a static int, default the
+            whole cache); every row's new tokens must end before it.
 
         Returns:
           The new tokens' logits [B, T, V] (row b's next token is sampled from
@@ -522,7 +549,8 @@ class Transformer(nnx.Module):
         """
         b, t = tokens_bt.shape
         mask_bt = jnp.ones((b, t), bool) if mask_bt is None else mask_bt.astype(bool)
-        return self._append(cache, tokens_bt, mask_bt, cache.max_len, return_routing)
+        span = cache.max_len if window is None else min(window, cache.max_len)
+        return self._append(cache, tokens_bt, mask_bt, span, return_routing)
 
     def _append(
         self,

@@ -90,7 +90,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "--serve", action="store_true", help="the rollout server's programs (server.*) instead"
     )
     parser.add_argument("--hbm-gib", type=float, default=None, help="override the chip's HBM")
-    parser.add_argument("--dump-hlo", help="write the compiled train step's HLO text here")
+    parser.add_argument(
+        "--dump-hlo", help="write the compiled train step's (--serve: decode step's) HLO text here"
+    )
     return parser.parse_intermixed_args(argv)
 
 
@@ -155,7 +157,7 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
     mesh = sharding.make_mesh(setup.mesh, devices)
     print(memory.header(args.topology, devices, chip))
     if args.serve:
-        lines, fits = memory.report_serve(setup.experiment, mesh, chip)
+        lines, fits = memory.report_serve(setup.experiment, mesh, chip, dump_hlo=args.dump_hlo)
     else:
         batch, seq_len, k = _batch_shape(args, setup)
         if batch is None or seq_len is None:

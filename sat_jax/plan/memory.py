@@ -373,7 +373,8 @@ def _serve_table(
     model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
     lines = [
         f"server           {s.slots} slots, prefill {s.max_prefill_length}, max_new_tokens "
-        f"{r.max_new_tokens} ({progs.cache_length} cache positions), params "
+        f"{r.max_new_tokens} ({progs.cache_length} cache positions, {progs.cache_positions} "
+        "stored), params "
         f"{model_cfg.params_dtype.name}, dtype {jnp.dtype(model_cfg.dtype).name}",
         f"compile time     {progs.seconds:.1f} s (prefill, insert, generate)",
         "per device (XLA:TPU memory analysis):   argument     output      alias       temp",
@@ -393,7 +394,10 @@ def _serve_table(
 
 
 def report_serve(
-    cfg: ExperimentConfig, mesh: jax.sharding.Mesh, chip: topology.Chip
+    cfg: ExperimentConfig,
+    mesh: jax.sharding.Mesh,
+    chip: topology.Chip,
+    dump_hlo: str | None = None,
 ) -> tuple[list[str], bool]:
     """(the report lines, whether it fits) of the rollout server's programs on ``mesh``.
 
@@ -401,7 +405,7 @@ def report_serve(
     state (generate's arguments), a second copy of the params (a weight update is loaded before
     the old params are dropped, ``MoEEngine.swap_params``), two prefixes (``prefill_once``
     keeps the last one and hands out a copy), the largest program's temporaries and every
-    program's code.
+    program's code. ``dump_hlo``: a path to write the compiled decode step's HLO text to.
     """
     model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
     try:
@@ -416,6 +420,9 @@ def report_serve(
             )
     except programs.ProgramOutOfMemory as e:
         return _out_of_memory(e.__cause__, chip, e.program), False
+    if dump_hlo:
+        with open(dump_hlo, "w") as f:
+            f.write(progs.generate.as_text())
     mem = {
         name: topology.ProgramMemory.of(getattr(progs, name))
         for name in ("prefill", "insert", "generate")
@@ -424,11 +431,11 @@ def report_serve(
     sizes = dict(mesh.shape)
     cache_spec = sharding.logical_to_spec(
         ("layers", None, "length", "kv_heads", "head_dim"),
-        shape=(model_cfg.num_layers, s.slots, progs.cache_length, model_cfg.num_kv_heads, 1),
+        shape=(model_cfg.num_layers, s.slots, progs.cache_positions, model_cfg.num_kv_heads, 1),
         mesh=sizes,
     )
     cache_shards = _num_shards(cache_spec, sizes)
-    cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_length)
+    cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_positions)
     total = (
         mem["generate"].argument
         + plan.param_bytes

@@ -208,7 +208,9 @@ class ServerPrograms:
     Attributes:
       prefill, insert, generate: the compiled programs (generate at ``window`` positions).
       window: the attention window generate was compiled for (the whole cache).
-      cache_length: positions per slot (prefill length + max_new_tokens + 1).
+      cache_length: positions a slot uses (prefill length + max_new_tokens + 1).
+      cache_positions: positions stored per slot (``DecodeCore.cache_positions``: the length
+        rounded up to a multiple of 16).
       seconds: total compile seconds.
     """
 
@@ -217,6 +219,7 @@ class ServerPrograms:
     generate: jax.stages.Compiled
     window: int
     cache_length: int
+    cache_positions: int
     seconds: float
 
 
@@ -310,6 +313,7 @@ def compile_server_programs(
         generate=generate,
         window=window,
         cache_length=core.cache_length,
+        cache_positions=core.cache_positions,
         seconds=time.monotonic() - start,
     )
 

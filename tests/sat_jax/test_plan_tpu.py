@@ -99,15 +99,21 @@ def test_a_batch_the_compiler_refuses_does_not_fit() -> None:
 
 @pytest.mark.slow
 @needs_libtpu
-def test_server_programs_compile_for_a_v5p_slice() -> None:
+def test_server_programs_compile_for_a_v5p_slice(tmp_path) -> None:
+    """The server's programs fit, and its decode step, traced under the server's mesh, runs the
+    experts in the trainer's megablox kernel (a Pallas call per MoE layer), not ragged_dot."""
+    hlo = tmp_path / "generate.hlo"
     res = _plan(
         "--config", str(REPO / "configs" / "arith_tiny.yaml"), "--topology", "v5p:2x2x1",
-        "--serve", "server.mesh.fsdp=4", "server.slots=8",
+        "--serve", "server.mesh.fsdp=4", "server.slots=8", "--dump-hlo", str(hlo),
     )  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert _total(res.stdout)[2] == "fits"
     for label in ("prefill", "insert", "generate[25]", "KV cache", "per token", "roofline"):
         assert re.search(rf"^\s*{re.escape(label)}\s", res.stdout, re.M), (label, res.stdout)
+    text = hlo.read_text()
+    assert "jit(gmm)/pallas_call" in text
+    assert "ragged" not in text
 
 
 def test_a_topology_without_libtpu_is_a_clear_error(monkeypatch, capsys) -> None:
