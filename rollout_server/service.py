@@ -119,6 +119,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             ack=list(request.ack_group_ids),
             reject=list(request.reject_group_ids),
             run_id=request.run_id,
+            trainer_version=request.trainer_version,
         )
         future = asyncio.get_running_loop().run_in_executor(self._pulls, pull)
         if self._metrics is not None:
