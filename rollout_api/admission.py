@@ -57,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 
 
 @dataclasses.dataclass
@@ -76,10 +76,12 @@ class ServerAdmission:
     share: float = 1.0
     weights_version: int = 0  # v: the weights the server holds
     trainer_version: int = 0  # T: the newest trainer version seen (Pull or push)
-    # Outstanding groups (running, queued or leased): id -> the weights version at admission.
+    # Groups admitted and not done yet: id -> the weights version at admission (for the order).
     admitted: dict[int, int] = dataclasses.field(default_factory=dict)
     # Outstanding when the current epoch began: not counted (see `begin_epoch`).
     excluded: set[int] = dataclasses.field(default_factory=set)
+    # Handed-out groups: id -> the trainer version known when they went out.
+    leased: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0 or self.batch_groups < 1 or self.capacity < 1:
@@ -93,30 +95,40 @@ class ServerAdmission:
         """T − v: how many versions the trainer is ahead of the weights this server holds."""
         return max(self.trainer_version - self.weights_version, 0)
 
-    @property
-    def counted(self) -> int:
-        """Outstanding groups the budget counts (the epoch's own)."""
-        return sum(1 for i in self.admitted if i not in self.excluded)
-
-    def budget(self) -> int:
-        """⌊(S + 1 − lead) · share · B⌋ − counted: the groups admission may still start (rounded
-        down: a fraction of a group more would be trained a version late)."""
+    def budget(self, outstanding: Collection[int]) -> int:
+        """⌊(S + 1 − lead) · share · B⌋ minus the `outstanding` groups (ids of those running,
+        queued or leased) the epoch counts: how many more groups may start (rounded down: a
+        fraction of a group more would be trained a version late)."""
         versions = self.max_staleness + 1 - self.lead
-        return math.floor(versions * self.share * self.batch_groups + 1e-9) - self.counted
+        counted = sum(1 for i in outstanding if i not in self.excluded)
+        return math.floor(versions * self.share * self.batch_groups + 1e-9) - counted
 
-    def may_admit(self) -> bool:
+    def may_admit(self, outstanding: Collection[int]) -> bool:
         """Whether one more group may start now (budget and capacity)."""
-        return self.budget() > 0 and len(self.admitted) < self.capacity
+        return self.budget(outstanding) > 0 and len(outstanding) < self.capacity
 
     def admit(self, group_id: int) -> None:
         """Records `group_id` as started now, at the weights the server holds."""
         self.admitted[group_id] = self.weights_version
 
-    def done(self, group_ids: Iterable[int]) -> None:
-        """Forgets groups that left the server: acknowledged (trained or rejected) or dropped."""
+    def done(self, group_ids: Iterable[int], trained: Collection[int] = ()) -> None:
+        """Forgets groups that left the server: acknowledged (trained or rejected) or dropped.
+
+        A group acknowledged as `trained` that went out when the trainer was at version t was
+        trained at t or later, so the trainer is now past t: its place frees only for groups of
+        weights that can still make the bound (in sync mode, none before the next version).
+        """
         for i in group_ids:
             self.admitted.pop(i, None)
             self.excluded.discard(i)
+            t = self.leased.pop(i, None)
+            if t is not None and i in trained:
+                self.saw_trainer(t + 1)
+
+    def lease(self, group_ids: Iterable[int]) -> None:
+        """The groups went out to the trainer now (see `done`)."""
+        for i in group_ids:
+            self.leased[i] = self.trainer_version
 
     def saw_trainer(self, version: int) -> None:
         """The trainer reported `version` (a Pull); 0 = not reported (an older trainer)."""
@@ -129,17 +141,15 @@ class ServerAdmission:
         self.trainer_version = max(self.trainer_version, version)
         self.share = share if share > 0 else 1.0
 
-    def begin_epoch(self, version: int, outstanding: Iterable[int] = ()) -> None:
+    def begin_epoch(self, version: int, outstanding: Iterable[int]) -> None:
         """A new admission epoch at `version` (a trainer started or resumed): the trainer's
-        version is `version` again, and the groups outstanding now (those admitted, and
-        `outstanding`: any others the server holds) are not counted. Those were generated for
+        version is `version` again, and the groups `outstanding` now are not counted. Those were
+        generated for
         weights the trainer may have lost; it drops most of them, and one it rejects must buy no
         replacement beyond the epoch's budget (that surplus would keep the server ahead of the
         trainer for good). One it trains took a place in a batch and leaves like any other."""
         self.trainer_version = version
-        for i in outstanding:
-            self.admitted.setdefault(i, -1)
-        self.excluded = set(self.admitted)
+        self.excluded = set(outstanding)
 
     def hand_out(self, queued: Sequence[int], running: Iterable[int], n: int) -> list[int]:
         """Which of the finished `queued` groups to hand out now, at most `n`, in order: oldest

@@ -245,8 +245,13 @@ class RolloutLoop:
     def _admission_open_locked(self) -> bool:
         if self._wait_for_weights and not self._state.checkpoint_path:
             return False
-        queued, running = len(self.queue) + len(self._leased), len(self._running)
-        return self._admission.may_admit() and queued + running < self.queue.capacity
+        outstanding = self._outstanding_ids_locked()
+        return self._admission.may_admit(outstanding) and len(outstanding) < self.queue.capacity
+
+    def admission_budget(self) -> int:
+        """How many more groups admission allows now (`ServerAdmission.budget`; ≤ 0 = closed)."""
+        with self._lock:
+            return self._admission.budget(self._outstanding_ids_locked())
 
     @property
     def admission(self) -> ServerAdmission:
@@ -308,6 +313,7 @@ class RolloutLoop:
         until = self._clock() + self._lease_s
         for g in groups:
             self._leased[g.group_id] = (g, until)
+        self._admission.lease(g.group_id for g in groups)
         return groups
 
     def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
@@ -340,7 +346,7 @@ class RolloutLoop:
                 done += sorted(again)
             if done:
                 self._state.consumed += len(done)
-                self._admission.done(done)
+                self._admission.done(done, trained=set(group_ids) - rejected)
                 self._state.epoch_excluded = sorted(self._admission.excluded)
                 self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:

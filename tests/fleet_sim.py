@@ -38,7 +38,7 @@ class OldAdmission:
         self.admitted: dict[int, int] = {}
         self.excluded: set[int] = set()
 
-    def may_admit(self) -> bool:
+    def may_admit(self, outstanding) -> bool:
         versions = self.s + self.version - self.epoch_version + 1
         budget = versions * self.share * self.b - (self.consumed + len(self.admitted) - self.used)
         return budget > 0 and len(self.admitted) < self.capacity
@@ -63,7 +63,7 @@ class OldAdmission:
             self.epoch_version, self.used = version, self.consumed + len(self.excluded)
         self.version, self.share = version, share
 
-    def begin_epoch(self, version: int) -> None:
+    def begin_epoch(self, version: int, outstanding) -> None:
         self.epoch_version, self.version = version, version
         self.used = self.consumed + len(self.admitted)
         self.excluded = set(self.admitted)
@@ -123,7 +123,7 @@ class SimServer:
         self.version = max(self.version, version)
         self.adm.install(version, share)
         if new_epoch or not self.ready:
-            self.adm.begin_epoch(version)
+            self.adm.begin_epoch(version, set(self.groups))
         self.ready = True
 
     def kill(self) -> None:
@@ -152,7 +152,7 @@ class SimServer:
         if not self.up:
             return
         reissue = getattr(self, "_reissue", None)
-        while self.ready and not self.draining and self.adm.may_admit():
+        while self.ready and not self.draining and self.adm.may_admit(self.groups.keys()):
             if reissue:
                 self._dispatch(reissue.popleft())
             else:
@@ -189,6 +189,8 @@ class SimServer:
         for gid in ids:
             self.queue.remove(gid)
             self.leased[gid] = self.sim.now + self.sim.lease_s
+        if not isinstance(self.adm, OldAdmission):
+            self.adm.lease(ids)
         return [self.groups[i] for i in ids]
 
     def ack(self, acks, rejects) -> None:
@@ -202,7 +204,7 @@ class SimServer:
         if isinstance(self.adm, OldAdmission):
             self.adm.done(ids, set(rejects))
         else:
-            self.adm.done(ids)
+            self.adm.done(ids, trained=set(acks))
         for i in ids:
             self.groups.pop(i, None)
 
