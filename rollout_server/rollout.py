@@ -162,7 +162,8 @@ class RolloutLoop:
             capacity=cfg.queue_groups,
             share=self._state.share,
             weights_version=self._state.version,
-            trainer_version=self._state.version,
+            trainer_version=max(self._state.trainer_version, self._state.version),
+            reported=max(self._state.trainer_version, self._state.version),
             excluded=set(self._state.epoch_excluded),
         )
         if not self._state.server_id:
@@ -246,7 +247,11 @@ class RolloutLoop:
         if self._wait_for_weights and not self._state.checkpoint_path:
             return False
         outstanding = self._outstanding_ids_locked()
-        return self._admission.may_admit(outstanding) and len(outstanding) < self.queue.capacity
+        if len(outstanding) >= self.queue.capacity:
+            return False
+        # Prompts re-issued after a restart were admitted before it: they come back whatever
+        # the budget (which counts them once they run).
+        return bool(self._reissue) or self._admission.may_admit(outstanding)
 
     def admission_budget(self) -> int:
         """How many more groups admission allows now (`ServerAdmission.budget`; ≤ 0 = closed)."""
@@ -347,6 +352,7 @@ class RolloutLoop:
             if done:
                 self._state.consumed += len(done)
                 self._admission.done(done, trained=set(group_ids) - rejected)
+                self._state.trainer_version = self._admission.trainer_version
                 self._state.epoch_excluded = sorted(self._admission.excluded)
                 self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:
@@ -417,6 +423,7 @@ class RolloutLoop:
                 self._state.epoch_version = version
                 self._state.run_id = run_id
             self._state.epoch_excluded = sorted(self._admission.excluded)
+            self._state.trainer_version = self._admission.trainer_version
             self._state.share = share
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
             self._state.base_path = base_path

@@ -17,7 +17,7 @@ import dataclasses
 import math
 import random
 
-from rollout_api.admission import FleetQuota, ServerAdmission, rate_shares
+from rollout_api.admission import FleetQuota, ServerAdmission
 
 
 class SimStalled(RuntimeError):
@@ -142,6 +142,7 @@ class SimServer:
     def _dispatch(self, gid: int) -> None:
         g = SimGroup(gid, self.name, self.version, left=self.sim.group_size)
         self.groups[gid] = g
+        self.sim.dispatched.add(g.key)
         self.adm.admit(gid)
         if gid not in self.unacked:
             self.unacked.append(gid)
@@ -150,6 +151,10 @@ class SimServer:
 
     def tick(self, dt: float) -> None:
         if not self.up:
+            return
+        if self.draining and not self.groups:  # drained: it exits, nothing left to hand back
+            self.kill()
+            self.sim.down.add(self.name)
             return
         reissue = getattr(self, "_reissue", None)
         while self.ready and not self.draining and self.adm.may_admit(self.groups.keys()):
@@ -205,11 +210,11 @@ class SimServer:
             self.adm.done(ids, set(rejects))
         else:
             self.adm.done(ids, trained=set(acks))
+        gone = set(ids)  # a running one (re-issued after a restart, trained before) stops
+        self.waiting = collections.deque(w for w in self.waiting if w[0] not in gone)
+        self.active = [a for a in self.active if a[0] not in gone]
         for i in ids:
             self.groups.pop(i, None)
-
-    def busy(self) -> float:
-        return len(self.active) / self.slots
 
     @property
     def capacity_rate(self) -> float:
@@ -226,6 +231,7 @@ class Stats:
     trained_len: list = dataclasses.field(default_factory=list)
     dropped_len: list = dataclasses.field(default_factory=list)
     lag_max: int = 0
+    lost: int = 0  # groups in lost Pull replies
 
 
 class FleetSim:
@@ -254,7 +260,6 @@ class FleetSim:
         lease_s=20.0,
         lost_pulls=0.0,
         pull_delay=0.0,
-        measured_shares=True,
         seed=0,
         dt=None,
         stall_after=200.0,
@@ -264,7 +269,6 @@ class FleetSim:
         self.group_size, self.capacity, self.step_time = group_size, capacity, step_time
         self.push_delay, self.lease_s = push_delay, lease_s
         self.lost_pulls, self.pull_delay = lost_pulls, pull_delay
-        self.measured_shares = measured_shares and rule == "new"
         self.rng = random.Random(seed)
         self.now = 0.0
         self.servers = [
@@ -274,23 +278,27 @@ class FleetSim:
         gen = min(sum(s.lengths) / 2 / s.speed for s in self.servers)
         self.dt = dt or min(step_time, gen) / 10
         self.version = 1
+        self.step = 0
+        self.kept: list[tuple[SimServer, SimGroup]] = []
+        self.busy_until: float | None = None
+        self.last_step = 0.0
         self.skip: set[int] = set()
         self.stats = Stats()
-        self.trained_keys: set[tuple[str, int, int]] = set()
+        self.trained_keys: set[tuple[str, int]] = set()
+        self.rejected_keys: set[tuple[str, int]] = set()
+        self.dispatched: set[tuple[str, int]] = set()
         self.pending: dict[str, tuple[list, list]] = {s.name: ([], []) for s in self.servers}
         self.pushes: list[tuple[float, str, int, bool]] = []  # (when, server, version, epoch)
         self.down: set[str] = set()  # servers the trainer's pool has out of its rotation
-        self.quota = FleetQuota(batch_groups, fallback_s=2 * step_time)
-        self.rates: dict[str, float] = {s.name: 0.0 for s in self.servers}
+        self.quota = FleetQuota(batch_groups, min_fallback_s=step_time)
         self._rot = 0
         self._push_all(new_epoch=True, delay=0.0)
 
     # The trainer's pool.
 
     def shares(self) -> dict[str, float]:
+        """Equal shares over the servers up (what `ServerPool` sends)."""
         up = [s.name for s in self.servers if s.name not in self.down]
-        if self.measured_shares:
-            return rate_shares({n: self.rates[n] for n in up})
         return {n: 1 / len(up) for n in up} if up else {}
 
     def _push_all(self, new_epoch: bool, delay: float | None = None) -> None:
@@ -313,14 +321,6 @@ class FleetSim:
     def _server(self, name: str) -> SimServer:
         return next(s for s in self.servers if s.name == name)
 
-    def _measure(self) -> None:
-        """The pool's rate of each server: its capacity as measured from its busy slots (an
-        exponential average of what it generates per unit time of full load)."""
-        for s in self.servers:
-            if s.up and s.busy() > 0:
-                r = s.capacity_rate  # what Stats' tokens/s over busy time measures
-                self.rates[s.name] = r if self.rates[s.name] == 0 else 0.9 * self.rates[s.name] + 0.1 * r
-
     def _pull_round(self, need: int) -> list[tuple[SimServer, SimGroup]]:
         up = [s for s in self.servers if s.name not in self.down]
         if self.rule == "old":
@@ -342,7 +342,8 @@ class FleetSim:
             version = self.version if self.rule == "new" else 0
             groups = server.pull(n, version, acks, rejects)
             if groups and self.rng.random() < self.lost_pulls:
-                continue  # the reply was lost: the lease brings them back
+                self.stats.lost += len(groups)  # the reply was lost: the lease brings them back
+                continue
             if self.rule == "new":
                 self.quota.took(name, len(groups))
             got += [(server, g) for g in groups]
@@ -351,16 +352,19 @@ class FleetSim:
 
     # The trainer.
 
-    def run(self, steps: int, events: dict | None = None, warmup: int = 10) -> dict:
-        """Runs `steps` trainer steps; `events[step]` is called with this sim before that step.
-        Returns the figures of the steps after `warmup`, with every step checked."""
-        events = events or {}
-        kept: list[tuple[SimServer, SimGroup]] = []
-        busy_until, step, t0 = None, 0, None
-        base = None
+    def run(self, until: int, warmup: int = 10) -> dict:
+        """Runs the trainer until step `until` (counted over every call) and returns the
+        figures of the steps from `warmup` on (or from this call's first, if later), every step
+        checked (`check_accounting`, and in `_finish_step`).
+
+        Raises:
+          SimStalled: no step for `stall_after` time units.
+        """
+        t0, base = None, None
+        if self.step >= warmup:
+            t0, base = self.now, dataclasses.replace(self.stats)
         guard = 0
-        last_step = 0.0
-        while step < steps:
+        while self.step < until:
             guard += 1
             if guard > 10_000_000:
                 raise RuntimeError("the simulation does not progress")
@@ -368,28 +372,25 @@ class FleetSim:
             self._deliver_pushes()
             for s in self.servers:
                 s.tick(self.dt)
-            self._measure()
-            if busy_until is not None:
-                if self.now < busy_until:
+            if self.busy_until is not None:
+                if self.now < self.busy_until:
                     continue
-                busy_until = None
-                step = self._finish_step(kept, step)
-                last_step = self.now
-                kept = []
-                if step == warmup:
+                self.busy_until = None
+                self._finish_step(self.kept)
+                self.kept, self.last_step = [], self.now
+                if self.step == warmup:
                     t0, base = self.now, dataclasses.replace(self.stats)
-                if step in events:
-                    events[step](self)
+                self.check_accounting()
                 continue
-            for server, g in self._pull_round(self.batch_groups - len(kept)):
-                if any(g.key == h.key for _, h in kept):  # re-delivered into this batch
+            for server, g in self._pull_round(self.batch_groups - len(self.kept)):
+                if any(g.key == h.key for _, h in self.kept):  # re-delivered into this batch
                     continue
                 if self._select(server, g):
-                    kept.append((server, g))
-            if self.now - last_step > self.stall_after:
-                raise SimStalled(f"no step for {self.stall_after} time units at step {step}")
-            if len(kept) >= self.batch_groups:
-                busy_until = self.now + self.pull_delay + self.step_time
+                    self.kept.append((server, g))
+            if self.now - self.last_step > self.stall_after:
+                raise SimStalled(f"no step for {self.stall_after} time units at {self.step}")
+            if len(self.kept) >= self.batch_groups:
+                self.busy_until = self.now + self.pull_delay + self.step_time
         return self._figures(t0, base)
 
     def _select(self, server: SimServer, g: SimGroup) -> bool:
@@ -397,15 +398,17 @@ class FleetSim:
         if g.key in self.trained_keys:
             rejects.append(g.gid)  # a re-delivery of a group trained already
             return False
+        self.rejected_keys.discard(g.key)
         lag = self.version - g.first
         if lag > self.max_staleness:
             self.stats.dropped += 1
             self.stats.dropped_len.append(g.length)
+            self.rejected_keys.add(g.key)
             rejects.append(g.gid)
             return False
         return True
 
-    def _finish_step(self, kept, step: int) -> int:
+    def _finish_step(self, kept) -> None:
         skipped = self.version in self.skip
         for server, g in kept:
             key = g.key
@@ -423,14 +426,22 @@ class FleetSim:
         self.version += 1
         if not skipped or self.rule == "new":  # the old trainer pushed nothing on a skipped step
             self._push_all(new_epoch=False)
-        return step + 1
+        self.step += 1
+
+    def check_accounting(self) -> None:
+        """Exactly once: every group ever dispatched was trained once, rejected, or is still
+        outstanding on its server (it reaches the trainer later)."""
+        outstanding = {(s.name, i) for s in self.servers for i in s.unacked}
+        lost = self.dispatched - self.trained_keys - self.rejected_keys - outstanding
+        if lost:
+            raise AssertionError(f"groups lost: {sorted(lost)[:5]}")
 
     def _figures(self, t0, base) -> dict:
         st = self.stats
         trained = st.trained - base.trained
         dropped = st.dropped - base.dropped
         elapsed = self.now - t0
-        mean = lambda xs: sum(xs) / len(xs) if xs else math.nan  # noqa: E731
+        mean = lambda xs: sum(xs) / len(xs) if xs else math.nan
         return {
             "trained": trained,
             "dropped": dropped,
@@ -440,6 +451,7 @@ class FleetSim:
             "len_trained": mean(st.trained_len[base.trained :]),
             "len_dropped": mean(st.dropped_len[base.dropped :]),
             "lag_max": st.lag_max,
+            "lost": st.lost - base.lost,
             "capacity": sum(s.capacity_rate for s in self.servers if s.up),
             "trainer_rate": self.batch_groups / self.step_time,
         }

@@ -83,7 +83,12 @@ def pull_batch(
     last_group = time.monotonic()
     filter_off = spec.filter_groups == "none"
     while len(selection.kept) < spec.batch_groups:
-        pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s, limits=spec.limits)
+        pulled = pool.pull(
+            spec.batch_groups - len(selection.kept),
+            timeout_s,
+            limits=spec.limits,
+            trainer_version=progress.version,
+        )
         chosen = batching.select_groups(
             pulled,
             spec,

@@ -35,6 +35,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from rollout_api.admission import FleetQuota
 from rollout_api.client import bearer_metadata, connect
 from rollout_api.proto import rollout_pb2
 from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
@@ -58,6 +59,7 @@ _PROBE_S = 5.0  # deadline of a probe of a down server
 _FIRST_BACKOFF_S = 0.5
 _FILE_POLL_S = 3.0  # how often servers_file is re-read
 _MAINTAIN_S = 0.2  # the background thread's turn
+_FALLBACK_MIN_S = 1.0  # the least a batch waits for the servers' quotas (FleetQuota.fallback_s)
 
 
 class ServersDownError(RuntimeError):
@@ -114,6 +116,10 @@ class ServerPool:
       sleep: waits between retries (tests pass a fake clock's, so retries take no time).
       connect: opens a server's (channel, stub) from its address, the message limit and the
         certificates (``rollout_api.client.connect``; tests pass fakes).
+      batch_groups: groups per trainer step: with it, a Pull that names the trainer's version
+        takes from each server its share of the batch first (``rollout_api.admission.FleetQuota``),
+        and from the others only after the batch has waited three recent step periods;
+        0 = plain rotation.
     """
 
     def __init__(
@@ -133,6 +139,7 @@ class ServerPool:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         connect: Callable[..., tuple[grpc.Channel, object]] = connect,
+        batch_groups: int = 0,
     ):
         if not addresses and not servers_file:
             raise ValueError("ServerPool needs at least one address or a servers_file")
@@ -155,6 +162,7 @@ class ServerPool:
         for address in addresses:
             self._add(address, up=True)
         self._next = 0
+        self._quota = FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
         self._origin: dict[str, _Server] = {}  # group key -> the server it came from, until acked
         # The last pushed (version, path, base_path): what a rejoining server gets.
         self._weights: tuple[int, str, str] | None = None
@@ -195,7 +203,12 @@ class ServerPool:
     # Pulling and acknowledging.
 
     def pull(
-        self, max_groups: int, timeout_s: float, *, limits: GroupLimits | None = None
+        self,
+        max_groups: int,
+        timeout_s: float,
+        *,
+        limits: GroupLimits | None = None,
+        trainer_version: int = 0,
     ) -> list[Group | InvalidGroup]:
         """Up to ``max_groups`` groups from the next server up that answers (possibly none),
         decoded and validated against ``limits``.
@@ -205,6 +218,10 @@ class ServerPool:
           timeout_s: how long the server may wait for a first group.
           limits: the trainer's model (vocabulary, experts, routing (L, K)); None = check only
             that each group is well formed.
+          trainer_version: the version the pulled groups will be trained at; sent to the server
+            (its admission shrinks its run-ahead by how far the trainer is ahead of its weights,
+            docs/DESIGN.md §6.3) and, with ``batch_groups``, the batch the quotas are counted
+            for. 0 = not known.
 
         Returns:
           The groups in the server's order: a ``Group`` record for each valid one, an
@@ -223,7 +240,7 @@ class ServerPool:
                 self.maintain()
             with self._lock:
                 up = [s for s in self._servers if s.up]
-                server = self._next_up(up)
+                server, limit = self._pick(up, trainer_version)
             if server is None:
                 self._wait_for_a_server()
                 continue
@@ -233,11 +250,12 @@ class ServerPool:
                 acks = self._pending(server, server.acks)
                 rejects = self._pending(server, server.rejects)
             request = rollout_pb2.PullRequest(
-                max_groups=max_groups,
+                max_groups=max_groups if limit is None else min(max_groups, limit),
                 timeout_s=wait,
                 ack_group_ids=[i for _, i in acks],
                 reject_group_ids=[i for _, i in rejects],
                 run_id=self._run_id,
+                trainer_version=trainer_version,
             )
             started = self._clock()
             try:
@@ -264,6 +282,8 @@ class ServerPool:
                     self._origin[g.key] = server
                     server.server_id = g.server_id or server.server_id
                 server.pulled += len(pulled)
+                if self._quota is not None:
+                    self._quota.took(server.address, len(pulled))
             return pulled
 
     def ack(self, groups: Sequence[Group | InvalidGroup], *, rejected: bool = False) -> None:
@@ -341,10 +361,10 @@ class ServerPool:
             # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
             self._weights = (version, checkpoint_path, base_path)
             targets = [s for s in self._servers if s.up]
-        share = 1.0 / max(len(targets), 1)
+        shares = self._shares(targets) if targets else {}
         for server in targets:
             request = self._update_request(
-                version, checkpoint_path, new_admission_epoch, share, base_path
+                version, checkpoint_path, new_admission_epoch, shares[server.address], base_path
             )
             try:
                 server.stub.UpdateWeights(
@@ -483,7 +503,7 @@ class ServerPool:
                     )
                 return
             with self._lock:
-                share = 1.0 / (sum(s.up for s in self._servers) + 1)
+                share = self._shares([*(s for s in self._servers if s.up), server])[server.address]
             request = self._update_request(current, path, True, share, base_path)
             try:
                 server.stub.UpdateWeights(
@@ -588,13 +608,33 @@ class ServerPool:
         wait = min(due, default=self._clock() + _FILE_POLL_S) - self._clock()
         self._sleep(min(max(wait, 0.05), self._retry_max_s, _MAINTAIN_S * 5))
 
-    def _next_up(self, up: list[_Server]) -> _Server | None:
+    def _pick(self, up: list[_Server], trainer_version: int) -> tuple[_Server | None, int | None]:
+        """The next server to pull and the most groups to take from it (None = no limit): in
+        turn, or, with quotas and a trainer version, in ``FleetQuota.order`` (in turn among the
+        servers it names)."""
         if not up:
-            return None
-        self._next %= len(up)
-        server = up[self._next]
-        self._next = (self._next + 1) % len(up)
-        return server
+            return None, None
+        if self._quota is None or trainer_version <= 0:
+            self._next %= len(up)
+            server = up[self._next]
+            self._next = (self._next + 1) % len(up)
+            return server, None
+        now = self._clock()
+        shares = self._shares(up)
+        self._quota.start(trainer_version, shares, now)
+        by_address = {s.address: s for s in up}
+        order: dict[str, int | None] = {}
+        for address, limit in self._quota.order(list(by_address), now):
+            order.setdefault(address, limit)
+        names = list(order)
+        self._next %= len(names)
+        address = names[self._next]
+        self._next = (self._next + 1) % len(names)
+        return by_address[address], order[address]
+
+    def _shares(self, up: Sequence[_Server]) -> dict[str, float]:
+        """Each server's part of a batch: equal over the servers up."""
+        return {s.address: 1.0 / len(up) for s in up}
 
     def _pending(self, server: _Server, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """The acknowledgements to send ``server`` now (at most 4096): those for another

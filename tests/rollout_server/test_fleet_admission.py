@@ -91,7 +91,7 @@ def test_an_ack_stops_a_group_the_restarted_server_makes_again(tmp_path):
 def _consume(loop, n: int) -> None:
     """The trainer pulls ``n`` of the server's groups and trains them (leased, then acknowledged,
     as the trainer does: the acknowledgement rides on a later Pull)."""
-    pulled = loop.pull(n, 0)
+    pulled = loop.pull(n, 0, trainer_version=loop.admission.weights_version)
     assert len(pulled) == n
     loop.ack([g.group_id for g in pulled])
 
