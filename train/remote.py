@@ -162,7 +162,9 @@ class ServerPool:
         for address in addresses:
             self._add(address, up=True)
         self._next = 0
-        self._quota = FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
+        self._quota = (
+            FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
+        )
         self._origin: dict[str, _Server] = {}  # group key -> the server it came from, until acked
         # The last pushed (version, path, base_path): what a rejoining server gets.
         self._weights: tuple[int, str, str] | None = None

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import grain
 import pytest
 
+from rollout_api.admission import ServerAdmission
 from rollout_api.proto import rollout_pb2
 from rollout_server.engine import MoEEngine
-from rollout_server.persistence import RolloutState, StateStore
-from rollout_api.admission import ServerAdmission
+from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
 from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
