@@ -34,23 +34,24 @@ groups are held back: handing them out would fill the trainer's batch and push t
 its deadline. Held back at most until that group finishes (a group's generation is bounded).
 
 **The fleet** (`FleetQuota`, the trainer's side). Shares sum to 1 over the servers up. For each
-trainer version the pool pulls a server's quota, ceil(share · B), from it first, and takes more from
-the others only once the batch has waited `fallback_s` (a server that is down or slow must not stall
-the run); taking a server's groups faster than its share only trains them earlier. `rate_shares`
-turns measured per-server generation rates into shares, so a server half as fast gets half the
-work.
+trainer version the pool pulls a server's share of the batch from it first, and takes more from
+the others only once the batch has waited three step periods (a server that is down, draining or
+slow must not stall the run); taking a server's groups faster than its share only trains them
+earlier.
 
 **Guarantees**, under the assumptions below: (1) no trained token is older than S versions (by the
 trainer's check, which drops the rest, and by this rule, which keeps those drops rare); (2) no group
 is lost or trained twice (delivery, docs/DESIGN.md §6.2, is independent of admission: nothing here
-drops a group); (3) waste: a group goes stale only if it is overtaken after its admission, i.e. the
-trainer consumed a server faster or slower than its share, or the group was still running at its
-deadline after `fallback_s` (measured by `tests/train/test_fleet_sim.py`: ≤ 2% of trained groups in
-steady state for 1, 2 and 4 servers, generation faster and slower than a step); (4) liveness: a run
-whose steps are skipped keeps admission open, provided the trainer pushes (or re-labels) its
-weights on skipped steps too (`train.main.publish_if_due`). Assumptions: the trainer trains one batch
-of B groups per version; it reports its version on its Pulls (an older trainer that does not is
-taken to be at the server's version, the rule of before); versions only grow within an epoch.
+drops a group); (3) waste: a group goes stale only if it is overtaken after its admission: the
+trainer consumed its server slower than its share for longer than the fallback (a server died or
+drained), its Pull reply was lost, or the trainer's version jumped (measured by
+`tests/train/test_fleet_sim.py`: no stale drop in steady state for 1, 2 and 4 servers, generation
+faster and slower than a step); (4) liveness: a run whose steps are skipped keeps admission open,
+provided the trainer republishes its weights on skipped steps (`train.main.publish_if_due`).
+Assumptions: the trainer trains one batch of B groups per version; it reports on its Pulls the
+version it will train the pulled groups at (one that does not is taken to move a version per
+share · B groups it acknowledges as trained); versions only grow within an epoch; a group's
+generation takes bounded time.
 """
 
 from __future__ import annotations
@@ -186,25 +187,6 @@ class ServerAdmission:
         if any(admitted.get(i) == deadline for i in running):
             order = [i for i in order if admitted.get(i, -1) <= deadline]
         return order[:n]
-
-
-def rate_shares(rates: Mapping[str, float], *, floor: float = 0.05) -> dict[str, float]:
-    """Shares proportional to measured generation rates (groups/s at full load), summing to 1.
-
-    A server without a measurement yet (rate ≤ 0) gets the mean of the others' (equal shares when
-    none is measured), and every share is at least `floor` / k of the total, so a server that was
-    idle can still be measured and win its share back.
-    """
-    if not rates:
-        return {}
-    k = len(rates)
-    known = [r for r in rates.values() if r > 0]
-    mean = sum(known) / len(known) if known else 1.0
-    filled = {name: (r if r > 0 else mean) for name, r in rates.items()}
-    total = sum(filled.values())
-    raw = {name: max(r / total, floor / k) for name, r in filled.items()}
-    norm = sum(raw.values())
-    return {name: r / norm for name, r in raw.items()}
 
 
 @dataclasses.dataclass

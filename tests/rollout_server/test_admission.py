@@ -1,12 +1,12 @@
 """The pure admission module (`rollout_api.admission`, docs/DESIGN.md §6.3): the budget with the
 trainer's lead, epochs, replacements that wait for newer weights, the hand-out order, the
-fleet's quotas and rate shares."""
+fleet's quotas."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout_api.admission import FleetQuota, ServerAdmission, rate_shares
+from rollout_api.admission import FleetQuota, ServerAdmission
 
 B = 4
 
@@ -136,11 +136,3 @@ def test_fractional_shares_are_met_over_the_versions():
             taken[name] += n
             need -= n
     assert taken == {"a": 80, "b": 480}
-
-
-def test_rate_shares():
-    assert rate_shares({"a": 1.0, "b": 2.0}) == pytest.approx({"a": 1 / 3, "b": 2 / 3})
-    assert rate_shares({"a": 0.0, "b": 0.0}) == pytest.approx({"a": 0.5, "b": 0.5})
-    assert rate_shares({"a": 0.0, "b": 3.0})["a"] == pytest.approx(0.5)  # unmeasured: the mean
-    assert rate_shares({"a": 1e-9, "b": 1.0})["a"] > 0.02  # about floor / k: still measured
-    assert rate_shares({}) == {}
