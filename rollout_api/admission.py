@@ -84,7 +84,7 @@ class ServerAdmission:
     # Handed-out groups: id -> the trainer version known when they went out.
     leased: dict[int, int] = dataclasses.field(default_factory=dict)
     # The last trainer version reported (a Pull, a push, an epoch) and the groups acknowledged as
-    # trained since: the trainer takes share · B of this server's groups per version.
+    # trained since (see `done`).
     reported: int = 0
     trained_since: int = 0
     pulls_report: bool = False  # the trainer's Pulls carry its version
@@ -105,9 +105,11 @@ class ServerAdmission:
         """⌊(S + 1 − lead) · share · B⌋ minus the `outstanding` groups (ids of those running,
         queued or leased) the epoch counts: how many more groups may start (rounded down: a
         fraction of a group more would be trained a version late)."""
-        versions = self.max_staleness + 1 - self.lead
+        allowed = (self.max_staleness + 1 - self.lead) * self.share * self.batch_groups
+        if not self.pulls_report:  # what it trained since the last push moved it on
+            allowed -= self.trained_since
         counted = sum(1 for i in outstanding if i not in self.excluded)
-        return math.floor(versions * self.share * self.batch_groups + 1e-9) - counted
+        return math.floor(allowed + 1e-9) - counted
 
     def may_admit(self, outstanding: Collection[int]) -> bool:
         """Whether one more group may start now (budget and capacity)."""
@@ -120,12 +122,12 @@ class ServerAdmission:
     def done(self, group_ids: Iterable[int], trained: Collection[int] = ()) -> None:
         """Forgets groups that left the server: acknowledged (trained or rejected) or dropped.
 
-        Groups acknowledged as `trained` move the trainer's version on, so that their places free
-        only for groups of weights that can still make the bound (in sync mode, none before the
-        next version): one that went out when the trainer was at t was trained at t or later, so
-        the trainer is past t; and, for a trainer whose Pulls do not report its version (an
-        older one, or a client of a server without a trainer), every share · B of them trained
-        since the last push is a version more.
+        Groups acknowledged as `trained` move the trainer on, so that their places free only
+        for groups of weights that can still make the bound (in sync mode, none before the next
+        version): one that went out when the trainer reported version t was trained at t or
+        later, so the trainer is past t. For a trainer whose Pulls do not report its version (an
+        older one, or a client of a server without a trainer) each group trained since the last
+        push takes one group off the budget instead (`budget`), the rule of before.
         """
         for i in group_ids:
             self.admitted.pop(i, None)
@@ -133,12 +135,8 @@ class ServerAdmission:
             t = self.leased.pop(i, None)
             if i in trained:
                 self.trained_since += 1
-                if t is not None:
+                if t is not None and self.pulls_report:
                     self.trainer_version = max(self.trainer_version, t + 1)
-        if not self.pulls_report:
-            per_version = self.share * self.batch_groups
-            ahead = self.reported + math.floor(self.trained_since / per_version + 1e-9)
-            self.trainer_version = max(self.trainer_version, ahead)
 
     def lease(self, group_ids: Iterable[int]) -> None:
         """The groups went out to the trainer now (see `done`)."""

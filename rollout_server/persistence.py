@@ -54,6 +54,8 @@ class RolloutState:
       run_id: the trainer run attached (the last one that started an admission epoch).
       trainer_version: the newest trainer version the server has seen (`rollout_api.admission`:
         admission shrinks the run-ahead by how far it is ahead of `version`).
+      trained_since: groups acknowledged as trained since that version was reported (they count
+        against the budget of a trainer whose Pulls do not carry its version).
     """
 
     iterator: dict[str, Any] | None = None
@@ -70,6 +72,7 @@ class RolloutState:
     server_id: str = ""
     run_id: str = ""
     trainer_version: int = 0
+    trained_since: int = 0
 
 
 class StateStore:

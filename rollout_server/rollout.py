@@ -164,6 +164,7 @@ class RolloutLoop:
             weights_version=self._state.version,
             trainer_version=max(self._state.trainer_version, self._state.version),
             reported=max(self._state.trainer_version, self._state.version),
+            trained_since=self._state.trained_since,
             excluded=set(self._state.epoch_excluded),
         )
         if not self._state.server_id:
@@ -247,11 +248,7 @@ class RolloutLoop:
         if self._wait_for_weights and not self._state.checkpoint_path:
             return False
         outstanding = self._outstanding_ids_locked()
-        if len(outstanding) >= self.queue.capacity:
-            return False
-        # Prompts re-issued after a restart were admitted before it: they come back whatever
-        # the budget (which counts them once they run).
-        return bool(self._reissue) or self._admission.may_admit(outstanding)
+        return self._admission.may_admit(outstanding) and len(outstanding) < self.queue.capacity
 
     def admission_budget(self) -> int:
         """How many more groups admission allows now (`ServerAdmission.budget`; ≤ 0 = closed)."""
@@ -353,6 +350,7 @@ class RolloutLoop:
                 self._state.consumed += len(done)
                 self._admission.done(done, trained=set(group_ids) - rejected)
                 self._state.trainer_version = self._admission.trainer_version
+                self._state.trained_since = self._admission.trained_since
                 self._state.epoch_excluded = sorted(self._admission.excluded)
                 self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:
@@ -424,6 +422,7 @@ class RolloutLoop:
                 self._state.run_id = run_id
             self._state.epoch_excluded = sorted(self._admission.excluded)
             self._state.trainer_version = self._admission.trainer_version
+            self._state.trained_since = self._admission.trained_since
             self._state.share = share
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
             self._state.base_path = base_path

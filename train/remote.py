@@ -11,7 +11,10 @@ log line. ``update_weights`` never waits for a down server. Servers listed in ``
 (re-read every few seconds) join the same way, and leave when their line goes. The pool gives up
 (``ServersDownError``) only when no server has answered for ``server_wait_s``. Each push tells
 every server its share of the fleet's admission budget (1/k with k servers up), so k servers run
-ahead by what one would alone (docs/DESIGN.md §6.3). A reply or request over the gRPC message
+ahead by what one would alone, and every Pull names the trainer's version, by which admission
+shrinks a server's run-ahead when its weights are behind; with ``batch_groups`` the pool takes
+each server's share of every batch from it first (``rollout_api.admission.FleetQuota``,
+docs/DESIGN.md §6.3). A reply or request over the gRPC message
 limit (``server.max_message_bytes``) is not retried: it would fail the same way every time.
 
 A Pull's groups are decoded and validated here, once (``rollout_api.records.decode_pulled``):
@@ -349,10 +352,10 @@ class ServerPool:
           base_path: under LoRA, the frozen base that ``checkpoint_path``'s adapters apply to
             (a server loads it only when it does not hold it already); "" = whole params.
 
-        The pending acknowledgements go first (``flush_acks``): each server rebases its
-        admission at a new version counting what is outstanding, so the groups trained with the
-        weights being pushed must be consumed by then (otherwise the server would count them as
-        still waiting and make a batch fewer for this version).
+        The pending acknowledgements go first (``flush_acks``): a server's admission counts the
+        groups outstanding, so the groups trained with the weights being pushed must be consumed
+        by then (otherwise the server would count them as still waiting and make fewer for this
+        version).
 
         Raises:
           grpc.RpcError: a server refused the update (e.g. a version older than its own).

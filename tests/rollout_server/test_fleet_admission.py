@@ -1,8 +1,8 @@
 """Admission across restarts and across a fleet, without a server (docs/DESIGN.md §6.3): groups
-outstanding when an admission epoch begins buy no replacement when rejected and count when
-trained; an acknowledgement of a group the restarted server is generating again stops it; a
-server's share of the fleet scales its budget; every new version or share rebases it, so what the
-trainer took from each server before leaves no credit or debt."""
+outstanding when an admission epoch begins buy no replacement when rejected; trained, they move
+the trainer's version on; an acknowledgement of a group the restarted server is generating again
+stops it; a server's share of the fleet scales its budget; only what is outstanding counts, so
+what the trainer took from each server before leaves no credit or debt."""
 
 from __future__ import annotations
 
@@ -133,7 +133,8 @@ def test_what_the_trainer_took_from_a_server_before_leaves_no_credit_or_debt():
     b's groups only: under the old per-epoch count b kept the versions it was not consumed at as
     credit and ran ahead (its groups went stale, and each one rejected bought a replacement: a
     steady stale drop every other step after a server rejoined), and a ran short (the trainer
-    waited for its groups). Rebased at every version, each runs ahead by its share again."""
+    waited for its groups). Counting only what is outstanding, each runs ahead by its share
+    again."""
     a, b = (_loop(StateStore(""), FakeEngine(), wait=True, cfg=CFG) for _ in range(2))
     next_id = {id(a): 0, id(b): 0}
     for loop in (a, b):
