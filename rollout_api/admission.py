@@ -49,9 +49,9 @@ drained), its Pull reply was lost, or the trainer's version jumped (measured by
 faster and slower than a step); (4) liveness: a run whose steps are skipped keeps admission open,
 provided the trainer republishes its weights on skipped steps (`train.main.publish_if_due`).
 Assumptions: the trainer trains one batch of B groups per version; it reports on its Pulls the
-version it will train the pulled groups at (one that does not is taken to move a version per
-share · B groups it acknowledges as trained); versions only grow within an epoch; a group's
-generation takes bounded time.
+version it will train the pulled groups at (for one that does not, each group it trains since
+the last push takes a place off the budget, the rule of before); versions only grow within an
+epoch; a group's generation takes bounded time.
 """
 
 from __future__ import annotations
