@@ -164,10 +164,10 @@ class ServerAdmission:
     def begin_epoch(self, version: int, outstanding: Iterable[int]) -> None:
         """A new admission epoch at `version` (a trainer started or resumed): the trainer's
         version is `version` again, and the groups `outstanding` now are not counted. Those were
-        generated for
-        weights the trainer may have lost; it drops most of them, and one it rejects must buy no
-        replacement beyond the epoch's budget (that surplus would keep the server ahead of the
-        trainer for good). One it trains took a place in a batch and leaves like any other."""
+        generated for weights the trainer may have lost; it drops most of them, and one it
+        rejects must buy no replacement beyond the epoch's budget (that surplus would keep the
+        server ahead of the trainer for good). One it trains took a place in a batch and leaves
+        like any other."""
         self.trainer_version = self.reported = version
         self.trained_since = 0
         self.excluded = set(outstanding)
