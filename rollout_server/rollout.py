@@ -392,6 +392,7 @@ class RolloutLoop:
         share: float = 1.0,
         base_path: str = "",
         push_bytes: int = 0,
+        trainer_version: int = 0,
     ) -> None:
         """Swaps `params` into the engine as `version` and records them so a restart reloads them.
 
@@ -403,7 +404,8 @@ class RolloutLoop:
         new budget. The first trainer weights, or `new_epoch`, start an admission epoch
         (`ServerAdmission.begin_epoch`: what is outstanding now is not counted), and the run that
         starts one (`run_id`) becomes the attached run. `share` (0 = unset = 1) is this server's
-        part of the fleet's batch from now on.
+        part of the fleet's batch from now on; `trainer_version` (0 = not sent) the trainer's
+        version now, at or past `version`.
 
         Raises:
           RunNotAttachedError: `new_epoch` from a run other than the attached one while that one
@@ -420,6 +422,7 @@ class RolloutLoop:
                 self._admission.begin_epoch(version, self._outstanding_ids_locked())
                 self._state.epoch_version = version
                 self._state.run_id = run_id
+            self._admission.saw_trainer(trainer_version)
             self._state.epoch_excluded = sorted(self._admission.excluded)
             self._state.trainer_version = self._admission.trainer_version
             self._state.trained_since = self._admission.trained_since

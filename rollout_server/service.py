@@ -241,6 +241,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             share=request.admission_share,
             base_path=self._loader.kept_base if request.base_path else "",
             push_bytes=loaded.nbytes,
+            trainer_version=request.trainer_version,
         )
         await loop.run_in_executor(self._updates, install)
         return load_s, time.perf_counter() - start - load_s, str(loaded.path)

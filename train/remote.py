@@ -168,6 +168,7 @@ class ServerPool:
         self._quota = (
             FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
         )
+        self._trainer_version = 0  # the newest version a Pull named
         self._origin: dict[str, _Server] = {}  # group key -> the server it came from, until acked
         # The last pushed (version, path, base_path): what a rejoining server gets.
         self._weights: tuple[int, str, str] | None = None
@@ -619,6 +620,7 @@ class ServerPool:
         servers it names)."""
         if not up:
             return None, None
+        self._trainer_version = max(self._trainer_version, trainer_version)
         if self._quota is None or trainer_version <= 0:
             self._next %= len(up)
             server = up[self._next]
@@ -651,7 +653,11 @@ class ServerPool:
     def _update_request(
         self, version: int, path: str, new_epoch: bool, share: float, base_path: str = ""
     ) -> rollout_pb2.UpdateWeightsRequest:
+        """A push of `version`, naming the trainer's newest version a Pull of this pool named (a
+        rejoining server's admission must know how far the trainer is past the weights it
+        gets)."""
         return rollout_pb2.UpdateWeightsRequest(
+            trainer_version=max(self._trainer_version, version),
             version=version,
             checkpoint_path=path,
             base_path=base_path,

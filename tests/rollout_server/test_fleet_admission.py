@@ -185,3 +185,15 @@ def test_a_new_share_counts_what_is_outstanding():
     assert _budget(loop) == 2 * B - B
     loop.install_weights(6, "/ckpt/v6", params=None, share=0)  # unset (an older trainer): 1
     assert loop.persisted.share == 1.0 and _budget(loop) == 2 * B - B
+
+
+def test_a_rejoining_server_learns_the_trainers_version_with_its_weights():
+    """The pool's rejoin push carries the last pushed weights, which lag the trainer: admitting
+    its whole share of them at once made groups stale before its first Pull named the trainer's
+    version (12 stale drops at step 3 of the live two-server run)."""
+    cfg = RolloutConfig(batch_groups=B, max_staleness=2)
+    loop = _loop(StateStore(""), FakeEngine(), wait=True, cfg=cfg)
+    loop.install_weights(3, "/ckpt/v3", None, new_epoch=True, share=0.5, trainer_version=5)
+    assert loop.admission.lead == 2 and _budget(loop) == B // 2
+    loop.install_weights(5, "/ckpt/v5", None, share=0.5, trainer_version=5)
+    assert _budget(loop) == 3 * B // 2
