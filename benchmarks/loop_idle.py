@@ -69,7 +69,7 @@ class FastPool:
         self.first_version = first_version
         self.served = 0
 
-    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None, trainer_version=0) -> list:
         out = []
         for _ in range(max_groups):
             proto = type(self.templates[0])()

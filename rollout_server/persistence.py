@@ -85,6 +85,10 @@ class RolloutState:
       server_id: a random id of this state (drawn by `new_server_id` when the first group is
         dispatched), on every group: the trainer names groups by (server_id, group_id).
       run_id: the trainer run attached (the last one that started an admission epoch).
+      trainer_version: the newest trainer version the server has seen (`rollout_api.admission`:
+        admission shrinks the run-ahead by how far it is ahead of `version`).
+      trained_since: groups acknowledged as trained since that version was reported (they count
+        against the budget of a trainer whose Pulls do not carry its version).
     """
 
     iterator: dict[str, Any] | None = None
@@ -100,6 +104,8 @@ class RolloutState:
     share: float = 1.0
     server_id: str = ""
     run_id: str = ""
+    trainer_version: int = 0
+    trained_since: int = 0
 
 
 class StateStore:

@@ -1,25 +1,16 @@
 """The rollout loop: prompts (grain) → G samples each → rewards → finished groups in a queue.
 
-Admission control (docs/DESIGN.md §6) bounds staleness: a new group starts only while
-    (max_staleness + version + 1) · share · batch_groups − (consumed + queued + running) > 0
-with `version` and the group counts measured from the start of the current admission epoch, and
-queued + running stays within the queue's capacity, so the queue never overflows. `share` is this
-server's part of the fleet's budget (1/k with k servers, sent by the trainer with its weights), so
-k servers together run ahead by what one would alone.
-
-An admission epoch starts at the first trainer weights a server installs and at every
-`UpdateWeights` with `new_admission_epoch` (the trainer sets it when it connects, e.g. after a
-resume). Groups dispatched before it (e.g. with the server's own random weights, which the trainer
-drops) no longer count, so after `UpdateWeights(v)` starts an epoch exactly
-(max_staleness + 1) · batch_groups groups are admitted while the server holds v, and
-batch_groups more for each version after v. Those earlier groups are remembered
-(`epoch_excluded`): one the trainer rejects stays out of the count (rejecting it must not buy a
-replacement: that surplus would keep the server ahead of the trainer for the rest of the run), one
-it trains counts. Every new version (and a new `share`) rebases the epoch at that version, counting
-what is outstanding against the budget, so what the trainer took from this server before (less or
-more than its share) leaves no credit or debt (the trainer acknowledges what it trained before it
-pushes the weights that training made, so trained groups are consumed by then). With `wait_for_weights` nothing is dispatched before the first
-trainer weights.
+Admission (docs/DESIGN.md §6.3) is `rollout_api.admission.ServerAdmission`, one pure module that
+states its guarantees: a new group starts only while the groups outstanding (running, queued,
+leased) stay under (max_staleness + 1 − lead) · share · batch_groups, where lead is how many
+versions the trainer (its version rides on every Pull) is ahead of the weights this server holds,
+and `share` this server's part of the fleet's batch (sent with every push); finished groups are
+handed out oldest-admitted first; and queued + running stays within the queue's capacity, so the
+queue never overflows. An admission epoch starts at the first trainer weights a server installs
+and at every `UpdateWeights` with `new_admission_epoch` (the trainer sets it when it connects,
+e.g. after a resume): the groups outstanding then are not counted (`epoch_excluded`), so one the
+trainer rejects buys no replacement. With `wait_for_weights` nothing is dispatched before the
+first trainer weights.
 
 Delivery (docs/DESIGN.md §6.2): `pull` leases groups; only `ack` removes them for good and counts
 them as consumed. A lease not acknowledged within `lease_s` (a Pull abandoned by its client, a
@@ -54,6 +45,7 @@ from typing import Any, Protocol
 import grain
 
 from rollout_api import records
+from rollout_api.admission import ServerAdmission
 from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
 from rollout_server.engine import MoEEngine
@@ -82,33 +74,8 @@ class _RunningGroup:
     seq: int = 0  # the state snapshot that holds its dispatch (`StateStore.submit`)
 
 
-def admission_budget(
-    cfg: RolloutConfig, state: RolloutState, *, version: int, queued: int, running: int
-) -> int:
-    """How many more groups admission allows (the loop starts one while this is > 0).
-
-        (max_staleness + version − epoch_version + 1) · share · batch_groups
-            − (consumed + queued + running − epoch_used)
-
-    i.e. docs/DESIGN.md §6's rule with versions and groups counted from the current admission
-    epoch, scaled by this server's share of the fleet (`state.share`).
-
-    Args:
-      cfg: `max_staleness` and `batch_groups`.
-      state: the persisted counters (`consumed`, `epoch_version`, `epoch_used`, `share`).
-      version: the weights version the engine holds.
-      queued, running: finished groups not acknowledged yet (queued or leased), and groups being
-        generated.
-
-    Returns:
-      The budget in groups (0 or negative when admission is closed; fractional with a share).
-    """
-    versions = cfg.max_staleness + version - state.epoch_version + 1
-    used = state.consumed + queued + running - state.epoch_used
-    return versions * state.share * cfg.batch_groups - used
-
-
 _TURN = object()  # marks an ended turn in the loop's queue
+_HOLD_POLL_S = 0.01  # a Pull whose groups are held back looks again this often
 
 
 class SessionSource(Protocol):
@@ -198,6 +165,17 @@ class RolloutLoop:
         self._undurable: dict[int, int] = {}
         self._run_seen = self._clock()  # the attached run's last call (or the start)
         self._state = store.load()
+        self._admission = ServerAdmission(
+            max_staleness=cfg.max_staleness,
+            batch_groups=cfg.batch_groups,
+            capacity=cfg.queue_groups,
+            share=self._state.share,
+            weights_version=self._state.version,
+            trainer_version=max(self._state.trainer_version, self._state.version),
+            reported=max(self._state.trainer_version, self._state.version),
+            trained_since=self._state.trained_since,
+            excluded=set(self._state.epoch_excluded),
+        )
         if not self._state.server_id:
             self._state.server_id = new_server_id()
         self._iter = iter(prompts)
@@ -306,11 +284,18 @@ class RolloutLoop:
             return False
         if self._wait_for_weights and not self._state.checkpoint_path:
             return False
-        queued, running = len(self.queue) + len(self._leased), len(self._running)
-        budget = admission_budget(
-            self._cfg, self._state, version=self._engine.version, queued=queued, running=running
-        )
-        return budget > 0 and queued + running < self.queue.capacity
+        outstanding = self._outstanding_ids_locked()
+        return self._admission.may_admit(outstanding) and len(outstanding) < self.queue.capacity
+
+    def admission_budget(self) -> int:
+        """How many more groups admission allows now (`ServerAdmission.budget`; ≤ 0 = closed)."""
+        with self._lock:
+            return self._admission.budget(self._outstanding_ids_locked())
+
+    @property
+    def admission(self) -> ServerAdmission:
+        """The admission state (live; tests read it)."""
+        return self._admission
 
     # The trainer's side.
 
@@ -322,37 +307,55 @@ class RolloutLoop:
         ack: Sequence[int] = (),
         reject: Sequence[int] = (),
         run_id: str = "",
+        trainer_version: int = 0,
     ) -> list[rollout_pb2.Group]:
-        """Acknowledges `ack` and `reject` (as `ack` does), then leases up to `max_groups`
-        finished groups (waiting up to `timeout_s` for the first).
+        """Acknowledges `ack` and `reject` (as `ack` does), notes the trainer's version
+        (0 = not sent), then leases up to `max_groups` finished groups, oldest admitted first
+        (`ServerAdmission.hand_out`, which may hold younger ones back while an older group must
+        still reach this batch), waiting up to `timeout_s` for the first.
 
-        Taking groups off the queue and leasing them happen under the loop's lock, in one step:
-        in between, admission would see them in no count and start a group too many. The reply
-        waits (outside the lock) until the acknowledgements and the returned groups' dispatches
-        are on disk (docs/DESIGN.md §6.4).
+        Choosing the groups, taking them off the queue and leasing them happen under the loop's
+        lock, in one step: in between, admission would see them in no count and start a group
+        too many. The reply waits (outside the lock) until the acknowledgements and the returned
+        groups' dispatches are on disk (docs/DESIGN.md §6.4).
         """
         seq = self._ack(ack, reject, run_id)[1] if ack or reject else 0
         self._touch(run_id)
-        if not self._wait_for_a_group(timeout_s):
-            self._store.wait(seq)
-            return []
+        deadline = time.monotonic() + timeout_s
         with self._lock:
-            groups = self.queue.get_many(max_groups, 0.0)
-            # Keep the response under the gRPC message limit; the rest stays queued, in order.
-            total, keep = 0, 0
-            for g in groups:
-                total += g.ByteSize() + 16
-                if keep and total > self._max_response_bytes:
-                    break
-                keep += 1
-            if keep < len(groups):
-                self.queue.unget(groups[keep:])
-                groups = groups[:keep]
-            until = self._clock() + self._lease_s
-            for g in groups:
-                self._leased[g.group_id] = (g, until)
-                seq = max(seq, self._undurable.pop(g.group_id, 0))
+            self._admission.saw_trainer(trainer_version)
+        groups: list[rollout_pb2.Group] = []
+        while self._wait_for_a_group(max(deadline - time.monotonic(), 0.0)):
+            with self._lock:
+                groups = self._hand_out_locked(max_groups)
+                for g in groups:
+                    seq = max(seq, self._undurable.pop(g.group_id, 0))
+            if groups or time.monotonic() >= deadline:
+                break
+            # Held back for an older group still running: it finishes soon (generation is bounded).
+            time.sleep(min(_HOLD_POLL_S, max(deadline - time.monotonic(), 0.0)))
         self._store.wait(seq)
+        return groups
+
+    def _hand_out_locked(self, max_groups: int) -> list[rollout_pb2.Group]:
+        """Leases what `ServerAdmission.hand_out` picks, in its order, within the response
+        size limit."""
+        queued = {g.group_id: g for g in self.queue.snapshot()}
+        ids = self._admission.hand_out(list(queued), self._running, max_groups)
+        # Keep the response under the gRPC message limit; the rest stays queued.
+        total, keep = 0, 0
+        for i in ids:
+            total += queued[i].ByteSize() + 16
+            if keep and total > self._max_response_bytes:
+                break
+            keep += 1
+        chosen = set(ids[:keep])
+        self.queue.remove_if(lambda g: g.group_id in chosen)
+        groups = [queued[i] for i in ids[:keep]]
+        until = self._clock() + self._lease_s
+        for g in groups:
+            self._leased[g.group_id] = (g, until)
+        self._admission.lease(g.group_id for g in groups)
         return groups
 
     def _wait_for_a_group(self, timeout_s: float) -> bool:
@@ -377,10 +380,11 @@ class RolloutLoop:
         restart although the trainer already has them) and counts them as consumed; unknown ids
         (already acknowledged) are ignored. Returns how many were removed.
 
-        Rejected groups (the trainer will not train them) also leave the admission count: the
-        epoch's `epoch_used` grows by their number, so admission starts as many replacements;
-        except a group outstanding before the epoch began (`epoch_excluded`), which the epoch
-        never counted: rejected, it stays uncounted; trained, it now counts.
+        Every removed group leaves admission's count (`ServerAdmission.done`), so a rejected one
+        (the trainer will not train it) is replaced as soon as the rule allows, which is not
+        before newer weights when the trainer is already too far ahead of the ones held here.
+        A group outstanding before the epoch began (`epoch_excluded`) was never counted: it
+        leaves without freeing a place.
 
         Returns once the acknowledgement is on disk (docs/DESIGN.md §6.4).
         """
@@ -407,11 +411,11 @@ class RolloutLoop:
                 )
                 done += sorted(again)
             if done:
-                excluded = set(self._state.epoch_excluded)
                 self._state.consumed += len(done)
-                self._state.epoch_used += sum((i in rejected) - (i in excluded) for i in done)
-                if excluded & set(done):
-                    self._state.epoch_excluded = sorted(excluded - set(done))
+                self._admission.done(done, trained=set(group_ids) - rejected)
+                self._state.trainer_version = self._admission.trainer_version
+                self._state.trained_since = self._admission.trained_since
+                self._state.epoch_excluded = sorted(self._admission.excluded)
                 self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:
                     self._unfinished.pop(i, None)
@@ -453,6 +457,7 @@ class RolloutLoop:
         share: float = 1.0,
         base_path: str = "",
         push_bytes: int = 0,
+        trainer_version: int = 0,
     ) -> None:
         """Swaps `params` into the engine as `version` and records them so a restart reloads them.
 
@@ -461,10 +466,11 @@ class RolloutLoop:
         Stats.
 
         Admission is held while this runs, so no group is admitted between the swap and the
-        new budget. The first trainer weights, or `new_epoch`, start an admission epoch, and the
-        run that starts one (`run_id`) becomes the attached run. A `share` other than the
-        current one (the fleet grew or shrank; 0 = unset = 1) rebases the epoch at `version`:
-        what is outstanding then counts against the new share.
+        new budget. The first trainer weights, or `new_epoch`, start an admission epoch
+        (`ServerAdmission.begin_epoch`: what is outstanding now is not counted), and the run that
+        starts one (`run_id`) becomes the attached run. `share` (0 = unset = 1) is this server's
+        part of the fleet's batch from now on; `trainer_version` (0 = not sent) the trainer's
+        version now, at or past `version`.
 
         Raises:
           RunNotAttachedError: `new_epoch` from a run other than the attached one while that one
@@ -476,21 +482,15 @@ class RolloutLoop:
             self._check_attached_locked(new_epoch, run_id)
             self._engine.swap_params(version, params)
             share = share if share > 0 else 1.0
-            outstanding = self._outstanding_ids_locked()
+            self._admission.install(version, share)
             if new_epoch:
+                self._admission.begin_epoch(version, self._outstanding_ids_locked())
                 self._state.epoch_version = version
-                self._state.epoch_used = self._state.consumed + len(outstanding)
-                self._state.epoch_excluded = sorted(outstanding)
                 self._state.run_id = run_id
-            elif share != self._state.share or version != self._state.version:
-                # Rebase at every new version (and share): the budget becomes what a fleet
-                # consuming its batch per version leaves this server, whatever it consumed from
-                # this server before; what is outstanding (queued, leased, running) counts against
-                # it, except the groups the epoch excluded, which stay out.
-                excluded = [i for i in self._state.epoch_excluded if i in outstanding]
-                self._state.epoch_version = version
-                self._state.epoch_used = self._state.consumed + len(excluded)
-                self._state.epoch_excluded = excluded
+            self._admission.saw_trainer(trainer_version)
+            self._state.epoch_excluded = sorted(self._admission.excluded)
+            self._state.trainer_version = self._admission.trainer_version
+            self._state.trained_since = self._admission.trained_since
             self._state.share = share
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
             self._state.base_path = base_path
@@ -588,6 +588,7 @@ class RolloutLoop:
                 self._save_locked()
                 return
             group = _RunningGroup(record=record, prompt_ids=ids)
+            self._admission.admit(record["group_id"])
             self._running[record["group_id"]] = group
             self._unfinished[record["group_id"]] = record
             group.seq = self._save_locked()
@@ -689,6 +690,7 @@ class RolloutLoop:
                 with self._lock:
                     del self._running[group_id]
                     self._unfinished.pop(group_id, None)
+                    self._admission.done([group_id])
                     self.groups_failed += 1
                     self._save_locked()
                 continue
@@ -707,6 +709,7 @@ class RolloutLoop:
             with self._lock:
                 del self._running[group_id]
                 self._unfinished.pop(group_id, None)
+                self._admission.done([group_id])
                 self.groups_failed += 1
                 self._save_locked()
             return

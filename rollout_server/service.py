@@ -128,6 +128,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             ack=list(request.ack_group_ids),
             reject=list(request.reject_group_ids),
             run_id=request.run_id,
+            trainer_version=request.trainer_version,
         )
         future = asyncio.get_running_loop().run_in_executor(self._pulls, pull)
         if self._metrics is not None:
@@ -260,6 +261,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             share=request.admission_share,
             base_path=self._loader.kept_base if request.base_path else "",
             push_bytes=loaded.nbytes,
+            trainer_version=request.trainer_version,
         )
         await loop.run_in_executor(self._updates, install)
         return load_s, time.perf_counter() - start - load_s, str(loaded.path)

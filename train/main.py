@@ -8,8 +8,9 @@ step k on batch k while a background thread pulls, lag-tags/drops, assembles and
 the job that runs them, and the command line.
 
 Versions: this trainer publishes the base policy as version 1 and every consumed batch adds one
-(a skipped step too, so the servers' admission stays one batch per version; in sync mode the
-unchanged params are republished under it)
+(a skipped step too, so the servers' admission stays one batch per version, and the unchanged
+params are republished under it: the servers admit only groups the trainer's version can still
+train, so their weights must follow it; docs/DESIGN.md §6.3)
 (a server holds its own random weights as version 0 and, by default, generates nothing until the
 first push). Lag = trainer version − token version. The first push of every trainer start opens a
 new admission epoch on the servers: they admit (max_staleness + 1) · batch groups of that version
@@ -493,14 +494,18 @@ def publish_if_due(
     skipped: bool,
 ) -> None:
     """Hands the params to the pusher as ``progress.version`` every ``weight_sync_interval``
-    updates (sync mode: after every step, skipped or not, and waits for the push).
+    updates, and after every skipped step (sync mode: after every step, and waits for the push).
 
-    A skipped step republishes the unchanged params under the new version in sync mode, where the
-    server generates nothing until it sees that version.
+    A skipped step republishes the unchanged params under the new version: the step consumed a
+    batch, so the version moved on, and a server whose weights fall more than ``max_staleness``
+    versions behind the trainer's admits nothing (docs/DESIGN.md §6.3); without the push a run of
+    skipped steps (nothing active, a non-finite loss) would close admission for good and die of
+    ``train.client.wait_s``. A skipped step does not advance ``state.step``, so the interval alone
+    would not push either.
     """
     t = cfg.train
     step = int(state.step)
-    if not ((skipped and t.mode == "sync") or (not skipped and step % t.weight_sync_interval == 0)):
+    if not (skipped or t.mode == "sync" or step % t.weight_sync_interval == 0):
         return
     # The host copy is taken now: the next step donates these device buffers.
     params = weight_sync.host_copy(state.params, serving_dtype(cfg))

@@ -101,7 +101,12 @@ def pull_batch(
     while len(selection.kept) < spec.batch_groups:
         if cancel is not None and cancel.is_set():
             raise Cancelled(f"batch for version {progress.version}")
-        pulled = pool.pull(spec.batch_groups - len(selection.kept), timeout_s, limits=spec.limits)
+        pulled = pool.pull(
+            spec.batch_groups - len(selection.kept),
+            timeout_s,
+            limits=spec.limits,
+            trainer_version=progress.version,
+        )
         chosen = batching.select_groups(
             pulled,
             spec,

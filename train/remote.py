@@ -13,7 +13,10 @@ answers "draining" (SIGTERM, a preemption notice) gets no more weights nor share
 it has nothing left and then leaves at once, with one log line and no grace. The pool gives up
 (``ServersDownError``) only when no server has answered for ``server_wait_s``. Each push tells
 every server its share of the fleet's admission budget (1/k with k servers up), so k servers run
-ahead by what one would alone (docs/DESIGN.md §6.3). A reply or request over the gRPC message
+ahead by what one would alone, and every Pull names the trainer's version, by which admission
+shrinks a server's run-ahead when its weights are behind; with ``batch_groups`` the pool takes
+each server's share of every batch from it first (``rollout_api.admission.FleetQuota``,
+docs/DESIGN.md §6.3). A reply or request over the gRPC message
 limit (``server.max_message_bytes``) is not retried: it would fail the same way every time.
 
 A Pull's groups are decoded and validated here, once (``rollout_api.records.decode_pulled``):
@@ -37,6 +40,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from rollout_api.admission import FleetQuota
 from rollout_api.client import bearer_metadata, connect, is_draining
 from rollout_api.proto import rollout_pb2
 from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
@@ -60,6 +64,7 @@ _PROBE_S = 5.0  # deadline of a probe of a down server
 _FIRST_BACKOFF_S = 0.5
 _FILE_POLL_S = 3.0  # how often servers_file is re-read
 _MAINTAIN_S = 0.2  # the background thread's turn
+_FALLBACK_MIN_S = 1.0  # the least a batch waits for the servers' quotas (FleetQuota.fallback_s)
 
 
 class ServersDownError(RuntimeError):
@@ -117,6 +122,10 @@ class ServerPool:
       sleep: waits between retries (tests pass a fake clock's, so retries take no time).
       connect: opens a server's (channel, stub) from its address, the message limit and the
         certificates (``rollout_api.client.connect``; tests pass fakes).
+      batch_groups: groups per trainer step: with it, a Pull that names the trainer's version
+        takes from each server its share of the batch first (``rollout_api.admission.FleetQuota``),
+        and from the others only after the batch has waited three recent step periods;
+        0 = plain rotation.
     """
 
     def __init__(
@@ -136,6 +145,7 @@ class ServerPool:
         clock: Callable[[], float] = time.monotonic,
         sleep: Callable[[float], None] = time.sleep,
         connect: Callable[..., tuple[grpc.Channel, object]] = connect,
+        batch_groups: int = 0,
     ):
         if not addresses and not servers_file:
             raise ValueError("ServerPool needs at least one address or a servers_file")
@@ -158,6 +168,10 @@ class ServerPool:
         for address in addresses:
             self._add(address, up=True)
         self._next = 0
+        self._quota = (
+            FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
+        )
+        self._trainer_version = 0  # the newest version a Pull named
         self._origin: dict[str, _Server] = {}  # group key -> the server it came from, until acked
         # The last pushed (version, path, base_path): what a rejoining server gets.
         self._weights: tuple[int, str, str] | None = None
@@ -198,7 +212,12 @@ class ServerPool:
     # Pulling and acknowledging.
 
     def pull(
-        self, max_groups: int, timeout_s: float, *, limits: GroupLimits | None = None
+        self,
+        max_groups: int,
+        timeout_s: float,
+        *,
+        limits: GroupLimits | None = None,
+        trainer_version: int = 0,
     ) -> list[Group | InvalidGroup]:
         """Up to ``max_groups`` groups from the next server up that answers (possibly none),
         decoded and validated against ``limits``.
@@ -208,6 +227,10 @@ class ServerPool:
           timeout_s: how long the server may wait for a first group.
           limits: the trainer's model (vocabulary, experts, routing (L, K)); None = check only
             that each group is well formed.
+          trainer_version: the version the pulled groups will be trained at; sent to the server
+            (its admission shrinks its run-ahead by how far the trainer is ahead of its weights,
+            docs/DESIGN.md §6.3) and, with ``batch_groups``, the batch the quotas are counted
+            for. 0 = not known.
 
         Returns:
           The groups in the server's order: a ``Group`` record for each valid one, an
@@ -226,7 +249,7 @@ class ServerPool:
                 self.maintain()
             with self._lock:
                 up = [s for s in self._servers if s.up]
-                server = self._next_up(up)
+                server, limit = self._pick(up, trainer_version)
             if server is None:
                 self._wait_for_a_server()
                 continue
@@ -236,11 +259,12 @@ class ServerPool:
                 acks = self._pending(server, server.acks)
                 rejects = self._pending(server, server.rejects)
             request = rollout_pb2.PullRequest(
-                max_groups=max_groups,
+                max_groups=max_groups if limit is None else min(max_groups, limit),
                 timeout_s=wait,
                 ack_group_ids=[i for _, i in acks],
                 reject_group_ids=[i for _, i in rejects],
                 run_id=self._run_id,
+                trainer_version=trainer_version,
             )
             started = self._clock()
             try:
@@ -273,6 +297,8 @@ class ServerPool:
                     self._origin[g.key] = server
                     server.server_id = g.server_id or server.server_id
                 server.pulled += len(pulled)
+                if self._quota is not None:
+                    self._quota.took(server.address, len(pulled))
             return pulled
 
     def ack(self, groups: Sequence[Group | InvalidGroup], *, rejected: bool = False) -> None:
@@ -336,10 +362,10 @@ class ServerPool:
           base_path: under LoRA, the frozen base that ``checkpoint_path``'s adapters apply to
             (a server loads it only when it does not hold it already); "" = whole params.
 
-        The pending acknowledgements go first (``flush_acks``): each server rebases its
-        admission at a new version counting what is outstanding, so the groups trained with the
-        weights being pushed must be consumed by then (otherwise the server would count them as
-        still waiting and make a batch fewer for this version).
+        The pending acknowledgements go first (``flush_acks``): a server's admission counts the
+        groups outstanding, so the groups trained with the weights being pushed must be consumed
+        by then (otherwise the server would count them as still waiting and make fewer for this
+        version).
 
         Raises:
           grpc.RpcError: a server refused the update (e.g. a version older than its own).
@@ -350,10 +376,10 @@ class ServerPool:
             # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
             self._weights = (version, checkpoint_path, base_path)
             targets = [s for s in self._servers if s.up and not s.draining]
-        share = 1.0 / max(len(targets), 1)
+        shares = self._shares(targets) if targets else {}
         for server in targets:
             request = self._update_request(
-                version, checkpoint_path, new_admission_epoch, share, base_path
+                version, checkpoint_path, new_admission_epoch, shares[server.address], base_path
             )
             try:
                 server.stub.UpdateWeights(
@@ -497,7 +523,7 @@ class ServerPool:
                     )
                 return
             with self._lock:
-                share = 1.0 / (sum(s.up for s in self._servers) + 1)
+                share = self._shares([*(s for s in self._servers if s.up), server])[server.address]
             request = self._update_request(current, path, True, share, base_path)
             try:
                 server.stub.UpdateWeights(
@@ -646,13 +672,34 @@ class ServerPool:
         wait = min(due, default=self._clock() + _FILE_POLL_S) - self._clock()
         self._sleep(min(max(wait, 0.05), self._retry_max_s, _MAINTAIN_S * 5))
 
-    def _next_up(self, up: list[_Server]) -> _Server | None:
+    def _pick(self, up: list[_Server], trainer_version: int) -> tuple[_Server | None, int | None]:
+        """The next server to pull and the most groups to take from it (None = no limit): in
+        turn, or, with quotas and a trainer version, in ``FleetQuota.order`` (in turn among the
+        servers it names)."""
         if not up:
-            return None
-        self._next %= len(up)
-        server = up[self._next]
-        self._next = (self._next + 1) % len(up)
-        return server
+            return None, None
+        self._trainer_version = max(self._trainer_version, trainer_version)
+        if self._quota is None or trainer_version <= 0:
+            self._next %= len(up)
+            server = up[self._next]
+            self._next = (self._next + 1) % len(up)
+            return server, None
+        now = self._clock()
+        shares = self._shares(up)
+        self._quota.start(trainer_version, shares, now)
+        by_address = {s.address: s for s in up}
+        order: dict[str, int | None] = {}
+        for address, limit in self._quota.order(list(by_address), now):
+            order.setdefault(address, limit)
+        names = list(order)
+        self._next %= len(names)
+        address = names[self._next]
+        self._next = (self._next + 1) % len(names)
+        return by_address[address], order[address]
+
+    def _shares(self, up: Sequence[_Server]) -> dict[str, float]:
+        """Each server's part of a batch: equal over the servers up."""
+        return {s.address: 1.0 / len(up) for s in up}
 
     def _pending(self, server: _Server, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """The acknowledgements to send ``server`` now (at most 4096): those for another
@@ -664,7 +711,11 @@ class ServerPool:
     def _update_request(
         self, version: int, path: str, new_epoch: bool, share: float, base_path: str = ""
     ) -> rollout_pb2.UpdateWeightsRequest:
+        """A push of `version`, naming the trainer's newest version a Pull of this pool named (a
+        rejoining server's admission must know how far the trainer is past the weights it
+        gets)."""
         return rollout_pb2.UpdateWeightsRequest(
+            trainer_version=max(self._trainer_version, version),
             version=version,
             checkpoint_path=path,
             base_path=base_path,

@@ -176,5 +176,6 @@ def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "")
         run_id=run,
         background=True,
         on_retry=None if server is None else server.restart_if_exited,
+        batch_groups=cfg.rollout.batch_groups,
         **args,
     )

@@ -16,7 +16,7 @@ from rollout_api import records
 from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
-from rollout_server.rollout import RunNotAttachedError, admission_budget
+from rollout_server.rollout import RunNotAttachedError
 from sat_jax.config import RolloutConfig
 from tests.clock import FakeClock
 from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop
@@ -60,19 +60,22 @@ def test_rejected_groups_leave_the_admission_count_so_they_are_replaced(tmp_path
     loop = _loop(StateStore(str(tmp_path)), FakeEngine(), wait=True, cfg=cfg)
     loop.install_weights(1, "/ckpt/v1", params=None)
     _groups(loop, range(B))
-    assert len(loop.pull(B, 0)) == B and not loop.stats()["admission_open"]
-    assert loop.ack([0]) == 1  # trained: consumed, still counted by admission
-    assert not loop.stats()["admission_open"]
-    # Rejected with the next Pull (and one of them again: counted once), or through Ack.
-    assert loop.pull(1, 0, reject=[1, 2, 2]) == []
+    assert len(loop.pull(B, 0, trainer_version=1)) == B and not loop.stats()["admission_open"]
+    # Rejected (filtered, invalid) while the trainer still fills its batch of v1, with the next
+    # Pull (one of them twice: counted once) or through Ack: replaced at once.
+    assert loop.pull(1, 0, reject=[1, 2, 2], trainer_version=1) == []
     assert loop.ack([], reject=[3, 1]) == 1
     stats = loop.stats()
-    assert stats["groups_consumed"] == B and stats["groups_rejected"] == 3
-    assert loop.persisted.epoch_used == 3 and stats["admission_open"]
-    budget = admission_budget(cfg, loop.persisted, version=1, queued=len(loop.queue), running=0)
-    assert budget == 3  # one replacement per rejected group
+    assert stats["groups_rejected"] == 3 and stats["admission_open"]
+    assert loop.admission_budget() == 3  # one replacement per rejected group
+    # Trained: the trainer is past v1 (it pulled group 0 at v1), so a group of v1 weights would
+    # be stale; its place waits for v2's.
+    assert loop.ack([0]) == 1
+    assert loop.stats()["groups_consumed"] == B and loop.admission_budget() <= 0
+    loop.install_weights(2, "/ckpt/v2", params=None)
+    assert loop.admission_budget() == B
     saved = json.loads((tmp_path / "rollout_state.json").read_text())
-    assert saved["epoch_used"] == 3 and saved["consumed"] == B  # a restart keeps the replacements
+    assert saved["consumed"] == B
 
 
 class FullDisk(StateStore):
@@ -174,12 +177,12 @@ def test_only_the_attached_run_starts_an_admission_epoch():
     loop = _loop(StateStore(""), engine, wait=True, lease_s=5.0, clock=clock)
     loop.install_weights(1, "/ckpt/v1", None, new_epoch=True, run_id="run-a")
     loop.install_weights(2, "/ckpt/v2", None, new_epoch=True, run_id="run-a")  # its restart
-    before = (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps)
+    before = (loop.persisted.epoch_version, list(loop.persisted.epoch_excluded), engine.swaps)
     with pytest.raises(RunNotAttachedError, match="run-a"):
         loop.install_weights(3, "/ckpt/v3", None, new_epoch=True, run_id="intruder")
     with pytest.raises(RunNotAttachedError):
         loop.check_attached(True, "")
-    assert (loop.persisted.epoch_version, loop.persisted.epoch_used, engine.swaps) == before
+    assert (loop.persisted.epoch_version, loop.persisted.epoch_excluded, engine.swaps) == before
     loop.install_weights(3, "/ckpt/v3", None, run_id="other")  # no new epoch: a plain update
     clock.advance(4.5)  # run-a silent for less than the lease time: still attached
     with pytest.raises(RunNotAttachedError):

@@ -12,10 +12,11 @@ from collections.abc import Callable
 import grain
 import pytest
 
+from rollout_api.admission import ServerAdmission
 from rollout_api.proto import rollout_pb2
 from rollout_server.engine import MoEEngine
-from rollout_server.persistence import RolloutState, StateStore
-from rollout_server.rollout import RolloutLoop, admission_budget
+from rollout_server.persistence import StateStore
+from rollout_server.rollout import RolloutLoop
 from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
 from sat_jax.tasks.config import TaskConfig
@@ -26,25 +27,26 @@ CFG = RolloutConfig(batch_groups=B, max_staleness=1)
 
 
 @pytest.mark.parametrize(
-    "staleness, version, epoch_version, consumed, epoch_used, queued, running, budget",
+    "staleness, share, weights, trainer, outstanding, excluded, budget",
     [
-        (1, 0, 0, 0, 0, 0, 0, 2 * B),  # DESIGN.md §6 as written: (s + v + 1)·B before any epoch
-        (1, 1, 1, 0, 0, 0, 0, 2 * B),  # first trainer weights v1: (s + 1)·B groups of v1
-        (1, 1, 1, 8, 8, 0, 0, 2 * B),  # ... whatever was consumed before the epoch
-        (1, 1, 1, 8, 8, 3, 1, B),  # groups dispatched in the epoch count
-        (1, 2, 1, B, 0, 0, 0, 2 * B),  # a batch consumed and the next version in: 2·B ahead
-        (0, 3, 1, 2 * B, 0, 0, 0, B),  # sync: one batch per version
-        (0, 3, 1, 3 * B, 0, 0, 0, 0),  # sync, batch consumed, next version not in yet: closed
-        (2, 9, 1, 40, 4, 5, 3, (2 + 9 - 1 + 1) * B - (40 + 5 + 3 - 4)),
+        (1, 1.0, 1, 1, 0, 0, 2 * B),  # first trainer weights v1: (s + 1)·B groups of v1
+        (1, 1.0, 1, 1, 3, 0, 2 * B - 3),  # outstanding groups count ...
+        (1, 1.0, 1, 1, 3, 2, 2 * B - 1),  # ... except those of before the epoch
+        (1, 1.0, 5, 6, 0, 0, B),  # the trainer one version ahead (its push on the way)
+        (1, 1.0, 5, 7, 0, 0, 0),  # two ahead at max_staleness 1: closed until newer weights
+        (0, 1.0, 3, 3, 0, 0, B),  # sync: one batch per version
+        (0, 1.0, 3, 4, 0, 0, 0),  # sync, batch consumed, next version not in yet: closed
+        (2, 0.5, 9, 9, 5, 0, 3 * B // 2 - 5),  # a share of the fleet's batch
+        (1, 1 / 3, 9, 9, 0, 0, 2),  # rounded down: ⌊2 · 4 / 3⌋
     ],
 )
-def test_admission_budget(
-    staleness, version, epoch_version, consumed, epoch_used, queued, running, budget
-):
-    cfg = RolloutConfig(batch_groups=B, max_staleness=staleness)
-    state = RolloutState(consumed=consumed, epoch_version=epoch_version, epoch_used=epoch_used)
-    got = admission_budget(cfg, state, version=version, queued=queued, running=running)
-    assert got == budget
+def test_admission_budget(staleness, share, weights, trainer, outstanding, excluded, budget):
+    adm = ServerAdmission(max_staleness=staleness, batch_groups=B, capacity=64)
+    adm.install(weights, share)
+    adm.saw_trainer(trainer)
+    adm.begin_epoch(weights, range(excluded)) if excluded else None
+    adm.saw_trainer(trainer)
+    assert adm.budget(range(outstanding)) == budget
 
 
 class FakeEngine:
@@ -103,20 +105,21 @@ def test_epochs_and_waiting_for_weights(tmp_path):
     assert engine.swaps == [5]
     state = loop.persisted
     assert (state.version, state.checkpoint_path) == (5, "/ckpt/v5")
-    assert (state.epoch_version, state.epoch_used) == (5, 5)
+    assert state.epoch_version == 5 and state.epoch_excluded == [0, 1]
     assert loop.stats()["admission_open"]
-    assert admission_budget(CFG, state, version=5, queued=2, running=0) == 2 * B
-    # A later push rebases the epoch at its version (the excluded groups stay out of the
-    # count); one with new_epoch starts another.
+    assert loop.admission_budget() == 2 * B  # the 2 queued groups are not counted
+    # A later push keeps the epoch (the excluded groups stay out of the count); one with
+    # new_epoch starts another, excluding what is outstanding then.
     loop.install_weights(6, "/ckpt/v6", params=None)
-    assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (6, 5)
-    assert loop.persisted.epoch_excluded == [0, 1]
+    assert loop.persisted.epoch_version == 5 and loop.persisted.epoch_excluded == [0, 1]
     loop.queue.put(rollout_pb2.Group(group_id=2))
+    assert loop.admission_budget() == 2 * B - 1
     loop.install_weights(7, "/ckpt/v7", params=None, new_epoch=True)
-    assert (loop.persisted.epoch_version, loop.persisted.epoch_used) == (7, 6)
+    assert loop.persisted.epoch_version == 7 and loop.persisted.epoch_excluded == [0, 1, 2]
+    assert loop.admission_budget() == 2 * B
     # The epoch persists: a restarted server keeps counting from it.
     again = store.load()
-    assert (again.version, again.epoch_version, again.epoch_used) == (7, 7, 6)
+    assert (again.version, again.epoch_version, again.epoch_excluded) == (7, 7, [0, 1, 2])
 
 
 def test_without_waiting_the_initial_weights_generate():
@@ -152,11 +155,11 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
         loop.queue.put(rollout_pb2.Group(group_id=i, prompt_id=f"p{i}"))
     assert not loop.stats()["admission_open"]
     seen: list[bool] = []
-    take = loop.queue.get_many
+    take = loop.queue.remove_if
     loop._lock = lock = _ContendedLock()
 
-    def get_many_then_look(n, timeout_s):
-        items = take(n, timeout_s)
+    def take_then_look(predicate):
+        items = take(predicate)
         # The rollout loop's thread checks admission right now (it takes the loop's lock).
         # A probe the lock does not stop looks now; one that waits for the lock looks after the
         # pull, and must then see the groups leased. Which of the two it is, not time, decides.
@@ -167,7 +170,7 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
         return items
 
     probes: list[threading.Thread] = []
-    loop.queue.get_many = get_many_then_look
+    loop.queue.remove_if = take_then_look
     assert len(loop.pull(B, timeout_s=1.0)) == B
     assert loop.stats()["groups_leased"] == B and loop.persisted.consumed == 0
     [probe] = probes

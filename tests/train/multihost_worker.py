@@ -89,7 +89,7 @@ class FakePool:
         self.pushes: list[tuple[int, str, bool]] = []
         self.acked: list = []
 
-    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None, trainer_version=0) -> list:
         n = min(max_groups, 2)
         out, self.queue = self.queue[:n], self.queue[n:]
         return out

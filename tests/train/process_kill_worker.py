@@ -44,7 +44,7 @@ class FileServer:
         # rejects; and a kill may land mid-write: one writer at a time, each write atomic.
         self._lock = threading.Lock()
 
-    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None, trainer_version=0) -> list:
         from rollout_api.records import Group, Trajectory
 
         groups, i = [], 0

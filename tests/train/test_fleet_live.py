@@ -352,11 +352,10 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # Exactly once: every step trained B groups, none of them twice.
     keys = progress.recent_group_keys
     assert len(keys) == (steps + extra) * B and len(set(keys)) == len(keys), keys
-    # At most what b held at each kill, through its second rejoin. Not past it: after a rejoin a
-    # server can fall into a cycle where each group the trainer rejects as stale is replaced at
-    # the weights then installed and pulled a version later, stale again (seen on loaded
-    # machines: 2 drops a step for 6 steps; docs/DESIGN.md §6.5).
-    assert records[15]["stale_dropped"] <= 4 * B
+    # At most what b held at each kill, through the end of the run: a replacement for a stale
+    # group waits for weights that can still make the bound (docs/DESIGN.md §6.3), so no cycle
+    # of stale replacements follows a rejoin.
+    assert records[-1]["stale_dropped"] <= 4 * B
 
 
 def test_a_server_sigtermed_mid_run_drains_exits_0_and_the_run_loses_nothing(tmp_path, caplog):

@@ -372,7 +372,9 @@ class FakePool:
         self.next_id = 0
         self.acked: list[int] = []
 
-    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list[Group]:
+    def pull(
+        self, max_groups: int, timeout_s: float, *, limits=None, trainer_version=0
+    ) -> list[Group]:
         self.events.append(("pull", self.version))
         groups = []
         for _ in range(max_groups):

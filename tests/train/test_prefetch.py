@@ -79,7 +79,9 @@ class ScriptedPool:
         self.error = ServerDied("server gone mid-Pull")
         self._lock = threading.Lock()
 
-    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list[Group]:
+    def pull(
+        self, max_groups: int, timeout_s: float, *, limits=None, trainer_version=0
+    ) -> list[Group]:
         with self._lock:
             self.pulls += 1
             if self.pulls == self.fail_at:

@@ -76,7 +76,7 @@ class QueuePool:
         self.pulls = 0
         self.acks: list[tuple[int, bool]] = []
 
-    def pull(self, max_groups: int, timeout_s: float, *, limits=None):
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None, trainer_version=0):
         self.pulls += 1
         n = min(max_groups, self.per_pull)
         out, self.queue = self.queue[:n], self.queue[n:]

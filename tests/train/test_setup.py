@@ -136,6 +136,7 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path
         servers_file=str(tmp_path / "servers"),
         background=True,
         on_retry=None,
+        batch_groups=cfg.rollout.batch_groups,
     )
 
 

@@ -1,0 +1,110 @@
+"""Admission before and after `rollout_api.admission` (docs/DESIGN.md §6.3, issue 33), on the
+deterministic fleet simulator of the tests (`tests/fleet_sim.py`): stale drops per trained group,
+trained groups and tokens per unit of time, and the mean completion length of the dropped groups
+against the trained ones (the length bias of dropping by the oldest token), for 1, 2 and 4
+servers with generation faster and slower than a train step, servers of equal and unequal speed,
+weight pushes slower than a step (the issue's regime), a SIGTERM drain and a kill/rejoin.
+
+    PYTHONPATH=$PWD python benchmarks/fleet_sim.py [--steps 200]
+
+Units: a train step takes 1; a group of 4 samples of 50–150 tokens (uniform) takes `gen` steps on
+a server of 8 slots (the first server twice as long in the "unequal" rows); weights reach the
+servers 0.2 steps after the step (1.5 in the "push 1.5" rows); max_staleness 2, 8 groups per
+batch. "before" is `tests.fleet_sim.OldAdmission` (the rule of commit 48471f2 with the pool's
+plain rotation, and no push on a skipped step); "after" is what the servers and the pool run now.
+Figures are over the steps after the 10th (after the 80th for the fault rows). Prints Markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from tests.fleet_sim import FleetSim, SimStalled
+
+LENGTHS = (50, 150)
+
+
+def fleet(k: int, gen: float, rule: str, *, slow: float = 1.0, **kw) -> FleetSim:
+    speed = sum(LENGTHS) / 2 / gen
+    servers = [(speed / (slow if i == 0 else 1.0), 8, LENGTHS) for i in range(k)]
+    return FleetSim(servers, rule=rule, max_staleness=2, **kw)
+
+
+def scenario(name: str, rule: str, steps: int) -> dict:
+    """One row's figures."""
+    kind, _, rest = name.partition(":")
+    k, gen = int(rest.split(",")[0]), float(rest.split(",")[1])
+    if kind == "equal":
+        return fleet(k, gen, rule).run(steps)
+    if kind == "unequal":
+        return fleet(k, gen, rule, slow=2.0).run(steps)
+    if kind == "push 1.5":
+        return fleet(k, gen, rule, push_delay=1.5).run(steps)
+    sim = fleet(k, gen, rule)
+    if kind == "kill/rejoin":
+        sim.run(30)
+        sim.kill("s1")
+        sim.run(60)
+        sim.rejoin("s1")
+    elif kind == "sigterm/rejoin":
+        sim.run(30)
+        sim.sigterm("s1")
+        sim.run(60)
+        sim.rejoin("s1")
+    elif kind == "skipped 20-60":
+        sim.skip = set(range(20, 61))
+        sim.stall_after = 100.0
+        return sim.run(steps)
+    return sim.run(steps + 70, warmup=80)
+
+
+ROWS = [
+    *(f"equal:{k},{gen}" for gen in (0.3, 3.0) for k in (1, 2, 4)),
+    *(f"unequal:{k},{gen}" for gen in (0.3, 3.0) for k in (2, 4)),
+    *(f"push 1.5:{k},0.3" for k in (1, 2, 4)),
+    "kill/rejoin:2,0.3",
+    "kill/rejoin:2,3.0",
+    "sigterm/rejoin:2,3.0",
+    "skipped 20-60:2,0.3",
+]
+
+
+def _fmt(x: float, digits: int = 3) -> str:
+    return "–" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}f}"
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    args = parser.parse_args()
+    print(
+        "| scenario (servers, gen / step) | stale drops / trained group, before → after | "
+        "trained tokens / unit, before → after | of the bound, after | "
+        "mean length dropped / trained, before | after |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name in ROWS:
+        try:
+            b = scenario(name, "old", args.steps)
+        except SimStalled as e:
+            b = {"stalled": str(e)}
+        a = scenario(name, "new", args.steps)
+        bound = min(a["capacity"], a["trainer_rate"])
+        if "stalled" in b:
+            before_drops, before_tokens, before_len = "stalled", "0", "–"
+        else:
+            before_drops = _fmt(b["drops_per_group"])
+            before_tokens = _fmt(b["tokens_per_time"], 0)
+            before_len = f"{_fmt(b['len_dropped'], 0)} / {_fmt(b['len_trained'], 0)}"
+        print(
+            f"| {name} | {before_drops} → {_fmt(a['drops_per_group'])} | "
+            f"{before_tokens} → {_fmt(a['tokens_per_time'], 0)} | "
+            f"{a['groups_per_time'] / bound:.0%} | {before_len} | "
+            f"{_fmt(a['len_dropped'], 0)} / {_fmt(a['len_trained'], 0)} |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    cli()

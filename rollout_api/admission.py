@@ -1,0 +1,259 @@
+"""Admission: which groups a rollout server starts, in which order it hands finished ones out, and
+how the trainer spreads a batch over the fleet (docs/DESIGN.md §6.3). Pure: no threads, no gRPC,
+no clock; `rollout_server.rollout.RolloutLoop` and `train.remote.ServerPool` call it, and so does the
+fleet simulator of the tests (`tests/fleet_sim.py`).
+
+**The bound.** A group counts as generated at the weights version its server held when it was
+*admitted* (dispatched). Its tokens carry that version or newer ones (weights only move forward), so
+a group trained at trainer version W ≤ admitted + S (S = `max_staleness`) has no token older than S
+versions: the trainer's own check, on the oldest token, then never drops it. Bounding the admission
+version rather than the oldest token is what lets admission enforce the bound before any token
+exists (AReaL bounds the same quantity, its "head off-policyness").
+
+**The rule, per server** (`ServerAdmission`). With `share` = this server's part of the batch
+(its expected fraction of the trainer's consumption), B = `batch_groups`, v = the weights version the
+server holds and T ≥ v the trainer's version (learnt from every Pull, `PullRequest.trainer_version`,
+and every push), a group is admitted only while
+
+    outstanding < (S + 1 − (T − v)) · share · B
+
+where `outstanding` counts the server's groups not yet acknowledged (running, queued, leased;
+those outstanding when an admission epoch began are left out: `begin_epoch`). The trainer takes
+`share · B` groups from this server per version, oldest-admitted first, so the last group admitted
+at v is trained by T + S − (T − v) = v + S. The trainer's lead T − v (a push still in flight, a
+skipped step's version, pushes every n steps) shrinks the run-ahead instead of making groups stale;
+at a lead above S nothing is admitted until newer weights arrive. A rejected group (stale, invalid,
+filtered) leaves `outstanding` at once, so its replacement is admitted under the same rule: when
+the weights it would be generated with are already too old for the trainer's version, it waits
+for the next push (the stale-replacement cycle of a rejoin cannot happen). Nothing is counted per
+version or per epoch, so what the trainer took from a server before leaves no credit or debt.
+
+**Hand-out order** (`hand_out`). Finished groups go out oldest-admitted first. While a group whose
+deadline is the trainer's current version (admitted at T − S) is still running, younger finished
+groups are held back: handing them out would fill the trainer's batch and push the old group past
+its deadline. Held back at most until that group finishes (a group's generation is bounded).
+
+**The fleet** (`FleetQuota`, the trainer's side). Shares sum to 1 over the servers up. For each
+trainer version the pool pulls a server's share of the batch from it first, and takes more from
+the others only once the batch has waited three step periods (a server that is down, draining or
+slow must not stall the run); taking a server's groups faster than its share only trains them
+earlier.
+
+**Guarantees**, under the assumptions below: (1) no trained token is older than S versions (by the
+trainer's check, which drops the rest, and by this rule, which keeps those drops rare); (2) no group
+is lost or trained twice (delivery, docs/DESIGN.md §6.2, is independent of admission: nothing here
+drops a group); (3) waste: a group goes stale only if it is overtaken after its admission: the
+trainer consumed its server slower than its share for longer than the fallback (a server died or
+drained), its Pull reply was lost, or the trainer's version jumped (measured by
+`tests/train/test_fleet_sim.py`: no stale drop in steady state for 1, 2 and 4 servers, generation
+faster and slower than a step); (4) liveness: a run whose steps are skipped keeps admission open,
+provided the trainer republishes its weights on skipped steps (`train.main.publish_if_due`).
+Assumptions: the trainer trains one batch of B groups per version; it reports on its Pulls the
+version it will train the pulled groups at (for one that does not, each group it trains since
+the last push takes a place off the budget, the rule of before); versions only grow within an
+epoch; a group's generation takes bounded time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
+
+
+@dataclasses.dataclass
+class ServerAdmission:
+    """One server's admission state (mutated in place by its owner, under its owner's lock).
+
+    Args:
+      max_staleness: S, the versions a trained group may lag its admission.
+      batch_groups: B, groups per trainer step.
+      capacity: the most groups outstanding at once (the queue's capacity).
+    """
+
+    max_staleness: int
+    batch_groups: int
+    capacity: int
+    share: float = 1.0
+    weights_version: int = 0  # v: the weights the server holds
+    trainer_version: int = 0  # T: the newest trainer version seen (Pull or push)
+    # Groups admitted and not done yet: id -> the weights version at admission (for the order).
+    admitted: dict[int, int] = dataclasses.field(default_factory=dict)
+    # Outstanding when the current epoch began: not counted (see `begin_epoch`).
+    excluded: set[int] = dataclasses.field(default_factory=set)
+    # Handed-out groups: id -> the trainer version known when they went out.
+    leased: dict[int, int] = dataclasses.field(default_factory=dict)
+    # The last trainer version reported (a Pull, a push, an epoch) and the groups acknowledged as
+    # trained since (see `done`).
+    reported: int = 0
+    trained_since: int = 0
+    pulls_report: bool = False  # the trainer's Pulls carry its version
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0 or self.batch_groups < 1 or self.capacity < 1:
+            raise ValueError(
+                f"admission needs max_staleness >= 0, batch_groups >= 1 and capacity >= 1 (got "
+                f"{self.max_staleness}, {self.batch_groups}, {self.capacity})"
+            )
+
+    @property
+    def lead(self) -> int:
+        """T − v: how many versions the trainer is ahead of the weights this server holds."""
+        return max(self.trainer_version - self.weights_version, 0)
+
+    def budget(self, outstanding: Collection[int]) -> int:
+        """⌊(S + 1 − lead) · share · B⌋ minus the `outstanding` groups (ids of those running,
+        queued or leased) the epoch counts: how many more groups may start (rounded down: a
+        fraction of a group more would be trained a version late)."""
+        allowed = (self.max_staleness + 1 - self.lead) * self.share * self.batch_groups
+        if not self.pulls_report:  # what it trained since the last push moved it on
+            allowed -= self.trained_since
+        counted = sum(1 for i in outstanding if i not in self.excluded)
+        return math.floor(allowed + 1e-9) - counted
+
+    def may_admit(self, outstanding: Collection[int]) -> bool:
+        """Whether one more group may start now (budget and capacity)."""
+        return self.budget(outstanding) > 0 and len(outstanding) < self.capacity
+
+    def admit(self, group_id: int) -> None:
+        """Records `group_id` as started now, at the weights the server holds."""
+        self.admitted[group_id] = self.weights_version
+
+    def done(self, group_ids: Iterable[int], trained: Collection[int] = ()) -> None:
+        """Forgets groups that left the server: acknowledged (trained or rejected) or dropped.
+
+        Groups acknowledged as `trained` move the trainer on, so that their places free only
+        for groups of weights that can still make the bound (in sync mode, none before the next
+        version): one that went out when the trainer reported version t was trained at t or
+        later, so the trainer is past t. For a trainer whose Pulls do not report its version (an
+        older one, or a client of a server without a trainer) each group trained since the last
+        push takes one group off the budget instead (`budget`), the rule of before.
+        """
+        for i in group_ids:
+            self.admitted.pop(i, None)
+            self.excluded.discard(i)
+            t = self.leased.pop(i, None)
+            if i in trained:
+                self.trained_since += 1
+                if t is not None and self.pulls_report:
+                    self.trainer_version = max(self.trainer_version, t + 1)
+
+    def lease(self, group_ids: Iterable[int]) -> None:
+        """The groups went out to the trainer now (see `done`)."""
+        for i in group_ids:
+            self.leased[i] = self.trainer_version
+
+    def saw_trainer(self, version: int) -> None:
+        """The trainer reported `version` (a Pull); 0 = not reported (an older trainer)."""
+        if version > 0:
+            self.pulls_report = True
+            self._report(version)
+
+    def _report(self, version: int) -> None:
+        self.trainer_version = max(self.trainer_version, version)
+        if version > self.reported:
+            self.reported, self.trained_since = version, 0
+
+    def install(self, version: int, share: float) -> None:
+        """New weights `version` (and the server's `share`; 0 = unset = 1). The trainer pushes
+        only versions it has reached, so T ≥ `version` from now on."""
+        self.weights_version = version
+        self.share = share if share > 0 else 1.0
+        self._report(version)
+
+    def begin_epoch(self, version: int, outstanding: Iterable[int]) -> None:
+        """A new admission epoch at `version` (a trainer started or resumed): the trainer's
+        version is `version` again, and the groups `outstanding` now are not counted. Those were
+        generated for weights the trainer may have lost; it drops most of them, and one it
+        rejects must buy no replacement beyond the epoch's budget (that surplus would keep the
+        server ahead of the trainer for good). One it trains took a place in a batch and leaves
+        like any other."""
+        self.trainer_version = self.reported = version
+        self.trained_since = 0
+        self.excluded = set(outstanding)
+
+    def hand_out(self, queued: Sequence[int], running: Iterable[int], n: int) -> list[int]:
+        """Which of the finished `queued` groups to hand out now, at most `n`, in order: oldest
+        admitted first, none younger than a `running` group whose deadline is the trainer's
+        version (see the module docstring). Groups this state does not know count as the
+        oldest."""
+        if n <= 0 or not queued:
+            return []
+        admitted = self.admitted
+        order = sorted(queued, key=lambda i: (admitted.get(i, -1), i))
+        deadline = self.trainer_version - self.max_staleness
+        if any(admitted.get(i) == deadline for i in running):
+            order = [i for i in order if admitted.get(i, -1) <= deadline]
+        return order[:n]
+
+
+@dataclasses.dataclass
+class FleetQuota:
+    """The trainer's spread of its batches over the servers (see the module docstring).
+
+    Every trainer version gives each server a credit of share · B groups, plus what was left of
+    its last one, up to one group (the fraction a whole number of groups could not take, so that
+    over the versions each server is consumed at its share, fractions included; a debt, or a
+    credit the server could not deliver, is not carried: it would unbalance every later batch).
+    The pool takes from each server its whole groups of credit first, the most owed first; once
+    a batch has waited `fallback_periods` trainer step periods (measured between versions, at
+    least `min_fallback_s`) it takes from any server: a server that is slow or stopped admitting
+    must not stall the run, but a fallback that comes too soon takes younger groups in place of
+    a server's older ones (3 periods: at most 0.1% stale drops in `tests/train/test_fleet_sim.py`
+    with 4 servers, against 2% at 1 period).
+
+    Args:
+      batch_groups: B.
+      min_fallback_s: the least a batch waits for the quotas.
+      fallback_periods: how many step periods a batch waits for the quotas.
+    """
+
+    batch_groups: int
+    min_fallback_s: float
+    fallback_periods: float = 3.0
+    version: int = -1  # the trainer version whose batch is being pulled
+    since: float = 0.0  # when its pulling began
+    period: float | None = None  # the trainer's step period (an exponential average)
+    credit: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def fallback_s(self) -> float:
+        """How long a batch waits for the quotas now."""
+        return max(self.fallback_periods * (self.period or 0.0), self.min_fallback_s)
+
+    def start(self, version: int, shares: Mapping[str, float], now: float) -> None:
+        """Pulling for trainer `version` with these `shares` (each new version adds them)."""
+        if version == self.version:
+            return
+        if 0 <= self.version < version:
+            gap = (now - self.since) / (version - self.version)
+            self.period = gap if self.period is None else 0.8 * self.period + 0.2 * gap
+        b = self.batch_groups
+        self.credit = {
+            name: min(max(self.credit.get(name, 0.0), 0.0), 1.0) + share * b
+            for name, share in shares.items()
+        }
+        self.version, self.since = version, now
+
+    def quota(self, server: str) -> int:
+        """The groups still expected from `server` for this batch."""
+        return max(math.floor(self.credit.get(server, 0.0) + 1e-9), 0)
+
+    def order(self, servers: Sequence[str], now: float) -> list[tuple[str, int | None]]:
+        """The servers to pull next, in order, each with the most groups to take from it
+        (None = no limit but the batch's), the most owed first: each server's whole groups of
+        credit, then one group from each by the largest remainder, and, after `fallback_s`,
+        any number from every server."""
+        ranked = sorted(servers, key=lambda name: -self.credit.get(name, 0.0))
+        out: list[tuple[str, int | None]] = [
+            (name, self.quota(name)) for name in ranked if self.quota(name) > 0
+        ]
+        if not out:
+            out = [(name, 1) for name in ranked]
+        if now - self.since >= self.fallback_s:
+            out += [(name, None) for name in ranked]
+        return out
+
+    def took(self, server: str, n: int) -> None:
+        """`n` groups of this batch came from `server`."""
+        self.credit[server] = self.credit.get(server, 0.0) - n

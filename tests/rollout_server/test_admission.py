@@ -1,0 +1,138 @@
+"""The pure admission module (`rollout_api.admission`, docs/DESIGN.md §6.3): the budget with the
+trainer's lead, epochs, replacements that wait for newer weights, the hand-out order, the
+fleet's quotas."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout_api.admission import FleetQuota, ServerAdmission
+
+B = 4
+
+
+def _adm(staleness: int = 1, share: float = 1.0, version: int = 1) -> ServerAdmission:
+    adm = ServerAdmission(max_staleness=staleness, batch_groups=B, capacity=64)
+    adm.install(version, share)
+    adm.begin_epoch(version, ())
+    return adm
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="max_staleness"):
+        ServerAdmission(max_staleness=-1, batch_groups=B, capacity=8)
+    with pytest.raises(ValueError, match="capacity"):
+        ServerAdmission(max_staleness=1, batch_groups=B, capacity=0)
+
+
+def test_the_trainers_lead_shrinks_the_run_ahead_instead_of_making_groups_stale():
+    """The issue's regime: pushes slower than steps, so the trainer is ahead of the weights a
+    server holds. Before, every push granted (S + 1) batches whatever the trainer's version, and
+    the last of them were trained S + lead versions after their weights: stale."""
+    adm = _adm(staleness=2, version=5)
+    assert adm.budget([]) == 3 * B
+    adm.saw_trainer(7)  # two versions ahead (its pushes of v6 and v7 are on their way)
+    assert adm.lead == 2 and adm.budget([]) == B
+    adm.saw_trainer(8)
+    assert adm.budget([]) == 0 and not adm.may_admit([])  # nothing v5 makes can be trained
+    adm.install(8, 1.0)
+    assert adm.lead == 0 and adm.budget([]) == 3 * B
+    adm.saw_trainer(3)  # versions only grow
+    assert adm.trainer_version == 8
+
+
+def test_a_replacement_waits_for_weights_newer_than_those_that_made_its_predecessor_stale():
+    """The stale-replacement cycle after a rejoin: a group rejected as stale was replaced at
+    once with the weights the server held, which the trainer had already passed, so the
+    replacement was stale too, and so on."""
+    adm = _adm(staleness=1, version=1)
+    for i in range(2 * B):
+        adm.admit(i)
+    adm.lease(range(B))
+    adm.saw_trainer(1)
+    adm.done(range(B), trained=range(B))  # trained at v1: the trainer is at v2 at least
+    outstanding = list(range(B, 2 * B))
+    assert adm.trainer_version == 2 and adm.budget(outstanding) == 0
+    adm.saw_trainer(3)  # v3 pulls: v1's groups are stale now, and rejected
+    adm.done(outstanding)
+    assert adm.budget([]) == 0  # no replacement made with v1 weights ...
+    adm.install(3, 1.0)
+    assert adm.budget([]) == 2 * B  # ... until v3's are in
+
+
+def test_a_filtered_group_is_replaced_at_once():
+    adm = _adm(staleness=0)
+    for i in range(B):
+        adm.admit(i)
+    adm.lease(range(B))
+    adm.done([0, 1])  # rejected (all-equal rewards) while the batch of v1 is being filled
+    assert adm.budget([2, 3]) == 2
+
+
+def test_an_epoch_leaves_the_groups_outstanding_at_its_start_out_of_the_count():
+    adm = _adm(staleness=1)
+    for i in range(5):
+        adm.admit(i)
+    adm.install(9, 1.0)
+    adm.begin_epoch(9, range(5))
+    assert adm.budget(range(5)) == 2 * B
+    adm.done([0, 1])  # rejected: no replacement
+    assert adm.budget(range(2, 5)) == 2 * B and adm.excluded == {2, 3, 4}
+
+
+def test_shares_scale_the_budget_rounded_down():
+    assert _adm(staleness=1, share=0.5).budget([]) == B
+    assert _adm(staleness=1, share=1 / 3).budget([]) == 2  # ⌊8 / 3⌋
+    adm = _adm(staleness=1, share=0.0)  # unset: 1
+    assert adm.share == 1.0
+
+
+def test_capacity_bounds_admission():
+    adm = ServerAdmission(max_staleness=8, batch_groups=B, capacity=3)
+    adm.install(1, 1.0)
+    assert adm.may_admit([0, 1]) and not adm.may_admit([0, 1, 2])
+
+
+def test_hand_out_is_oldest_admitted_first_and_holds_back_for_a_group_at_its_deadline():
+    adm = _adm(staleness=1, version=1)
+    adm.admit(0)  # admitted at v1
+    adm.install(2, 1.0)
+    for i in (1, 2, 3):
+        adm.admit(i)  # at v2
+    adm.saw_trainer(2)  # group 0 must be trained at v2 at the latest
+    assert adm.hand_out([3, 1, 2], running=[0], n=8) == []  # held for group 0
+    assert adm.hand_out([3, 0, 1], running=[2], n=2) == [0, 1]
+    adm.saw_trainer(3)  # too late for group 0 anyway: it holds nothing back
+    assert adm.hand_out([3, 1, 2], running=[0], n=8) == [1, 2, 3]
+    assert adm.hand_out([7, 3], running=[], n=8) == [7, 3]  # unknown ids count as the oldest
+
+
+def test_the_fleet_quota_follows_the_shares_then_falls_back():
+    q = FleetQuota(batch_groups=8, min_fallback_s=2.0)
+    shares = {"a": 0.25, "b": 0.75}
+    q.start(1, shares, now=0.0)
+    assert q.order(["a", "b"], now=0.0) == [("b", 6), ("a", 2)]
+    q.took("b", 6)
+    q.took("a", 1)
+    assert q.order(["a", "b"], now=1.0) == [("a", 1)]
+    assert q.order(["a", "b"], now=2.0) == [("a", 1), ("a", None), ("b", None)]
+    q.took("b", 1)  # from the fallback
+    q.start(2, shares, now=3.0)
+    assert q.credit == {"a": 3.0, "b": 6.0}  # a's undelivered group carried, b's debt not
+    assert q.period == 3.0 and q.fallback_s == 9.0  # three step periods
+
+
+def test_fractional_shares_are_met_over_the_versions():
+    q = FleetQuota(batch_groups=8, min_fallback_s=1e9)
+    shares = {"a": 1 / 7, "b": 6 / 7}
+    taken = {"a": 0, "b": 0}
+    for v in range(1, 71):
+        q.start(v, shares, now=float(v))
+        need = 8
+        while need:
+            name, limit = q.order(["a", "b"], now=float(v))[0]
+            n = min(need, limit)
+            q.took(name, n)
+            taken[name] += n
+            need -= n
+    assert taken == {"a": 80, "b": 480}
