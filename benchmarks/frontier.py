@@ -81,7 +81,7 @@ FIELD = {
     "GRPO+SeqMask": ({"seq_mask_range": SEQ_MASK_RANGE}, 1),
     "GRPO+DPPO-TV": ({"dppo_tv_delta": grid.DPPO_TV_DELTA}, 1),
     "GRPO+M2PO": ({"m2_threshold": M2_THRESHOLD}, 1),
-    "GRPO+VCPO": ({"ess_scaling": True}, 1),
+    "GRPO+VCPO": ({"ess_scaling": True, "opob_baseline": True}, 1),
 }
 LARGE_LAG = tuple(FIELD)
 # GSPO's sequence log-ratio |s_b| has a 0.9 quantile of 0.03–0.13 at lr 1e-3 (RESULTS.md, the
