@@ -105,6 +105,7 @@ def test_large_lag_methods_map_to_their_options():
         assert frontier.microbatches(method) == 1
         needs = field in ("tis_cap", "icepop_range", "seq_mask_range")
         assert frontier.needs_proximal(cfg) == needs, method
+    assert frontier.loss_config("GRPO+VCPO")[0].opob_baseline  # VCPO's both parts
     cfg, _ = frontier.loss_config("GRPO+SAT-mbq", quantile=0.8)
     assert cfg.sat.enabled and cfg.sat.threshold_scope == "microbatch" and cfg.sat.quantile == 0.8
     assert frontier.microbatches("GRPO+SAT-mbq") == frontier.MICROBATCH_Q_K > 1
