@@ -719,13 +719,15 @@ def _mechanism_table(runs: dict[Cell, dict]) -> list[str]:
     lines = [
         "",
         f"**Mechanism**: means over the {TAIL_WINDOW} steps before collapse (collapsed seeds; "
-        f"in brackets the last {TAIL_WINDOW} steps of the others) of the q99 of |d|, the ESS "
+        f"in brackets the last {TAIL_WINDOW} steps of the others) of the batches' lag, the q99 "
+        "of |d|, the ESS "
         "fraction, the clip's share of tokens, the share the method's own correction removes "
         "(IcePop: outside its band; SeqMask: responses; M2PO, DPPO-TV: tokens; SAT: gated "
         "tokens) and VCPO's step multiplier sqrt(ess)",
         "",
-        "| method | lag | lr | collapsed | q99 \\|d\\| | ESS | clipped | own mask | VCPO scale |",
-        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- |",
+        "| method | lag | lr | collapsed | lag seen | q99 \\|d\\| | ESS | clipped | own mask | "
+        "VCPO scale |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- |",
     ]
     order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
     for (m, lag, lr), seeds in sorted(by.items(), key=order):
@@ -734,8 +736,38 @@ def _mechanism_table(runs: dict[Cell, dict]) -> list[str]:
         pair = lambda f, fmt, col=col, ok=ok: f"{_fmt(col[f], fmt)} ({_fmt(ok[f], fmt)})"
         lines.append(
             f"| {m} | {lag} | {lr:g} | {col['seeds']}/{col['seeds'] + ok['seeds']} | "
-            f"{pair('q99', '.2f')} | {pair('ess', '.2f')} | {pair('clip', '.1%')} | "
+            f"{pair('lag', '.0f')} | {pair('q99', '.2f')} | {pair('ess', '.2f')} | {pair('clip', '.1%')} | "
             f"{pair('masked', '.1%')} | {pair('ess_scale', '.2f')} |"
+        )
+    return lines + _peak_table(runs)
+
+
+def _peak_table(runs: dict[Cell, dict]) -> list[str]:
+    """The same figures at one lag for every seed: the ``TAIL_WINDOW`` steps just before the
+    first publish (steps lag − 19 … lag, batches lag − 20 … lag − 1 old) where a run reached
+    it; lags below 2 × ``TAIL_WINDOW`` and runs shorter than their lag are left out."""
+    by: dict[tuple, list] = {}
+    for c, g in runs.items():
+        if c.knobs == DEFAULT_SAT and 2 * TAIL_WINDOW <= c.lag <= g["steps"]:
+            by.setdefault((c.method, c.lag, c.lr), []).append((c.method, g["records"], c.lag, True))
+    if not by:
+        return []
+    lines = [
+        "",
+        f"**At the lag's peak**: the same means over the {TAIL_WINDOW} steps just before the "
+        "first weight publish (every seed that reached it; lags ≥ "
+        f"{2 * TAIL_WINDOW})",
+        "",
+        "| method | lag | lr | seeds | lag seen | q99 \\|d\\| | ESS | clipped | own mask | VCPO scale |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
+    for (m, lag, lr), seeds in sorted(by.items(), key=order):
+        got = mech.cell_mechanism(seeds, TAIL_WINDOW)["collapsed"]
+        lines.append(
+            f"| {m} | {lag} | {lr:g} | {got['seeds']} | {_fmt(got['lag'], '.0f')} | "
+            f"{_fmt(got['q99'])} | {_fmt(got['ess'])} | {_fmt(got['clip'], '.1%')} | "
+            f"{_fmt(got['masked'], '.1%')} | {_fmt(got['ess_scale'])} |"
         )
     return lines
 

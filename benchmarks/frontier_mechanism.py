@@ -5,7 +5,7 @@ Used by ``benchmarks/frontier.py`` (its report and its ``--cost`` mode); the sum
 functions of a run's records (unit-tested on synthetic records).
 
 Mechanism, per run: the mean over the ``window`` steps before its collapse (or its last
-``window`` steps when it did not collapse) of the 0.99 quantile of |d| (``d_abs_q99``), the ESS
+``window`` steps when it did not collapse) of the lag of its batches, the 0.99 quantile of |d| (``d_abs_q99``), the ESS
 fraction (``ess``), the clip's share of tokens (``clip_frac_low + clip_frac_high``), the share
 the method's own correction removes (``MASKED``: IcePop's tokens outside its band, sequence
 masking's responses, M2PO's tokens, DPPO-TV's tokens, SAT's gated tokens) and, for VCPO, its step
@@ -54,6 +54,7 @@ def run_mechanism(method: str, records: list[dict], end: int, window: int) -> di
     masked = masked_metric(method)
     get = lambda key, f=lambda x: x: _mean([f(r[key]) for r in rows if key in r])
     return {
+        "lag": get("lag"),
         "q99": get("d_abs_q99"),
         "ess": get("ess"),
         "clip": _mean([r.get("clip_frac_low", 0.0) + r.get("clip_frac_high", 0.0) for r in rows]),
@@ -71,7 +72,7 @@ def cell_mechanism(runs: list[tuple[str, list[dict], int, bool]], window: int) -
     out = {}
     for key, want in (("collapsed", True), ("stable", False)):
         got = [run_mechanism(m, recs, end, window) for m, recs, end, c in runs if c == want]
-        fields = ("q99", "ess", "clip", "masked", "ess_scale", "opob_shift")
+        fields = ("lag", "q99", "ess", "clip", "masked", "ess_scale", "opob_shift")
         out[key] = {f: _mean([g[f] for g in got]) for f in fields}
         out[key]["seeds"] = len(got)
     return out

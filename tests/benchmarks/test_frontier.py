@@ -224,10 +224,15 @@ def test_knob_rate_auto_is_plain_grpos_frontier_at_the_knob_lag(tmp_path):
 def test_mechanism_is_the_window_before_collapse_and_the_methods_own_mask():
     recs = run({0: 0.2, 20: 0.3, 40: 0.05}, 40, q99=lambda s: float(s))
     for r in recs[1:]:
+        r["lag"] = r["step"] % 4
         r.update(ess=0.5 if r["step"] <= 20 else 0.1, clip_frac_low=0.01, clip_frac_high=0.02)
         r.update(icepop_kept_frac=0.75, ess_step_scale=0.3)
     got = frontier_mechanism.run_mechanism("GRPO+IcePop", recs, end=20, window=10)
-    assert got["q99"] == pytest.approx(15.5) and got["ess"] == pytest.approx(0.5)
+    assert (
+        got["lag"] == pytest.approx(1.5)
+        and got["q99"] == pytest.approx(15.5)
+        and got["ess"] == pytest.approx(0.5)
+    )
     assert got["clip"] == pytest.approx(0.03) and got["masked"] == pytest.approx(0.25)
     assert got["ess_scale"] == pytest.approx(0.3) and math.isnan(got["opob_shift"])
     assert math.isnan(frontier_mechanism.run_mechanism("GRPO", recs, 20, 10)["masked"])
