@@ -5,6 +5,7 @@ far SAT, R3 and the field's large-lag corrections push it.
         [--lags 8 32 128 64 1] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2] [--knob-lr auto] [--set key=value ...]
     python benchmarks/frontier.py --out runs/frontier --report-only
     python benchmarks/frontier.py --smoke            (a few tiny cells into a temporary directory)
+    python benchmarks/frontier.py --out runs/frontier --cost --methods GRPO GRPO+VCPO ...
 
 Every run is a cell of `benchmarks/grid.py` — the same task, base policy, exact configured lag and
 in-process sampler (its ``Runner``) — with two more axes: the learning rate, and SAT's quantile and
@@ -37,8 +38,10 @@ report also gives the largest rate whose seed-mean final accuracy *keeps* ``STAB
 best seed-mean final accuracy of any method and rate at that lag.
 
 Output in ``--out``: ``cells/<cell>.jsonl`` (one finished run each; a rerun skips finished cells),
-``frontier.md`` (the tables), ``frontier_summary.json`` (one row per cell),
-``frontier_heatmap.png`` and ``frontier_q_reach.png``.
+``frontier.md`` (the tables, with the mechanism table of ``frontier_mechanism`` and, once
+``--cost`` has run, each method's step time relative to GRPO), ``frontier_summary.json`` (one
+row per cell), ``cost.json``, ``frontier_heatmap.png`` (a panel per method),
+``frontier_heatmap_lag<n>.png`` (one per lag: methods × rates) and ``frontier_q_reach.png``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ import numpy as np
 # benchmarks/ scripts run by path and import each other so, never as a package (JetStream
 # installs a top-level `benchmarks` package).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import frontier_mechanism as mech
 import grid
 import worker_group
 
@@ -69,7 +73,10 @@ GRPO_FAMILY = ("GRPO", "GRPO+SAT", "GRPO+R3", "GRPO+SAT+R3")
 # The field's large-lag corrections, each on GRPO's clip (docs/DESIGN.md §3.4, §3.6), and SAT with
 # each microbatch's own threshold: name -> (PolicyLossConfig fields, the step's microbatches).
 # TIS, IcePop and sequence masking weigh behavior -> proximal (the trainer's own log-probs before
-# the update, as grid.py gives TIS). IcePop's band and MIS's window are this study's choices.
+# the update, as grid.py gives TIS), so their clip ratio is 1 at the step's single update and only
+# the correction limits the step. IcePop's band and MIS's window are this study's choices, not
+# the sources': IcePop (Ring-1T) uses [0.5, 5]; verl's geometric rejection sampling suggests
+# [1/1.001, 1.001] (both sized for trainer-sampler mismatch, not staleness; RESULTS.md).
 MICROBATCH_Q_K = 4
 ICEPOP_RANGE = (0.5, 2.0)
 SEQ_MASK_RANGE = (0.95, 1.05)
@@ -81,7 +88,7 @@ FIELD = {
     "GRPO+SeqMask": ({"seq_mask_range": SEQ_MASK_RANGE}, 1),
     "GRPO+DPPO-TV": ({"dppo_tv_delta": grid.DPPO_TV_DELTA}, 1),
     "GRPO+M2PO": ({"m2_threshold": M2_THRESHOLD}, 1),
-    "GRPO+VCPO": ({"ess_scaling": True}, 1),
+    "GRPO+VCPO": ({"ess_scaling": True, "opob_baseline": True}, 1),
 }
 LARGE_LAG = tuple(FIELD)
 # GSPO's sequence log-ratio |s_b| has a 0.9 quantile of 0.03–0.13 at lr 1e-3 (RESULTS.md, the
@@ -356,6 +363,18 @@ def cell_path(out: pathlib.Path, cell: Cell) -> pathlib.Path:
     return out / "cells" / f"{cell.name}.jsonl"
 
 
+_RUNNERS: dict[tuple, Runner] = {}
+
+
+def shared_runner(overrides: list[str], eval_problems: int) -> Runner:
+    """One ``Runner`` per (overrides, eval problems) in this process, so ``--smoke``'s timing
+    reuses the step functions its cells compiled."""
+    key = (tuple(overrides), eval_problems)
+    if key not in _RUNNERS:
+        _RUNNERS[key] = Runner(list(overrides), eval_problems=eval_problems)
+    return _RUNNERS[key]
+
+
 def run_worker(args: argparse.Namespace, cells: list[Cell]) -> None:
     """Claims unfinished cells one at a time (a claim file per cell), so workers stay balanced."""
     runner = None
@@ -368,7 +387,7 @@ def run_worker(args: argparse.Namespace, cells: list[Cell]) -> None:
             os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue
-        runner = runner or Runner(args.set, eval_problems=args.eval_problems)
+        runner = runner or shared_runner(args.set, args.eval_problems)
         start = time.monotonic()
         records = runner.run(
             cell,
@@ -433,6 +452,34 @@ def pick_knob_lr(args: argparse.Namespace) -> float:
     return max(args.lrs)
 
 
+def measure_cost(args: argparse.Namespace) -> dict[str, float]:
+    """Median seconds of one train step per method (``args.methods``) at the first ``--lrs``
+    rate, on one sampled batch, interleaved (``frontier_mechanism.time_steps``); the proximal
+    forward counts for the methods that need it. Written to ``cost.json`` in ``--out``."""
+    runner = shared_runner(args.set, args.eval_problems)
+    batch = runner.batch(runner.base_params, 0, 0, jax.random.key(0))[0]
+    steps = {}
+    for method in args.methods:
+        cfg, replay = loss_config(method)
+        step_fn = runner.cell_step_fn(Cell(method, 1, min(args.lrs), 0))
+        opt = runner.optimizer(min(args.lrs))
+        holder = [
+            create_train_state(runner.cfg.model, opt, runner.mesh, grid._copy(runner.base_params))
+        ]
+
+        def one(cfg=cfg, replay=replay, step_fn=step_fn, holder=holder) -> None:
+            b = batch
+            if needs_proximal(cfg):
+                b = batch.replace(old_logp=runner.proximal_logp(holder[0].params, batch, replay))
+            holder[0], metrics = step_fn(holder[0], shard_batch(b, runner.mesh))
+            jax.block_until_ready(metrics)
+
+        steps[method] = one
+    got = mech.time_steps(steps, repeats=args.cost_repeats)
+    (args.out / "cost.json").write_text(json.dumps(got, indent=1) + "\n")
+    return got
+
+
 # ----------------------------------------------------------------------------------------------
 # The report.
 
@@ -487,6 +534,9 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
     lines += _accuracy_table(args, table, frontier)
     lines += _frontier_tables(table, frontier)
     lines += _collapse_table(table)
+    lines += _noise_table(table)
+    lines += _mechanism_table(runs)
+    lines += _cost_table(args.out)
     lines += _knob_tables(args, table)
     text = "\n".join(lines) + "\n"
     (args.out / "frontier.md").write_text(text)
@@ -496,6 +546,7 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
     ]
     (args.out / "frontier_summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     plot_heatmap(rows, args.out / "frontier_heatmap.png")
+    plot_lag_heatmaps(rows, args.out)
     plot_q_reach(runs, args.out / "frontier_q_reach.png")
     return text
 
@@ -611,6 +662,137 @@ def _collapse_table(table: dict) -> list[str]:
     return lines
 
 
+def within_noise(table: dict[tuple, dict]) -> dict[tuple, tuple[str, list[str]]]:
+    """Per (lag, lr): the method of best seed-mean final accuracy, and every method (the best
+    included) whose mean lies within two standard errors of the difference from it,
+    2·sqrt(s_a²/n_a + s_b²/n_b). Default SAT knobs only."""
+    by: dict[tuple, dict[str, dict]] = {}
+    for (m, lag, lr, knobs), g in table.items():
+        if knobs == DEFAULT_SAT:
+            by.setdefault((lag, lr), {})[m] = g
+    out = {}
+    for key, cells in by.items():
+        best = max(cells, key=lambda m: cells[m]["final_mean"])
+        b = cells[best]
+        close = [
+            m
+            for m in METHODS
+            if m in cells
+            and b["final_mean"] - cells[m]["final_mean"]
+            <= 2.0
+            * math.sqrt(
+                b["final_std"] ** 2 / b["seeds"] + cells[m]["final_std"] ** 2 / cells[m]["seeds"]
+            )
+        ]
+        out[key] = (best, close)
+    return out
+
+
+def _noise_table(table: dict[tuple, dict]) -> list[str]:
+    lines = [
+        "",
+        "**Within noise of the best** per lag and rate: the best seed-mean final accuracy, and the "
+        "methods within two standard errors of the difference from it",
+        "",
+        "| lag | lr | best | within noise | the others |",
+        "| ---: | ---: | --- | --- | --- |",
+    ]
+    for (lag, lr), (best, close) in sorted(within_noise(table).items()):
+        g = table[(best, lag, lr, DEFAULT_SAT)]
+        others = [m for m in METHODS if (m, lag, lr, DEFAULT_SAT) in table and m not in close]
+        lines.append(
+            f"| {lag} | {lr:g} | {best} ({g['final_mean']:.3f}) | {', '.join(close)} | "
+            f"{', '.join(others) or '—'} |"
+        )
+    return lines
+
+
+def _mechanism_table(runs: dict[Cell, dict]) -> list[str]:
+    """Per cell, what the batch looked like where seeds collapsed (and where they did not)."""
+    by: dict[tuple, list] = {}
+    for c, g in runs.items():
+        if c.knobs == DEFAULT_SAT:
+            end = g["collapse_step"] if g["collapse_step"] is not None else g["steps"]
+            by.setdefault((c.method, c.lag, c.lr), []).append(
+                (c.method, g["records"], end, g["collapsed"])
+            )
+    lines = [
+        "",
+        f"**Mechanism**: means over the {TAIL_WINDOW} steps before collapse (collapsed seeds; "
+        f"in brackets the last {TAIL_WINDOW} steps of the others) of the batches' lag, the q99 "
+        "of |d|, the ESS "
+        "fraction, the clip's share of tokens, the share the method's own correction removes "
+        "(IcePop: outside its band; SeqMask: responses; M2PO, DPPO-TV: tokens; SAT: gated "
+        "tokens) and VCPO's step multiplier sqrt(ess)",
+        "",
+        "| method | lag | lr | collapsed | lag seen | q99 \\|d\\| | ESS | clipped | own mask | "
+        "VCPO scale |",
+        "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- |",
+    ]
+    order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
+    for (m, lag, lr), seeds in sorted(by.items(), key=order):
+        got = mech.cell_mechanism(seeds, TAIL_WINDOW)
+        col, ok = got["collapsed"], got["stable"]
+        pair = lambda f, fmt, col=col, ok=ok: f"{_fmt(col[f], fmt)} ({_fmt(ok[f], fmt)})"
+        lines.append(
+            f"| {m} | {lag} | {lr:g} | {col['seeds']}/{col['seeds'] + ok['seeds']} | "
+            f"{pair('lag', '.0f')} | {pair('q99', '.2f')} | {pair('ess', '.2f')} | {pair('clip', '.1%')} | "
+            f"{pair('masked', '.1%')} | {pair('ess_scale', '.2f')} |"
+        )
+    return lines + _peak_table(runs)
+
+
+def _peak_table(runs: dict[Cell, dict]) -> list[str]:
+    """The same figures at one lag for every seed: the ``TAIL_WINDOW`` steps just before the
+    first publish (steps lag − 19 … lag, batches lag − 20 … lag − 1 old) where a run reached
+    it; lags below 2 × ``TAIL_WINDOW`` and runs shorter than their lag are left out."""
+    by: dict[tuple, list] = {}
+    for c, g in runs.items():
+        if c.knobs == DEFAULT_SAT and 2 * TAIL_WINDOW <= c.lag <= g["steps"]:
+            by.setdefault((c.method, c.lag, c.lr), []).append((c.method, g["records"], c.lag, True))
+    if not by:
+        return []
+    lines = [
+        "",
+        f"**At the lag's peak**: the same means over the {TAIL_WINDOW} steps just before the "
+        "first weight publish (every seed that reached it; lags ≥ "
+        f"{2 * TAIL_WINDOW})",
+        "",
+        "| method | lag | lr | seeds | lag seen | q99 \\|d\\| | ESS | clipped | own mask | VCPO scale |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
+    for (m, lag, lr), seeds in sorted(by.items(), key=order):
+        got = mech.cell_mechanism(seeds, TAIL_WINDOW)["collapsed"]
+        lines.append(
+            f"| {m} | {lag} | {lr:g} | {got['seeds']} | {_fmt(got['lag'], '.0f')} | "
+            f"{_fmt(got['q99'])} | {_fmt(got['ess'])} | {_fmt(got['clip'], '.1%')} | "
+            f"{_fmt(got['masked'], '.1%')} | {_fmt(got['ess_scale'])} |"
+        )
+    return lines
+
+
+def _cost_table(out: pathlib.Path) -> list[str]:
+    """Step time per method relative to GRPO, from ``--cost`` (``cost.json``), if measured."""
+    path = out / "cost.json"
+    if not path.exists():
+        return []
+    cost = json.loads(path.read_text())
+    base = cost.get("GRPO")
+    lines = [
+        "",
+        "**Cost**: median seconds of one train step (the proximal forward included where the "
+        "method needs it), interleaved over methods on one batch (`--cost`), and the ratio to GRPO",
+        "",
+        "| method | step (ms) | × GRPO |",
+        "| --- | ---: | ---: |",
+    ]
+    for m in [m for m in METHODS if m in cost]:
+        ratio = f"{cost[m] / base:.2f}" if base else "—"
+        lines.append(f"| {m} | {1e3 * cost[m]:.0f} | {ratio} |")
+    return lines
+
+
 def _knob_tables(args: argparse.Namespace, table: dict) -> list[str]:
     """GRPO + SAT's final accuracy over quantile × exponent at the knob lag, one table per rate."""
     knob_rows = {k: g for k, g in table.items() if k[0] == "GRPO+SAT" and k[1] == args.knob_lag}
@@ -639,8 +821,8 @@ def _knob_tables(args: argparse.Namespace, table: dict) -> list[str]:
     return lines
 
 
-def _fmt(x: float) -> str:
-    return "—" if not math.isfinite(x) else f"{x:.2f}"
+def _fmt(x: float, fmt: str = ".2f") -> str:
+    return "—" if not math.isfinite(x) else format(x, fmt)
 
 
 def plot_heatmap(rows: list[dict], path: pathlib.Path) -> None:
@@ -690,6 +872,48 @@ def plot_heatmap(rows: list[dict], path: pathlib.Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def plot_lag_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]:
+    """One picture per lag, ``frontier_heatmap_lag<n>.png``: methods × learning rates, colour the
+    seed-mean final accuracy, text the mean, k/n stable seeds (bold: a stable cell) and †
+    collapsed seeds; blank where the cell did not run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if (r["quantile"], r["exponent"]) == DEFAULT_SAT]
+    top = max(r["final_mean"] for r in rows)
+    paths = []
+    for lag in sorted({r["lag"] for r in rows}):
+        here = [r for r in rows if r["lag"] == lag]
+        methods = [m for m in METHODS if any(r["method"] == m for r in here)]
+        lrs = sorted({r["lr"] for r in here})
+        acc = np.full((len(methods), len(lrs)), np.nan)
+        fig, ax = plt.subplots(figsize=(max(5.0, 1.6 + 1.1 * len(lrs)), 1.0 + 0.42 * len(methods)))
+        for r in here:
+            i, j = methods.index(r["method"]), lrs.index(r["lr"])
+            acc[i, j] = r["final_mean"]
+            label = f"{r['final_mean']:.3f}  {r['stable_seeds']}/{r['seeds']}"
+            label += f" †{r['collapsed_seeds']}" if r["collapsed_seeds"] else ""
+            weight = "bold" if r["stable"] else "normal"
+            ax.text(j, i, label, ha="center", va="center", fontsize=7, fontweight=weight)
+        ax.imshow(acc, cmap="RdYlGn", vmin=0.0, vmax=top, aspect="auto")
+        ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs], fontsize=7)
+        ax.set_yticks(range(len(methods)), methods, fontsize=7)
+        ax.set_xlabel("learning rate", fontsize=7)
+        ax.set_title(
+            f"lag {lag}: final held-out accuracy (seed mean)\n"
+            "k/n seeds stable (bold: stable cell), † seeds collapsed",
+            fontsize=8,
+        )
+        fig.tight_layout()
+        path = out / f"frontier_heatmap_lag{lag}.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def plot_q_reach(runs: dict[Cell, dict], path: pathlib.Path) -> None:
@@ -745,7 +969,7 @@ SMOKE = [
     "--steps", "4", "--seeds", "1", "--lags", "2", "128", "--lrs", "1e-3",
     "--methods", "GRPO+SAT", *LARGE_LAG,
     "--knob-lag", "2", "--knob-quantiles", "0.8", "--knob-exponents", "1", "--gspo-lags", "2",
-    "--gspo-methods", "GSPOwide+SAT", "--workers", "1", "--eval-every", "2",
+    "--gspo-methods", "GSPOwide+SAT", "--workers", "1", "--eval-every", "2", "--cost-repeats", "1",
     "--eval-problems", "16", "--stop-after", "0", "--tail-every", "1",
     "--set", "train.warmup.steps=0", "rollout.batch_groups=4", "rollout.group_size=4",
 ]  # fmt: skip
@@ -776,6 +1000,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--log-every", type=int, default=50, help="progress line period (steps)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides")
     p.add_argument("--report-only", action="store_true", help="only rebuild the report")
+    p.add_argument("--cost", action="store_true", help="only time one step per --methods")
+    p.add_argument("--cost-repeats", type=int, default=20, help="timed steps per method")
     p.add_argument("--phase", default="", help=argparse.SUPPRESS)
     p.add_argument("--worker", default="", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -810,6 +1036,11 @@ def main(argv: list[str] | None = None) -> None:
         knob_lr = None if args.knob_lr == "None" else float(args.knob_lr)
         run_worker(args, phase_cells(args, args.phase, knob_lr))
         return
+    if args.cost:
+        got = measure_cost(args)
+        print("\n".join(_cost_table(args.out)))
+        print(f"frontier: step times of {len(got)} methods in {args.out / 'cost.json'}")
+        return
     wall = None
     if not args.report_only:
         start = time.monotonic()
@@ -821,6 +1052,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.gspo_methods and args.gspo_lags:
             run_phase(args, "gspo", None)
         wall = time.monotonic() - start
+        if args.smoke:  # the --cost path too, on the step functions the cells compiled
+            measure_cost(args)
         if (args.out / "wall_seconds.json").exists():  # a resumed study adds to its first part
             wall += json.loads((args.out / "wall_seconds.json").read_text())
     print(report(args, wall))

@@ -12,7 +12,8 @@ importable from here. The modules behind it, each usable on its own:
   geometric-mean sequence masking) and the KL penalty estimators;
 - ``large_lag``: M2PO's second-moment mask (``m2po_cutoff``, ``m2po_mask``, the batch's
   ``m2po_batch_cutoff``) and the effective sample size of the importance weights
-  (``importance_weight_sums``, ``effective_sample_size``, VCPO's ``ess_step_scale``);
+  (``importance_weight_sums``, ``effective_sample_size``, VCPO's ``ess_step_scale``) and VCPO's
+  off-policy optimal baseline (``opob_baselines``, from ``sequence_score_stats``);
 - ``corrections`` and ``diagnostics``: the wrapper's corrections to the per-token loss and its
   metrics (internal to ``policy_loss_terms``);
 - ``advantages``: group-relative advantages (GRPO, Dr.GRPO), jittable, and the host-side check
@@ -27,6 +28,8 @@ from sat_jax.objectives.large_lag import (
     m2po_batch_cutoff,
     m2po_cutoff,
     m2po_mask,
+    opob_baselines,
+    sequence_score_stats,
 )
 from sat_jax.objectives.loss_terms import LossAgg, PolicyLossTerms, aggregate, loss_count
 from sat_jax.objectives.policy import (
@@ -80,6 +83,7 @@ __all__ = [
     "m2po_cutoff",
     "m2po_mask",
     "masked_quantile",
+    "opob_baselines",
     "policy_loss",
     "policy_loss_terms",
     "sat_clipped_surrogate_loss",
@@ -87,5 +91,6 @@ __all__ = [
     "sat_threshold",
     "sequence_importance_weights",
     "sequence_log_ratio",
+    "sequence_score_stats",
     "truncated_importance_weights",
 ]

@@ -33,6 +33,7 @@ def group_advantages(
     normalize_std: bool = True,
     eps: float = 1e-6,
     where: ArrayLike | None = None,
+    baseline: ArrayLike | None = None,
 ) -> jax.Array:
     """Per-response group-relative advantages.
 
@@ -47,6 +48,10 @@ def group_advantages(
       eps: added to the std before dividing.
       where: optional [N] mask; inactive responses (padding) neither enter group statistics nor
         get an advantage (0).
+      baseline: optional float [N], what each response's reward is centered on instead of its
+        group's mean (VCPO's off-policy optimal baseline, ``opob_baselines``; docs/DESIGN.md
+        §3.6): A_i = (R_i − baseline_i) / (std_g + eps), the std still the group's own. A group
+        whose rewards are all equal keeps advantage 0.
 
     Returns:
       float32 [N] advantages; 0 for inactive responses, single-response groups and groups whose
@@ -78,12 +83,20 @@ def group_advantages(
     count = per_group_sum(active.astype(jnp.float32))
     mean = per_group_sum(rewards) / jnp.maximum(count, 1.0)
     centered = jnp.where(active, rewards - mean[group_ids], 0.0)
+    shifted = centered
+    if baseline is not None:
+        if jnp.shape(baseline) != rewards.shape:
+            raise ValueError(
+                f"group_advantages: baseline must be [N] like rewards {rewards.shape}, got "
+                f"{jnp.shape(baseline)}"
+            )
+        shifted = jnp.where(active, rewards - jnp.asarray(baseline, jnp.float32), 0.0)
     if estimator == "dr_grpo" or not normalize_std:
-        return centered
+        return shifted
     var = per_group_sum(jnp.square(centered)) / jnp.maximum(count - 1.0, 1.0)
     std = jnp.sqrt(var)[group_ids]
     # A constant group has std == 0 (and centered == 0): its advantage is 0 even when eps == 0.
-    normalized = centered / jnp.where(std > 0, std + eps, 1.0)
+    normalized = shifted / jnp.where(std > 0, std + eps, 1.0)
     return jnp.where(active & (count[group_ids] > 1), normalized, 0.0)
 
 

@@ -1,4 +1,5 @@
-"""Large-lag corrections: M2PO's second-moment mask and VCPO's effective-sample-size step scaling.
+"""Large-lag corrections: M2PO's second-moment mask, VCPO's effective-sample-size step scaling and
+VCPO's closed-form off-policy optimal baseline (OPOB).
 
 docs/DESIGN.md §3.6 states both with their sources. Per active token, d = sg(logp − behavior_logp),
 the log-ratio of the current policy to the sampler (detached), and w = exp(d):
@@ -14,7 +15,16 @@ the log-ratio of the current policy to the sampler (detached), and w = exp(d):
   active tokens, in (0, 1], 1 when every w is equal. VCPO scales the step (the learning rate) by
   sqrt(ess), the square-root rule for Adam-type optimizers.
 
-Both are batch statistics. The ESS is rebuilt from the sums (Σ w, Σ w², N), which add across
+* OPOB (VCPO's second part): per response i, s_i = Σ_t d_{i,t} over its active tokens (the log of
+  the sequence ratio w_i = exp(s_i), behavior → current policy) and G_i = ‖∇_θ Σ_t log π_θ(y_t)‖²,
+  the squared norm of its score. Group g's baseline is the reward mean weighted by
+  W_i = w_i²·G_i, b_g = Σ_{i∈g} W_i R_i / Σ_{i∈g} W_i, the minimum-variance baseline of the
+  importance-weighted score-function estimator; it replaces the group mean in GRPO's advantage
+  (:func:`~sat_jax.objectives.group_advantages`'s ``baseline``). :func:`opob_baselines` computes
+  it from log W (so w_i² never overflows); :func:`sequence_score_stats` gives Σ_t log π and G per
+  row, one row's backward at a time.
+
+M2PO's cutoff and the ESS are batch statistics. The ESS is rebuilt from the sums (Σ w, Σ w², N), which add across
 microbatches and hosts. The M2PO cutoff is a sort over the whole batch; the train step computes it
 once per batch (:func:`m2po_cutoff`, in the gradient-free pass that also gives SAT's batch
 threshold) and hands it to every microbatch, like SAT's ``sat_q``.
@@ -24,6 +34,7 @@ Shapes: ``B`` responses, ``T`` tokens; every per-token array is ``[B, T]``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -133,3 +144,85 @@ def effective_sample_size(
 def ess_step_scale(ess: ArrayLike) -> jax.Array:
     """VCPO's step multiplier sqrt(ess) for the batch's ``ess`` (:func:`effective_sample_size`)."""
     return jnp.sqrt(jnp.clip(jnp.asarray(ess, jnp.float32), 0.0, 1.0))
+
+
+def sequence_score_stats(
+    score: Callable[[Any, Any], jax.Array], params: Any, rows: Any, *, rows_per_pass: int = 1
+) -> tuple[jax.Array, jax.Array]:
+    """(score [B], ‖∇_params score‖² [B]) of every row: OPOB's Σ_t log π and G_i.
+
+    Args:
+      score: ``score(params, row) -> scalar``, where ``row`` is ``rows`` sliced to one row with
+        its leading dimension kept (size 1); for OPOB the row's Σ_t log π over its active tokens.
+      params: what the gradient is taken with respect to.
+      rows: a pytree whose every leaf has the leading dimension B.
+      rows_per_pass: rows differentiated together (``jax.lax.map``'s ``batch_size``): memory
+        holds that many gradients of ``params`` at once; 1 = one row's backward at a time.
+
+    Returns:
+      Two float32 [B] arrays: each row's score and its gradient's squared L2 norm (float32 sum
+      of squares over every leaf).
+    """
+    if rows_per_pass < 1:
+        raise ValueError(f"sequence_score_stats: rows_per_pass must be >= 1, got {rows_per_pass}")
+
+    def one(row: Any) -> tuple[jax.Array, jax.Array]:
+        value, grads = jax.value_and_grad(score)(params, jax.tree.map(lambda x: x[None], row))
+        leaves = jax.tree.leaves(grads)
+        sq = sum(jnp.sum(jnp.square(jnp.asarray(g, jnp.float32))) for g in leaves)
+        return jnp.asarray(value, jnp.float32), jnp.asarray(sq, jnp.float32)
+
+    size = None if rows_per_pass == 1 else rows_per_pass
+    return jax.lax.map(one, rows, batch_size=size)
+
+
+def opob_baselines(
+    rewards: ArrayLike,
+    group_ids: ArrayLike,
+    seq_log_ratio: ArrayLike,
+    grad_sq_norm: ArrayLike,
+    *,
+    num_groups: int,
+    where: ArrayLike | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """VCPO's off-policy optimal baseline of each response's group, and its mean shift.
+
+    b_g = Σ_{i∈g} W_i R_i / Σ_{i∈g} W_i with W_i = w_i²·G_i, w_i = exp(s_i), computed as
+    mean_g + Σ_i p_i (R_i − mean_g), p_i = softmax_g(2 s_i + log G_i), so that it never overflows
+    and a constant group's baseline is exactly its mean. A group whose weights are all 0 (every
+    G_i = 0) keeps its mean.
+
+    Args:
+      rewards: float [N].
+      group_ids: int [N] in [0, num_groups).
+      seq_log_ratio: s_i, [N]: Σ_t (logp − behavior_logp) over response i's active tokens.
+      grad_sq_norm: G_i ≥ 0, [N] (:func:`sequence_score_stats`).
+      num_groups: static number of groups.
+      where: optional [N] mask of real responses; the others neither weigh nor get a baseline
+        (0).
+
+    Returns:
+      (baseline [N] float32, the mean over real responses of |b_{g(i)} − mean_{g(i)}|): detached.
+    """
+    rewards = jnp.asarray(rewards, jnp.float32)
+    ids = jnp.asarray(group_ids, jnp.int32)
+    s = jax.lax.stop_gradient(jnp.asarray(seq_log_ratio, jnp.float32))
+    g2 = jax.lax.stop_gradient(jnp.asarray(grad_sq_norm, jnp.float32))
+    shapes = {rewards.shape, ids.shape, s.shape, g2.shape}
+    if len(shapes) > 1 or rewards.ndim != 1:
+        raise ValueError(f"opob_baselines: the four inputs must share one shape [N], got {shapes}")
+    active = _active(where, rewards)
+    per_group = lambda x: jax.ops.segment_sum(x, ids, num_segments=num_groups)
+    count = per_group(active.astype(jnp.float32))
+    mean = per_group(jnp.where(active, rewards, 0.0)) / jnp.maximum(count, 1.0)
+    log_w = jnp.where(active & (g2 > 0), 2.0 * s + jnp.log(jnp.where(g2 > 0, g2, 1.0)), -jnp.inf)
+    top = jax.ops.segment_max(log_w, ids, num_segments=num_groups)
+    finite_top = jnp.where(jnp.isfinite(top), top, 0.0)
+    e = jnp.where(jnp.isfinite(log_w), jnp.exp(log_w - finite_top[ids]), 0.0)
+    total = per_group(e)
+    shift = per_group(e * jnp.where(active, rewards - mean[ids], 0.0))
+    shift = jnp.where(total > 0, shift / jnp.where(total > 0, total, 1.0), 0.0)
+    baseline = jnp.where(active, (mean + shift)[ids], 0.0)
+    n = jnp.maximum(jnp.sum(active), 1)
+    mean_shift = jnp.sum(jnp.where(active, jnp.abs(shift[ids]), 0.0)) / n
+    return jax.lax.stop_gradient(baseline), jax.lax.stop_gradient(mean_shift)

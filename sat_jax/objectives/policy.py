@@ -119,6 +119,10 @@ class PolicyLossConfig:
         see :func:`m2po_batch_cutoff`). None or 0 = off.
       ess_scaling: VCPO's step scaling: the train step multiplies the optimizer's update by
         sqrt(ess), the batch's effective sample size fraction (§3.6). The loss does not read it.
+      opob_baseline: VCPO's closed-form off-policy optimal baseline: the train step centers each
+        reward on its group's mean weighted by w_i²·‖∇ log π(y_i)‖² (w_i the response's
+        behavior → current sequence ratio; ``opob_baselines``, §3.6) instead of the plain mean.
+        The loss does not read it.
     """
 
     ratio_level: RatioLevel = "token"
@@ -137,6 +141,7 @@ class PolicyLossConfig:
     log_ratio_clamp: float | None = 20.0
     m2_threshold: float | None = None
     ess_scaling: bool = False
+    opob_baseline: bool = False
 
     def __post_init__(self):
         _check_choice("ratio_level", self.ratio_level, _RATIO_LEVELS)
@@ -167,6 +172,7 @@ class PolicyLossConfig:
             "log_ratio_clamp": (clamp, clamp is None or clamp > 0.0, "> 0 or None"),
             "m2_threshold": (m2, m2 is None or m2 >= 0.0, ">= 0 or None"),
             "ess_scaling": (self.ess_scaling, isinstance(self.ess_scaling, bool), "a bool"),
+            "opob_baseline": (self.opob_baseline, isinstance(self.opob_baseline, bool), "a bool"),
         }
         for name, (value, valid, want) in rules.items():
             if not valid:

@@ -76,12 +76,14 @@ def with_advantages(
     *,
     estimator: objectives.AdvantageEstimator = "grpo",
     normalize_std: bool = True,
+    baseline: jax.Array | None = None,
 ) -> TrainBatch:
     """The batch with per-token ``advantages`` and without ``rewards`` / ``group_ids``.
 
     Given advantages are kept. Otherwise each row's ``objectives.group_advantages`` over the whole
     batch (``num_groups`` = B, static; rows of group id -1 are padding) is spread over its
-    loss-mask tokens, exactly what the host used to send as [B, T]. Jittable.
+    loss-mask tokens, exactly what the host used to send as [B, T]; ``baseline`` [B] (VCPO's
+    off-policy optimal baseline) replaces the group means (``group_advantages``). Jittable.
 
     Raises:
       ValueError: not exactly one of ``advantages`` and (``rewards``, ``group_ids``).
@@ -97,6 +99,7 @@ def with_advantages(
         estimator=estimator,
         normalize_std=normalize_std,
         where=group_ids >= 0,
+        baseline=baseline,
     )
     advantages_bt = per_row_b[:, None] * jnp.asarray(batch.loss_mask, jnp.float32)
     return batch.replace(advantages=advantages_bt, rewards=None, group_ids=None)

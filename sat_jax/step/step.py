@@ -79,7 +79,8 @@ def train_step(
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
       ``total_loss``, ``aux_loss``, ``balance_loss``, ``grad_norm``, ``update_norm``,
       ``step_skipped``, ``ess_step_scale`` with ``cfg.loss.ess_scaling`` (VCPO: the update is
-      multiplied by sqrt(ess)) and, when ``batch.routing`` is given, ``router_shift_ratio``
+      multiplied by sqrt(ess)), ``opob_shift`` with ``cfg.loss.opob_baseline`` (VCPO's
+      baseline: the mean |baseline − group mean| over rows) and, when ``batch.routing`` is given, ``router_shift_ratio``
       (recorded experts not in the trainer's own top-k, over active tokens).
 
     Raises:
@@ -88,8 +89,6 @@ def train_step(
         with ``ref_params``).
     """
     _check_inputs(batch, ref_params, cfg)
-    batch = with_advantages(batch, estimator=cfg.estimator, normalize_std=cfg.normalize_std)
-    batch = batch.replace(loss_mask=batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0))
     scored = functools.partial(
         _logprobs, graphdef=graphdef, temperature=cfg.temperature, vocab_mask=vocab_mask
     )
@@ -97,6 +96,14 @@ def train_step(
     def forward(params: Any, batch: TrainBatch) -> tuple[jax.Array, ModelOutput]:
         # Under LoRA `params` are the adapters (what is differentiated); the base is a constant.
         return scored(whole_params(state.frozen, params), batch, replay=cfg.routing_replay)
+
+    baseline = shift = None
+    if cfg.loss.opob_baseline and batch.advantages is None:
+        baseline, shift = _opob_baseline(state.params, batch, forward)
+    batch = with_advantages(
+        batch, estimator=cfg.estimator, normalize_std=cfg.normalize_std, baseline=baseline
+    )
+    batch = batch.replace(loss_mask=batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0))
 
     def reference(batch: TrainBatch) -> TrainBatch:
         if ref_params is None:
@@ -114,7 +121,32 @@ def train_step(
     if cfg.loss.ess_scaling:
         step_scale = objectives.ess_step_scale(metrics["ess"])
         metrics = {**metrics, "ess_step_scale": step_scale}
+    if shift is not None:
+        metrics = {**metrics, "opob_shift": shift}
     return _apply(state, grads, metrics, optimizer, batch.loss_mask, step_scale)
+
+
+def _opob_baseline(params: Any, batch: TrainBatch, forward: Any) -> tuple[jax.Array, jax.Array]:
+    """VCPO's off-policy optimal baseline per row and its mean shift (docs/DESIGN.md §3.6):
+    each row's Σ_t log π and ‖∇ Σ_t log π‖² under the current params, one row's backward at a
+    time (``objectives.sequence_score_stats``), then ``objectives.opob_baselines``."""
+    mask = batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
+    rows = batch.replace(loss_mask=mask)
+
+    def score(p: Any, row: TrainBatch) -> jax.Array:
+        return jnp.sum(jnp.where(row.loss_mask > 0, forward(p, row)[0], 0.0))
+
+    logp_sum, grad_sq = objectives.sequence_score_stats(score, params, rows)
+    behavior_sum = jnp.sum(jnp.where(mask > 0, batch.behavior_logp, 0.0), axis=-1)
+    group_ids = jnp.asarray(batch.group_ids, jnp.int32)
+    return objectives.opob_baselines(
+        batch.rewards,
+        jnp.maximum(group_ids, 0),
+        logp_sum - behavior_sum,
+        grad_sq,
+        num_groups=group_ids.shape[0],
+        where=group_ids >= 0,
+    )
 
 
 def _check_inputs(batch: TrainBatch, ref_params: Any, cfg: StepConfig) -> None:

@@ -14,6 +14,7 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import frontier  # noqa: E402
+import frontier_mechanism  # noqa: E402
 
 
 def run(accuracy: dict[int, float], steps: int, *, skipped=(), q99=0.1) -> list[dict]:
@@ -105,6 +106,7 @@ def test_large_lag_methods_map_to_their_options():
         assert frontier.microbatches(method) == 1
         needs = field in ("tis_cap", "icepop_range", "seq_mask_range")
         assert frontier.needs_proximal(cfg) == needs, method
+    assert frontier.loss_config("GRPO+VCPO")[0].opob_baseline  # VCPO's both parts
     cfg, _ = frontier.loss_config("GRPO+SAT-mbq", quantile=0.8)
     assert cfg.sat.enabled and cfg.sat.threshold_scope == "microbatch" and cfg.sat.quantile == 0.8
     assert frontier.microbatches("GRPO+SAT-mbq") == frontier.MICROBATCH_Q_K > 1
@@ -182,7 +184,12 @@ def check_smoke_output(out: pathlib.Path) -> None:
             assert all(0.0 < r["ess"] <= 1.0 + 1e-6 and metric in r for r in steps), method
     vcpo = records("GRPO+VCPO_lag128_lr0.001_seed0.jsonl")[1]
     assert all(r["ess_step_scale"] == pytest.approx(math.sqrt(r["ess"]), rel=1e-5) for r in vcpo)
+    assert all(r["opob_shift"] >= 0.0 for r in vcpo)  # VCPO's baseline is on
     table = (out / "frontier.md").read_text()
+    cost = json.loads((out / "cost.json").read_text())  # --smoke times one step per method
+    assert set(cost) == {"GRPO+SAT", *frontier.LARGE_LAG} and all(t > 0 for t in cost.values())
+    assert "**Cost**" in table and "| GRPO+VCPO |" in table
+    assert "**Mechanism**" in table and "| GRPO+IcePop | 128 | 0.001 |" in table
     assert "| GRPO+SAT | 2 |" in table and "SAT's knobs" in table and "| q = 0.8 |" in table
     assert "| GRPO+M2PO | 128 |" in table and "| GRPO+VCPO | 128 |" in table
     summary = json.loads((out / "frontier_summary.json").read_text())
@@ -212,3 +219,52 @@ def test_knob_rate_auto_is_plain_grpos_frontier_at_the_knob_lag(tmp_path):
     assert frontier.pick_knob_lr(args) == 2e-3
     args.knob_lr = "1e-3"
     assert frontier.pick_knob_lr(args) == 1e-3
+
+
+def test_mechanism_is_the_window_before_collapse_and_the_methods_own_mask():
+    recs = run({0: 0.2, 20: 0.3, 40: 0.05}, 40, q99=lambda s: float(s))
+    for r in recs[1:]:
+        r["lag"] = r["step"] % 4
+        r.update(ess=0.5 if r["step"] <= 20 else 0.1, clip_frac_low=0.01, clip_frac_high=0.02)
+        r.update(icepop_kept_frac=0.75, ess_step_scale=0.3)
+    got = frontier_mechanism.run_mechanism("GRPO+IcePop", recs, end=20, window=10)
+    assert (
+        got["lag"] == pytest.approx(1.5)
+        and got["q99"] == pytest.approx(15.5)
+        and got["ess"] == pytest.approx(0.5)
+    )
+    assert got["clip"] == pytest.approx(0.03) and got["masked"] == pytest.approx(0.25)
+    assert got["ess_scale"] == pytest.approx(0.3) and math.isnan(got["opob_shift"])
+    assert math.isnan(frontier_mechanism.run_mechanism("GRPO", recs, 20, 10)["masked"])
+    assert frontier_mechanism.masked_metric("GRPO+SAT+R3")[0] == "sat_gate_rate"
+    cell = frontier_mechanism.cell_mechanism(
+        [("GRPO", recs, 40, True), ("GRPO", recs, 20, False), ("GRPO", recs, 20, False)], 10
+    )
+    assert (cell["collapsed"]["seeds"], cell["stable"]["seeds"]) == (1, 2)
+    assert cell["collapsed"]["ess"] == pytest.approx(0.1) and cell["stable"]["ess"] == 0.5
+
+
+def test_time_steps_interleaves_and_takes_the_median():
+    calls = []
+    got = frontier_mechanism.time_steps(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, repeats=3, warmup=1
+    )
+    assert calls == ["a", "b", "a", "b", "a", "b", "a", "b"] and set(got) == {"a", "b"}
+    assert all(t >= 0.0 for t in got.values())
+
+
+def test_within_noise_is_two_standard_errors_of_the_difference_from_the_best():
+    cell = lambda mean, std: {"final_mean": mean, "final_std": std, "seeds": 3}
+    knobs = frontier.DEFAULT_SAT
+    table = {
+        ("GRPO", 128, 1e-3, knobs): cell(0.20, 0.03),
+        ("GRPO+VCPO", 128, 1e-3, knobs): cell(0.26, 0.0),
+        ("GRPO+TIS", 128, 1e-3, knobs): cell(0.10, 0.0),
+        ("GRPO", 1, 1e-3, knobs): cell(0.3, 0.0),
+    }
+    got = frontier.within_noise(table)
+    # 0.26 − 0.20 = 0.06 > 2·sqrt(0.03²/3) ≈ 0.035: GRPO is outside, TIS far outside.
+    assert got[(128, 1e-3)] == ("GRPO+VCPO", ["GRPO+VCPO"])
+    table[("GRPO", 128, 1e-3, knobs)] = cell(0.23, 0.03)  # 0.03 ≤ 0.035: within
+    assert frontier.within_noise(table)[(128, 1e-3)] == ("GRPO+VCPO", ["GRPO", "GRPO+VCPO"])
+    assert got[(1, 1e-3)] == ("GRPO", ["GRPO"])

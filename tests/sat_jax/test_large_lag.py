@@ -190,8 +190,115 @@ def test_all_padding_batch_is_zero_and_finite():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "field"), [(dict(m2_threshold=-0.1), "m2_threshold"), (dict(ess_scaling=1), "ess")]
+    ("kwargs", "field"),
+    [
+        (dict(m2_threshold=-0.1), "m2_threshold"),
+        (dict(ess_scaling=1), "ess"),
+        (dict(opob_baseline=1), "opob_baseline"),
+    ],
 )
 def test_config_validation(kwargs, field):
     with pytest.raises(ValueError, match=field):
         PolicyLossConfig(**kwargs)
+
+
+# --- VCPO's off-policy optimal baseline (OPOB) --------------------------------------------------
+
+
+def reference_opob(rewards, group_ids, s, g2, active):
+    """b_g = Σ W R / Σ W over the group's real responses, W = exp(s)²·G, in float64 (the mean
+    where every W is 0); the per-response baseline and the mean |b − mean|."""
+    rewards, s, g2 = (np.asarray(x, np.float64) for x in (rewards, s, g2))
+    base = np.zeros_like(rewards)
+    for g in np.unique(group_ids[active]):
+        rows = active & (group_ids == g)
+        live = g2[rows] > 0
+        top = s[rows][live].max() if live.any() else 0.0
+        w = np.where(live, np.exp(2.0 * (s[rows] - top)) * g2[rows], 0.0)  # W up to a factor
+        mean = rewards[rows].mean()
+        base[rows] = mean if w.sum() == 0 else (w * rewards[rows]).sum() / w.sum()
+    means = {g: rewards[active & (group_ids == g)].mean() for g in np.unique(group_ids[active])}
+    shift = np.mean([abs(base[i] - means[group_ids[i]]) for i in np.flatnonzero(active)])
+    return base, shift
+
+
+def _opob_inputs(seed, n=24, groups=4, scale=3.0):
+    rng = np.random.default_rng(seed)
+    rewards = rng.integers(0, 2, n).astype(np.float32)
+    ids = rng.integers(0, groups, n).astype(np.int32)
+    s = (scale * rng.normal(size=n)).astype(np.float32)
+    g2 = rng.uniform(0.1, 5.0, n).astype(np.float32)
+    g2[rng.random(n) < 0.2] = 0.0  # responses without a gradient (no active token)
+    active = rng.random(n) < 0.9
+    return rewards, ids, s, g2, active
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("scale", [0.1, 3.0, 200.0])
+def test_opob_baselines_match_float64(seed, scale):
+    rewards, ids, s, g2, active = _opob_inputs(seed, scale=scale)
+    base, shift = objectives.opob_baselines(rewards, ids, s, g2, num_groups=4, where=active)
+    want, want_shift = reference_opob(rewards, ids, s, g2, active)
+    assert np.isfinite(np.asarray(base)).all()  # s up to ±600: w² = e^1200 never formed
+    np.testing.assert_allclose(np.asarray(base), np.where(active, want, 0.0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(shift), want_shift, rtol=1e-5, atol=1e-6)
+
+
+def test_opob_baseline_degenerate_groups():
+    rewards = np.array([1, 1, 1, 0, 1, 0, 0.5, 0.5], np.float32)
+    ids = np.array([0, 0, 0, 1, 1, 1, 2, 2], np.int32)
+    s = np.array([0.0, 50.0, -3.0, 0.0, 900.0, 0.0, 1.0, 2.0], np.float32)
+    g2 = np.array([1, 1, 1, 1, 1, 1, 0, 0], np.float32)
+    base, _ = objectives.opob_baselines(rewards, ids, s, g2, num_groups=3)
+    base = np.asarray(base)
+    # A constant group's baseline is exactly its reward, so its advantage stays exactly 0.
+    assert (base[:3] == 1.0).all()
+    adv = objectives.group_advantages(rewards, ids, num_groups=3, baseline=base)
+    assert (np.asarray(adv)[:3] == 0.0).all()
+    # One weight dominates (w² = e^1800 relative): the baseline is that response's reward.
+    assert base[3:6] == pytest.approx([1.0, 1.0, 1.0])
+    # Every G = 0: the group's mean.
+    assert (base[6:] == 0.5).all()
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo"])
+def test_group_advantages_with_a_baseline_match_float64(estimator):
+    rewards, ids, s, g2, active = _opob_inputs(7)
+    base, _ = objectives.opob_baselines(rewards, ids, s, g2, num_groups=4, where=active)
+    got = objectives.group_advantages(
+        rewards, ids, num_groups=4, estimator=estimator, where=active, baseline=base
+    )
+    want = np.zeros(rewards.shape)
+    for g in range(4):
+        rows = active & (ids == g)
+        r = rewards[rows].astype(np.float64)
+        std = r.std(ddof=1) if rows.sum() > 1 else 0.0
+        centered = r - np.asarray(base, np.float64)[rows]
+        if estimator == "dr_grpo":
+            want[rows] = centered
+        elif std > 0:
+            want[rows] = centered / (std + 1e-6)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="baseline must be"):
+        objectives.group_advantages(rewards, ids, num_groups=4, baseline=base[:3])
+
+
+@pytest.mark.parametrize("rows_per_pass", [1, 3])
+def test_sequence_score_stats_are_each_rows_value_and_gradient_norm(rows_per_pass):
+    rng = np.random.default_rng(0)
+    params = {"a": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32), "b": jnp.float32(0.7)}
+    rows = {"x": rng.normal(size=(5, 4)).astype(np.float32), "m": rng.random((5, 4)) < 0.7}
+
+    def score(p, row):  # row leaves keep a leading dimension of 1
+        h = jnp.tanh(row["x"] @ p["a"].T) * p["b"]
+        return jnp.sum(jnp.where(row["m"][:, :3], h, 0.0))
+
+    value, g2 = objectives.sequence_score_stats(score, params, rows, rows_per_pass=rows_per_pass)
+    for i in range(5):
+        row = {k: v[i : i + 1] for k, v in rows.items()}
+        v, g = jax.value_and_grad(score)(params, row)
+        want = sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in jax.tree.leaves(g))
+        assert float(value[i]) == pytest.approx(float(v), rel=1e-5)
+        assert float(g2[i]) == pytest.approx(want, rel=1e-5)
+    with pytest.raises(ValueError, match="rows_per_pass must be >= 1"):
+        objectives.sequence_score_stats(score, params, rows, rows_per_pass=0)

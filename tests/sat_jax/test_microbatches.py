@@ -315,3 +315,52 @@ def test_advantages_and_reference_come_in_exactly_one_form(setup: Setup) -> None
         _step(setup, LOSSES["ppo"], ONE, 1, batch=out_of_range)
     with pytest.raises(ValueError, match="not both"):
         _step(setup, LOSSES["sat-gspo-kl"], ONE, 1, ref_params=setup.ref_params)
+
+
+def _host_opob_advantages(params: dict, rows: TrainBatch) -> tuple[np.ndarray, float]:
+    """[B, T] GRPO advantages centered on VCPO's off-policy optimal baseline, from each row's
+    Σ_t log π and ‖∇ Σ_t log π‖² computed one row at a time from the full logits, in float64."""
+    from .test_large_lag import reference_opob
+
+    graphdef, _ = placement.abstract_model(MODEL_CFG)
+    mask = rows.loss_mask.copy()
+    mask[:, 0] = 0.0
+
+    @jax.jit
+    @jax.value_and_grad
+    def row_logp_sum(p, tokens, m):
+        logits = nnx.merge(graphdef, p)(tokens)
+        logp = token_logprobs(logits[:, :-1], tokens[:, 1:], temperature=1.0, vocab_mask=None)
+        return jax.numpy.sum(jax.numpy.where(m[:, 1:] > 0, logp, 0.0))
+
+    s, g2 = np.zeros(B), np.zeros(B)
+    for i in range(B):
+        value, grads = row_logp_sum(params, rows.tokens[i : i + 1], mask[i : i + 1])
+        s[i] = float(value) - float(np.sum(mask[i] * rows.behavior_logp[i], dtype=np.float64))
+        g2[i] = sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads))
+    active = rows.group_ids >= 0
+    base, shift = reference_opob(rows.rewards, rows.group_ids, s, g2, active)
+    adv = np.zeros(B)
+    for g in np.unique(rows.group_ids[active]):
+        r = rows.group_ids == g
+        std = rows.rewards[r].astype(np.float64).std(ddof=1)
+        adv[r] = 0.0 if std == 0 else (rows.rewards[r] - base[r]) / (std + 1e-6)
+    return (adv[:, None] * rows.loss_mask).astype(np.float32), shift
+
+
+def test_opob_baseline_gives_the_host_baseline_advantages_step(setup: Setup) -> None:
+    """VCPO's baseline: the step, microbatched, equals the one-pass plain step on the host's
+    float64 OPOB advantages (the baseline is computed over the whole batch before any split)."""
+    rows = _with_rewards(setup.batch)
+    host, host_shift = _host_opob_advantages(setup.params0, rows)
+    assert np.abs(host - _host_advantages(rows, "grpo")).max() > 1e-2  # the baseline acts
+    given = rows.replace(advantages=host, rewards=None, group_ids=None)
+    want = _step(setup, LOSSES["sat-token"], ONE, 1, batch=given)
+    loss_cfg = dataclasses.replace(LOSSES["sat-token"], opob_baseline=True)
+    grads, metrics = _step(setup, loss_cfg, ONE, 2, batch=rows)
+    assert host_shift > 1e-3 and metrics["opob_shift"] == pytest.approx(host_shift, rel=1e-4)
+    assert metrics.keys() - want[1].keys() == {"opob_shift"}
+    for key, value in want[1].items():
+        np.testing.assert_allclose(metrics[key], value, rtol=1e-4, atol=1e-6, err_msg=key)
+    for g, w in zip(jax.tree.leaves(grads), jax.tree.leaves(want[0]), strict=True):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)

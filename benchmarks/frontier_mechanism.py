@@ -1,0 +1,95 @@
+"""The frontier's mechanism and cost tables: what each correction did to the batch where runs
+collapsed, and what a step of each method costs relative to GRPO.
+
+Used by ``benchmarks/frontier.py`` (its report and its ``--cost`` mode); the summaries are pure
+functions of a run's records (unit-tested on synthetic records).
+
+Mechanism, per run: the mean over the ``window`` steps before its collapse (or its last
+``window`` steps when it did not collapse) of the lag of its batches, the 0.99 quantile of |d| (``d_abs_q99``), the ESS
+fraction (``ess``), the clip's share of tokens (``clip_frac_low + clip_frac_high``), the share
+the method's own correction removes (``MASKED``: IcePop's tokens outside its band, sequence
+masking's responses, M2PO's tokens, DPPO-TV's tokens, SAT's gated tokens) and, for VCPO, its step
+multiplier sqrt(ess) and its baseline's shift from the group means.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+# method -> (metric, transform to "fraction removed"): what the method's own correction masks.
+MASKED: dict[str, tuple[str, Callable[[float], float]]] = {
+    "GRPO+IcePop": ("icepop_kept_frac", lambda kept: 1.0 - kept),
+    "GRPO+SeqMask": ("seq_masked_frac", lambda x: x),
+    "GRPO+M2PO": ("m2po_masked_frac", lambda x: x),
+    "GRPO+DPPO-TV": ("dppo_tv_masked_frac", lambda x: x),
+}
+SAT_GATE = ("sat_gate_rate", lambda x: x)
+
+
+def masked_metric(method: str) -> tuple[str, Callable[[float], float]] | None:
+    """The metric of what ``method``'s own correction removes, or None (GRPO, R3, TIS, VCPO)."""
+    if method in MASKED:
+        return MASKED[method]
+    return SAT_GATE if "SAT" in method else None
+
+
+def _window(records: list[dict], end: int, window: int) -> list[dict]:
+    return [r for r in records if "mismatch_abs_mean" in r and end - window < r["step"] <= end]
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if math.isfinite(x)]
+    return float(np.mean(xs)) if xs else math.nan
+
+
+def run_mechanism(method: str, records: list[dict], end: int, window: int) -> dict:
+    """One run's mechanism figures over the ``window`` steps ending at ``end`` (its collapse step,
+    or its last step)."""
+    rows = _window(records, end, window)
+    masked = masked_metric(method)
+    get = lambda key, f=lambda x: x: _mean([f(r[key]) for r in rows if key in r])
+    return {
+        "lag": get("lag"),
+        "q99": get("d_abs_q99"),
+        "ess": get("ess"),
+        "clip": _mean([r.get("clip_frac_low", 0.0) + r.get("clip_frac_high", 0.0) for r in rows]),
+        "masked": get(*masked) if masked else math.nan,
+        "ess_scale": get("ess_step_scale"),
+        "opob_shift": get("opob_shift"),
+    }
+
+
+def cell_mechanism(runs: list[tuple[str, list[dict], int, bool]], window: int) -> dict:
+    """Seed means of ``run_mechanism`` for one cell, split by whether the seed collapsed.
+
+    ``runs``: (method, records, end step, collapsed) per seed. Returns ``{"collapsed": {...},
+    "stable": {...}}``, each the mean over that group's seeds (NaN where the group is empty)."""
+    out = {}
+    for key, want in (("collapsed", True), ("stable", False)):
+        got = [run_mechanism(m, recs, end, window) for m, recs, end, c in runs if c == want]
+        fields = ("lag", "q99", "ess", "clip", "masked", "ess_scale", "opob_shift")
+        out[key] = {f: _mean([g[f] for g in got]) for f in fields}
+        out[key]["seeds"] = len(got)
+    return out
+
+
+def time_steps(
+    steps: dict[str, Callable[[], None]], *, repeats: int, warmup: int = 2
+) -> dict[str, float]:
+    """Median wall seconds of each named callable (one train step, its extra passes included),
+    after ``warmup`` calls each; calls interleave over the names so load hits all alike."""
+    for fn in steps.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
