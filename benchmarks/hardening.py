@@ -20,6 +20,7 @@ import concurrent.futures
 import json
 import os
 import pathlib
+import signal
 import statistics
 import subprocess
 import sys
@@ -176,7 +177,7 @@ def main() -> None:
             updates = [measure_update(stub, tmp, 2 + i) for i in range(args.repeats)]
             health = [measure_health(channel, stub) for _ in range(args.repeats)]
         finally:
-            proc.terminate()
+            proc.send_signal(signal.SIGINT)  # at once, state saved (SIGTERM would drain first)
             proc.wait(60)
     result = {
         "tree": str(tree),

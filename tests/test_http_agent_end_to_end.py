@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import threading
@@ -119,7 +120,7 @@ def test_http_session_logprobs_match_transformers(tmp_path):
         messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Sure?"}]
         second = client.chat.completions.create(model="m", messages=messages, logprobs=True)
     finally:
-        proc.terminate()
+        proc.send_signal(signal.SIGINT)  # at once, state saved (SIGTERM would drain first)
         proc.wait(60)
         log.close()
     tok = HFTokenizer(str(d.path), chat_template=True, checkpoint=str(d.path))
