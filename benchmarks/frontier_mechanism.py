@@ -1,8 +1,9 @@
 """The frontier's mechanism and cost tables: what each correction did to the batch where runs
 collapsed, and what a step of each method costs relative to GRPO.
 
-Used by ``benchmarks/frontier.py`` (its report and its ``--cost`` mode); the summaries are pure
-functions of a run's records (unit-tested on synthetic records).
+Used by ``benchmarks/frontier_report.py`` (the mechanism tables) and ``benchmarks/frontier.py``
+(its ``--cost`` mode); the summaries are pure functions of a run's records (unit-tested on
+synthetic records).
 
 Mechanism, per run: the mean over the ``window`` steps before its collapse (or its last
 ``window`` steps when it did not collapse) of the lag of its batches, the 0.99 quantile of |d| (``d_abs_q99``), the ESS

@@ -1,5 +1,6 @@
-"""The stability frontier (benchmarks/frontier.py): its summary rules on synthetic runs, its method
-table, and the ``--smoke`` run."""
+"""The stability frontier (benchmarks/frontier.py, frontier_methods.py, frontier_report.py,
+frontier_mechanism.py): its summary rules on synthetic runs, its method table, and the ``--smoke``
+run."""
 
 import json
 import math
@@ -15,6 +16,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import frontier  # noqa: E402
 import frontier_mechanism  # noqa: E402
+import frontier_methods  # noqa: E402
+import frontier_report  # noqa: E402
 
 
 def run(accuracy: dict[int, float], steps: int, *, skipped=(), q99=0.1) -> list[dict]:
@@ -33,45 +36,47 @@ def run(accuracy: dict[int, float], steps: int, *, skipped=(), q99=0.1) -> list[
 
 
 def test_a_run_that_keeps_its_accuracy_is_stable():
-    got = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.28}, 40), reach=0.2)
+    got = frontier_report.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.28}, 40), reach=0.2)
     assert got["stable"] and not got["collapsed"] and got["collapse_step"] is None
     assert (got["best"], got["final"], got["base"]) == (0.3, 0.28, 0.2)
     assert got["sat_live"] == 0.5  # q = 0.1 < 0.2 on odd steps only
 
 
 def test_a_drift_below_the_stable_line_is_unstable_but_not_collapsed():
-    got = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.2}, 40), reach=0.2)
+    got = frontier_report.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.2}, 40), reach=0.2)
     assert not got["stable"] and not got["collapsed"]  # 0.2 < 0.8·0.3, but > 0.5·0.3
 
 
 def test_steps_to_collapse_is_the_first_evaluation_after_the_best_below_half():
     acc = {0: 0.2, 20: 0.14, 40: 0.3, 60: 0.2, 80: 0.1, 100: 0.05}  # 0.14 < 0.15 is before best
     q99 = lambda s: 1.0 if s > 60 else 0.5
-    got = frontier.summarize_run(run(acc, 100, q99=q99), reach=0.2)
+    got = frontier_report.summarize_run(run(acc, 100, q99=q99), reach=0.2)
     assert got["collapsed"] and not got["stable"]
     assert got["collapse_step"] == 80
     # The tail is averaged over the TAIL_WINDOW steps ending at the collapse: 61..80 are 1.0.
-    assert frontier.TAIL_WINDOW == 20 and got["tail_q99"] == pytest.approx(1.0)
+    assert frontier_report.TAIL_WINDOW == 20 and got["tail_q99"] == pytest.approx(1.0)
 
 
 def test_a_recovered_dip_is_not_a_collapse():
-    got = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.1, 60: 0.29}, 60), reach=0.2)
+    got = frontier_report.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.1, 60: 0.29}, 60), reach=0.2)
     assert not got["collapsed"] and got["stable"] and got["collapse_step"] is None
 
 
 def test_a_skipped_step_storm_is_a_collapse_even_with_good_accuracy():
-    storm = frontier.summarize_run(run({0: 0.2, 100: 0.3}, 100, skipped=range(30, 36)), reach=0.2)
+    storm = frontier_report.summarize_run(
+        run({0: 0.2, 100: 0.3}, 100, skipped=range(30, 36)), reach=0.2
+    )
     assert storm["collapsed"] and not storm["stable"] and storm["skipped"] == 6
     assert storm["collapse_step"] == 34  # the 5th bad step reaches 5% of 100
-    one = frontier.summarize_run(run({0: 0.2, 100: 0.3}, 100, skipped=[50]), reach=0.2)
+    one = frontier_report.summarize_run(run({0: 0.2, 100: 0.3}, 100, skipped=[50]), reach=0.2)
     assert one["stable"] and one["skipped"] == 1  # one skipped step is no storm
 
 
 def test_a_cell_needs_two_of_three_stable_seeds():
-    ok = frontier.summarize_run(run({0: 0.2, 20: 0.3}, 20), reach=0.2)
-    bad = frontier.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.05}, 40), reach=0.2)
-    assert frontier.summarize_cell([ok, ok, bad])["stable"]
-    cell = frontier.summarize_cell([ok, bad, bad])
+    ok = frontier_report.summarize_run(run({0: 0.2, 20: 0.3}, 20), reach=0.2)
+    bad = frontier_report.summarize_run(run({0: 0.2, 20: 0.3, 40: 0.05}, 40), reach=0.2)
+    assert frontier_report.summarize_cell([ok, ok, bad])["stable"]
+    cell = frontier_report.summarize_cell([ok, bad, bad])
     assert not cell["stable"] and cell["stable_seeds"] == 1 and cell["collapsed_seeds"] == 2
     assert cell["collapse_steps"] == [40, 40]
     assert cell["final_mean"] == pytest.approx((0.3 + 0.05 + 0.05) / 3)
@@ -87,48 +92,50 @@ def test_a_cell_needs_two_of_three_stable_seeds():
     ],
 )
 def test_largest_stable_lr(stable, expected):
-    assert frontier.largest_stable_lr(stable) == expected
+    assert frontier_report.largest_stable_lr(stable) == expected
 
 
 def test_large_lag_methods_map_to_their_options():
     want = {
         "GRPO+TIS": ("tis_cap", frontier.grid.TIS_CAP),
-        "GRPO+IcePop": ("icepop_range", frontier.ICEPOP_RANGE),
-        "GRPO+SeqMask": ("seq_mask_range", frontier.SEQ_MASK_RANGE),
+        "GRPO+IcePop": ("icepop_range", frontier_methods.ICEPOP_RANGE),
+        "GRPO+SeqMask": ("seq_mask_range", frontier_methods.SEQ_MASK_RANGE),
         "GRPO+DPPO-TV": ("dppo_tv_delta", frontier.grid.DPPO_TV_DELTA),
         "GRPO+M2PO": ("m2_threshold", 0.04),
         "GRPO+VCPO": ("ess_scaling", True),
     }
     for method, (field, value) in want.items():
-        cfg, replay = frontier.loss_config(method)
+        cfg, replay = frontier_methods.loss_config(method)
         assert getattr(cfg, field) == value and not replay and not cfg.sat.enabled, method
         assert (cfg.ratio_level, cfg.clip_low, cfg.clip_high) == ("token", 0.2, 0.2)
-        assert frontier.microbatches(method) == 1
+        assert frontier_methods.microbatches(method) == 1
         needs = field in ("tis_cap", "icepop_range", "seq_mask_range")
-        assert frontier.needs_proximal(cfg) == needs, method
-    assert frontier.loss_config("GRPO+VCPO")[0].opob_baseline  # VCPO's both parts
-    cfg, _ = frontier.loss_config("GRPO+SAT-mbq", quantile=0.8)
+        assert frontier_methods.needs_proximal(cfg) == needs, method
+    assert frontier_methods.loss_config("GRPO+VCPO")[0].opob_baseline  # VCPO's both parts
+    cfg, _ = frontier_methods.loss_config("GRPO+SAT-mbq", quantile=0.8)
     assert cfg.sat.enabled and cfg.sat.threshold_scope == "microbatch" and cfg.sat.quantile == 0.8
-    assert frontier.microbatches("GRPO+SAT-mbq") == frontier.MICROBATCH_Q_K > 1
-    assert frontier.loss_config("GRPO+SAT")[0].sat.threshold_scope == "batch"
+    assert frontier_methods.microbatches("GRPO+SAT-mbq") == frontier_methods.MICROBATCH_Q_K > 1
+    assert frontier_methods.loss_config("GRPO+SAT")[0].sat.threshold_scope == "batch"
     args = frontier.parse_args(["--out", "x"])
     assert args.lags == [8, 32, 128, 64, 1]
-    assert set(args.methods) == set(frontier.GRPO_FAMILY) | set(frontier.LARGE_LAG)
+    assert set(args.methods) == set(frontier_methods.GRPO_FAMILY) | set(frontier_methods.LARGE_LAG)
 
 
 def test_methods_and_knobs_map_to_the_loss_configs():
-    cfg, replay = frontier.loss_config("GRPO+SAT+R3", quantile=0.8, exponent=4.0)
+    cfg, replay = frontier_methods.loss_config("GRPO+SAT+R3", quantile=0.8, exponent=4.0)
     assert (cfg.ratio_level, cfg.sat.quantile, cfg.sat.exponent) == ("token", 0.8, 4.0) and replay
-    cfg, replay = frontier.loss_config("GSPOwide+SAT")
+    cfg, replay = frontier_methods.loss_config("GSPOwide+SAT")
     assert cfg.ratio_level == "sequence" and cfg.sat.enabled and not replay
-    assert cfg.clip_low == cfg.clip_high == frontier.GSPO_WIDE_CLIP
-    assert frontier.sat_reach(cfg) == pytest.approx(-math.log1p(-frontier.GSPO_WIDE_CLIP))
-    cfg, _ = frontier.loss_config("GRPO", quantile=0.5)
+    assert cfg.clip_low == cfg.clip_high == frontier_methods.GSPO_WIDE_CLIP
+    assert frontier_methods.sat_reach(cfg) == pytest.approx(
+        -math.log1p(-frontier_methods.GSPO_WIDE_CLIP)
+    )
+    cfg, _ = frontier_methods.loss_config("GRPO", quantile=0.5)
     assert not cfg.sat.enabled  # knobs only reach SAT methods
     with pytest.raises(ValueError, match="unknown frontier method"):
-        frontier.loss_config("GSPO")
-    assert frontier.Cell("GRPO+SAT", 8, 2e-3, 1).name == "GRPO+SAT_lag8_lr0.002_seed1"
-    assert frontier.Cell("GRPO+SAT", 8, 2e-3, 1, 0.8, 4.0).name.endswith("_q0.8_p4_seed1")
+        frontier_methods.loss_config("GSPO")
+    assert frontier_methods.Cell("GRPO+SAT", 8, 2e-3, 1).name == "GRPO+SAT_lag8_lr0.002_seed1"
+    assert frontier_methods.Cell("GRPO+SAT", 8, 2e-3, 1, 0.8, 4.0).name.endswith("_q0.8_p4_seed1")
 
 
 @pytest.mark.slow  # a subprocess that trains eighteen tiny runs
@@ -146,7 +153,7 @@ def check_smoke_output(out: pathlib.Path) -> None:
     names = sorted(p.name for p in (out / "cells").iterdir())
     main = [
         f"{m}_lag{lag}_lr0.001_seed0.jsonl"
-        for m in ("GRPO+SAT", *frontier.LARGE_LAG)
+        for m in ("GRPO+SAT", *frontier_methods.LARGE_LAG)
         for lag in (2, 128)
     ]
     knobs_and_gspo = [
@@ -187,14 +194,20 @@ def check_smoke_output(out: pathlib.Path) -> None:
     assert all(r["opob_shift"] >= 0.0 for r in vcpo)  # VCPO's baseline is on
     table = (out / "frontier.md").read_text()
     cost = json.loads((out / "cost.json").read_text())  # --smoke times one step per method
-    assert set(cost) == {"GRPO+SAT", *frontier.LARGE_LAG} and all(t > 0 for t in cost.values())
+    assert set(cost) == {"GRPO+SAT", *frontier_methods.LARGE_LAG} and all(
+        t > 0 for t in cost.values()
+    )
     assert "**Cost**" in table and "| GRPO+VCPO |" in table
     assert "**Mechanism**" in table and "| GRPO+IcePop | 128 | 0.001 |" in table
     assert "| GRPO+SAT | 2 |" in table and "SAT's knobs" in table and "| q = 0.8 |" in table
     assert "| GRPO+M2PO | 128 |" in table and "| GRPO+VCPO | 128 |" in table
     summary = json.loads((out / "frontier_summary.json").read_text())
     assert {(r["method"], r["lag"], r["quantile"], r["exponent"]) for r in summary} == {
-        *((m, lag, 0.9, 2.0) for m in ("GRPO+SAT", *frontier.LARGE_LAG) for lag in (2, 128)),
+        *(
+            (m, lag, 0.9, 2.0)
+            for m in ("GRPO+SAT", *frontier_methods.LARGE_LAG)
+            for lag in (2, 128)
+        ),
         ("GRPO+SAT", 2, 0.8, 1.0),
         ("GSPOwide+SAT", 2, 0.9, 2.0),
     }
@@ -209,7 +222,7 @@ def test_knob_rate_auto_is_plain_grpos_frontier_at_the_knob_lag(tmp_path):
     bad = run({0: 0.2, 20: 0.3, 40: 0.05}, 40)
     for lr, recs in ((1e-3, ok), (1.5e-3, bad), (2e-3, bad)):
         for seed in range(3):
-            cell = frontier.Cell("GRPO", 8, lr, seed)
+            cell = frontier_methods.Cell("GRPO", 8, lr, seed)
             head = {"cell": frontier.dataclasses.asdict(cell), "seconds": 1.0, "reach": 0.2}
             text = "\n".join(json.dumps(x) for x in [head, *recs])
             frontier.cell_path(tmp_path, cell).write_text(text + "\n")
@@ -255,16 +268,16 @@ def test_time_steps_interleaves_and_takes_the_median():
 
 def test_within_noise_is_two_standard_errors_of_the_difference_from_the_best():
     cell = lambda mean, std: {"final_mean": mean, "final_std": std, "seeds": 3}
-    knobs = frontier.DEFAULT_SAT
+    knobs = frontier_methods.DEFAULT_SAT
     table = {
         ("GRPO", 128, 1e-3, knobs): cell(0.20, 0.03),
         ("GRPO+VCPO", 128, 1e-3, knobs): cell(0.26, 0.0),
         ("GRPO+TIS", 128, 1e-3, knobs): cell(0.10, 0.0),
         ("GRPO", 1, 1e-3, knobs): cell(0.3, 0.0),
     }
-    got = frontier.within_noise(table)
+    got = frontier_report.within_noise(table)
     # 0.26 − 0.20 = 0.06 > 2·sqrt(0.03²/3) ≈ 0.035: GRPO is outside, TIS far outside.
     assert got[(128, 1e-3)] == ("GRPO+VCPO", ["GRPO+VCPO"])
     table[("GRPO", 128, 1e-3, knobs)] = cell(0.23, 0.03)  # 0.03 ≤ 0.035: within
-    assert frontier.within_noise(table)[(128, 1e-3)] == ("GRPO+VCPO", ["GRPO", "GRPO+VCPO"])
+    assert frontier_report.within_noise(table)[(128, 1e-3)] == ("GRPO+VCPO", ["GRPO", "GRPO+VCPO"])
     assert got[(1, 1e-3)] == ("GRPO", ["GRPO"])
