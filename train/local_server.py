@@ -31,9 +31,14 @@ log = logging.getLogger("train")
 
 
 # Runs in the child before exec'ing the server: a `preexec_fn` would fork a multithreaded (JAX)
-# process, which can deadlock. PDEATHSIG survives exec.
+# process, which can deadlock. PDEATHSIG survives exec. So does an ignored SIGINT: a trainer
+# started in the background by a non-interactive shell (`sat-train ... &`, nohup) inherits SIGINT
+# ignored, and so would the server, which then could not be stopped by it before it installs its
+# own handler (while it starts); the default disposition is restored first (Python then raises
+# KeyboardInterrupt on it, and the server's handler replaces that once it runs).
 _EXEC_WITH_PDEATHSIG = f"""
 import ctypes, os, signal, sys
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 try:
     ctypes.CDLL("libc.so.6").prctl({_PR_SET_PDEATHSIG}, signal.SIGINT)
 except OSError:

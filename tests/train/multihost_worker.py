@@ -212,7 +212,7 @@ def _train_two_steps(pool, mesh) -> dict[str, np.ndarray]:
 class BrokenPool(FakePool):
     """A pool whose every pull fails (a server gone)."""
 
-    def pull(self, max_groups: int, timeout_s: float, *, limits=None) -> list:
+    def pull(self, max_groups: int, timeout_s: float, *, limits=None, trainer_version=0) -> list:
         raise ConnectionError("server gone mid-Pull")
 
 

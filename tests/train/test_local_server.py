@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.clock import wait_until
 
 PARENT = """
@@ -34,8 +36,13 @@ def _exec_done(pid: int) -> bool:
         return f.read().split(b"\0")[1:3] == [b"-c", b"import time; time.sleep(120)"]
 
 
-def test_child_gets_sigint_when_the_parent_is_killed():
-    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+@pytest.mark.parametrize("sigint", ["default", "ignored"])
+def test_child_gets_sigint_when_the_parent_is_killed(sigint):
+    """Also when the trainer was started with SIGINT ignored (in the background by a shell
+    script, or nohup): the child stops all the same."""
+    trap = "trap '' INT; " if sigint == "ignored" else ""
+    cmd = ["/bin/sh", "-c", f'{trap}exec "$0" -c "$1"', sys.executable, PARENT]
+    parent = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     child = None
     try:
         child = int(parent.stdout.readline())
