@@ -33,6 +33,17 @@ deadline is the trainer's current version (admitted at T − S) is still running
 groups are held back: handing them out would fill the trainer's batch and push the old group past
 its deadline. Held back at most until that group finishes (a group's generation is bounded).
 
+**Shares follow measured rates** (`RateMeter` on each server, `fleet_shares` in the pool). Each
+server measures its capacity: the tokens per second it would generate with every slot busy
+(tokens generated over slot-seconds of samples holding a slot, times its slots; an exponential
+average over windows in which something ran). Normalising by the busy slots keeps the measure
+independent of how much admission let the server start, so a server held back by a small share
+still measures its speed (a rate of delivered groups would follow the share, not the speed). It
+reports it with every Pull reply, and the pool sets each server's share ∝ its capacity: a server
+half as fast gets half the work. A server not measured yet counts as the mean of those that are
+(equal shares until any is known), and no share falls below `SHARE_FLOOR` of an equal one, so a
+server whose measure is too low still admits work and measures again.
+
 **The fleet** (`FleetQuota`, the trainer's side). Shares sum to 1 over the servers up. For each
 trainer version the pool pulls a server's share of the batch from it first, and takes more from
 the others only once the batch has waited three step periods (a server that is down, draining or
@@ -59,6 +70,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
+
+# No server's share falls below this fraction of an equal share (`fleet_shares`).
+SHARE_FLOOR = 0.2
+# Measured rates are rounded to multiples of this fraction of the fastest one (`fleet_shares`).
+SHARE_RESOLUTION = 0.05
 
 
 @dataclasses.dataclass
@@ -257,3 +273,132 @@ class FleetQuota:
     def took(self, server: str, n: int) -> None:
         """`n` groups of this batch came from `server`."""
         self.credit[server] = self.credit.get(server, 0.0) - n
+
+
+@dataclasses.dataclass
+class RateMeter:
+    """A server's generation capacity: tokens per second with every slot busy (see the module
+    docstring). The owner calls `observe` on every turn of its loop with its clock, the engine's
+    running token count and the slots busy now; the interval since the last call is credited to
+    the slots busy at that call. Every `window_s` of time in which something ran, the window's
+    tokens over its slot-seconds, times `slots`, enter an exponential average (`weight` for the
+    new window). Time in which nothing ran is not counted, so an idle server keeps its measure.
+
+    Assumes a decode step takes about as long with few slots busy as with all of them (decoding
+    is memory-bound); where it is not, a lightly loaded server is measured a little fast, and the
+    measure settles as its load grows.
+
+    Args:
+      slots: the server's concurrent decodes.
+      window_s: the busy time one measurement spans.
+      weight: the exponential average's weight of a new window, in (0, 1].
+    """
+
+    slots: int
+    window_s: float = 5.0
+    weight: float = 0.5
+    rate: float = 0.0  # tokens per second at full load; 0 = not measured yet
+    _last: tuple[float, float, int] | None = None  # (time, tokens, busy slots) of the last call
+    _tokens: float = 0.0
+    _slot_s: float = 0.0
+    _span: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.slots < 1 or self.window_s <= 0 or not 0 < self.weight <= 1:
+            raise ValueError(
+                f"RateMeter needs slots >= 1, window_s > 0 and weight in (0, 1] (got "
+                f"{self.slots}, {self.window_s}, {self.weight})"
+            )
+
+    def observe(self, now: float, tokens: float, busy: int) -> None:
+        """At time `now` the engine has generated `tokens` in all (a running count) and `busy`
+        samples hold a slot (at most `slots` count)."""
+        busy = min(max(busy, 0), self.slots)
+        last, self._last = self._last, (now, tokens, busy)
+        if last is None:
+            return
+        then, before, was_busy = last
+        dt, made = now - then, tokens - before
+        if dt <= 0 or made < 0 or not was_busy:  # a clock or counter reset, or idle
+            return
+        self._tokens += made
+        self._slot_s += was_busy * dt
+        self._span += dt
+        if self._span < self.window_s:
+            return
+        sample = self.slots * self._tokens / self._slot_s
+        w = 1.0 if self.rate <= 0 else self.weight
+        self.rate = (1 - w) * self.rate + w * sample
+        self._tokens = self._slot_s = self._span = 0.0
+
+
+def fleet_shares(
+    rates: Mapping[str, float],
+    *,
+    seats: int = 0,
+    floor: float = SHARE_FLOOR,
+    resolution: float = SHARE_RESOLUTION,
+) -> dict[str, float]:
+    """Each server's share of a batch, ∝ its measured capacity (`rates`, 0 = not measured): an
+    unmeasured server counts as the mean of the measured ones (all equal while none is); the
+    rates are rounded to multiples of `resolution` times the fastest, so that servers of one
+    speed, whose measures differ by noise, get exactly equal shares (a share a hair under 1/k
+    would round each of their budgets down by a group: `ServerAdmission.budget`); and no share
+    is below `floor` of an equal one. With `seats` (the fleet's budget, (S + 1) · B groups) of
+    at least one per server, the shares are whole numbers of seats (largest remainders): each
+    server's budget is then a whole number of groups, and the budgets add up to the fleet's
+    instead of losing up to a group each to rounding down. The shares sum to 1 (empty for no
+    server).
+
+    Raises:
+      ValueError: a negative or non-finite rate, or a floor outside [0, 1].
+    """
+    if not 0 <= floor <= 1 or not 0 <= resolution <= 1 or seats < 0:
+        raise ValueError(
+            f"fleet_shares needs floor and resolution in [0, 1] and seats >= 0 (got {floor}, "
+            f"{resolution}, {seats})"
+        )
+    for name, rate in rates.items():
+        if not math.isfinite(rate) or rate < 0:
+            raise ValueError(f"server {name!r}: rate {rate} is not a finite rate >= 0")
+    if not rates:
+        return {}
+    known = [r for r in rates.values() if r > 0]
+    mean = sum(known) / len(known) if known else 1.0
+    weights = {name: rate if rate > 0 else mean for name, rate in rates.items()}
+    if resolution > 0:
+        top = max(weights.values())
+        weights = {n: max(round(w / top / resolution), 1) * resolution for n, w in weights.items()}
+    k = len(weights)
+    least = floor / k
+    # Servers under the floor get it; the rest share what is left in proportion (repeated:
+    # lowering the others' shares can bring one more under the floor).
+    pinned: set[str] = set()
+    while True:
+        free = {n: w for n, w in weights.items() if n not in pinned}
+        if not free:
+            break
+        left = 1.0 - least * len(pinned)
+        total = sum(free.values())
+        shares = {n: left * w / total for n, w in free.items()}
+        under = {n for n, s in shares.items() if s < least}
+        if not under:
+            break
+        pinned |= under
+    shares.update({n: least for n in pinned})
+    if seats >= k:
+        shares = _apportion(shares, seats)
+    return {name: shares[name] for name in rates}
+
+
+def _apportion(shares: Mapping[str, float], seats: int) -> dict[str, float]:
+    """`shares` as whole numbers of 1/`seats` (at least one each; largest remainders)."""
+    exact = {n: s * seats for n, s in shares.items()}
+    whole = {n: max(math.floor(x + 1e-9), 1) for n, x in exact.items()}
+    left = seats - sum(whole.values())
+    for n in sorted(exact, key=lambda n: (whole[n] - exact[n], n))[: max(left, 0)]:
+        whole[n] += 1
+    while sum(whole.values()) > seats:  # the minimum of one took too many: from the largest
+        n = max(whole, key=lambda n: (whole[n] - exact[n], whole[n], n))
+        whole[n] -= 1
+    return {n: w / seats for n, w in whole.items()}

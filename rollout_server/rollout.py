@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import grain
 
 from rollout_api import records
-from rollout_api.admission import ServerAdmission
+from rollout_api.admission import RateMeter, ServerAdmission
 from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
 from rollout_server.engine import MoEEngine
@@ -76,6 +76,7 @@ class _RunningGroup:
 
 _TURN = object()  # marks an ended turn in the loop's queue
 _HOLD_POLL_S = 0.01  # a Pull whose groups are held back looks again this often
+_RATE_WINDOW_S = 5.0  # the busy time one capacity measurement spans (`RateMeter`)
 
 
 class SessionSource(Protocol):
@@ -129,6 +130,11 @@ class RolloutLoop:
         (`rollout_server.sessions`, docs/DESIGN.md §6.6): its `offer(prompt, tag, done)`
         returns the session (which has the `reward`, like an episode) and later calls
         `done(tag, sample or None)`; a None sample is sampled again, as a failed one is.
+
+    The loop measures the server's capacity (`rollout_api.admission.RateMeter`: tokens per
+    second with every slot busy, from the driver's token count and the samples in flight, at
+    most the engine's `max_concurrent_decodes`), which every Pull reply and the Stats report and
+    by which the trainer sets this server's share (docs/DESIGN.md §6.3).
     """
 
     def __init__(
@@ -188,6 +194,8 @@ class RolloutLoop:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._draining = False  # `drain`: admission closed for good
+        slots = getattr(engine, "max_concurrent_decodes", 0)  # a test's fake names none
+        self._meter = RateMeter(int(slots), window_s=_RATE_WINDOW_S) if slots else None
         self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
         self.groups_produced = 0
         self.prompts_drawn = 0
@@ -277,7 +285,24 @@ class RolloutLoop:
                 "prefill_tokens": self._engine.prefill_tokens,
                 "inserted_tokens": self._engine.extend_tokens,
                 "admission_open": self._admission_open_locked(),
+                "capacity_tokens_per_s": self.capacity_tokens_per_s,
             }
+
+    @property
+    def capacity_tokens_per_s(self) -> float:
+        """The measured capacity: tokens per second with every slot busy (0 = not measured yet;
+        see `RateMeter`)."""
+        return 0.0 if self._meter is None else self._meter.rate
+
+    def _measure(self) -> None:
+        """One observation for the capacity measure: the driver's token count and the samples
+        in flight now (each holds a slot, or waits for one)."""
+        if self._meter is None:
+            return
+        with self._lock:
+            size = self._cfg.group_size
+            busy = sum(size - len(g.samples) for g in self._running.values())
+            self._meter.observe(self._clock(), self._driver.tokens_generated, busy)
 
     def _admission_open_locked(self) -> bool:
         if self._draining:
@@ -531,6 +556,7 @@ class RolloutLoop:
         while not self._stop.is_set():
             try:
                 self._collect(timeout_s=0.02)
+                self._measure()
                 self._expire_leases()
                 self._retry_failed_save()
                 while not self._stop.is_set() and self._may_dispatch():

@@ -148,7 +148,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"{DRAINING} this server is shutting down (SIGTERM) and has no group left",
             )
-        return rollout_pb2.PullResponse(groups=groups)
+        return rollout_pb2.PullResponse(
+            groups=groups, capacity_tokens_per_s=self._loop.capacity_tokens_per_s
+        )
 
     def _give_back(self, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None:

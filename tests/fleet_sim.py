@@ -17,7 +17,7 @@ import dataclasses
 import math
 import random
 
-from rollout_api.admission import FleetQuota, ServerAdmission
+from rollout_api.admission import FleetQuota, RateMeter, ServerAdmission, fleet_shares
 
 
 class SimStalled(RuntimeError):
@@ -118,6 +118,9 @@ class SimServer:
         self.version = 0
         self.ready = False  # holds trainer weights
         self.unacked: list[int] = []  # persisted: dispatched, not acknowledged
+        # Its capacity measure (a process's: a restart measures again), reported on every Pull.
+        self.meter = RateMeter(self.slots, window_s=self.sim.rate_window)
+        self.tokens = 0.0  # generated so far (the engine's counter)
 
     def install(self, version: int, share: float, new_epoch: bool) -> None:
         self.version = max(self.version, version)
@@ -169,8 +172,10 @@ class SimServer:
             g.first = self.version if g.first is None else g.first
             g.length += length / self.sim.group_size
             self.active.append([gid, length])
+        self.meter.observe(self.sim.now, self.tokens, len(self.active))
         still = []
         for a in self.active:
+            self.tokens += min(self.speed * dt, a[1])
             a[1] -= self.speed * dt
             if a[1] > 0:
                 still.append(a)
@@ -218,7 +223,7 @@ class SimServer:
 
     @property
     def capacity_rate(self) -> float:
-        """Groups per unit time at full load."""
+        """Groups per unit time at full load (at its speed now)."""
         mean = sum(self.lengths) / 2
         return self.slots * self.speed / (mean * self.sim.group_size)
 
@@ -240,6 +245,10 @@ class FleetSim:
     Args:
       servers: (speed, slots, (min, max) completion length) per server.
       rule: "new" (`rollout_api.admission`) or "old" (`OldAdmission` and the pool of before).
+      shares: "measured" (∝ the capacity each server reports on its Pull replies,
+        `rollout_api.admission.fleet_shares`, what `ServerPool` sends) or "equal" (1/k, the pool
+        of before); the "old" rule always has equal ones.
+      rate_window: each server's `RateMeter` window.
       step_time: one train step; push_delay: from the step's end to the servers holding its
         weights; skip: versions whose steps are skipped (nothing trained, version still +1).
       lost_pulls: Pull replies lost (the trainer gets nothing, the server's lease runs out);
@@ -251,6 +260,8 @@ class FleetSim:
         servers,
         *,
         rule="new",
+        shares="measured",
+        rate_window=1.0,
         max_staleness=2,
         batch_groups=8,
         group_size=4,
@@ -264,7 +275,12 @@ class FleetSim:
         dt=None,
         stall_after=200.0,
     ):
+        if shares not in ("measured", "equal"):
+            raise ValueError(f"shares must be 'measured' or 'equal' (got {shares!r})")
         self.stall_after = stall_after
+        self.measured = shares == "measured" and rule == "new"
+        self.rate_window = rate_window
+        self.rates: dict[str, float] = {}  # the capacity each server reported last (pool side)
         self.rule, self.max_staleness, self.batch_groups = rule, max_staleness, batch_groups
         self.group_size, self.capacity, self.step_time = group_size, capacity, step_time
         self.push_delay, self.lease_s = push_delay, lease_s
@@ -297,9 +313,13 @@ class FleetSim:
     # The trainer's pool.
 
     def shares(self) -> dict[str, float]:
-        """Equal shares over the servers up (what `ServerPool` sends)."""
+        """The shares of the servers up: ∝ their reported capacities (what `ServerPool`
+        sends), or equal."""
         up = [s.name for s in self.servers if s.name not in self.down]
-        return {n: 1 / len(up) for n in up} if up else {}
+        if not self.measured:
+            return {n: 1 / len(up) for n in up} if up else {}
+        seats = (self.max_staleness + 1) * self.batch_groups
+        return fleet_shares({n: self.rates.get(n, 0.0) for n in up}, seats=seats)
 
     def _push_all(self, new_epoch: bool, delay: float | None = None) -> None:
         shares = self.shares()
@@ -344,6 +364,8 @@ class FleetSim:
             if groups and self.rng.random() < self.lost_pulls:
                 self.stats.lost += len(groups)  # the reply was lost: the lease brings them back
                 continue
+            if server.meter.rate > 0:  # the reply carries the server's capacity
+                self.rates[name] = server.meter.rate
             if self.rule == "new":
                 self.quota.took(name, len(groups))
             got += [(server, g) for g in groups]
@@ -457,6 +479,10 @@ class FleetSim:
         }
 
     # Scripted faults.
+
+    def set_speed(self, name: str, speed: float) -> None:
+        """The server generates at `speed` from now on (it slows down or speeds up)."""
+        self._server(name).speed = speed
 
     def kill(self, name: str) -> None:
         self._server(name).kill()

@@ -12,8 +12,10 @@ log line. ``update_weights`` never waits for a down server. Servers listed in ``
 answers "draining" (SIGTERM, a preemption notice) gets no more weights nor share, is pulled until
 it has nothing left and then leaves at once, with one log line and no grace. The pool gives up
 (``ServersDownError``) only when no server has answered for ``server_wait_s``. Each push tells
-every server its share of the fleet's admission budget (1/k with k servers up), so k servers run
-ahead by what one would alone, and every Pull names the trainer's version, by which admission
+every server its share of the fleet's admission budget, in proportion to the capacity each
+reports on its Pull replies (``rollout_api.admission.fleet_shares``; 1/k with k servers up while
+none is known), so k servers run ahead by what one would alone and a server half as fast gets
+half the work, and every Pull names the trainer's version, by which admission
 shrinks a server's run-ahead when its weights are behind; with ``batch_groups`` the pool takes
 each server's share of every batch from it first (``rollout_api.admission.FleetQuota``,
 docs/DESIGN.md §6.3). A reply or request over the gRPC message
@@ -40,7 +42,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from rollout_api.admission import FleetQuota
+from rollout_api.admission import FleetQuota, fleet_shares
 from rollout_api.client import bearer_metadata, connect, is_draining
 from rollout_api.proto import rollout_pb2
 from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
@@ -92,6 +94,7 @@ class _Server:
     draining: bool = False  # it drains (SIGTERM): no weights, no share; probes quiet until back
     server_id: str = ""
     pulled: int = 0
+    rate: float = 0.0  # its capacity, as its last Pull reply said (0 = not known)
     # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
     acks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     rejects: list[tuple[str, int]] = dataclasses.field(default_factory=list)
@@ -126,6 +129,9 @@ class ServerPool:
         takes from each server its share of the batch first (``rollout_api.admission.FleetQuota``),
         and from the others only after the batch has waited three recent step periods;
         0 = plain rotation.
+      max_staleness: the servers' ``rollout.max_staleness``: with ``batch_groups``, shares are
+        whole numbers of the fleet's (max_staleness + 1) · batch_groups budget
+        (``fleet_shares``' seats); None = shares not rounded.
     """
 
     def __init__(
@@ -146,6 +152,7 @@ class ServerPool:
         sleep: Callable[[float], None] = time.sleep,
         connect: Callable[..., tuple[grpc.Channel, object]] = connect,
         batch_groups: int = 0,
+        max_staleness: int | None = None,
     ):
         if not addresses and not servers_file:
             raise ValueError("ServerPool needs at least one address or a servers_file")
@@ -168,6 +175,7 @@ class ServerPool:
         for address in addresses:
             self._add(address, up=True)
         self._next = 0
+        self._seats = 0 if max_staleness is None else (max_staleness + 1) * batch_groups
         self._quota = (
             FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
         )
@@ -297,6 +305,8 @@ class ServerPool:
                     self._origin[g.key] = server
                     server.server_id = g.server_id or server.server_id
                 server.pulled += len(pulled)
+                if response.capacity_tokens_per_s > 0:
+                    server.rate = response.capacity_tokens_per_s
                 if self._quota is not None:
                     self._quota.took(server.address, len(pulled))
             return pulled
@@ -498,6 +508,7 @@ class ServerPool:
                         dropped,
                     )
                 server.acks, server.rejects = [], []
+                server.rate = 0.0  # another server: its capacity is measured again
             server.server_id = reply.server_id or server.server_id
         self._rejoin(server, int(reply.version))
 
@@ -698,8 +709,8 @@ class ServerPool:
         return by_address[address], order[address]
 
     def _shares(self, up: Sequence[_Server]) -> dict[str, float]:
-        """Each server's part of a batch: equal over the servers up."""
-        return {s.address: 1.0 / len(up) for s in up}
+        """Each server's part of a batch: ∝ its reported capacity (``fleet_shares``)."""
+        return fleet_shares({s.address: s.rate for s in up}, seats=self._seats)
 
     def _pending(self, server: _Server, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """The acknowledgements to send ``server`` now (at most 4096): those for another

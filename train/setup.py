@@ -177,5 +177,6 @@ def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "")
         background=True,
         on_retry=None if server is None else server.restart_if_exited,
         batch_groups=cfg.rollout.batch_groups,
+        max_staleness=cfg.rollout.max_staleness,
         **args,
     )

@@ -1,12 +1,12 @@
 """The pure admission module (`rollout_api.admission`, docs/DESIGN.md §6.3): the budget with the
 trainer's lead, epochs, replacements that wait for newer weights, the hand-out order, the
-fleet's quotas."""
+fleet's quotas, the capacity measure and the shares that follow it."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout_api.admission import FleetQuota, ServerAdmission
+from rollout_api.admission import FleetQuota, RateMeter, ServerAdmission, fleet_shares
 
 B = 4
 
@@ -136,3 +136,45 @@ def test_fractional_shares_are_met_over_the_versions():
             taken[name] += n
             need -= n
     assert taken == {"a": 80, "b": 480}
+
+
+def test_the_rate_meter_measures_capacity_whatever_the_load():
+    """Tokens over busy slot-seconds, times the slots: a server that admission keeps at two
+    slots of eight measures what it would make with all eight, so a small share cannot hold
+    its measure down; idle time is not counted."""
+    meter = RateMeter(slots=8, window_s=2.0)
+    tokens, now = 0.0, 0.0
+    for busy in (2, 2, 0, 0, 8, 8):  # one slot makes 10 tokens per unit of time
+        meter.observe(now, tokens, busy)
+        now += 1.0
+        tokens += 10.0 * busy
+    meter.observe(now, tokens, 0)
+    assert meter.rate == pytest.approx(80.0)  # 8 slots x 10
+    for busy in (8, 8, 8):  # it slows down to half: the average moves halfway per window
+        meter.observe(now, tokens, busy)
+        now += 1.0
+        tokens += 5.0 * busy
+    meter.observe(now, tokens, 8)
+    assert meter.rate == pytest.approx(60.0)
+    meter.observe(now - 5, 0.0, 8)  # a clock or counter going back is skipped
+    assert meter.rate == pytest.approx(60.0)
+    with pytest.raises(ValueError, match="slots >= 1"):
+        RateMeter(slots=0)
+
+
+def test_fleet_shares_follow_rates_with_a_floor_and_whole_seats():
+    assert fleet_shares({}) == {}
+    assert fleet_shares({"a": 0.0, "b": 0.0}) == {"a": 0.5, "b": 0.5}  # none known: equal
+    assert fleet_shares({"a": 50.0, "b": 100.0}) == pytest.approx({"a": 1 / 3, "b": 2 / 3})
+    # Unknown = the mean of the known ones; noise under the resolution makes no difference.
+    assert fleet_shares({"a": 100.0, "b": 99.0, "c": 0.0}) == pytest.approx(
+        {"a": 1 / 3, "b": 1 / 3, "c": 1 / 3}
+    )
+    # A server measured far too slow keeps a fifth of an equal share.
+    assert fleet_shares({"a": 1.0, "b": 1000.0}) == pytest.approx({"a": 0.1, "b": 0.9})
+    # Whole seats of (S + 1) · B = 24: 1/7 and 2/7 would budget 3 + 6 + 6 + 6 = 21 groups.
+    shares = fleet_shares({"a": 1.0, "b": 2.0, "c": 2.0, "d": 2.0}, seats=24)
+    assert [round(x * 24) for x in shares.values()] == [3, 7, 7, 7]
+    assert sum(shares.values()) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="server 'a': rate -1"):
+        fleet_shares({"a": -1.0})

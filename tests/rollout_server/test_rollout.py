@@ -16,11 +16,11 @@ from rollout_api.admission import ServerAdmission
 from rollout_api.proto import rollout_pb2
 from rollout_server.engine import MoEEngine
 from rollout_server.persistence import StateStore
-from rollout_server.rollout import RolloutLoop
+from rollout_server.rollout import RolloutLoop, _RunningGroup
 from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
 from sat_jax.tasks.config import TaskConfig
-from tests.clock import wait_until
+from tests.clock import FakeClock, wait_until
 
 B = 4
 CFG = RolloutConfig(batch_groups=B, max_staleness=1)
@@ -218,3 +218,24 @@ def test_prompts_longer_than_a_prefill_are_skipped(tmp_path):
     assert loop.prompts_skipped == 1 and len(driver.requests) == CFG.group_size
     want = CharTokenizer("0123456789+-=").encode_prompt("1=")  # the prompt ids, BOS included
     assert all(r.prefill_content == want for r in driver.requests)
+
+
+def test_the_loop_measures_its_capacity_and_reports_it(tmp_path):
+    """The samples in flight and the driver's token count make the capacity measure
+    (`RateMeter`) that the Stats and every Pull reply carry: here one group of 4 samples on 8
+    slots, 40 tokens a second, is a capacity of 80 tokens a second."""
+
+    class SlotsEngine(FakeEngine):
+        max_concurrent_decodes = 8
+
+    clock = FakeClock()
+    driver = FakeDriver()
+    loop = _loop(StateStore(str(tmp_path)), SlotsEngine(), wait=True, driver=driver, clock=clock)
+    assert loop.stats()["capacity_tokens_per_s"] == 0.0  # not measured yet
+    loop._running[0] = _RunningGroup(record={}, prompt_ids=[])  # 4 samples in flight
+    for _ in range(6):
+        loop._measure()
+        clock.advance(1.0)
+        driver.tokens_generated += 40
+    assert loop.capacity_tokens_per_s == pytest.approx(80.0)
+    assert loop.stats()["capacity_tokens_per_s"] == pytest.approx(80.0)

@@ -39,6 +39,7 @@ class FakeStub:
         self.version = 0
         self.server_id = f"{name}-1"
         self.next_id = 0
+        self.capacity = 0.0  # what its Pull replies report (0 = not measured)
 
     def _call(self, rpc, request):
         self.calls.append((rpc, request, self.clock()))
@@ -62,7 +63,7 @@ class FakeStub:
                 )
             )
             self.next_id += 1
-        return rollout_pb2.PullResponse(groups=groups)
+        return rollout_pb2.PullResponse(groups=groups, capacity_tokens_per_s=self.capacity)
 
     def Ack(self, request, timeout, metadata):
         self._call("Ack", request)
@@ -142,6 +143,33 @@ def test_pushes_skip_a_down_server_and_a_failed_push_leaves_at_once(fleet):
         assert [r.admission_share for r in stubs["c:1"].rpcs("UpdateWeights")] == pytest.approx(
             [1 / 3, 1 / 3, 1 / 2]
         )
+
+
+def test_shares_follow_the_capacities_the_pull_replies_report(fleet):
+    """A server half as fast gets half the work (docs/DESIGN.md §6.3): shares ∝ the capacity
+    each server reports, an unreported one counting as the mean, whole seats of the fleet's
+    (max_staleness + 1) · batch_groups budget; a server that comes back as another one is
+    measured again."""
+    make, stubs, clock = fleet
+    with make(["a:1", "b:1", "c:1"], batch_groups=8, max_staleness=2) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        stubs["a:1"].capacity, stubs["b:1"].capacity = 500.0, 1000.0
+        for _ in range(3):
+            pool.pull(1, 1.0)  # one Pull each (plain rotation: no trainer version)
+        pool.update_weights(2, "/w/v2")
+        shares = [stubs[n].rpcs("UpdateWeights")[-1].admission_share for n in ("a:1", "b:1", "c:1")]
+        # Rates 500, 1000 and c's unknown = their mean, 750: 24 seats as 5.3, 10.7, 8 -> 5, 11, 8.
+        assert shares == pytest.approx([5 / 24, 11 / 24, 8 / 24])
+        stubs["b:1"].down = True
+        clock.advance(GRACE)
+        pool.update_weights(3, "/w/v3")  # b fails the push: it leaves
+        stubs["b:1"].down, stubs["b:1"].server_id = False, "b:1-2"  # back as another server
+        clock.advance(RETRY_MAX)
+        pool.maintain()
+        push = stubs["b:1"].rpcs("UpdateWeights")[-1]  # the rejoin's (the failed one before)
+        assert push.version == 3 and push.new_admission_epoch
+        # b measured again (the mean of a's 500 and c's unknown: 500): equal with a; c the same.
+        assert push.admission_share == pytest.approx(8 / 24)
 
 
 def test_a_down_server_is_probed_with_backoff_and_rejoins_with_the_current_weights(fleet, caplog):

@@ -1,8 +1,9 @@
 """The simulated fleet (`tests/fleet_sim.py`) under the admission the servers and the pool run
 (`rollout_api.admission`, docs/DESIGN.md §6.3): every step checked for exactly-once and no
 trained group older than `max_staleness`; stale drops at most 2% of the trained groups in steady
-state with 1, 2 and 4 servers, generation faster and slower than a step; throughput at least 90%
-of what the live servers (or the trainer) can do; liveness through runs of skipped steps; kills,
+state with 1, 2 and 4 servers, generation faster and slower than a step, servers of equal and
+unequal speed and one that slows down mid-run; throughput at least 90% of what the live servers
+(or the trainer) can do; liveness through runs of skipped steps; kills,
 SIGTERM drains, rejoins, trainer restarts, lost and delayed Pull replies. The "old" rule (a model
 of the one before) is run where it shows what changed."""
 
@@ -16,15 +17,18 @@ LENGTHS = (50, 150)  # completion tokens, uniform: the longest three times the s
 STEPS = 120
 
 
-def _fleet(k: int, gen: float, *, rule: str = "new", slow: float = 1.0, **kw) -> FleetSim:
+def _fleet(
+    k: int, gen: float, *, rule: str = "new", slow: float = 1.0, shares: str = "measured", **kw
+) -> FleetSim:
     """k servers of 8 slots whose group takes `gen` steps to generate (the first one `slow`
     times as long)."""
     speed = sum(LENGTHS) / 2 / gen
     servers = [(speed / (slow if i == 0 else 1.0), 8, LENGTHS) for i in range(k)]
-    return FleetSim(servers, rule=rule, max_staleness=2, **kw)
+    return FleetSim(servers, rule=rule, shares=shares, max_staleness=2, **kw)
 
 
 def _bound(sim: FleetSim, figures: dict) -> float:
+    """What the live servers together (at their speeds now) or the trainer allow."""
     return min(figures["capacity"], figures["trainer_rate"])
 
 
@@ -111,11 +115,34 @@ def test_lost_pull_replies_lose_nothing():
 
 @pytest.mark.parametrize("gen", [0.3, 3.0], ids=["gen-faster", "gen-slower"])
 @pytest.mark.parametrize("k", [2, 4])
-def test_a_server_half_as_fast_wastes_nothing(k, gen):
-    """Equal shares (what the pool sends): no waste, but while generation is the bottleneck the
-    fleet runs at k times its slowest server (docs/DESIGN.md §6.5)."""
+def test_a_server_half_as_fast_gets_half_the_work(k, gen):
+    """Shares ∝ the capacity each server measures and reports (docs/DESIGN.md §6.3): the fleet
+    runs at the sum of its servers (or at the trainer's rate), with no stale drops. With equal
+    shares, while generation is the bottleneck, it ran at k times its slowest server."""
     sim = _fleet(k, gen, slow=2.0)
     f = sim.run(STEPS)
     assert f["drops_per_group"] <= 0.02, f
-    slowest = min(s.capacity_rate for s in sim.servers)
-    assert f["groups_per_time"] >= 0.9 * min(k * slowest, f["trainer_rate"]), f
+    assert f["groups_per_time"] >= 0.9 * _bound(sim, f), f
+    shares = sim.shares()
+    assert shares["s1"] == pytest.approx(2 * shares["s0"], rel=0.2), shares
+    if gen > 1:
+        equal = _fleet(k, gen, slow=2.0, shares="equal")
+        e = equal.run(STEPS)
+        assert e["groups_per_time"] < 0.7 * _bound(equal, e), e
+
+
+@pytest.mark.parametrize("gen", [0.3, 3.0], ids=["gen-faster", "gen-slower"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_a_server_that_slows_down_mid_run_gets_less(k, gen):
+    """The first server drops to half its speed at step 30: its measure follows within a few
+    windows, its share with the next push, and from step 70 on the fleet again runs at the sum
+    of its servers with no stale drops."""
+    sim = _fleet(k, gen)
+    sim.run(30)
+    sim.set_speed("s0", sim.servers[0].speed / 2)
+    f = sim.run(STEPS + 40, warmup=70)
+    assert f["drops_per_group"] <= 0.02, f
+    assert f["groups_per_time"] >= 0.9 * _bound(sim, f), f
+    if k > 1:
+        shares = sim.shares()
+        assert shares["s1"] == pytest.approx(2 * shares["s0"], rel=0.2), shares
