@@ -3,16 +3,21 @@ deterministic fleet simulator of the tests (`tests/fleet_sim.py`): stale drops p
 trained groups and tokens per unit of time, and the mean completion length of the dropped groups
 against the trained ones (the length bias of dropping by the oldest token), for 1, 2 and 4
 servers with generation faster and slower than a train step, servers of equal and unequal speed,
-weight pushes slower than a step (the issue's regime), a SIGTERM drain and a kill/rejoin.
+weight pushes slower than a step (the issue's regime), a SIGTERM drain and a kill/rejoin; then
+the shares alone (issue 33 item 5): equal shares against shares that follow the capacity each
+server measures, with servers of equal and unequal speed and one that slows down mid-run.
 
     PYTHONPATH=$PWD python benchmarks/fleet_sim.py [--steps 200]
 
 Units: a train step takes 1; a group of 4 samples of 50–150 tokens (uniform) takes `gen` steps on
 a server of 8 slots (the first server twice as long in the "unequal" rows); weights reach the
 servers 0.2 steps after the step (1.5 in the "push 1.5" rows); max_staleness 2, 8 groups per
-batch. "before" is `tests.fleet_sim.OldAdmission` (the rule of commit 48471f2 with the pool's
-plain rotation, and no push on a skipped step); "after" is what the servers and the pool run now.
-Figures are over the steps after the 10th (after the 80th for the fault rows). Prints Markdown.
+batch. In the first table "before" is `tests.fleet_sim.OldAdmission` (the rule of commit 48471f2
+with the pool's plain rotation and equal shares, and no push on a skipped step); "after" is what
+the servers and the pool run now. In the second, both run the rule of now, "before" with equal
+shares (1/k), "after" with measured ones. Figures are over the steps after the 10th (after the
+80th for the fault rows; after the 70th for the "slows down" rows, whose first server drops to
+half its speed at step 30). Prints Markdown.
 """
 
 from __future__ import annotations
@@ -31,17 +36,21 @@ def fleet(k: int, gen: float, rule: str, *, slow: float = 1.0, **kw) -> FleetSim
     return FleetSim(servers, rule=rule, max_staleness=2, **kw)
 
 
-def scenario(name: str, rule: str, steps: int) -> dict:
-    """One row's figures."""
+def scenario(name: str, rule: str, steps: int, shares: str = "measured") -> dict:
+    """One row's figures (`rule` "old" or "new"; `shares` "equal" or "measured")."""
     kind, _, rest = name.partition(":")
     k, gen = int(rest.split(",")[0]), float(rest.split(",")[1])
     if kind == "equal":
-        return fleet(k, gen, rule).run(steps)
+        return fleet(k, gen, rule, shares=shares).run(steps)
     if kind == "unequal":
-        return fleet(k, gen, rule, slow=2.0).run(steps)
+        return fleet(k, gen, rule, slow=2.0, shares=shares).run(steps)
     if kind == "push 1.5":
-        return fleet(k, gen, rule, push_delay=1.5).run(steps)
-    sim = fleet(k, gen, rule)
+        return fleet(k, gen, rule, push_delay=1.5, shares=shares).run(steps)
+    sim = fleet(k, gen, rule, shares=shares)
+    if kind == "slows down":
+        sim.run(30)
+        sim.set_speed("s0", sim.servers[0].speed / 2)
+        return sim.run(steps + 60, warmup=70)
     if kind == "kill/rejoin":
         sim.run(30)
         sim.kill("s1")
@@ -69,9 +78,35 @@ ROWS = [
     "skipped 20-60:2,0.3",
 ]
 
+SHARE_ROWS = [
+    *(f"{kind}:{k},{gen}" for kind in ("equal", "unequal") for gen in (0.3, 3.0) for k in (2, 4)),
+    *(f"slows down:{k},{gen}" for gen in (0.3, 3.0) for k in (1, 2, 4)),
+]
+
 
 def _fmt(x: float, digits: int = 3) -> str:
     return "–" if isinstance(x, float) and math.isnan(x) else f"{x:.{digits}f}"
+
+
+def shares_table(steps: int) -> None:
+    """Equal shares against measured ones, under the admission rule of now."""
+    print(
+        "| scenario (servers, gen / step) | stale drops / trained group, equal → measured | "
+        "trained tokens / unit, equal → measured | of the bound, equal → measured | "
+        "first server's share, measured |"
+    )
+    print("| --- | --- | --- | --- | --- |")
+    for name in SHARE_ROWS:
+        b = scenario(name, "new", steps, shares="equal")
+        a = scenario(name, "new", steps)
+        bound = min(a["capacity"], a["trainer_rate"])
+        print(
+            f"| {name} | {_fmt(b['drops_per_group'])} → {_fmt(a['drops_per_group'])} | "
+            f"{_fmt(b['tokens_per_time'], 0)} → {_fmt(a['tokens_per_time'], 0)} | "
+            f"{b['groups_per_time'] / bound:.0%} → {a['groups_per_time'] / bound:.0%} | "
+            f"{a['share_s0']:.3f} |",
+            flush=True,
+        )
 
 
 def cli() -> None:
@@ -104,6 +139,8 @@ def cli() -> None:
             f"{_fmt(a['len_dropped'], 0)} / {_fmt(a['len_trained'], 0)} |",
             flush=True,
         )
+    print()
+    shares_table(args.steps)
 
 
 if __name__ == "__main__":

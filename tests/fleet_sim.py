@@ -476,6 +476,7 @@ class FleetSim:
             "lost": st.lost - base.lost,
             "capacity": sum(s.capacity_rate for s in self.servers if s.up),
             "trainer_rate": self.batch_groups / self.step_time,
+            "share_s0": self.shares().get("s0", 0.0),
         }
 
     # Scripted faults.
