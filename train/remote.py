@@ -2,16 +2,12 @@
 steps 1 and 6, pull and push): pulling groups and pushing weights over gRPC.
 
 Knows the servers only through the generated proto client. The fleet is elastic (docs/DESIGN.md
-§6.5): each server is *up* (pulled in turn, pushed to) or *down*. A server whose calls keep
-failing for ``grace_s`` (or whose weight push fails: it missed a version) leaves the rotation and
-the push set with one log line, and the run goes on with the others; a down server is probed
-(Health) with exponential backoff capped at ``retry_max_s``, and when it answers it first gets the
-current weights (the last pushed version, with a new admission epoch) and then rejoins, with one
-log line. ``update_weights`` never waits for a down server. Servers listed in ``servers_file``
-(re-read every few seconds) join the same way, and leave when their line goes. A server that
-answers "draining" (SIGTERM, a preemption notice) gets no more weights nor share, is pulled until
-it has nothing left and then leaves at once, with one log line and no grace. The pool gives up
-(``ServersDownError``) only when no server has answered for ``server_wait_s``. Each push tells
+§6.5): which servers are up, their failure streaks, probes, rejoins, the ``servers_file`` and
+giving up (``ServersDownError``) are ``train.membership.Membership``, which ``ServerPool``
+extends; a rejoining server first gets the current weights (the last pushed version, with a new
+admission epoch) here (``_rejoin``). ``update_weights`` never waits for a down server. A server
+that answers "draining" (SIGTERM, a preemption notice) gets no more weights nor share, is pulled
+until it has nothing left and then leaves at once (``_drained``). Each push tells
 every server its share of the fleet's admission budget, in proportion to the capacity each
 reports on its Pull replies (``rollout_api.admission.fleet_shares``; 1/k with k servers up while
 none is known), so k servers run ahead by what one would alone and a server half as fast gets
@@ -34,73 +30,28 @@ server, a new ``server_id``); ``flush_acks`` sends the rest with the Ack RPC.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 
 import grpc
 
 from rollout_api.admission import FleetQuota, fleet_shares
-from rollout_api.client import bearer_metadata, connect, is_draining
+from rollout_api.client import connect, is_draining
 from rollout_api.proto import rollout_pb2
 from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
+from train.membership import Member, Membership
 
 log = logging.getLogger("train")
 
-# Status codes that mean "not reachable right now"; anything else is a real error.
-_TRANSIENT = (
-    grpc.StatusCode.UNAVAILABLE,
-    grpc.StatusCode.DEADLINE_EXCEEDED,
-    grpc.StatusCode.CANCELLED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-)
-# gRPC reports a message over the size limit (either way) as RESOURCE_EXHAUSTED with this text.
-_TOO_LARGE = "larger than max"
 # Deadline of one RPC beyond what the request itself waits for.
 _PULL_SLACK_S = 30.0
 _UPDATE_WEIGHTS_S = 120.0
-_HEALTH_S = 10.0
-_PROBE_S = 5.0  # deadline of a probe of a down server
-_FIRST_BACKOFF_S = 0.5
-_FILE_POLL_S = 3.0  # how often servers_file is re-read
-_MAINTAIN_S = 0.2  # the background thread's turn
+_ACK_S = 10.0
 _FALLBACK_MIN_S = 1.0  # the least a batch waits for the servers' quotas (FleetQuota.fallback_s)
 
 
-class ServersDownError(RuntimeError):
-    """No rollout server answered for ``server_wait_s`` seconds."""
-
-
-class MessageTooLargeError(RuntimeError):
-    """A request or reply exceeded the gRPC message limit (``server.max_message_bytes``)."""
-
-
-@dataclasses.dataclass(eq=False)
-class _Server:
-    """One rollout server as the pool sees it (mutable; guarded by the pool's lock)."""
-
-    address: str
-    index: int  # stable for the pool's life: its metric is pulled_<index>
-    channel: grpc.Channel
-    stub: object
-    from_file: bool = False
-    up: bool = True
-    failing_since: float | None = None  # first failure of the current streak, while up
-    next_probe: float = 0.0
-    backoff: float = _FIRST_BACKOFF_S
-    reason: str = ""  # why it is down (logged when it changes)
-    draining: bool = False  # it drains (SIGTERM): no weights, no share; probes quiet until back
-    server_id: str = ""
-    pulled: int = 0
-    rate: float = 0.0  # its capacity, as its last Pull reply said (0 = not known)
-    # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
-    acks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    rejects: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-
-
-class ServerPool:
+class ServerPool(Membership):
     """Rollout servers, pulled from in turn, each up or down (see the module docstring).
 
     Args:
@@ -154,62 +105,32 @@ class ServerPool:
         batch_groups: int = 0,
         max_staleness: int | None = None,
     ):
-        if not addresses and not servers_file:
-            raise ValueError("ServerPool needs at least one address or a servers_file")
+        super().__init__(
+            addresses,
+            token=token,
+            root_certificates=root_certificates,
+            max_message_bytes=max_message_bytes,
+            retry_max_s=retry_max_s,
+            server_wait_s=server_wait_s,
+            grace_s=grace_s,
+            servers_file=servers_file,
+            on_retry=on_retry,
+            clock=clock,
+            sleep=sleep,
+            connect=connect,
+        )
         self._token = token
-        self._metadata = bearer_metadata(token)
         self._run_id = run_id
-        self._certificates = root_certificates
-        self._max_message_bytes = max_message_bytes
-        self._retry_max_s = retry_max_s
-        self._server_wait_s = server_wait_s
-        self._grace_s = grace_s
-        self._servers_file = servers_file
-        self._on_retry = on_retry
-        self._retry_lock = threading.Lock()
-        self._clock, self._sleep = clock, sleep
-        self._connect = connect
-        self._lock = threading.RLock()
-        self._servers: list[_Server] = []
-        self._count = 0  # servers ever added: the next index
-        for address in addresses:
-            self._add(address, up=True)
         self._next = 0
         self._seats = 0 if max_staleness is None else (max_staleness + 1) * batch_groups
         self._quota = (
             FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
         )
         self._trainer_version = 0  # the newest version a Pull named
-        self._origin: dict[str, _Server] = {}  # group key -> the server it came from, until acked
+        self._origin: dict[str, Member] = {}  # group key -> the server it came from, until acked
         # The last pushed (version, path, base_path): what a rejoining server gets.
         self._weights: tuple[int, str, str] | None = None
-        self._failing_since: float | None = None  # no server has answered since
-        self._file_read_at: float | None = None
-        self._file_error = ""
-        self._error: BaseException | None = None  # raised by the background thread
-        self._closed = threading.Event()
-        self._thread = None
-        if servers_file:
-            self._read_servers_file()
-        if background:
-            self._thread = threading.Thread(target=self._run, name="server-pool", daemon=True)
-            self._thread.start()
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        """Every server's address, up or down."""
-        with self._lock:
-            return tuple(s.address for s in self._servers)
-
-    def close(self) -> None:
-        """Stops the background thread and closes the channels (call ``flush_acks`` first to
-        send pending acknowledgements)."""
-        self._closed.set()
-        if self._thread is not None:
-            self._thread.join(timeout=_PROBE_S + 5)
-        with self._lock:
-            for s in self._servers:
-                s.channel.close()
+        self._start(background)
 
     def __enter__(self) -> ServerPool:
         return self
@@ -249,7 +170,7 @@ class ServerPool:
           MessageTooLargeError: the request or the reply is over ``max_message_bytes``.
           grpc.RpcError: a non-transient error (the server refused the request).
         """
-        backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
+        backoff = self._first_backoff()
         failed: set[int] = set()
         while True:
             self._raise_background_error()
@@ -341,7 +262,7 @@ class ServerPool:
                 run_id=self._run_id,
             )
             try:
-                server.stub.Ack(request, timeout=_HEALTH_S, metadata=self._metadata)
+                server.stub.Ack(request, timeout=_ACK_S, metadata=self._metadata)
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "Ack", e)
                 log.warning("Ack to rollout server %s failed: %s", server.address, e.code().name)
@@ -408,46 +329,6 @@ class ServerPool:
             with self._lock:
                 self._answered(server)
 
-    def versions(self) -> list[int]:
-        """The weights version of every server that answers (waiting for at least one; a server
-        that does not answer within ``grace_s`` leaves, and joins when it does).
-
-        Raises:
-          ServersDownError: no server answered for ``server_wait_s``.
-        """
-        answered: dict[int, int] = {}
-        backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
-        while True:
-            self._raise_background_error()
-            if self._thread is None:
-                self.maintain()
-            with self._lock:
-                waiting = [s for s in self._servers if s.up and s.index not in answered]
-            for server in waiting:
-                started = self._clock()
-                try:
-                    reply = server.stub.Health(
-                        rollout_pb2.HealthRequest(), timeout=_HEALTH_S, metadata=self._metadata
-                    )
-                except grpc.RpcError as e:
-                    self._raise_unless_transient(server, "Health", e)
-                    self._failed(server, f"Health: {e.code().name}", started)
-                    continue
-                with self._lock:
-                    self._answered(server)
-                    server.server_id = reply.server_id or server.server_id
-                answered[server.index] = int(reply.version)
-            with self._lock:
-                left = [s for s in self._servers if s.up and s.index not in answered]
-            if answered and not left:
-                return list(answered.values())
-            if not answered and not left:
-                self._wait_for_a_server()
-                continue
-            self._check_servers_down()
-            self._sleep(backoff)
-            backoff = min(2 * backoff, self._retry_max_s)
-
     # Health.
 
     def metrics(self) -> dict[str, float]:
@@ -458,61 +339,7 @@ class ServerPool:
             out.update({f"pulled_{s.index}": s.pulled for s in self._servers})
             return out
 
-    def maintain(self) -> None:
-        """One round of the fleet's upkeep: re-reads ``servers_file`` when due, probes the down
-        servers whose backoff has passed and brings back those that answer."""
-        now = self._clock()
-        if self._servers_file and (
-            self._file_read_at is None or now - self._file_read_at >= _FILE_POLL_S
-        ):
-            self._read_servers_file()
-        with self._lock:
-            due = [s for s in self._servers if not s.up and s.next_probe <= now]
-        for server in due:
-            self._probe(server)
-
-    def _run(self) -> None:
-        while not self._closed.wait(_MAINTAIN_S):
-            try:
-                self.maintain()
-            except BaseException as e:  # e.g. on_retry gave up: surfaces in the next pull
-                self._error = e
-                return
-
-    def _probe(self, server: _Server) -> None:
-        """Health of a down server; when it answers, ``_rejoin``."""
-        try:
-            reply = server.stub.Health(
-                rollout_pb2.HealthRequest(), timeout=_PROBE_S, metadata=self._metadata
-            )
-            if not reply.live:
-                raise _NotLive()
-        except (grpc.RpcError, _NotLive) as e:
-            code = e.code().name if isinstance(e, grpc.RpcError) else "not live"
-            with self._lock:
-                self._note_failure()
-                self._schedule_probe(server, f"Health: {code}")
-            self._retry_hook()
-            return
-        with self._lock:
-            self._answered(server)
-            if server.server_id and reply.server_id and reply.server_id != server.server_id:
-                dropped = len(server.acks) + len(server.rejects)
-                if dropped:
-                    log.warning(
-                        "rollout server %s came back as another server (id %s, was %s): %d "
-                        "acknowledgements for the old one dropped",
-                        server.address,
-                        reply.server_id,
-                        server.server_id,
-                        dropped,
-                    )
-                server.acks, server.rejects = [], []
-                server.rate = 0.0  # another server: its capacity is measured again
-            server.server_id = reply.server_id or server.server_id
-        self._rejoin(server, int(reply.version))
-
-    def _rejoin(self, server: _Server, version: int) -> None:
+    def _rejoin(self, server: Member, version: int) -> None:
         """Pushes the current weights to ``server`` (a new admission epoch: what it generated
         before counts no more), then puts it back in the rotation; until the first push it
         joins as it is."""
@@ -552,46 +379,7 @@ class ServerPool:
                     self._join(server, f"at weights version {current}")
                     return
 
-    def _join(self, server: _Server, how: str) -> None:
-        server.up, server.failing_since, server.reason = True, None, ""
-        server.draining = False
-        server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
-        log.info(
-            "rollout server %s joined %s (%d up)",
-            server.address,
-            how,
-            sum(s.up for s in self._servers),
-        )
-
-    def _leave(self, server: _Server, reason: str) -> None:
-        if not server.up:
-            return
-        server.up, server.failing_since = False, None
-        server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
-        server.next_probe = self._clock() + server.backoff
-        server.reason = reason
-        log.warning(
-            "rollout server %s left the rotation: %s (%d up); probing it until it answers",
-            server.address,
-            reason,
-            sum(s.up for s in self._servers),
-        )
-
-    def _note_draining(self, server: _Server) -> None:
-        """``server`` drains (SIGTERM, a preemption notice): no more weights go to it and its
-        share goes to the others with the next push; it stays in the pull rotation until a Pull
-        finds nothing left (``_drained``). One log line, the first time."""
-        if server.draining:
-            return
-        server.draining = True
-        log.warning(
-            "rollout server %s is draining (it got SIGTERM: a preemption notice): it leaves "
-            "once its groups are pulled, and is probed until it answers again (%d up)",
-            server.address,
-            sum(s.up and not s.draining for s in self._servers),
-        )
-
-    def _drained(self, server: _Server) -> None:
+    def _drained(self, server: Member) -> None:
         """A Pull found a draining ``server`` with nothing left: it leaves at once (no grace, no
         failure streak; logged once, by ``_note_draining``), and the acknowledgements it waits
         for that the Pull did not carry are sent now, in one Ack. Those that fail wait for it to
@@ -600,9 +388,7 @@ class ServerPool:
             self._answered(server)
             self._note_draining(server)
             if server.up:
-                server.up, server.failing_since = False, None
-                server.backoff = min(_FIRST_BACKOFF_S, self._retry_max_s)
-                server.next_probe = self._clock() + server.backoff
+                self._take_out(server)
             acks = self._pending(server, server.acks)
             rejects = self._pending(server, server.rejects)
         if not (acks or rejects):
@@ -613,77 +399,14 @@ class ServerPool:
             run_id=self._run_id,
         )
         try:
-            server.stub.Ack(request, timeout=_HEALTH_S, metadata=self._metadata)
+            server.stub.Ack(request, timeout=_ACK_S, metadata=self._metadata)
         except grpc.RpcError:
             return
         with self._lock:
             server.acks = [a for a in server.acks if a not in set(acks)]
             server.rejects = [r for r in server.rejects if r not in set(rejects)]
 
-    def _schedule_probe(self, server: _Server, reason: str) -> None:
-        """The next probe of a down server, after its backoff (which doubles, up to
-        ``retry_max_s``); a new reason is logged once."""
-        if reason != server.reason and not server.draining:
-            log.warning("rollout server %s stays out: %s", server.address, reason)
-            server.reason = reason
-        server.next_probe = self._clock() + server.backoff
-        server.backoff = min(2 * server.backoff, self._retry_max_s)
-
-    def _failed(self, server: _Server, reason: str, started: float) -> None:
-        """A call to an up server, made at ``started``, failed: the server leaves once it has
-        failed for ``grace_s`` (a call that hung that long leaves at once)."""
-        with self._lock:
-            self._note_failure()
-            now = self._clock()
-            if server.up and server.failing_since is None:
-                server.failing_since = started
-                log.warning(
-                    "rollout server %s is down (%s); it leaves the rotation unless it answers "
-                    "within %.0fs",
-                    server.address,
-                    reason,
-                    self._grace_s,
-                )
-            if server.up and now - server.failing_since >= self._grace_s:
-                self._leave(server, reason)
-        self._retry_hook()
-
-    def _retry_hook(self) -> None:
-        """``on_retry``, on one thread at a time (the loop's pulls and the probes both call it:
-        a crashed local child must be started once)."""
-        if self._on_retry is not None:
-            with self._retry_lock:
-                self._on_retry()
-
-    def _answered(self, server: _Server) -> None:
-        server.failing_since = None
-        self._failing_since = None
-
-    def _note_failure(self) -> None:
-        if self._failing_since is None:
-            self._failing_since = self._clock()
-
-    def _check_servers_down(self) -> None:
-        """Raises ServersDownError once no server has answered for ``server_wait_s``."""
-        with self._lock:
-            self._note_failure()
-            silent = self._clock() - self._failing_since
-            addresses = [s.address for s in self._servers]
-        if silent > self._server_wait_s:
-            raise ServersDownError(
-                f"no rollout server answered for {self._server_wait_s:.0f}s "
-                f"(train.client.wait_s): {addresses or 'none listed'}"
-            )
-
-    def _wait_for_a_server(self) -> None:
-        """No server is up: waits a little (for the probes), or raises ServersDownError."""
-        self._check_servers_down()
-        with self._lock:
-            due = [s.next_probe for s in self._servers if not s.up]
-        wait = min(due, default=self._clock() + _FILE_POLL_S) - self._clock()
-        self._sleep(min(max(wait, 0.05), self._retry_max_s, _MAINTAIN_S * 5))
-
-    def _pick(self, up: list[_Server], trainer_version: int) -> tuple[_Server | None, int | None]:
+    def _pick(self, up: list[Member], trainer_version: int) -> tuple[Member | None, int | None]:
         """The next server to pull and the most groups to take from it (None = no limit): in
         turn, or, with quotas and a trainer version, in ``FleetQuota.order`` (in turn among the
         servers it names)."""
@@ -708,11 +431,11 @@ class ServerPool:
         self._next = (self._next + 1) % len(names)
         return by_address[address], order[address]
 
-    def _shares(self, up: Sequence[_Server]) -> dict[str, float]:
+    def _shares(self, up: Sequence[Member]) -> dict[str, float]:
         """Each server's part of a batch: ∝ its reported capacity (``fleet_shares``)."""
         return fleet_shares({s.address: s.rate for s in up}, seats=self._seats)
 
-    def _pending(self, server: _Server, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
+    def _pending(self, server: Member, items: list[tuple[str, int]]) -> list[tuple[str, int]]:
         """The acknowledgements to send ``server`` now (at most 4096): those for another
         incarnation of it (another ``server_id``) are dropped."""
         if server.server_id:
@@ -735,80 +458,3 @@ class ServerPool:
             run_id=self._run_id,
             admission_share=share,
         )
-
-    def _raise_background_error(self) -> None:
-        if self._error is not None:
-            raise self._error
-
-    # The servers file.
-
-    def _add(self, address: str, *, up: bool, from_file: bool = False) -> _Server:
-        channel, stub = self._connect(
-            address, self._max_message_bytes, root_certificates=self._certificates
-        )
-        server = _Server(
-            address=address,
-            index=self._count,
-            channel=channel,
-            stub=stub,
-            from_file=from_file,
-            up=up,
-            next_probe=self._clock(),
-            backoff=min(_FIRST_BACKOFF_S, self._retry_max_s),
-        )
-        self._count += 1
-        self._servers.append(server)
-        return server
-
-    def _read_servers_file(self) -> None:
-        """Adds the new lines of ``servers_file`` (down: probed at once, then they join) and
-        removes the servers whose lines are gone."""
-        self._file_read_at = self._clock()
-        try:
-            with open(self._servers_file) as f:
-                lines = [line.split("#", 1)[0].strip() for line in f]
-        except OSError as e:
-            if str(e) != self._file_error:
-                log.warning("cannot read train.client.servers_file: %s; keeping its servers", e)
-                self._file_error = str(e)
-            return
-        self._file_error = ""
-        listed = []
-        for line in lines:
-            host, sep, port = line.rpartition(":")
-            if not line:
-                continue
-            if not sep or not host or not port.isdigit():
-                log.warning(
-                    "train.client.servers_file %s: %r is not host:port", self._servers_file, line
-                )
-                continue
-            listed.append(line)
-        with self._lock:
-            static = {s.address for s in self._servers if not s.from_file}
-            known = {s.address: s for s in self._servers if s.from_file}
-            for address in dict.fromkeys(listed):
-                if address not in known and address not in static:
-                    self._add(address, up=False, from_file=True)
-                    log.info("rollout server %s listed in %s", address, self._servers_file)
-            for address, server in known.items():
-                if address not in listed:
-                    if server.up:
-                        self._leave(server, f"removed from {self._servers_file}")
-                    self._servers.remove(server)
-                    server.channel.close()
-
-    def _raise_unless_transient(self, server: _Server, rpc: str, error: grpc.RpcError) -> None:
-        code, details = error.code(), error.details() or ""
-        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in details:
-            raise MessageTooLargeError(
-                f"{rpc} with rollout server {server.address}: a message is over the gRPC limit "
-                f"of {self._max_message_bytes} bytes ({details}); raise server.max_message_bytes "
-                "(it sets the limit of the trainer and of the servers)"
-            ) from error
-        if code not in _TRANSIENT:
-            raise error
-
-
-class _NotLive(Exception):
-    """A server answered Health with live = false (its loop or driver stopped)."""

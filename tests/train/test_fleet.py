@@ -15,7 +15,8 @@ import pytest
 
 from rollout_api.proto import rollout_pb2
 from tests.clock import FakeClock
-from train.remote import ServerPool, ServersDownError
+from train.membership import ServersDownError
+from train.remote import ServerPool
 
 GRACE, WAIT, RETRY_MAX = 5.0, 60.0, 4.0
 

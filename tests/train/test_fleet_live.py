@@ -38,7 +38,8 @@ from tests.train.conftest import JAX_CACHE
 from tests.train.test_main import CONFIG, PacedStep, _loop_parts, _push_to, _random_params
 from train import checkpointing, main, metrics, setup, weight_sync
 from train.local_server import LocalServer
-from train.remote import ServerPool, ServersDownError
+from train.membership import ServersDownError
+from train.remote import ServerPool
 
 pytestmark = pytest.mark.slow
 

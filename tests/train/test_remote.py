@@ -15,7 +15,8 @@ import pytest
 from rollout_api import records
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from tests.clock import FakeClock
-from train.remote import MessageTooLargeError, ServerPool, ServersDownError
+from train.membership import MessageTooLargeError, ServersDownError
+from train.remote import ServerPool
 
 MiB = 1024 * 1024
 

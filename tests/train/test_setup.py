@@ -11,7 +11,7 @@ import pytest
 from sat_jax import sharding
 from sat_jax.experiment import load_config
 from tests.train.test_remote import FakeRollout, serve
-from train import remote, setup
+from train import membership, setup
 
 MiB = 1024 * 1024
 
@@ -137,6 +137,7 @@ def test_connect_passes_every_server_setting_of_the_config(monkeypatch, tmp_path
         background=True,
         on_retry=None,
         batch_groups=cfg.rollout.batch_groups,
+        max_staleness=cfg.rollout.max_staleness,
     )
 
 
@@ -178,5 +179,7 @@ def test_the_configured_message_limit_reaches_the_pool(limit_mib, fits):
             if fits:
                 assert len(pool.pull(1, timeout_s=1.0)) == 1
             else:
-                with pytest.raises(remote.MessageTooLargeError, match="server.max_message_bytes"):
+                with pytest.raises(
+                    membership.MessageTooLargeError, match="server.max_message_bytes"
+                ):
                     pool.pull(1, timeout_s=1.0)
