@@ -1,10 +1,14 @@
 """The rollout loop: prompts (grain) → G samples each → rewards → finished groups in a queue.
+Generating the samples (the driver, episodes, sessions, the group records and the capacity
+measure) is `rollout_server.generation.GroupGeneration`, which `RolloutLoop` extends with
+admission, delivery and persistence.
 
 Admission (docs/DESIGN.md §6.3) is `rollout_api.admission.ServerAdmission`, one pure module that
 states its guarantees: a new group starts only while the groups outstanding (running, queued,
 leased) stay under (max_staleness + 1 − lead) · share · batch_groups, where lead is how many
 versions the trainer (its version rides on every Pull) is ahead of the weights this server holds,
-and `share` this server's part of the fleet's batch (sent with every push); finished groups are
+and `share` this server's part of the fleet's batch (sent with every push, ∝ the capacity this
+server measures and reports on every Pull reply); finished groups are
 handed out oldest-admitted first; and queued + running stays within the queue's capacity, so the
 queue never overflows. An admission epoch starts at the first trainer weights a server installs
 and at every `UpdateWeights` with `new_admission_epoch` (the trainer sets it when it connects,
@@ -34,64 +38,30 @@ until one succeeds.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import grain
 
 from rollout_api import records
-from rollout_api.admission import RateMeter, ServerAdmission
+from rollout_api.admission import ServerAdmission
 from rollout_api.proto import rollout_pb2
-from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
+from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
+from rollout_server.generation import GroupGeneration, RunningGroup, SessionSource
 from rollout_server.group_queue import GroupQueue
 from rollout_server.persistence import RolloutState, StateStore, new_server_id
 from sat_jax.config import RolloutConfig
-from sat_jax.decoding import SamplingConfig
-from sat_jax.tasks import Prompt, Tokenizer
-from sat_jax.tasks.envs import EnvError, Episode, EpisodeRunner
+from sat_jax.tasks import Tokenizer
+from sat_jax.tasks.envs import EnvError, EpisodeRunner
 from sat_jax.tasks.rewards import RewardFn
 
 log = logging.getLogger(__name__)
 
-_MAX_FAILURES = 3  # failed samples per group before the group is dropped
-
-
-@dataclasses.dataclass
-class _RunningGroup:
-    record: dict[str, Any]
-    prompt_ids: list[int]
-    samples: dict[int, FinishedSample] = dataclasses.field(default_factory=dict)
-    failures: int = 0
-    # Multi-turn: each sample's episode, and the samples whose environment failed mid-episode.
-    episodes: dict[int, Episode] = dataclasses.field(default_factory=dict)
-    env_failed: set[int] = dataclasses.field(default_factory=set)
-    seq: int = 0  # the state snapshot that holds its dispatch (`StateStore.submit`)
-
-
-_TURN = object()  # marks an ended turn in the loop's queue
 _HOLD_POLL_S = 0.01  # a Pull whose groups are held back looks again this often
-_RATE_WINDOW_S = 5.0  # the busy time one capacity measurement spans (`RateMeter`)
-
-
-class SessionSource(Protocol):
-    """Where admitted samples go when external agents play them (`sessions.SessionManager`)."""
-
-    def offer(
-        self,
-        prompt: Prompt,
-        tag: tuple[int, int],
-        done: Callable[[tuple[int, int], FinishedSample | None], None],
-    ) -> Any: ...
-
-
-def _prompt(record: dict[str, Any]) -> Prompt:
-    return Prompt(id=record["id"], text=record["text"], answer=record["answer"])
 
 
 class RunNotAttachedError(RuntimeError):
@@ -99,8 +69,9 @@ class RunNotAttachedError(RuntimeError):
     active."""
 
 
-class RolloutLoop:
-    """Runs in its own thread beside the JetStream driver threads.
+class RolloutLoop(GroupGeneration):
+    """Runs in its own thread beside the JetStream driver threads; the samples of its groups
+    are `GroupGeneration`'s (`rollout_server.generation`).
 
     Args:
       driver: the running `RolloutDriver`.
@@ -131,10 +102,8 @@ class RolloutLoop:
         returns the session (which has the `reward`, like an episode) and later calls
         `done(tag, sample or None)`; a None sample is sampled again, as a failed one is.
 
-    The loop measures the server's capacity (`rollout_api.admission.RateMeter`: tokens per
-    second with every slot busy, from the driver's token count and the samples in flight, at
-    most the engine's `max_concurrent_decodes`), which every Pull reply and the Stats report and
-    by which the trainer sets this server's share (docs/DESIGN.md §6.3).
+    The measured capacity (`capacity_tokens_per_s`, `GroupGeneration`) goes out with every
+    Pull reply and the Stats; the trainer sets this server's share by it (docs/DESIGN.md §6.3).
     """
 
     def __init__(
@@ -155,16 +124,21 @@ class RolloutLoop:
         episodes: EpisodeRunner | None = None,
         sessions: SessionSource | None = None,
     ):
-        self._driver, self._engine, self._cfg = driver, engine, cfg
-        self._episodes = episodes
-        self._sessions = sessions
-        self._truncates = SamplingConfig.from_rollout(cfg).truncates
-        self._reward_fn, self._tokenizer, self._store = reward_fn, tokenizer, store
+        super().__init__(
+            driver=driver,
+            engine=engine,
+            cfg=cfg,
+            tokenizer=tokenizer,
+            reward_fn=reward_fn,
+            episodes=episodes,
+            sessions=sessions,
+            clock=clock,
+        )
+        self._store = store
         self.queue = GroupQueue(cfg.queue_groups)
         self._wait_for_weights = wait_for_weights
         self._max_response_bytes = max_response_bytes
         self._lease_s = lease_s
-        self._clock = clock
         # group id -> (the group, when its lease ends), in lease order.
         self._leased: dict[int, tuple[rollout_pb2.Group, float]] = {}
         # Queued groups whose dispatch was not on disk yet when they finished: id -> snapshot.
@@ -189,13 +163,8 @@ class RolloutLoop:
             self._iter.set_state(self._state.iterator)
         self._reissue = collections.deque(self._state.unfinished)
         self._unfinished: dict[int, dict[str, Any]] = {}
-        self._running: dict[int, _RunningGroup] = {}
-        self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._draining = False  # `drain`: admission closed for good
-        slots = getattr(engine, "max_concurrent_decodes", 0)  # a test's fake names none
-        self._meter = RateMeter(int(slots), window_s=_RATE_WINDOW_S) if slots else None
         self._thread = threading.Thread(target=self._run, name="rollout-loop", daemon=True)
         self.groups_produced = 0
         self.prompts_drawn = 0
@@ -287,22 +256,6 @@ class RolloutLoop:
                 "admission_open": self._admission_open_locked(),
                 "capacity_tokens_per_s": self.capacity_tokens_per_s,
             }
-
-    @property
-    def capacity_tokens_per_s(self) -> float:
-        """The measured capacity: tokens per second with every slot busy (0 = not measured yet;
-        see `RateMeter`)."""
-        return 0.0 if self._meter is None else self._meter.rate
-
-    def _measure(self) -> None:
-        """One observation for the capacity measure: the driver's token count and the samples
-        in flight now (each holds a slot, or waits for one)."""
-        if self._meter is None:
-            return
-        with self._lock:
-            size = self._cfg.group_size
-            busy = sum(size - len(g.samples) for g in self._running.values())
-            self._meter.observe(self._clock(), self._driver.tokens_generated, busy)
 
     def _admission_open_locked(self) -> bool:
         if self._draining:
@@ -598,11 +551,7 @@ class RolloutLoop:
                 self._state.next_group_id += 1
                 self._state.iterator = self._iter.get_state()
             try:
-                if self._episodes is None:
-                    ids = self._tokenizer.encode_prompt(record["text"])
-                else:  # the opening as the environment renders it (each sample checks its own)
-                    ids = self._episodes.start(_prompt(record))[1]
-                self._engine.check_prompt_length(len(ids))
+                ids = self._opening(record)
             except (ValueError, EnvError) as e:
                 self.prompts_skipped += 1
                 log.warning(
@@ -613,7 +562,7 @@ class RolloutLoop:
                 )
                 self._save_locked()
                 return
-            group = _RunningGroup(record=record, prompt_ids=ids)
+            group = RunningGroup(record=record, prompt_ids=ids)
             self._admission.admit(record["group_id"])
             self._running[record["group_id"]] = group
             self._unfinished[record["group_id"]] = record
@@ -621,123 +570,15 @@ class RolloutLoop:
         for i in range(self._cfg.group_size):
             self._submit(group, i)
 
-    def _submit(self, group: _RunningGroup, index: int) -> None:
-        if self._sessions is not None:
-            group.episodes[index] = self._sessions.offer(
-                _prompt(group.record), (group.record["group_id"], index), self._session_done
-            )
-            return
-        ids, episode = group.prompt_ids, None
-        if self._episodes is not None:
-            try:
-                episode, ids = self._episodes.start(_prompt(group.record))
-                self._engine.check_prompt_length(len(ids))
-            except (ValueError, EnvError) as e:
-                log.warning("cannot start an episode of prompt %s: %s", group.record["id"], e)
-                self._done.put(((group.record["group_id"], index), None))
-                return
-            group.episodes[index] = episode
-        request = RolloutRequest(
-            max_tokens=self._cfg.max_new_tokens
-            if episode is None
-            else self._engine.max_decode_length,
-            return_channel=None,
-            prefill_content=list(ids),
-            is_client_side_tokenization=True,
-            tag=(group.record["group_id"], index),
-            on_done=self._on_done,
-            episode=episode is not None,
-            turn_tokens=self._cfg.max_new_tokens,
-            on_turn=self._on_turn,
-        )
-        self._driver.place_request_on_prefill_queue(request)
-
-    def _session_done(self, tag: tuple[int, int], sample: FinishedSample | None) -> None:
-        self._done.put((tag, sample))
-
-    def _on_done(self, request: RolloutRequest, sample: FinishedSample | None) -> None:
-        # Called on JetStream's detokenize thread: only hand over.
-        self._done.put((request.tag, sample))
-
-    def _on_turn(self, request: RolloutRequest, turn: TurnEnd) -> None:
-        # Called on JetStream's detokenize thread: the environment runs on the loop's thread.
-        self._done.put((_TURN, (request, turn)))
-
-    def _after_turn(self, request: RolloutRequest, turn: TurnEnd) -> None:
-        """Asks the sample's environment about its ended turn and continues or ends the
-        episode; a sample whose group is gone (acknowledged, dropped) just ends, freeing its
-        slot, and one whose environment fails ends and is sampled again."""
-        group_id, index = request.tag
-        group = self._running.get(group_id)
-        episode = None if group is None else group.episodes.get(index)
-        ids = None
-        if episode is not None:
-            try:
-                ids = self._episodes.after_turn(
-                    episode, turn.ids, finish_reason=turn.finish_reason, room=turn.room
-                )
-            except (EnvError, ValueError) as e:
-                log.warning("episode of prompt %s failed: %s", group.record["id"], e)
-                group.env_failed.add(index)
-        if ids is None:
-            self._driver.end_episode(request)
-        else:
-            self._driver.continue_episode(request, ids)
-
-    def _collect(self, timeout_s: float) -> None:
-        try:
-            items = [self._done.get(timeout=timeout_s)]
-        except queue.Empty:
-            return
-        while True:
-            try:
-                items.append(self._done.get_nowait())
-            except queue.Empty:
-                break
-        for tag, sample in items:
-            if tag is _TURN:
-                self._after_turn(*sample)
-                continue
-            group_id, index = tag
-            group = self._running.get(group_id)
-            if group is None:
-                continue
-            if index in group.env_failed:
-                group.env_failed.discard(index)
-                sample = None
-            if sample is None:  # generation failed: sample again, a few times
-                group.failures += 1
-                if group.failures <= _MAX_FAILURES:
-                    self._submit(group, index)
-                    continue
-                log.error(
-                    "dropping prompt %s: %d failed samples", group.record["id"], group.failures
-                )
-                with self._lock:
-                    del self._running[group_id]
-                    self._unfinished.pop(group_id, None)
-                    self._admission.done([group_id])
-                    self.groups_failed += 1
-                    self._save_locked()
-                continue
-            group.samples[index] = sample
-            if len(group.samples) == self._cfg.group_size:
-                self._queue_group(group_id, group)
-
-    def _queue_group(self, group_id: int, group: _RunningGroup) -> None:
+    def _queue_group(self, group_id: int, group: RunningGroup) -> None:
         """Queues a finished group as its proto message: the server's one conversion of its
         records to the wire (`records.to_proto`). A group whose samples do not make a valid record
         (an engine bug) is logged and dropped, as one with too many failed samples is."""
         try:
-            message = records.to_proto(self._finish_group(group))
+            message = records.to_proto(self._group_record(group, self._state.server_id))
         except ValueError:
             log.exception("dropping prompt %s: its samples make no valid group", group.record["id"])
-            with self._lock:
-                del self._running[group_id]
-                self._unfinished.pop(group_id, None)
-                self._admission.done([group_id])
-                self.groups_failed += 1
-                self._save_locked()
+            self._drop_group(group_id)
             return
         with self._lock:
             del self._running[group_id]
@@ -748,47 +589,15 @@ class RolloutLoop:
             self.queue.put(message)
             self.groups_produced += 1
 
-    def _finish_group(self, group: _RunningGroup) -> records.Group:
-        """The group's record: the engine's arrays as they are, with rewards and texts."""
-        record = group.record
-        trajectories = []
-        for i in range(self._cfg.group_size):
-            s = group.samples[i]
-            text = self._tokenizer.decode(s.completion_ids)
-            episode = group.episodes.get(i)
-            trajectories.append(
-                records.Trajectory(
-                    prompt_ids=s.prompt_ids,
-                    completion_ids=s.completion_ids,
-                    behavior_logprobs=s.logprobs,
-                    versions=s.versions,
-                    routing=s.routing,
-                    # Sent only when the sampler truncates: otherwise every count is the whole
-                    # sampleable vocabulary, and the trainer scores over it anyway.
-                    kept_counts=s.kept_counts if self._truncates else None,
-                    reward=self._reward(text, record) if episode is None else episode.reward,
-                    finish_reason=s.finish_reason,
-                    completion_text=text,
-                    loss_mask=s.loss_mask,
-                )
-            )
-        return records.Group(
-            server_id=self._state.server_id,
-            group_id=record["group_id"],
-            prompt_id=record["id"],
-            prompt_text=record["text"],
-            answer=record["answer"],
-            trajectories=tuple(trajectories),
-        )
-
-    def _reward(self, text: str, record: dict[str, Any]) -> float:
-        """The reward; a reward function that raises scores 0 (logged) instead of losing the
-        group."""
-        try:
-            return float(self._reward_fn(text, record["answer"]))
-        except Exception:
-            log.exception("reward failed for prompt %s; scoring 0", record["id"])
-            return 0.0
+    def _drop_group(self, group_id: int) -> None:
+        """Forgets a running group that will not be queued: it leaves admission's count (a
+        replacement may start) and the prompts to re-issue."""
+        with self._lock:
+            del self._running[group_id]
+            self._unfinished.pop(group_id, None)
+            self._admission.done([group_id])
+            self.groups_failed += 1
+            self._save_locked()
 
     def _save_locked(self) -> int:
         """Hands a snapshot of the state to the store's writer and returns its number, which a

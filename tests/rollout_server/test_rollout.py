@@ -15,8 +15,9 @@ import pytest
 from rollout_api.admission import ServerAdmission
 from rollout_api.proto import rollout_pb2
 from rollout_server.engine import MoEEngine
+from rollout_server.generation import RunningGroup
 from rollout_server.persistence import StateStore
-from rollout_server.rollout import RolloutLoop, _RunningGroup
+from rollout_server.rollout import RolloutLoop
 from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.tasks import CharTokenizer, Prompt, exact_match_reward, prompt_dataset
 from sat_jax.tasks.config import TaskConfig
@@ -232,7 +233,7 @@ def test_the_loop_measures_its_capacity_and_reports_it(tmp_path):
     driver = FakeDriver()
     loop = _loop(StateStore(str(tmp_path)), SlotsEngine(), wait=True, driver=driver, clock=clock)
     assert loop.stats()["capacity_tokens_per_s"] == 0.0  # not measured yet
-    loop._running[0] = _RunningGroup(record={}, prompt_ids=[])  # 4 samples in flight
+    loop._running[0] = RunningGroup(record={}, prompt_ids=[])  # 4 samples in flight
     for _ in range(6):
         loop._measure()
         clock.advance(1.0)

@@ -1,0 +1,300 @@
+"""Generating a group's samples (docs/DESIGN.md §6.1, §6.6): each admitted group's G samples go
+to the JetStream driver as single-turn requests, as multi-turn episodes whose turns the
+environment continues (`task.env`), or to external agents as HTTP sessions; finished samples come
+back on one queue, failed ones are sampled again (a few times, then the group is dropped), and a
+complete group becomes its `records.Group` with rewards and texts.
+
+`GroupGeneration` holds this plumbing and the groups running; `rollout_server.rollout.RolloutLoop`
+extends it with admission, delivery and persistence and decides what a finished or dropped group
+means (`_queue_group`, `_drop_group`). The driver's and the sessions' callbacks only hand over
+(they run on JetStream's detokenize thread or an HTTP handler); everything else runs on the
+loop's thread.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from rollout_api import records
+from rollout_api.admission import RateMeter
+from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
+from rollout_server.engine import MoEEngine
+from sat_jax.config import RolloutConfig
+from sat_jax.decoding import SamplingConfig
+from sat_jax.tasks import Prompt, Tokenizer
+from sat_jax.tasks.envs import EnvError, Episode, EpisodeRunner
+from sat_jax.tasks.rewards import RewardFn
+
+log = logging.getLogger(__name__)
+
+_MAX_FAILURES = 3  # failed samples per group before the group is dropped
+_TURN = object()  # marks an ended turn in the loop's queue
+_RATE_WINDOW_S = 5.0  # the busy time one capacity measurement spans (`RateMeter`)
+
+
+@dataclasses.dataclass
+class RunningGroup:
+    """A group being generated: its prompt record and ids, and the samples finished so far."""
+
+    record: dict[str, Any]
+    prompt_ids: list[int]
+    samples: dict[int, FinishedSample] = dataclasses.field(default_factory=dict)
+    failures: int = 0
+    # Multi-turn: each sample's episode, and the samples whose environment failed mid-episode.
+    episodes: dict[int, Episode] = dataclasses.field(default_factory=dict)
+    env_failed: set[int] = dataclasses.field(default_factory=set)
+    seq: int = 0  # the state snapshot that holds its dispatch (`StateStore.submit`)
+
+
+class SessionSource(Protocol):
+    """Where admitted samples go when external agents play them (`sessions.SessionManager`)."""
+
+    def offer(
+        self,
+        prompt: Prompt,
+        tag: tuple[int, int],
+        done: Callable[[tuple[int, int], FinishedSample | None], None],
+    ) -> Any: ...
+
+
+def prompt_of(record: dict[str, Any]) -> Prompt:
+    """The `Prompt` of a dispatched group's record."""
+    return Prompt(id=record["id"], text=record["text"], answer=record["answer"])
+
+
+class GroupGeneration(abc.ABC):
+    """The samples of the groups running (see the module docstring).
+
+    Args:
+      driver: the running `RolloutDriver`.
+      engine: its generate engine (prompt limits, the episode length).
+      cfg: group size, sampling lengths.
+      tokenizer: encodes prompts (`encode_prompt`) and decodes completions.
+      reward_fn: (completion text, answer) -> float, for single-turn samples.
+      episodes: runs multi-turn episodes; None = single-turn samples.
+      sessions: hands each sample to an external agent instead (None = none).
+      clock: the monotonic clock, in seconds, of the capacity measure (and of the subclass).
+
+    It measures the server's capacity (`rollout_api.admission.RateMeter`: tokens per second
+    with every slot busy, from the driver's token count and the samples in flight, at most the
+    engine's `max_concurrent_decodes`; an engine that names none, a test's fake, measures
+    nothing). `_lock` guards the running groups (and whatever the subclass guards with it).
+    """
+
+    def __init__(
+        self,
+        *,
+        driver: RolloutDriver,
+        engine: MoEEngine,
+        cfg: RolloutConfig,
+        tokenizer: Tokenizer,
+        reward_fn: RewardFn,
+        episodes: EpisodeRunner | None,
+        sessions: SessionSource | None,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._driver, self._engine, self._cfg = driver, engine, cfg
+        self._tokenizer, self._reward_fn = tokenizer, reward_fn
+        self._episodes, self._sessions = episodes, sessions
+        self._truncates = SamplingConfig.from_rollout(cfg).truncates
+        self._running: dict[int, RunningGroup] = {}
+        self._done: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._clock = clock
+        slots = getattr(engine, "max_concurrent_decodes", 0)
+        self._meter = RateMeter(int(slots), window_s=_RATE_WINDOW_S) if slots else None
+
+    @abc.abstractmethod
+    def _queue_group(self, group_id: int, group: RunningGroup) -> None:
+        """Every sample of the running `group_id` finished: it leaves the running groups."""
+
+    @abc.abstractmethod
+    def _drop_group(self, group_id: int) -> None:
+        """The running `group_id` will not finish (too many failed samples, or samples that
+        make no valid record): it leaves the running groups."""
+
+    @property
+    def capacity_tokens_per_s(self) -> float:
+        """The measured capacity: tokens per second with every slot busy (0 = not measured yet;
+        see `RateMeter`)."""
+        return 0.0 if self._meter is None else self._meter.rate
+
+    def _measure(self) -> None:
+        """One observation for the capacity measure (the loop's thread calls it every turn):
+        the driver's token count and the samples in flight now (each holds a slot, or waits for
+        one)."""
+        if self._meter is None:
+            return
+        with self._lock:
+            size = self._cfg.group_size
+            busy = sum(size - len(g.samples) for g in self._running.values())
+            self._meter.observe(self._clock(), self._driver.tokens_generated, busy)
+
+    def _opening(self, record: dict[str, Any]) -> list[int]:
+        """The prompt ids of a group's record: encoded, or the opening as the environment
+        renders it (each episode's sample checks its own).
+
+        Raises:
+          ValueError: it does not fit the prefill (or cannot be encoded).
+          EnvError: the environment cannot start it.
+        """
+        if self._episodes is None:
+            ids = self._tokenizer.encode_prompt(record["text"])
+        else:
+            ids = self._episodes.start(prompt_of(record))[1]
+        self._engine.check_prompt_length(len(ids))
+        return ids
+
+    def _submit(self, group: RunningGroup, index: int) -> None:
+        """Starts sample `index` of `group`: offered as an HTTP session, started as an episode,
+        or placed on the driver's prefill queue (the loop's thread collects it)."""
+        if self._sessions is not None:
+            group.episodes[index] = self._sessions.offer(
+                prompt_of(group.record), (group.record["group_id"], index), self._session_done
+            )
+            return
+        ids, episode = group.prompt_ids, None
+        if self._episodes is not None:
+            try:
+                episode, ids = self._episodes.start(prompt_of(group.record))
+                self._engine.check_prompt_length(len(ids))
+            except (ValueError, EnvError) as e:
+                log.warning("cannot start an episode of prompt %s: %s", group.record["id"], e)
+                self._done.put(((group.record["group_id"], index), None))
+                return
+            group.episodes[index] = episode
+        request = RolloutRequest(
+            max_tokens=self._cfg.max_new_tokens
+            if episode is None
+            else self._engine.max_decode_length,
+            return_channel=None,
+            prefill_content=list(ids),
+            is_client_side_tokenization=True,
+            tag=(group.record["group_id"], index),
+            on_done=self._on_done,
+            episode=episode is not None,
+            turn_tokens=self._cfg.max_new_tokens,
+            on_turn=self._on_turn,
+        )
+        self._driver.place_request_on_prefill_queue(request)
+
+    def _session_done(self, tag: tuple[int, int], sample: FinishedSample | None) -> None:
+        self._done.put((tag, sample))
+
+    def _on_done(self, request: RolloutRequest, sample: FinishedSample | None) -> None:
+        # Called on JetStream's detokenize thread: only hand over.
+        self._done.put((request.tag, sample))
+
+    def _on_turn(self, request: RolloutRequest, turn: TurnEnd) -> None:
+        # Called on JetStream's detokenize thread: the environment runs on the loop's thread.
+        self._done.put((_TURN, (request, turn)))
+
+    def _after_turn(self, request: RolloutRequest, turn: TurnEnd) -> None:
+        """Asks the sample's environment about its ended turn and continues or ends the
+        episode; a sample whose group is gone (acknowledged, dropped) just ends, freeing its
+        slot, and one whose environment fails ends and is sampled again."""
+        group_id, index = request.tag
+        group = self._running.get(group_id)
+        episode = None if group is None else group.episodes.get(index)
+        ids = None
+        if episode is not None:
+            try:
+                ids = self._episodes.after_turn(
+                    episode, turn.ids, finish_reason=turn.finish_reason, room=turn.room
+                )
+            except (EnvError, ValueError) as e:
+                log.warning("episode of prompt %s failed: %s", group.record["id"], e)
+                group.env_failed.add(index)
+        if ids is None:
+            self._driver.end_episode(request)
+        else:
+            self._driver.continue_episode(request, ids)
+
+    def _collect(self, timeout_s: float) -> None:
+        """Takes what the driver, the episodes and the sessions handed over (waiting up to
+        `timeout_s` for the first): an ended turn goes to its environment, a finished sample to
+        its group (a complete group to `_queue_group`), a failed one is sampled again, up to
+        `_MAX_FAILURES` times a group, and then the group is dropped (`_drop_group`)."""
+        try:
+            items = [self._done.get(timeout=timeout_s)]
+        except queue.Empty:
+            return
+        while True:
+            try:
+                items.append(self._done.get_nowait())
+            except queue.Empty:
+                break
+        for tag, sample in items:
+            if tag is _TURN:
+                self._after_turn(*sample)
+                continue
+            group_id, index = tag
+            group = self._running.get(group_id)
+            if group is None:
+                continue
+            if index in group.env_failed:
+                group.env_failed.discard(index)
+                sample = None
+            if sample is None:  # generation failed: sample again, a few times
+                group.failures += 1
+                if group.failures <= _MAX_FAILURES:
+                    self._submit(group, index)
+                    continue
+                log.error(
+                    "dropping prompt %s: %d failed samples", group.record["id"], group.failures
+                )
+                self._drop_group(group_id)
+                continue
+            group.samples[index] = sample
+            if len(group.samples) == self._cfg.group_size:
+                self._queue_group(group_id, group)
+
+    def _group_record(self, group: RunningGroup, server_id: str) -> records.Group:
+        """The group's record, under `server_id`: the engine's arrays as they are, with rewards
+        and texts."""
+        record = group.record
+        trajectories = []
+        for i in range(self._cfg.group_size):
+            s = group.samples[i]
+            text = self._tokenizer.decode(s.completion_ids)
+            episode = group.episodes.get(i)
+            trajectories.append(
+                records.Trajectory(
+                    prompt_ids=s.prompt_ids,
+                    completion_ids=s.completion_ids,
+                    behavior_logprobs=s.logprobs,
+                    versions=s.versions,
+                    routing=s.routing,
+                    # Sent only when the sampler truncates: otherwise every count is the whole
+                    # sampleable vocabulary, and the trainer scores over it anyway.
+                    kept_counts=s.kept_counts if self._truncates else None,
+                    reward=self._reward(text, record) if episode is None else episode.reward,
+                    finish_reason=s.finish_reason,
+                    completion_text=text,
+                    loss_mask=s.loss_mask,
+                )
+            )
+        return records.Group(
+            server_id=server_id,
+            group_id=record["group_id"],
+            prompt_id=record["id"],
+            prompt_text=record["text"],
+            answer=record["answer"],
+            trajectories=tuple(trajectories),
+        )
+
+    def _reward(self, text: str, record: dict[str, Any]) -> float:
+        """The reward; a reward function that raises scores 0 (logged) instead of losing the
+        group."""
+        try:
+            return float(self._reward_fn(text, record["answer"]))
+        except Exception:
+            log.exception("reward failed for prompt %s; scoring 0", record["id"])
+            return 0.0
