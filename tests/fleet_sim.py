@@ -1,6 +1,7 @@
 """A deterministic simulator of a rollout fleet and its trainer (docs/DESIGN.md §6.3, §6.5): fake
-clock, scripted servers of given speeds and completion-length spreads, kills, SIGTERM drains,
-rejoins, trainer restarts, delayed and lost Pull replies. It drives the admission module the real
+clock, scripted servers of given speeds (which may change mid-run) and completion-length spreads,
+each measuring its capacity as the real server does (`RateMeter`) for the pool's shares, kills,
+SIGTERM drains, rejoins, trainer restarts, delayed and lost Pull replies. It drives the admission module the real
 server and pool use (`rollout_api.admission`), or `OldAdmission`, a model of the rule before it
 (for the "before" figures), and checks at every step: exactly-once, no trained group older than
 `max_staleness`, and that every group is accounted for.
