@@ -13,6 +13,7 @@ import pytest
 from rollout_api.proto import rollout_pb2
 from rollout_server import process
 from rollout_server.persistence import StateStore
+from rollout_server.service import RolloutService
 from sat_jax.config import RolloutConfig
 from sat_jax.experiment import ConfigError, load_config
 from sat_jax.tasks import Prompt
@@ -104,3 +105,33 @@ def test_a_bad_drain_time_is_refused_naming_the_key(value):
     with pytest.raises(ConfigError, match=r"server\.drain_s|drain_s must be in \[0, 3600\]"):
         load_config(None, [f"server.drain_s={value}"])
     assert load_config(None, ["server.drain_s=0"]).server.drain_s == 0
+
+
+def test_a_pull_reply_carries_the_measured_capacity():
+    """The capacity the loop measures rides on every Pull reply (docs/DESIGN.md §6.3): the
+    trainer's shares follow it."""
+
+    class Loop:
+        draining = False
+        capacity_tokens_per_s = 123.5
+
+        def pull(self, max_groups, timeout_s, **kw):
+            return [rollout_pb2.Group(group_id=7)]
+
+    class Context:
+        def cancelled(self):
+            return False
+
+        def done(self):
+            return False
+
+    service = RolloutService(
+        loop=Loop(), engine=None, driver=None, checkpoint_root="", token="",
+        max_version_jump=1, pull_threads=1,
+    )  # fmt: skip
+    try:
+        request = rollout_pb2.PullRequest(max_groups=1, timeout_s=0)
+        reply = asyncio.run(service.Pull(request, Context()))
+    finally:
+        service.close()
+    assert reply.capacity_tokens_per_s == 123.5 and [g.group_id for g in reply.groups] == [7]
