@@ -83,8 +83,8 @@ def _step(seconds: float, hooks: dict, trained: list):
 class _PerServerPool(remote.ServerPool):
     """Sends every server a share of 1: each counts only its own groups (the old behaviour)."""
 
-    def _update_request(self, version, path, new_epoch, share):
-        return super()._update_request(version, path, new_epoch, 1.0)
+    def _update_request(self, version, path, new_epoch, share, base_path=""):
+        return super()._update_request(version, path, new_epoch, 1.0, base_path)
 
 
 def run(k: int, steps: int, step_s: float, *, fleet_budget: bool, kill: bool = False) -> dict:
