@@ -80,8 +80,9 @@ class RolloutState:
         began, which `epoch_used` leaves out of the count: one of them rejected stays out of it
         (no replacement), one acknowledged as trained counts (the trainer spent a batch place
         on it, so the epoch owes one group fewer).
-      share: this server's share of the fleet's admission (the trainer sends 1/k with k servers
-        up): admission allows `share` · batch_groups groups per version (docs/DESIGN.md §6.3).
+      share: this server's share of the fleet's admission (the trainer sends shares ∝ the
+        servers' measured capacities, 1/k with k servers up until they are known): admission
+        allows `share` · batch_groups groups per version (docs/DESIGN.md §6.3).
       server_id: a random id of this state (drawn by `new_server_id` when the first group is
         dispatched), on every group: the trainer names groups by (server_id, group_id).
       run_id: the trainer run attached (the last one that started an admission epoch).
