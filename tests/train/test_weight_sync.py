@@ -102,6 +102,7 @@ def test_push_weights_saves_then_updates_and_keeps_the_newest(tmp_path):
     assert kept == [f"v{v}" for v in range(5 - KEEP_WEIGHTS, 6)]
     back = params_io.load_params(tmp_path / "v5", {"w": jnp.zeros(4, jnp.float32)})
     np.testing.assert_array_equal(np.asarray(back["w"]), params["w"])
+    assert params_io.is_flat(tmp_path / "v5")  # one process, a local directory: no orbax
 
 
 def test_a_failed_push_is_raised_in_the_caller():
