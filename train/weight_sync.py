@@ -80,7 +80,8 @@ def push_weights(
 ) -> None:
     """Saves ``params`` as ``<weights_dir>/v<version>`` (``params_io.save_weights``: flat weights
     with one process and a local directory, orbax otherwise) and makes every server load it;
-    removes weights directories older than the last ``KEEP_WEIGHTS`` versions.
+    removes weights directories older than the last ``KEEP_WEIGHTS`` versions, and what a flat
+    save of an older version left behind when the process died in it (``v<N>.tmp-*``).
 
     Every process calls it (each writes its own shards); only the one with ``pool`` (process 0)
     calls ``UpdateWeights`` and removes old directories, once the save is finalized. Under LoRA
@@ -91,7 +92,10 @@ def push_weights(
         return
     pool.update_weights(version, path, new_admission_epoch=new_admission_epoch, base_path=base_path)
     for old in os.listdir(weights_dir):
-        if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - KEEP_WEIGHTS:
+        number, _, tmp = old[1:].partition(".tmp-")
+        if not (old.startswith("v") and number.isdigit()):
+            continue
+        if int(number) < version - KEEP_WEIGHTS or (tmp and int(number) < version):
             shutil.rmtree(os.path.join(weights_dir, old), ignore_errors=True)
 
 
