@@ -19,8 +19,10 @@ Prints a Markdown table:
   median over `--repeats` interleaved repeats (each repeat's ratios against its own sync run).
 
 A second table shows where each mode's time goes (loop period, the trainer's wait for a batch,
-its step, the push, the server's install of a version and installs per step) and the bound that
-installs in series with generation put on the share of the ideal (``serial_bound``).
+its step, the push, the server's install of a version and installs per step) and the bound on the
+share of the ideal that two things put: installs in series with generation (``serial_bound``), and
+the staleness bound itself (``staleness_bound``: with ``max_staleness`` S, S + 1 steps take at
+least a push, a batch's generation and a step).
 """
 
 from __future__ import annotations
@@ -129,6 +131,26 @@ def serial_bound(sync: dict[str, float], mode: dict[str, float]) -> float:
     return max(t_rollout, t_train) / max(server, t_train - install)
 
 
+def staleness_bound(sync: dict[str, float], mode: dict[str, float], staleness: int) -> float:
+    """The share of the ideal overlap a mode can reach under an exact staleness bound.
+
+    Batch T may hold only groups admitted at weights T − S or newer (docs/DESIGN.md §6.3), which
+    the step of version T − S − 1 makes; they reach the server a push later (``push``: save +
+    UpdateWeights, which returns once the server has installed them), then the batch is generated
+    (T_rollout) and trained (the mode's own ``step``). So S + 1 steps take at least
+    push + T_rollout + step, and the period is at least that over S + 1, besides the server's
+    generation with its installs and the trainer's step:
+    max(T_rollout, T_train) / max(step, T_rollout + k·install, (push + T_rollout + step) / (S + 1)).
+    """
+    t_rollout, t_train = sync["pull_wait"], sync["step"]
+    period = max(
+        mode["step"],
+        t_rollout + mode["installs_per_step"] * sync["install"],
+        (mode["push"] + t_rollout + mode["step"]) / (staleness + 1),
+    )
+    return max(t_rollout, t_train) / period
+
+
 def throughput(records: list[dict]) -> float:
     timed = records[SKIP:]
     wall = timed[-1]["time"] - timed[0]["time"]
@@ -144,6 +166,12 @@ MODES = {
     "sync": ["train.mode=sync", "rollout.max_staleness=0", "train.weight_sync_interval=1"],
     "async n=1": ["rollout.max_staleness=1", "train.weight_sync_interval=1"],
     "async n=8": ["rollout.max_staleness=8", "train.weight_sync_interval=8"],
+}
+
+
+STALENESS = {
+    name: int(next(o for o in extra if o.startswith("rollout.max_staleness=")).split("=")[1])
+    for name, extra in MODES.items()
 }
 
 
@@ -199,7 +227,8 @@ def main() -> None:
             tps = throughput(run.records)
             rows[name].append((tps, mean(run.records, "lag_mean"), tps / base / ideal))
             got = breakdown(run)
-            parts[name].append({**got, "bound": serial_bound(sync, got)})
+            bound = min(serial_bound(sync, got), staleness_bound(sync, got, STALENESS[name]))
+            parts[name].append({**got, "bound": bound})
         print(
             f"# repeat {rep + 1}: T_rollout {t_rollout:.3f} s, T_train {t_train:.3f} s, ideal "
             f"{ideal:.2f}x; "
@@ -241,7 +270,8 @@ def print_table(
 
 def print_breakdown(parts: dict[str, list[dict[str, float]]]) -> None:
     """Where each mode's time goes (``breakdown``, medians over the repeats) and the share of
-    the ideal it can reach with the server's installs in series (``serial_bound``)."""
+    the ideal it can reach with the server's installs in series (``serial_bound``) and under its
+    staleness bound (``staleness_bound``), whichever is lower."""
     med = statistics.median
     print()
     print(

@@ -18,9 +18,11 @@ and every push), a group is admitted only while
     outstanding < (S + 1 − (T − v)) · share · B
 
 where `outstanding` counts the server's groups not yet acknowledged (running, queued, leased;
-those outstanding when an admission epoch began are left out: `begin_epoch`). The trainer takes
-`share · B` groups from this server per version, oldest-admitted first, so the last group admitted
-at v is trained by T + S − (T − v) = v + S. The trainer's lead T − v (a push still in flight, a
+those outstanding when an admission epoch began are left out: `begin_epoch`; and so are those
+leased to a batch before T, `in_earlier_batch`: a trainer that prefetches pulls for T while the
+step of T − 1 still trains them). The trainer takes `share · B` groups from this server per
+version, oldest-admitted first, so the last group admitted at v is trained by
+T + S − (T − v) = v + S. The trainer's lead T − v (a push still in flight, a
 skipped step's version, pushes every n steps) shrinks the run-ahead instead of making groups stale;
 at a lead above S nothing is admitted until newer weights arrive. A rejected group (stale, invalid,
 filtered) leaves `outstanding` at once, so its replacement is admitted under the same rule: when
@@ -119,13 +121,28 @@ class ServerAdmission:
 
     def budget(self, outstanding: Collection[int]) -> int:
         """⌊(S + 1 − lead) · share · B⌋ minus the `outstanding` groups (ids of those running,
-        queued or leased) the epoch counts: how many more groups may start (rounded down: a
-        fraction of a group more would be trained a version late)."""
+        queued or leased) that count: how many more groups may start (rounded down: a fraction
+        of a group more would be trained a version late). Not counted: the groups outstanding
+        when the epoch began, and those leased to an earlier batch than the trainer's version
+        (`in_earlier_batch`)."""
         allowed = (self.max_staleness + 1 - self.lead) * self.share * self.batch_groups
         if not self.pulls_report:  # what it trained since the last push moved it on
             allowed -= self.trained_since
-        counted = sum(1 for i in outstanding if i not in self.excluded)
+        counted = sum(
+            1 for i in outstanding if i not in self.excluded and not self.in_earlier_batch(i)
+        )
         return math.floor(allowed + 1e-9) - counted
+
+    def in_earlier_batch(self, group_id: int) -> bool:
+        """Whether `group_id` is leased to a batch the trainer trains before its version T: it
+        went out on a Pull that named a version below T (the trainer's Pulls name the version
+        they pull for, so it is in that batch: being trained, or dropped and acknowledged soon).
+        It holds no place in the batches T..v + S the budget spreads over, so it does not count,
+        though it stays outstanding until acknowledged. A lease that ends without an
+        acknowledgement (`unlease`: it expired, or its reply was never sent) puts the group back
+        among those counted. For a trainer whose Pulls do not name their version, none is."""
+        t = self.leased.get(group_id)
+        return self.pulls_report and t is not None and t < self.trainer_version
 
     def may_admit(self, outstanding: Collection[int]) -> bool:
         """Whether one more group may start now (budget and capacity)."""
@@ -155,9 +172,16 @@ class ServerAdmission:
                     self.trainer_version = max(self.trainer_version, t + 1)
 
     def lease(self, group_ids: Iterable[int]) -> None:
-        """The groups went out to the trainer now (see `done`)."""
+        """The groups went out to the trainer now, for the batch of its version (see `done` and
+        `in_earlier_batch`)."""
         for i in group_ids:
             self.leased[i] = self.trainer_version
+
+    def unlease(self, group_ids: Iterable[int]) -> None:
+        """The leases of `group_ids` ended without an acknowledgement (expired, or their Pull's
+        reply was never sent): they are queued again and count again."""
+        for i in group_ids:
+            self.leased.pop(i, None)
 
     def saw_trainer(self, version: int) -> None:
         """The trainer reported `version` (a Pull); 0 = not reported (an older trainer)."""

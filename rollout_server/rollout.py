@@ -408,6 +408,7 @@ class RolloutLoop(GroupGeneration):
             back = [g for g in groups if self._leased.pop(g.group_id, None) is not None]
             if back:
                 self.queue.unget(back)
+                self._admission.unlease(g.group_id for g in back)
 
     def _expire_leases(self) -> None:
         now = self._clock()
@@ -418,6 +419,7 @@ class RolloutLoop(GroupGeneration):
             for g in expired:
                 del self._leased[g.group_id]
             self.queue.unget(expired)
+            self._admission.unlease(g.group_id for g in expired)
         log.warning("%d pulled groups were not acknowledged in time; queued again", len(expired))
 
     def _touch(self, run_id: str) -> None:

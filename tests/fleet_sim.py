@@ -9,6 +9,13 @@ server and pool use (`rollout_api.admission`), or `OldAdmission`, a model of the
 Time is in arbitrary units (a step takes `step_time`); a sample of L tokens takes L / `speed` once
 it holds one of its server's `slots`. A group's oldest token is generated with the weights its
 server held when its first sample got a slot. Nothing here sleeps or reads a clock.
+
+With `prefetch` the trainer is the real loop's (docs/DESIGN.md §7.1): it pulls the batch of
+version T + 1 while the step of version T runs (its Pulls report T + 1), and the acknowledgements of
+a step's batch leave with the first Pull that starts after the step (a Pull waiting on a server
+carries none: one Pull at a time per server) or with the next push (the pool sends pending
+acknowledgements before `UpdateWeights`), whichever comes first. Without it the trainer pulls only
+between steps (the serial loop the admission rule was first simulated with).
 """
 
 from __future__ import annotations
@@ -191,6 +198,8 @@ class SimServer:
             if until <= now:  # lease expired: queued again, in front
                 del self.leased[gid]
                 self.queue.insert(0, gid)
+                if not isinstance(self.adm, OldAdmission):
+                    self.adm.unlease([gid])
 
     def pull(self, n: int, trainer_version: int, acks, rejects) -> list[SimGroup]:
         self.ack(acks, rejects)
@@ -254,6 +263,8 @@ class FleetSim:
         weights; skip: versions whose steps are skipped (nothing trained, version still +1).
       lost_pulls: Pull replies lost (the trainer gets nothing, the server's lease runs out);
         pull_delay: every Pull reply's delay.
+      prefetch: the real loop's timing (see the module docstring); False: pulls only between
+        steps.
     """
 
     def __init__(
@@ -275,6 +286,7 @@ class FleetSim:
         seed=0,
         dt=None,
         stall_after=200.0,
+        prefetch=False,
     ):
         if shares not in ("measured", "equal"):
             raise ValueError(f"shares must be 'measured' or 'equal' (got {shares!r})")
@@ -282,6 +294,10 @@ class FleetSim:
         self.measured = shares == "measured" and rule == "new"
         self.rate_window = rate_window
         self.rates: dict[str, float] = {}  # the capacity each server reported last (pool side)
+        self.prefetch = prefetch
+        self.ahead: list[tuple[SimServer, SimGroup]] = []  # the next batch, pulled during a step
+        self.parked: dict[str, bool] = {}  # a Pull waits on that server (prefetch: no acks)
+        self.busy_time = 0.0  # the trainer's steps, in time units
         self.rule, self.max_staleness, self.batch_groups = rule, max_staleness, batch_groups
         self.group_size, self.capacity, self.step_time = group_size, capacity, step_time
         self.push_delay, self.lease_s = push_delay, lease_s
@@ -337,18 +353,23 @@ class FleetSim:
             if not server.up:
                 self.down.add(name)  # a failed push: it left
                 continue
+            acks, rejects = self.pending[name]  # `update_weights` flushes them first
+            if self.prefetch and (acks or rejects):
+                self.pending[name] = ([], [])
+                server.ack(acks, rejects)
             server.install(version, shares.get(name, 1.0), epoch)
 
     def _server(self, name: str) -> SimServer:
         return next(s for s in self.servers if s.name == name)
 
-    def _pull_round(self, need: int) -> list[tuple[SimServer, SimGroup]]:
+    def _pull_round(self, need: int, version: int) -> list[tuple[SimServer, SimGroup]]:
+        """Pulls up to `need` groups for the batch trained at `version`."""
         up = [s for s in self.servers if s.name not in self.down]
         if self.rule == "old":
             order = [(up[(self._rot + i) % len(up)].name, None) for i in range(len(up))]
             self._rot += 1
         else:
-            self.quota.start(self.version, self.shares(), self.now)
+            self.quota.start(version, self.shares(), self.now)
             order = self.quota.order([s.name for s in up], self.now)
         got = []
         for name, limit in order:
@@ -357,11 +378,14 @@ class FleetSim:
             server = self._server(name)
             if not server.up:
                 continue
-            acks, rejects = self.pending[name]
-            self.pending[name] = ([], [])
+            acks, rejects = [], []
+            if not self.parked.get(name):  # a Pull waiting there carried none
+                acks, rejects = self.pending[name]
+                self.pending[name] = ([], [])
             n = need if limit is None else min(need, limit)
-            version = self.version if self.rule == "new" else 0
-            groups = server.pull(n, version, acks, rejects)
+            groups = server.pull(n, version if self.rule == "new" else 0, acks, rejects)
+            if self.prefetch:  # an empty Pull waits at the server for its first group
+                self.parked[name] = not groups
             if groups and self.rng.random() < self.lost_pulls:
                 self.stats.lost += len(groups)  # the reply was lost: the lease brings them back
                 continue
@@ -397,32 +421,42 @@ class FleetSim:
                 s.tick(self.dt)
             if self.busy_until is not None:
                 if self.now < self.busy_until:
+                    if self.prefetch and self.step + 1 < until:  # the next batch, meanwhile
+                        self._fill(self.ahead, self.version + 1, also=self.kept)
                     continue
                 self.busy_until = None
+                self.busy_time += self.step_time
                 self._finish_step(self.kept)
-                self.kept, self.last_step = [], self.now
+                self.kept, self.ahead, self.last_step = self.ahead, [], self.now
                 if self.step == warmup:
                     t0, base = self.now, dataclasses.replace(self.stats)
                 self.check_accounting()
                 continue
-            for server, g in self._pull_round(self.batch_groups - len(self.kept)):
-                if any(g.key == h.key for _, h in self.kept):  # re-delivered into this batch
-                    continue
-                if self._select(server, g):
-                    self.kept.append((server, g))
+            self._fill(self.kept, self.version)
             if self.now - self.last_step > self.stall_after:
                 raise SimStalled(f"no step for {self.stall_after} time units at {self.step}")
             if len(self.kept) >= self.batch_groups:
                 self.busy_until = self.now + self.pull_delay + self.step_time
         return self._figures(t0, base)
 
-    def _select(self, server: SimServer, g: SimGroup) -> bool:
+    def _fill(self, batch: list, version: int, also: list = ()) -> None:
+        """One pull round for `batch` (trained at `version`); `also`: the batch in the step,
+        whose groups count as trained for the duplicate check."""
+        if len(batch) >= self.batch_groups:
+            return
+        for server, g in self._pull_round(self.batch_groups - len(batch), version):
+            if any(g.key == h.key for _, h in [*batch, *also]):  # re-delivered
+                continue
+            if self._select(server, g, version):
+                batch.append((server, g))
+
+    def _select(self, server: SimServer, g: SimGroup, version: int) -> bool:
         rejects = self.pending[server.name][1]
         if g.key in self.trained_keys:
             rejects.append(g.gid)  # a re-delivery of a group trained already
             return False
         self.rejected_keys.discard(g.key)
-        lag = self.version - g.first
+        lag = version - g.first
         if lag > self.max_staleness:
             self.stats.dropped += 1
             self.stats.dropped_len.append(g.length)
@@ -478,6 +512,8 @@ class FleetSim:
             "capacity": sum(s.capacity_rate for s in self.servers if s.up),
             "trainer_rate": self.batch_groups / self.step_time,
             "share_s0": self.shares().get("s0", 0.0),
+            "steps": self.step,
+            "elapsed": elapsed,
         }
 
     # Scripted faults.
@@ -508,4 +544,5 @@ class FleetSim:
         pulled are lost (they expire and come back), every server gets a new epoch."""
         for name in self.pending:
             self.pending[name] = ([], [])
+        self.ahead, self.parked = [], {}
         self._push_all(new_epoch=True, delay=0.0)

@@ -1,10 +1,13 @@
 """Weight pushes off the trainer's critical path: a host copy of the params on the loop's thread,
-then the orbax save and ``UpdateWeights`` on a background thread (docs/DESIGN.md §7.1, §7.3).
+then the save and ``UpdateWeights`` on a background thread (docs/DESIGN.md §7.1, §7.3).
 
 The loop copies the params to host memory right after a step (``host_copy``), before the next step
 is dispatched: that step donates the device buffers. The copy keeps the params' sharding: each
-process copies only its own devices' shards (cast to the serving dtype first), and every process
-writes only those (``sat_jax.params_io.save_params``); nothing is gathered. ``WeightPusher.submit``
+process copies only its own devices' shards (cast to the serving dtype first). The save
+(``sat_jax.params_io.save_weights``) writes flat weights when this is the only process and the
+weights directory is local (a few milliseconds: orbax's fixed cost, tens of milliseconds, was most
+of a small model's push), and otherwise an orbax checkpoint in which every process writes only its
+own shards; nothing is gathered. ``WeightPusher.submit``
 hands the copy to the pusher thread, which runs at most one push at a time; a push submitted while
 another is running waits, and with one process a newer one replaces it (it is counted as
 superseded), so the servers always get the newest weights and versions only increase. With several
@@ -75,19 +78,24 @@ def push_weights(
     new_admission_epoch: bool = False,
     base_path: str = "",
 ) -> None:
-    """Saves ``params`` as ``<weights_dir>/v<version>`` and makes every server load it; removes
-    weights directories older than the last ``KEEP_WEIGHTS`` versions.
+    """Saves ``params`` as ``<weights_dir>/v<version>`` (``params_io.save_weights``: flat weights
+    with one process and a local directory, orbax otherwise) and makes every server load it;
+    removes weights directories older than the last ``KEEP_WEIGHTS`` versions, and what a flat
+    save of an older version left behind when the process died in it (``v<N>.tmp-*``).
 
     Every process calls it (each writes its own shards); only the one with ``pool`` (process 0)
     calls ``UpdateWeights`` and removes old directories, once the save is finalized. Under LoRA
     ``params`` are the adapters and ``base_path`` the base they apply to (``save_base``)."""
     path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
-    params_io.save_params(path, params)
+    params_io.save_weights(path, params)
     if pool is None:
         return
     pool.update_weights(version, path, new_admission_epoch=new_admission_epoch, base_path=base_path)
     for old in os.listdir(weights_dir):
-        if old.startswith("v") and old[1:].isdigit() and int(old[1:]) < version - KEEP_WEIGHTS:
+        number, _, tmp = old[1:].partition(".tmp-")
+        if not (old.startswith("v") and number.isdigit()):
+            continue
+        if int(number) < version - KEEP_WEIGHTS or (tmp and int(number) < version):
             shutil.rmtree(os.path.join(weights_dir, old), ignore_errors=True)
 
 
@@ -102,7 +110,7 @@ def save_base(base: Any, version: int, weights_dir: str, *, lead: bool = True) -
     older bases but the newest one before it (a server that restarts meanwhile reloads the base
     it last had)."""
     path = base_dir(weights_dir, version)
-    params_io.save_params(path, base)
+    params_io.save_weights(path, base)
     if lead:
         older = sorted(
             int(d[len(BASE_PREFIX) :])

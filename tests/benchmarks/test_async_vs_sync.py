@@ -51,3 +51,16 @@ def test_serial_bound():
     # that beats the ideal, which counted the install in the trainer's time.
     slow_train = {"pull_wait": 0.1, "step": 0.4, "install": 0.05}
     assert bench.serial_bound(slow_train, {"installs_per_step": 1.0}) == pytest.approx(0.4 / 0.35)
+
+
+def test_staleness_bound():
+    """The measured n = 1 figures of benchmarks/RESULTS.md (after issues 32 and 33): a push of
+    0.100 s, batches of 0.132 s and steps of 0.107 s: two steps take at least 0.339 s."""
+    sync = {"pull_wait": 0.132, "step": 0.161, "install": 0.022}
+    n1 = {"step": 0.107, "push": 0.100, "installs_per_step": 1.0}
+    assert bench.staleness_bound(sync, n1, 1) == pytest.approx(0.161 / (0.339 / 2))
+    # At S = 8 the chain is spread over nine steps: the server's generation and installs bound it.
+    assert bench.staleness_bound(sync, {**n1, "installs_per_step": 0.125}, 8) == pytest.approx(
+        0.161 / (0.132 + 0.125 * 0.022)
+    )
+    assert bench.STALENESS == {"sync": 0, "async n=1": 1, "async n=8": 8}

@@ -60,6 +60,37 @@ def test_a_replacement_waits_for_weights_newer_than_those_that_made_its_predeces
     assert adm.budget([]) == 2 * B  # ... until v3's are in
 
 
+def test_groups_leased_to_an_earlier_batch_hold_no_place():
+    """With prefetch the trainer pulls the batch of version T + 1 while the step of T runs: the
+    groups of batch T stay leased until that step is done, but they fill batch T, not one of
+    T + 1 .. v + S. Counting them held a whole batch of places too many: at S = 1 the server
+    could not start batch T + 1 before batch T was acknowledged, so generation and the step
+    ran in series (benchmarks/async_vs_sync.py, n = 1)."""
+    adm = _adm(staleness=1, version=1)
+    batch = range(B)
+    for i in batch:
+        adm.admit(i)
+    adm.saw_trainer(1)
+    adm.lease(batch)  # the batch of version 1, in its step now
+    assert adm.budget(batch) == B
+    adm.install(2, 1.0)
+    adm.saw_trainer(3)  # the prefetching Pull for version 3; the weights of v2 are in
+    assert adm.lead == 1 and adm.budget(batch) == B  # before: B − B = 0
+    adm.unlease([0])  # its lease expired: queued again, it fills a later batch
+    assert adm.budget(batch) == B - 1
+    adm.done(batch, trained=batch)
+    assert adm.budget([]) == B
+
+
+def test_without_versions_on_pulls_leased_groups_count_until_acknowledged():
+    adm = _adm(staleness=1, version=1)
+    for i in range(B):
+        adm.admit(i)
+    adm.lease(range(B))
+    adm.install(2, 1.0)  # pushes alone move the trainer's version
+    assert adm.budget(range(B)) == 2 * B - B
+
+
 def test_a_filtered_group_is_replaced_at_once():
     adm = _adm(staleness=0)
     for i in range(B):

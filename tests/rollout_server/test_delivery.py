@@ -42,6 +42,24 @@ def test_an_unacknowledged_lease_expires_back_to_the_front():
     assert loop.persisted.consumed == 0
 
 
+def test_a_lease_that_ends_unacknowledged_counts_for_admission_again():
+    """A group leased to an earlier batch than the trainer's version holds no place in the
+    budget (`ServerAdmission.in_earlier_batch`); once its lease expires or its reply is never
+    sent it is queued again, will be handed out to a later batch, and counts again."""
+    clock = FakeClock()
+    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=5.0, clock=clock)
+    _groups(loop, range(4))
+    pulled = loop.pull(3, 0, trainer_version=1)  # the batch of version 1
+    loop.pull(1, 0, trainer_version=2)  # the trainer pulls for version 2 while 1 trains
+    adm = loop.admission
+    assert [adm.in_earlier_batch(i) for i in range(4)] == [True, True, True, False]
+    loop.release(pulled[2:])
+    assert not adm.in_earlier_batch(2)
+    clock.advance(5.0)
+    loop._expire_leases()
+    assert not any(adm.in_earlier_batch(i) for i in range(4))
+
+
 def test_ack_removes_groups_whether_leased_or_queued_again():
     loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=600)
     _groups(loop, range(3))

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rollout_server.weights import CheckpointPathError, load_under_root, resolve_under_root
-from sat_jax.params_io import save_params
+from sat_jax.params_io import save_flat, save_params
 
 
 def test_resolve_under_root(tmp_path):
@@ -32,10 +32,12 @@ def test_resolve_under_root(tmp_path):
         resolve_under_root(str(root / "a"), "")
 
 
-def test_load_under_root_round_trip_and_refusals(tmp_path):
+@pytest.mark.parametrize("save", [save_params, save_flat], ids=["orbax", "flat"])
+def test_load_under_root_round_trip_and_refusals(tmp_path, save):
     root = tmp_path / "root"
     params = {"w": jnp.arange(6.0).reshape(2, 3), "inner": {"b": jnp.ones(3, jnp.float32)}}
-    save_params(root / "ck", params)
+    root.mkdir()
+    save(root / "ck", params)
     real, back = load_under_root(str(root / "ck"), str(root), params)
     assert real == root / "ck"
     jax.tree_util.tree_map(np.testing.assert_array_equal, back, params)
@@ -44,7 +46,7 @@ def test_load_under_root_round_trip_and_refusals(tmp_path):
     (root / "empty").mkdir()
     with pytest.raises(CheckpointPathError, match="cannot restore params"):
         load_under_root(str(root / "empty"), str(root), params)
-    save_params(tmp_path / "outside", params)
+    save(tmp_path / "outside", params)
     with pytest.raises(CheckpointPathError, match="outside the checkpoint root"):
         load_under_root(str(tmp_path / "outside"), str(root), params)
     with pytest.raises(CheckpointPathError, match="no checkpoint root"):

@@ -5,6 +5,7 @@ process-wide lock; repeated saves keep no Python objects from orbax's kvstore sp
 from __future__ import annotations
 
 import gc
+import json
 import tracemalloc
 from typing import ClassVar
 
@@ -150,3 +151,80 @@ def test_saves_keep_no_objects_from_orbax_spec_resolution(tmp_path):
         if any(f.filename.endswith("serialization/tensorstore_utils.py") for f in d.traceback)
     )
     assert kept < 20 * 10 * 200, kept
+
+
+def test_flat_weights_round_trip_overwrite_and_shardings(tmp_path):
+    """Flat weights (one process, a local path): what `save_weights` writes here, read back by
+    `load_params` onto `like`'s shardings; a re-push of the version replaces it whole."""
+    assert params_io.save_weights(tmp_path / "v1", _params()) == "flat"
+    assert params_io.save_weights(str(tmp_path / "v1"), _params(2.0)) == "flat"
+    assert params_io.is_flat(tmp_path / "v1")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v1"]  # no temporary left behind
+    back = params_io.load_params(tmp_path / "v1", _params())
+    jax.tree.map(np.testing.assert_array_equal, back, _params(2.0))
+    assert back["inner"]["b"].dtype == jnp.bfloat16
+    mesh = Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    sharded = NamedSharding(mesh, PartitionSpec("fsdp"))
+    like = {
+        "w": jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=sharded),
+        "inner": {"b": jax.ShapeDtypeStruct((4,), jnp.bfloat16, sharding=sharded)},
+    }
+    back = params_io.load_params(tmp_path / "v1", like)
+    assert back["w"].sharding == sharded and back["inner"]["b"].sharding == sharded
+    jax.tree.map(np.testing.assert_array_equal, back, _params(2.0))
+
+
+def test_flat_weights_match_names_not_key_types_and_cast_floats(tmp_path):
+    """Layers keyed by ints on one side and by the strings on the other load (orbax's names
+    match so too), and float leaves load into params of another float dtype, as orbax casts."""
+    params_io.save_flat(tmp_path / "v1", {"layers": {0: np.arange(3, dtype=np.float32)}})
+    like = {"layers": {"0": jnp.zeros(3, jnp.bfloat16)}}
+    back = params_io.load_params(tmp_path / "v1", like)
+    assert back["layers"]["0"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(back["layers"]["0"], np.arange(3))
+
+
+@pytest.mark.parametrize(
+    ("like", "match"),
+    [
+        ({"w": jnp.zeros((8, 3))}, "1 leaves where the params have|2 leaves"),
+        ({"w": jnp.zeros((4, 6)), "inner": {"b": jnp.ones(4, jnp.bfloat16)}}, "shape"),
+        ({"v": jnp.zeros((8, 3)), "inner": {"b": jnp.ones(4, jnp.bfloat16)}}, "'w'"),
+        ({"w": jnp.zeros((8, 3), jnp.int32), "inner": {"b": jnp.ones(4)}}, "stored as"),
+    ],
+)
+def test_flat_weights_that_do_not_match_the_params_are_refused(tmp_path, like, match):
+    params_io.save_flat(tmp_path / "v1", _params())
+    with pytest.raises(ValueError, match=match):
+        params_io.load_params(tmp_path / "v1", like)
+
+
+def test_damaged_flat_weights_are_refused(tmp_path):
+    params_io.save_flat(tmp_path / "v1", _params())
+    data = tmp_path / "v1" / params_io.FLAT_DATA
+    data.write_bytes(data.read_bytes()[:-2])  # truncated
+    with pytest.raises(ValueError, match="bytes"):
+        params_io.load_params(tmp_path / "v1", _params())
+    index = tmp_path / "v1" / params_io.FLAT_INDEX
+    entry = json.loads(index.read_text())
+    entry["leaves"][0]["dtype"] = "object"  # never viewed as anything but a numeric dtype
+    index.write_text(json.dumps(entry))
+    with pytest.raises(ValueError, match="stored as 'object'"):
+        params_io.load_params(tmp_path / "v1", _params())
+    index.write_text(json.dumps({"format": "something else"}))
+    with pytest.raises(ValueError, match="not flat weights"):
+        params_io.load_params(tmp_path / "v1", _params())
+
+
+def test_save_weights_falls_back_to_orbax_for_urls_and_several_processes(tmp_path, monkeypatch):
+    monkeypatch.setattr(params_io.ocp, "StandardCheckpointer", _Recorder)
+    monkeypatch.setattr(_Recorder, "calls", [])
+    assert params_io.save_weights("gs://bucket/run/weights/v3", {"w": np.zeros(2)}) == "orbax"
+    monkeypatch.setattr(params_io.jax, "process_count", lambda: 2)
+    assert params_io.save_weights(tmp_path / "v4", {"w": np.zeros(2)}) == "orbax"
+    assert [c[1] for c in _Recorder.calls] == [
+        "gs://bucket/run/weights/v3",
+        str(tmp_path / "v4"),
+    ]
+    with pytest.raises(ValueError, match="one JAX process"):
+        params_io.save_flat(tmp_path / "v5", {"w": np.zeros(2)})

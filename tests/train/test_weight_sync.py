@@ -94,6 +94,7 @@ class FakePool:
 def test_push_weights_saves_then_updates_and_keeps_the_newest(tmp_path):
     pool = FakePool()
     params = {"w": np.arange(4, dtype=np.float32)}
+    (tmp_path / "v4.tmp-123-0").mkdir()  # a flat save of v4 a killed trainer never finished
     for version in range(1, 6):
         push_weights(pool, params, version, str(tmp_path), new_admission_epoch=version == 1)
     assert pool.updates[0] == (1, str(tmp_path / "v1"), True)
@@ -102,6 +103,7 @@ def test_push_weights_saves_then_updates_and_keeps_the_newest(tmp_path):
     assert kept == [f"v{v}" for v in range(5 - KEEP_WEIGHTS, 6)]
     back = params_io.load_params(tmp_path / "v5", {"w": jnp.zeros(4, jnp.float32)})
     np.testing.assert_array_equal(np.asarray(back["w"]), params["w"])
+    assert params_io.is_flat(tmp_path / "v5")  # one process, a local directory: no orbax
 
 
 def test_a_failed_push_is_raised_in_the_caller():
