@@ -33,7 +33,8 @@ LENGTHS = (50, 150)
 def fleet(k: int, gen: float, rule: str, *, slow: float = 1.0, **kw) -> FleetSim:
     speed = sum(LENGTHS) / 2 / gen
     servers = [(speed / (slow if i == 0 else 1.0), 8, LENGTHS) for i in range(k)]
-    return FleetSim(servers, rule=rule, max_staleness=2, **kw)
+    # The trainer before issue 33 pulled between steps; the one after prefetches (the real loop).
+    return FleetSim(servers, rule=rule, max_staleness=2, prefetch=rule == "new", **kw)
 
 
 def scenario(name: str, rule: str, steps: int, shares: str = "measured") -> dict:

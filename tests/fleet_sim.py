@@ -15,7 +15,8 @@ version T + 1 while the step of version T runs (its Pulls report T + 1), and the
 a step's batch leave with the first Pull that starts after the step (a Pull waiting on a server
 carries none: one Pull at a time per server) or with the next push (the pool sends pending
 acknowledgements before `UpdateWeights`), whichever comes first. Without it the trainer pulls only
-between steps (the serial loop the admission rule was first simulated with).
+between steps (the serial loop the admission rule was first simulated with; the async trainer always
+prefetches, so every scenario runs the real loop's timing unless it says otherwise).
 """
 
 from __future__ import annotations
@@ -263,8 +264,8 @@ class FleetSim:
         weights; skip: versions whose steps are skipped (nothing trained, version still +1).
       lost_pulls: Pull replies lost (the trainer gets nothing, the server's lease runs out);
         pull_delay: every Pull reply's delay.
-      prefetch: the real loop's timing (see the module docstring); False: pulls only between
-        steps.
+      prefetch: the real loop's timing (the default; see the module docstring); False: pulls
+        only between steps, and acknowledgements leave only with Pulls.
     """
 
     def __init__(
@@ -286,7 +287,7 @@ class FleetSim:
         seed=0,
         dt=None,
         stall_after=200.0,
-        prefetch=False,
+        prefetch=True,
     ):
         if shares not in ("measured", "equal"):
             raise ValueError(f"shares must be 'measured' or 'equal' (got {shares!r})")
