@@ -159,16 +159,23 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
     trained: list[tuple[float, int]] = []
     pool_ref: list[remote.ServerPool] = []
 
+    def watch_exit(proc):
+        marks["returncode"] = proc.wait()
+        marks["exited_after_s"] = time.monotonic() - marks["out"]
+
+    exit_watch = []
+
     def take_second_out():
         marks["out"] = time.monotonic()
         if fault == "kill":
             servers[1].proc.kill()
         else:
             servers[1].proc.send_signal(signal.SIGTERM)
+        exit_watch.append(threading.Thread(target=watch_exit, args=(servers[1].proc,)))
+        exit_watch[0].start()
 
     def restart_second():
-        marks["returncode"] = servers[1].proc.wait()
-        marks["exited_after_s"] = time.monotonic() - marks["out"]
+        exit_watch[0].join()
         servers[1].restart_if_exited()
         marks["restarted"] = time.monotonic()
         marks["pulled_before"] = pool_ref[0].metrics()["pulled_1"]
