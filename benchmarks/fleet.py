@@ -143,9 +143,91 @@ def _rate(trained: list[tuple[float, int]], lo: float, hi: float) -> float:
     return sum(n for _, n in sel[1:]) / (sel[-1][0] - sel[0][0])
 
 
+class _Fault:
+    """SIGKILLs (``kind`` "kill") or SIGTERMs ("sigterm") the second server after a quarter of
+    the steps, restarts it (same port and state_dir) at half of them and waits at the next step
+    for it to rejoin (its start-up takes longer than the steps left on a loaded machine); times
+    its exit and its first group pulled after the restart, and the tokens/s of each phase."""
+
+    def __init__(self, kind: str, servers: list[LocalServer], steps: int):
+        self.kind, self.server = kind, servers[1]
+        self.pool: remote.ServerPool | None = None
+        self.marks: dict[str, float] = {}
+        self._exit: threading.Thread | None = None
+        self.hooks = {steps // 4: self._take_out, steps // 2: self._restart}
+        self.hooks[steps // 2 + 1] = self._wait_for_rejoin
+
+    def _take_out(self) -> None:
+        self.marks["out"] = time.monotonic()
+        if self.kind == "kill":
+            self.server.proc.kill()
+        else:
+            self.server.proc.send_signal(signal.SIGTERM)
+        self._exit = threading.Thread(target=self._watch_exit, args=(self.server.proc,))
+        self._exit.start()
+
+    def _watch_exit(self, proc) -> None:
+        self.marks["returncode"] = proc.wait()
+        self.marks["exited_after_s"] = time.monotonic() - self.marks["out"]
+
+    def _restart(self) -> None:
+        self._exit.join()
+        self.server.restart_if_exited()
+        self.marks["restarted"] = time.monotonic()
+        self.marks["pulled_before"] = self.pool.metrics()["pulled_1"]
+
+    def _wait_for_rejoin(self) -> None:
+        while self.pool.metrics()["servers_up"] < 2:
+            time.sleep(0.1)
+
+    def watch(self, pool: remote.ServerPool) -> None:
+        """Wraps ``pool.pull`` to note when the restarted server's first group is pulled."""
+        self.pool, real_pull = pool, pool.pull
+
+        def pull(*args, **kwargs):
+            got = real_pull(*args, **kwargs)
+            m = self.marks
+            if "restarted" in m and "first" not in m:
+                if pool.metrics()["pulled_1"] > m["pulled_before"]:
+                    m["first"] = time.monotonic()
+            return got
+
+        pool.pull = pull
+
+    def figures(self, trained: list[tuple[float, int]]) -> dict:
+        m = self.marks
+        start = trained[2][0] if len(trained) > 2 else 0  # the first, compiling steps left out
+        after_out = [t for t, _ in trained if t >= m["out"]][3:4]  # the grace is over
+        rejoined = m.get("first", float("nan"))
+        settled = [t for t, _ in trained if t >= rejoined][3:4]  # 3 steps after its first group
+        return {
+            "two_up": _rate(trained, start, m["out"]),
+            "one_up": _rate(trained, after_out[0], m["restarted"]) if after_out else np.nan,
+            "rejoined": _rate(trained, settled[0], float("inf")) if settled else np.nan,
+            "restart_to_first_group_s": rejoined - m["restarted"],
+            "returncode": m["returncode"],
+            "exited_after_s": m["exited_after_s"],
+        }
+
+
+def _figures(k: int, records: list[dict], progress, trained: list[tuple[float, int]]) -> dict:
+    """A run's figures from its metrics records, final progress and trained steps."""
+    drops = [r["stale_dropped"] for r in records]
+    late_drops = drops[-1] - drops[min(WARMUP, len(drops)) - 1]
+    late_groups = sum(r["groups"] for r in records[WARMUP:])
+    return {
+        "k": k,
+        "drops_per_group": progress.stale_dropped / max(progress.groups_trained, 1),
+        "late_drops_per_group": late_drops / max(late_groups, 1),
+        "lag_max": max(r["lag_max"] for r in records),
+        "tokens_per_s": _rate(trained, trained[2][0], float("inf")),
+        "load": os.getloadavg()[0],
+    }
+
+
 def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: str = "") -> dict:
     """One run of ``args.steps`` steps against ``k`` fresh servers; ``fault``: "", "kill" or
-    "sigterm" (of the second server). Returns the figures of the module docstring."""
+    "sigterm" (of the second server, ``_Fault``). Returns the figures of the module docstring."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="fleet-"))
     overrides = _overrides(tmp, args)
     servers = [
@@ -154,84 +236,37 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
         )
         for i in range(k)
     ]
-    steps = args.steps
-    marks: dict[str, float] = {}
     trained: list[tuple[float, int]] = []
-    pool_ref: list[remote.ServerPool] = []
-
-    def watch_exit(proc):
-        marks["returncode"] = proc.wait()
-        marks["exited_after_s"] = time.monotonic() - marks["out"]
-
-    exit_watch = []
-
-    def take_second_out():
-        marks["out"] = time.monotonic()
-        if fault == "kill":
-            servers[1].proc.kill()
-        else:
-            servers[1].proc.send_signal(signal.SIGTERM)
-        exit_watch.append(threading.Thread(target=watch_exit, args=(servers[1].proc,)))
-        exit_watch[0].start()
-
-    def restart_second():
-        exit_watch[0].join()
-        servers[1].restart_if_exited()
-        marks["restarted"] = time.monotonic()
-        marks["pulled_before"] = pool_ref[0].metrics()["pulled_1"]
-
-    def wait_for_second():  # its start-up takes longer than the steps left on a loaded machine
-        while pool_ref[0].metrics()["servers_up"] < 2:
-            time.sleep(0.1)
-
-    hooks = {}
-    if fault:
-        hooks = {steps // 4: take_second_out, steps // 2: restart_second}
-        hooks[steps // 2 + 1] = wait_for_second
+    faulted = _Fault(fault, servers, args.steps) if fault else None
     duty = None
     try:
         for s in servers:
             s.wait_ready(timeout_s=300)
         addresses = ",".join(s.address for s in servers)
         cfg = load_config(
-            CONFIG, [*overrides, f"train.client.servers=[{addresses}]", f"train.steps={steps}"]
+            CONFIG, [*overrides, f"train.client.servers=[{addresses}]", f"train.steps={args.steps}"]
         )
-        pool_cls = remote.ServerPool if fleet_budget else _PerServerPool
-        pool = pool_cls(
+        pool = (remote.ServerPool if fleet_budget else _PerServerPool)(
             cfg.train.client.servers,
             background=True,
             batch_groups=cfg.rollout.batch_groups,
             **setup.connection_args(cfg),
         )
-        pool_ref.append(pool)
         _, _, weights_dir = setup.run_paths(cfg)
         state = TrainState(params=_params(cfg), opt_state=(), step=np.int32(0))
         progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
-        writer = metrics.MetricsWriter(str(tmp / "logs"), total_steps=steps, console=None)
-        first_b: list[float] = []
+        writer = metrics.MetricsWriter(str(tmp / "logs"), total_steps=args.steps, console=None)
         push = lambda v, p: weight_sync.push_weights(pool, p, v, weights_dir)
         with pool, writer, weight_sync.WeightPusher(push) as pusher:
             progress = main.sync_weights(pool, state, progress, weights_dir)
             parts = main.LoopParts(
                 pool=pool, pusher=pusher, ckpt=None, writer=writer, graphdef=None,
-                step_fn=_step(args.step_s, hooks, trained),
+                step_fn=_step(args.step_s, faulted.hooks if faulted else {}, trained),
                 mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
                 spec=setup.batch_spec(cfg),
             )  # fmt: skip
-            if fault:
-                real_pull = pool.pull
-
-                def pull(*a, **kw):
-                    got = real_pull(*a, **kw)
-                    if (
-                        "restarted" in marks
-                        and not first_b
-                        and pool.metrics()["pulled_1"] > marks["pulled_before"]
-                    ):
-                        first_b.append(time.monotonic())
-                    return got
-
-                pool.pull = pull
+            if faulted:
+                faulted.watch(pool)
             if args.duty is not None:
                 duty = _DutyCycle(servers[0].proc, args.duty, args.duty_period)
             _, progress = main.train_loop(cfg, parts, state, progress)
@@ -241,28 +276,9 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
             duty.close()
         for s in servers:
             s.stop()
-    drops = [r["stale_dropped"] for r in records]
-    late_drops = drops[-1] - drops[min(WARMUP, len(drops)) - 1]
-    late_groups = sum(r["groups"] for r in records[WARMUP:])
-    out = {
-        "k": k,
-        "drops_per_group": progress.stale_dropped / max(progress.groups_trained, 1),
-        "late_drops_per_group": late_drops / max(late_groups, 1),
-        "lag_max": max(r["lag_max"] for r in records),
-        "tokens_per_s": _rate(trained, trained[2][0], float("inf")),
-        "load": os.getloadavg()[0],
-    }
-    if fault:
-        start = trained[2][0] if len(trained) > 2 else 0  # the first, compiling steps left out
-        out["two_up"] = _rate(trained, start, marks["out"])
-        after_out = [t for t, _ in trained if t >= marks["out"]][3:4]  # the grace is over
-        out["one_up"] = _rate(trained, after_out[0], marks["restarted"]) if after_out else np.nan
-        rejoined = first_b[0] if first_b else float("nan")
-        settled = [t for t, _ in trained if t >= rejoined][3:4]  # 3 steps after its first group
-        out["rejoined"] = _rate(trained, settled[0], float("inf")) if settled else np.nan
-        out["restart_to_first_group_s"] = rejoined - marks["restarted"]
-        out["returncode"] = marks["returncode"]
-        out["exited_after_s"] = marks["exited_after_s"]
+    out = _figures(k, records, progress, trained)
+    if faulted:
+        out.update(faulted.figures(trained))
     return out
 
 
