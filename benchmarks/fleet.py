@@ -1,29 +1,45 @@
-"""The elastic rollout fleet (docs/DESIGN.md §6.3, §6.5): stale drops per trained group with 1, 2
-(and 4) servers under the fleet's one staleness budget and under per-server budgets (what servers
-did before `admission_share`), and trained tokens/s with two servers, after losing one and after it
-rejoins.
+"""The elastic rollout fleet, live (docs/DESIGN.md §6.3, §6.5): stale drops per trained group and
+trained completion tokens/s with k rollout server processes, generation faster or slower than
+training, servers of equal or unequal speed, a SIGTERM drain and a kill/rejoin.
 
-    PYTHONPATH=$PWD python benchmarks/fleet.py [--servers 1 2 4] [--steps 30] [--step-s 0.5]
+    PYTHONPATH=$PWD python benchmarks/fleet.py --servers 1 2 4 --steps 40 --step-s 0.5
+    PYTHONPATH=$PWD python benchmarks/fleet.py --servers 2 --steps 40 --step-s 0 --duty 0.5
+    PYTHONPATH=$PWD python benchmarks/fleet.py --servers 2 --steps 60 --sigterm    # or --kill
+    PYTHONPATH=$PWD python benchmarks/fleet.py --servers 1 2 4 --steps 20 --compare-per-server
 
-The trainer's loop runs in this process against `--servers` rollout server processes
-(configs/arith_tiny.yaml, max_staleness 1, 2 groups of 2 per batch) with a stand-in step that only
-takes `--step-s` seconds, so generation outpaces training and admission is what bounds staleness.
-"per-server" sends every server a share of 1, which is how each server counted before the fleet
-had one budget. The kill/rejoin phase SIGKILLs the second of two servers after a quarter of the
-steps and restarts it (same port and state_dir) at half of them (the loop waits at the next step
-for it to rejoin), and reports trained completion tokens/s per phase, the after-rejoin one over
-the second half from the third step after that server's first group (its first compilations
-left out), and the seconds from the restart to the first group of that server pulled.
-Prints Markdown tables.
+The trainer's loop runs in this process against ``--servers`` rollout server processes
+(configs/arith_tiny.yaml: ``--staleness`` (max_staleness, default 1), ``--batch-groups`` groups of
+``--group-size`` per batch, ``--max-new-tokens``) with a stand-in step that only takes
+``--step-s`` seconds: 0.5 s outpaces nothing (generation faster than training, admission alone
+bounds staleness), 0 makes every group take longer than a step (the regime of issue 33, and of a
+pod: a group spans several versions).
+
+- ``--duty F``: the first server is stopped (SIGSTOP) for (1 − F) of every ``--duty-period``
+  seconds and continued (SIGCONT) for the rest: a server about F times as fast as the others.
+- ``--kill``: the second server is SIGKILLed after a quarter of the steps and restarted (same
+  port and state_dir) at half of them; the loop waits at the next step for it to rejoin.
+- ``--sigterm``: the same, with SIGTERM (a preemption notice: the server drains, exits 0) in place
+  of the SIGKILL; reports its exit status and the seconds from the SIGTERM to its exit.
+- ``--compare-per-server``: also runs each k with every server sent a share of 1 (each counting
+  only its own groups: what servers did before ``admission_share``, issue 21).
+
+Per run: stale drops per trained group over the whole run and after the first ``WARMUP`` steps
+(the servers' first compilations), the largest lag trained, trained completion tokens/s from the
+third step on (with ``--kill``/``--sigterm`` per phase: two servers, one gone (from the 3rd step
+after it), after it rejoined (from the 3rd step after its first group pulled)), and the 1-minute
+load average at the end. Prints a Markdown table row per run.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -39,15 +55,15 @@ from train.local_server import LocalServer
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "arith_tiny.yaml")
-B = 2
+WARMUP = 5  # steps left out of the "after warm-up" drops: the servers' first compilations
 
 
-def _overrides(tmp: pathlib.Path) -> list[str]:
+def _overrides(tmp: pathlib.Path, args: argparse.Namespace) -> list[str]:
     return [
-        "rollout.max_staleness=1",
-        f"rollout.batch_groups={B}",
-        "rollout.group_size=2",
-        "rollout.max_new_tokens=6",
+        f"rollout.max_staleness={args.staleness}",
+        f"rollout.batch_groups={args.batch_groups}",
+        f"rollout.group_size={args.group_size}",
+        f"rollout.max_new_tokens={args.max_new_tokens}",
         "server.slots=4",
         f"server.checkpoint_root={tmp}",
         "train.checkpoint.every=1000",
@@ -67,6 +83,8 @@ def _params(cfg) -> dict:
 
 
 def _step(seconds: float, hooks: dict, trained: list):
+    """A stand-in train step: runs ``hooks[k]`` before the k-th call, takes ``seconds``, and
+    records (time, completion tokens) of its batch in ``trained``."""
     calls = [0]
 
     def step(state: TrainState, batch):
@@ -81,137 +99,263 @@ def _step(seconds: float, hooks: dict, trained: list):
 
 
 class _PerServerPool(remote.ServerPool):
-    """Sends every server a share of 1: each counts only its own groups (the old behaviour)."""
+    """Sends every server a share of 1: each counts only its own groups (before issue 21)."""
 
     def _update_request(self, version, path, new_epoch, share, base_path=""):
         return super()._update_request(version, path, new_epoch, 1.0, base_path)
 
 
-def run(k: int, steps: int, step_s: float, *, fleet_budget: bool, kill: bool = False) -> dict:
+class _DutyCycle:
+    """Stops ``proc`` (SIGSTOP) for (1 − duty) of every ``period_s`` and continues it for the
+    rest, on a thread, until closed (which continues it)."""
+
+    def __init__(self, proc, duty: float, period_s: float):
+        self._proc, self._duty, self._period = proc, duty, period_s
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _signal(self, sig: int) -> None:
+        if self._proc.poll() is None:
+            os.kill(self._proc.pid, sig)
+
+    def _run(self) -> None:
+        while not self._closed.is_set():
+            self._signal(signal.SIGSTOP)
+            if self._closed.wait((1 - self._duty) * self._period):
+                break
+            self._signal(signal.SIGCONT)
+            self._closed.wait(self._duty * self._period)
+        self._signal(signal.SIGCONT)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+        self._signal(signal.SIGCONT)
+
+
+def _rate(trained: list[tuple[float, int]], lo: float, hi: float) -> float:
+    """Trained completion tokens/s over the steps that ended in [lo, hi) (the first one's
+    tokens left out: it marks the window's start)."""
+    sel = [(t, n) for t, n in trained if lo <= t < hi]
+    if len(sel) < 2:
+        return float("nan")
+    return sum(n for _, n in sel[1:]) / (sel[-1][0] - sel[0][0])
+
+
+class _Fault:
+    """SIGKILLs (``kind`` "kill") or SIGTERMs ("sigterm") the second server after a quarter of
+    the steps, restarts it (same port and state_dir) at half of them and waits at the next step
+    for it to rejoin (its start-up takes longer than the steps left on a loaded machine); times
+    its exit and its first group pulled after the restart, and the tokens/s of each phase."""
+
+    def __init__(self, kind: str, servers: list[LocalServer], steps: int):
+        self.kind, self.server = kind, servers[1]
+        self.pool: remote.ServerPool | None = None
+        self.marks: dict[str, float] = {}
+        self._exit: threading.Thread | None = None
+        self.hooks = {steps // 4: self._take_out, steps // 2: self._restart}
+        self.hooks[steps // 2 + 1] = self._wait_for_rejoin
+
+    def _take_out(self) -> None:
+        self.marks["out"] = time.monotonic()
+        if self.kind == "kill":
+            self.server.proc.kill()
+        else:
+            self.server.proc.send_signal(signal.SIGTERM)
+        self._exit = threading.Thread(target=self._watch_exit, args=(self.server.proc,))
+        self._exit.start()
+
+    def _watch_exit(self, proc) -> None:
+        self.marks["returncode"] = proc.wait()
+        self.marks["exited_after_s"] = time.monotonic() - self.marks["out"]
+
+    def _restart(self) -> None:
+        self._exit.join()
+        self.server.restart_if_exited()
+        self.marks["restarted"] = time.monotonic()
+        self.marks["pulled_before"] = self.pool.metrics()["pulled_1"]
+
+    def _wait_for_rejoin(self) -> None:
+        while self.pool.metrics()["servers_up"] < 2:
+            time.sleep(0.1)
+
+    def watch(self, pool: remote.ServerPool) -> None:
+        """Wraps ``pool.pull`` to note when the restarted server's first group is pulled."""
+        self.pool, real_pull = pool, pool.pull
+
+        def pull(*args, **kwargs):
+            got = real_pull(*args, **kwargs)
+            m = self.marks
+            if "restarted" in m and "first" not in m:
+                if pool.metrics()["pulled_1"] > m["pulled_before"]:
+                    m["first"] = time.monotonic()
+            return got
+
+        pool.pull = pull
+
+    def figures(self, trained: list[tuple[float, int]]) -> dict:
+        m = self.marks
+        start = trained[2][0] if len(trained) > 2 else 0  # the first, compiling steps left out
+        after_out = [t for t, _ in trained if t >= m["out"]][3:4]  # the grace is over
+        rejoined = m.get("first", float("nan"))
+        settled = [t for t, _ in trained if t >= rejoined][3:4]  # 3 steps after its first group
+        return {
+            "two_up": _rate(trained, start, m["out"]),
+            "one_up": _rate(trained, after_out[0], m["restarted"]) if after_out else np.nan,
+            "rejoined": _rate(trained, settled[0], float("inf")) if settled else np.nan,
+            "restart_to_first_group_s": rejoined - m["restarted"],
+            "returncode": m["returncode"],
+            "exited_after_s": m["exited_after_s"],
+        }
+
+
+def _figures(k: int, records: list[dict], progress, trained: list[tuple[float, int]]) -> dict:
+    """A run's figures from its metrics records, final progress and trained steps."""
+    drops = [r["stale_dropped"] for r in records]
+    late_drops = drops[-1] - drops[min(WARMUP, len(drops)) - 1]
+    late_groups = sum(r["groups"] for r in records[WARMUP:])
+    return {
+        "k": k,
+        "drops_per_group": progress.stale_dropped / max(progress.groups_trained, 1),
+        "late_drops_per_group": late_drops / max(late_groups, 1),
+        "lag_max": max(r["lag_max"] for r in records),
+        "tokens_per_s": _rate(trained, trained[2][0], float("inf")),
+        "load": os.getloadavg()[0],
+    }
+
+
+def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: str = "") -> dict:
+    """One run of ``args.steps`` steps against ``k`` fresh servers; ``fault``: "", "kill" or
+    "sigterm" (of the second server, ``_Fault``). Returns the figures of the module docstring."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="fleet-"))
-    overrides = _overrides(tmp)
+    overrides = _overrides(tmp, args)
     servers = [
         LocalServer(
             CONFIG, [*overrides, f"server.state_dir={tmp / f'state-{i}'}"], str(tmp / f"s{i}.log")
         )
         for i in range(k)
     ]
-    marks: dict[str, float] = {}
     trained: list[tuple[float, int]] = []
-    pool_ref = []
-
-    def kill_second():
-        servers[1].proc.kill()
-        servers[1].proc.wait()
-        marks["killed"] = time.monotonic()
-
-    def restart_second():
-        servers[1].restart_if_exited()
-        marks["restarted"] = time.monotonic()
-        marks["pulled_before"] = pool_ref[0].metrics()["pulled_1"]
-
-    def wait_for_second():  # its start-up takes longer than the steps left on a loaded machine
-        while pool_ref[0].metrics()["servers_up"] < 2:
-            time.sleep(0.1)
-
-    hooks = {}
-    if kill:
-        hooks = {steps // 4: kill_second, steps // 2: restart_second}
-        hooks[steps // 2 + 1] = wait_for_second
+    faulted = _Fault(fault, servers, args.steps) if fault else None
+    duty = None
     try:
         for s in servers:
             s.wait_ready(timeout_s=300)
+        addresses = ",".join(s.address for s in servers)
         cfg = load_config(
-            CONFIG,
-            [*overrides, f"train.client.servers=[{','.join(s.address for s in servers)}]",
-             f"train.steps={steps}"],
-        )  # fmt: skip
-        t = cfg.train
-        pool_cls = remote.ServerPool if fleet_budget else _PerServerPool
-        pool = pool_cls(
-            t.servers, token="", max_message_bytes=cfg.server.max_message_bytes,
-            retry_max_s=t.retry_max_s, server_wait_s=t.server_wait_s, grace_s=t.server_grace_s,
+            CONFIG, [*overrides, f"train.client.servers=[{addresses}]", f"train.steps={args.steps}"]
+        )
+        pool = (remote.ServerPool if fleet_budget else _PerServerPool)(
+            cfg.train.client.servers,
             background=True,
-        )  # fmt: skip
-        pool_ref.append(pool)
+            batch_groups=cfg.rollout.batch_groups,
+            **setup.connection_args(cfg),
+        )
         _, _, weights_dir = setup.run_paths(cfg)
-        push = lambda v, p: weight_sync.push_weights(pool, p, v, weights_dir)
         state = TrainState(params=_params(cfg), opt_state=(), step=np.int32(0))
         progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
-        writer = metrics.MetricsWriter(str(tmp / "logs"), total_steps=steps, console=None)
-        first_b = []
+        writer = metrics.MetricsWriter(str(tmp / "logs"), total_steps=args.steps, console=None)
+        push = lambda v, p: weight_sync.push_weights(pool, p, v, weights_dir)
         with pool, writer, weight_sync.WeightPusher(push) as pusher:
             progress = main.sync_weights(pool, state, progress, weights_dir)
             parts = main.LoopParts(
                 pool=pool, pusher=pusher, ckpt=None, writer=writer, graphdef=None,
-                step_fn=_step(step_s, hooks, trained),
-                mesh=sharding.make_mesh(t.mesh, jax.devices()[:1]), spec=setup.batch_spec(cfg),
+                step_fn=_step(args.step_s, faulted.hooks if faulted else {}, trained),
+                mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
+                spec=setup.batch_spec(cfg),
             )  # fmt: skip
-            if kill:
-                real_pull = pool.pull
-
-                def pull(*a, **kw):
-                    got = real_pull(*a, **kw)
-                    if (
-                        "restarted" in marks
-                        and not first_b
-                        and pool.metrics()["pulled_1"] > (marks["pulled_before"])
-                    ):
-                        first_b.append(time.monotonic())
-                    return got
-
-                pool.pull = pull
+            if faulted:
+                faulted.watch(pool)
+            if args.duty is not None:
+                duty = _DutyCycle(servers[0].proc, args.duty, args.duty_period)
             _, progress = main.train_loop(cfg, parts, state, progress)
+        records = metrics.read_jsonl(writer.jsonl_path)
     finally:
+        if duty is not None:
+            duty.close()
         for s in servers:
             s.stop()
-    out = {"k": k, "drops_per_group": progress.stale_dropped / max(progress.groups_trained, 1)}
-    if kill:
-
-        def rate(lo, hi):
-            sel = [(t, n) for t, n in trained if lo <= t < hi]
-            if len(sel) < 2:
-                return float("nan")
-            return sum(n for _, n in sel[1:]) / (sel[-1][0] - sel[0][0])
-
-        start = trained[2][0] if len(trained) > 2 else 0  # skip the first, compiling steps
-        out["two_up"] = rate(start, marks["killed"])
-        # From the third step after the kill: the grace before it left is over by then.
-        after_kill = [t for t, _ in trained if t >= marks["killed"]][3:4]
-        out["one_up"] = rate(after_kill[0], marks["restarted"]) if after_kill else float("nan")
-        rejoined = first_b[0] if first_b else float("nan")
-        settled = [t for t, _ in trained if t >= rejoined][3:4]  # 3 steps after its first group
-        out["rejoined"] = rate(settled[0], float("inf")) if settled else float("nan")
-        out["restart_to_first_group_s"] = rejoined - marks["restarted"]
+    out = _figures(k, records, progress, trained)
+    if faulted:
+        out.update(faulted.figures(trained))
     return out
 
 
-def cli() -> None:
+def _row(scenario: str, r: dict, args: argparse.Namespace) -> str:
+    return (
+        f"| {scenario} | {r['k']} | {args.step_s:g} | {args.staleness} | {args.steps} | "
+        f"{r['drops_per_group']:.3f} | {r['late_drops_per_group']:.3f} | {r['lag_max']:.0f} | "
+        f"{r['tokens_per_s']:.1f} | {r['load']:.1f} |"
+    )
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", type=int, nargs="*", default=[1, 2])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-s", type=float, default=0.5)
-    parser.add_argument("--no-kill", action="store_true", help="skip the kill/rejoin phase")
-    args = parser.parse_args()
+    parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--batch-groups", type=int, default=2)
+    parser.add_argument("--group-size", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=6)
+    parser.add_argument("--duty", type=float, help="the first server's duty cycle, in (0, 1)")
+    parser.add_argument("--duty-period", type=float, default=1.0)
+    faults = parser.add_mutually_exclusive_group()
+    faults.add_argument("--kill", action="store_true", help="SIGKILL and restart the second")
+    faults.add_argument("--sigterm", action="store_true", help="SIGTERM and restart the second")
+    parser.add_argument("--compare-per-server", action="store_true")
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked; a bad value exits with code 2 naming its flag."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.steps < 2 * WARMUP:
+        parser.error(f"--steps must be at least {2 * WARMUP}, got {args.steps}")
+    if any(k < 1 for k in args.servers):
+        parser.error(f"--servers must be >= 1, got {args.servers}")
+    for flag, value in (("--step-s", args.step_s), ("--staleness", args.staleness)):
+        if value < 0:
+            parser.error(f"{flag} must be >= 0, got {value}")
+    if args.duty is not None and not 0 < args.duty < 1:
+        parser.error(f"--duty must be in (0, 1), got {args.duty}")
+    if args.duty_period <= 0:
+        parser.error(f"--duty-period must be > 0, got {args.duty_period}")
+    if (args.kill or args.sigterm) and args.servers != [2]:
+        parser.error(f"--kill and --sigterm need --servers 2, got {args.servers}")
+    return args
+
+
+def cli(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    if args.servers:
-        print("| servers | stale drops / trained group, per-server budgets | one fleet budget |")
-        print("| --- | --- | --- |")
+    fault = "kill" if args.kill else "sigterm" if args.sigterm else ""
+    scenario = fault or (f"duty {args.duty:g}" if args.duty is not None else "equal")
+    print(
+        "| scenario | servers | step (s) | max_staleness | steps | stale drops / trained group |"
+        f" after step {WARMUP} | max lag | trained tokens/s | load (1 min) |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    results = []
     for k in args.servers:
-        before = run(k, args.steps, args.step_s, fleet_budget=False)
-        after = run(k, args.steps, args.step_s, fleet_budget=True)
-        print(f"| {k} | {before['drops_per_group']:.2f} | {after['drops_per_group']:.2f} |")
-        sys.stdout.flush()
-    if not args.no_kill:
-        r = run(2, max(args.steps, 40), args.step_s, fleet_budget=True, kill=True)
+        if args.compare_per_server:
+            print(_row("per-server budgets", run(k, args, fleet_budget=False), args), flush=True)
+        results.append(run(k, args, fault=fault))
+        print(_row(scenario, results[-1], args), flush=True)
+    if fault:
+        r = results[-1]
         print()
-        print(
-            "| trained tokens/s: two servers | one killed | after it rejoined | restart → first group pulled (s) |"
-        )
-        print("| --- | --- | --- | --- |")
+        print("| trained tokens/s: two servers | one gone | after it rejoined |"
+              " restart → first group pulled (s) | exit status | exited after (s) |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- |")
         print(f"| {r['two_up']:.1f} | {r['one_up']:.1f} | {r['rejoined']:.1f} | "
-              f"{r['restart_to_first_group_s']:.1f} |")  # fmt: skip
+              f"{r['restart_to_first_group_s']:.1f} | {r['returncode']} | "
+              f"{r['exited_after_s']:.1f} |")  # fmt: skip
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":
-    cli()
+    with contextlib.suppress(KeyboardInterrupt):
+        cli()

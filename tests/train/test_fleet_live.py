@@ -357,6 +357,8 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
     # group waits for weights that can still make the bound (docs/DESIGN.md §6.3), so no cycle
     # of stale replacements follows a rejoin.
     assert records[-1]["stale_dropped"] <= 4 * B
+    # No trained token older than max_staleness (1).
+    assert max(r["lag_max"] for r in records) <= 1, [r["lag_max"] for r in records]
 
 
 def test_a_server_sigtermed_mid_run_drains_exits_0_and_the_run_loses_nothing(tmp_path, caplog):
@@ -417,3 +419,5 @@ def test_a_server_sigtermed_mid_run_drains_exits_0_and_the_run_loses_nothing(tmp
     # Exactly once: every step trained B groups, none of them twice.
     keys = progress.recent_group_keys
     assert len(keys) == steps * B and len(set(keys)) == len(keys), keys
+    # No trained token older than max_staleness (1).
+    assert max(r["lag_max"] for r in records) <= 1, [r["lag_max"] for r in records]
