@@ -127,7 +127,10 @@ class ServerPool(Membership):
             FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
         )
         self._trainer_version = 0  # the newest version a Pull named
+        self._batch_groups = batch_groups
+        self._kept = 0  # groups pulled for `_trainer_version`'s batch and not rejected
         self._origin: dict[str, Member] = {}  # group key -> the server it came from, until acked
+        self._pulled_for: dict[str, int] = {}  # group key -> the trainer version it was pulled for
         # The last pushed (version, path, base_path): what a rejoining server gets.
         self._weights: tuple[int, str, str] | None = None
         self._start(background)
@@ -224,6 +227,9 @@ class ServerPool(Membership):
                 server.rejects = [r for r in server.rejects if r not in sent_rejects]
                 for g in pulled:
                     self._origin[g.key] = server
+                    self._pulled_for[g.key] = trainer_version
+                if trainer_version == self._trainer_version:
+                    self._kept += len(pulled)
                     server.server_id = g.server_id or server.server_id
                 server.pulled += len(pulled)
                 if response.capacity_tokens_per_s > 0:
@@ -235,13 +241,24 @@ class ServerPool(Membership):
     def ack(self, groups: Sequence[Group | InvalidGroup], *, rejected: bool = False) -> None:
         """Acknowledges pulled ``groups`` (sent with the next Pull to their server, or by
         ``flush_acks``); groups not pulled through this pool are ignored. ``rejected``: they
-        will not be trained (stale, duplicate, invalid), so their server generates replacements."""
+        will not be trained (stale, duplicate, invalid, filtered), so their server generates
+        replacements; one pulled for the batch being pulled gives its place in that batch back to
+        its server's quota, so the batch takes the server's next (older than the others') group
+        instead of leaving it for a later version, where it would be one version staler (a
+        server one group behind its share would otherwise stay behind, each of its groups
+        trained a version late)."""
         with self._lock:
             for g in groups:
                 server = self._origin.pop(g.key, None)
-                if server is not None:
-                    pending = server.rejects if rejected else server.acks
-                    pending.append((g.server_id, g.group_id))
+                version = self._pulled_for.pop(g.key, None)
+                if server is None:
+                    continue
+                pending = server.rejects if rejected else server.acks
+                pending.append((g.server_id, g.group_id))
+                if rejected and version == self._trainer_version:
+                    self._kept -= 1
+                    if self._quota is not None and version == self._quota.version:
+                        self._quota.took(server.address, -1)
 
     def flush_acks(self, *, warn_down: bool = True) -> None:
         """Sends every pending acknowledgement to the servers up now (one Ack each; a server
@@ -406,13 +423,26 @@ class ServerPool(Membership):
             server.acks = [a for a in server.acks if a not in set(acks)]
             server.rejects = [r for r in server.rejects if r not in set(rejects)]
 
+    def next_batch_version(self) -> int:
+        """The version the next groups this pool pulls will be trained at, as far as it knows:
+        the newest version a Pull named, or the one after it once that batch has all its
+        ``batch_groups`` (pulled and not rejected). 0 = no Pull named a version yet."""
+        with self._lock:
+            done = self._batch_groups and self._kept >= self._batch_groups
+            return (
+                self._trainer_version + 1
+                if self._trainer_version and done
+                else (self._trainer_version)
+            )
+
     def _pick(self, up: list[Member], trainer_version: int) -> tuple[Member | None, int | None]:
         """The next server to pull and the most groups to take from it (None = no limit): in
         turn, or, with quotas and a trainer version, in ``FleetQuota.order`` (in turn among the
         servers it names)."""
         if not up:
             return None, None
-        self._trainer_version = max(self._trainer_version, trainer_version)
+        if trainer_version > self._trainer_version:
+            self._trainer_version, self._kept = trainer_version, 0
         if self._quota is None or trainer_version <= 0:
             self._next %= len(up)
             server = up[self._next]
@@ -445,11 +475,11 @@ class ServerPool(Membership):
     def _update_request(
         self, version: int, path: str, new_epoch: bool, share: float, base_path: str = ""
     ) -> rollout_pb2.UpdateWeightsRequest:
-        """A push of `version`, naming the trainer's newest version a Pull of this pool named (a
-        rejoining server's admission must know how far the trainer is past the weights it
-        gets)."""
+        """A push of `version`, naming the version the next groups pulled will be trained at
+        (`next_batch_version`: a rejoining server's admission must know how far the trainer is
+        past the weights it gets)."""
         return rollout_pb2.UpdateWeightsRequest(
-            trainer_version=max(self._trainer_version, version),
+            trainer_version=max(self.next_batch_version(), version),
             version=version,
             checkpoint_path=path,
             base_path=base_path,

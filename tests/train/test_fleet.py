@@ -309,3 +309,48 @@ def test_a_push_sends_the_pending_acknowledgements_first(fleet):
             names = [name for name, _, _ in stubs[address].calls]
             assert names[-2:] == ["Ack", "UpdateWeights"], names
             assert list(stubs[address].rpcs("Ack")[-1].group_ids) == [0, 1]
+
+
+def test_a_rejected_group_gives_its_place_in_the_batch_back_to_its_server(fleet):
+    """A group rejected (stale, filtered, ...) from the batch being pulled returns its place to
+    its server's quota: the batch takes that server's next group, older than the others', and a
+    server that was one group behind its share does not stay behind (each of its groups trained
+    a version late, a stale drop per step, seen live after a drained server rejoined)."""
+    make, stubs, clock = fleet
+    with make(["a:1", "b:1"], batch_groups=2, max_staleness=1) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        first = pool.pull(1, 1.0, trainer_version=5) + pool.pull(1, 1.0, trainer_version=5)
+        assert sorted(g.prompt_id[0] for g in first) == ["a", "b"]  # one each: its share
+        stale = next(g for g in first if g.prompt_id.startswith("b"))
+        pool.ack([stale], rejected=True)
+        # b's place came back: the next Pull of this batch goes to b, not to a (whose quota is
+        # spent and whose fallback is three step periods away).
+        again = pool.pull(1, 1.0, trainer_version=5)
+        assert [g.prompt_id for g in again] == ["b:11"]
+        # A rejected group of an earlier batch gives nothing to the batch being pulled.
+        pool.pull(1, 1.0, trainer_version=6)
+        pool.pull(1, 1.0, trainer_version=6)
+        quota = dict(pool._quota.credit)
+        pool.ack([g for g in first if g is not stale], rejected=True)
+        assert pool._quota.credit == quota
+
+
+def test_a_push_names_the_version_the_next_pulled_groups_are_trained_at(fleet):
+    """A rejoining server's admission counts how far the trainer is past the weights it gets:
+    the push names the version of the batch being pulled, or the next one once that batch has
+    all its groups (a server told the version whose batch is already complete admits groups
+    that batch will never take, and they go stale)."""
+    make, stubs, _ = fleet
+    with make(["a:1"], batch_groups=2, max_staleness=1) as pool:
+        assert pool.next_batch_version() == 0
+        pool.update_weights(3, "/w/v3", new_admission_epoch=True)
+        assert stubs["a:1"].rpcs("UpdateWeights")[-1].trainer_version == 3
+        got = pool.pull(1, 1.0, trainer_version=4)
+        assert pool.next_batch_version() == 4  # batch 4 still needs a group
+        got += pool.pull(1, 1.0, trainer_version=4)
+        assert pool.next_batch_version() == 5  # batch 4 complete
+        pool.ack(got[:1], rejected=True)
+        assert pool.next_batch_version() == 4  # a rejected group: batch 4 needs one again
+        pool.pull(1, 1.0, trainer_version=4)
+        pool.update_weights(4, "/w/v4")
+        assert stubs["a:1"].rpcs("UpdateWeights")[-1].trainer_version == 5
