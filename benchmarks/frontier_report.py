@@ -106,6 +106,15 @@ def largest_stable_lr(stable_by_lr: dict[float, bool]) -> float | None:
     return found
 
 
+def edge_text(stable_by_lr: dict[float, bool]) -> str:
+    """``largest_stable_lr`` as the sweep bounds it: "< r" when the smallest rate r that ran is
+    unstable, "≥ r" when r is the largest that ran (the edge lies above it), else r."""
+    best = largest_stable_lr(stable_by_lr)
+    if best is None:
+        return f"< {min(stable_by_lr):g}"
+    return f"≥ {best:g}" if best == max(stable_by_lr) else f"{best:g}"
+
+
 def keeping_lrs(table: dict[tuple, dict]) -> dict:
     """Per (method, lag): the largest rate keeping ``STABLE_FRACTION`` of the lag's best seed-mean
     final accuracy (there and below); and that best per lag. Default SAT knobs only."""
@@ -224,7 +233,8 @@ def _accuracy_table(args: argparse.Namespace, table: dict, frontier: dict) -> li
         f"**Final held-out accuracy** (mean ± std over seeds; † k/n: k of n seeds collapsed, i.e. "
         f"final < {COLLAPSE_FRACTION:g} × best or a skipped-step storm; **bold**: the cell is stable, "
         f"≥ 2/3 of its seeds with final ≥ {STABLE_FRACTION:g} × best) and the **largest stable "
-        "learning rate** (stable there and at every smaller rate; — none)",
+        "learning rate** (stable there and at every smaller rate that ran; ≥: the largest rate that ran, "
+        "the edge lies above it; <: unstable at the smallest rate that ran)",
         "",
         "| method | lag | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | largest stable lr |",
         "| --- | ---: | " + " | ".join("---:" for _ in lrs) + " | ---: |",
@@ -235,13 +245,12 @@ def _accuracy_table(args: argparse.Namespace, table: dict, frontier: dict) -> li
             if not any(row.values()):
                 continue
             ran = {lr: g["stable"] for lr, g in row.items() if g is not None}
-            frontier[(m, lag)] = best = largest_stable_lr(ran)
+            frontier[(m, lag)] = edge_text(ran)
             cells = [
                 f"**{_lr_cell(g, args.seeds)}**" if g and g["stable"] else _lr_cell(g, args.seeds)
                 for g in row.values()
             ]
-            text = "—" if best is None else f"{best:g}"
-            lines.append(f"| {m} | {lag} | " + " | ".join(cells) + f" | {text} |")
+            lines.append(f"| {m} | {lag} | " + " | ".join(cells) + f" | {frontier[(m, lag)]} |")
     return lines
 
 
@@ -257,7 +266,8 @@ def _frontier_tables(table: dict, frontier: dict) -> list[str]:
         "",
         "**Largest stable learning rate** per method and lag (of the sweep "
         + ", ".join(f"{lr:g}" for lr in lrs)
-        + "; — : not stable even at the smallest)",
+        + "; ≥ r: stable at r, the largest rate that ran there; < r: unstable at r, the smallest "
+        "that ran; n/a: nothing ran)",
         "",
         "| method | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
         "| --- | " + " | ".join("---:" for _ in lags) + " |",

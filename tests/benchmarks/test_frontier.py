@@ -95,6 +95,13 @@ def test_largest_stable_lr(stable, expected):
     assert frontier_report.largest_stable_lr(stable) == expected
 
 
+def test_the_edge_text_says_which_side_the_sweep_leaves_open():
+    assert frontier_report.edge_text({1e-3: True}) == "≥ 0.001"  # nothing above ran
+    assert frontier_report.edge_text({1e-3: True, 2e-3: False}) == "0.001"
+    assert frontier_report.edge_text({2e-3: False}) == "< 0.002"  # nothing below ran
+    assert frontier_report.edge_text({5e-4: False, 1e-3: True}) == "< 0.0005"
+
+
 def test_large_lag_methods_map_to_their_options():
     want = {
         "GRPO+TIS": ("tis_cap", frontier.grid.TIS_CAP),
