@@ -176,6 +176,30 @@ def test_the_sampler_row_set_is_its_own_cell_and_report_row():
     ]
 
 
+def test_the_sampler_table_sets_the_row_set_beside_the_default_sampler():
+    def runs_of(mismatch0: float, live: float, final: float) -> dict:
+        recs = run({0: 0.2, 20: final}, 20, q99=0.5)
+        recs[1].update(mismatch_abs_mean=mismatch0, d_abs_q99=0.04)
+        return {"records": recs, "sat_live": live, "final": final}
+
+    bf16 = {"sampler_dtype": "bfloat16", "top_p": 0.9}
+    runs = {
+        frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 0): runs_of(0.0, 0.5, 0.25),
+        frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 0, **bf16): runs_of(0.01, 0.2, 0.23),
+        frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 1, **bf16): runs_of(0.03, 0.4, 0.21),
+        frontier_methods.Cell("GRPO", 32, 1e-3, 0): runs_of(0.0, 0.0, 0.2),  # no row set here
+    }
+    lines = frontier_mechanism.sampler_table(runs)
+    assert (
+        lines[-2] == "| GRPO+SAT | 8 | 0.001 | 1 | 0.0000 | 0.040 | 0.0475 | 0.48 | 50% | 0.250 |"
+    )
+    assert lines[-1] == (
+        "| GRPO+SAT [bfloat16, top-p 0.9] | 8 | 0.001 | 2 | 0.0200 | 0.040 | 0.0485 | 0.48 | "
+        "30% | 0.220 |"
+    )
+    assert frontier_mechanism.sampler_table({k: runs[k] for k in list(runs)[:1]}) == []
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -263,6 +287,8 @@ def check_smoke_output(out: pathlib.Path) -> None:
     assert "| GRPO+SAT | 2 |" in table and "SAT's knobs" in table and "| q = 0.8 |" in table
     assert "| GRPO+M2PO | 128 |" in table and "| GRPO+VCPO | 128 |" in table
     assert "| GRPO+TIS [bfloat16, top-p 0.9] | 2 |" in table
+    assert "**The sampler row set**" in table
+    assert "| GRPO+TIS [bfloat16, top-p 0.9] | 2 | 0.001 | 1 |" in table
     summary = json.loads((out / "frontier_summary.json").read_text())
     assert {(r["row"], r["lag"], r["quantile"], r["exponent"]) for r in summary} == {
         *(
