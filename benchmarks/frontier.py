@@ -3,14 +3,15 @@ far SAT, R3 and the field's large-lag corrections push it.
 
     python benchmarks/frontier.py --out runs/frontier [--steps 160] [--seeds 3]
         [--lags 8 32 128 64 1] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2] [--knob-lr auto] [--set key=value ...]
+        [--sampler-methods GRPO GRPO+SAT ...] [--sampler-lags 8] [--sampler-dtype bfloat16] [--top-p 0.9]
     python benchmarks/frontier.py --out runs/frontier --report-only
     python benchmarks/frontier.py --smoke            (a few tiny cells into a temporary directory)
     python benchmarks/frontier.py --out runs/frontier --cost --methods GRPO GRPO+VCPO ...
 
 Every run is a cell of `benchmarks/grid.py` — the same task, base policy, exact configured lag and
-in-process sampler (its ``Runner``) — with two more axes: the learning rate, and SAT's quantile and
-exponent. Three phases run in order, each spread over the worker processes, so a cut-off keeps
-the most important cells:
+in-process sampler (its ``Runner``) — with more axes: the learning rate, SAT's quantile and
+exponent, and the sampler's dtype and top-p. Four phases run in order, each spread over the worker
+processes, so a cut-off keeps the most important cells:
 
 1. the GRPO family (GRPO, + SAT, + R3, + SAT + R3) and the large-lag corrections (``FIELD``: SAT
    with each microbatch's own threshold, TIS, IcePop, sequence masking, DPPO-TV, M2PO, VCPO) ×
@@ -18,7 +19,14 @@ the most important cells:
 2. SAT's knobs: GRPO + SAT at ``--knob-lag`` and ``--knob-lr`` (``auto``: the smallest learning
    rate at which plain GRPO is unstable there, from phase 1), quantile × exponent;
 3. GSPO and GSPO + SAT with a window wide enough that SAT's threshold can fall inside it
-   (``GSPO_WIDE_CLIP``; GSPO's own 3e-4/4e-4 never lets SAT act, see RESULTS.md).
+   (``GSPO_WIDE_CLIP``; GSPO's own 3e-4/4e-4 never lets SAT act, see RESULTS.md);
+4. the sampler row set, when ``--sampler-methods`` are given (``SAMPLER_METHODS``: the issue's):
+   ``--sampler-methods`` × ``--sampler-lags`` × ``--lrs`` × seeds sampled in
+   ``--sampler-dtype`` (the sampling weights cast to it and its matmuls in it; the trainer stays in
+   the config's dtype) with top-p ``--top-p``. Tokens are drawn by the rollout server's own
+   sampling code, which records each token's log-prob under the truncated distribution and the
+   kept set's size; the batch carries the kept counts and the train step replays the truncation
+   (``rollout.logprob_replay``, "truncated" by default), as the trainer does with the server's.
 
 Per step a run logs the grid's metrics plus the 0.99 quantile of |d| = |logp − behavior_logp| over
 the batch's completion tokens (``--tail-every``; log-probs as the loss sees them, replayed routing
@@ -49,6 +57,7 @@ import tempfile
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 # benchmarks/ scripts run by path and import each other so, never as a package (JetStream
@@ -58,11 +67,14 @@ import frontier_mechanism as mech
 import grid
 import worker_group
 from frontier_methods import (
+    DEFAULT_SAMPLER,
     DEFAULT_SAT,
     GRPO_FAMILY,
     GSPO_WIDE,
     LAGS,
     LARGE_LAG,
+    SAMPLER_METHODS,
+    SAMPLER_ROW_SET,
     Cell,
     loss_config,
     microbatches,
@@ -79,6 +91,7 @@ from frontier_report import (
 )
 
 from sat_jax import objectives
+from sat_jax.model import placement
 from sat_jax.step import create_train_state, make_train_step, shard_batch
 
 
@@ -88,6 +101,23 @@ class Runner(grid.Runner):
     def __init__(self, overrides: list[str], *, eval_problems: int):
         super().__init__(overrides, eval_problems=eval_problems)
         self.base_accuracy = self.accuracy(self.base_params)  # step 0 of every cell
+        self._samplers: dict[str, object] = {}
+
+    def replays_truncation(self, cell: Cell) -> bool:
+        """Whether the cell's batches carry kept counts the step replays (top-p < 1 and
+        ``rollout.logprob_replay`` "truncated")."""
+        return cell.top_p < 1.0 and self.cfg.rollout.logprob_replay == "truncated"
+
+    def sampler_graphdef(self, dtype: str):
+        """The model the cell samples with: the trainer's own for ``DEFAULT_SAMPLER``'s dtype,
+        else the config's model with its weights and matmuls in ``dtype`` (norms, softmaxes, the
+        router and the logits stay float32, as the model keeps them)."""
+        if dtype == DEFAULT_SAMPLER[0]:
+            return self.graphdef
+        if dtype not in self._samplers:
+            model = self.cfg.model.replace(dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(dtype))
+            self._samplers[dtype] = placement.abstract_model(model)[0]
+        return self._samplers[dtype]
 
     def optimizer(self, lr: float):
         return dataclasses.replace(self.cfg.train.optimizer, learning_rate=lr).make(
@@ -95,11 +125,12 @@ class Runner(grid.Runner):
         )
 
     def cell_step_fn(self, cell: Cell):
-        key = (cell.method, cell.lr, cell.knobs)
+        key = (cell.method, cell.lr, cell.knobs, self.replays_truncation(cell))
         if key not in self._steps:
             options = dataclasses.replace(
                 self.step_options(*loss_config(cell.method, *cell.knobs)),
                 microbatches=microbatches(cell.method),
+                kept_counts=self.replays_truncation(cell),
             )
             self._steps[key] = make_train_step(
                 self.cfg.model,
@@ -128,6 +159,8 @@ class Runner(grid.Runner):
         )
         key = jax.random.key(cell.seed)
         published = prev = grid._copy(state.params)
+        graphdef = self.sampler_graphdef(cell.sampler_dtype)
+        sampling = sampling_params(published, cell.sampler_dtype)
         version, below = 0, 0
         records = [{"step": 0, "accuracy": self.base_accuracy}]
         best = self.base_accuracy
@@ -135,8 +168,13 @@ class Runner(grid.Runner):
         for u in range(steps):
             if grid.behavior_version(u, cell.lag) != version:
                 published, version = prev, u - 1
+                sampling = sampling_params(published, cell.sampler_dtype)
             key, sample_key = jax.random.split(key)
-            batch, reward, length = self.batch(published, u, cell.seed, sample_key)
+            batch, reward, length = self.batch(
+                sampling, u, cell.seed, sample_key, graphdef=graphdef, top_p=cell.top_p
+            )
+            if not self.replays_truncation(cell):
+                batch = batch.replace(kept_counts=None)  # logprob_replay "full": no replay
             tail = {}
             if tail_every and u % tail_every == 0:
                 logp = self.proximal_logp(state.params, batch, replay)
@@ -166,6 +204,15 @@ class Runner(grid.Runner):
         return records
 
 
+def sampling_params(params, dtype: str):
+    """``params`` as the sampler holds them: floating leaves cast to ``dtype`` (what the
+    rollout server's ``server.dtype`` does to pushed weights); the same arrays for the default."""
+    if dtype == DEFAULT_SAMPLER[0]:
+        return params
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(cast, params)
+
+
 # ----------------------------------------------------------------------------------------------
 # Phases, workers, resumption.
 
@@ -188,11 +235,19 @@ def phase_cells(args: argparse.Namespace, phase: str, knob_lr: float | None) -> 
             for p in args.knob_exponents
             for s in seeds
         ]
+    if phase == "gspo":
+        return [
+            Cell(m, lag, lr, s)
+            for lag in args.gspo_lags
+            for lr in sorted(args.lrs)
+            for m in args.gspo_methods
+            for s in seeds
+        ]
     return [
-        Cell(m, lag, lr, s)
-        for lag in args.gspo_lags
+        Cell(m, lag, lr, s, sampler_dtype=args.sampler_dtype, top_p=args.top_p)
+        for lag in args.sampler_lags
         for lr in sorted(args.lrs)
-        for m in args.gspo_methods
+        for m in args.sampler_methods
         for s in seeds
     ]
 
@@ -325,7 +380,8 @@ SMOKE = [
     "--steps", "4", "--seeds", "1", "--lags", "2", "128", "--lrs", "1e-3",
     "--methods", "GRPO+SAT", *LARGE_LAG,
     "--knob-lag", "2", "--knob-quantiles", "0.8", "--knob-exponents", "1", "--gspo-lags", "2",
-    "--gspo-methods", "GSPOwide+SAT", "--workers", "1", "--eval-every", "2", "--cost-repeats", "1",
+    "--gspo-methods", "GSPOwide+SAT", "--sampler-methods", "GRPO+SAT", "GRPO+TIS",
+    "--sampler-lags", "2", "--workers", "1", "--eval-every", "2", "--cost-repeats", "1",
     "--eval-problems", "16", "--stop-after", "0", "--tail-every", "1",
     "--set", "train.warmup.steps=0", "rollout.batch_groups=4", "rollout.group_size=4",
 ]  # fmt: skip
@@ -340,7 +396,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lags", type=int, nargs="+", default=list(LAGS), help="configured lags n")
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1.5e-3, 2e-3])
     p.add_argument(
-        "--methods", nargs="+", default=list(GRPO_FAMILY + LARGE_LAG), help="phase 1 methods"
+        "--methods", nargs="*", default=list(GRPO_FAMILY + LARGE_LAG), help="phase 1 methods"
     )
     p.add_argument("--knob-lag", type=int, default=8)
     p.add_argument("--knob-lr", default="auto", help="a rate, or auto (GRPO's frontier)")
@@ -348,6 +404,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--knob-exponents", type=float, nargs="*", default=[1.0, 2.0, 4.0])
     p.add_argument("--gspo-methods", nargs="*", default=list(GSPO_WIDE), help="phase 3 methods")
     p.add_argument("--gspo-lags", type=int, nargs="*", default=[8])
+    p.add_argument(
+        "--sampler-methods",
+        nargs="*",
+        default=[],
+        help=f"phase 4 methods (none by default; the issue's row set: {' '.join(SAMPLER_METHODS)})",
+    )
+    p.add_argument("--sampler-lags", type=int, nargs="*", default=[8], help="phase 4 lags")
+    p.add_argument(
+        "--sampler-dtype", default=SAMPLER_ROW_SET[0], help="phase 4: the sampler's dtype"
+    )
+    p.add_argument(
+        "--top-p", type=float, default=SAMPLER_ROW_SET[1], help="phase 4: the sampler's top-p"
+    )
     p.add_argument("--workers", type=int, default=2, help="parallel worker processes")
     p.add_argument("--eval-every", type=int, default=20, help="held-out accuracy period")
     p.add_argument("--eval-problems", type=int, default=300, help="held-out problems")
@@ -370,12 +439,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "seeds", "workers", "eval_every", "eval_problems"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if any(lag < 1 for lag in [*args.lags, *args.gspo_lags, args.knob_lag]):
+    if any(lag < 1 for lag in [*args.lags, *args.gspo_lags, *args.sampler_lags, args.knob_lag]):
         p.error("lags must be >= 1")
     if any(not lr > 0 for lr in args.lrs):
         p.error(f"--lrs must be > 0, got {args.lrs}")
+    if not 0 < args.top_p <= 1:
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
     try:
-        for m in [*args.methods, *args.gspo_methods]:
+        if not jnp.issubdtype(jnp.dtype(args.sampler_dtype), jnp.floating):
+            raise TypeError
+    except TypeError:
+        p.error(f"--sampler-dtype must be a floating dtype, got {args.sampler_dtype!r}")
+    try:
+        for m in [*args.methods, *args.gspo_methods, *args.sampler_methods]:
             loss_config(m)
         for q in args.knob_quantiles:
             for e in args.knob_exponents:
@@ -407,6 +483,8 @@ def main(argv: list[str] | None = None) -> None:
             run_phase(args, "knobs", knob_lr)
         if args.gspo_methods and args.gspo_lags:
             run_phase(args, "gspo", None)
+        if args.sampler_methods and args.sampler_lags:
+            run_phase(args, "sampler", None)
         wall = time.monotonic() - start
         if args.smoke:  # the --cost path too, on the step functions the cells compiled
             measure_cost(args)

@@ -11,6 +11,10 @@ fraction (``ess``), the clip's share of tokens (``clip_frac_low + clip_frac_high
 the method's own correction removes (``MASKED``: IcePop's tokens outside its band, sequence
 masking's responses, M2PO's tokens, DPPO-TV's tokens, SAT's gated tokens) and, for VCPO, its step
 multiplier sqrt(ess) and its baseline's shift from the group means.
+
+The sampler row set (``sampler_table``): per (method, lag, rate) that ran with another sampler,
+that row beside the default sampler's: |d| at step 1 (lag 0: the trainer holds the sampler's own
+weights, so |d| is the sampler's mismatch alone), |d| over the run, and how often SAT could act.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+from frontier_methods import DEFAULT_SAT, row_order
 
 # method -> (metric, transform to "fraction removed"): what the method's own correction masks.
 MASKED: dict[str, tuple[str, Callable[[float], float]]] = {
@@ -77,6 +82,53 @@ def cell_mechanism(runs: list[tuple[str, list[dict], int, bool]], window: int) -
         out[key] = {f: _mean([g[f] for g in got]) for f in fields}
         out[key]["seeds"] = len(got)
     return out
+
+
+def sampler_figures(records: list[dict]) -> dict:
+    """One run's sampler figures: step 1's (lag 0) mean and q99 of |d|, and their run means."""
+    steps = [r for r in records if "mismatch_abs_mean" in r]
+    first = steps[0] if steps else {}
+    return {
+        "lag0_mean": first.get("mismatch_abs_mean", math.nan),
+        "lag0_q99": first.get("d_abs_q99", math.nan),
+        "mean": _mean([r["mismatch_abs_mean"] for r in steps]),
+        "q99": _mean([r["d_abs_q99"] for r in steps if "d_abs_q99" in r]),
+    }
+
+
+def sampler_table(runs: dict) -> list[str]:
+    """The sampler row set beside the default sampler at the same method, lag and rate, from
+    ``frontier_report.load_runs``'s runs (cell -> summary with ``records``); [] when none ran."""
+    by: dict[tuple, list[dict]] = {}
+    for c, g in runs.items():
+        if c.knobs == DEFAULT_SAT:
+            by.setdefault((c.method, c.lag, c.lr, c.row), []).append(g)
+    other = {(m, lag, lr) for (m, lag, lr, row) in by if row != m}
+    if not other:
+        return []
+    lines = [
+        "",
+        "**The sampler row set** beside the default sampler (float32, no truncation) at the same "
+        "method, lag and rate: |d| = |logp − behavior_logp| at step 1 (lag 0, the sampler's "
+        "mismatch alone), its mean and q99 over the run, the fraction of steps SAT could act, "
+        "and the final accuracy (seed means)",
+        "",
+        "| row | lag | lr | seeds | mean \\|d\\| at lag 0 | q99 \\|d\\| at lag 0 | mean \\|d\\| | "
+        "q99 \\|d\\| | SAT can act | final |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    order = lambda k: (row_order(k[3]), k[1], k[2])
+    for m, lag, lr, row in sorted((k for k in by if k[:3] in other), key=order):
+        seeds = by[(m, lag, lr, row)]
+        fig = [sampler_figures(g["records"]) for g in seeds]
+        col = lambda f, fig=fig: _mean([x[f] for x in fig])
+        live = f"{_mean([g['sat_live'] for g in seeds]):.0%}" if "SAT" in m else "—"
+        lines.append(
+            f"| {row} | {lag} | {lr:g} | {len(seeds)} | {col('lag0_mean'):.4f} | "
+            f"{col('lag0_q99'):.3f} | {col('mean'):.4f} | {col('q99'):.2f} | {live} | "
+            f"{_mean([g['final'] for g in seeds]):.3f} |"
+        )
+    return lines
 
 
 def time_steps(

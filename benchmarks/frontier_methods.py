@@ -43,6 +43,11 @@ GSPO_WIDE = ("GSPOwide", "GSPOwide+SAT")
 METHODS = GRPO_FAMILY + LARGE_LAG + GSPO_WIDE
 LAGS = (8, 32, 128, 64, 1)  # the full grid's lags, the ones that matter most first
 DEFAULT_SAT = (0.9, 2.0)  # (quantile, exponent): SATConfig's defaults
+# The sampler of every cell but the sampler row set's: the trainer's own float32 model, no
+# truncation. The row set's (issue 35): bfloat16 weights and matmuls, top-p 0.9, for these methods.
+DEFAULT_SAMPLER = ("float32", 1.0)  # (dtype, top_p)
+SAMPLER_ROW_SET = ("bfloat16", 0.9)
+SAMPLER_METHODS = ("GRPO", "GRPO+SAT", "GRPO+TIS", "GRPO+M2PO", "GRPO+VCPO")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,15 +58,46 @@ class Cell:
     seed: int
     quantile: float = DEFAULT_SAT[0]
     exponent: float = DEFAULT_SAT[1]
+    sampler_dtype: str = DEFAULT_SAMPLER[0]
+    top_p: float = DEFAULT_SAMPLER[1]
 
     @property
     def knobs(self) -> tuple[float, float]:
         return (self.quantile, self.exponent)
 
     @property
+    def sampler(self) -> tuple[str, float]:
+        return (self.sampler_dtype, self.top_p)
+
+    @property
+    def row(self) -> str:
+        """The report's row: the method, and the sampler where it is not the default."""
+        return row_label(self.method, self.sampler)
+
+    @property
     def name(self) -> str:
         knob = "" if self.knobs == DEFAULT_SAT else f"_q{self.quantile:g}_p{self.exponent:g}"
-        return f"{self.method}_lag{self.lag}_lr{self.lr:g}{knob}_seed{self.seed}"
+        dtype = "" if self.sampler_dtype == DEFAULT_SAMPLER[0] else f"_{self.sampler_dtype}"
+        top_p = "" if self.top_p == DEFAULT_SAMPLER[1] else f"_top_p{self.top_p:g}"
+        return f"{self.method}_lag{self.lag}_lr{self.lr:g}{knob}{dtype}{top_p}_seed{self.seed}"
+
+
+def row_label(method: str, sampler: tuple[str, float] = DEFAULT_SAMPLER) -> str:
+    """``method``, or ``method [dtype, top-p p]`` for a cell sampled otherwise than by default."""
+    if sampler == DEFAULT_SAMPLER:
+        return method
+    return f"{method} [{sampler[0]}, top-p {sampler[1]:g}]"
+
+
+def row_order(row: str) -> tuple[int, str]:
+    """Sort key of report rows: the methods in ``METHODS`` order, each default sampler first."""
+    method, _, sampler = row.partition(" [")
+    return (METHODS.index(method), sampler)
+
+
+def row_method(row: str) -> str:
+    """The method of a report row (``row_label``'s inverse, without the sampler)."""
+    return row.partition(" [")[0]
 
 
 def loss_config(method: str, quantile: float = 0.9, exponent: float = 2.0):

@@ -28,7 +28,7 @@ import pathlib
 import frontier_mechanism as mech
 import grid
 import numpy as np
-from frontier_methods import DEFAULT_SAT, METHODS, Cell
+from frontier_methods import DEFAULT_SAT, Cell, row_method, row_order
 
 STABLE_FRACTION = 0.8
 COLLAPSE_FRACTION = grid.COLLAPSE_FRACTION
@@ -106,6 +106,15 @@ def largest_stable_lr(stable_by_lr: dict[float, bool]) -> float | None:
     return found
 
 
+def edge_text(stable_by_lr: dict[float, bool]) -> str:
+    """``largest_stable_lr`` as the sweep bounds it: "< r" when the smallest rate r that ran is
+    unstable, "≥ r" when r is the largest that ran (the edge lies above it), else r."""
+    best = largest_stable_lr(stable_by_lr)
+    if best is None:
+        return f"< {min(stable_by_lr):g}"
+    return f"≥ {best:g}" if best == max(stable_by_lr) else f"{best:g}"
+
+
 def keeping_lrs(table: dict[tuple, dict]) -> dict:
     """Per (method, lag): the largest rate keeping ``STABLE_FRACTION`` of the lag's best seed-mean
     final accuracy (there and below); and that best per lag. Default SAT knobs only."""
@@ -143,10 +152,11 @@ def load_runs(out: pathlib.Path) -> dict[Cell, dict]:
 
 
 def cell_table(runs: dict[Cell, dict]) -> dict[tuple, dict]:
-    """(method, lag, lr, knobs) -> ``summarize_cell`` of its seeds."""
+    """(row, lag, lr, knobs) -> ``summarize_cell`` of its seeds; the row is the method, with
+    the sampler where it is not the default (``Cell.row``)."""
     by_cell: dict[tuple, list[dict]] = {}
     for c, got in runs.items():
-        by_cell.setdefault((c.method, c.lag, c.lr, c.knobs), []).append(got)
+        by_cell.setdefault((c.row, c.lag, c.lr, c.knobs), []).append(got)
     return {k: summarize_cell(v) for k, v in sorted(by_cell.items())}
 
 
@@ -180,13 +190,14 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
     lines += _collapse_table(table)
     lines += _noise_table(table)
     lines += _mechanism_table(runs)
+    lines += mech.sampler_table(runs)
     lines += cost_table(args.out)
     lines += _knob_tables(args, table)
     text = "\n".join(lines) + "\n"
     (args.out / "frontier.md").write_text(text)
     rows = [
-        {"method": k[0], "lag": k[1], "lr": k[2], "quantile": k[3][0], "exponent": k[3][1], **g}
-        for k, g in table.items()
+        dict(method=row_method(row), row=row, lag=lag, lr=lr, quantile=q, exponent=p, **g)
+        for (row, lag, lr, (q, p)), g in table.items()
     ]
     (args.out / "frontier_summary.json").write_text(json.dumps(rows, indent=1) + "\n")
     plot_heatmap(rows, args.out / "frontier_heatmap.png")
@@ -196,8 +207,8 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
 
 
 def _axes(table: dict[tuple, dict]) -> tuple[list[str], list[int], list[float]]:
-    """The methods (in ``METHODS`` order), lags and learning rates that ran."""
-    methods = [m for m in METHODS if any(k[0] == m for k in table)]
+    """The rows (methods in ``METHODS`` order, ``row_order``), lags and rates that ran."""
+    methods = sorted({k[0] for k in table}, key=row_order)
     return methods, sorted({k[1] for k in table}), sorted({k[2] for k in table})
 
 
@@ -223,7 +234,8 @@ def _accuracy_table(args: argparse.Namespace, table: dict, frontier: dict) -> li
         f"**Final held-out accuracy** (mean ± std over seeds; † k/n: k of n seeds collapsed, i.e. "
         f"final < {COLLAPSE_FRACTION:g} × best or a skipped-step storm; **bold**: the cell is stable, "
         f"≥ 2/3 of its seeds with final ≥ {STABLE_FRACTION:g} × best) and the **largest stable "
-        "learning rate** (stable there and at every smaller rate; — none)",
+        "learning rate** (stable there and at every smaller rate that ran; ≥: the largest rate that ran, "
+        "the edge lies above it; <: unstable at the smallest rate that ran)",
         "",
         "| method | lag | " + " | ".join(f"lr {lr:g}" for lr in lrs) + " | largest stable lr |",
         "| --- | ---: | " + " | ".join("---:" for _ in lrs) + " | ---: |",
@@ -234,13 +246,12 @@ def _accuracy_table(args: argparse.Namespace, table: dict, frontier: dict) -> li
             if not any(row.values()):
                 continue
             ran = {lr: g["stable"] for lr, g in row.items() if g is not None}
-            frontier[(m, lag)] = best = largest_stable_lr(ran)
+            frontier[(m, lag)] = edge_text(ran)
             cells = [
                 f"**{_lr_cell(g, args.seeds)}**" if g and g["stable"] else _lr_cell(g, args.seeds)
                 for g in row.values()
             ]
-            text = "—" if best is None else f"{best:g}"
-            lines.append(f"| {m} | {lag} | " + " | ".join(cells) + f" | {text} |")
+            lines.append(f"| {m} | {lag} | " + " | ".join(cells) + f" | {frontier[(m, lag)]} |")
     return lines
 
 
@@ -256,7 +267,8 @@ def _frontier_tables(table: dict, frontier: dict) -> list[str]:
         "",
         "**Largest stable learning rate** per method and lag (of the sweep "
         + ", ".join(f"{lr:g}" for lr in lrs)
-        + "; — : not stable even at the smallest)",
+        + "; ≥ r: stable at r, the largest rate that ran there; < r: unstable at r, the smallest "
+        "that ran; n/a: nothing ran)",
         "",
         "| method | " + " | ".join(f"lag {lag}" for lag in lags) + " |",
         "| --- | " + " | ".join("---:" for _ in lags) + " |",
@@ -294,7 +306,7 @@ def _collapse_table(table: dict) -> list[str]:
         "collapsed) | SAT can act |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: |",
     ]
-    order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
+    order = lambda kv: (row_order(kv[0][0]), kv[0][1], kv[0][2])
     for (m, lag, lr, knobs), g in sorted(table.items(), key=order):
         if knobs != DEFAULT_SAT:
             continue
@@ -320,9 +332,8 @@ def within_noise(table: dict[tuple, dict]) -> dict[tuple, tuple[str, list[str]]]
         b = cells[best]
         close = [
             m
-            for m in METHODS
-            if m in cells
-            and b["final_mean"] - cells[m]["final_mean"]
+            for m in sorted(cells, key=row_order)
+            if b["final_mean"] - cells[m]["final_mean"]
             <= 2.0
             * math.sqrt(
                 b["final_std"] ** 2 / b["seeds"] + cells[m]["final_std"] ** 2 / cells[m]["seeds"]
@@ -343,7 +354,8 @@ def _noise_table(table: dict[tuple, dict]) -> list[str]:
     ]
     for (lag, lr), (best, close) in sorted(within_noise(table).items()):
         g = table[(best, lag, lr, DEFAULT_SAT)]
-        others = [m for m in METHODS if (m, lag, lr, DEFAULT_SAT) in table and m not in close]
+        here = sorted({k[0] for k in table if k[1:] == (lag, lr, DEFAULT_SAT)}, key=row_order)
+        others = [m for m in here if m not in close]
         lines.append(
             f"| {lag} | {lr:g} | {best} ({g['final_mean']:.3f}) | {', '.join(close)} | "
             f"{', '.join(others) or '—'} |"
@@ -357,7 +369,7 @@ def _mechanism_table(runs: dict[Cell, dict]) -> list[str]:
     for c, g in runs.items():
         if c.knobs == DEFAULT_SAT:
             end = g["collapse_step"] if g["collapse_step"] is not None else g["steps"]
-            by.setdefault((c.method, c.lag, c.lr), []).append(
+            by.setdefault((c.row, c.lag, c.lr), []).append(
                 (c.method, g["records"], end, g["collapsed"])
             )
     lines = [
@@ -373,7 +385,7 @@ def _mechanism_table(runs: dict[Cell, dict]) -> list[str]:
         "VCPO scale |",
         "| --- | ---: | ---: | ---: | --- | --- | --- | --- | --- | --- |",
     ]
-    order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
+    order = lambda kv: (row_order(kv[0][0]), kv[0][1], kv[0][2])
     for (m, lag, lr), seeds in sorted(by.items(), key=order):
         got = mech.cell_mechanism(seeds, TAIL_WINDOW)
         col, ok = got["collapsed"], got["stable"]
@@ -393,7 +405,7 @@ def _peak_table(runs: dict[Cell, dict]) -> list[str]:
     by: dict[tuple, list] = {}
     for c, g in runs.items():
         if c.knobs == DEFAULT_SAT and 2 * TAIL_WINDOW <= c.lag <= g["steps"]:
-            by.setdefault((c.method, c.lag, c.lr), []).append((c.method, g["records"], c.lag, True))
+            by.setdefault((c.row, c.lag, c.lr), []).append((c.method, g["records"], c.lag, True))
     if not by:
         return []
     lines = [
@@ -405,7 +417,7 @@ def _peak_table(runs: dict[Cell, dict]) -> list[str]:
         "| method | lag | lr | seeds | lag seen | q99 \\|d\\| | ESS | clipped | own mask | VCPO scale |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    order = lambda kv: (METHODS.index(kv[0][0]), kv[0][1], kv[0][2])
+    order = lambda kv: (row_order(kv[0][0]), kv[0][1], kv[0][2])
     for (m, lag, lr), seeds in sorted(by.items(), key=order):
         got = mech.cell_mechanism(seeds, TAIL_WINDOW)["collapsed"]
         lines.append(
@@ -431,7 +443,7 @@ def cost_table(out: pathlib.Path) -> list[str]:
         "| method | step (ms) | × GRPO |",
         "| --- | ---: | ---: |",
     ]
-    for m in [m for m in METHODS if m in cost]:
+    for m in sorted(cost, key=row_order):
         ratio = f"{cost[m] / base:.2f}" if base else "—"
         lines.append(f"| {m} | {1e3 * cost[m]:.0f} | {ratio} |")
     return lines
@@ -478,7 +490,7 @@ def plot_heatmap(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in rows if (r["quantile"], r["exponent"]) == DEFAULT_SAT]
-    methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
+    methods = sorted({r["row"] for r in rows}, key=row_order)
     lrs = sorted({r["lr"] for r in rows})
     lags = sorted({r["lag"] for r in rows})
     top = max(r["final_mean"] for r in rows)
@@ -496,7 +508,7 @@ def plot_heatmap(rows: list[dict], path: pathlib.Path) -> None:
             continue
         acc = np.full((len(lags), len(lrs)), np.nan)
         for r in rows:
-            if r["method"] == methods[k]:
+            if r["row"] == methods[k]:
                 i, j = lags.index(r["lag"]), lrs.index(r["lr"])
                 acc[i, j] = r["final_mean"]
                 label = f"{r['final_mean']:.2f}\n{r['stable_seeds']}/{r['seeds']}"
@@ -532,12 +544,12 @@ def plot_lag_heatmaps(rows: list[dict], out: pathlib.Path) -> list[pathlib.Path]
     paths = []
     for lag in sorted({r["lag"] for r in rows}):
         here = [r for r in rows if r["lag"] == lag]
-        methods = [m for m in METHODS if any(r["method"] == m for r in here)]
+        methods = sorted({r["row"] for r in here}, key=row_order)
         lrs = sorted({r["lr"] for r in here})
         acc = np.full((len(methods), len(lrs)), np.nan)
         fig, ax = plt.subplots(figsize=(max(5.0, 1.6 + 1.1 * len(lrs)), 1.0 + 0.42 * len(methods)))
         for r in here:
-            i, j = methods.index(r["method"]), lrs.index(r["lr"])
+            i, j = methods.index(r["row"]), lrs.index(r["lr"])
             acc[i, j] = r["final_mean"]
             label = f"{r['final_mean']:.3f}  {r['stable_seeds']}/{r['seeds']}"
             label += f" †{r['collapsed_seeds']}" if r["collapsed_seeds"] else ""
@@ -569,7 +581,7 @@ def plot_q_reach(runs: dict[Cell, dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     sat = {c: g for c, g in runs.items() if "SAT" in c.method and c.knobs == DEFAULT_SAT}
-    methods = [m for m in METHODS if any(c.method == m for c in sat)]
+    methods = sorted({c.row for c in sat}, key=row_order)
     if not methods:
         return
     lrs = sorted({c.lr for c in sat})
@@ -580,10 +592,10 @@ def plot_q_reach(runs: dict[Cell, dict], path: pathlib.Path) -> None:
     for row, m in zip(axes, methods, strict=True):
         for ax, lr in zip(row, lrs, strict=True):
             reach = None
-            for i, lag in enumerate(sorted({c.lag for c in sat if c.method == m})):
+            for i, lag in enumerate(sorted({c.lag for c in sat if c.row == m})):
                 by_step: dict[int, list[float]] = {}
                 for c, g in sat.items():
-                    if (c.method, c.lag, c.lr) == (m, lag, lr):
+                    if (c.row, c.lag, c.lr) == (m, lag, lr):
                         reach = g["head"]["reach"]
                         for r in g["records"]:
                             if "sat_q" in r and r["step"] > 1:  # step 1 is on-policy: q = 0

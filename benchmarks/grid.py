@@ -166,8 +166,13 @@ class Runner:
             )
         return self._steps[method]
 
-    def batch(self, params, step: int, seed: int, key):
-        """One batch of ``batch_groups`` prompts × ``group_size`` samples from ``params``."""
+    def batch(self, params, step: int, seed: int, key, *, graphdef=None, top_p: float = 1.0):
+        """One batch of ``batch_groups`` prompts × ``group_size`` samples from ``params``.
+
+        ``graphdef`` samples with another build of the model (default the base policy's; the
+        frontier's bfloat16 sampler); with ``top_p < 1`` the batch carries the sampler's kept
+        counts (``TrainBatch.kept_counts``) for the step's truncation replay.
+        """
 
         r = self.cfg.rollout
         stream = arithmetic_task(self.cfg.task, seed_offset=PROMPT_SEED_OFFSET + seed)
@@ -177,7 +182,7 @@ class Runner:
         tokens, lengths = sampler.pad_prompts(prompts, self.seq_len)
         out = jax.device_get(
             sampler.sample(
-                self.graphdef,
+                self.graphdef if graphdef is None else graphdef,
                 params,
                 tokens,
                 lengths,
@@ -188,6 +193,7 @@ class Runner:
                 eos_id=self.tokenizer.eos_id,
                 return_logp=True,
                 return_routing=True,
+                top_p=top_p,
             )
         )
         tokens, loss_mask, logp, routing = out.tokens_bt, out.mask_bt, out.logp_bt, out.routing_btlk
@@ -205,23 +211,25 @@ class Runner:
             rewards=rewards,
             group_ids=np.repeat(np.arange(r.batch_groups, dtype=np.int32), r.group_size),
             routing=routing,
+            kept_counts=out.kept_bt,
         )
         return batch, float(rewards.mean()), float(loss_mask.sum(-1).mean())
 
     def proximal_logp(self, params, batch, replay: bool):
-        """The trainer's log-probs of the batch under ``params`` (``Transformer.logprobs``)."""
+        """The trainer's log-probs of the batch under ``params`` (``Transformer.logprobs``),
+        replaying the sampler's truncation where the batch carries kept counts, as the step does."""
         if replay not in self._logprobs:
             self._logprobs[replay] = jax.jit(
-                lambda p, tokens, routing: nnx.merge(self.graphdef, p).logprobs(
+                lambda p, tokens, routing, kept: nnx.merge(self.graphdef, p).logprobs(
                     tokens,
                     temperature=self.cfg.rollout.temperature,
                     vocab_mask=self.vocab_mask,
                     replay_routing=routing,
+                    kept_bt=kept,
                 )[0]
             )
-        return np.asarray(
-            self._logprobs[replay](params, batch.tokens, batch.routing if replay else None)
-        )
+        routing = batch.routing if replay else None
+        return np.asarray(self._logprobs[replay](params, batch.tokens, routing, batch.kept_counts))
 
     def run(self, cell: Cell, *, steps: int, eval_every: int, log_every: int) -> list[dict]:
         """Trains one cell; returns its records (per step, accuracy on eval steps)."""

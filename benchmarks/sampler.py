@@ -3,7 +3,10 @@
 One jitted ``sample`` gives ``benchmarks/grid.py`` (and ``frontier.py``, through it) its rollouts:
 temperature sampling with the behavior log-probs and expert ids recorded from the sampling
 weights, the quantities the rollout server records (docs/DESIGN.md §6), reproducible from one PRNG
-key per batch. Every new token recomputes the whole forward: the arithmetic task's sequences are a
+key per batch. With ``top_p < 1`` each token is drawn by the rollout server's own sampling code
+(``sat_jax.decoding.sample``: the top-p nucleus, renormalised) and the sampler records, as the
+server does, the token's log-prob under that truncated distribution and the kept set's size (the
+trainer's truncation replay, docs/DESIGN.md §2). Every new token recomputes the whole forward: the arithmetic task's sequences are a
 few dozen tokens, and causal attention makes the padding after each row's cursor irrelevant.
 
 The project's decoder is ``sat_jax.decoding`` (KV cache, continuous batching over slots: the rollout
@@ -26,6 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from sat_jax import decoding
+
 
 @struct.dataclass
 class Completions:
@@ -37,12 +42,15 @@ class Completions:
       logp_bt: [B, T] float32 log-probs of the tokens under the sampling weights (at the sampling
         temperature, renormalized over ``vocab_mask``), 0 outside ``mask_bt``; None unless asked.
       routing_btlk: [B, T, L, K] the sampling weights' own expert ids; None unless asked.
+      kept_bt: [B, T] int32, with ``top_p < 1``: the size of the kept set each completion token
+        was drawn from (``TrainBatch.kept_counts``), 0 outside ``mask_bt``; None otherwise.
     """
 
     tokens_bt: jax.Array
     mask_bt: jax.Array
     logp_bt: jax.Array | None = None
     routing_btlk: jax.Array | None = None
+    kept_bt: jax.Array | None = None
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], seq_len: int) -> tuple[np.ndarray, np.ndarray]:
@@ -62,6 +70,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], seq_len: int) -> tuple[np.ndar
         "graphdef",
         "max_new_tokens",
         "temperature",
+        "top_p",
         "eos_id",
         "greedy",
         "return_logp",
@@ -82,6 +91,7 @@ def sample(
     greedy: bool = False,
     return_logp: bool = False,
     return_routing: bool = False,
+    top_p: float = 1.0,
 ) -> Completions:
     """``max_new_tokens`` tokens after each row's prompt, by full recompute.
 
@@ -90,6 +100,11 @@ def sample(
     ``key, sub = split(key)`` once per step; ``greedy`` takes the argmax of the logits over
     ``vocab_mask`` (over every id when it is None) and ignores ``key`` and ``temperature``.
     Decoding runs the full length; tokens after a row's first EOS are then replaced by pad.
+
+    With ``top_p < 1`` (not greedy) token s is drawn by ``sat_jax.decoding.sample`` from the
+    smallest nucleus of mass ``top_p`` of that distribution, renormalised, and its log-prob there
+    and the nucleus's size are recorded at the step (``logp_bt``, ``kept_bt``), as the rollout
+    server records them; the trainer replays the truncation from ``kept_bt``.
 
     Args:
       graphdef, params: the policy (``nnx.split`` of a ``Transformer``).
@@ -102,8 +117,13 @@ def sample(
       eos_id: the end-of-sequence id.
       greedy: argmax decoding.
       return_logp, return_routing: also record ``Completions.logp_bt`` / ``routing_btlk`` from
-        one more forward of the finished sequences under the same weights.
+        one more forward of the finished sequences under the same weights (with ``top_p < 1``
+        the log-probs are the ones recorded while sampling, and ``kept_bt`` comes with them).
+      top_p: the nucleus mass, in (0, 1]; 1 = no truncation.
     """
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    truncates = top_p < 1.0 and not greedy
     if tokens_bt.shape[1] < max_new_tokens + 1:
         raise ValueError(f"tokens_bt has {tokens_bt.shape[1]} columns for {max_new_tokens} new")
     model = nnx.merge(graphdef, params)
@@ -126,19 +146,47 @@ def sample(
         nxt = jax.random.categorical(sub, logits).astype(tokens.dtype)
         return tokens.at[rows, pos].set(nxt), key
 
-    tokens, _ = jax.lax.fori_loop(0, max_new_tokens, body, (tokens_bt, None if greedy else key))
+    def truncated_body(s: int, carry: tuple[jax.Array, ...]):
+        # The rollout server's own draw: masked ids at -inf, then temperature and the nucleus.
+        tokens, key, logp_bt, kept_bt = carry
+        pos = lengths_b + s
+        key, sub = jax.random.split(key)
+        logits = model(tokens)[rows, pos - 1]
+        if vocab_mask is not None:
+            logits = jnp.where(vocab_mask, logits, -jnp.inf)
+        nxt, logp_b, kept_b = decoding.sample(logits, sub, sampling)
+        return (
+            tokens.at[rows, pos].set(nxt.astype(tokens.dtype)),
+            key,
+            logp_bt.at[rows, pos].set(logp_b),
+            kept_bt.at[rows, pos].set(kept_b),
+        )
+
+    if truncates:
+        sampling = decoding.SamplingConfig(temperature=temperature, top_p=top_p)
+        zeros = jnp.zeros(tokens_bt.shape, jnp.float32)
+        carry = (tokens_bt, key, zeros, zeros.astype(jnp.int32))
+        tokens, _, logp_bt, kept_bt = jax.lax.fori_loop(0, max_new_tokens, truncated_body, carry)
+    else:
+        carry = (tokens_bt, None if greedy else key)
+        tokens, _ = jax.lax.fori_loop(0, max_new_tokens, body, carry)
     cols = jnp.arange(tokens.shape[1])[None, :]
     completion = (cols >= lengths_b[:, None]) & (cols < (lengths_b + max_new_tokens)[:, None])
     is_eos = completion & (tokens == eos_id)
     first_eos = jnp.min(jnp.where(is_eos, cols, tokens.shape[1]), axis=1, keepdims=True)
-    kept = completion & (cols <= first_eos)
-    tokens = jnp.where(completion & ~kept, 0, tokens)  # pad after EOS
-    mask = kept.astype(jnp.float32)
+    upto_eos = completion & (cols <= first_eos)
+    tokens = jnp.where(completion & ~upto_eos, 0, tokens)  # pad after EOS
+    mask = upto_eos.astype(jnp.float32)
     out = Completions(tokens_bt=tokens, mask_bt=mask)
-    if return_logp or return_routing:
+    if truncates:
+        out = out.replace(
+            logp_bt=logp_bt * mask if return_logp else None,
+            kept_bt=jnp.where(upto_eos, kept_bt, 0),
+        )
+    if return_routing or (return_logp and not truncates):
         logp, forward = model.logprobs(tokens, temperature=temperature, vocab_mask=vocab_mask)
         out = out.replace(
-            logp_bt=logp * mask if return_logp else None,
+            logp_bt=out.logp_bt if truncates else logp * mask if return_logp else None,
             routing_btlk=forward.routing_btlk if return_routing else None,
         )
     return out

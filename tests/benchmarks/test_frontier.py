@@ -95,6 +95,13 @@ def test_largest_stable_lr(stable, expected):
     assert frontier_report.largest_stable_lr(stable) == expected
 
 
+def test_the_edge_text_says_which_side_the_sweep_leaves_open():
+    assert frontier_report.edge_text({1e-3: True}) == "≥ 0.001"  # nothing above ran
+    assert frontier_report.edge_text({1e-3: True, 2e-3: False}) == "0.001"
+    assert frontier_report.edge_text({2e-3: False}) == "< 0.002"  # nothing below ran
+    assert frontier_report.edge_text({5e-4: False, 1e-3: True}) == "< 0.0005"
+
+
 def test_large_lag_methods_map_to_their_options():
     want = {
         "GRPO+TIS": ("tis_cap", frontier.grid.TIS_CAP),
@@ -138,6 +145,76 @@ def test_methods_and_knobs_map_to_the_loss_configs():
     assert frontier_methods.Cell("GRPO+SAT", 8, 2e-3, 1, 0.8, 4.0).name.endswith("_q0.8_p4_seed1")
 
 
+def test_the_sampler_row_set_is_its_own_cell_and_report_row():
+    cell = frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 2, sampler_dtype="bfloat16", top_p=0.9)
+    assert cell.name == "GRPO+SAT_lag8_lr0.001_bfloat16_top_p0.9_seed2"
+    assert cell.row == "GRPO+SAT [bfloat16, top-p 0.9]"
+    assert frontier_methods.row_method(cell.row) == "GRPO+SAT"
+    plain = frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 2)
+    assert plain.row == "GRPO+SAT" and plain.sampler == frontier_methods.DEFAULT_SAMPLER
+    rows = ["GRPO+TIS", cell.row, "GRPO+SAT", "GRPO"]
+    assert sorted(rows, key=frontier_methods.row_order) == [
+        "GRPO",
+        "GRPO+SAT",
+        cell.row,
+        "GRPO+TIS",
+    ]
+    # A row set's seeds and the default sampler's are separate cells of the report.
+    recs = run({0: 0.2, 20: 0.3}, 20)
+    runs = {c: frontier_report.summarize_run(recs, 0.2) for c in (cell, plain)}
+    table = frontier_report.cell_table(runs)
+    assert set(table) == {
+        (r, 8, 1e-3, frontier_methods.DEFAULT_SAT) for r in (cell.row, "GRPO+SAT")
+    }
+    args = frontier.parse_args(
+        ["--out", "x", "--lags", "8", "--lrs", "1e-3", "--methods", "--sampler-methods", "GRPO"]
+    )
+    assert args.methods == [] and (args.sampler_dtype, args.top_p) == ("bfloat16", 0.9)
+    got = frontier.phase_cells(args, "sampler", None)
+    assert [c.name for c in got] == [
+        f"GRPO_lag8_lr0.001_bfloat16_top_p0.9_seed{s}" for s in range(3)
+    ]
+
+
+def test_the_sampler_table_sets_the_row_set_beside_the_default_sampler():
+    def runs_of(mismatch0: float, live: float, final: float) -> dict:
+        recs = run({0: 0.2, 20: final}, 20, q99=0.5)
+        recs[1].update(mismatch_abs_mean=mismatch0, d_abs_q99=0.04)
+        return {"records": recs, "sat_live": live, "final": final}
+
+    bf16 = {"sampler_dtype": "bfloat16", "top_p": 0.9}
+    runs = {
+        frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 0): runs_of(0.0, 0.5, 0.25),
+        frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 0, **bf16): runs_of(0.01, 0.2, 0.23),
+        frontier_methods.Cell("GRPO+SAT", 8, 1e-3, 1, **bf16): runs_of(0.03, 0.4, 0.21),
+        frontier_methods.Cell("GRPO", 32, 1e-3, 0): runs_of(0.0, 0.0, 0.2),  # no row set here
+    }
+    lines = frontier_mechanism.sampler_table(runs)
+    assert (
+        lines[-2] == "| GRPO+SAT | 8 | 0.001 | 1 | 0.0000 | 0.040 | 0.0475 | 0.48 | 50% | 0.250 |"
+    )
+    assert lines[-1] == (
+        "| GRPO+SAT [bfloat16, top-p 0.9] | 8 | 0.001 | 2 | 0.0200 | 0.040 | 0.0485 | 0.48 | "
+        "30% | 0.220 |"
+    )
+    assert frontier_mechanism.sampler_table({k: runs[k] for k in list(runs)[:1]}) == []
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--top-p", "0"], "--top-p must be in (0, 1], got 0.0"),
+        (["--sampler-dtype", "int8"], "--sampler-dtype must be a floating dtype, got 'int8'"),
+        (["--sampler-dtype", "bf17"], "--sampler-dtype must be a floating dtype, got 'bf17'"),
+        (["--sampler-methods", "PPO"], "unknown frontier method 'PPO'"),
+    ],
+)
+def test_bad_sampler_flags_are_refused_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        frontier.parse_args(["--out", "x", *flags])
+    assert message in capsys.readouterr().err
+
+
 @pytest.mark.slow  # a subprocess that trains eighteen tiny runs
 def test_smoke_run_writes_tables_pictures_and_per_step_fields(tmp_path):
     out = tmp_path / "frontier"
@@ -160,7 +237,8 @@ def check_smoke_output(out: pathlib.Path) -> None:
         "GRPO+SAT_lag2_lr0.001_q0.8_p1_seed0.jsonl",
         "GSPOwide+SAT_lag2_lr0.001_seed0.jsonl",
     ]
-    assert names == sorted(main + knobs_and_gspo)
+    row_set = [f"{m}_lag2_lr0.001_bfloat16_top_p0.9_seed0.jsonl" for m in ("GRPO+SAT", "GRPO+TIS")]
+    assert names == sorted(main + knobs_and_gspo + row_set)
 
     def records(name):
         lines = (out / "cells" / name).read_text().splitlines()
@@ -189,6 +267,13 @@ def check_smoke_output(out: pathlib.Path) -> None:
         for lag in (2, 128):
             _, steps, _ = records(f"{method}_lag{lag}_lr0.001_seed0.jsonl")
             assert all(0.0 < r["ess"] <= 1.0 + 1e-6 and metric in r for r in steps), method
+    # The sampler row set: bfloat16, top-p 0.9, its truncation replayed by the step and by the
+    # proximal forward, so at lag 0 the log-probs differ by bfloat16 rounding alone.
+    for method in ("GRPO+SAT", "GRPO+TIS"):
+        head, steps, _ = records(f"{method}_lag2_lr0.001_bfloat16_top_p0.9_seed0.jsonl")
+        assert (head["cell"]["sampler_dtype"], head["cell"]["top_p"]) == ("bfloat16", 0.9)
+        assert [r["lag"] for r in steps] == [0, 1, 2, 1]
+        assert 0 < steps[0]["d_abs_q99"] < 0.5 and math.isfinite(steps[0]["mismatch_abs_mean"])
     vcpo = records("GRPO+VCPO_lag128_lr0.001_seed0.jsonl")[1]
     assert all(r["ess_step_scale"] == pytest.approx(math.sqrt(r["ess"]), rel=1e-5) for r in vcpo)
     assert all(r["opob_shift"] >= 0.0 for r in vcpo)  # VCPO's baseline is on
@@ -201,8 +286,11 @@ def check_smoke_output(out: pathlib.Path) -> None:
     assert "**Mechanism**" in table and "| GRPO+IcePop | 128 | 0.001 |" in table
     assert "| GRPO+SAT | 2 |" in table and "SAT's knobs" in table and "| q = 0.8 |" in table
     assert "| GRPO+M2PO | 128 |" in table and "| GRPO+VCPO | 128 |" in table
+    assert "| GRPO+TIS [bfloat16, top-p 0.9] | 2 |" in table
+    assert "**The sampler row set**" in table
+    assert "| GRPO+TIS [bfloat16, top-p 0.9] | 2 | 0.001 | 1 |" in table
     summary = json.loads((out / "frontier_summary.json").read_text())
-    assert {(r["method"], r["lag"], r["quantile"], r["exponent"]) for r in summary} == {
+    assert {(r["row"], r["lag"], r["quantile"], r["exponent"]) for r in summary} == {
         *(
             (m, lag, 0.9, 2.0)
             for m in ("GRPO+SAT", *frontier_methods.LARGE_LAG)
@@ -210,6 +298,8 @@ def check_smoke_output(out: pathlib.Path) -> None:
         ),
         ("GRPO+SAT", 2, 0.8, 1.0),
         ("GSPOwide+SAT", 2, 0.9, 2.0),
+        ("GRPO+SAT [bfloat16, top-p 0.9]", 2, 0.9, 2.0),
+        ("GRPO+TIS [bfloat16, top-p 0.9]", 2, 0.9, 2.0),
     }
     assert all(r["seeds"] == 1 and "final_mean" in r and "stable" in r for r in summary)
     assert (out / "frontier_heatmap.png").stat().st_size > 0

@@ -206,3 +206,81 @@ def test_a_mixed_batch_pads_each_row_after_its_own_first_eos(model):
         assert completion[n:] == [0] * (MAX_NEW - n)
         assert mask[b].sum() == n and mask[b, lengths[b] : lengths[b] + n].all()
     assert len(ends) > 1, ends
+
+
+def _nucleus_logp(logits_v: np.ndarray, allowed: np.ndarray, top_p: float) -> np.ndarray:
+    """float64 log-probs of the top-p nucleus of softmax(logits) over ``allowed`` (-inf outside):
+    the smallest set of the most likely ids whose mass reaches ``top_p``, renormalised."""
+    x = np.where(allowed, logits_v, -np.inf)
+    p = np.exp(x - np.logaddexp.reduce(x))
+    order = np.argsort(-p, kind="stable")
+    before = np.cumsum(p[order]) - p[order]
+    keep = np.zeros_like(allowed)
+    keep[order[before < top_p]] = True
+    kept = np.where(keep, x, -np.inf)
+    return kept - np.logaddexp.reduce(kept)
+
+
+def _bf16(graphdef_params):
+    """The sampler row set's model: weights and matmuls in bfloat16 (frontier --sampler-dtype)."""
+    _, params = graphdef_params
+    dtype = jax.numpy.bfloat16
+    graphdef, _ = placement.abstract_model(MODEL_CFG.replace(dtype=dtype, param_dtype=dtype))
+    return graphdef, jax.tree.map(lambda x: x.astype(dtype), params)
+
+
+def test_top_p_records_the_truncated_bf16_logprobs_and_the_trainer_replays_them(model):
+    graphdef, params = _bf16(model)
+    tokens, lengths = _batch()
+    vocab_mask = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size)
+    out = sampler.sample(
+        graphdef,
+        params,
+        tokens,
+        lengths,
+        jax.random.key(5),
+        max_new_tokens=MAX_NEW,
+        temperature=1.0,
+        vocab_mask=vocab_mask,
+        eos_id=EOS,
+        return_logp=True,
+        return_routing=True,
+        top_p=0.9,
+    )
+    got_tokens, mask = np.asarray(out.tokens_bt), np.asarray(out.mask_bt)
+    logp, kept = np.asarray(out.logp_bt), np.asarray(out.kept_bt)
+    logits_btv = _logits(graphdef, params, got_tokens)  # the bf16 model's own float32 logits
+    rows, cols = np.nonzero(mask)
+    for b, t in zip(rows, cols, strict=True):
+        want = _nucleus_logp(logits_btv[b, t - 1], vocab_mask, 0.9)
+        assert np.isfinite(want[got_tokens[b, t]])  # every drawn token is in its nucleus
+        assert kept[b, t] == np.isfinite(want).sum() < vocab_mask.sum()
+        np.testing.assert_allclose(logp[b, t], want[got_tokens[b, t]], rtol=0, atol=1e-4)
+    assert np.all(kept[mask == 0] == 0) and np.all(logp[mask == 0] == 0)
+    score = jax.jit(
+        lambda g, p, x, k: nnx.merge(g, p).logprobs(x, vocab_mask=vocab_mask, kept_bt=k)[0],
+        static_argnums=0,
+    )
+    # The step's truncation replay on the sampler's own weights gives back the recorded log-probs.
+    replayed = np.asarray(score(graphdef, params, got_tokens, out.kept_bt))
+    np.testing.assert_allclose(replayed * mask, logp, rtol=0, atol=1e-4)
+    # The float32 trainer differs by bf16 rounding with the replay; without it, also by the
+    # nucleus's mass (the truncation then reads as a mismatch).
+    trainer_graphdef, trainer_params = model
+    with_replay = np.asarray(score(trainer_graphdef, trainer_params, got_tokens, out.kept_bt))
+    full = np.asarray(score(trainer_graphdef, trainer_params, got_tokens, None))
+    d_replay = np.abs(with_replay - logp)[mask > 0]
+    d_full = np.abs(full - logp)[mask > 0]
+    assert d_replay.max() > 0 and d_replay.mean() < d_full.mean()
+
+
+def test_top_p_is_checked_and_one_is_the_untruncated_sampler(model):
+    graphdef, params = model
+    tokens, lengths = _batch()
+    kwargs = dict(max_new_tokens=MAX_NEW, temperature=1.0, vocab_mask=None, eos_id=EOS)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+        sampler.sample(graphdef, params, tokens, lengths, jax.random.key(0), top_p=1.5, **kwargs)
+    out = sampler.sample(
+        graphdef, params, tokens, lengths, jax.random.key(0), return_logp=True, **kwargs
+    )
+    assert out.kept_bt is None and out.logp_bt is not None
