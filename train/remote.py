@@ -228,9 +228,9 @@ class ServerPool(Membership):
                 for g in pulled:
                     self._origin[g.key] = server
                     self._pulled_for[g.key] = trainer_version
+                    server.server_id = g.server_id or server.server_id
                 if trainer_version == self._trainer_version:
                     self._kept += len(pulled)
-                    server.server_id = g.server_id or server.server_id
                 server.pulled += len(pulled)
                 if response.capacity_tokens_per_s > 0:
                     server.rate = response.capacity_tokens_per_s

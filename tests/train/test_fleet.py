@@ -354,3 +354,16 @@ def test_a_push_names_the_version_the_next_pulled_groups_are_trained_at(fleet):
         pool.pull(1, 1.0, trainer_version=4)
         pool.update_weights(4, "/w/v4")
         assert stubs["a:1"].rpcs("UpdateWeights")[-1].trainer_version == 5
+
+
+def test_an_empty_pull_reply_for_the_batch_being_pulled_is_no_error(fleet):
+    """A Pull that names the batch being pulled and gets no group (its server had none ready)
+    returns nothing and changes no count; the server's identity stays the one its groups gave."""
+    make, stubs, _ = fleet
+    with make(["a:1"], batch_groups=2, max_staleness=1) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        assert len(pool.pull(1, 1.0, trainer_version=2)) == 1
+        assert pool.pull(0, 1.0, trainer_version=2) == []
+        assert pool.next_batch_version() == 2
+        assert pool.pull(1, 1.0, trainer_version=2)[0].server_id == "a:1-1"
+        assert pool.next_batch_version() == 3
