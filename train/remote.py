@@ -55,27 +55,13 @@ class ServerPool(Membership):
     """Rollout servers, pulled from in turn, each up or down (see the module docstring).
 
     Args:
-      addresses: "host:port" of each server (may be empty with a ``servers_file``).
-      token: the shared token every call carries ("" = none).
+      addresses, token, root_certificates, max_message_bytes, retry_max_s, server_wait_s,
+        grace_s, servers_file, on_retry, clock, sleep, connect: as in ``Membership``.
       run_id: this trainer run's id (stable across its restarts; the servers let only the
         attached run start an admission epoch).
-      root_certificates: PEM CA certificates: connect over TLS (None = plaintext).
-      max_message_bytes: the gRPC message limit both ways (``server.max_message_bytes``).
-      retry_max_s: the longest wait between retries, and between probes of a down server.
-      server_wait_s: how long no server may answer (counted from the first failure after the last
-        answer) before ``ServersDownError``.
-      grace_s: how long a server's calls may keep failing before it leaves the rotation.
-      servers_file: a file of "host:port" lines, re-read every few seconds: new lines join, removed
-        ones leave ("" = none).
       background: probe down servers and re-read ``servers_file`` on a thread of the pool's own
         (the trainer), so a rejoining server's weight load never holds a Pull; False: ``pull``
         does it when due (``maintain``), on the caller's thread (tests, with a fake clock).
-      on_retry: called after a failed call or probe; may raise to stop (e.g. when a local server
-        process has exited for good).
-      clock: the monotonic clock, in seconds, of grace, backoff and ``server_wait_s``.
-      sleep: waits between retries (tests pass a fake clock's, so retries take no time).
-      connect: opens a server's (channel, stub) from its address, the message limit and the
-        certificates (``rollout_api.client.connect``; tests pass fakes).
       batch_groups: groups per trainer step: with it, a Pull that names the trainer's version
         takes from each server its share of the batch first (``rollout_api.admission.FleetQuota``),
         and from the others only after the batch has waited three recent step periods;
