@@ -197,11 +197,7 @@ class MoEEngine(engine_api.Engine):
                         f"param leaf {n.shape}/{n.dtype} does not match {o.shape}/{o.dtype}"
                     )
             placed = jax.tree_util.tree_unflatten(
-                old_def,
-                [
-                    jax.device_put(n, o.sharding).astype(o.dtype)
-                    for o, n in zip(old_leaves, new_leaves, strict=True)
-                ],
+                old_def, [_placed_like(n, o) for o, n in zip(old_leaves, new_leaves, strict=True)]
             )
             jax.block_until_ready(placed)
             self._current = (int(version), placed)
@@ -374,6 +370,14 @@ class MoEEngine(engine_api.Engine):
     @property
     def colocated_cpus(self) -> None:
         return None
+
+
+def _placed_like(new: Any, old: jax.Array) -> jax.Array:
+    """`new` on `old`'s sharding and dtype: as it is when it is already there (what the weights
+    loader restores), else copied and cast."""
+    if isinstance(new, jax.Array) and new.sharding == old.sharding and new.dtype == old.dtype:
+        return new
+    return jax.device_put(new, old.sharding).astype(old.dtype)
 
 
 def _castable(new: np.dtype, old: np.dtype) -> bool:

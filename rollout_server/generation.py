@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 _MAX_FAILURES = 3  # failed samples per group before the group is dropped
 _TURN = object()  # marks an ended turn in the loop's queue
+_WAKE = object()  # ends the loop's wait for finished samples (`GroupGeneration._wake`)
 _RATE_WINDOW_S = 5.0  # the busy time one capacity measurement spans (`RateMeter`)
 
 
@@ -137,6 +138,14 @@ class GroupGeneration(abc.ABC):
             busy = sum(size - len(g.samples) for g in self._running.values())
             self._meter.observe(self._clock(), self._driver.tokens_generated, busy)
 
+    def _wake(self) -> None:
+        """Ends the loop thread's wait in `_collect` now. Callers on other threads call it
+        after a change that may open admission (new weights, an acknowledgement, a Pull that
+        moves the trainer's version) or ask the loop to stop: an idle server, with no sample to
+        finish, would otherwise notice only when the wait times out, a delay in series with
+        every batch whenever the staleness bound has held generation back."""
+        self._done.put((_WAKE, None))
+
     def _opening(self, record: dict[str, Any]) -> list[int]:
         """The prompt ids of a group's record: encoded, or the opening as the environment
         renders it (each episode's sample checks its own).
@@ -232,6 +241,8 @@ class GroupGeneration(abc.ABC):
             except queue.Empty:
                 break
         for tag, sample in items:
+            if tag is _WAKE:
+                continue
             if tag is _TURN:
                 self._after_turn(*sample)
                 continue

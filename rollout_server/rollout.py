@@ -106,6 +106,10 @@ class RolloutLoop(GroupGeneration):
     Pull reply and the Stats; the trainer sets this server's share by it (docs/DESIGN.md §6.3).
     """
 
+    # The longest the loop's thread waits for a finished sample before it looks again at
+    # admission, leases and failed saves; a change that may open admission wakes it at once.
+    _COLLECT_S = 0.02
+
     def __init__(
         self,
         *,
@@ -194,6 +198,7 @@ class RolloutLoop(GroupGeneration):
         change not yet written, or a failed save, is on disk once this returns, unless that write
         fails too)."""
         self._stop.set()
+        self._wake()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
         with self._lock:
@@ -302,6 +307,8 @@ class RolloutLoop(GroupGeneration):
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._admission.saw_trainer(trainer_version)
+        if trainer_version:  # leases of earlier batches may have stopped counting
+            self._wake()
         groups: list[rollout_pb2.Group] = []
         while self._wait_for_a_group(max(deadline - time.monotonic(), 0.0)):
             with self._lock:
@@ -397,9 +404,11 @@ class RolloutLoop(GroupGeneration):
                 self.groups_rejected += sum(i in rejected for i in done)
                 for i in done:
                     self._unfinished.pop(i, None)
-                return len(done), self._save_locked()
-        # Nothing removed now: the ids may be of an acknowledgement whose write is in flight.
-        return 0, self._store.submitted if ids else 0
+                seq = self._save_locked()
+        if not done:  # the ids may be of an acknowledgement whose write is in flight
+            return 0, self._store.submitted if ids else 0
+        self._wake()  # they left admission's count
+        return len(done), seq
 
     def release(self, groups: Sequence[rollout_pb2.Group]) -> None:
         """Ends the leases of `groups` now (their Pull's reply was never sent): they are queued
@@ -478,6 +487,7 @@ class RolloutLoop(GroupGeneration):
             self.push_bytes_total += push_bytes
             self._touch(run_id)
             seq = self._save_locked()
+        self._wake()
         self._store.wait(seq)
 
     def _outstanding_ids_locked(self) -> set[int]:
@@ -510,7 +520,7 @@ class RolloutLoop(GroupGeneration):
         last_tokens = 0
         while not self._stop.is_set():
             try:
-                self._collect(timeout_s=0.02)
+                self._collect(timeout_s=self._COLLECT_S)
                 self._measure()
                 self._expire_leases()
                 self._retry_failed_save()

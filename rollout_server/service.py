@@ -242,19 +242,22 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def _load_and_install(
         self, request: rollout_pb2.UpdateWeightsRequest
     ) -> tuple[float, float, str]:
-        """Loads and installs the weights on the weights executor; (load s, swap s, path)."""
-        loop = asyncio.get_running_loop()
-        start = time.perf_counter()
-        load = functools.partial(
-            self._loader.load,
-            request.checkpoint_path,
-            request.base_path,
-            self._engine.current_params()[1],
+        """Loads and installs the weights on the weights executor, in one hop (an idle server
+        opens admission to the new version as soon as it is installed); (load s, swap s, path).
+        The swap's seconds include the wait for the new state to be on disk."""
+        return await asyncio.get_running_loop().run_in_executor(
+            self._updates, self._load_and_install_now, request
         )
-        loaded = await loop.run_in_executor(self._updates, load)
+
+    def _load_and_install_now(
+        self, request: rollout_pb2.UpdateWeightsRequest
+    ) -> tuple[float, float, str]:
+        start = time.perf_counter()
+        loaded = self._loader.load(
+            request.checkpoint_path, request.base_path, self._engine.current_params()[1]
+        )
         load_s = time.perf_counter() - start
-        install = functools.partial(
-            self._loop.install_weights,
+        self._loop.install_weights(
             request.version,
             str(loaded.path),
             loaded.params,
@@ -265,7 +268,6 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             push_bytes=loaded.nbytes,
             trainer_version=request.trainer_version,
         )
-        await loop.run_in_executor(self._updates, install)
         return load_s, time.perf_counter() - start - load_s, str(loaded.path)
 
     async def Stats(

@@ -296,16 +296,17 @@ class ServerPool(Membership):
           base_path: under LoRA, the frozen base that ``checkpoint_path``'s adapters apply to
             (a server loads it only when it does not hold it already); "" = whole params.
 
-        The pending acknowledgements go first (``flush_acks``): a server's admission counts the
-        groups outstanding, so the groups trained with the weights being pushed must be consumed
-        by then (otherwise the server would count them as still waiting and make fewer for this
-        version).
+        Pending acknowledgements do not go first: they ride the next Pull (or ``flush_acks``).
+        The groups of the batches already trained stay outstanding on their server until then,
+        but hold no place in its admission budget: they were leased on Pulls that named a
+        version below the one this push names (``ServerAdmission.in_earlier_batch``). An Ack
+        here would put a round trip and the server's write of it between a step and the
+        install that lets the server admit for the next batches.
 
         Raises:
           grpc.RpcError: a server refused the update (e.g. a version older than its own).
           MessageTooLargeError: as in ``pull``.
         """
-        self.flush_acks(warn_down=False)
         with self._lock:
             # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
             self._weights = (version, checkpoint_path, base_path)
