@@ -139,11 +139,10 @@ class GroupGeneration(abc.ABC):
             self._meter.observe(self._clock(), self._driver.tokens_generated, busy)
 
     def _wake(self) -> None:
-        """Ends the loop thread's wait in `_collect` now. Callers on other threads call it
-        after a change that may open admission (new weights, an acknowledgement, a Pull that
-        moves the trainer's version) or ask the loop to stop: an idle server, with no sample to
-        finish, would otherwise notice only when the wait times out, a delay in series with
-        every batch whenever the staleness bound has held generation back."""
+        """Ends the loop thread's wait in `_collect` now. Other threads call it after a change
+        that may open admission (new weights, an acknowledgement) and to stop the loop: an idle
+        server, with no sample to finish, would otherwise notice only when the wait times out,
+        a delay in series with every batch whenever the staleness bound held generation back."""
         self._done.put((_WAKE, None))
 
     def _opening(self, record: dict[str, Any]) -> list[int]:

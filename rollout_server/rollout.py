@@ -307,8 +307,6 @@ class RolloutLoop(GroupGeneration):
         deadline = time.monotonic() + timeout_s
         with self._lock:
             self._admission.saw_trainer(trainer_version)
-        if trainer_version:  # leases of earlier batches may have stopped counting
-            self._wake()
         groups: list[rollout_pb2.Group] = []
         while self._wait_for_a_group(max(deadline - time.monotonic(), 0.0)):
             with self._lock:

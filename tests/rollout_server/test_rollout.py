@@ -240,3 +240,38 @@ def test_the_loop_measures_its_capacity_and_reports_it(tmp_path):
         driver.tokens_generated += 40
     assert loop.capacity_tokens_per_s == pytest.approx(80.0)
     assert loop.stats()["capacity_tokens_per_s"] == pytest.approx(80.0)
+
+
+class RoomyEngine(FakeEngine):
+    """Takes every arithmetic prompt, with the real engine's check."""
+
+    core = types.SimpleNamespace(max_prefill_length=64)
+    check_prompt_length = MoEEngine.check_prompt_length
+
+
+@pytest.mark.parametrize("opened_by", ["weights", "an acknowledgement"])
+def test_an_idle_loop_dispatches_as_soon_as_admission_opens(tmp_path, monkeypatch, opened_by):
+    """With nothing running, no finished sample ends the loop's wait, so the change that opens
+    admission wakes it. Here that wait is an hour: without the wake-up nothing would be
+    dispatched within the test's limit. Stopping wakes it too (or `stop` would wait out its
+    join timeout)."""
+    monkeypatch.setattr(RolloutLoop, "_COLLECT_S", 3600.0)
+    driver = RecordingDriver()
+    loop = _loop(StateStore(str(tmp_path)), RoomyEngine(), wait=True, driver=driver)
+    size = CFG.group_size
+    loop.start()
+    try:
+        # Weights 1 with the trainer at 2 (its push of 2 on the way): B groups, then closed.
+        loop.install_weights(1, "/ckpt/v1", params=None, trainer_version=2)
+        wait_until(lambda: len(driver.requests) == B * size)
+        assert loop.admission_budget() == 0
+        if opened_by == "weights":  # weights 2: B more
+            loop.install_weights(2, "/ckpt/v2", params=None, trainer_version=2)
+            more = B
+        else:  # the trainer rejects a group (stale, filtered): its replacement
+            assert loop.ack([], reject=[0]) == 1
+            more = 1
+        wait_until(lambda: len(driver.requests) == (B + more) * size)
+    finally:
+        loop.stop()
+    assert not loop.alive()
