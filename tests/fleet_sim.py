@@ -13,8 +13,8 @@ server held when its first sample got a slot. Nothing here sleeps or reads a clo
 With `prefetch` the trainer is the real loop's (docs/DESIGN.md §7.1): it pulls the batch of
 version T + 1 while the step of version T runs (its Pulls report T + 1), and the acknowledgements of
 a step's batch leave with the first Pull that starts after the step (a Pull waiting on a server
-carries none: one Pull at a time per server) or with the next push (the pool sends pending
-acknowledgements before `UpdateWeights`), whichever comes first. Without it the trainer pulls only
+carries none: one Pull at a time per server; a push carries none either). Without it the trainer
+pulls only
 between steps (the serial loop the admission rule was first simulated with; the async trainer always
 prefetches, so every scenario runs the real loop's timing unless it says otherwise).
 """
@@ -354,10 +354,6 @@ class FleetSim:
             if not server.up:
                 self.down.add(name)  # a failed push: it left
                 continue
-            acks, rejects = self.pending[name]  # `update_weights` flushes them first
-            if self.prefetch and (acks or rejects):
-                self.pending[name] = ([], [])
-                server.ack(acks, rejects)
             server.install(version, shares.get(name, 1.0), epoch)
 
     def _server(self, name: str) -> SimServer:

@@ -140,3 +140,19 @@ def test_flush_sends_pending_rejections_with_ack(scripted):
         p.ack(first[1:], rejected=True)
         p.flush_acks()
     assert servicer.acks == [[0]] and servicer.ack_rejects == [[1, 2]]
+
+
+def test_a_push_sends_no_ack_first_the_acknowledgements_ride_the_next_pull(scripted):
+    """`update_weights` is one UpdateWeights per server: an Ack in front of it would put a round
+    trip and the server's write between a step and the install that opens admission. The
+    batch's acknowledgements, pending meanwhile, go with the next Pull."""
+    servicer, address = scripted
+    with pool([address]) as p:
+        first = p.pull(2, 0.1)
+        p.ack(first[:1])
+        p.ack(first[1:], rejected=True)
+        p.update_weights(1, "/ckpt/v1")
+        assert servicer.acks == [] and servicer.ack_rejects == []
+        p.pull(1, 0.1)
+    assert servicer.updates == [(1, "/ckpt/v1", False)]
+    assert servicer.pull_acks == [[], [0]] and servicer.pull_rejects == [[], [1]]
