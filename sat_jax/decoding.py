@@ -550,7 +550,7 @@ class DecodeCore:
                 self.prefill_calls += 1
                 self.prefill_tokens += int(true_length)
             prefix = self._last_prefill[1]
-        return jax.tree.map(lambda x: jnp.array(x, copy=True), prefix)
+        return _copied(prefix)
 
     def prefill_prompt(self, params: Any, ids: Sequence[int], version: int = 0) -> Prefix:
         """``prefill_once`` of one prompt padded to ``max_prefill_length`` (one compiled shape)."""
@@ -562,6 +562,13 @@ class DecodeCore:
         tokens_p = np.zeros((self.max_prefill_length,), np.int32)
         tokens_p[:n] = ids
         return self.prefill_once(params, tokens_p, n, version)
+
+
+@jax.jit
+def _copied(tree: Any) -> Any:
+    """A copy of every array of `tree`, in one program: one dispatch, where copying leaf by leaf
+    dispatches one per leaf (a server copies a prefix for each of a group's samples)."""
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
 
 
 def _kernels_unplaceable() -> bool:
