@@ -302,13 +302,14 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
 
     # Pulls run between steps and pushes on the pusher's thread (one per step), so a hook arms a
     # kill, the next steps' hooks restart b once it landed, and a later one waits for b to rejoin.
-    # The Pull: b stopped as it starts, killed 0.3 s into it (a Pull waiting for groups); the push:
-    # killed 20 ms into b's UpdateWeights, which loads weights for 50-90 ms here.
+    # Each call: b stopped as it starts and killed 0.3 s into it, so the call is in flight when the
+    # kill lands whatever the machine's pace (a push now installs in about 10 ms here: a kill timed
+    # to land inside the server's load would miss it on a fast machine and fire on a slow one).
     hooks = {k: restart_b_once_killed for k in range(7, steps)}
     hooks.update({
         3: arm("Pull", 0.3, stop_first=True),
         9: wait_for_b("rejoined_1", "Pull"),
-        10: arm("UpdateWeights", 0.02),
+        10: arm("UpdateWeights", 0.3, stop_first=True),
         16: wait_for_b("rejoined_2", "UpdateWeights"),
     })  # fmt: skip
     with a, b, metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=steps, console=None) as w:
