@@ -176,9 +176,11 @@ class RolloutServer:
 
     def _reload(self, version: int, path: str, base_path: str) -> bool:
         """Installs the persisted weights (under LoRA, the adapters over their base); False
-        (logged) when they cannot be loaded."""
+        (logged) when they cannot be loaded, or when a crash of the machine tore them (pushes
+        are written without fsync, so their CRC is checked here)."""
         try:
-            loaded = self.loader.load(path, base_path, self.engine.current_params()[1])
+            like = self.engine.current_params()[1]
+            loaded = self.loader.load(path, base_path, like, verify=True)
             self.engine.swap_params(version, loaded.params)
         except ValueError as e:  # CheckpointPathError, or params swap_params refuses
             log.error("cannot restore the persisted weights (%s); starting from version 0", e)

@@ -56,13 +56,17 @@ def resolve_under_root(path: str, root: str) -> pathlib.Path:
     return real
 
 
-def load_under_root(path: str, root: str, like: Any) -> tuple[pathlib.Path, Any]:
+def load_under_root(
+    path: str, root: str, like: Any, *, verify: bool = False
+) -> tuple[pathlib.Path, Any]:
     """Loads the weights at `path`, which must lie inside `root`.
 
     Args:
       path: the checkpoint directory a client named.
       root: the server's checkpoint root ("" = loading disabled).
       like: the engine's current params (shapes, dtypes and shardings to restore into).
+      verify: check flat weights' CRC-32 (`params_io.load_flat`): a restart reloading what the
+        state names, which a crash of the machine may have torn (pushes are not fsynced).
 
     Returns:
       (the resolved path, the params shaped and sharded like `like`).
@@ -73,7 +77,7 @@ def load_under_root(path: str, root: str, like: Any) -> tuple[pathlib.Path, Any]
     """
     real = resolve_under_root(path, root)
     try:
-        return real, params_io.load_params(real, like)
+        return real, params_io.load_params(real, like, verify=verify)
     except Exception as e:  # orbax raises many types for a bad or mismatched checkpoint
         raise CheckpointPathError(f"cannot restore params from {str(real)!r}: {e}") from e
 
@@ -125,13 +129,16 @@ class WeightsLoader:
         """The resolved path of the base kept for adapter pushes ("" = none)."""
         return self._kept[0] if self._kept else ""
 
-    def load(self, checkpoint_path: str, base_path: str, like: Any) -> Loaded:
+    def load(
+        self, checkpoint_path: str, base_path: str, like: Any, *, verify: bool = False
+    ) -> Loaded:
         """Loads a push: whole params (``base_path`` "") or adapters over ``base_path``'s base.
 
         Args:
           checkpoint_path: the directory the client named (whole params, or the adapters).
           base_path: the base directory of a LoRA push ("" = none).
           like: the engine's current params (shapes, dtypes and shardings to restore into).
+          verify: check flat weights' CRC-32 (`load_under_root`): a restart's reload.
 
         Raises:
           CheckpointPathError: a path is refused (`resolve_under_root`), is not a checkpoint of
@@ -139,7 +146,7 @@ class WeightsLoader:
         """
         if not base_path:
             self._kept = None  # the served params stop being the kept base's
-            real, params = load_under_root(checkpoint_path, self._root, like)
+            real, params = load_under_root(checkpoint_path, self._root, like, verify=verify)
             return Loaded(real, params, params_io.tree_bytes(params))
         if not self._lora.rank:
             raise CheckpointPathError(
@@ -150,10 +157,12 @@ class WeightsLoader:
         base_real = resolve_under_root(base_path, self._root)
         if self.kept_base != str(base_real):
             self._kept = None
-            _, base = load_under_root(str(base_real), self._root, like)
+            _, base = load_under_root(str(base_real), self._root, like, verify=verify)
             nbytes += params_io.tree_bytes(base)
             self._keep(str(base_real), base)
-        real, adapters = load_under_root(checkpoint_path, self._root, self._adapters_like)
+        real, adapters = load_under_root(
+            checkpoint_path, self._root, self._adapters_like, verify=verify
+        )
         nbytes += params_io.tree_bytes(adapters)
         return Loaded(real, self._merge(adapters), nbytes)
 

@@ -23,6 +23,7 @@ the adapters, and the frozen base is written once per trainer start, at the firs
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -51,22 +52,36 @@ def host_copy(params: Any, dtype: Any = None) -> Any:
 
     A jax array becomes a jax array of the same sharding in the devices' ``pinned_host`` memory
     (each process holds only its own shards); anything else becomes a NumPy array that owns its
-    memory. No collective: each process copies what it has.
+    memory. No collective: each process copies what it has. The jax arrays are cast in one
+    program and copied in one batched transfer (per leaf, the dispatches were most of a small
+    model's copy: 2.9 ms of host time for 27 leaves, on the loop's thread before the next step).
 
     Args:
       params: a pytree of arrays.
       dtype: the serving dtype to cast floating-point leaves to (on device, before the copy);
         None keeps each leaf's dtype.
     """
+    leaves, treedef = jax.tree.flatten(params)
+    on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
+    arrays = [leaves[i] for i in on_device]
+    if dtype is not None and any(_casts(x, dtype) for x in arrays):
+        arrays = _cast(arrays, np.dtype(dtype))
+    hosts = [x.sharding.with_memory_kind("pinned_host") for x in arrays]
+    copied = dict(zip(on_device, jax.device_put(arrays, hosts, may_alias=False), strict=True))
+    out = [
+        copied[i] if i in copied else np.array(x.astype(dtype) if _casts(x, dtype) else x)
+        for i, x in enumerate(leaves)
+    ]
+    return jax.tree.unflatten(treedef, out)
 
-    def one(x: Any) -> Any:
-        if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(dtype)
-        if not isinstance(x, jax.Array):
-            return np.array(x)
-        return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"), may_alias=False)
 
-    return jax.tree.map(one, params)
+def _casts(x: Any, dtype: Any) -> bool:
+    return dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _cast(arrays: list[jax.Array], dtype: np.dtype) -> list[jax.Array]:
+    return [x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for x in arrays]
 
 
 def push_weights(
@@ -87,7 +102,8 @@ def push_weights(
     calls ``UpdateWeights`` and removes old directories, once the save is finalized. Under LoRA
     ``params`` are the adapters and ``base_path`` the base they apply to (``save_base``)."""
     path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
-    params_io.save_weights(path, params)
+    # Not fsynced (durable=False): a server's restart checks the CRC of what its state names.
+    params_io.save_weights(path, params, durable=False)
     if pool is None:
         return
     pool.update_weights(version, path, new_admission_epoch=new_admission_epoch, base_path=base_path)

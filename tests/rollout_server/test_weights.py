@@ -1,4 +1,5 @@
-"""rollout_server.weights: the checkpoint-root policy; loading refusals are CheckpointPathError."""
+"""rollout_server.weights: the checkpoint-root policy; loading refusals are CheckpointPathError; a
+restart reloads the pushed weights its state names, and refuses torn ones."""
 
 import os
 
@@ -7,8 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from rollout_api.proto import rollout_pb2
 from rollout_server.weights import CheckpointPathError, load_under_root, resolve_under_root
-from sat_jax.params_io import save_flat, save_params
+from sat_jax import sharding
+from sat_jax.experiment import load_config
+from sat_jax.model import placement
+from sat_jax.params_io import FLAT_DATA, save_flat, save_params
+from tests.rollout_server.conftest import CONFIG, SHAPES, stats
 
 
 def test_resolve_under_root(tmp_path):
@@ -51,3 +57,36 @@ def test_load_under_root_round_trip_and_refusals(tmp_path, save):
         load_under_root(str(tmp_path / "outside"), str(root), params)
     with pytest.raises(CheckpointPathError, match="no checkpoint root"):
         load_under_root(str(root / "ck"), "", params)
+
+
+@pytest.mark.slow  # starts server processes
+def test_a_restart_reloads_pushed_flat_weights_and_refuses_torn_ones(server_factory, tmp_path):
+    """Pushes are written without fsync, so a restart checks the CRC of the weights its state
+    names: intact, it reloads them; torn (zeros where a crash of the machine lost the bytes), it
+    says so and starts from version 0, waiting for the trainer's next push."""
+    root = tmp_path / "root"
+    overrides = [f"server.state_dir={tmp_path / 'state'}", f"server.checkpoint_root={root}"]
+    served_cfg = load_config(str(CONFIG), [*SHAPES, *overrides]).serving_model
+    mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+    _, params = placement.init_sharded(served_cfg, mesh, 3)
+    save_flat(root / "v1", params, durable=False)
+    first = server_factory(overrides)
+    first.rollout_stub().UpdateWeights(
+        rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path=str(root / "v1")), timeout=60
+    )
+    first.kill()
+
+    second = server_factory(overrides)
+    assert f"restored weights version 1 from {(root / 'v1').resolve()}" in second.log()
+    assert stats(second.rollout_stub()).version == 1
+    second.kill()
+
+    data = root / "v1" / FLAT_DATA
+    torn = bytearray(data.read_bytes())
+    torn[len(torn) // 2 :] = bytes(len(torn) - len(torn) // 2)
+    data.write_bytes(bytes(torn))
+    third = server_factory(overrides)
+    log = third.log()
+    assert "cannot restore the persisted weights" in log and "CRC-32" in log, log
+    assert stats(third.rollout_stub()).version == 0
+    assert third.stop() == 0

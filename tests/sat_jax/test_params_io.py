@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 import json
 import tracemalloc
+import zlib
 from typing import ClassVar
 
 import jax
@@ -228,3 +229,39 @@ def test_save_weights_falls_back_to_orbax_for_urls_and_several_processes(tmp_pat
     ]
     with pytest.raises(ValueError, match="one JAX process"):
         params_io.save_flat(tmp_path / "v5", {"w": np.zeros(2)})
+
+
+@pytest.mark.parametrize("durable", [True, False])
+def test_flat_weights_fsync_only_when_durable_and_carry_a_crc(tmp_path, monkeypatch, durable):
+    """``durable``: the data, the index and the parent directory fsynced (three), or nothing
+    fsynced; either way the index carries the data's CRC-32 and the version reads back."""
+    synced: list[int] = []
+    real_fsync = params_io.os.fsync
+    monkeypatch.setattr(params_io.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    params_io.save_flat(tmp_path / "v1", _params(), durable=durable)
+    assert len(synced) == (3 if durable else 0)
+    index = json.loads((tmp_path / "v1" / params_io.FLAT_INDEX).read_text())
+    data = (tmp_path / "v1" / params_io.FLAT_DATA).read_bytes()
+    assert index["crc32"] == zlib.crc32(data)
+    back = params_io.load_params(tmp_path / "v1", _params(), verify=True)
+    jax.tree.map(np.testing.assert_array_equal, back, _params())
+
+
+def test_verify_refuses_flat_weights_a_crash_tore(tmp_path):
+    """Bytes that differ from what was written (what a crash of the machine leaves of a save
+    without fsync: zeros where the data never reached the disk) are refused with ``verify`` and
+    named; without it the load reads them (the live path: the bytes are the page cache's). An
+    index without a CRC (written before it had one) loads unchecked."""
+    params_io.save_flat(tmp_path / "v1", _params(), durable=False)
+    data = tmp_path / "v1" / params_io.FLAT_DATA
+    torn = bytearray(data.read_bytes())
+    torn[-8:] = bytes(8)
+    data.write_bytes(bytes(torn))
+    with pytest.raises(ValueError, match=r"v1: flat_weights.bin's CRC-32 is not its index's"):
+        params_io.load_params(tmp_path / "v1", _params(), verify=True)
+    params_io.load_params(tmp_path / "v1", _params())  # unchecked
+    index = tmp_path / "v1" / params_io.FLAT_INDEX
+    entry = json.loads(index.read_text())
+    del entry["crc32"]
+    index.write_text(json.dumps(entry))
+    params_io.load_params(tmp_path / "v1", _params(), verify=True)

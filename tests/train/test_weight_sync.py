@@ -106,6 +106,20 @@ def test_push_weights_saves_then_updates_and_keeps_the_newest(tmp_path):
     assert params_io.is_flat(tmp_path / "v5")  # one process, a local directory: no orbax
 
 
+def test_a_push_is_not_fsynced_and_a_restart_can_check_it(tmp_path, monkeypatch):
+    """A push's save is off the disk's sync path (a restarting server checks the CRC instead:
+    tests/rollout_server/test_weights.py)."""
+
+    def no_fsync(fd):
+        raise AssertionError("a push fsynced")
+
+    monkeypatch.setattr(params_io.os, "fsync", no_fsync)
+    params = {"w": np.arange(4, dtype=np.float32)}
+    push_weights(FakePool(), params, 1, str(tmp_path))
+    back = params_io.load_params(tmp_path / "v1", {"w": jnp.zeros(4, jnp.float32)}, verify=True)
+    np.testing.assert_array_equal(np.asarray(back["w"]), params["w"])
+
+
 def test_a_failed_push_is_raised_in_the_caller():
     push = Recorder(fail_at=2)
     pusher = WeightPusher(push)
@@ -145,11 +159,24 @@ def test_host_copy_survives_donation_and_keeps_the_sharding():
 
 
 def test_host_copy_casts_floats_to_the_serving_dtype():
-    params = {"w": jnp.linspace(-1, 1, 8, dtype=jnp.float32), "i": jnp.arange(3, dtype=jnp.int32)}
+    """Float leaves, on device or not, in the serving dtype; others as they were; a sharded
+    leaf keeps its sharding through the cast."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("fsdp",))
+    sharded = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("fsdp"))
+    params = {
+        "w": jnp.linspace(-1, 1, 8, dtype=jnp.float32),
+        "i": jnp.arange(3, dtype=jnp.int32),
+        "s": jax.device_put(jnp.linspace(0, 1, 4, dtype=jnp.float32), sharded),
+        "n": np.linspace(0, 2, 5, dtype=np.float32),
+    }
     copy = host_copy(params, "bfloat16")
     assert copy["w"].dtype == jnp.bfloat16 and copy["i"].dtype == jnp.int32
-    want = np.asarray(params["w"].astype(jnp.bfloat16))
-    np.testing.assert_array_equal(np.asarray(copy["w"]), want)
+    assert copy["s"].sharding == sharded.with_memory_kind("pinned_host")
+    assert isinstance(copy["n"], np.ndarray) and copy["n"].dtype == jnp.bfloat16
+    for k in ("w", "s", "n"):
+        want = np.asarray(jnp.asarray(params[k]).astype(jnp.bfloat16))
+        np.testing.assert_array_equal(np.asarray(copy[k]), want)
+    np.testing.assert_array_equal(np.asarray(copy["i"]), np.arange(3))
 
 
 def _threads_waiting(pusher: WeightPusher) -> set[threading.Thread]:
