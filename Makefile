@@ -25,7 +25,7 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --durations=25 tests
 
 # The edit-test loop: the unit tests of a few seconds, no test marked slow (servers, trainers and
 # commands in processes) or heavy (tests/conftest.py), no notebook and no benchmark runs.
