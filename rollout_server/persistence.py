@@ -23,15 +23,8 @@ What must be on disk before which reply, for exactly-once across kill -9:
   draw that prompt again, and under a fresh `server_id` (none saved yet) deliver it as a new group.
   A group finishes long after its dispatch, so that write is almost always done: a Pull waits for
   nothing in practice.
-- **UpdateWeights that starts an admission epoch** (the first weights, a rejoin, a new run): the
-  installed version, path, epoch and attached run, so a restarted server keeps the run's epoch.
-  An ordinary UpdateWeights waits for nothing (its write was most of a push's install, on the
-  chain that bounds ``max_staleness`` 1): lost in a crash, the restarted server reloads the
-  weights before it with the state that went with them, as if the push had not arrived (the
-  trainer keeps the last versions on disk; were the saved one gone, the restart would start from
-  version 0 and wait for a push, as for weights it cannot load); the next push moves it on, and what it admitted meanwhile is at most
-  one push's worth of groups the trainer may find stale (waste, never a lost or repeated
-  group).
+- **UpdateWeights**: the installed version, path and admission epoch, so a restarted server reloads
+  the weights the trainer was told it holds.
 - **A dispatch, a skipped prompt, a dropped group**: nothing waits. Until a reply reveals them they
   can be lost: a restart re-draws the same prompts from the saved position under the same group
   ids (or re-issues the dropped group), as if the server had been killed just before them.

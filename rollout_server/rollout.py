@@ -453,13 +453,7 @@ class RolloutLoop(GroupGeneration):
         Stats.
 
         Admission is held while this runs, so no group is admitted between the swap and the
-        new budget. It returns once the new state is on disk only when it starts an admission
-        epoch (the epoch and the attached run must survive a restart). An ordinary install's
-        record goes to the group commit and is not waited for: lost in a crash, the restarted
-        server holds the weights before it, as if this push had not arrived (the next push, which
-        carries the share and the trainer's version again, moves it on); and any later reply
-        that reveals state waits for a write that covers it. The first trainer weights, or
-        `new_epoch`, start an admission epoch
+        new budget. The first trainer weights, or `new_epoch`, start an admission epoch
         (`ServerAdmission.begin_epoch`: what is outstanding now is not counted), and the run that
         starts one (`run_id`) becomes the attached run. `share` (0 = unset = 1) is this server's
         part of the fleet's batch from now on; `trainer_version` (0 = not sent) the trainer's
@@ -492,8 +486,7 @@ class RolloutLoop(GroupGeneration):
             self._touch(run_id)
             seq = self._save_locked()
         self._wake()
-        if new_epoch:
-            self._store.wait(seq)
+        self._store.wait(seq)
 
     def _outstanding_ids_locked(self) -> set[int]:
         """Ids of the groups queued, leased or running."""

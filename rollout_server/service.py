@@ -244,8 +244,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     ) -> tuple[float, float, str]:
         """Loads and installs the weights on the weights executor, in one hop (an idle server
         opens admission to the new version as soon as it is installed); (load s, swap s, path).
-        The swap's seconds include the wait for the new state to be on disk when the install
-        starts an admission epoch (`RolloutLoop.install_weights`)."""
+        The swap's seconds include the wait for the new state to be on disk."""
         return await asyncio.get_running_loop().run_in_executor(
             self._updates, self._load_and_install_now, request
         )

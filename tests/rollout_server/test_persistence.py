@@ -175,28 +175,3 @@ def test_without_a_directory_nothing_is_written_and_nothing_waits():
     loop.queue.put(rollout_pb2.Group(group_id=0))
     assert [g.group_id for g in loop.pull(1, 0)] == [0]
     assert loop.ack([0]) == 1 and store.writes == 0 and store.durable == store.submitted
-
-
-def test_an_install_waits_for_the_disk_only_when_it_starts_an_epoch(tmp_path):
-    """The first weights (an admission epoch starts) return once their record is on disk; an
-    ordinary install returns with its write still held, and its record reaches the disk with
-    the group commit."""
-    store = GatedStore(str(tmp_path))
-    loop = _loop(store, FakeEngine(), wait=False)
-    first = threading.Thread(target=lambda: loop.install_weights(1, "/ckpt/v1", None))
-    first.start()
-    assert store.entered.acquire(timeout=HANG_S)  # its write is held ...
-    first.join(0.2)
-    assert first.is_alive()  # ... and so is the install that started the epoch
-    store.release.release()
-    first.join(HANG_S)
-    assert not first.is_alive() and _saved(store)["version"] == 1
-    second = threading.Thread(target=lambda: loop.install_weights(2, "/ckpt/v2", None))
-    second.start()
-    second.join(HANG_S)
-    assert not second.is_alive()  # returned ...
-    assert store.entered.acquire(timeout=HANG_S)  # ... with its write held
-    assert _saved(store)["version"] == 1 and loop.stats()["version"] == 2
-    store.release.release()
-    wait_until(lambda: store.durable == store.submitted)
-    assert _saved(store)["version"] == 2 and _saved(store)["checkpoint_path"] == "/ckpt/v2"
