@@ -22,7 +22,12 @@ those outstanding when an admission epoch began are left out: `begin_epoch`; and
 leased to a batch before T, `in_earlier_batch`: a trainer that prefetches pulls for T while the
 step of T − 1 still trains them). The trainer takes `share · B` groups from this server per
 version, oldest-admitted first, so the last group admitted at v is trained by
-T + S − (T − v) = v + S. The trainer's lead T − v (a push still in flight, a
+T + S − (T − v) = v + S. The share is leased in versions: each push names the last trainer version it holds for
+(`share_until`), and once the server hears a trainer version past it (a Pull) the budget is 0
+until a push grants a new lease. The trainer grants v + S to a server that keeps up, and a lease
+that has already ended to one it fences (its calls overdue: deaf, paused, preempted), so a
+server that wakes up after a long pause admits nothing on its old share: no clock is in the
+rule. The trainer's lead T − v (a push still in flight, a
 skipped step's version, pushes every n steps) shrinks the run-ahead instead of making groups stale;
 at a lead above S nothing is admitted until newer weights arrive. A rejected group (stale, invalid,
 filtered) leaves `outstanding` at once, so its replacement is admitted under the same rule: when
@@ -93,6 +98,9 @@ class ServerAdmission:
     batch_groups: int
     capacity: int
     share: float = 1.0
+    # The last trainer version `share` holds for (the push's lease; 0 = no lease): past it the
+    # budget is 0 until a push grants a new one.
+    share_until: int = 0
     weights_version: int = 0  # v: the weights the server holds
     trainer_version: int = 0  # T: the newest trainer version seen (Pull or push)
     # Groups admitted and not done yet: id -> the weights version at admission (for the order).
@@ -124,14 +132,22 @@ class ServerAdmission:
         queued or leased) that count: how many more groups may start (rounded down: a fraction
         of a group more would be trained a version late). Not counted: the groups outstanding
         when the epoch began, and those leased to an earlier batch than the trainer's version
-        (`in_earlier_batch`)."""
-        allowed = (self.max_staleness + 1 - self.lead) * self.share * self.batch_groups
-        if not self.pulls_report:  # what it trained since the last push moved it on
-            allowed -= self.trained_since
+        (`in_earlier_batch`). Past the share's lease (`lease_ended`) nothing may start."""
         counted = sum(
             1 for i in outstanding if i not in self.excluded and not self.in_earlier_batch(i)
         )
+        if self.lease_ended:  # fenced: nothing more until a push grants a new lease
+            return -counted
+        allowed = (self.max_staleness + 1 - self.lead) * self.share * self.batch_groups
+        if not self.pulls_report:  # what it trained since the last push moved it on
+            allowed -= self.trained_since
         return math.floor(allowed + 1e-9) - counted
+
+    @property
+    def lease_ended(self) -> bool:
+        """Whether the trainer's version is past the lease on the share (`share_until`): the
+        trainer fenced this server, or has not granted it a share for that long."""
+        return 0 < self.share_until < self.trainer_version
 
     def in_earlier_batch(self, group_id: int) -> bool:
         """Whether `group_id` is leased to a batch the trainer trains before its version T: it
@@ -194,11 +210,13 @@ class ServerAdmission:
         if version > self.reported:
             self.reported, self.trained_since = version, 0
 
-    def install(self, version: int, share: float) -> None:
-        """New weights `version` (and the server's `share`; 0 = unset = 1). The trainer pushes
-        only versions it has reached, so T ≥ `version` from now on."""
+    def install(self, version: int, share: float, share_until: int = 0) -> None:
+        """New weights `version`, the server's `share` (0 = unset = 1) and its lease
+        (`share_until`, 0 = none). The trainer pushes only versions it has reached, so
+        T ≥ `version` from now on."""
         self.weights_version = version
         self.share = share if share > 0 else 1.0
+        self.share_until = max(share_until, 0)
         self._report(version)
 
     def begin_epoch(self, version: int, outstanding: Iterable[int]) -> None:

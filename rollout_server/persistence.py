@@ -82,7 +82,8 @@ class RolloutState:
         on it, so the epoch owes one group fewer).
       share: this server's share of the fleet's admission (the trainer sends shares ∝ the
         servers' measured capacities, 1/k with k servers up until they are known): admission
-        allows `share` · batch_groups groups per version (docs/DESIGN.md §6.3).
+        allows `share` · batch_groups groups per version (docs/DESIGN.md §6.3);
+        `share_until` the last trainer version it holds for (0 = no lease).
       server_id: a random id of this state (drawn by `new_server_id` when the first group is
         dispatched), on every group: the trainer names groups by (server_id, group_id).
       run_id: the trainer run attached (the last one that started an admission epoch).
@@ -103,6 +104,7 @@ class RolloutState:
     epoch_used: int = 0
     epoch_excluded: list[int] = dataclasses.field(default_factory=list)
     share: float = 1.0
+    share_until: int = 0
     server_id: str = ""
     run_id: str = ""
     trainer_version: int = 0

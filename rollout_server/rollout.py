@@ -154,6 +154,7 @@ class RolloutLoop(GroupGeneration):
             batch_groups=cfg.batch_groups,
             capacity=cfg.queue_groups,
             share=self._state.share,
+            share_until=self._state.share_until,
             weights_version=self._state.version,
             trainer_version=max(self._state.trainer_version, self._state.version),
             reported=max(self._state.trainer_version, self._state.version),
@@ -442,6 +443,7 @@ class RolloutLoop(GroupGeneration):
         new_epoch: bool = False,
         run_id: str = "",
         share: float = 1.0,
+        share_until: int = 0,
         base_path: str = "",
         push_bytes: int = 0,
         trainer_version: int = 0,
@@ -456,7 +458,8 @@ class RolloutLoop(GroupGeneration):
         new budget. The first trainer weights, or `new_epoch`, start an admission epoch
         (`ServerAdmission.begin_epoch`: what is outstanding now is not counted), and the run that
         starts one (`run_id`) becomes the attached run. `share` (0 = unset = 1) is this server's
-        part of the fleet's batch from now on; `trainer_version` (0 = not sent) the trainer's
+        part of the fleet's batch from now on, leased until trainer version `share_until` (0 = no
+        lease); `trainer_version` (0 = not sent) the trainer's
         version now, at or past `version`.
 
         Raises:
@@ -469,7 +472,7 @@ class RolloutLoop(GroupGeneration):
             self._check_attached_locked(new_epoch, run_id)
             self._engine.swap_params(version, params)
             share = share if share > 0 else 1.0
-            self._admission.install(version, share)
+            self._admission.install(version, share, share_until)
             if new_epoch:
                 self._admission.begin_epoch(version, self._outstanding_ids_locked())
                 self._state.epoch_version = version
@@ -478,7 +481,7 @@ class RolloutLoop(GroupGeneration):
             self._state.epoch_excluded = sorted(self._admission.excluded)
             self._state.trainer_version = self._admission.trainer_version
             self._state.trained_since = self._admission.trained_since
-            self._state.share = share
+            self._state.share, self._state.share_until = share, self._admission.share_until
             self._state.version, self._state.checkpoint_path = version, checkpoint_path
             self._state.base_path = base_path
             self.push_bytes = push_bytes

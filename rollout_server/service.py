@@ -264,6 +264,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             new_epoch=request.new_admission_epoch,
             run_id=request.run_id,
             share=request.admission_share,
+            share_until=request.share_until,
             base_path=self._loader.kept_base if request.base_path else "",
             push_bytes=loaded.nbytes,
             trainer_version=request.trainer_version,

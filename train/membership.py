@@ -68,6 +68,10 @@ class Member:
     backoff: float = _FIRST_BACKOFF_S
     reason: str = ""  # why it is down (logged when it changes)
     draining: bool = False  # it drains (SIGTERM): no weights, no share; probes quiet until back
+    joining: bool = False  # answered a probe: its sender brings it up to date, then it joins
+    lagging: bool = False  # its calls are overdue (deaf): fenced, no share, still pulled
+    pull_overhead_s: float | None = None  # a Pull's time beyond its wait (an average)
+    pulling: bool = False  # a background Pull (of a lagging server) is in flight
     server_id: str = ""
     pulled: int = 0
     rate: float = 0.0  # its capacity, as its last Pull reply said (0 = not known)
@@ -216,7 +220,7 @@ class Membership:
         ):
             self._read_servers_file()
         with self._lock:
-            due = [s for s in self._servers if not s.up and s.next_probe <= now]
+            due = [s for s in self._servers if not s.up and not s.joining and s.next_probe <= now]
         for server in due:
             self._probe(server)
 
@@ -270,7 +274,7 @@ class Membership:
 
     def _join(self, server: Member, how: str) -> None:
         server.up, server.failing_since, server.reason = True, None, ""
-        server.draining = False
+        server.draining = server.joining = server.lagging = False
         server.backoff = self._first_backoff()
         log.info(
             "rollout server %s joined %s (%d up)",
@@ -294,8 +298,17 @@ class Membership:
     def _take_out(self, server: Member) -> None:
         """Marks ``server`` down, its first probe one backoff from now."""
         server.up, server.failing_since = False, None
+        server.joining = server.lagging = False
         server.backoff = self._first_backoff()
         server.next_probe = self._clock() + server.backoff
+        self._went_down(server)
+
+    def _went_down(self, server: Member) -> None:
+        """``server`` is out of the rotation (it may come back restarted); ``ServerPool``
+        resets its sender."""
+
+    def _removed(self, server: Member) -> None:
+        """``server`` left the fleet for good (its line left ``servers_file``)."""
 
     def _first_backoff(self) -> float:
         return min(_FIRST_BACKOFF_S, self._retry_max_s)
@@ -435,6 +448,7 @@ class Membership:
                     if server.up:
                         self._leave(server, f"removed from {self._servers_file}")
                     self._servers.remove(server)
+                    self._removed(server)
                     server.channel.close()
 
     def _raise_unless_transient(self, server: Member, rpc: str, error: grpc.RpcError) -> None:

@@ -31,6 +31,7 @@ server, a new ``server_id``); ``flush_acks`` sends the rest with the Ack RPC.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -41,12 +42,17 @@ from rollout_api.client import connect, is_draining
 from rollout_api.proto import rollout_pb2
 from rollout_api.records import Group, GroupLimits, InvalidGroup, decode_pulled
 from train.membership import Member, Membership
+from train.senders import Push, Senders
 
 log = logging.getLogger("train")
 
-# Deadline of one RPC beyond what the request itself waits for.
+# Deadline of one RPC beyond what the request itself waits for: a Pull's, until its server's
+# overhead is measured (then a multiple of it, at least _PULL_SLACK_MIN_S).
 _PULL_SLACK_S = 30.0
+_PULL_SLACK_MIN_S = 2.0
 _UPDATE_WEIGHTS_S = 120.0
+# An UpdateWeights in flight longer than max(this, 2 install times + 2 push periods) is overdue.
+_OVERDUE_MIN_S = 2.0
 _ACK_S = 10.0
 _FALLBACK_MIN_S = 1.0  # the least a batch waits for the servers' quotas (FleetQuota.fallback_s)
 
@@ -112,6 +118,7 @@ class ServerPool(Membership):
         self._quota = (
             FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
         )
+        self._max_staleness = max_staleness
         self._trainer_version = 0  # the newest version a Pull named
         self._batch_groups = batch_groups
         self._kept = 0  # groups pulled for `_trainer_version`'s batch and not rejected
@@ -119,6 +126,20 @@ class ServerPool(Membership):
         self._pulled_for: dict[str, int] = {}  # group key -> the trainer version it was pulled for
         # The last pushed (version, path, base_path): what a rejoining server gets.
         self._weights: tuple[int, str, str] | None = None
+        self._pushed_at: float | None = None
+        self._push_period: float | None = None  # between pushes (an exponential average)
+        self._carried: list[Group | InvalidGroup] = []  # pulled in the background, not handed out
+        self._senders = Senders(
+            self._lock,
+            request=self._sender_request,
+            may_send=lambda s: (s.up and not s.draining) or s.joining,
+            on_result=self._sent,
+            deadline_s=lambda st: max(_UPDATE_WEIGHTS_S, 4 * (st.install_s or 0.0)),
+            metadata=self._metadata,
+            clock=self._clock,
+            first_backoff=self._first_backoff(),
+            max_backoff=self._retry_max_s,
+        )
         self._start(background)
 
     def __enter__(self) -> ServerPool:
@@ -126,6 +147,12 @@ class ServerPool(Membership):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def close(self) -> None:
+        """Stops the senders and the background thread and closes the channels (a push in
+        flight is not waited for; call ``flush_acks`` first to send pending acknowledgements)."""
+        self._senders.close()
+        super().close()
 
     # Pulling and acknowledging.
 
@@ -166,40 +193,47 @@ class ServerPool(Membership):
             if self._thread is None:
                 self.maintain()
             with self._lock:
+                if self._carried:  # what the lagging servers' Pulls brought meanwhile
+                    out, self._carried = self._carried[:max_groups], self._carried[max_groups:]
+                    return out
                 up = [s for s in self._servers if s.up]
-                server, limit = self._pick(up, trainer_version)
+                current = [s for s in up if not s.lagging] or up
+                lagging = [s for s in up if s not in current and not s.pulling]
+                server, limit = self._pick(current, trainer_version)
+            for other in lagging:
+                self._pull_in_background(other, max_groups, limits, trainer_version)
             if server is None:
                 self._wait_for_a_server()
                 continue
             # With several servers, a short wait on each keeps one slow server from stalling us.
-            wait = timeout_s if len(up) == 1 else min(timeout_s, 1.0)
+            wait = timeout_s if len(current) == 1 else min(timeout_s, 1.0)
             with self._lock:
                 acks = self._pending(server, server.acks)
                 rejects = self._pending(server, server.rejects)
-            request = rollout_pb2.PullRequest(
-                max_groups=max_groups if limit is None else min(max_groups, limit),
-                timeout_s=wait,
-                ack_group_ids=[i for _, i in acks],
-                reject_group_ids=[i for _, i in rejects],
-                run_id=self._run_id,
-                trainer_version=trainer_version,
+            request = self._pull_request(
+                max_groups if limit is None else min(max_groups, limit),
+                wait,
+                acks,
+                rejects,
+                trainer_version,
             )
             started = self._clock()
             try:
                 response = server.stub.Pull(
-                    request, timeout=wait + _PULL_SLACK_S, metadata=self._metadata
+                    request, timeout=wait + self._pull_slack(server), metadata=self._metadata
                 )
             except grpc.RpcError as e:
                 self._raise_unless_transient(server, "Pull", e)
                 if is_draining(e):  # it answered: no failure streak, no grace, no backoff
                     with self._lock:  # it took the acknowledgements before it answered
-                        server.acks = [a for a in server.acks if a not in set(acks)]
-                        server.rejects = [r for r in server.rejects if r not in set(rejects)]
+                        self._sent_with_pull(server, acks, rejects)
                     self._drained(server)
+                    continue
+                if self._deaf(server, e):
                     continue
                 self._failed(server, f"Pull: {e.code().name}", started)
                 failed.add(server.index)
-                if failed >= {s.index for s in up}:  # every server up failed: wait a little
+                if failed >= {s.index for s in current}:  # every server failed: wait a little
                     self._check_servers_down()
                     self._sleep(backoff)
                     backoff = min(2 * backoff, self._retry_max_s)
@@ -207,22 +241,130 @@ class ServerPool(Membership):
                 continue
             pulled = decode_pulled(response.groups, limits)
             with self._lock:
-                self._answered(server)
-                sent_acks, sent_rejects = set(acks), set(rejects)  # delivered with the Pull
-                server.acks = [a for a in server.acks if a not in sent_acks]
-                server.rejects = [r for r in server.rejects if r not in sent_rejects]
-                for g in pulled:
-                    self._origin[g.key] = server
-                    self._pulled_for[g.key] = trainer_version
-                    server.server_id = g.server_id or server.server_id
-                if trainer_version == self._trainer_version:
-                    self._kept += len(pulled)
-                server.pulled += len(pulled)
-                if response.capacity_tokens_per_s > 0:
-                    server.rate = response.capacity_tokens_per_s
-                if self._quota is not None:
-                    self._quota.took(server.address, len(pulled))
+                self._delivered(server, acks, rejects, pulled, trainer_version, response)
+                self._measured_pull(server, self._clock() - started, wait, bool(pulled))
             return pulled
+
+    def _pull_request(
+        self,
+        max_groups: int,
+        wait: float,
+        acks: list[tuple[str, int]],
+        rejects: list[tuple[str, int]],
+        trainer_version: int,
+    ) -> rollout_pb2.PullRequest:
+        return rollout_pb2.PullRequest(
+            max_groups=max_groups,
+            timeout_s=wait,
+            ack_group_ids=[i for _, i in acks],
+            reject_group_ids=[i for _, i in rejects],
+            run_id=self._run_id,
+            trainer_version=trainer_version,
+        )
+
+    def _sent_with_pull(
+        self, server: Member, acks: list[tuple[str, int]], rejects: list[tuple[str, int]]
+    ) -> None:
+        """The acknowledgements a Pull carried reached ``server``: no longer pending."""
+        sent_acks, sent_rejects = set(acks), set(rejects)
+        server.acks = [a for a in server.acks if a not in sent_acks]
+        server.rejects = [r for r in server.rejects if r not in sent_rejects]
+
+    def _delivered(
+        self,
+        server: Member,
+        acks: list[tuple[str, int]],
+        rejects: list[tuple[str, int]],
+        pulled: list[Group | InvalidGroup],
+        trainer_version: int,
+        response: rollout_pb2.PullResponse,
+    ) -> None:
+        """Books a Pull's reply (under the lock): its acknowledgements delivered, its groups'
+        origin and batch, the server's capacity and quota."""
+        self._answered(server)
+        self._sent_with_pull(server, acks, rejects)
+        for g in pulled:
+            self._origin[g.key] = server
+            self._pulled_for[g.key] = trainer_version
+            server.server_id = g.server_id or server.server_id
+        if trainer_version == self._trainer_version:
+            self._kept += len(pulled)
+        server.pulled += len(pulled)
+        if response.capacity_tokens_per_s > 0:
+            server.rate = response.capacity_tokens_per_s
+        if self._quota is not None:
+            self._quota.took(server.address, len(pulled))
+
+    def _measured_pull(self, server: Member, took: float, wait: float, full: bool) -> None:
+        """A Pull took ``took`` seconds: its overhead (beyond the ``wait`` an empty reply spent at
+        the server; all of it for a reply with groups) enters the server's average."""
+        overhead = took if full else max(took - wait, 0.0)
+        prev = server.pull_overhead_s
+        server.pull_overhead_s = overhead if prev is None else 0.8 * prev + 0.2 * overhead
+
+    def _pull_slack(self, server: Member) -> float:
+        """A Pull's deadline beyond its wait: a multiple of the server's measured overhead (30 s
+        until measured)."""
+        if server.pull_overhead_s is None:
+            return _PULL_SLACK_S
+        return min(max(8 * server.pull_overhead_s, _PULL_SLACK_MIN_S), _PULL_SLACK_S)
+
+    def _deaf(self, server: Member, error: grpc.RpcError) -> bool:
+        """A Pull past its deadline from a server whose overhead is measured: it is deaf
+        (paused, stuck), not gone: fenced, no failure streak. Returns whether it was."""
+        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or server.pull_overhead_s is None:
+            return False
+        with self._lock:
+            self._fence(server, "a Pull is overdue")
+        return True
+
+    def _pull_in_background(
+        self, server: Member, max_groups: int, limits: GroupLimits | None, trainer_version: int
+    ) -> None:
+        """One Pull of a lagging ``server`` on a thread of its own (without waiting for groups):
+        what it finished is trained, and a deaf one holds no Pull of the loop's. Its groups wait
+        in ``_carried`` for the next ``pull``."""
+        with self._lock:
+            if server.pulling:
+                return
+            server.pulling = True
+            acks = self._pending(server, server.acks)
+            rejects = self._pending(server, server.rejects)
+        request = self._pull_request(max_groups, 0.0, acks, rejects, trainer_version)
+
+        def run() -> None:
+            started = self._clock()
+            try:
+                response = server.stub.Pull(
+                    request, timeout=self._pull_slack(server), metadata=self._metadata
+                )
+            except grpc.RpcError as e:
+                with self._lock:
+                    server.pulling = False
+                if is_draining(e) or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return  # still deaf, or draining: the loop's own Pulls deal with that
+                try:
+                    self._raise_unless_transient(server, "Pull", e)
+                except BaseException as fatal:
+                    self._error = fatal
+                    return
+                self._failed(server, f"Pull: {e.code().name}", started)
+                return
+            try:
+                pulled = decode_pulled(response.groups, limits)
+            except BaseException as fatal:
+                with self._lock:
+                    server.pulling = False
+                self._error = fatal
+                return
+            with self._lock:
+                server.pulling = False
+                self._delivered(server, acks, rejects, pulled, trainer_version, response)
+                self._measured_pull(server, self._clock() - started, 0.0, True)
+                self._carried.extend(pulled)
+                self._unfence_if_current(server)
+
+        threading.Thread(target=run, name="lagging-pull", daemon=True).start()
 
     def ack(self, groups: Sequence[Group | InvalidGroup], *, rejected: bool = False) -> None:
         """Acknowledges pulled ``groups`` (sent with the next Pull to their server, or by
@@ -283,10 +425,14 @@ class ServerPool(Membership):
         *,
         new_admission_epoch: bool = False,
         base_path: str = "",
+        wait_s: float = 0.0,
     ) -> None:
-        """Makes every server up load ``checkpoint_path`` as ``version``; a server that fails
-        to leaves the rotation (it missed a version) and gets these weights when it rejoins.
-        Never waits for a down server.
+        """Makes ``version`` what every server up (and every one joining) is sent next, and
+        returns: each server's sender (``train.senders``) sends it once that server's call in
+        flight, if any, has finished, unless a newer version is wanted by then. A server that is
+        down gets the newest version when it rejoins. A failed call is retried by its sender with
+        backoff (a server whose calls keep failing for ``grace_s`` leaves the rotation); a server
+        that refuses the version because it holds a newer one counts as current.
 
         Args:
           version: the weights version (>= each server's current one).
@@ -295,43 +441,206 @@ class ServerPool(Membership):
             against their staleness budget (set when this trainer connects: it drops those).
           base_path: under LoRA, the frozen base that ``checkpoint_path``'s adapters apply to
             (a server loads it only when it does not hold it already); "" = whole params.
+          wait_s: > 0: wait (at most this long) until every server up and not lagging has
+            installed ``version`` or failed to (``wait_installed``): sync mode, and the first
+            push of a run. 0 = return at once.
 
-        Pending acknowledgements do not go first: they ride the next Pull (or ``flush_acks``).
-        The groups of the batches already trained stay outstanding on their server until then,
-        but hold no place in its admission budget: they were leased on Pulls that named a
-        version below the one this push names (``ServerAdmission.in_earlier_batch``). An Ack
-        here would put a round trip and the server's write of it between a step and the
-        install that lets the server admit for the next batches.
+        Each server's share (``rollout_api.admission.fleet_shares`` over the servers up that are
+        not lagging) and its lease (``share_until``) are set when its call is sent. Pending
+        acknowledgements do not go first: they ride the next Pull (or ``flush_acks``).
 
         Raises:
-          grpc.RpcError: a server refused the update (e.g. a version older than its own).
+          grpc.RpcError: an earlier call was refused for a reason other than the version (it is
+            raised here or in the next ``pull``).
           MessageTooLargeError: as in ``pull``.
         """
+        self._raise_background_error()
         with self._lock:
-            # Set first: a server rejoining meanwhile checks it after its own push (``_rejoin``).
-            self._weights = (version, checkpoint_path, base_path)
-            targets = [s for s in self._servers if s.up and not s.draining]
-        shares = self._shares(targets) if targets else {}
-        for server in targets:
-            request = self._update_request(
-                version, checkpoint_path, new_admission_epoch, shares[server.address], base_path
-            )
-            try:
-                server.stub.UpdateWeights(
-                    request, timeout=_UPDATE_WEIGHTS_S, metadata=self._metadata
+            now = self._clock()
+            if self._pushed_at is not None and (self._weights or (0,))[0] < version:
+                gap = now - self._pushed_at
+                self._push_period = (
+                    gap if self._push_period is None else 0.8 * self._push_period + 0.2 * gap
                 )
-            except grpc.RpcError as e:
-                self._raise_unless_transient(server, "UpdateWeights", e)
-                if is_draining(e):  # it stays in the pull rotation until it has nothing left
-                    with self._lock:
-                        self._answered(server)
-                        self._note_draining(server)
+            self._pushed_at = now
+            # Set first: a server rejoining meanwhile is sent the newest (``_rejoin``).
+            self._weights = (version, checkpoint_path, base_path)
+            push = Push(version, checkpoint_path, base_path, new_admission_epoch)
+            for server in self._servers:
+                if (server.up and not server.draining) or server.joining:
+                    self._senders.want(server, push)
+        if wait_s > 0:
+            self.wait_installed(version, wait_s)
+            self._raise_background_error()
+
+    def wait_installed(self, version: int, timeout_s: float) -> bool:
+        """Waits (at most ``timeout_s`` seconds) until every server up, not draining and not
+        lagging has confirmed ``version`` or newer, or its last call failed; returns whether
+        they all confirmed it."""
+
+        def done() -> bool:
+            for s in self._servers:
+                if not s.up or s.draining or s.lagging:
                     continue
-                with self._lock:
-                    self._leave(server, f"UpdateWeights v{version} failed: {e.code().name}")
-                continue
-            with self._lock:
-                self._answered(server)
+                st = self._senders.state(s)
+                if st.installed < version and (st.sending is not None or st.wanted is not None):
+                    if st.sending is not None or st.retry_at <= self._clock():
+                        return False
+            return True
+
+        self._senders.wait_for(done, timeout_s)
+        with self._lock:
+            return all(
+                self._senders.state(s).installed >= version
+                for s in self._servers
+                if s.up and not s.draining and not s.lagging
+            )
+
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Waits (at most ``timeout_s`` seconds) until no sender has a call in flight or one it
+        may send now (tests: what the senders do after a push or a probe is then done)."""
+
+        def idle() -> bool:
+            now = self._clock()
+            for s in self._servers:
+                st = self._senders.state(s)
+                if st.sending is not None:
+                    return False
+                sendable = (s.up and not s.draining) or s.joining
+                if st.wanted is not None and sendable and st.retry_at <= now:
+                    return False
+            return True
+
+        return self._senders.wait_for(idle, timeout_s)
+
+    def installed(self, address: str) -> int:
+        """The newest weights version the server at ``address`` confirmed (-1 = none yet)."""
+        with self._lock:
+            server = next(s for s in self._servers if s.address == address)
+            return self._senders.state(server).installed
+
+    # The senders' side (under the lock).
+
+    def _sender_request(self, server: Member, push: Push) -> rollout_pb2.UpdateWeightsRequest:
+        """``push`` for ``server``, with its share of the fleet now and its lease: up to the
+        version the next pulled groups are trained at plus S (a fenced server's has ended)."""
+        fleet = [
+            s for s in self._servers if ((s.up and not s.draining) or s.joining) and not s.lagging
+        ]
+        share = self._shares(fleet if server in fleet else [*fleet, server])[server.address]
+        if server.lagging:
+            until = max(push.version - 1, 0)
+        elif self._max_staleness is None:
+            until = 0
+        else:
+            until = max(self.next_batch_version(), push.version) + self._max_staleness
+        request = self._update_request(
+            push.version, push.path, push.new_epoch, share, push.base_path
+        )
+        request.share_until = until
+        return request
+
+    def _sent(self, server: Member, push: Push, error: grpc.RpcError | None) -> bool:
+        """A sender's call to ``server`` ended (``error`` None: installed); returns whether to
+        retry it. A joining server joins, and a lagging one is current again, once what it
+        holds is within S of the version the next pulled groups are trained at."""
+        if error is None:
+            self._answered(server)
+            self._unfence_if_current(server)
+            return False
+        if is_draining(error):  # it stays in the pull rotation until it has nothing left
+            self._answered(server)
+            self._note_draining(server)
+            self._senders.state(server).wanted = None
+            return False
+        code, details = error.code(), error.details() or ""
+        if code == grpc.StatusCode.INVALID_ARGUMENT and "older than the current" in details:
+            self._answered(server)  # it holds a newer version: nothing to send it
+            self._senders.confirmed(server, push.version, epoch=push.new_epoch)
+            self._unfence_if_current(server)
+            return False
+        try:
+            self._raise_unless_transient(server, "UpdateWeights", error)
+        except BaseException as fatal:  # refused: surfaces in the loop's next call
+            self._error = fatal
+            if server.joining:
+                server.joining = False
+                self._schedule_probe(server, f"UpdateWeights: {code.name} {details}")
+            return False
+        if server.joining:  # it went again: probed until it answers
+            server.joining = False
+            self._note_failure()
+            self._schedule_probe(server, f"UpdateWeights: {code.name} {details}")
+            return False
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self._fence(server, f"UpdateWeights v{push.version} overdue")
+            return True
+        self._failed(server, f"UpdateWeights v{push.version}: {code.name}", self._clock())
+        return server.up
+
+    def _caught_up(self, server: Member) -> bool:
+        """Whether the weights ``server`` confirmed are within S of the version the next pulled
+        groups are trained at (the newest pushed, without S)."""
+        installed = self._senders.state(server).installed
+        if self._weights is None:
+            return True
+        if self._max_staleness is None:
+            return installed >= self._weights[0]
+        target = max(self.next_batch_version(), self._weights[0])
+        return installed >= target - self._max_staleness
+
+    def _unfence_if_current(self, server: Member) -> None:
+        if not self._caught_up(server):
+            return
+        if server.joining:
+            installed = self._senders.state(server).installed
+            self._join(server, f"at weights version {installed}")
+        elif server.lagging and server.up:
+            server.lagging = False
+            log.info(
+                "rollout server %s is current again (weights version %d); its share returns "
+                "with the next push",
+                server.address,
+                self._senders.state(server).installed,
+            )
+
+    def _fence(self, server: Member, why: str) -> None:
+        """Marks ``server`` lagging: from the next push its share goes to the others and its
+        lease has ended (it admits nothing); it is still pulled, and current again once it
+        confirms weights within S of the trainer (``_unfence_if_current``)."""
+        if server.lagging or not server.up:
+            return
+        server.lagging = True
+        log.warning(
+            "rollout server %s is lagging (%s): its share goes to the others from the next push; "
+            "it is still pulled (%d current)",
+            server.address,
+            why,
+            sum(s.up and not s.lagging for s in self._servers),
+        )
+
+    def _went_down(self, server: Member) -> None:
+        self._senders.reset(server)
+
+    def _removed(self, server: Member) -> None:
+        self._senders.forget(server)
+
+    def maintain(self) -> None:
+        """``Membership.maintain``, then fences the servers whose UpdateWeights is overdue: in
+        flight longer than max(2 s, 2 of its measured install times + 2 push periods)."""
+        super().maintain()
+        now = self._clock()
+        with self._lock:
+            for server in self._servers:
+                st = self._senders.state(server)
+                if not server.up or server.lagging or st.sending is None or st.since is None:
+                    continue
+                bound = max(
+                    _OVERDUE_MIN_S, 2 * (st.install_s or 0.0) + 2 * (self._push_period or 0.0)
+                )
+                if now - st.since > bound:
+                    self._fence(server, f"UpdateWeights v{st.sending.version} overdue")
+        self._senders.wake()
 
     # Health.
 
@@ -340,48 +649,35 @@ class ServerPool(Membership):
         numbers the servers in the order the pool first saw them)."""
         with self._lock:
             out: dict[str, float] = {"servers_up": sum(s.up for s in self._servers)}
+            if any(s.lagging for s in self._servers):
+                out["servers_lagging"] = sum(s.up and s.lagging for s in self._servers)
             out.update({f"pulled_{s.index}": s.pulled for s in self._servers})
             return out
 
     def _rejoin(self, server: Member, version: int) -> None:
-        """Pushes the current weights to ``server`` (a new admission epoch: what it generated
-        before counts no more), then puts it back in the rotation; until the first push it
-        joins as it is."""
-        while True:
-            with self._lock:
-                weights = self._weights
-                if server not in self._servers:
-                    return  # removed from servers_file meanwhile
-                if weights is None:
-                    self._join(server, f"at weights version {version}")
-                    return
+        """``server`` answered a probe at weights ``version``: its sender sends it the newest
+        weights with a new admission epoch (what it generated before counts no more), and it
+        joins once it confirms weights within S of the trainer (``_unfence_if_current``): one
+        load, whatever is pushed meanwhile (the sender sends the newest next). Until the first
+        push it joins as it is."""
+        with self._lock:
+            weights = self._weights
+            if server not in self._servers:
+                return  # removed from servers_file meanwhile
+            if weights is None:
+                self._join(server, f"at weights version {version}")
+                return
             current, path, base_path = weights
             if version > current:
-                with self._lock:
-                    self._schedule_probe(
-                        server,
-                        f"it holds weights version {version}, newer than this trainer's "
-                        f"{current}; it rejoins once the trainer is past it",
-                    )
-                return
-            with self._lock:
-                share = self._shares([*(s for s in self._servers if s.up), server])[server.address]
-            request = self._update_request(current, path, True, share, base_path)
-            try:
-                server.stub.UpdateWeights(
-                    request, timeout=_UPDATE_WEIGHTS_S, metadata=self._metadata
+                self._schedule_probe(
+                    server,
+                    f"it holds weights version {version}, newer than this trainer's "
+                    f"{current}; it rejoins once the trainer is past it",
                 )
-            except grpc.RpcError as e:
-                with self._lock:
-                    self._note_failure()
-                    detail = e.details() or ""
-                    self._schedule_probe(server, f"UpdateWeights: {e.code().name} {detail}")
                 return
-            version = current
-            with self._lock:
-                if self._weights == weights:  # no newer push meanwhile: it is current
-                    self._join(server, f"at weights version {current}")
-                    return
+            server.joining = True
+            self._senders.reset(server)
+            self._senders.want(server, Push(current, path, base_path, new_epoch=True))
 
     def _drained(self, server: Member) -> None:
         """A Pull found a draining ``server`` with nothing left: it leaves at once (no grace, no

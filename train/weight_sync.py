@@ -92,6 +92,7 @@ def push_weights(
     *,
     new_admission_epoch: bool = False,
     base_path: str = "",
+    wait_s: float = 0.0,
 ) -> None:
     """Saves ``params`` as ``<weights_dir>/v<version>`` (``params_io.save_weights``: flat weights
     with one process and a local directory, orbax otherwise) and makes every server load it;
@@ -99,14 +100,22 @@ def push_weights(
     save of an older version left behind when the process died in it (``v<N>.tmp-*``).
 
     Every process calls it (each writes its own shards); only the one with ``pool`` (process 0)
-    calls ``UpdateWeights`` and removes old directories, once the save is finalized. Under LoRA
-    ``params`` are the adapters and ``base_path`` the base they apply to (``save_base``)."""
+    hands the version to the servers' senders (``ServerPool.update_weights``, which returns at
+    once unless ``wait_s`` > 0: then it waits that long at most for the servers' installs) and
+    removes old directories, once the save is finalized. Under LoRA ``params`` are the adapters
+    and ``base_path`` the base they apply to (``save_base``)."""
     path = os.path.abspath(os.path.join(weights_dir, f"v{version}"))
     # Not fsynced (durable=False): a server's restart checks the CRC of what its state names.
     params_io.save_weights(path, params, durable=False)
     if pool is None:
         return
-    pool.update_weights(version, path, new_admission_epoch=new_admission_epoch, base_path=base_path)
+    pool.update_weights(
+        version,
+        path,
+        new_admission_epoch=new_admission_epoch,
+        base_path=base_path,
+        wait_s=wait_s,
+    )
     for old in os.listdir(weights_dir):
         number, _, tmp = old[1:].partition(".tmp-")
         if not (old.startswith("v") and number.isdigit()):

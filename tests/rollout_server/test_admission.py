@@ -41,6 +41,28 @@ def test_the_trainers_lead_shrinks_the_run_ahead_instead_of_making_groups_stale(
     assert adm.trainer_version == 8
 
 
+def test_a_share_holds_until_its_lease_and_a_fenced_server_admits_nothing():
+    """The share is leased in trainer versions: past `share_until` (heard on a Pull) nothing is
+    admitted until a push grants a new lease; a lease that has already ended (a fenced server)
+    admits nothing at all; 0 = no lease."""
+    adm = ServerAdmission(max_staleness=3, batch_groups=B, capacity=64)
+    adm.install(5, 0.5, share_until=7)
+    adm.begin_epoch(5, ())
+    assert adm.budget([]) == 2 * B and not adm.lease_ended
+    adm.saw_trainer(7)
+    assert adm.budget([1]) == 2 * 0.5 * B - 1  # the lead shrinks it; the lease still holds
+    adm.saw_trainer(8)  # past the lease (the lead alone, 3 = S, would still allow 2)
+    assert adm.lease_ended and adm.budget([]) == 0 and not adm.may_admit([])
+    assert adm.budget([1, 2]) == -2
+    adm.install(8, 0.5, share_until=7)  # fenced: weights, but a lease that has ended
+    assert adm.budget([]) == 0
+    adm.install(8, 0.5, share_until=11)
+    assert adm.budget([]) == 2 * B
+    adm.install(9, 0.5)  # an older trainer: no lease
+    adm.saw_trainer(12)
+    assert adm.share_until == 0 and adm.budget([]) == 0.5 * B
+
+
 def test_a_replacement_waits_for_weights_newer_than_those_that_made_its_predecessor_stale():
     """The stale-replacement cycle after a rejoin: a group rejected as stale was replaced at
     once with the weights the server held, which the trainer had already passed, so the

@@ -62,6 +62,7 @@ def test_a_draining_server_is_pulled_empty_then_leaves_at_once_with_one_log_line
                 with caplog.at_level(logging.INFO, logger="train"):
                     # The push tells the pool: a gets no more weights, and b's share is 1.
                     p.update_weights(2, "/w/v2")
+                    p.settle()
                     assert p.metrics()["servers_up"] == 2  # still pulled: it has a group left
                     p.pull(2, timeout_s=0.0)  # from b
                     [last] = p.pull(2, timeout_s=0.0)  # a's last group
@@ -69,9 +70,11 @@ def test_a_draining_server_is_pulled_empty_then_leaves_at_once_with_one_log_line
                     p.pull(2, timeout_s=0.0)  # from b
                     groups = p.pull(2, timeout_s=0.0)  # a has nothing left: straight on to b
                     p.update_weights(3, "/w/v3")
+                    p.settle()
                     for _ in range(3):  # probes of a, due at once on the fake clock
                         clock.advance(3600)
                         p.maintain()
+                        p.settle()
                 assert last.group_id == 2 and len(groups) == 2
                 assert all(g.key.startswith("/") for g in groups)  # b's (no server id here)
                 assert p.metrics()["servers_up"] == 1
@@ -96,12 +99,14 @@ def test_a_drained_server_restarted_rejoins_at_the_current_weights(caplog):
             with pool([addr_a, addr_b], clock=clock, sleep=clock.sleep) as p:
                 a.draining = True
                 p.update_weights(3, "/w/v3")
+                p.settle()
                 p.pull(1, timeout_s=0.0)  # a: nothing left, so it leaves; b's group
                 assert p.metrics()["servers_up"] == 1 and [u[0] for u in b.updates] == [3]
                 a.draining = False  # restarted on its state_dir
                 clock.advance(3600)
                 with caplog.at_level(logging.INFO, logger="train"):
                     p.maintain()
+                    p.settle()
                 assert p.metrics()["servers_up"] == 2
                 assert a.updates == [(3, "/w/v3", True)]  # the current weights, a new epoch
                 assert f"rollout server {addr_a} joined" in caplog.text

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 
 import grpc
 import pytest
 
 from rollout_api.proto import rollout_pb2
-from tests.clock import FakeClock
+from tests.clock import FakeClock, wait_until
 from train.membership import ServersDownError
 from train.remote import ServerPool
 
@@ -128,18 +129,29 @@ def test_a_failing_server_leaves_after_the_grace_and_the_run_goes_on(fleet, capl
     assert sum("is down" in r.getMessage() for r in caplog.records) == 1  # not one per retry
 
 
-def test_pushes_skip_a_down_server_and_a_failed_push_leaves_at_once(fleet):
+def test_pushes_skip_a_down_server_and_a_failing_one_is_retried_by_its_sender_alone(fleet):
+    """Each server has its own sender: one whose UpdateWeights fails holds up neither the others'
+    installs nor the caller (no sleep, no retry on the caller's thread); its sender retries with
+    backoff and the server leaves once its calls have failed for the grace."""
     make, stubs, clock = fleet
     with make(["a:1", "b:1", "c:1"]) as pool:
         pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
         assert [r.admission_share for r in stubs["b:1"].rpcs("UpdateWeights")] == [
             pytest.approx(1 / 3)
         ]
         stubs["a:1"].down = True
-        pool.update_weights(2, "/w/v2")  # a misses v2: it leaves, without a retry or a wait
+        pool.update_weights(2, "/w/v2")  # a fails v2; b and c install it
+        pool.settle()
+        assert stubs["b:1"].version == stubs["c:1"].version == 2 and clock.sleeps == []
+        assert pool.metrics()["servers_up"] == 3  # within the grace
+        clock.advance(GRACE)
+        pool.maintain()  # a's backoff has passed: its sender retries, past the grace: it leaves
+        pool.settle()
         assert pool.metrics()["servers_up"] == 2 and clock.sleeps == []
         pool.update_weights(3, "/w/v3")
-        assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [1, 2]
+        pool.settle()
+        assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [1, 2, 2]
         # The two left share the fleet's budget.
         assert [r.admission_share for r in stubs["c:1"].rpcs("UpdateWeights")] == pytest.approx(
             [1 / 3, 1 / 3, 1 / 2]
@@ -154,19 +166,26 @@ def test_shares_follow_the_capacities_the_pull_replies_report(fleet):
     make, stubs, clock = fleet
     with make(["a:1", "b:1", "c:1"], batch_groups=8, max_staleness=2) as pool:
         pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
         stubs["a:1"].capacity, stubs["b:1"].capacity = 500.0, 1000.0
         for _ in range(3):
             pool.pull(1, 1.0)  # one Pull each (plain rotation: no trainer version)
         pool.update_weights(2, "/w/v2")
+        pool.settle()
         shares = [stubs[n].rpcs("UpdateWeights")[-1].admission_share for n in ("a:1", "b:1", "c:1")]
         # Rates 500, 1000 and c's unknown = their mean, 750: 24 seats as 5.3, 10.7, 8 -> 5, 11, 8.
         assert shares == pytest.approx([5 / 24, 11 / 24, 8 / 24])
         stubs["b:1"].down = True
+        pool.update_weights(3, "/w/v3")  # b fails the push ...
+        pool.settle()
         clock.advance(GRACE)
-        pool.update_weights(3, "/w/v3")  # b fails the push: it leaves
+        pool.maintain()  # ... and its sender's retry past the grace: it leaves
+        pool.settle()
+        assert pool.metrics()["servers_up"] == 2
         stubs["b:1"].down, stubs["b:1"].server_id = False, "b:1-2"  # back as another server
         clock.advance(RETRY_MAX)
         pool.maintain()
+        pool.settle()
         push = stubs["b:1"].rpcs("UpdateWeights")[-1]  # the rejoin's (the failed one before)
         assert push.version == 3 and push.new_admission_epoch
         # b measured again (the mean of a's 500 and c's unknown: 500): equal with a; c the same.
@@ -178,18 +197,22 @@ def test_a_down_server_is_probed_with_backoff_and_rejoins_with_the_current_weigh
     a, b = "a:1", "b:1"
     with make([a, b], grace_s=0.0) as pool, caplog.at_level(logging.INFO, logger="train"):
         pool.update_weights(4, "/w/v4", new_admission_epoch=True)
+        pool.settle()
         stubs[a].down = True
         pool.pull(1, 1.0)  # a fails (no grace): it leaves
         for _ in range(40):
             clock.advance(0.25)
             pool.maintain()
+            pool.settle()
         probes = [t for rpc, _, t in stubs[a].calls if rpc == "Health"]
         gaps = [round(y - x, 2) for x, y in itertools.pairwise(probes)]
         assert gaps[:4] == [0.5, 1.0, 2.0, 4.0] and max(gaps) == RETRY_MAX  # doubling, capped
         pool.update_weights(5, "/w/v5")  # while a is down: only b
+        pool.settle()
         stubs[a].down = False
         clock.advance(RETRY_MAX)
         pool.maintain()  # a answers: first the current weights, with a new admission epoch
+        pool.settle()
         [push] = [r for r in stubs[a].rpcs("UpdateWeights") if r.version == 5]
         assert push.checkpoint_path == "/w/v5" and push.new_admission_epoch
         assert push.admission_share == pytest.approx(0.5)
@@ -220,10 +243,15 @@ def test_a_server_answering_again_in_time_stays_without_a_log_line(fleet, caplog
     make, stubs, clock = fleet
     with make(["a:1"]) as pool, caplog.at_level(logging.INFO, logger="train"):
         stubs["a:1"].down = True
-        pool.update_weights(1, "/w/v1")  # a push fails: a leaves at once, probed ...
+        pool.update_weights(1, "/w/v1")  # a push fails: a stays, within the grace ...
+        pool.settle()
         stubs["a:1"].down = False
-        assert len(pool.pull(1, 1.0)) == 1  # ... and back with v1 before the pull
-        assert stubs["a:1"].version == 1
+        assert len(pool.pull(1, 1.0)) == 1  # ... answers the pull ...
+        clock.advance(RETRY_MAX)
+        pool.maintain()
+        pool.settle()  # ... and its sender's retry brings it v1
+        assert stubs["a:1"].version == 1 and pool.metrics()["servers_up"] == 1
+    assert not [r for r in caplog.records if "left the rotation" in r.getMessage()]
 
 
 def test_acknowledgements_wait_for_their_server_and_not_for_another(fleet):
@@ -231,6 +259,7 @@ def test_acknowledgements_wait_for_their_server_and_not_for_another(fleet):
     a, b = "a:1", "b:1"
     with make([a, b], grace_s=0.0) as pool:
         pool.update_weights(1, "/w/v1")
+        pool.settle()
         from_a = pool.pull(2, 1.0)
         from_b = pool.pull(2, 1.0)
         stubs[a].down = True
@@ -241,6 +270,7 @@ def test_acknowledgements_wait_for_their_server_and_not_for_another(fleet):
         stubs[a].down = False
         clock.advance(1)
         pool.maintain()
+        pool.settle()
         pool.pull(1, 1.0)
         pool.pull(1, 1.0)
         assert [list(r.ack_group_ids) for r in stubs[a].rpcs("Pull")][-1] == [0, 1]
@@ -252,6 +282,7 @@ def test_acknowledgements_wait_for_their_server_and_not_for_another(fleet):
         stubs[a].down, stubs[a].server_id = False, "a:1-2"
         clock.advance(1)
         pool.maintain()
+        pool.settle()
         pool.pull(1, 1.0)
         pool.pull(1, 1.0)
         assert stubs[a].calls[-1][0] == "Pull" and not stubs[a].rpcs("Pull")[-1].ack_group_ids
@@ -264,15 +295,18 @@ def test_servers_file_entries_join_and_leave(fleet, tmp_path, caplog):
     with make([], servers_file=str(listing)) as pool, caplog.at_level(logging.INFO, "train"):
         assert pool.versions() == [0]  # b probed at once: it joins
         pool.update_weights(3, "/w/v3", new_admission_epoch=True)
+        pool.settle()
         listing.write_text("b:1\n# a comment\nc:1\n")
         clock.advance(3)
         pool.maintain()  # c listed and probed: the current weights, then it joins
+        pool.settle()
         assert stubs["c:1"].rpcs("UpdateWeights")[0].version == 3
         assert pool.metrics()["servers_up"] == 2
         assert {g.server_id for g in pool.pull(1, 1.0) + pool.pull(1, 1.0)} == {"b:1-1", "c:1-1"}
         listing.write_text("c:1\n")
         clock.advance(3)
         pool.maintain()
+        pool.settle()
         assert pool.addresses == ("c:1",) and pool.metrics()["servers_up"] == 1
     text = caplog.text
     assert "b:1 left the rotation: removed from" in text and "c:1 joined" in text
@@ -282,16 +316,20 @@ def test_a_server_ahead_of_the_trainer_stays_out_until_the_trainer_passes_it(fle
     make, stubs, clock = fleet
     with make(["a:1", "b:1"], grace_s=0.0) as pool:
         pool.update_weights(3, "/w/v3")
+        pool.settle()
         stubs["a:1"].down = True
         pool.pull(1, 1.0)
         stubs["a:1"].down, stubs["a:1"].version = False, 9  # another trainer's weights
         clock.advance(1)
         pool.maintain()
+        pool.settle()
         assert pool.metrics()["servers_up"] == 1
         assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [3]
         pool.update_weights(10, "/w/v10")
+        pool.settle()
         clock.advance(RETRY_MAX)
         pool.maintain()
+        pool.settle()
         assert pool.metrics()["servers_up"] == 2 and stubs["a:1"].version == 10
 
 
@@ -305,9 +343,11 @@ def test_a_push_sends_no_ack_first_each_servers_next_pull_carries_them(fleet):
     a, b = "a:1", "b:1"
     with make([a, b]) as pool:
         pool.update_weights(1, "/w/v1")
+        pool.settle()
         trained = pool.pull(2, 1.0) + pool.pull(2, 1.0)
         pool.ack(trained)
         pool.update_weights(2, "/w/v2")
+        pool.settle()
         for address in (a, b):
             names = [name for name, _, _ in stubs[address].calls]
             assert names[-1] == "UpdateWeights" and "Ack" not in names, names
@@ -327,6 +367,7 @@ def test_a_rejected_group_gives_its_place_in_the_batch_back_to_its_server(fleet)
     make, stubs, clock = fleet
     with make(["a:1", "b:1"], batch_groups=2, max_staleness=1) as pool:
         pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
         first = pool.pull(1, 1.0, trainer_version=5) + pool.pull(1, 1.0, trainer_version=5)
         assert sorted(g.prompt_id[0] for g in first) == ["a", "b"]  # one each: its share
         stale = next(g for g in first if g.prompt_id.startswith("b"))
@@ -352,6 +393,7 @@ def test_a_push_names_the_version_the_next_pulled_groups_are_trained_at(fleet):
     with make(["a:1"], batch_groups=2, max_staleness=1) as pool:
         assert pool.next_batch_version() == 0
         pool.update_weights(3, "/w/v3", new_admission_epoch=True)
+        pool.settle()
         assert stubs["a:1"].rpcs("UpdateWeights")[-1].trainer_version == 3
         got = pool.pull(1, 1.0, trainer_version=4)
         assert pool.next_batch_version() == 4  # batch 4 still needs a group
@@ -361,6 +403,7 @@ def test_a_push_names_the_version_the_next_pulled_groups_are_trained_at(fleet):
         assert pool.next_batch_version() == 4  # a rejected group: batch 4 needs one again
         pool.pull(1, 1.0, trainer_version=4)
         pool.update_weights(4, "/w/v4")
+        pool.settle()
         assert stubs["a:1"].rpcs("UpdateWeights")[-1].trainer_version == 5
 
 
@@ -370,8 +413,157 @@ def test_an_empty_pull_reply_for_the_batch_being_pulled_is_no_error(fleet):
     make, stubs, _ = fleet
     with make(["a:1"], batch_groups=2, max_staleness=1) as pool:
         pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
         assert len(pool.pull(1, 1.0, trainer_version=2)) == 1
         assert pool.pull(0, 1.0, trainer_version=2) == []
         assert pool.next_batch_version() == 2
         assert pool.pull(1, 1.0, trainer_version=2)[0].server_id == "a:1-1"
         assert pool.next_batch_version() == 3
+
+
+class Blocked(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "deadline exceeded"
+
+
+def hold_updates(stub: FakeStub, *, fail: bool = True) -> threading.Event:
+    """Makes ``stub``'s UpdateWeights hang until the returned event is set; then it fails as a
+    call past its deadline would (``fail``) or installs."""
+    release = threading.Event()
+    plain = stub.UpdateWeights
+
+    def update(request, timeout, metadata):
+        stub._call("UpdateWeights", request)
+        release.wait(30)
+        if fail:
+            raise Blocked()
+        stub.version = request.version
+        return rollout_pb2.UpdateWeightsResponse(version=request.version)
+
+    stub.UpdateWeights = update
+    stub.plain_update = plain
+    return release
+
+
+def test_a_server_whose_update_never_returns_delays_no_other_install_nor_the_next_push(fleet):
+    """One sender per server, newest version wins: a push returns at once; a server stuck in its
+    load delays neither the other's installs nor the caller's next push; once its call ends it
+    gets the newest version, skipping those pushed meanwhile."""
+    make, stubs, clock = fleet
+    with make(["a:1", "b:1"], batch_groups=4, max_staleness=2) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
+        release = hold_updates(stubs["a:1"], fail=False)
+        for version in range(2, 6):
+            pool.update_weights(version, f"/w/v{version}")  # returns while a's load hangs
+            assert wait_until(lambda v=version: stubs["b:1"].version == v)
+        assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [1, 2]
+        stubs["a:1"].UpdateWeights = stubs["a:1"].plain_update
+        release.set()  # its load of v2 ends
+        pool.settle()
+        # v3 and v4 skipped: the newest, with the lease of a server that keeps up.
+        assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [1, 2, 5]
+        assert stubs["a:1"].rpcs("UpdateWeights")[-1].share_until == 5 + 2
+        assert clock.sleeps == []
+
+
+def test_an_overdue_server_is_fenced_then_current_again(fleet, caplog):
+    """A server whose UpdateWeights is overdue is lagging: its share goes to the others at the
+    next push, its own lease has ended (it admits nothing), it is still pulled; once it installs
+    weights within S of the trainer it is current again and its share comes back."""
+    make, stubs, clock = fleet
+    a, b = "a:1", "b:1"
+    with make([a, b], batch_groups=4, max_staleness=1) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
+        release = hold_updates(stubs[b])
+        pool.update_weights(2, "/w/v2")
+        assert wait_until(lambda: len(stubs[b].rpcs("UpdateWeights")) == 2)
+        pool.settle(timeout_s=0.5)  # b's call hangs: settle gives up
+        with caplog.at_level(logging.WARNING, logger="train"):
+            clock.advance(60)
+            pool.maintain()  # b's call is overdue: fenced
+        assert pool.metrics()["servers_lagging"] == 1 and "is lagging" in caplog.text
+        pool.update_weights(3, "/w/v3")
+        pool.settle(timeout_s=0.5)
+        assert stubs[a].rpcs("UpdateWeights")[-1].admission_share == pytest.approx(1.0)
+        # Still pulled (in the background: a deaf server holds no Pull of the loop's).
+        got = []
+        for _ in range(20):
+            got += pool.pull(1, 1.0, trainer_version=3)
+            if any(g.server_id == "b:1-1" for g in got):
+                break
+            wait_until(lambda: not pool._servers[1].pulling)
+        assert any(g.server_id == "b:1-1" for g in got)
+        # b's load ends (past its deadline): its sender sends the newest, with an ended lease.
+        stubs[b].UpdateWeights = stubs[b].plain_update
+        release.set()
+        pool.settle()  # its call ends (failed past its deadline): a retry after a backoff
+        clock.advance(RETRY_MAX)
+        pool.maintain()
+        pool.settle()
+        fenced = stubs[b].rpcs("UpdateWeights")[-1]
+        assert fenced.version == 3 and 0 < fenced.share_until < fenced.trainer_version
+        # It holds v3, within S = 1 of the trainer: current again; the next push shares.
+        assert "servers_lagging" not in pool.metrics()
+        pool.update_weights(4, "/w/v4")
+        pool.settle()
+        back = stubs[b].rpcs("UpdateWeights")[-1]
+        assert back.admission_share == pytest.approx(0.5) and back.share_until >= 4 + 1
+
+
+def test_a_rejoining_server_joins_after_at_most_two_loads_while_pushes_go_on(fleet):
+    """A rejoining server joins once the weights it installed are within S of the trainer: its
+    sender sends the newest next, so a load that took several pushes is followed by one more, not
+    one per push (before: a load per push, and it joined only once pushing stopped)."""
+    make, stubs, clock = fleet
+    a, b = "a:1", "b:1"
+    with make([a, b], batch_groups=4, max_staleness=1, grace_s=0.0) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
+        stubs[a].down = True
+        pool.pull(1, 1.0)  # a fails (no grace): it leaves
+        stubs[a].down = False
+        loading = threading.Event()
+        finish = threading.Event()
+        plain = stubs[a].UpdateWeights
+
+        def slow(request, timeout, metadata):  # a load that lasts several pushes
+            loading.set()
+            finish.wait(30)
+            return plain(request, timeout, metadata)
+
+        stubs[a].UpdateWeights = slow
+        clock.advance(RETRY_MAX)
+        pool.maintain()  # a answers a probe: its sender starts the rejoin's load
+        assert loading.wait(30)
+        for version in range(2, 8):  # pushes go on meanwhile
+            pool.update_weights(version, f"/w/v{version}")
+            pool.pull(1, 1.0, trainer_version=version + 1)
+        stubs[a].UpdateWeights = plain
+        finish.set()
+        pool.settle()
+        loads = stubs[a].rpcs("UpdateWeights")
+        assert [r.version for r in loads] == [1, 1, 7] and loads[1].new_admission_epoch
+        assert loads[2].new_admission_epoch is False
+        assert pool.metrics()["servers_up"] == 2
+
+
+def test_the_server_refusing_an_epoch_it_was_owed_gets_it_with_the_newer_push(fleet):
+    """A new admission epoch stays owed until an install confirms it: a push that fails carries
+    it on to the next one sent."""
+    make, stubs, clock = fleet
+    with make(["a:1"]) as pool:
+        stubs["a:1"].down = True
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
+        pool.update_weights(2, "/w/v2")
+        stubs["a:1"].down = False
+        clock.advance(RETRY_MAX)
+        pool.maintain()
+        pool.settle()
+        sent = stubs["a:1"].rpcs("UpdateWeights")
+        assert [(r.version, r.new_admission_epoch) for r in sent] == [(1, True), (2, True)]

@@ -50,8 +50,13 @@ class FakeRollout(rollout_pb2_grpc.RolloutServicer):
         return rollout_pb2.PullResponse(groups=groups)
 
     def UpdateWeights(self, request, context):
-        if request.version < self.version:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "older version")
+        if request.version < self.version:  # the real server's refusal
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"version {request.version} is older than the current version {self.version}",
+            )
+        if "outside" in request.checkpoint_path:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "not under the checkpoint root")
         self.version = request.version
         self.updates.append((request.version, request.checkpoint_path, request.new_admission_epoch))
         return rollout_pb2.UpdateWeightsResponse(version=request.version)
@@ -109,10 +114,12 @@ def test_pull_decodes_and_validates_against_the_limits(fake):
 
 
 def test_update_weights_reaches_every_server_and_refusals_raise(fake):
+    """Every server gets each push; one refused because the server holds a newer version counts
+    as current; any other refusal is raised in the caller's next call."""
     servicer, address = fake
     with pool([address, address]) as p:
-        p.update_weights(3, "/ckpt/v3", new_admission_epoch=True)
-        p.update_weights(4, "/ckpt/v4")
+        p.update_weights(3, "/ckpt/v3", new_admission_epoch=True, wait_s=30)
+        p.update_weights(4, "/ckpt/v4", wait_s=30)
         assert servicer.updates == [
             (3, "/ckpt/v3", True),
             (3, "/ckpt/v3", True),
@@ -120,9 +127,14 @@ def test_update_weights_reaches_every_server_and_refusals_raise(fake):
             (4, "/ckpt/v4", False),
         ]
         assert p.versions() == [4, 4]
+        p.update_weights(2, "/ckpt/v2", wait_s=30)  # older than the servers': counted current
+        assert p.installed(address) == 4 and p.versions() == [4, 4]
+        p.update_weights(5, "/ckpt/outside/v5")
+        p.settle()
         with pytest.raises(grpc.RpcError) as info:
-            p.update_weights(2, "/ckpt/v2")
+            p.pull(1, timeout_s=0.0)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "checkpoint root" in info.value.details()
 
 
 def test_gives_up_when_every_server_stays_down():

@@ -86,7 +86,9 @@ class FakePool:
     def __init__(self):
         self.updates: list[tuple[int, str, bool]] = []
 
-    def update_weights(self, version, checkpoint_path, *, new_admission_epoch=False, base_path=""):
+    def update_weights(
+        self, version, checkpoint_path, *, new_admission_epoch=False, base_path="", wait_s=0.0
+    ):
         assert os.path.isdir(checkpoint_path), "UpdateWeights before the save finished"
         self.updates.append((version, checkpoint_path, new_admission_epoch))
 
