@@ -178,10 +178,11 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
 
     def kill_all():
         seen["pulled_c"] = pool_ref[0].metrics()["pulled_1"]
+        # Before the kills: a push's sender may see the first of them fail at once.
+        seen["killed"] = clock()
         for s in (a, c):
             s.proc.kill()
             s.proc.wait()
-        seen["killed"] = clock()
         clock.skip = True
 
     hooks = {2: add_c, 4: wait_for_c, 7: kill_all}
