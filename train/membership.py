@@ -71,7 +71,8 @@ class Member:
     joining: bool = False  # answered a probe: its sender brings it up to date, then it joins
     lagging: bool = False  # its calls are overdue (deaf): fenced, no share, still pulled
     pull_overhead_s: float | None = None  # a Pull's time beyond its wait (an average)
-    pulling: bool = False  # a background Pull (of a lagging server) is in flight
+    pulling: bool = False  # a launched Pull is in flight (``ServerPool._launch_pull``)
+    pull_result: str = ""  # how the last launched Pull ended: "ok", "failed" or "deaf"
     server_id: str = ""
     pulled: int = 0
     rate: float = 0.0  # its capacity, as its last Pull reply said (0 = not known)

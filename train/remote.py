@@ -53,6 +53,7 @@ _PULL_SLACK_MIN_S = 2.0
 _UPDATE_WEIGHTS_S = 120.0
 # An UpdateWeights in flight longer than max(this, 2 install times + 2 push periods) is overdue.
 _OVERDUE_MIN_S = 2.0
+_REPLAN_S = 0.1  # a pull waiting on its servers' Pulls re-plans this often (the fallback)
 _ACK_S = 10.0
 _FALLBACK_MIN_S = 1.0  # the least a batch waits for the servers' quotas (FleetQuota.fallback_s)
 
@@ -129,6 +130,7 @@ class ServerPool(Membership):
         self._pushed_at: float | None = None
         self._push_period: float | None = None  # between pushes (an exponential average)
         self._carried: list[Group | InvalidGroup] = []  # pulled in the background, not handed out
+        self._replied = threading.Condition(self._lock)  # a launched Pull ended
         self._senders = Senders(
             self._lock,
             request=self._sender_request,
@@ -186,6 +188,8 @@ class ServerPool(Membership):
           MessageTooLargeError: the request or the reply is over ``max_message_bytes``.
           grpc.RpcError: a non-transient error (the server refused the request).
         """
+        if self._quota is not None and trainer_version > 0:
+            return self._pull_concurrently(max_groups, timeout_s, limits, trainer_version)
         backoff = self._first_backoff()
         failed: set[int] = set()
         while True:
@@ -321,50 +325,159 @@ class ServerPool(Membership):
     def _pull_in_background(
         self, server: Member, max_groups: int, limits: GroupLimits | None, trainer_version: int
     ) -> None:
-        """One Pull of a lagging ``server`` on a thread of its own (without waiting for groups):
-        what it finished is trained, and a deaf one holds no Pull of the loop's. Its groups wait
-        in ``_carried`` for the next ``pull``."""
+        """One Pull of a lagging ``server`` that does not wait for groups (``_launch_pull``):
+        what it finished is trained, and a deaf one holds no Pull of the loop's."""
+        self._launch_pull(server, max_groups, 0.0, limits, trainer_version)
+
+    def _launch_pull(
+        self,
+        server: Member,
+        max_groups: int,
+        wait: float,
+        limits: GroupLimits | None,
+        trainer_version: int,
+    ) -> bool:
+        """Starts one Pull of ``server`` on a thread of its own, unless one is in flight
+        (returns whether it started). Its groups go to ``_carried`` for the next ``pull``;
+        its outcome to ``server.pull_result`` ("ok", "failed" or "deaf"), and the pool's
+        condition is notified either way."""
         with self._lock:
             if server.pulling:
-                return
-            server.pulling = True
+                return False
+            server.pulling, server.pull_result = True, ""
             acks = self._pending(server, server.acks)
             rejects = self._pending(server, server.rejects)
-        request = self._pull_request(max_groups, 0.0, acks, rejects, trainer_version)
+        request = self._pull_request(max_groups, wait, acks, rejects, trainer_version)
 
         def run() -> None:
-            started = self._clock()
+            result = "failed"
             try:
-                response = server.stub.Pull(
-                    request, timeout=self._pull_slack(server), metadata=self._metadata
-                )
-            except grpc.RpcError as e:
-                with self._lock:
-                    server.pulling = False
-                if is_draining(e) or e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    return  # still deaf, or draining: the loop's own Pulls deal with that
-                try:
-                    self._raise_unless_transient(server, "Pull", e)
-                except BaseException as fatal:
-                    self._error = fatal
-                    return
-                self._failed(server, f"Pull: {e.code().name}", started)
-                return
-            try:
-                pulled = decode_pulled(response.groups, limits)
-            except BaseException as fatal:
-                with self._lock:
-                    server.pulling = False
+                result = self._pull_once(server, request, acks, rejects, limits, trainer_version)
+            except BaseException as fatal:  # refused, or too large: raised in the loop
                 self._error = fatal
-                return
-            with self._lock:
-                server.pulling = False
-                self._delivered(server, acks, rejects, pulled, trainer_version, response)
-                self._measured_pull(server, self._clock() - started, 0.0, True)
-                self._carried.extend(pulled)
-                self._unfence_if_current(server)
+            finally:
+                with self._replied:
+                    server.pulling, server.pull_result = False, result
+                    self._replied.notify_all()
 
-        threading.Thread(target=run, name="lagging-pull", daemon=True).start()
+        threading.Thread(target=run, name="pull", daemon=True).start()
+        return True
+
+    def _pull_once(
+        self,
+        server: Member,
+        request: rollout_pb2.PullRequest,
+        acks: list[tuple[str, int]],
+        rejects: list[tuple[str, int]],
+        limits: GroupLimits | None,
+        trainer_version: int,
+    ) -> str:
+        """One Pull (on a launched thread): its groups into ``_carried``; "ok", "failed" (it
+        counts toward the server's failure streak) or "deaf" (past its deadline: fenced)."""
+        started = self._clock()
+        try:
+            response = server.stub.Pull(
+                request,
+                timeout=request.timeout_s + self._pull_slack(server),
+                metadata=self._metadata,
+            )
+        except grpc.RpcError as e:
+            self._raise_unless_transient(server, "Pull", e)
+            if is_draining(e):
+                with self._lock:
+                    self._sent_with_pull(server, acks, rejects)
+                self._drained(server)
+                return "ok"
+            if self._deaf(server, e):
+                return "deaf"
+            self._failed(server, f"Pull: {e.code().name}", started)
+            return "failed"
+        pulled = decode_pulled(response.groups, limits)
+        with self._lock:
+            self._delivered(server, acks, rejects, pulled, trainer_version, response)
+            self._measured_pull(server, self._clock() - started, request.timeout_s, bool(pulled))
+            self._carried.extend(pulled)
+            if server.lagging:
+                self._unfence_if_current(server)
+        return "ok"
+
+    def _pull_concurrently(
+        self,
+        max_groups: int,
+        timeout_s: float,
+        limits: GroupLimits | None,
+        trainer_version: int,
+    ) -> list[Group | InvalidGroup]:
+        """``pull`` with quotas: one Pull in flight per server at most, all at once, each for
+        that server's quota of the batch (``FleetQuota.order``; after the fallback, any
+        number); the groups of whichever replies first. A lagging server's Pull does not wait
+        for groups. Groups beyond ``max_groups`` wait in ``_carried`` for the next call (still
+        leased: nothing is lost). Returns [] once every Pull this call started has answered
+        empty (each waited ``timeout_s`` at its server)."""
+        backoff = self._first_backoff()
+        launched: list[Member] = []
+        while True:
+            self._raise_background_error()
+            if self._thread is None:
+                self.maintain()
+            with self._lock:
+                if self._carried:
+                    out, self._carried = self._carried[:max_groups], self._carried[max_groups:]
+                    return out
+                up = [s for s in self._servers if s.up]
+                current = [s for s in up if not s.lagging] or up
+                plan = self._plan(current, trainer_version) if current else []
+            if not up:
+                self._wait_for_a_server()
+                continue
+            for server, limit in plan:
+                n = max_groups if limit is None else min(max_groups, limit)
+                if n > 0 and self._launch_pull(server, n, timeout_s, limits, trainer_version):
+                    launched.append(server)
+            for server in up:
+                if server.lagging and server not in current:
+                    self._launch_pull(server, max_groups, 0.0, limits, trainer_version)
+            with self._replied:
+                # Wake on a reply; re-plan now and then (the fallback opens with time).
+                self._replied.wait_for(
+                    lambda asked=launched: (
+                        self._carried
+                        or self._error is not None
+                        or not any(s.pulling for s in asked)
+                    ),
+                    timeout=_REPLAN_S,
+                )
+                if self._carried or self._error is not None:
+                    continue
+                if not launched and not any(s.pulling for s in current):
+                    return []  # nothing to ask for (max_groups 0)
+                if not launched or any(s.pulling for s in launched):
+                    continue
+                results = {s.pull_result for s in launched}
+            if results <= {"failed"}:  # every server asked failed: wait a little
+                self._check_servers_down()
+                self._sleep(backoff)
+                backoff = min(2 * backoff, self._retry_max_s)
+                launched = []
+                continue
+            return []
+
+    def _plan(self, current: list[Member], trainer_version: int) -> list[tuple[Member, int | None]]:
+        """The servers to pull now, each with the most groups to take (None = no limit but the
+        batch's): ``FleetQuota.order`` over ``current``, those with a Pull in flight left out."""
+        if trainer_version > self._trainer_version:
+            self._trainer_version, self._kept = trainer_version, 0
+        now = self._clock()
+        self._quota.start(trainer_version, self._shares(current), now)
+        by_address = {s.address: s for s in current}
+        plan: dict[str, int | None] = {}
+        for address, limit in self._quota.order(list(by_address), now):
+            if address in plan:
+                if limit is None:
+                    plan[address] = None
+                continue
+            plan[address] = limit
+        return [(by_address[a], n) for a, n in plan.items() if not by_address[a].pulling]
 
     def ack(self, groups: Sequence[Group | InvalidGroup], *, rejected: bool = False) -> None:
         """Acknowledges pulled ``groups`` (sent with the next Pull to their server, or by

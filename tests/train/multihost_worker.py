@@ -104,7 +104,13 @@ class FakePool:
         return [7]
 
     def update_weights(
-        self, version: int, path: str, *, new_admission_epoch: bool = False, base_path: str = ""
+        self,
+        version: int,
+        path: str,
+        *,
+        new_admission_epoch: bool = False,
+        base_path: str = "",
+        wait_s: float = 0.0,
     ):
         self.pushes.append((version, path, new_admission_epoch))
 

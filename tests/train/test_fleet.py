@@ -567,3 +567,50 @@ def test_the_server_refusing_an_epoch_it_was_owed_gets_it_with_the_newer_push(fl
         pool.settle()
         sent = stubs["a:1"].rpcs("UpdateWeights")
         assert [(r.version, r.new_admission_epoch) for r in sent] == [(1, True), (2, True)]
+
+
+def test_pulls_go_to_every_server_at_once_and_a_deaf_one_holds_no_batch(fleet, caplog):
+    """With quotas, each server has one Pull in flight at most, all at once: a batch is made of
+    whichever replies come; a server whose Pull hangs (paused, deaf) holds nothing up, and one
+    past its deadline is fenced (lagging), not failed; groups beyond the batch wait for the next
+    one, still leased."""
+    make, stubs, clock = fleet
+    a, b = "a:1", "b:1"
+    with make([a, b], batch_groups=4, max_staleness=1) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
+        first = pool.pull(4, 1.0, trainer_version=2)
+        first += pool.pull(4 - len(first), 1.0, trainer_version=2)
+        assert sorted(g.server_id for g in first) == ["a:1-1"] * 2 + ["b:1-1"] * 2  # shares
+        release = threading.Event()
+        plain = stubs[b].Pull
+
+        def deaf(request, timeout, metadata):
+            stubs[b]._call("Pull", request)
+            release.wait(30)
+            raise Blocked()
+
+        stubs[b].Pull = deaf
+        got: list = []
+        for _ in range(50):  # b's quota waits for the fallback, then a fills the batch
+            got += pool.pull(4 - len(got), 1.0, trainer_version=3)
+            if len(got) >= 4:
+                break
+            clock.advance(1.0)
+        assert [g.server_id for g in got] == ["a:1-1"] * 4
+        assert len(stubs[b].rpcs("Pull")) == 2  # one Pull in flight: not one per call
+        with caplog.at_level(logging.WARNING, logger="train"):
+            release.set()  # b's Pull ends past its deadline: fenced, no failure streak
+            wait_until(lambda: pool.metrics().get("servers_lagging") == 1)
+        assert "is lagging" in caplog.text and "is down" not in caplog.text
+        assert pool.metrics()["servers_up"] == 2
+        stubs[b].Pull = plain
+        pool.update_weights(2, "/w/v2")
+        pool.settle()
+        assert stubs[a].rpcs("UpdateWeights")[-1].admission_share == pytest.approx(1.0)
+        later = []
+        for _ in range(50):  # still pulled, in the background: what it finished is trained
+            later += pool.pull(4, 1.0, trainer_version=4)
+            if any(g.server_id == "b:1-1" for g in later):
+                break
+        assert any(g.server_id == "b:1-1" for g in later)

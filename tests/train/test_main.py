@@ -418,7 +418,13 @@ class FakePool:
         return {"servers_up": 1}
 
     def update_weights(
-        self, version: int, path: str, *, new_admission_epoch: bool = False, base_path: str = ""
+        self,
+        version: int,
+        path: str,
+        *,
+        new_admission_epoch: bool = False,
+        base_path: str = "",
+        wait_s: float = 0.0,
     ):
         if self.gate is not None:
             assert self.gate.wait(120), "the push was never released (by the step, or the wait)"
