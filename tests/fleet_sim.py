@@ -401,8 +401,8 @@ class FleetSim:
             raise ValueError(f"pulls must be 'blocking' or 'concurrent' (got {pulls!r})")
         self.stall_after = stall_after
         self.admission = admission
-        self.strict = rule == "new" and self.control if strict is None else strict
         self.control = push_cost is not None or pulls is not None
+        self.strict = rule == "new" and self.control if strict is None else strict
         self.senders, self.processes = senders, processes
         self.pulls = pulls or "blocking"
         self.pull_timeout = step_time if pull_timeout is None else pull_timeout
