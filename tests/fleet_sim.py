@@ -85,7 +85,7 @@ class FinishOrderAdmission(ServerAdmission):
     """A mutant of `ServerAdmission`: finished groups handed out in the order they finished."""
 
     def hand_out(self, queued, running, n):
-        return list(queued)[:max(n, 0)]
+        return list(queued)[: max(n, 0)]
 
 
 class NoHoldBackAdmission(ServerAdmission):
@@ -548,7 +548,12 @@ class FleetSim:
 
     # The trainer.
 
-    def run(self, until: int, warmup: int = 10) -> dict:
+    def run_for(self, span: float) -> dict:
+        """Runs the fleet for `span` time units and returns that span's figures (however many
+        steps it made, none included)."""
+        return self.run(10**9, warmup=0, until_time=self.now + span)
+
+    def run(self, until: int, warmup: int = 10, until_time: float | None = None) -> dict:
         """Runs the trainer until step `until` (counted over every call) and returns the
         figures of the steps from `warmup` on (or from this call's first, if later), every step
         checked (`check_accounting`, and in `_finish_step`).
@@ -561,7 +566,7 @@ class FleetSim:
             t0, base = self.now, dataclasses.replace(self.stats)
         self._base_step = max(self.step, warmup)
         guard = 0
-        while self.step < until:
+        while self.step < until and (until_time is None or self.now < until_time - 1e-9):
             guard += 1
             if guard > 10_000_000:
                 raise RuntimeError("the simulation does not progress")
@@ -679,7 +684,7 @@ class FleetSim:
         st = self.stats
         trained = st.trained - base.trained
         dropped = st.dropped - base.dropped
-        elapsed = self.now - t0
+        elapsed = max(self.now - t0, 1e-9)
         mean = lambda xs: sum(xs) / len(xs) if xs else math.nan
         return {
             "trained": trained,
@@ -709,6 +714,7 @@ class FleetSim:
         return version + self.max_staleness if self.fence else None
 
     def _draw_cost(self, name: str) -> float:
+        """One load's time on `name`."""
         c = self.cost[name]
         return self.rng.uniform(*c) if isinstance(c, tuple) else float(c)
 
@@ -853,7 +859,6 @@ class FleetSim:
     def _fence(self) -> None:
         """Marks lagging the servers whose load or Pull is overdue; joins the rejoining servers
         that hold a version within S of the next batch's."""
-        period = self.quota.period or self.step_time
         for server in self.servers:
             name = server.name
             if name in self.rejoining:
@@ -864,18 +869,22 @@ class FleetSim:
                 continue
             if name in self.down or name in self.lagging:
                 continue
-            mean = self.cost[name]
-            mean = sum(mean) / 2 if isinstance(mean, tuple) else mean
-            bound = max(
-                self.fence_factor * self.load_time.get(name, mean), self.fence_periods * period
-            )
             job = self.sender[name]["cur"]
-            pull = self.outstanding.get(name)
-            if (job is not None and self.now - job["started"] > bound) or (
-                pull is not None and self.now > pull["wait_until"] + bound
-            ):
-                self.lagging.add(name)
-                self.lagging_log.append((self.now, name, True))
+            if job is not None and self.now - job["started"] > self._overdue(name):
+                self._lag(name)
+
+    def _overdue(self, name: str) -> float:
+        """How late a server's load or Pull reply may be before it is lagging: max(`fence_factor`
+        × its measured load time, `fence_periods` × the trainer's step period)."""
+        period = self.quota.period or self.step_time
+        mean = self.cost[name]
+        mean = sum(mean) / 2 if isinstance(mean, tuple) else mean
+        return max(self.fence_factor * self.load_time.get(name, mean), self.fence_periods * period)
+
+    def _lag(self, name: str) -> None:
+        if name not in self.lagging:
+            self.lagging.add(name)
+            self.lagging_log.append((self.now, name, True))
 
     def _next_version(self) -> int:
         """The version the next pulled groups will be trained at."""
@@ -930,12 +939,16 @@ class FleetSim:
                 self._pull(name, version, n, self.pull_timeout)
 
     def _pull(self, name: str, version: int, n: int, wait: float) -> None:
+        """Sends a Pull; its deadline: wait + `pull_slack`, or with `fence` wait + `_overdue`
+        (the server's own latency), past which the call fails and the next Pull is sent."""
         acks, rejects = self.pending[name]
         self.pending[name] = ([], [])
+        slack = self._overdue(name) if self.fence else self.pull_slack
         self.outstanding[name] = {
             "version": version,
             "n": n,
             "wait_until": self.now + wait,
+            "deadline": self.now + wait + slack,
             "acks": acks,
             "rejects": rejects,
             "arrived": False,
@@ -948,11 +961,11 @@ class FleetSim:
         Pull's wait; a deaf one replies when it resumes, or the call fails at wait + slack."""
         for name, p in list(self.outstanding.items()):
             server = self._server(name)
-            failed = not server.up or (
-                server.deaf_at(self.now) and self.now > p["wait_until"] + self.pull_slack
-            )
+            failed = not server.up or (server.deaf_at(self.now) and self.now > p["deadline"])
             if failed:
                 del self.outstanding[name]
+                if self.fence and server.up:
+                    self._lag(name)
                 if not p["arrived"]:  # not delivered: they wait for the next Pull
                     acks, rejects = self.pending[name]
                     self.pending[name] = (p["acks"] + acks, p["rejects"] + rejects)
@@ -1049,3 +1062,132 @@ class FleetSim:
             self.pending[name] = ([], [])
         self.ahead, self.parked = [], {}
         self._push_all(new_epoch=True, delay=0.0)
+
+
+# Issue 42's scenarios (the control plane before and after), shared by the tests and
+# benchmarks/fleet_sim.py. "before": today's pool (serial pushes, blocking Pulls with the pool's
+# per-server wait and fallback); "after": per-server senders, concurrent Pulls, the fence.
+
+BEFORE = {"senders": "serial", "pulls": "blocking"}
+AFTER = {"senders": "per_server", "pulls": "concurrent", "fence": True}
+
+
+def control(mode: str) -> dict:
+    """The `FleetSim` options of `mode` ("before" or "after")."""
+    return dict(BEFORE if mode == "before" else AFTER)
+
+
+def period_bound(sim: FleetSim) -> float:
+    """The least trainer period the admission rule allows (time units per step):
+    max(step, B / C, (save + 1.5 · load + ℓ + step) / (S + 1)), where C is the fleet's generation
+    capacity (groups per unit) and ℓ a group's generation time (its longest of G samples:
+    (lo + G/(G+1) · (hi − lo)) / speed, the mean over the servers). A group trained at W was
+    admitted at weights W − S or newer; those exist once step W − S − 1 ended, its save and a
+    server's load ran, and a server whose single sender is busy starts a version's load when its
+    previous one ends (half a load later on average); the group is then generated and trained in
+    step W: S + 1 periods hold save + 1.5 · load + ℓ + step. With no load this is the bound of
+    `test_prefetch_reaches_the_overlap_the_bound_allows`."""
+    g = sim.group_size
+    lat = [(lo + g / (g + 1) * (hi - lo)) / s.speed for s in sim.servers for lo, hi in [s.lengths]]
+    costs = [c if not isinstance(c, tuple) else sum(c) / 2 for c in sim.cost.values()]
+    load = sum(costs) / len(costs)
+    capacity = sum(s.capacity_rate for s in sim.servers)
+    chain = sim.push_delay + 1.5 * load + sum(lat) / len(lat) + sim.step_time
+    return max(sim.step_time, sim.batch_groups / capacity, chain / (sim.max_staleness + 1))
+
+
+def duty_scenario(mode: str, duty: bool = True, steps: int = 300, **kw) -> FleetSim:
+    """`benchmarks/fleet.py --servers 2 --step-s 0 --duty 0.5` in seconds: max_staleness 1, 2
+    groups of 2 per batch, 4 slots, samples of 4–6 tokens at 100 tokens/s a slot, a 10 ms step,
+    a 3 ms save and a 10 ms load; the first server stopped for 0.5 s of every second; the pool's
+    per-server Pull wait and fallback 1 s before, Pulls of 50 ms after."""
+    opts = control(mode)
+    opts.update(pull_wait=1.0, fallback_min=1.0, pull_timeout=30.0 if mode == "before" else 0.05)
+    opts.update(kw)
+    sim = FleetSim(
+        [(100.0, 4, (4, 6))] * 2,
+        max_staleness=1,
+        batch_groups=2,
+        group_size=2,
+        step_time=0.01,
+        push_delay=0.003,
+        push_cost=0.01,
+        rate_window=0.25,
+        dt=0.002,
+        stall_after=100.0,
+        strict=False,
+        **opts,
+    )
+    if duty:
+        sim.duty("s0", 0.5, 1.0, 1e6)
+    return sim
+
+
+def pod_scenario(mode: str, *, servers: int = 8, processes: int = 4, **kw) -> FleetSim:
+    """A pod: `servers` servers of 128 slots whose generation is 1.2 times the trainer's need, 64
+    groups of 8 samples of 200–8192 tokens per batch, S = 4, a step of 1 (~20 s), a save of 0.1
+    and loads of 1–3 steps drawn per load, `processes` trainer processes."""
+    b, g, lengths = 64, 8, (200, 8192)
+    speed = 1.2 * b * g * sum(lengths) / 2 / (servers * 128)
+    opts = control(mode)
+    opts.update(kw)
+    return FleetSim(
+        [(speed, 128, lengths)] * servers,
+        max_staleness=4,
+        batch_groups=b,
+        group_size=g,
+        capacity=512,
+        step_time=1.0,
+        push_delay=0.1,
+        push_cost=(1.0, 3.0),
+        processes=processes,
+        pull_timeout=1.0,
+        dt=0.05,
+        stall_after=1000.0,
+        strict=False,
+        **opts,
+    )
+
+
+def spread_scenario(mode: str, servers: int, lengths, staleness: int, **kw) -> FleetSim:
+    """`servers` servers of 8 slots on which a sample of the mean length takes a step; 8 groups
+    of 4 per batch, uniform lengths in `lengths`, a save of 0.1 and a load of 0.1 step."""
+    opts = control(mode)
+    opts.update(kw)
+    return FleetSim(
+        [(sum(lengths) / 2, 8, lengths)] * servers,
+        max_staleness=staleness,
+        batch_groups=8,
+        group_size=4,
+        step_time=1.0,
+        push_delay=0.1,
+        push_cost=0.1,
+        stall_after=1000.0,
+        **opts,
+    )
+
+
+def deaf_figures(sim: FleetSim, *, name: str = "s1", at: int = 40, span: float = 30.0) -> dict:
+    """Runs `sim` to step `at`, stops server `name` for `span` units (SIGSTOP), then 30 steps
+    more: steps per unit before and while it is stopped, the stale drops after it resumes (all,
+    and those of groups admitted after it stopped), and the steps from its resume to its being
+    current again (with the fence; None if it never was lagging or never came back)."""
+    before = sim.run(at, warmup=10)
+    t0 = sim.now
+    sim.deafen(name, t0, t0 + span)
+    while_deaf = sim.run_for(span)
+    sim.run(sim.step + 30, warmup=sim.step)
+    burst = [d for d in sim.drop_log if d[0] >= t0 + span]
+    back = [t for t, n, lag in getattr(sim, "lagging_log", []) if n == name and not lag]
+    back = [t for t in back if t >= t0 + span]
+    return {
+        "rate_before": 1 / before["period"],
+        "rate_deaf": while_deaf["steps_done"] / span,
+        "burst": len(burst),
+        "burst_admitted_after_stop": sum(1 for d in burst if d[2] >= t0),
+        "steps_to_current": (
+            sum(1 for t in sim.step_ends if t0 + span <= t <= back[0]) if back else None
+        ),
+        "violations": sim.stats.violations,
+        "violations_exempt": sim.stats.violations_exempt,
+    }
