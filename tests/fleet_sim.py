@@ -126,10 +126,15 @@ class SimServer:
         self.next_id = 0
         self.incarnation = 0
         self.deaf: list[tuple[float, float]] = []  # (from, to): stopped (SIGSTOP) meanwhile
+        self.cycle: tuple[float, float] | None = None  # (stopped, period): a duty cycle
         self._reset()
 
     def deaf_at(self, t: float) -> bool:
-        """Whether it is stopped at time `t` (a deaf window holds it)."""
+        """Whether it is stopped at time `t` (a deaf window or its duty cycle holds it)."""
+        if self.cycle is not None:
+            stopped, period = self.cycle
+            if t % period < stopped:
+                return True
         return any(a <= t < b for a, b in self.deaf)
 
     def _reset(self) -> None:
@@ -465,6 +470,8 @@ class FleetSim:
         self.lagging: set[str] = set()
         self.lagging_log: list[tuple[float, str, bool]] = []  # (when, server, lagging)
         self.rejoining: dict[str, int] = {}  # server -> the version its rejoin load is of
+        self.rejoin_from: dict[str, int] = {}  # server -> its loads when its rejoin began
+        self.rejoin_loads: dict[str, int] = {}  # server -> the loads its last rejoin took
         self.blocked_time = 0.0  # the loop waiting in `submit`
         self._until = 0
         shares = self.shares()
@@ -852,9 +859,7 @@ class FleetSim:
                 continue
             snd["cur"] = None
             if getattr(self, "pushed", 1) == self.rejoining[name]:
-                del self.rejoining[name]
-                self.down.discard(name)
-                self._end_fault(name)
+                self._joined(name)
 
     def _fence(self) -> None:
         """Marks lagging the servers whose load or Pull is overdue; joins the rejoining servers
@@ -863,9 +868,7 @@ class FleetSim:
             name = server.name
             if name in self.rejoining:
                 if server.ready and server.version >= self._next_version() - self.max_staleness:
-                    del self.rejoining[name]
-                    self.down.discard(name)
-                    self._end_fault(name)
+                    self._joined(name)
                 continue
             if name in self.down or name in self.lagging:
                 continue
@@ -1008,13 +1011,17 @@ class FleetSim:
         self._server(name).deaf.append((start, end))
         self.faults.setdefault(name, []).append((start, end))
 
-    def duty(self, name: str, stopped: float, period: float, until: float) -> None:
-        """Stops the server for the first `stopped` of every `period` until `until` (the live
-        benchmark's `--duty`)."""
-        t = 0.0
-        while t < until:
-            self._server(name).deaf.append((t, t + stopped))
-            t += period
+    def duty(self, name: str, stopped: float, period: float) -> None:
+        """Stops the server for the first `stopped` of every `period` (the live benchmark's
+        `--duty`)."""
+        self._server(name).cycle = (stopped, period)
+
+    def _joined(self, name: str) -> None:
+        """A rejoining server is back in the rotation; `rejoin_loads`: the loads it took."""
+        del self.rejoining[name]
+        self.down.discard(name)
+        self._end_fault(name)
+        self.rejoin_loads[name] = self.loads[name] - self.rejoin_from[name]
 
     def _end_fault(self, name: str) -> None:
         windows = self.faults.get(name)
@@ -1048,6 +1055,7 @@ class FleetSim:
         if self.control:
             server.ready = False
             self.rejoining[name] = getattr(self, "pushed", 1)
+            self.rejoin_from[name] = self.loads[name]
             self.sender[name]["cur"] = None
             self.sender[name]["want"] = self.announced if self.senders == "per_server" else None
             return
@@ -1119,7 +1127,7 @@ def duty_scenario(mode: str, duty: bool = True, steps: int = 300, **kw) -> Fleet
         **opts,
     )
     if duty:
-        sim.duty("s0", 0.5, 1.0, 1e6)
+        sim.duty("s0", 0.5, 1.0)
     return sim
 
 

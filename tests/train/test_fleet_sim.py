@@ -13,7 +13,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fleet_sim import FleetSim, SimStalled
+from tests.fleet_sim import (
+    FinishOrderAdmission,
+    FleetSim,
+    NoHoldBackAdmission,
+    SimStalled,
+    deaf_figures,
+    duty_scenario,
+    pod_scenario,
+    spread_scenario,
+)
 
 LENGTHS = (50, 150)  # completion tokens, uniform: the longest three times the shortest
 STEPS = 120
@@ -187,3 +196,83 @@ def test_prefetch_reaches_the_overlap_the_bound_allows(gen, push, staleness):
     bound = max(step, gen, (push + gen + step) / (staleness + 1))
     assert bound - 0.01 <= period <= bound + 0.05, (period, bound)
     assert f["dropped"] == 0 and f["lag_max"] <= staleness, f
+
+
+# Issue 42: the control plane (`tests.fleet_sim`'s `control` options), before and after.
+
+
+def test_serial_pushes_with_several_processes_throttle_the_trainer():
+    """Today's pool: 8 servers whose load takes 1–3 steps, pushed one after another, and with
+    several trainer processes no version skipped: the trainer's period is 8–24 times its step.
+    Per-server senders take the loads off the loop."""
+    before = pod_scenario("before", processes=4).run(16, warmup=6)
+    assert 8 <= before["period"] <= 24, before
+    after = pod_scenario("after", processes=4).run(16, warmup=6)
+    assert after["period"] < before["period"] / 4, after
+
+
+def test_before_reproduces_the_live_duty_figure():
+    """`benchmarks/fleet.py --servers 2 --step-s 0 --duty 0.5` measured 45% of two full servers'
+    tokens/s (benchmarks/RESULTS.md); today's pool, simulated, is within 10 points of it."""
+    full = duty_scenario("before", duty=False).run(120, warmup=20)
+    half = duty_scenario("before").run(120, warmup=20)
+    assert 0.35 <= half["tokens_per_time"] / full["tokens_per_time"] <= 0.55, (full, half)
+
+
+@pytest.mark.parametrize("mutant", [FinishOrderAdmission, NoHoldBackAdmission])
+def test_hand_out_mutants_fail_a_long_tail_scenario(mutant):
+    """Two servers, completions of 10–1000 tokens: the real hand-out order (oldest admitted
+    first, younger ones held back behind a group at its deadline) trains every group within S of
+    its admission and drops none at S = 1 (strict: a violation raises); handing out in finish
+    order, or without the hold-back, trains groups past v + S at S = 2 and drops more than 2%
+    at S = 1."""
+    real = spread_scenario("after", 2, (10, 1000), 2).run(80, warmup=20)
+    assert real["violations"] == 0 and real["drops_per_group"] <= 0.02, real
+    with pytest.raises(AssertionError, match="> v \\+ S"):
+        spread_scenario("after", 2, (10, 1000), 2, admission=mutant).run(80, warmup=20)
+    assert spread_scenario("after", 2, (10, 1000), 1).run(80, warmup=20)["dropped"] == 0
+    bad = spread_scenario("after", 2, (10, 1000), 1, admission=mutant, strict=False)
+    assert bad.run(80, warmup=20)["drops_per_group"] > 0.02
+
+
+def test_a_deaf_server_stops_the_run_before_and_not_after():
+    """One of two servers stopped for 30 steps' time: today's pool makes no step meanwhile (its
+    serial push and its Pull wait on the stopped server); after, the other server's share goes on
+    (its seats move once the stopped one is lagging), nothing it admits after the stop goes stale,
+    and it is current again within S + 2 steps of resuming."""
+    before = deaf_figures(spread_scenario("before", 2, (10, 1000), 2, strict=False))
+    assert before["rate_deaf"] == 0, before
+    after = deaf_figures(spread_scenario("after", 2, (10, 1000), 2, strict=False))
+    assert after["rate_deaf"] >= 0.3 * after["rate_before"], after
+    assert after["burst_admitted_after_stop"] == 0, after
+    assert after["steps_to_current"] is not None and after["steps_to_current"] <= 4, after
+
+
+def test_a_server_that_never_finishes_its_load_delays_no_other_install():
+    """Per-server senders: a server stopped for the whole run holds one load in flight; the other
+    server installs every version on time and the trainer steps on."""
+    sim = spread_scenario("after", 2, (50, 150), 2, strict=False)
+    sim.deafen("s1", 0.0, 1e9)
+    f = sim.run(30, warmup=10)
+    assert f["steps_done"] == 20
+    assert sim.servers[0].version >= sim.version - 1
+    assert sim.servers[1].version == 1 and "s1" in sim.lagging
+
+
+@pytest.mark.parametrize("mode", ["before", "after"])
+def test_a_rejoin_while_pushes_go_on(mode):
+    """A killed server rejoins while the trainer pushes every few steps and the server's load takes 6:
+    today's `_rejoin` loads again whenever a newer push landed meanwhile and never joins while
+    pushing goes on; the per-server sender joins it after at most 2 loads."""
+    sim = spread_scenario(mode, 2, (50, 150), 2, strict=False)
+    sim.cost = {"s0": 0.1, "s1": 6.0}
+    sim.run(15)
+    sim.kill("s1")
+    sim.run(20)
+    loads = sim.loads["s1"]
+    sim.rejoin("s1")
+    sim.run(40, warmup=20)
+    if mode == "before":
+        assert "s1" in sim.down and sim.loads["s1"] - loads >= 5, sim.loads
+    else:
+        assert "s1" not in sim.down and sim.rejoin_loads["s1"] <= 2, sim.rejoin_loads
