@@ -885,9 +885,12 @@ class FleetSim:
         return max(self.fence_factor * self.load_time.get(name, mean), self.fence_periods * period)
 
     def _lag(self, name: str) -> None:
+        """Marks `name` lagging: its share is 0 from now on, and what the batch being pulled
+        still expects from it goes to the others (its quota credit is dropped)."""
         if name not in self.lagging:
             self.lagging.add(name)
             self.lagging_log.append((self.now, name, True))
+            self.quota.credit[name] = 0.0
 
     def _next_version(self) -> int:
         """The version the next pulled groups will be trained at."""
