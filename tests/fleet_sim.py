@@ -468,6 +468,7 @@ class FleetSim:
         self.loads = {s.name: 0 for s in self.servers}
         self.load_time: dict[str, float] = {}  # measured, per server
         self.lagging: set[str] = set()
+        self.grants: dict[str, dict[int, float]] = {}  # server -> version -> share sent with it
         self.lagging_log: list[tuple[float, str, bool]] = []  # (when, server, lagging)
         self.rejoining: dict[str, int] = {}  # server -> the version its rejoin load is of
         self.rejoin_from: dict[str, int] = {}  # server -> its loads when its rejoin began
@@ -477,6 +478,8 @@ class FleetSim:
         shares = self.shares()
         for server in self.servers:  # the trainer's first sync, before its first step
             server.install(1, shares[server.name], True, self._lease(1))
+            if fence:
+                self.grants[server.name] = {1: shares[server.name]}
 
     # The trainer's pool.
 
@@ -843,7 +846,7 @@ class FleetSim:
             snd["want"] = None  # it holds it already (a refusal: counted current)
             return
         snd["want"] = None
-        snd["cur"] = self._job(name, want, epoch, self.shares(also=name).get(name, 0.0))
+        snd["cur"] = self._job(name, want, epoch, self._grant(name, want))
 
     def _serial_rejoins(self) -> None:
         """`ServerPool._rejoin`: the last pushed version, then again while a newer push landed
@@ -884,6 +887,37 @@ class FleetSim:
         mean = sum(mean) / 2 if isinstance(mean, tuple) else mean
         return max(self.fence_factor * self.load_time.get(name, mean), self.fence_periods * period)
 
+    def _grant(self, name: str, version: int) -> float:
+        """The share sent to `name` with `version` (with `fence`: a lease on seats until
+        version + S). A seat moves from one current server to another only once its lease ran
+        out: the grant is the server's share now, at most what the other current servers'
+        live grants leave (a lagging server's seats are free at once). Recorded in `grants`."""
+        share = self.shares(also=name).get(name, 0.0)
+        if self.fence:
+            live = sum(
+                self._live(other, version)
+                for other in self.grants
+                if other != name and other not in self.lagging and other not in self.down
+            )
+            share = max(min(share, 1.0 - live), 0.0)
+            self.grants.setdefault(name, {})[version] = share
+        return share
+
+    def _live(self, name: str, version: int) -> float:
+        """The largest share `name` holds a live lease of at trainer `version` (granted with a
+        version within S before it)."""
+        grants = self.grants.get(name, {})
+        return max((g for p, g in grants.items() if p >= version - self.max_staleness), default=0.0)
+
+    def _quota_shares(self, version: int) -> dict[str, float]:
+        """With `fence`, the quotas of the batch of `version`: each current server's largest live
+        grant (it may hold groups admitted under it, due by this version), its share now if it
+        has none."""
+        now = self.shares()
+        return {
+            n: (0.0 if n in self.lagging else self._live(n, version) or s) for n, s in now.items()
+        }
+
     def _lag(self, name: str) -> None:
         """Marks `name` lagging: its share is 0 from now on, and what the batch being pulled
         still expects from it goes to the others (its quota credit is dropped)."""
@@ -917,7 +951,7 @@ class FleetSim:
         up = [s.name for s in self.servers if s.name not in self.down]
         if not up:
             return
-        shares = self.shares()
+        shares = self._quota_shares(version) if self.fence else self.shares()
         self.quota.start(version, shares, self.now)
         limits: dict[str, int | None] = {}
         for name, limit in self.quota.order(up, self.now):
@@ -992,21 +1026,32 @@ class FleetSim:
             self._receive(server, groups)
 
     def _receive(self, server: SimServer, groups: list[SimGroup]) -> None:
-        """A Pull's reply into the batch being filled; what overflows it is handed back."""
+        """A Pull's reply into the batch being filled; what overflows it is handed back (with
+        concurrent Pulls the youngest admitted of the batch and the reply)."""
         target = self._target()
-        back = []
+        back: list[tuple[SimServer, SimGroup]] = []
         for g in groups:
-            if target is None or len(target[0]) >= self.batch_groups:
-                back.append(g)
+            if target is None:
+                back.append((server, g))
                 continue
             batch, version, also = target
             if any(g.key == h.key for _, h in [*batch, *also]):  # re-delivered
                 continue
+            if len(batch) >= self.batch_groups:
+                if self.pulls == "blocking":
+                    back.append((server, g))
+                    continue
+                # Concurrent replies overflow the batch: the youngest admitted goes back.
+                young = max(range(len(batch)), key=lambda i: batch[i][1].admitted)
+                if batch[young][1].admitted <= g.admitted:
+                    back.append((server, g))
+                    continue
+                back.append(batch.pop(young))
             if self._select(server, g, version):
                 batch.append((server, g))
-        if back:
-            self.quota.took(server.name, -len(back))
-            server.hand_back(back)
+        for owner, g in back:
+            self.quota.took(owner.name, -1)
+            owner.hand_back([g])
 
     def deafen(self, name: str, start: float, end: float) -> None:
         """The server is stopped (SIGSTOP) from `start` to `end` (time units), then continued:
