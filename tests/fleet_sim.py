@@ -782,6 +782,8 @@ class FleetSim:
         if job["left"] > 0:
             return False
         server.install(job["version"], job["share"], job["epoch"], self._lease(job["version"]))
+        if self.rule == "new":  # the push names the trainer's version when it was sent
+            server.adm.saw_trainer(job["trainer"])
         self.loads[name] += 1
         took = self.now - job["started"]
         was = self.load_time.get(name)
@@ -795,6 +797,7 @@ class FleetSim:
     def _job(self, name: str, version: int, epoch: bool, share: float) -> dict:
         return {
             "version": version,
+            "trainer": max(self._next_version(), version),
             "epoch": epoch,
             "share": share,
             "left": self._draw_cost(name),
@@ -1023,12 +1026,16 @@ class FleetSim:
             if server.meter.rate > 0:
                 self.rates[name] = server.meter.rate
             self.quota.took(name, len(groups))
-            self._receive(server, groups)
+            self._receive(server, groups, p["version"])
 
-    def _receive(self, server: SimServer, groups: list[SimGroup]) -> None:
+    def _receive(self, server: SimServer, groups: list[SimGroup], pulled_for: int) -> None:
         """A Pull's reply into the batch being filled; what overflows it is handed back (with
-        concurrent Pulls the youngest admitted of the batch and the reply)."""
+        concurrent Pulls the youngest admitted of the batch and the reply), and so is a reply
+        for another batch than the one being filled (its server leased it to that batch's
+        version: `ServerAdmission.in_earlier_batch` would not count it)."""
         target = self._target()
+        if target is not None and target[1] != pulled_for:
+            target = None  # a reply for a batch already made: its leases name that batch
         back: list[tuple[SimServer, SimGroup]] = []
         for g in groups:
             if target is None:
@@ -1152,14 +1159,14 @@ def period_bound(sim: FleetSim) -> float:
     return max(sim.step_time, sim.batch_groups / capacity, chain / (sim.max_staleness + 1))
 
 
-def duty_scenario(mode: str, duty: bool = True, steps: int = 300, **kw) -> FleetSim:
+def duty_scenario(mode: str, duty: bool = True, **kw) -> FleetSim:
     """`benchmarks/fleet.py --servers 2 --step-s 0 --duty 0.5` in seconds: max_staleness 1, 2
     groups of 2 per batch, 4 slots, samples of 4–6 tokens at 100 tokens/s a slot, a 10 ms step,
     a 3 ms save and a 10 ms load; the first server stopped for 0.5 s of every second; the pool's
     per-server Pull wait and fallback 1 s before, Pulls of 50 ms after."""
     opts = control(mode)
     opts.update(pull_wait=1.0, fallback_min=1.0, pull_timeout=30.0 if mode == "before" else 0.05)
-    opts.update(kw)
+    opts.update({"strict": False, **kw})
     sim = FleetSim(
         [(100.0, 4, (4, 6))] * 2,
         max_staleness=1,
@@ -1171,7 +1178,6 @@ def duty_scenario(mode: str, duty: bool = True, steps: int = 300, **kw) -> Fleet
         rate_window=0.25,
         dt=0.002,
         stall_after=100.0,
-        strict=False,
         **opts,
     )
     if duty:
@@ -1179,17 +1185,19 @@ def duty_scenario(mode: str, duty: bool = True, steps: int = 300, **kw) -> Fleet
     return sim
 
 
-def pod_scenario(mode: str, *, servers: int = 8, processes: int = 4, **kw) -> FleetSim:
+def pod_scenario(
+    mode: str, *, servers: int = 8, processes: int = 4, staleness: int = 4, **kw
+) -> FleetSim:
     """A pod: `servers` servers of 128 slots whose generation is 1.2 times the trainer's need, 64
-    groups of 8 samples of 200–8192 tokens per batch, S = 4, a step of 1 (~20 s), a save of 0.1
-    and loads of 1–3 steps drawn per load, `processes` trainer processes."""
+    groups of 8 samples of 200–8192 tokens per batch, S = `staleness`, a step of 1 (~20 s), a save
+    of 0.1 and loads of 1–3 steps drawn per load, `processes` trainer processes."""
     b, g, lengths = 64, 8, (200, 8192)
     speed = 1.2 * b * g * sum(lengths) / 2 / (servers * 128)
     opts = control(mode)
     opts.update(kw)
     return FleetSim(
         [(speed, 128, lengths)] * servers,
-        max_staleness=4,
+        max_staleness=staleness,
         batch_groups=b,
         group_size=g,
         capacity=512,
