@@ -1231,13 +1231,14 @@ def spread_scenario(mode: str, servers: int, lengths, staleness: int, **kw) -> F
     )
 
 
-def deaf_figures(sim: FleetSim, *, name: str = "s1", at: int = 40, span: float = 30.0) -> dict:
-    """Runs `sim` to step `at`, stops server `name` for `span` units (SIGSTOP), then 30 steps
-    more: steps per unit before and while it is stopped, the stale drops after it resumes (all,
-    and those of groups admitted after it stopped), and the steps from its resume to its being
-    current again (with the fence; None if it never was lagging or never came back)."""
+def deaf_figures(sim: FleetSim, *, name: str = "s1", at: int = 40, steps: int = 30) -> dict:
+    """Runs `sim` to step `at`, stops server `name` (SIGSTOP) for `steps` of the trainer's
+    periods before it, then runs 30 steps more: steps per unit before and while it is stopped,
+    the stale drops after it resumes (all, and those of groups admitted after it stopped), and
+    the steps from its resume to its being current again (with the fence; None if it never was
+    lagging or never came back)."""
     before = sim.run(at, warmup=10)
-    t0 = sim.now
+    t0, span = sim.now, steps * before["period"]
     sim.deafen(name, t0, t0 + span)
     while_deaf = sim.run_for(span)
     sim.run(sim.step + 30, warmup=sim.step)
