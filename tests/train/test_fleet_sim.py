@@ -236,14 +236,15 @@ def test_hand_out_mutants_fail_a_long_tail_scenario(mutant):
 
 
 def test_a_deaf_server_stops_the_run_before_and_not_after():
-    """One of two servers stopped for 30 steps' time: today's pool makes no step meanwhile (its
-    serial push and its Pull wait on the stopped server); after, the other server's share goes on
+    """One of two servers stopped for 30 of the trainer's periods: today's pool makes one step
+    meanwhile (its serial push and its Pull wait on the stopped server, until the Pull's
+    deadline, 30 steps past its wait, fails it once); after, the other server's share goes on
     (its seats move once the stopped one is lagging), nothing it admits after the stop goes stale,
     and it is current again within S + 2 steps of resuming."""
     before = deaf_figures(spread_scenario("before", 2, (10, 1000), 2, strict=False))
-    assert before["rate_deaf"] == 0, before
+    assert before["rate_deaf"] <= 0.05 * before["rate_before"], before
     after = deaf_figures(spread_scenario("after", 2, (10, 1000), 2))  # strict
-    assert after["rate_deaf"] >= 0.3 * after["rate_before"], after
+    assert after["rate_deaf"] >= 0.4 * after["rate_before"], after
     assert after["burst_admitted_after_stop"] == 0, after
     assert after["steps_to_current"] is not None and after["steps_to_current"] <= 4, after
 
