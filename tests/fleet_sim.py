@@ -17,6 +17,13 @@ carries none: one Pull at a time per server; a push carries none either). Withou
 pulls only
 between steps (the serial loop the admission rule was first simulated with; the async trainer always
 prefetches, so every scenario runs the real loop's timing unless it says otherwise).
+
+With `push_cost` or `pulls` the pool's control plane is modelled too (`FleetSim`'s arguments):
+weight loads that take time, serial or per-server senders, one or several trainer processes,
+blocking or concurrent Pulls with the pool's waits, deaf (SIGSTOPped) servers, the lagging fence
+and version leases; `BEFORE` and `AFTER` are today's pool and issue 42's. Every trained group is
+checked against the admission bound W − v_admitted ≤ S (v_admitted: its server's weights when it
+was admitted), outside a stated fault window (`FleetSim._exempt`).
 """
 
 from __future__ import annotations
@@ -308,7 +315,7 @@ class Stats:
     lag_max: int = 0
     lost: int = 0  # groups in lost Pull replies
     violations: int = 0  # trained at W > v_admitted + S
-    violations_exempt: int = 0  # of those, inside a fault's stated window (`FleetSim.exempt`)
+    violations_exempt: int = 0  # of those, inside a fault's stated window (`FleetSim._exempt`)
 
 
 class FleetSim:
@@ -463,7 +470,8 @@ class FleetSim:
         self.push_waiting: tuple[int, bool] | None = None  # submitted, not started
         self.submit_blocked: tuple[int, bool] | None = None  # the loop waits in `submit`
         self.superseded = 0
-        self.announced = 1  # the newest version saved and announced
+        self.announced = 1  # the newest version saved and announced (per-server senders)
+        self.pushed = 1  # the newest version a push began with (`ServerPool._weights`)
         self.sender = {s.name: {"want": None, "cur": None} for s in self.servers}
         self.loads = {s.name: 0 for s in self.servers}
         self.load_time: dict[str, float] = {}  # measured, per server
@@ -831,8 +839,7 @@ class FleetSim:
     def _per_server_send(self, name: str) -> None:
         """One server's sender: its load in flight; when it finishes, the newest wanted version
         if newer than the server holds."""
-        snd = self._server(name), self.sender[name]
-        server, snd = snd
+        server, snd = self._server(name), self.sender[name]
         if snd["cur"] is not None:
             if not server.up:
                 snd["cur"] = None
@@ -857,14 +864,14 @@ class FleetSim:
         for name in list(self.rejoining):
             snd = self.sender[name]
             if snd["cur"] is None:
-                version = getattr(self, "pushed", 1)
+                version = self.pushed
                 share = self.shares(also=name).get(name, 1.0)
                 snd["cur"] = self._job(name, version, True, share)
                 self.rejoining[name] = version
             if not self._load(name, snd["cur"]):
                 continue
             snd["cur"] = None
-            if getattr(self, "pushed", 1) == self.rejoining[name]:
+            if self.pushed == self.rejoining[name]:
                 self._joined(name)
 
     def _fence(self) -> None:
@@ -1001,7 +1008,8 @@ class FleetSim:
     def _pull_replies(self) -> None:
         """The Pulls answered this tick: a server that runs takes the Pull's acknowledgements
         and version when it first sees it, and replies with its first finished groups or at the
-        Pull's wait; a deaf one replies when it resumes, or the call fails at wait + slack."""
+        Pull's wait; a deaf one replies when it resumes, or the call fails at its deadline
+        (`_pull`; a lagging server's next Pull reaches it first when it resumes)."""
         for name, p in list(self.outstanding.items()):
             server = self._server(name)
             failed = not server.up or (server.deaf_at(self.now) and self.now > p["deadline"])
@@ -1109,7 +1117,7 @@ class FleetSim:
             server.restart()
         if self.control:
             server.ready = False
-            self.rejoining[name] = getattr(self, "pushed", 1)
+            self.rejoining[name] = self.pushed
             self.rejoin_from[name] = self.loads[name]
             self.sender[name]["cur"] = None
             self.sender[name]["want"] = self.announced if self.senders == "per_server" else None

@@ -7,7 +7,13 @@ unequal speed and one that slows down mid-run; throughput at least 90% of what t
 SIGTERM drains, rejoins, trainer restarts, lost and delayed Pull replies. The "old" rule (a model
 of the one before) is run where it shows what changed. `prefetch` runs the trainer as the real
 loop does (the next batch pulled while a step runs); with it, one server reaches the overlap the
-staleness bound allows (`test_prefetch_reaches_the_overlap_the_bound_allows`)."""
+staleness bound allows (`test_prefetch_reaches_the_overlap_the_bound_allows`).
+
+With the pool's control plane modelled (issue 42: `tests.fleet_sim.BEFORE`, today's serial pushes
+and blocking Pulls; `AFTER`, per-server senders, concurrent Pulls and the lagging fence): today's
+throttle and live duty figure reproduced, the hand-out order's mutants caught by the per-group
+bound W − v_admitted ≤ S or by stale drops, a stopped server, a load that never finishes, and a
+rejoin while pushes go on."""
 
 from __future__ import annotations
 
