@@ -8,6 +8,12 @@ the shares alone (issue 33 item 5): equal shares against shares that follow the 
 server measures, with servers of equal and unequal speed and one that slows down mid-run.
 
     PYTHONPATH=$PWD python benchmarks/fleet_sim.py [--steps 200]
+    PYTHONPATH=$PWD python benchmarks/fleet_sim.py --control     # issue 42: the control plane
+
+`--control` runs issue 42's grid instead (`tests.fleet_sim`'s `duty_scenario`, `pod_scenario`,
+`spread_scenario`, `deaf_figures`): the pool of today ("before": serial pushes, blocking Pulls)
+against per-server senders, concurrent Pulls and the lagging fence ("after"), and the hand-out
+order's mutants; every figure against `tests.fleet_sim.period_bound` where it says so.
 
 Units: a train step takes 1; a group of 4 samples of 50–150 tokens (uniform) takes `gen` steps on
 a server of 8 slots (the first server twice as long in the "unequal" rows); weights reach the
@@ -25,7 +31,18 @@ from __future__ import annotations
 import argparse
 import math
 
-from tests.fleet_sim import FleetSim, SimStalled
+from tests.fleet_sim import (
+    FinishOrderAdmission,
+    FleetSim,
+    NoHoldBackAdmission,
+    ServerAdmission,
+    SimStalled,
+    deaf_figures,
+    duty_scenario,
+    period_bound,
+    pod_scenario,
+    spread_scenario,
+)
 
 LENGTHS = (50, 150)
 
@@ -110,10 +127,96 @@ def shares_table(steps: int) -> None:
         )
 
 
+def control_tables(steps: int) -> None:
+    """Issue 42's grid, before → after (see the module docstring)."""
+    print("| duty 0.5 (one of two servers stopped half of every second) | before | after |")
+    print("| --- | --- | --- |")
+    cells = {}
+    for mode in ("before", "after"):
+        full = duty_scenario(mode, duty=False).run(steps, warmup=20)
+        half = duty_scenario(mode).run(steps, warmup=20)
+        cells[mode] = (full, half)
+    for label, fn in (
+        ("tokens / s, two full servers", lambda f, h: f"{f['tokens_per_time']:.0f}"),
+        ("tokens / s, duty 0.5", lambda f, h: f"{h['tokens_per_time']:.0f}"),
+        ("of two full servers", lambda f, h: f"{h['tokens_per_time'] / f['tokens_per_time']:.0%}"),
+        (
+            "of the bound (75% of two full servers)",
+            lambda f, h: f"{h['tokens_per_time'] / (0.75 * f['tokens_per_time']):.0%}",
+        ),
+        ("stale drops / trained group", lambda f, h: f"{h['drops_per_group']:.3f}"),
+        ("W − v_admitted > S", lambda f, h: f"{h['violations']}"),
+    ):
+        print(f"| {label} | {fn(*cells['before'])} | {fn(*cells['after'])} |", flush=True)
+    print()
+    print(
+        "| pod: 8 servers × 128 slots, loads 1–3 steps, 200–8192 tokens, S = 4 | processes "
+        "| period / step | bound / step | of the bound | stale drops / trained | violations |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for mode in ("before", "after"):
+        for processes in (1, 4):
+            sim = pod_scenario(mode, processes=processes)
+            f = sim.run(40, warmup=10)
+            bound = period_bound(sim)
+            print(
+                f"| {mode} | {processes} | {f['period']:.2f} | {bound:.2f} | "
+                f"{bound / f['period']:.0%} | {f['drops_per_group']:.3f} | {f['violations']} |",
+                flush=True,
+            )
+    print()
+    print(
+        "| spread, servers, S | of the bound, before → after | stale drops / trained, "
+        "before → after | violations, before → after | after, finish-order mutant: drops / "
+        "violations | after, no-hold-back mutant: drops / violations |"
+    )
+    print("| --- | --- | --- | --- | --- | --- |")
+    for lengths in ((10, 1000), (200, 8192)):
+        for k in (1, 2, 4):
+            for s in (1, 2):
+                row = {}
+                for key, mode, adm in (
+                    ("before", "before", ServerAdmission),
+                    ("after", "after", ServerAdmission),
+                    ("finish", "after", FinishOrderAdmission),
+                    ("nohold", "after", NoHoldBackAdmission),
+                ):
+                    sim = spread_scenario(mode, k, lengths, s, admission=adm, strict=False)
+                    f = sim.run(steps, warmup=20)
+                    row[key] = (f, f["groups_per_time"] * period_bound(sim) / sim.batch_groups)
+                b, a = row["before"], row["after"]
+                print(
+                    f"| {lengths[0]}–{lengths[1]}, {k}, {s} | {b[1]:.0%} → {a[1]:.0%} | "
+                    f"{b[0]['drops_per_group']:.3f} → {a[0]['drops_per_group']:.3f} | "
+                    f"{b[0]['violations']} → {a[0]['violations']} | "
+                    f"{row['finish'][0]['drops_per_group']:.3f} / {row['finish'][0]['violations']} | "
+                    f"{row['nohold'][0]['drops_per_group']:.3f} / {row['nohold'][0]['violations']} |",
+                    flush=True,
+                )
+    print()
+    print("| one of two servers stopped for 30 of its periods, S = 2, 10–1000 tokens | before | after |")
+    print("| --- | --- | --- |")
+    deaf = {m: deaf_figures(spread_scenario(m, 2, (10, 1000), 2, strict=False)) for m in
+            ("before", "after")}  # fmt: skip
+    for label, fn in (
+        ("steps / unit while stopped, of before", lambda d: f"{d['rate_deaf'] / d['rate_before']:.0%}"),
+        ("stale drops after it resumes", lambda d: f"{d['burst']}"),
+        ("of those, admitted after it stopped", lambda d: f"{d['burst_admitted_after_stop']}"),
+        ("steps from its resume to current", lambda d: f"{d['steps_to_current']}"),
+        ("W − v_admitted > S (exempt: in the stop's window)",
+         lambda d: f"{d['violations']} ({d['violations_exempt']})"),
+    ):  # fmt: skip
+        print(f"| {label} | {fn(deaf['before'])} | {fn(deaf['after'])} |", flush=True)
+
+
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--control", action="store_true", help="issue 42's grid")
     args = parser.parse_args()
+    if args.control:
+        control_tables(args.steps)
+        return
     print(
         "| scenario (servers, gen / step) | stale drops / trained group, before → after | "
         "trained tokens / unit, before → after | of the bound, after | "

@@ -17,6 +17,13 @@ carries none: one Pull at a time per server; a push carries none either). Withou
 pulls only
 between steps (the serial loop the admission rule was first simulated with; the async trainer always
 prefetches, so every scenario runs the real loop's timing unless it says otherwise).
+
+With `push_cost` or `pulls` the pool's control plane is modelled too (`FleetSim`'s arguments):
+weight loads that take time, serial or per-server senders, one or several trainer processes,
+blocking or concurrent Pulls with the pool's waits, deaf (SIGSTOPped) servers, the lagging fence
+and version leases; `BEFORE` and `AFTER` are today's pool and issue 42's. Every trained group is
+checked against the admission bound W − v_admitted ≤ S (v_admitted: its server's weights when it
+was admitted), outside a stated fault window (`FleetSim._exempt`).
 """
 
 from __future__ import annotations
@@ -81,6 +88,23 @@ class OldAdmission:
         return list(queued)[:n]  # finish order
 
 
+class FinishOrderAdmission(ServerAdmission):
+    """A mutant of `ServerAdmission`: finished groups handed out in the order they finished."""
+
+    def hand_out(self, queued, running, n):
+        return list(queued)[: max(n, 0)]
+
+
+class NoHoldBackAdmission(ServerAdmission):
+    """A mutant of `ServerAdmission`: oldest admitted first, but younger finished groups are not
+    held back while a group whose deadline is the trainer's version still runs."""
+
+    def hand_out(self, queued, running, n):
+        if n <= 0:
+            return []
+        return sorted(queued, key=lambda i: (self.admitted.get(i, -1), i))[:n]
+
+
 @dataclasses.dataclass
 class SimGroup:
     gid: int
@@ -90,6 +114,7 @@ class SimGroup:
     left: int = 0  # samples not finished
     length: float = 0.0  # mean completion length
     tokens: float = 0.0
+    born: float = 0.0  # when it was admitted
 
     @property
     def key(self) -> tuple[str, int]:
@@ -107,14 +132,24 @@ class SimServer:
         self.draining = False
         self.next_id = 0
         self.incarnation = 0
+        self.deaf: list[tuple[float, float]] = []  # (from, to): stopped (SIGSTOP) meanwhile
+        self.cycle: tuple[float, float] | None = None  # (stopped, period): a duty cycle
         self._reset()
+
+    def deaf_at(self, t: float) -> bool:
+        """Whether it is stopped at time `t` (a deaf window or its duty cycle holds it)."""
+        if self.cycle is not None:
+            stopped, period = self.cycle
+            if t % period < stopped:
+                return True
+        return any(a <= t < b for a, b in self.deaf)
 
     def _reset(self) -> None:
         cfg = self.sim
         if cfg.rule == "old":
             self.adm = OldAdmission(cfg.max_staleness, cfg.batch_groups, cfg.capacity)
         else:
-            self.adm = ServerAdmission(
+            self.adm = cfg.admission(
                 max_staleness=cfg.max_staleness,
                 batch_groups=cfg.batch_groups,
                 capacity=cfg.capacity,
@@ -126,17 +161,35 @@ class SimServer:
         self.leased: dict[int, float] = {}  # gid -> lease end
         self.version = 0
         self.ready = False  # holds trainer weights
+        # The control plane's lease (`FleetSim(fence=True)`): the last trainer version its share is
+        # valid for (None = no lease), and whether its share is 0 (lagging).
+        self.share_until: int | None = None
+        self.fenced = False
         self.unacked: list[int] = []  # persisted: dispatched, not acknowledged
         # Its capacity measure (a process's: a restart measures again), reported on every Pull.
         self.meter = RateMeter(self.slots, window_s=self.sim.rate_window)
         self.tokens = 0.0  # generated so far (the engine's counter)
 
-    def install(self, version: int, share: float, new_epoch: bool) -> None:
+    def install(
+        self, version: int, share: float, new_epoch: bool, share_until: int | None = None
+    ) -> None:
+        """New weights `version` with its `share` (0: it admits nothing, lagging) and its lease
+        (`share_until`; None: none)."""
         self.version = max(self.version, version)
-        self.adm.install(version, share)
+        self.fenced = share <= 0
+        self.share_until = share_until
+        self.adm.install(version, share if share > 0 else 1.0)
         if new_epoch or not self.ready:
             self.adm.begin_epoch(version, set(self.groups))
         self.ready = True
+
+    def admitting(self) -> bool:
+        """Admission open: weights held, not draining, a share, and its lease not run out (the
+        trainer's version it knows is within `share_until`)."""
+        if not self.ready or self.draining or self.fenced:
+            return False
+        known = getattr(self.adm, "trainer_version", 0)
+        return self.share_until is None or known <= self.share_until
 
     def kill(self) -> None:
         self.up = False
@@ -152,7 +205,7 @@ class SimServer:
         self._reissue = collections.deque(again)
 
     def _dispatch(self, gid: int) -> None:
-        g = SimGroup(gid, self.name, self.version, left=self.sim.group_size)
+        g = SimGroup(gid, self.name, self.version, left=self.sim.group_size, born=self.sim.now)
         self.groups[gid] = g
         self.sim.dispatched.add(g.key)
         self.adm.admit(gid)
@@ -162,14 +215,14 @@ class SimServer:
             self.waiting.append((gid, self.sim.rng.uniform(*self.lengths)))
 
     def tick(self, dt: float) -> None:
-        if not self.up:
+        if not self.up or self.deaf_at(self.sim.now):
             return
         if self.draining and not self.groups:  # drained: it exits, nothing left to hand back
             self.kill()
             self.sim.down.add(self.name)
             return
         reissue = getattr(self, "_reissue", None)
-        while self.ready and not self.draining and self.adm.may_admit(self.groups.keys()):
+        while self.admitting() and self.adm.may_admit(self.groups.keys()):
             if reissue:
                 self._dispatch(reissue.popleft())
             else:
@@ -205,6 +258,10 @@ class SimServer:
     def pull(self, n: int, trainer_version: int, acks, rejects) -> list[SimGroup]:
         self.ack(acks, rejects)
         self.adm.saw_trainer(trainer_version)
+        return self.hand_out(n)
+
+    def hand_out(self, n: int) -> list[SimGroup]:
+        """Up to `n` finished groups, in its admission's order, leased."""
         running = {g for g in self.groups if g not in self.queue and g not in self.leased}
         ids = self.adm.hand_out(self.queue, running, n)
         for gid in ids:
@@ -213,6 +270,15 @@ class SimServer:
         if not isinstance(self.adm, OldAdmission):
             self.adm.lease(ids)
         return [self.groups[i] for i in ids]
+
+    def hand_back(self, groups) -> None:
+        """Groups a Pull took that overflowed the batch: queued again in front, unleased."""
+        ids = [g.gid for g in groups if g.gid in self.leased]
+        for gid in reversed(ids):
+            del self.leased[gid]
+            self.queue.insert(0, gid)
+        if not isinstance(self.adm, OldAdmission):
+            self.adm.unlease(ids)
 
     def ack(self, acks, rejects) -> None:
         ids = [i for i in list(acks) + list(rejects) if i in self.groups]
@@ -248,6 +314,8 @@ class Stats:
     dropped_len: list = dataclasses.field(default_factory=list)
     lag_max: int = 0
     lost: int = 0  # groups in lost Pull replies
+    violations: int = 0  # trained at W > v_admitted + S
+    violations_exempt: int = 0  # of those, inside a fault's stated window (`FleetSim._exempt`)
 
 
 class FleetSim:
@@ -266,6 +334,41 @@ class FleetSim:
         pull_delay: every Pull reply's delay.
       prefetch: the real loop's timing (the default; see the module docstring); False: pulls
         only between steps, and acknowledgements leave only with Pulls.
+      admission: the servers' admission class (`ServerAdmission`, or a mutant of its hand-out
+        order: `FinishOrderAdmission`, `NoHoldBackAdmission`).
+      strict: raise at a trained group with W − v_admitted > S outside its server's fault window
+        (`_exempt`); False: count it only (`violations`). None: strict for the "new" rule with
+        the control plane modelled (the old rule did not bound the admission version; the
+        scenarios without the control plane count theirs: a share that shrinks after admission
+        trains a few groups a version late).
+
+    The control plane (the pool's pushes and Pulls, `train/remote.py`), modelled when `push_cost`
+    or `pulls` is given (otherwise pushes land `push_delay` after the step everywhere at once and
+    a pull round is instantaneous, as the scenarios above were written):
+      push_cost: a server's weight load, in time units: a number, a (min, max) drawn per load,
+        or a list of either per server. A load runs only while its server is not deaf.
+      senders: "serial" (today's `WeightPusher` and `ServerPool.update_weights`: one thread saves
+        (`push_delay`) then loads the servers one after another, each waited for; a newer version
+        submitted meanwhile replaces the waiting one) or "per_server" (each server has one
+        `UpdateWeights` at most in flight and is sent the newest version announced when it
+        finishes; the loop never waits).
+      processes: trainer processes. With "serial" and more than one, no version is skipped:
+        the loop's `submit` waits while a version is still waiting (`supersede=False`). With
+        "per_server" process 0 announces the newest saved version only.
+      pulls: "blocking" (today's `ServerPool.pull`: one Pull at a time on the loop's thread, to
+        the servers in `FleetQuota.order` in turn, each waiting up to `pull_timeout`, or
+        min(`pull_timeout`, `pull_wait`) with several servers up, for its first group) or
+        "concurrent" (one Pull outstanding per server, all at once, each for that server's
+        quota; replies fill the batch in the order they come; what overflows it is handed back
+        unleased). A deaf server answers when it resumes, or fails at wait + `pull_slack`.
+      fence: the lagging fence and version leases: a server whose `UpdateWeights` or Pull is
+        overdue (by max(`fence_factor` × its measured load time, `fence_periods` × the step
+        period)) is lagging: share 0 at its next push, its seats to the others, still pulled;
+        every push grants a share until version + S, and a server that knows a trainer version
+        past it admits nothing; it is current again once it installs a version within S of the
+        trainer's. A rejoining server joins once it holds a version within S of the next batch's
+        (`rejoin`).
+      fallback_min: `FleetQuota.min_fallback_s` (today's pool: 1 s).
     """
 
     def __init__(
@@ -288,10 +391,36 @@ class FleetSim:
         dt=None,
         stall_after=200.0,
         prefetch=True,
+        admission=ServerAdmission,
+        strict=None,
+        push_cost=None,
+        senders="serial",
+        processes=1,
+        pulls=None,
+        pull_timeout=None,
+        pull_wait=None,
+        pull_slack=None,
+        fence=False,
+        fence_factor=3.0,
+        fence_periods=3.0,
+        fallback_min=None,
     ):
         if shares not in ("measured", "equal"):
             raise ValueError(f"shares must be 'measured' or 'equal' (got {shares!r})")
+        if senders not in ("serial", "per_server"):
+            raise ValueError(f"senders must be 'serial' or 'per_server' (got {senders!r})")
+        if pulls not in (None, "blocking", "concurrent"):
+            raise ValueError(f"pulls must be 'blocking' or 'concurrent' (got {pulls!r})")
         self.stall_after = stall_after
+        self.admission = admission
+        self.control = push_cost is not None or pulls is not None
+        self.strict = rule == "new" and self.control if strict is None else strict
+        self.senders, self.processes = senders, processes
+        self.pulls = pulls or "blocking"
+        self.pull_timeout = step_time if pull_timeout is None else pull_timeout
+        self.pull_wait = step_time if pull_wait is None else pull_wait
+        self.pull_slack = 30 * step_time if pull_slack is None else pull_slack
+        self.fence, self.fence_factor, self.fence_periods = fence, fence_factor, fence_periods
         self.measured = shares == "measured" and rule == "new"
         self.rate_window = rate_window
         self.rates: dict[str, float] = {}  # the capacity each server reported last (pool side)
@@ -324,16 +453,57 @@ class FleetSim:
         self.pending: dict[str, tuple[list, list]] = {s.name: ([], []) for s in self.servers}
         self.pushes: list[tuple[float, str, int, bool]] = []  # (when, server, version, epoch)
         self.down: set[str] = set()  # servers the trainer's pool has out of its rotation
-        self.quota = FleetQuota(batch_groups, min_fallback_s=step_time)
+        self.quota = FleetQuota(
+            batch_groups, min_fallback_s=step_time if fallback_min is None else fallback_min
+        )
         self._rot = 0
-        self._push_all(new_epoch=True, delay=0.0)
+        self.faults: dict[str, list[tuple[float, float]]] = {}  # server -> (from, to) windows
+        self.step_ends: list[float] = []  # when each step finished
+        self.drop_log: list[tuple[float, str, float]] = []  # (when, server, admitted at)
+        if not self.control:
+            self._push_all(new_epoch=True, delay=0.0)
+            return
+        costs = push_cost if isinstance(push_cost, list) else [push_cost] * len(self.servers)
+        self.cost = {s.name: c or 0.0 for s, c in zip(self.servers, costs, strict=True)}
+        self.outstanding: dict[str, dict] = {}  # server -> its Pull waiting for a reply
+        self.pusher: dict | None = None  # the push thread's version in progress
+        self.push_waiting: tuple[int, bool] | None = None  # submitted, not started
+        self.submit_blocked: tuple[int, bool] | None = None  # the loop waits in `submit`
+        self.superseded = 0
+        self.announced = 1  # the newest version saved and announced (per-server senders)
+        self.pushed = 1  # the newest version a push began with (`ServerPool._weights`)
+        self.sender = {s.name: {"want": None, "cur": None} for s in self.servers}
+        self.loads = {s.name: 0 for s in self.servers}
+        self.load_time: dict[str, float] = {}  # measured, per server
+        self.lagging: set[str] = set()
+        self.grants: dict[str, dict[int, float]] = {}  # server -> version -> share sent with it
+        self.lagging_log: list[tuple[float, str, bool]] = []  # (when, server, lagging)
+        self.rejoining: dict[str, int] = {}  # server -> the version its rejoin load is of
+        self.rejoin_from: dict[str, int] = {}  # server -> its loads when its rejoin began
+        self.rejoin_loads: dict[str, int] = {}  # server -> the loads its last rejoin took
+        self.blocked_time = 0.0  # the loop waiting in `submit`
+        self._until = 0
+        shares = self.shares()
+        for server in self.servers:  # the trainer's first sync, before its first step
+            server.install(1, shares[server.name], True, self._lease(1))
+            if fence:
+                self.grants[server.name] = {1: shares[server.name]}
 
     # The trainer's pool.
 
-    def shares(self) -> dict[str, float]:
-        """The shares of the servers up: ∝ their reported capacities (what `ServerPool`
-        sends), or equal."""
-        up = [s.name for s in self.servers if s.name not in self.down]
+    def shares(self, also: str | None = None) -> dict[str, float]:
+        """The shares of the servers up (and `also`, one rejoining): ∝ their reported
+        capacities (what `ServerPool` sends), or equal; with `fence`, a lagging server's is 0
+        and the others share its seats."""
+        up = [s.name for s in self.servers if s.name not in self.down or s.name == also]
+        if self.control and self.fence:
+            current = [n for n in up if n not in self.lagging]
+            if current:
+                fenced = self._shares(current)
+                return {n: fenced.get(n, 0.0) for n in up}
+        return self._shares(up)
+
+    def _shares(self, up: list[str]) -> dict[str, float]:
         if not self.measured:
             return {n: 1 / len(up) for n in up} if up else {}
         seats = (self.max_staleness + 1) * self.batch_groups
@@ -396,7 +566,12 @@ class FleetSim:
 
     # The trainer.
 
-    def run(self, until: int, warmup: int = 10) -> dict:
+    def run_for(self, span: float) -> dict:
+        """Runs the fleet for `span` time units and returns that span's figures (however many
+        steps it made, none included)."""
+        return self.run(10**9, warmup=0, until_time=self.now + span)
+
+    def run(self, until: int, warmup: int = 10, until_time: float | None = None) -> dict:
         """Runs the trainer until step `until` (counted over every call) and returns the
         figures of the steps from `warmup` on (or from this call's first, if later), every step
         checked (`check_accounting`, and in `_finish_step`).
@@ -407,18 +582,25 @@ class FleetSim:
         t0, base = None, None
         if self.step >= warmup:
             t0, base = self.now, dataclasses.replace(self.stats)
+        self._base_step = max(self.step, warmup)
         guard = 0
-        while self.step < until:
+        while self.step < until and (until_time is None or self.now < until_time - 1e-9):
             guard += 1
             if guard > 10_000_000:
                 raise RuntimeError("the simulation does not progress")
             self.now += self.dt
-            self._deliver_pushes()
+            self._until = until
+            if self.control:
+                self._control_tick()
+            else:
+                self._deliver_pushes()
             for s in self.servers:
                 s.tick(self.dt)
+            if self.control:
+                self._send_pulls()
             if self.busy_until is not None:
                 if self.now < self.busy_until:
-                    if self.prefetch and self.step + 1 < until:  # the next batch, meanwhile
+                    if self.prefetch and self.step + 1 < until and not self.control:
                         self._fill(self.ahead, self.version + 1, also=self.kept)
                     continue
                 self.busy_until = None
@@ -429,7 +611,11 @@ class FleetSim:
                     t0, base = self.now, dataclasses.replace(self.stats)
                 self.check_accounting()
                 continue
-            self._fill(self.kept, self.version)
+            if self.control and self.submit_blocked is not None:
+                self.blocked_time += self.dt
+                continue
+            if not self.control:
+                self._fill(self.kept, self.version)
             if self.now - self.last_step > self.stall_after:
                 raise SimStalled(f"no step for {self.stall_after} time units at {self.step}")
             if len(self.kept) >= self.batch_groups:
@@ -457,6 +643,7 @@ class FleetSim:
         if lag > self.max_staleness:
             self.stats.dropped += 1
             self.stats.dropped_len.append(g.length)
+            self.drop_log.append((self.now, server.name, g.born))
             self.rejected_keys.add(g.key)
             rejects.append(g.gid)
             return False
@@ -472,15 +659,36 @@ class FleetSim:
             lag = self.version - g.first
             if lag > self.max_staleness:
                 raise AssertionError(f"group {key} trained at lag {lag}")
+            if self.version - g.admitted > self.max_staleness:
+                self.stats.violations += 1
+                if self._exempt(server.name, g):
+                    self.stats.violations_exempt += 1
+                elif self.strict:
+                    raise AssertionError(
+                        f"group {key} admitted at v{g.admitted} trained at W = {self.version} "
+                        f"> v + S ({self.max_staleness})"
+                    )
             self.stats.lag_max = max(self.stats.lag_max, lag)
             self.stats.trained += 1
             self.stats.tokens += g.length * self.group_size
             self.stats.trained_len.append(g.length)
             self.pending[server.name][0].append(g.gid)
         self.version += 1
-        if not skipped or self.rule == "new":  # the old trainer pushed nothing on a skipped step
+        self.step_ends.append(self.now)
+        if self.control:
+            self._submit(self.version)
+        elif not skipped or self.rule == "new":  # the old trainer pushed nothing on a skipped step
             self._push_all(new_epoch=False)
         self.step += 1
+
+    def _exempt(self, name: str, g: SimGroup) -> bool:
+        """The stated fault window: a group its server admitted before the end of one of its
+        kill/rejoin or deaf windows, trained within S + 2 steps of that end."""
+        for _, end in self.faults.get(name, ()):
+            after = sum(1 for t in self.step_ends if t >= end)
+            if g.born < end and after <= self.max_staleness + 2:
+                return True
+        return False
 
     def check_accounting(self) -> None:
         """Exactly once: every group ever dispatched was trained once, rejected, or is still
@@ -494,7 +702,7 @@ class FleetSim:
         st = self.stats
         trained = st.trained - base.trained
         dropped = st.dropped - base.dropped
-        elapsed = self.now - t0
+        elapsed = max(self.now - t0, 1e-9)
         mean = lambda xs: sum(xs) / len(xs) if xs else math.nan
         return {
             "trained": trained,
@@ -506,12 +714,382 @@ class FleetSim:
             "len_dropped": mean(st.dropped_len[base.dropped :]),
             "lag_max": st.lag_max,
             "lost": st.lost - base.lost,
+            "violations": st.violations - base.violations,
+            "violations_exempt": st.violations_exempt - base.violations_exempt,
+            "steps_done": self.step - self._base_step,
+            "period": elapsed / max(self.step - self._base_step, 1),
             "capacity": sum(s.capacity_rate for s in self.servers if s.up),
             "trainer_rate": self.batch_groups / self.step_time,
             "share_s0": self.shares().get("s0", 0.0),
             "steps": self.step,
             "elapsed": elapsed,
         }
+
+    # The control plane (`control`: `push_cost` or `pulls` given).
+
+    def _lease(self, version: int) -> int | None:
+        """The last trainer version a share pushed with `version` is valid for (with `fence`)."""
+        return version + self.max_staleness if self.fence else None
+
+    def _draw_cost(self, name: str) -> float:
+        """One load's time on `name`."""
+        c = self.cost[name]
+        return self.rng.uniform(*c) if isinstance(c, tuple) else float(c)
+
+    def _submit(self, version: int) -> None:
+        """`WeightPusher.submit` on the loop's thread: with one process (or per-server senders) a
+        newer version replaces the waiting one; with several and serial pushes the loop waits
+        while one is waiting (`submit_blocked`)."""
+        if self.senders == "serial" and self.processes > 1 and self.push_waiting is not None:
+            self.submit_blocked = (version, False)
+            return
+        if self.push_waiting is not None:
+            self.superseded += 1
+        self.push_waiting = (version, False)
+
+    def _control_tick(self) -> None:
+        """One tick of the pool: the push thread, the senders, the fence, the Pull replies."""
+        dt = self.dt
+        if self.submit_blocked is not None and self.push_waiting is None:
+            self.push_waiting, self.submit_blocked = self.submit_blocked, None
+        if self.pusher is None and self.push_waiting is not None:
+            version, epoch = self.push_waiting
+            self.push_waiting = None
+            self.pusher = {"version": version, "epoch": epoch, "save": self.push_delay}
+            self.pushed = version  # `ServerPool._weights`: what a rejoin gets
+        p = self.pusher
+        if p is not None and p["save"] > 0:
+            p["save"] -= dt
+            if p["save"] <= 0 and self.senders == "per_server":
+                self.announced = p["version"]  # every sender now wants it
+                for name, snd in self.sender.items():
+                    if name not in self.down or name in self.rejoining:
+                        snd["want"] = p["version"]
+                self.pusher = None
+            elif p["save"] <= 0:
+                p["targets"] = [s.name for s in self.servers if s.name not in self.down]
+                p["targets"] = [n for n in p["targets"] if not self._server(n).draining]
+                p["shares"], p["cur"] = self.shares(), None
+        if self.pusher is not None and self.pusher["save"] <= 0:
+            self._serial_push()
+        if self.senders == "per_server":
+            for name in self.sender:
+                self._per_server_send(name)
+        if self.rejoining and self.senders == "serial":
+            self._serial_rejoins()
+        if self.fence:
+            self._fence()
+        self._pull_replies()
+
+    def _load(self, name: str, job: dict) -> bool:
+        """Advances a load one tick (only while its server runs); True when it is installed."""
+        server = self._server(name)
+        if not server.up or server.deaf_at(self.now):
+            return False
+        job["left"] -= self.dt
+        if job["left"] > 0:
+            return False
+        server.install(job["version"], job["share"], job["epoch"], self._lease(job["version"]))
+        if self.rule == "new":  # the push names the trainer's version when it was sent
+            server.adm.saw_trainer(job["trainer"])
+        self.loads[name] += 1
+        took = self.now - job["started"]
+        was = self.load_time.get(name)
+        self.load_time[name] = took if was is None else 0.7 * was + 0.3 * took
+        if self.fence and job["version"] >= self.version - self.max_staleness:
+            if name in self.lagging:
+                self.lagging.discard(name)
+                self.lagging_log.append((self.now, name, False))
+        return True
+
+    def _job(self, name: str, version: int, epoch: bool, share: float) -> dict:
+        return {
+            "version": version,
+            "trainer": max(self._next_version(), version),
+            "epoch": epoch,
+            "share": share,
+            "left": self._draw_cost(name),
+            "started": self.now,
+        }
+
+    def _serial_push(self) -> None:
+        """`ServerPool.update_weights`: the servers one after another, each load waited for; a
+        server that is gone leaves the rotation."""
+        p = self.pusher
+        while True:
+            if p["cur"] is None:
+                if not p["targets"]:
+                    self.pusher = None
+                    return
+                name = p["targets"].pop(0)
+                if not self._server(name).up:
+                    self.down.add(name)  # a failed push: it left
+                    continue
+                share = p["shares"].get(name, 1.0)
+                p["cur"] = (name, self._job(name, p["version"], p["epoch"], share))
+            name, job = p["cur"]
+            if not self._server(name).up:
+                self.down.add(name)
+                p["cur"] = None
+                continue
+            if not self._load(name, job):
+                return
+            p["cur"] = None
+
+    def _per_server_send(self, name: str) -> None:
+        """One server's sender: its load in flight; when it finishes, the newest wanted version
+        if newer than the server holds."""
+        server, snd = self._server(name), self.sender[name]
+        if snd["cur"] is not None:
+            if not server.up:
+                snd["cur"] = None
+                self.down.add(name)
+                return
+            if not self._load(name, snd["cur"]):
+                return
+            snd["cur"] = None
+        want = snd["want"]
+        if want is None or not server.up:
+            return
+        epoch = name in self.rejoining and not server.ready
+        if want <= server.version and not epoch:
+            snd["want"] = None  # it holds it already (a refusal: counted current)
+            return
+        snd["want"] = None
+        snd["cur"] = self._job(name, want, epoch, self._grant(name, want))
+
+    def _serial_rejoins(self) -> None:
+        """`ServerPool._rejoin`: the last pushed version, then again while a newer push landed
+        meanwhile; it joins once no newer push did."""
+        for name in list(self.rejoining):
+            snd = self.sender[name]
+            if snd["cur"] is None:
+                version = self.pushed
+                share = self.shares(also=name).get(name, 1.0)
+                snd["cur"] = self._job(name, version, True, share)
+                self.rejoining[name] = version
+            if not self._load(name, snd["cur"]):
+                continue
+            snd["cur"] = None
+            if self.pushed == self.rejoining[name]:
+                self._joined(name)
+
+    def _fence(self) -> None:
+        """Marks lagging the servers whose load or Pull is overdue; joins the rejoining servers
+        that hold a version within S of the next batch's."""
+        for server in self.servers:
+            name = server.name
+            if name in self.rejoining:
+                if server.ready and server.version >= self._next_version() - self.max_staleness:
+                    self._joined(name)
+                continue
+            if name in self.down or name in self.lagging:
+                continue
+            job = self.sender[name]["cur"]
+            if job is not None and self.now - job["started"] > self._overdue(name):
+                self._lag(name)
+
+    def _overdue(self, name: str) -> float:
+        """How late a server's load or Pull reply may be before it is lagging: max(`fence_factor`
+        × its measured load time, `fence_periods` × the trainer's step period)."""
+        period = self.quota.period or self.step_time
+        mean = self.cost[name]
+        mean = sum(mean) / 2 if isinstance(mean, tuple) else mean
+        return max(self.fence_factor * self.load_time.get(name, mean), self.fence_periods * period)
+
+    def _grant(self, name: str, version: int) -> float:
+        """The share sent to `name` with `version` (with `fence`: a lease on seats until
+        version + S). A seat moves from one current server to another only once its lease ran
+        out: the grant is the server's share now, at most what the other current servers'
+        live grants leave (a lagging server's seats are free at once). Recorded in `grants`."""
+        share = self.shares(also=name).get(name, 0.0)
+        if self.fence:
+            live = sum(
+                self._live(other, version)
+                for other in self.grants
+                if other != name and other not in self.lagging and other not in self.down
+            )
+            share = max(min(share, 1.0 - live), 0.0)
+            self.grants.setdefault(name, {})[version] = share
+        return share
+
+    def _live(self, name: str, version: int) -> float:
+        """The largest share `name` holds a live lease of at trainer `version` (granted with a
+        version within S before it)."""
+        grants = self.grants.get(name, {})
+        return max((g for p, g in grants.items() if p >= version - self.max_staleness), default=0.0)
+
+    def _quota_shares(self, version: int) -> dict[str, float]:
+        """With `fence`, the quotas of the batch of `version`: each current server's largest live
+        grant (it may hold groups admitted under it, due by this version), its share now if it
+        has none."""
+        now = self.shares()
+        return {
+            n: (0.0 if n in self.lagging else self._live(n, version) or s) for n, s in now.items()
+        }
+
+    def _lag(self, name: str) -> None:
+        """Marks `name` lagging: its share is 0 from now on, and what the batch being pulled
+        still expects from it goes to the others (its quota credit is dropped)."""
+        if name not in self.lagging:
+            self.lagging.add(name)
+            self.lagging_log.append((self.now, name, True))
+            self.quota.credit[name] = 0.0
+
+    def _next_version(self) -> int:
+        """The version the next pulled groups will be trained at."""
+        return self.version + 1 if self.busy_until is not None else self.version
+
+    def _target(self):
+        """The batch being filled now and its version: the next one while a step runs (prefetch),
+        else the step's own; None while a step runs without prefetch."""
+        if self.busy_until is not None:
+            if self.prefetch and self.step + 1 < self._until:
+                return self.ahead, self.version + 1, self.kept
+            return None
+        return self.kept, self.version, []
+
+    def _send_pulls(self) -> None:
+        """New Pulls for the batch being filled (see `pulls`)."""
+        target = self._target()
+        if target is None:
+            return
+        batch, version, _ = target
+        need = self.batch_groups - len(batch)
+        if need <= 0:
+            return
+        up = [s.name for s in self.servers if s.name not in self.down]
+        if not up:
+            return
+        shares = self._quota_shares(version) if self.fence else self.shares()
+        self.quota.start(version, shares, self.now)
+        limits: dict[str, int | None] = {}
+        for name, limit in self.quota.order(up, self.now):
+            limits.setdefault(name, limit)
+        if self.pulls == "blocking":
+            if self.outstanding:
+                return
+            names = list(limits)
+            name = names[self._rot % len(names)]
+            self._rot += 1
+            limit = limits[name]
+            wait = self.pull_timeout if len(up) == 1 else min(self.pull_timeout, self.pull_wait)
+            self._pull(name, version, need if limit is None else min(need, limit), wait)
+            return
+        for name in up:
+            if name in self.outstanding:
+                continue
+            if name in limits:
+                n = need if limits[name] is None else min(need, limits[name])
+            elif name in self.lagging:
+                n = need  # still pulled: what it finishes is trained if fresh
+            else:
+                continue
+            if n > 0:
+                self._pull(name, version, n, self.pull_timeout)
+
+    def _pull(self, name: str, version: int, n: int, wait: float) -> None:
+        """Sends a Pull; its deadline: wait + `pull_slack`, or with `fence` wait + `_overdue`
+        (the server's own latency), past which the call fails and the next Pull is sent."""
+        acks, rejects = self.pending[name]
+        self.pending[name] = ([], [])
+        slack = self._overdue(name) if self.fence else self.pull_slack
+        self.outstanding[name] = {
+            "version": version,
+            "n": n,
+            "wait_until": self.now + wait,
+            "deadline": self.now + wait + slack,
+            "acks": acks,
+            "rejects": rejects,
+            "arrived": False,
+            "sent": self.now,
+        }
+
+    def _pull_replies(self) -> None:
+        """The Pulls answered this tick: a server that runs takes the Pull's acknowledgements
+        and version when it first sees it, and replies with its first finished groups or at the
+        Pull's wait; a deaf one replies when it resumes, or the call fails at its deadline
+        (`_pull`; a lagging server's next Pull reaches it first when it resumes)."""
+        for name, p in list(self.outstanding.items()):
+            server = self._server(name)
+            failed = not server.up or (server.deaf_at(self.now) and self.now > p["deadline"])
+            if failed:
+                del self.outstanding[name]
+                if self.fence and server.up:
+                    self._lag(name)
+                if not p["arrived"]:  # not delivered: they wait for the next Pull
+                    acks, rejects = self.pending[name]
+                    self.pending[name] = (p["acks"] + acks, p["rejects"] + rejects)
+                continue
+            if server.deaf_at(self.now):
+                continue
+            if not p["arrived"]:
+                server.ack(p["acks"], p["rejects"])
+                server.adm.saw_trainer(p["version"] if self.rule == "new" else 0)
+                p["arrived"] = True
+            groups = server.hand_out(p["n"]) if server.queue else []
+            if not groups and self.now < p["wait_until"]:
+                continue
+            del self.outstanding[name]
+            if server.meter.rate > 0:
+                self.rates[name] = server.meter.rate
+            self.quota.took(name, len(groups))
+            self._receive(server, groups, p["version"])
+
+    def _receive(self, server: SimServer, groups: list[SimGroup], pulled_for: int) -> None:
+        """A Pull's reply into the batch being filled; what overflows it is handed back (with
+        concurrent Pulls the youngest admitted of the batch and the reply), and so is a reply
+        for another batch than the one being filled (its server leased it to that batch's
+        version: `ServerAdmission.in_earlier_batch` would not count it)."""
+        target = self._target()
+        if target is not None and target[1] != pulled_for:
+            target = None  # a reply for a batch already made: its leases name that batch
+        back: list[tuple[SimServer, SimGroup]] = []
+        for g in groups:
+            if target is None:
+                back.append((server, g))
+                continue
+            batch, version, also = target
+            if any(g.key == h.key for _, h in [*batch, *also]):  # re-delivered
+                continue
+            if len(batch) >= self.batch_groups:
+                if self.pulls == "blocking":
+                    back.append((server, g))
+                    continue
+                # Concurrent replies overflow the batch: the youngest admitted goes back.
+                young = max(range(len(batch)), key=lambda i: batch[i][1].admitted)
+                if batch[young][1].admitted <= g.admitted:
+                    back.append((server, g))
+                    continue
+                back.append(batch.pop(young))
+            if self._select(server, g, version):
+                batch.append((server, g))
+        for owner, g in back:
+            self.quota.took(owner.name, -1)
+            owner.hand_back([g])
+
+    def deafen(self, name: str, start: float, end: float) -> None:
+        """The server is stopped (SIGSTOP) from `start` to `end` (time units), then continued:
+        no admission, generation, load or reply meanwhile; what it held resumes."""
+        self._server(name).deaf.append((start, end))
+        self.faults.setdefault(name, []).append((start, end))
+
+    def duty(self, name: str, stopped: float, period: float) -> None:
+        """Stops the server for the first `stopped` of every `period` (the live benchmark's
+        `--duty`)."""
+        self._server(name).cycle = (stopped, period)
+
+    def _joined(self, name: str) -> None:
+        """A rejoining server is back in the rotation; `rejoin_loads`: the loads it took."""
+        del self.rejoining[name]
+        self.down.discard(name)
+        self._end_fault(name)
+        self.rejoin_loads[name] = self.loads[name] - self.rejoin_from[name]
+
+    def _end_fault(self, name: str) -> None:
+        windows = self.faults.get(name)
+        if windows and windows[-1][1] == math.inf:
+            windows[-1] = (windows[-1][0], self.now)
 
     # Scripted faults.
 
@@ -522,6 +1100,7 @@ class FleetSim:
     def kill(self, name: str) -> None:
         self._server(name).kill()
         self.down.add(name)
+        self.faults.setdefault(name, []).append((self.now, math.inf))
 
     def sigterm(self, name: str) -> None:
         """Stops admitting; the pool stops pulling it once its groups are out (modelled as
@@ -530,11 +1109,22 @@ class FleetSim:
         server.draining = True
 
     def rejoin(self, name: str) -> None:
+        """The server is back (restarted if it was killed): the pool pushes it the current
+        weights with a new epoch and puts it back in the rotation (with the control plane: once
+        its rejoin load is done, see `senders` and `fence`)."""
         server = self._server(name)
         if not server.up:
             server.restart()
+        if self.control:
+            server.ready = False
+            self.rejoining[name] = self.pushed
+            self.rejoin_from[name] = self.loads[name]
+            self.sender[name]["cur"] = None
+            self.sender[name]["want"] = self.announced if self.senders == "per_server" else None
+            return
         self.down.discard(name)
         self.pushes.append((self.now, name, self.version, True))
+        self._end_fault(name)
 
     def restart_trainer(self) -> None:
         """The trainer restarts from its last step (checkpointed every step): leases of what it
@@ -543,3 +1133,134 @@ class FleetSim:
             self.pending[name] = ([], [])
         self.ahead, self.parked = [], {}
         self._push_all(new_epoch=True, delay=0.0)
+
+
+# Issue 42's scenarios (the control plane before and after), shared by the tests and
+# benchmarks/fleet_sim.py. "before": today's pool (serial pushes, blocking Pulls with the pool's
+# per-server wait and fallback); "after": per-server senders, concurrent Pulls, the fence.
+
+BEFORE = {"senders": "serial", "pulls": "blocking"}
+AFTER = {"senders": "per_server", "pulls": "concurrent", "fence": True}
+
+
+def control(mode: str) -> dict:
+    """The `FleetSim` options of `mode` ("before" or "after")."""
+    return dict(BEFORE if mode == "before" else AFTER)
+
+
+def period_bound(sim: FleetSim) -> float:
+    """The least trainer period the admission rule allows (time units per step):
+    max(step, B / C, (save + 1.5 · load + ℓ + step) / (S + 1)), where C is the fleet's generation
+    capacity (groups per unit) and ℓ a group's generation time (its longest of G samples:
+    (lo + G/(G+1) · (hi − lo)) / speed, the mean over the servers). A group trained at W was
+    admitted at weights W − S or newer; those exist once step W − S − 1 ended, its save and a
+    server's load ran, and a server whose single sender is busy starts a version's load when its
+    previous one ends (half a load later on average); the group is then generated and trained in
+    step W: S + 1 periods hold save + 1.5 · load + ℓ + step. With no load this is the bound of
+    `test_prefetch_reaches_the_overlap_the_bound_allows`."""
+    g = sim.group_size
+    lat = [(lo + g / (g + 1) * (hi - lo)) / s.speed for s in sim.servers for lo, hi in [s.lengths]]
+    costs = [c if not isinstance(c, tuple) else sum(c) / 2 for c in sim.cost.values()]
+    load = sum(costs) / len(costs)
+    capacity = sum(s.capacity_rate for s in sim.servers)
+    chain = sim.push_delay + 1.5 * load + sum(lat) / len(lat) + sim.step_time
+    return max(sim.step_time, sim.batch_groups / capacity, chain / (sim.max_staleness + 1))
+
+
+def duty_scenario(mode: str, duty: bool = True, **kw) -> FleetSim:
+    """`benchmarks/fleet.py --servers 2 --step-s 0 --duty 0.5` in seconds: max_staleness 1, 2
+    groups of 2 per batch, 4 slots, samples of 4–6 tokens at 100 tokens/s a slot, a 10 ms step,
+    a 3 ms save and a 10 ms load; the first server stopped for 0.5 s of every second; the pool's
+    per-server Pull wait and fallback 1 s before, Pulls of 50 ms after."""
+    opts = control(mode)
+    opts.update(pull_wait=1.0, fallback_min=1.0, pull_timeout=30.0 if mode == "before" else 0.05)
+    opts.update({"strict": False, **kw})
+    sim = FleetSim(
+        [(100.0, 4, (4, 6))] * 2,
+        max_staleness=1,
+        batch_groups=2,
+        group_size=2,
+        step_time=0.01,
+        push_delay=0.003,
+        push_cost=0.01,
+        rate_window=0.25,
+        dt=0.002,
+        stall_after=100.0,
+        **opts,
+    )
+    if duty:
+        sim.duty("s0", 0.5, 1.0)
+    return sim
+
+
+def pod_scenario(
+    mode: str, *, servers: int = 8, processes: int = 4, staleness: int = 4, **kw
+) -> FleetSim:
+    """A pod: `servers` servers of 128 slots whose generation is 1.2 times the trainer's need, 64
+    groups of 8 samples of 200–8192 tokens per batch, S = `staleness`, a step of 1 (~20 s), a save
+    of 0.1 and loads of 1–3 steps drawn per load, `processes` trainer processes."""
+    b, g, lengths = 64, 8, (200, 8192)
+    speed = 1.2 * b * g * sum(lengths) / 2 / (servers * 128)
+    opts = control(mode)
+    opts.update(kw)
+    return FleetSim(
+        [(speed, 128, lengths)] * servers,
+        max_staleness=staleness,
+        batch_groups=b,
+        group_size=g,
+        capacity=512,
+        step_time=1.0,
+        push_delay=0.1,
+        push_cost=(1.0, 3.0),
+        processes=processes,
+        pull_timeout=1.0,
+        dt=0.05,
+        stall_after=1000.0,
+        strict=False,
+        **opts,
+    )
+
+
+def spread_scenario(mode: str, servers: int, lengths, staleness: int, **kw) -> FleetSim:
+    """`servers` servers of 8 slots on which a sample of the mean length takes a step; 8 groups
+    of 4 per batch, uniform lengths in `lengths`, a save of 0.1 and a load of 0.1 step."""
+    opts = control(mode)
+    opts.update(kw)
+    return FleetSim(
+        [(sum(lengths) / 2, 8, lengths)] * servers,
+        max_staleness=staleness,
+        batch_groups=8,
+        group_size=4,
+        step_time=1.0,
+        push_delay=0.1,
+        push_cost=0.1,
+        stall_after=1000.0,
+        **opts,
+    )
+
+
+def deaf_figures(sim: FleetSim, *, name: str = "s1", at: int = 40, steps: int = 30) -> dict:
+    """Runs `sim` to step `at`, stops server `name` (SIGSTOP) for `steps` of the trainer's
+    periods before it, then runs 30 steps more: steps per unit before and while it is stopped,
+    the stale drops after it resumes (all, and those of groups admitted after it stopped), and
+    the steps from its resume to its being current again (with the fence; None if it never was
+    lagging or never came back)."""
+    before = sim.run(at, warmup=10)
+    t0, span = sim.now, steps * before["period"]
+    sim.deafen(name, t0, t0 + span)
+    while_deaf = sim.run_for(span)
+    sim.run(sim.step + 30, warmup=sim.step)
+    burst = [d for d in sim.drop_log if d[0] >= t0 + span]
+    back = [t for t, n, lag in getattr(sim, "lagging_log", []) if n == name and not lag]
+    back = [t for t in back if t >= t0 + span]
+    return {
+        "rate_before": 1 / before["period"],
+        "rate_deaf": while_deaf["steps_done"] / span,
+        "burst": len(burst),
+        "burst_admitted_after_stop": sum(1 for d in burst if d[2] >= t0),
+        "steps_to_current": (
+            sum(1 for t in sim.step_ends if t0 + span <= t <= back[0]) if back else None
+        ),
+        "violations": sim.stats.violations,
+        "violations_exempt": sim.stats.violations_exempt,
+    }
