@@ -316,6 +316,17 @@ class FleetQuota:
         """`n` groups of this batch came from `server`."""
         self.credit[server] = self.credit.get(server, 0.0) - n
 
+    def reassign(self, server: str, shares: Mapping[str, float]) -> None:
+        """`server` will not deliver what it is owed (the trainer fenced it): its credit goes to
+        the servers of `shares`, in proportion, so the batch need not wait for the fallback."""
+        owed = max(self.credit.pop(server, 0.0), 0.0)
+        total = sum(shares.values())
+        if owed <= 0 or total <= 0:
+            return
+        for name, share in shares.items():
+            if name != server:
+                self.credit[name] = self.credit.get(name, 0.0) + owed * share / total
+
 
 @dataclasses.dataclass
 class RateMeter:

@@ -290,10 +290,12 @@ class RolloutLoop(GroupGeneration):
         *,
         ack: Sequence[int] = (),
         reject: Sequence[int] = (),
+        give_back: Sequence[int] = (),
         run_id: str = "",
         trainer_version: int = 0,
     ) -> list[rollout_pb2.Group]:
-        """Acknowledges `ack` and `reject` (as `ack` does), notes the trainer's version
+        """Acknowledges `ack` and `reject` and takes `give_back` back (as `ack` does), notes
+        the trainer's version
         (0 = not sent), then leases up to `max_groups` finished groups, oldest admitted first
         (`ServerAdmission.hand_out`, which may hold younger ones back while an older group must
         still reach this batch), waiting up to `timeout_s` for the first.
@@ -303,6 +305,8 @@ class RolloutLoop(GroupGeneration):
         too many. The reply waits (outside the lock) until the acknowledgements and the returned
         groups' dispatches are on disk (docs/DESIGN.md §6.4).
         """
+        if give_back:
+            self._give_back(give_back)
         seq = self._ack(ack, reject, run_id)[1] if ack or reject else 0
         self._touch(run_id)
         deadline = time.monotonic() + timeout_s
@@ -358,8 +362,17 @@ class RolloutLoop(GroupGeneration):
                     if not self._running:
                         return False
 
-    def ack(self, group_ids: Sequence[int], *, reject: Sequence[int] = (), run_id: str = "") -> int:
-        """Removes the groups `group_ids` and `reject` for good (leased ones, ones whose lease
+    def ack(
+        self,
+        group_ids: Sequence[int],
+        *,
+        reject: Sequence[int] = (),
+        give_back: Sequence[int] = (),
+        run_id: str = "",
+    ) -> int:
+        """Takes the leased groups `give_back` back (queued again at the front, as when their
+        lease ends: the trainer did not keep them), then removes the groups `group_ids` and
+        `reject` for good (leased ones, ones whose lease
         expired and that wait in the queue again, and ones this server re-generates after a
         restart although the trainer already has them) and counts them as consumed; unknown ids
         (already acknowledged) are ignored. Returns how many were removed.
@@ -372,9 +385,22 @@ class RolloutLoop(GroupGeneration):
 
         Returns once the acknowledgement is on disk (docs/DESIGN.md §6.4).
         """
+        if give_back:
+            self._give_back(give_back)
         acked, seq = self._ack(group_ids, reject, run_id)
         self._store.wait(seq)
         return acked
+
+    def _give_back(self, group_ids: Sequence[int]) -> None:
+        """Ends the leases of `group_ids` (unknown or not leased ones are ignored): queued again
+        at the front; the next Pull leases them for the batch it names."""
+        with self._lock:
+            back = [self._leased.pop(i)[0] for i in dict.fromkeys(group_ids) if i in self._leased]
+            if back:
+                self.queue.unget(back)
+                self._admission.unlease(g.group_id for g in back)
+        if back:
+            self._wake()
 
     def _ack(self, group_ids: Sequence[int], reject: Sequence[int], run_id: str) -> tuple[int, int]:
         """`ack` without waiting: (groups removed, the snapshot a reply must wait for)."""

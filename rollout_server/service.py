@@ -116,7 +116,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"timeout_s must be in [0, {MAX_PULL_TIMEOUT_S}]"
             )
-        for name in ("ack_group_ids", "reject_group_ids"):
+        for name in ("ack_group_ids", "reject_group_ids", "return_group_ids"):
             if len(getattr(request, name)) > MAX_PULL_GROUPS:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} {name}"
@@ -127,6 +127,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             t,
             ack=list(request.ack_group_ids),
             reject=list(request.reject_group_ids),
+            give_back=list(request.return_group_ids),
             run_id=request.run_id,
             trainer_version=request.trainer_version,
         )
@@ -161,7 +162,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     ) -> rollout_pb2.AckResponse:
         """Removes the acknowledged groups for good (they count as consumed; rejected ones are
         replaced by admission)."""
-        for name in ("group_ids", "reject_group_ids"):
+        for name in ("group_ids", "reject_group_ids", "return_group_ids"):
             if len(getattr(request, name)) > MAX_PULL_GROUPS:
                 await context.abort(
                     grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_PULL_GROUPS} {name}"
@@ -170,6 +171,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             self._loop.ack,
             list(request.group_ids),
             reject=list(request.reject_group_ids),
+            give_back=list(request.return_group_ids),
             run_id=request.run_id,
         )
         acked = await asyncio.get_running_loop().run_in_executor(self._acks, ack)

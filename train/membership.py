@@ -73,12 +73,17 @@ class Member:
     pull_overhead_s: float | None = None  # a Pull's time beyond its wait (an average)
     pulling: bool = False  # a launched Pull is in flight (``ServerPool._launch_pull``)
     pull_result: str = ""  # how the last launched Pull ended: "ok", "failed" or "deaf"
+    pull_asked: int = 0  # the groups the launched Pull asked for, and its batch's version
+    pull_for: int = 0
+    grants: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (share, until)
     server_id: str = ""
     pulled: int = 0
     rate: float = 0.0  # its capacity, as its last Pull reply said (0 = not known)
     # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
     acks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
     rejects: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    # Not yet sent: (server_id, group_id) of leased groups to hand back unleased.
+    returns: list[tuple[str, int]] = dataclasses.field(default_factory=list)
 
 
 class Membership:
@@ -261,7 +266,7 @@ class Membership:
                         server.server_id,
                         dropped,
                     )
-                server.acks, server.rejects = [], []
+                server.acks, server.rejects, server.returns = [], [], []
                 server.rate = 0.0  # another server: its capacity is measured again
             server.server_id = reply.server_id or server.server_id
         self._rejoin(server, int(reply.version))

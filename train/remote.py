@@ -54,6 +54,17 @@ _UPDATE_WEIGHTS_S = 120.0
 # An UpdateWeights in flight longer than max(this, 2 install times + 2 push periods) is overdue.
 _OVERDUE_MIN_S = 2.0
 _REPLAN_S = 0.1  # a pull waiting on its servers' Pulls re-plans this often (the fallback)
+
+
+def _oldest(group: Group | InvalidGroup) -> int:
+    """The oldest weights version among a group's generated tokens (-1 for an invalid group:
+    it goes first, to be rejected)."""
+    if not isinstance(group, Group):
+        return -1
+    versions = [int(t.versions.min()) for t in group.trajectories if t.versions.size]
+    return min(versions, default=-1)
+
+
 _ACK_S = 10.0
 _FALLBACK_MIN_S = 1.0  # the least a batch waits for the servers' quotas (FleetQuota.fallback_s)
 
@@ -215,6 +226,7 @@ class ServerPool(Membership):
                 acks = self._pending(server, server.acks)
                 rejects = self._pending(server, server.rejects)
             request = self._pull_request(
+                server,
                 max_groups if limit is None else min(max_groups, limit),
                 wait,
                 acks,
@@ -230,7 +242,7 @@ class ServerPool(Membership):
                 self._raise_unless_transient(server, "Pull", e)
                 if is_draining(e):  # it answered: no failure streak, no grace, no backoff
                     with self._lock:  # it took the acknowledgements before it answered
-                        self._sent_with_pull(server, acks, rejects)
+                        self._sent_with_pull(server, acks, rejects, request.return_group_ids)
                     self._drained(server)
                     continue
                 if self._deaf(server, e):
@@ -245,38 +257,51 @@ class ServerPool(Membership):
                 continue
             pulled = decode_pulled(response.groups, limits)
             with self._lock:
-                self._delivered(server, acks, rejects, pulled, trainer_version, response)
+                self._delivered(server, request, acks, rejects, pulled, trainer_version, response)
                 self._measured_pull(server, self._clock() - started, wait, bool(pulled))
             return pulled
 
     def _pull_request(
         self,
+        server: Member,
         max_groups: int,
         wait: float,
         acks: list[tuple[str, int]],
         rejects: list[tuple[str, int]],
         trainer_version: int,
     ) -> rollout_pb2.PullRequest:
+        """A Pull carrying ``acks``, ``rejects`` and the groups ``server`` is owed back."""
+        with self._lock:
+            returns = self._pending(server, server.returns)
         return rollout_pb2.PullRequest(
             max_groups=max_groups,
             timeout_s=wait,
             ack_group_ids=[i for _, i in acks],
             reject_group_ids=[i for _, i in rejects],
+            return_group_ids=[i for _, i in returns],
             run_id=self._run_id,
             trainer_version=trainer_version,
         )
 
     def _sent_with_pull(
-        self, server: Member, acks: list[tuple[str, int]], rejects: list[tuple[str, int]]
+        self,
+        server: Member,
+        acks: list[tuple[str, int]],
+        rejects: list[tuple[str, int]],
+        returned: Sequence[int] = (),
     ) -> None:
-        """The acknowledgements a Pull carried reached ``server``: no longer pending."""
-        sent_acks, sent_rejects = set(acks), set(rejects)
+        """The acknowledgements (and the groups handed back, ``returned``) a Pull or an Ack
+        carried reached ``server``: no longer pending."""
+        sent_acks, sent_rejects, back = set(acks), set(rejects), set(returned)
         server.acks = [a for a in server.acks if a not in sent_acks]
         server.rejects = [r for r in server.rejects if r not in sent_rejects]
+        if back:
+            server.returns = [r for r in server.returns if r[1] not in back]
 
     def _delivered(
         self,
         server: Member,
+        request: rollout_pb2.PullRequest,
         acks: list[tuple[str, int]],
         rejects: list[tuple[str, int]],
         pulled: list[Group | InvalidGroup],
@@ -286,7 +311,7 @@ class ServerPool(Membership):
         """Books a Pull's reply (under the lock): its acknowledgements delivered, its groups'
         origin and batch, the server's capacity and quota."""
         self._answered(server)
-        self._sent_with_pull(server, acks, rejects)
+        self._sent_with_pull(server, acks, rejects, request.return_group_ids)
         for g in pulled:
             self._origin[g.key] = server
             self._pulled_for[g.key] = trainer_version
@@ -345,9 +370,10 @@ class ServerPool(Membership):
             if server.pulling:
                 return False
             server.pulling, server.pull_result = True, ""
+            server.pull_asked, server.pull_for = max_groups, trainer_version
             acks = self._pending(server, server.acks)
             rejects = self._pending(server, server.rejects)
-        request = self._pull_request(max_groups, wait, acks, rejects, trainer_version)
+        request = self._pull_request(server, max_groups, wait, acks, rejects, trainer_version)
 
         def run() -> None:
             result = "failed"
@@ -385,7 +411,7 @@ class ServerPool(Membership):
             self._raise_unless_transient(server, "Pull", e)
             if is_draining(e):
                 with self._lock:
-                    self._sent_with_pull(server, acks, rejects)
+                    self._sent_with_pull(server, acks, rejects, request.return_group_ids)
                 self._drained(server)
                 return "ok"
             if self._deaf(server, e):
@@ -394,7 +420,7 @@ class ServerPool(Membership):
             return "failed"
         pulled = decode_pulled(response.groups, limits)
         with self._lock:
-            self._delivered(server, acks, rejects, pulled, trainer_version, response)
+            self._delivered(server, request, acks, rejects, pulled, trainer_version, response)
             self._measured_pull(server, self._clock() - started, request.timeout_s, bool(pulled))
             self._carried.extend(pulled)
             if server.lagging:
@@ -421,8 +447,8 @@ class ServerPool(Membership):
             if self._thread is None:
                 self.maintain()
             with self._lock:
-                if self._carried:
-                    out, self._carried = self._carried[:max_groups], self._carried[max_groups:]
+                out = self._take_carried(max_groups, trainer_version)
+                if out:
                     return out
                 up = [s for s in self._servers if s.up]
                 current = [s for s in up if not s.lagging] or up
@@ -430,10 +456,17 @@ class ServerPool(Membership):
             if not up:
                 self._wait_for_a_server()
                 continue
+            # Quotas ask for what the batch still needs, no more; past the fallback every
+            # server is asked for all of it (the first replies make the batch, the rest go back).
+            with self._lock:
+                need = max_groups - sum(
+                    s.pull_asked for s in current if s.pulling and s.pull_for == trainer_version
+                )
             for server, limit in plan:
-                n = max_groups if limit is None else min(max_groups, limit)
+                n = max_groups if limit is None else min(max(need, 0), limit)
                 if n > 0 and self._launch_pull(server, n, timeout_s, limits, trainer_version):
                     launched.append(server)
+                    need -= n
             for server in up:
                 if server.lagging and server not in current:
                     self._launch_pull(server, max_groups, 0.0, limits, trainer_version)
@@ -462,13 +495,25 @@ class ServerPool(Membership):
                 continue
             return []
 
+    def _quota_shares(self, current: list[Member], trainer_version: int) -> dict[str, float]:
+        """Each current server's part of the batch of ``trainer_version``: the largest share it
+        was granted whose lease still holds (a server whose share shrank still holds what it
+        admitted under the larger one, which must be taken at that rate to stay within the
+        bound), else its share now."""
+        shares = self._shares(current)
+        for s in current:
+            live = [share for share, until in s.grants if until >= trainer_version]
+            if live:
+                shares[s.address] = max(shares[s.address], *live)
+        return shares
+
     def _plan(self, current: list[Member], trainer_version: int) -> list[tuple[Member, int | None]]:
         """The servers to pull now, each with the most groups to take (None = no limit but the
         batch's): ``FleetQuota.order`` over ``current``, those with a Pull in flight left out."""
         if trainer_version > self._trainer_version:
             self._trainer_version, self._kept = trainer_version, 0
         now = self._clock()
-        self._quota.start(trainer_version, self._shares(current), now)
+        self._quota.start(trainer_version, self._quota_shares(current, trainer_version), now)
         by_address = {s.address: s for s in current}
         plan: dict[str, int | None] = {}
         for address, limit in self._quota.order(list(by_address), now):
@@ -489,24 +534,51 @@ class ServerPool(Membership):
         server one group behind its share would otherwise stay behind, each of its groups
         trained a version late)."""
         with self._lock:
-            for g in groups:
-                server = self._origin.pop(g.key, None)
-                version = self._pulled_for.pop(g.key, None)
-                if server is None:
-                    continue
-                pending = server.rejects if rejected else server.acks
-                pending.append((g.server_id, g.group_id))
-                if rejected and version == self._trainer_version:
-                    self._kept -= 1
-                    if self._quota is not None and version == self._quota.version:
-                        self._quota.took(server.address, -1)
+            self._forget(groups, "rejects" if rejected else "acks")
+
+    def _forget(self, groups: Sequence[Group | InvalidGroup], pending: str) -> None:
+        """Queues ``groups`` on their servers' ``pending`` list ("acks", "rejects" or
+        "returns"); one rejected or handed back from the batch being pulled gives its place in
+        that batch back to its server's quota (under the lock)."""
+        for g in groups:
+            server = self._origin.pop(g.key, None)
+            version = self._pulled_for.pop(g.key, None)
+            if server is None:
+                continue
+            getattr(server, pending).append((g.server_id, g.group_id))
+            if pending != "acks" and version == self._trainer_version:
+                self._kept -= 1
+                if self._quota is not None and version == self._quota.version:
+                    self._quota.took(server.address, -1)
+
+    def _take_carried(self, max_groups: int, trainer_version: int) -> list[Group | InvalidGroup]:
+        """Up to ``max_groups`` of the groups pulled and not handed out yet, oldest first (under
+        the lock). Those pulled for an earlier batch than ``trainer_version`` (a reply that came
+        after its batch was made), and those beyond ``max_groups``, the youngest, are handed
+        back unleased: their server leases them again for the batch its next Pull names, so its
+        admission counts them where they will be trained (a group kept across batches would
+        count in none: ``ServerAdmission.in_earlier_batch``)."""
+        late = [
+            g
+            for g in self._carried
+            if isinstance(g, Group)
+            and self._pulled_for.get(g.key, trainer_version) < trainer_version
+        ]
+        rest = sorted(
+            (g for g in self._carried if g not in late), key=lambda g: (_oldest(g), g.key)
+        )
+        out, over = rest[:max_groups], rest[max_groups:]
+        back = [*late, *(g for g in over if isinstance(g, Group))]
+        self._carried = [g for g in over if not isinstance(g, Group)]
+        self._forget(back, "returns")
+        return out
 
     def flush_acks(self, *, warn_down: bool = True) -> None:
         """Sends every pending acknowledgement to the servers up now (one Ack each; a server
         that fails or is down keeps its acknowledgements, which its lease time then covers).
         ``warn_down``: log how many wait for servers that are down."""
         with self._lock:
-            targets = [s for s in self._servers if s.up and (s.acks or s.rejects)]
+            targets = [s for s in self._servers if s.up and (s.acks or s.rejects or s.returns)]
             down = sum(len(s.acks) + len(s.rejects) for s in self._servers if not s.up)
         if down and warn_down:
             log.warning("%d acknowledgements for rollout servers that are down not sent", down)
@@ -514,9 +586,11 @@ class ServerPool(Membership):
             with self._lock:
                 acks = self._pending(server, server.acks)
                 rejects = self._pending(server, server.rejects)
+                returns = self._pending(server, server.returns)
             request = rollout_pb2.AckRequest(
                 group_ids=[i for _, i in acks],
                 reject_group_ids=[i for _, i in rejects],
+                return_group_ids=[i for _, i in returns],
                 run_id=self._run_id,
             )
             try:
@@ -526,8 +600,7 @@ class ServerPool(Membership):
                 log.warning("Ack to rollout server %s failed: %s", server.address, e.code().name)
                 continue
             with self._lock:
-                server.acks = [a for a in server.acks if a not in set(acks)]
-                server.rejects = [r for r in server.rejects if r not in set(rejects)]
+                self._sent_with_pull(server, acks, rejects, request.return_group_ids)
 
     # Weights.
 
@@ -651,6 +724,9 @@ class ServerPool(Membership):
             push.version, push.path, push.new_epoch, share, push.base_path
         )
         request.share_until = until
+        if until > 0 and not server.lagging:
+            server.grants = [g for g in server.grants if g[1] >= request.trainer_version]
+            server.grants.append((share, until))
         return request
 
     def _sent(self, server: Member, push: Push, error: grpc.RpcError | None) -> bool:
@@ -723,7 +799,10 @@ class ServerPool(Membership):
         confirms weights within S of the trainer (``_unfence_if_current``)."""
         if server.lagging or not server.up:
             return
-        server.lagging = True
+        server.lagging, server.grants = True, []
+        if self._quota is not None:  # what it is owed of this batch, the others take
+            others = [s for s in self._servers if s.up and not s.lagging]
+            self._quota.reassign(server.address, self._shares(others) if others else {})
         log.warning(
             "rollout server %s is lagging (%s): its share goes to the others from the next push; "
             "it is still pulled (%d current)",

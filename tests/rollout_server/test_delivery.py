@@ -60,6 +60,23 @@ def test_a_lease_that_ends_unacknowledged_counts_for_admission_again():
     assert not any(adm.in_earlier_batch(i) for i in range(4))
 
 
+def test_groups_handed_back_are_leased_again_for_the_batch_the_next_pull_names():
+    """A trainer that pulled more than its batch (or got a reply after its batch was made)
+    hands groups back unleased, on a Pull or an Ack: they are queued again at the front and the
+    next Pull leases them for the batch it names, where admission counts them; none is
+    consumed, and an id not leased is ignored."""
+    loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=600)
+    _groups(loop, range(4))
+    pulled = loop.pull(4, 0, trainer_version=1)
+    adm = loop.admission
+    again = loop.pull(2, 0, give_back=[2, 3, 9], trainer_version=2)
+    assert [g.group_id for g in again] == [2, 3] and loop.stats()["groups_leased"] == 4
+    assert [adm.in_earlier_batch(i) for i in range(4)] == [True, True, False, False]
+    assert loop.ack([], give_back=[g.group_id for g in pulled[:2]]) == 0
+    assert len(loop.queue) == 2 and loop.stats()["groups_leased"] == 2
+    assert loop.persisted.consumed == 0
+
+
 def test_ack_removes_groups_whether_leased_or_queued_again():
     loop = _loop(StateStore(""), FakeEngine(), wait=False, lease_s=600)
     _groups(loop, range(3))

@@ -492,8 +492,8 @@ def test_an_overdue_server_is_fenced_then_current_again(fleet, caplog):
         assert stubs[a].rpcs("UpdateWeights")[-1].admission_share == pytest.approx(1.0)
         # Still pulled (in the background: a deaf server holds no Pull of the loop's).
         got = []
-        for _ in range(20):
-            got += pool.pull(1, 1.0, trainer_version=3)
+        for _ in range(20):  # the batch's pulls (it needs 4, B)
+            got += pool.pull(4, 1.0, trainer_version=3)
             if any(g.server_id == "b:1-1" for g in got):
                 break
             wait_until(lambda: not pool._servers[1].pulling)
@@ -614,3 +614,38 @@ def test_pulls_go_to_every_server_at_once_and_a_deaf_one_holds_no_batch(fleet, c
             if any(g.server_id == "b:1-1" for g in later):
                 break
         assert any(g.server_id == "b:1-1" for g in later)
+
+
+def test_a_reply_after_its_batch_was_made_is_handed_back_unleased(fleet):
+    """A Pull's reply that comes after its batch was made from the other servers' replies is
+    not kept for the next batch: its groups go back unleased on that server's next Pull, which
+    leases them for the batch it names (kept, they would count in no batch's budget)."""
+    make, stubs, clock = fleet
+    a, b = "a:1", "b:1"
+    with make([a, b], batch_groups=2, max_staleness=1) as pool:
+        pool.update_weights(1, "/w/v1", new_admission_epoch=True)
+        pool.settle()
+        release = threading.Event()
+        plain = stubs[b].Pull
+
+        def slow(request, timeout, metadata):
+            release.wait(30)
+            return plain(request, timeout, metadata)
+
+        stubs[b].Pull = slow
+        got = pool.pull(2, 1.0, trainer_version=2)  # a's part comes; b's waits
+        for _ in range(50):
+            if len(got) >= 2:
+                break
+            clock.advance(1.0)  # the fallback: a fills the batch
+            got += pool.pull(2 - len(got), 1.0, trainer_version=2)
+        assert [g.server_id for g in got] == ["a:1-1", "a:1-1"]
+        stubs[b].Pull = plain
+        release.set()  # b's reply, for the batch of version 2, comes now
+        wait_until(lambda: not pool._servers[1].pulling)
+        late = {g.group_id for g in pool._carried}
+        assert late and pool._servers[1].pull_for == 2
+        nxt = pool.pull(2, 1.0, trainer_version=3)  # hands them back; b's next Pull carries them
+        pool.pull(2 - len(nxt), 1.0, trainer_version=3)
+        returned = {i for r in stubs[b].rpcs("Pull") for i in r.return_group_ids}
+        assert returned == late and not pool._servers[1].returns
