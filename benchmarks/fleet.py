@@ -20,8 +20,14 @@ pod: a group spans several versions).
   port and state_dir) at half of them; the loop waits at the next step for it to rejoin.
 - ``--sigterm``: the same, with SIGTERM (a preemption notice: the server drains, exits 0) in place
   of the SIGKILL; reports its exit status and the seconds from the SIGTERM to its exit.
+- ``--pause S``: the second server is stopped (SIGSTOP) for S seconds after a third of the steps,
+  then continued (a preempted VM, a GC pause, a stuck disk); reports the steps/s before and while
+  it is stopped, the stale drops in the 10 s after it resumes, and the steps from its resume until
+  the pool counts it current again.
 - ``--compare-per-server``: also runs each k with every server sent a share of 1 (each counting
   only its own groups: what servers did before ``admission_share``, issue 21).
+
+The pool is the trainer's own (``train.setup.connect``: its quotas, seats and leases).
 
 Per run: stale drops per trained group over the whole run and after the first ``WARMUP`` steps
 (the servers' first compilations), the largest lag trained, trained completion tokens/s from the
@@ -210,6 +216,59 @@ class _Fault:
         }
 
 
+class _Pause:
+    """SIGSTOPs the second server at step ``steps // 3`` for ``seconds``, then SIGCONTs it, on a
+    thread; notes when the pool counts it current again (no server lagging) after the resume."""
+
+    def __init__(self, servers: list[LocalServer], steps: int, seconds: float):
+        self.server, self.seconds = servers[1], seconds
+        self.pool: remote.ServerPool | None = None
+        self.marks: dict[str, float] = {}
+        self.hooks = {steps // 3: self._stop}
+        self._thread: threading.Thread | None = None
+
+    def _stop(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        os.kill(self.server.proc.pid, signal.SIGSTOP)
+        self.marks["stopped"] = time.monotonic()
+        time.sleep(self.seconds)
+        os.kill(self.server.proc.pid, signal.SIGCONT)
+        self.marks["resumed"] = time.monotonic()
+        while self.pool.metrics().get("servers_lagging", 0):
+            time.sleep(0.01)
+        self.marks["current"] = time.monotonic()
+
+    def close(self) -> None:
+        if self.server.proc.poll() is None:
+            os.kill(self.server.proc.pid, signal.SIGCONT)
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    def figures(self, trained: list[tuple[float, int]], records: list[dict]) -> dict:
+        m = self.marks
+        times = [t for t, _ in trained]
+        stopped, resumed = m.get("stopped", np.nan), m.get("resumed", np.nan)
+        start = times[2] if len(times) > 2 else np.nan
+        before = [t for t in times if start <= t < stopped]
+        during = [t for t in times if stopped <= t < resumed]
+        # stale_dropped is cumulative and logged per step, in the order of `trained`.
+        drops = [(t, r["stale_dropped"]) for t, r in zip(times, records, strict=False)]
+        prior = max((d for t, d in drops if t < resumed), default=0)
+        after = max((d for t, d in drops if t < resumed + 10.0), default=prior)
+        current = m.get("current", np.nan)
+        return {
+            "steps_per_s_before": (len(before) - 1) / (before[-1] - before[0])
+            if len(before) > 1
+            else np.nan,
+            "steps_per_s_stopped": len(during) / (resumed - stopped),
+            "drops_10s_after_resume": after - prior,
+            "steps_to_current": sum(resumed <= t < current for t in times),
+        }
+
+
 def _figures(k: int, records: list[dict], progress, trained: list[tuple[float, int]]) -> dict:
     """A run's figures from its metrics records, final progress and trained steps."""
     drops = [r["stale_dropped"] for r in records]
@@ -237,7 +296,9 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
         for i in range(k)
     ]
     trained: list[tuple[float, int]] = []
-    faulted = _Fault(fault, servers, args.steps) if fault else None
+    faulted = _Fault(fault, servers, args.steps) if fault in ("kill", "sigterm") else None
+    paused = _Pause(servers, args.steps, args.pause) if fault == "pause" else None
+    hooks = faulted.hooks if faulted else paused.hooks if paused else {}
     duty = None
     try:
         for s in servers:
@@ -246,12 +307,15 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
         cfg = load_config(
             CONFIG, [*overrides, f"train.client.servers=[{addresses}]", f"train.steps={args.steps}"]
         )
-        pool = (remote.ServerPool if fleet_budget else _PerServerPool)(
-            cfg.train.client.servers,
-            background=True,
-            batch_groups=cfg.rollout.batch_groups,
-            **setup.connection_args(cfg),
-        )
+        if fleet_budget:  # the trainer's own pool
+            pool = setup.connect(cfg, None, run="fleet-benchmark")
+        else:
+            pool = _PerServerPool(
+                cfg.train.client.servers,
+                background=True,
+                batch_groups=cfg.rollout.batch_groups,
+                **setup.connection_args(cfg),
+            )
         _, _, weights_dir = setup.run_paths(cfg)
         state = TrainState(params=_params(cfg), opt_state=(), step=np.int32(0))
         progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
@@ -261,12 +325,14 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
             progress = main.sync_weights(pool, state, progress, weights_dir)
             parts = main.LoopParts(
                 pool=pool, pusher=pusher, ckpt=None, writer=writer, graphdef=None,
-                step_fn=_step(args.step_s, faulted.hooks if faulted else {}, trained),
+                step_fn=_step(args.step_s, hooks, trained),
                 mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
                 spec=setup.batch_spec(cfg),
             )  # fmt: skip
             if faulted:
                 faulted.watch(pool)
+            if paused:
+                paused.pool = pool
             if args.duty is not None:
                 duty = _DutyCycle(servers[0].proc, args.duty, args.duty_period)
             _, progress = main.train_loop(cfg, parts, state, progress)
@@ -274,11 +340,15 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
     finally:
         if duty is not None:
             duty.close()
+        if paused is not None:
+            paused.close()
         for s in servers:
             s.stop()
     out = _figures(k, records, progress, trained)
     if faulted:
         out.update(faulted.figures(trained))
+    if paused:
+        out.update(paused.figures(trained, records))
     return out
 
 
@@ -304,6 +374,9 @@ def _parser() -> argparse.ArgumentParser:
     faults = parser.add_mutually_exclusive_group()
     faults.add_argument("--kill", action="store_true", help="SIGKILL and restart the second")
     faults.add_argument("--sigterm", action="store_true", help="SIGTERM and restart the second")
+    faults.add_argument(
+        "--pause", type=float, help="SIGSTOP the second for this many seconds, then SIGCONT"
+    )
     parser.add_argument("--compare-per-server", action="store_true")
     return parser
 
@@ -323,8 +396,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--duty must be in (0, 1), got {args.duty}")
     if args.duty_period <= 0:
         parser.error(f"--duty-period must be > 0, got {args.duty_period}")
-    if (args.kill or args.sigterm) and args.servers != [2]:
-        parser.error(f"--kill and --sigterm need --servers 2, got {args.servers}")
+    if (args.kill or args.sigterm or args.pause is not None) and args.servers != [2]:
+        parser.error(f"--kill, --sigterm and --pause need --servers 2, got {args.servers}")
+    if args.pause is not None and args.pause <= 0:
+        parser.error(f"--pause must be > 0, got {args.pause}")
     return args
 
 
@@ -332,6 +407,7 @@ def cli(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     fault = "kill" if args.kill else "sigterm" if args.sigterm else ""
+    fault = "pause" if args.pause is not None else fault
     scenario = fault or (f"duty {args.duty:g}" if args.duty is not None else "equal")
     print(
         "| scenario | servers | step (s) | max_staleness | steps | stale drops / trained group |"
@@ -344,7 +420,16 @@ def cli(argv: list[str] | None = None) -> None:
             print(_row("per-server budgets", run(k, args, fleet_budget=False), args), flush=True)
         results.append(run(k, args, fault=fault))
         print(_row(scenario, results[-1], args), flush=True)
-    if fault:
+    if fault == "pause":
+        r = results[-1]
+        print()
+        print("| steps/s before | steps/s while stopped | of before | stale drops, 10 s after"
+              " the resume | steps from the resume to current |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- |")
+        print(f"| {r['steps_per_s_before']:.2f} | {r['steps_per_s_stopped']:.2f} | "
+              f"{r['steps_per_s_stopped'] / r['steps_per_s_before']:.0%} | "
+              f"{r['drops_10s_after_resume']} | {r['steps_to_current']} |")  # fmt: skip
+    elif fault:
         r = results[-1]
         print()
         print("| trained tokens/s: two servers | one gone | after it rejoined |"

@@ -194,7 +194,9 @@ def control_tables(steps: int) -> None:
                     flush=True,
                 )
     print()
-    print("| one of two servers stopped for 30 of its periods, S = 2, 10–1000 tokens | before | after |")
+    print(
+        "| one of two servers stopped for 30 of its periods, S = 2, 10–1000 tokens | before | after |"
+    )
     print("| --- | --- | --- |")
     deaf = {m: deaf_figures(spread_scenario(m, 2, (10, 1000), 2, strict=False)) for m in
             ("before", "after")}  # fmt: skip

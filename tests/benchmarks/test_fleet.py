@@ -17,7 +17,8 @@ import fleet as bench  # noqa: E402
     [(["--steps", "4"], "--steps"), (["--servers", "0"], "--servers"),
      (["--step-s", "-1"], "--step-s"), (["--staleness", "-1"], "--staleness"),
      (["--duty", "1"], "--duty"), (["--duty", "0.5", "--duty-period", "0"], "--duty-period"),
-     (["--kill"], "--kill"), (["--servers", "2", "--kill", "--sigterm"], "--sigterm")],
+     (["--kill"], "--kill"), (["--servers", "2", "--kill", "--sigterm"], "--sigterm"),
+     (["--servers", "2", "--pause", "0"], "--pause"), (["--pause", "5"], "--pause")],
 )  # fmt: skip
 def test_bad_arguments_exit_2_naming_the_flag(argv, name, capsys):
     with pytest.raises(SystemExit) as e:
