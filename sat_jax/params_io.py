@@ -172,7 +172,9 @@ SHARDS_FORMAT = "sat_jax.sharded_weights/1"
 _SHARDS_PREFIX = "shards-p"
 
 
-def save_shards(path: str | os.PathLike[str], params: Any, *, durable: bool = True) -> str:
+def save_shards(
+    path: str | os.PathLike[str], params: Any, *, durable: bool = True, process: int | None = None
+) -> str:
     """Writes this process's part of a sharded weights version at `path` and returns the name of
     its index file; `finish_shards` (process 0, once every process's part is written) makes the
     version readable.
@@ -189,6 +191,8 @@ def save_shards(path: str | os.PathLike[str], params: Any, *, durable: bool = Tr
       path: a local directory every process (and server) reaches; made if missing.
       params: a pytree of arrays: jax arrays (any sharding and memory kind) or NumPy arrays.
       durable: fsync both files before their renames (see `save_flat`).
+      process: the writing process's index (default ``jax.process_index()``): it names the files,
+        and only process 0 writes NumPy leaves.
 
     Raises:
       ValueError: `path` is a URL.
@@ -197,7 +201,7 @@ def save_shards(path: str | os.PathLike[str], params: Any, *, durable: bool = Tr
         raise ValueError(f"sharded weights need a local path (got {os.fspath(path)!r})")
     final = absolute(path)
     os.makedirs(final, exist_ok=True)
-    process = jax.process_index()
+    process = jax.process_index() if process is None else process
     name = f"{_SHARDS_PREFIX}{process}-{os.getpid()}-{next(_TMP)}"
     pieces, offset, crc = [], 0, 0
     data_tmp = os.path.join(final, f".{name}.bin.tmp")
@@ -232,9 +236,7 @@ def save_shards(path: str | os.PathLike[str], params: Any, *, durable: bool = Tr
     return f"{name}.json"
 
 
-def finish_shards(
-    path: str | os.PathLike[str], parts: list[str], *, durable: bool = True
-) -> None:
+def finish_shards(path: str | os.PathLike[str], parts: list[str], *, durable: bool = True) -> None:
     """Makes the sharded weights at `path` readable (process 0, once every process's
     `save_shards` returned): writes `SHARDS_INDEX` naming exactly `parts` (replacing the one there,
     by a rename), then removes the files of earlier saves of the same path that it does not name.
@@ -246,7 +248,9 @@ def finish_shards(
     for part in parts:
         if not os.path.isfile(os.path.join(final, part)):
             raise ValueError(f"{final}: no {part} (a process's part of the weights)")
-    _write_json(os.path.join(final, SHARDS_INDEX), {"format": SHARDS_FORMAT, "parts": parts}, durable)
+    _write_json(
+        os.path.join(final, SHARDS_INDEX), {"format": SHARDS_FORMAT, "parts": parts}, durable
+    )
     keep = {p.removesuffix(".json") for p in parts}
     for entry in os.listdir(final):
         stem = entry.rsplit(".", 1)[0]

@@ -40,9 +40,10 @@ trained token has lag 0.
 Several JAX processes (multi-host): only process 0 talks to the servers. It pulls and assembles
 each batch and sends it to the others host to host (``pulling.next_batch``; each process then
 makes its own shards), calls ``UpdateWeights`` and writes metrics.
-Every process writes its own shards of each weights version (nothing is gathered; process 0
-finalizes it) and of the checkpoints (orbax coordinates them); pushes are drained before a
-checkpoint, so all processes enter orbax's barriers in one order. The processes watch each other
+Every process writes its own shards of each weights version (nothing is gathered; process 0 picks
+the versions written and announces each once every process's part is in, without orbax, so a
+checkpoint committing in the background holds no push) and of the checkpoints (orbax coordinates
+them). The processes watch each other
 (``train.peers``): when one is lost (killed, crashed, failed) every other one logs which and exits
 with code 75 at once; relaunching them all resumes from the last checkpoint.
 
@@ -75,7 +76,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 from sat_jax import cli as sat_cli
-from sat_jax import sharding
+from sat_jax import params_io, sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig
 from sat_jax.step import (
     TrainBatch,
@@ -250,11 +251,15 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         progress = sync_weights(pool, state, progress, weights_dir, serving_dtype(cfg))
         lora = state.frozen is not None
         base = weight_sync.base_dir(weights_dir, progress.version) if lora else ""
+        several = jax.process_count() > 1
+        group = weight_sync.PushGroup.of_job() if several else None
         push = lambda version, p: weight_sync.push_weights(
-            pool, p, version, weights_dir, base_path=base
+            pool, p, version, weights_dir, base_path=base, group=group
         )
-        single = jax.process_count() == 1
-        pusher = stack.enter_context(weight_sync.WeightPusher(push, supersede=single))
+        barriers = several and params_io.weights_format(weights_dir) == "orbax"
+        pusher = stack.enter_context(
+            weight_sync.WeightPusher(push, group=group, orbax_barriers=barriers)
+        )
         parts = LoopParts(
             pool=pool,
             pusher=pusher,
@@ -464,7 +469,7 @@ def finish_step(
     step = int(state.step)
     publish_if_due(cfg, parts, state, progress, skipped)
     if not skipped and step % t.checkpoint.every == 0:
-        if parts.pusher is not None and jax.process_count() > 1:
+        if parts.pusher is not None and parts.pusher.orbax_barriers:
             parts.pusher.wait()  # one order of orbax barriers on every process
         parts.ckpt.save(step, state, progress)
     accuracy = None
