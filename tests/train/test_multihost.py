@@ -18,6 +18,7 @@ from tests.train import multihost_worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(multihost_worker.__file__)
+PUSH_WORKER = WORKER.with_name("multihost_push_worker.py")
 TIMEOUT_S = 180
 
 
@@ -83,3 +84,28 @@ def _bytes_under(root: pathlib.Path) -> int:
 
 def _bytes_under_glob(root: pathlib.Path, pattern: str) -> int:
     return sum(f.stat().st_size for f in root.glob(pattern) if f.is_file())
+
+
+@pytest.mark.slow
+def test_pushes_go_on_while_a_checkpoint_commit_is_held(tmp_path: pathlib.Path) -> None:
+    """Two processes, a push after every step, one background checkpoint (step 4, version v)
+    whose commit is held open until the server has been told version v + 3: the loop keeps
+    stepping and both processes keep saving, so the run ends; v + 3 and the last version are
+    announced complete (both halves written) before the checkpoint commits, which it then does."""
+    port = portpicker.pick_unused_port()
+    env = workers.cpu_env("--xla_force_host_platform_device_count=1")
+    jobs = [([str(port), str(pid), str(tmp_path), "event"], env) for pid in range(2)]
+    workers.run_all(PUSH_WORKER, jobs, TIMEOUT_S)
+
+    facts = [json.loads((tmp_path / f"push{pid}.json").read_text()) for pid in range(2)]
+    v = facts[0]["ckpt_version"]
+    assert facts[1]["ckpt_version"] == v and facts[0]["ckpt_step"] == 4
+    for f in facts:  # held while v + 3 was made and pushed; committed afterwards
+        assert f["steps_during_hold"] >= 3 and f["orbax_lock_held_at_release"], f
+        assert f["committed"] == [4], f
+    during = facts[0]["announced_during_hold"]
+    assert during and max(during) >= v + 3 and during == sorted(set(during)), during
+    announced = facts[0]["announced"]
+    assert announced == sorted(set(announced)) and announced[-1] == facts[0]["final_version"]
+    # The last announced version holds the params after its steps, both halves of them.
+    assert facts[0]["last_announced_values"] == [announced[-1] - 1]
