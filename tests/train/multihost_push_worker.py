@@ -86,7 +86,9 @@ def make_pusher(pool, weights_dir: str):
     return weight_sync.WeightPusher(push, supersede=jax.process_count() == 1)
 
 
-def main(port: int, process_id: int, out_dir: str, hold: str, pace_s: float, steps: int, every: int):
+def main(
+    port: int, process_id: int, out_dir: str, hold: str, pace_s: float, steps: int, every: int
+):
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -187,6 +189,7 @@ def main(port: int, process_id: int, out_dir: str, hold: str, pace_s: float, ste
     if pool is not None:
         facts["announced"] = pool.announced
         last = pool.pushes[-1][1]
+    if pool is not None and hasattr(params_io, "is_sharded"):  # (an orbax version: both would)
         like = {"w": jax.ShapeDtypeStruct((W_SIZE,), jnp.float32)}
         facts["last_announced_values"] = sorted(
             set(np.asarray(params_io.load_params(last, like)["w"]).tolist())
