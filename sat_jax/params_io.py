@@ -15,13 +15,21 @@ restores it with `load_params` (docs/DESIGN.md §6, §7), which reads either for
   milliseconds per save or restore whatever the size (about 50 ms to save and 16 ms to restore
   0.5 MB here), which at a small model's step time sits on the critical path of every push; the
   flat files take a few milliseconds. `save_weights` picks flat where it can (one process, a local
-  path) and orbax otherwise; `load_params` tells them apart by `FLAT_INDEX`.
+  path) and orbax otherwise.
+- **sharded** (`save_shards`, `finish_shards`): several processes, a local path every process
+  reaches: each process writes its own shards' bytes and a JSON index of them in files of its
+  own, and process 0, once every process's part is written, names the parts in `SHARDS_INDEX`.
+  No barrier, lock or collective, so a background thread writes them while the process
+  checkpoints with orbax (the trainer learns that every part is written from its distributed
+  runtime's key-value store: `train.weight_sync.save_version`).
+
+`load_params` tells the formats apart by `FLAT_INDEX` and `SHARDS_INDEX`.
 
 Local paths are made absolute (orbax needs them so); URLs such as ``gs://...`` reach orbax
 unchanged.
 
 `ORBAX_LOCK` serialises every orbax save and restore of the process, these and the trainer's
-checkpoints alike: orbax's completion signalling is not safe across concurrent operations of one
+checkpoints alike (flat and sharded weights do not take it): orbax's completion signalling is not safe across concurrent operations of one
 process (a save then waits for a signal that never comes, until its 300 s timeout).
 
 Importing this module also works around a leak on orbax's write and read paths
