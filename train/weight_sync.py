@@ -462,6 +462,8 @@ class WeightPusher:
                 for v in older:
                     del self._held[v]
                 self._superseded += len(older)
+            if params is None and self._closed:
+                return
             if params is None:
                 error = RuntimeError(f"process 0 pushes version {version}, never submitted here")
                 self._fail(version, error)
