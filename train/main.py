@@ -23,8 +23,8 @@ older tokens are dropped).
 Weight pushes (orbax save + ``UpdateWeights``) run on a background thread
 (``weight_sync.WeightPusher``): the loop only takes a host copy of the params after the step (in
 the serving dtype, each process its own shards) and goes on pulling; at most one push is in
-flight, a newer version supersedes one still queued (one process only), and a failed push stops
-the loop at its next step. Pushes are flushed before the final checkpoint and
+flight, a newer version supersedes one still queued (with several processes process 0 picks the
+versions and the others follow it), and a failed push stops the loop at its next step. Pushes are flushed before the final checkpoint and
 evaluation.
 
 LoRA (``model.lora.rank`` > 0): the state's params are the adapters and ``state.frozen`` the base.
