@@ -20,12 +20,12 @@ PRNG key and the recently trained prompt ids come from the latest checkpoint, an
 re-synced to that version (to a higher number if a server already moved past it, in which case
 older tokens are dropped).
 
-Weight pushes (orbax save + ``UpdateWeights``) run on a background thread
+Weight pushes (save + ``UpdateWeights``) run on a background thread
 (``weight_sync.WeightPusher``): the loop only takes a host copy of the params after the step (in
 the serving dtype, each process its own shards) and goes on pulling; at most one push is in
 flight, a newer version supersedes one still queued (with several processes process 0 picks the
-versions and the others follow it), and a failed push stops the loop at its next step. Pushes are flushed before the final checkpoint and
-evaluation.
+versions and the others follow it), and a failed push stops the loop at its next step. Pushes are
+flushed before the final checkpoint and evaluation.
 
 LoRA (``model.lora.rank`` > 0): the state's params are the adapters and ``state.frozen`` the base.
 The first sync of each start writes the base once (``weight_sync.save_base``) and every push only
