@@ -1,10 +1,11 @@
 """Weights for `UpdateWeights`: which paths the server may load, and loading them (docs/DESIGN.md
 §5, §6, §10).
 
-The formats are `sat_jax.params_io`'s, written by the trainer with `params_io.save_weights`: flat
-weights from a one-process trainer with a local weights directory, an orbax checkpoint otherwise
-(each trainer process its own shards); `params_io.load_params` tells them apart and the server
-restores either into its engine's own shardings. The
+The formats are `sat_jax.params_io`'s, written by the trainer (`train.weight_sync.save_version`):
+flat weights from a one-process trainer with a local weights directory, sharded weights from
+several trainer processes with a local one (each process its own shards' files), an orbax
+checkpoint for a URL; `params_io.load_params` tells them apart and the server restores any of
+them into its engine's own shardings. The
 server loads only directories inside its configured checkpoint root (symlinks resolved), so a
 client cannot make it read arbitrary files; every refusal is a `CheckpointPathError`.
 

@@ -15,13 +15,21 @@ restores it with `load_params` (docs/DESIGN.md §6, §7), which reads either for
   milliseconds per save or restore whatever the size (about 50 ms to save and 16 ms to restore
   0.5 MB here), which at a small model's step time sits on the critical path of every push; the
   flat files take a few milliseconds. `save_weights` picks flat where it can (one process, a local
-  path) and orbax otherwise; `load_params` tells them apart by `FLAT_INDEX`.
+  path) and orbax otherwise.
+- **sharded** (`save_shards`, `finish_shards`): several processes, a local path every process
+  reaches: each process writes its own shards' bytes and a JSON index of them in files of its
+  own, and process 0, once every process's part is written, names the parts in `SHARDS_INDEX`.
+  No barrier, lock or collective, so a background thread writes them while the process
+  checkpoints with orbax (the trainer learns that every part is written from its distributed
+  runtime's key-value store: `train.weight_sync.save_version`).
+
+`load_params` tells the formats apart by `FLAT_INDEX` and `SHARDS_INDEX`.
 
 Local paths are made absolute (orbax needs them so); URLs such as ``gs://...`` reach orbax
 unchanged.
 
 `ORBAX_LOCK` serialises every orbax save and restore of the process, these and the trainer's
-checkpoints alike: orbax's completion signalling is not safe across concurrent operations of one
+checkpoints alike (flat and sharded weights do not take it): orbax's completion signalling is not safe across concurrent operations of one
 process (a save then waits for a signal that never comes, until its 300 s timeout).
 
 Importing this module also works around a leak on orbax's write and read paths
@@ -32,6 +40,7 @@ strings for good, so a trainer pushing weights every step grows without bound (d
 from __future__ import annotations
 
 import ast
+import contextlib
 import itertools
 import json
 import math
@@ -76,12 +85,22 @@ def save_weights(path: str | os.PathLike[str], params: Any, *, durable: bool = T
     """Writes a weights version at `path` in the cheapest format the servers can read: flat
     (`save_flat`, fsynced or not as `durable` says) with one JAX process and a local path, orbax
     (`save_params`) otherwise (several processes each write their own shards; a URL). Returns the
-    format written, "flat" or "orbax"."""
+    format written, "flat" or "orbax". Several processes and a local path should rather write
+    sharded weights (`save_shards` and `finish_shards`, which need no barrier)."""
     if flat_possible(path):
         save_flat(path, params, durable=durable)
         return "flat"
     save_params(path, params)
     return "orbax"
+
+
+def weights_format(path: str | os.PathLike[str]) -> str:
+    """The format a weights version at `path` is written in by this job: "flat" (one process, a
+    local path), "shards" (several processes, a local path every process reaches) or "orbax" (a
+    URL)."""
+    if "://" in os.fspath(path):
+        return "orbax"
+    return "flat" if jax.process_count() == 1 else "shards"
 
 
 def flat_possible(path: str | os.PathLike[str]) -> bool:
@@ -154,6 +173,227 @@ def save_flat(path: str | os.PathLike[str], params: Any, *, durable: bool = True
         raise
     if durable:
         _fsync_dir(os.path.dirname(final))
+
+
+SHARDS_INDEX = "sharded_weights.json"
+SHARDS_FORMAT = "sat_jax.sharded_weights/1"
+_SHARDS_PREFIX = "shards-p"
+
+
+def save_shards(
+    path: str | os.PathLike[str], params: Any, *, durable: bool = True, process: int | None = None
+) -> str:
+    """Writes this process's part of a sharded weights version at `path` and returns the name of
+    its index file; `finish_shards` (process 0, once every process's part is written) makes the
+    version readable.
+
+    The part is the replica-0 shards of this process's devices (NumPy leaves, taken as
+    replicated: process 0 alone), their bytes one after the other in
+    ``shards-p<PROCESS>-<ID>.bin`` and, in ``shards-p<PROCESS>-<ID>.json``, each piece's leaf tree
+    path, dtype, global shape, index (``[start, stop]`` per dimension) and byte range, and the
+    file's CRC-32. Each file is written under a temporary name and renamed, the index last;
+    nothing is shared with another process or another save, so no barrier, lock or collective
+    is taken: a background thread may save while the loop steps and another thread checkpoints.
+
+    Args:
+      path: a local directory every process (and server) reaches; made if missing.
+      params: a pytree of arrays: jax arrays (any sharding and memory kind) or NumPy arrays.
+      durable: fsync both files before their renames (see `save_flat`).
+      process: the writing process's index (default ``jax.process_index()``): it names the files,
+        and only process 0 writes NumPy leaves.
+
+    Raises:
+      ValueError: `path` is a URL.
+    """
+    if "://" in os.fspath(path):
+        raise ValueError(f"sharded weights need a local path (got {os.fspath(path)!r})")
+    final = absolute(path)
+    os.makedirs(final, exist_ok=True)
+    process = jax.process_index() if process is None else process
+    name = f"{_SHARDS_PREFIX}{process}-{os.getpid()}-{next(_TMP)}"
+    pieces, offset, crc = [], 0, 0
+    data_tmp = os.path.join(final, f".{name}.bin.tmp")
+    try:
+        with open(data_tmp, "wb") as f:
+            for key, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+                for bounds, data in _own_pieces(leaf, process):
+                    array = np.ascontiguousarray(data)
+                    raw = array.reshape(-1).view(np.uint8).data
+                    f.write(raw)
+                    crc = zlib.crc32(raw, crc)
+                    pieces.append(
+                        {
+                            "path": _leaf_name(key),
+                            "dtype": str(array.dtype),
+                            "shape": list(np.shape(leaf)),
+                            "index": bounds,
+                            "offset": offset,
+                            "nbytes": array.nbytes,
+                        }
+                    )
+                    offset += array.nbytes
+            _flush(f, durable)
+        os.rename(data_tmp, os.path.join(final, f"{name}.bin"))
+        index = {"format": SHARDS_FORMAT, "process": process, "pieces": pieces, "crc32": crc}
+        _write_json(os.path.join(final, f"{name}.json"), index, durable)
+    except BaseException:
+        for leftover in (data_tmp, os.path.join(final, f"{name}.bin")):
+            if os.path.lexists(leftover):
+                os.remove(leftover)
+        raise
+    return f"{name}.json"
+
+
+def finish_shards(path: str | os.PathLike[str], parts: list[str], *, durable: bool = True) -> None:
+    """Makes the sharded weights at `path` readable (process 0, once every process's
+    `save_shards` returned): writes `SHARDS_INDEX` naming exactly `parts` (replacing the one there,
+    by a rename), then removes the files of earlier saves of the same path that it does not name.
+
+    Raises:
+      ValueError: a part named is not in `path` (a process wrote elsewhere).
+    """
+    final = absolute(path)
+    for part in parts:
+        if not os.path.isfile(os.path.join(final, part)):
+            raise ValueError(f"{final}: no {part} (a process's part of the weights)")
+    _write_json(
+        os.path.join(final, SHARDS_INDEX), {"format": SHARDS_FORMAT, "parts": parts}, durable
+    )
+    keep = {p.removesuffix(".json") for p in parts}
+    for entry in os.listdir(final):
+        stem = entry.rsplit(".", 1)[0]
+        if entry.startswith(_SHARDS_PREFIX) and stem not in keep:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(final, entry))
+    if durable:
+        _fsync_dir(final)
+
+
+def is_sharded(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` holds sharded weights that `finish_shards` made readable."""
+    path = os.fspath(path)
+    return "://" not in path and os.path.isfile(os.path.join(path, SHARDS_INDEX))
+
+
+def load_sharded(path: str | os.PathLike[str], like: Any, *, verify: bool = False) -> Any:
+    """Restores sharded weights (`save_shards`, `finish_shards`) onto `like`'s structure, dtypes,
+    shapes and shardings; each device's shard is copied out of the pieces it overlaps
+    (memory-mapped).
+
+    Args:
+      path: the directory.
+      like: a pytree of jax arrays or `jax.ShapeDtypeStruct`s.
+      verify: check each part's data against its CRC-32 first.
+
+    Raises:
+      ValueError: not sharded weights, a part's bytes or CRC do not match its index, or a leaf of
+        `like` is missing, of another shape or dtype, or not wholly covered by the pieces.
+    """
+    path = os.fspath(path)
+    index = _read_json(os.path.join(path, SHARDS_INDEX))
+    if not isinstance(index, dict) or index.get("format") != SHARDS_FORMAT:
+        raise ValueError(f"{path}: not sharded weights of format {SHARDS_FORMAT!r}")
+    by_leaf: dict[str, list[tuple[dict, np.ndarray]]] = {}
+    for part in index["parts"]:
+        doc = _read_json(os.path.join(path, part))
+        data = os.path.join(path, part.removesuffix(".json") + ".bin")
+        size = os.path.getsize(data)
+        buffer = np.memmap(data, np.uint8, mode="r") if size else np.zeros(0, np.uint8)
+        if verify and zlib.crc32(buffer) != doc.get("crc32"):
+            raise ValueError(f"{path}: {part}'s data does not match its CRC-32")
+        for piece in doc["pieces"]:
+            if piece["offset"] + piece["nbytes"] > size:
+                raise ValueError(f"{path}: {part}: leaf {piece['path']} is past the data's end")
+            by_leaf.setdefault(piece["path"], []).append((piece, buffer))
+    flat_like, treedef = jax.tree_util.tree_flatten_with_path(like)
+    out = []
+    for key, want in flat_like:
+        name, shape = _leaf_name(key), tuple(want.shape)
+        pieces = by_leaf.get(name, [])
+        if not pieces:
+            raise ValueError(f"{path}: no leaf {name}")
+        arrays = []
+        for piece, buffer in pieces:
+            if tuple(piece["shape"]) != shape:
+                raise ValueError(
+                    f"{path}: leaf {name} has shape {piece['shape']} where the params have "
+                    f"{list(shape)}"
+                )
+            dtype = _stored_dtype(piece["dtype"], np.dtype(want.dtype), name, path)
+            bounds = [tuple(b) for b in piece["index"]]
+            count = math.prod(b - a for a, b in bounds)
+            if count * dtype.itemsize != piece["nbytes"]:
+                raise ValueError(f"{path}: leaf {name}'s piece {bounds} has the wrong size")
+            raw = buffer[piece["offset"] : piece["offset"] + piece["nbytes"]]
+            arrays.append((bounds, raw.view(dtype).reshape([b - a for a, b in bounds])))
+        if sum(a.size for _, a in arrays) != math.prod(shape):
+            raise ValueError(f"{path}: leaf {name}'s pieces do not cover it once")
+        out.append(_assembled(shape, arrays, want))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _own_pieces(leaf: Any, process: int) -> list[tuple[list[list[int]], Any]]:
+    """The (bounds, data) of each piece of `leaf` this process writes: its replica-0 shards of a
+    jax array; the whole of any other array on process 0 only."""
+    if isinstance(leaf, jax.Array):
+        return [
+            (_bounds(s.index, leaf.shape), np.asarray(s.data))
+            for s in leaf.addressable_shards
+            if s.replica_id == 0
+        ]
+    if process != 0:
+        return []
+    array = np.asarray(leaf)
+    return [([[0, n] for n in array.shape], array)]
+
+
+def _bounds(index: tuple, shape: tuple[int, ...]) -> list[list[int]]:
+    """A shard's index (a tuple of slices) as ``[start, stop]`` per dimension."""
+    index = tuple(index) + (slice(None),) * (len(shape) - len(tuple(index)))
+    return [list(s.indices(n)[:2]) for s, n in zip(index, shape, strict=True)]
+
+
+def _assembled(shape: tuple[int, ...], pieces: list, like: Any) -> Any:
+    """The leaf of `shape` made of `pieces` ((bounds, array) pairs), on `like`'s sharding and
+    dtype: each addressable shard gets the overlaps of the pieces with its region."""
+    dtype = np.dtype(like.dtype)
+
+    def region(index: tuple) -> np.ndarray:
+        want = _bounds(index, shape)
+        out = np.empty([b - a for a, b in want], dtype)
+        for bounds, array in pieces:
+            lo = [max(a, c) for (a, _), (c, _) in zip(want, bounds, strict=True)]
+            hi = [min(b, d) for (_, b), (_, d) in zip(want, bounds, strict=True)]
+            if any(x >= y for x, y in zip(lo, hi, strict=True)):
+                continue
+            src = tuple(slice(x - c, y - c) for x, y, (c, _) in zip(lo, hi, bounds, strict=True))
+            dst = tuple(slice(x - a, y - a) for x, y, (a, _) in zip(lo, hi, want, strict=True))
+            out[dst] = array[src]
+        return out
+
+    sharding = getattr(like, "sharding", None)
+    if sharding is None:
+        return jax.numpy.asarray(region(tuple(slice(None) for _ in shape)))
+    return jax.make_array_from_callback(shape, sharding, region)
+
+
+def _write_json(path: str, doc: Any, durable: bool) -> None:
+    """Writes `doc` at `path` through a temporary name and a rename."""
+    tmp = f"{os.path.dirname(path)}/.{os.path.basename(path)}.tmp-{os.getpid()}-{next(_TMP)}"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f)
+            _flush(f, durable)
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(tmp)
+        raise
+
+
+def _read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
 
 
 def _flush(f: Any, durable: bool) -> None:
@@ -295,6 +535,8 @@ def load_params(path: str | os.PathLike[str], like: Any, *, verify: bool = False
     """
     if is_flat(path):
         return load_flat(path, like, verify=verify)
+    if is_sharded(path):
+        return load_sharded(path, like, verify=verify)
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
     )

@@ -17,8 +17,9 @@ previous checkpoint as the latest. Only the newest ``keep`` checkpoints are kept
 the background while training goes on (``Checkpointer``).
 
 Server weights (what ``UpdateWeights`` loads) are a separate, simpler format: the params alone,
-written with ``sat_jax.params_io.save_params``. Both share ``params_io.ORBAX_LOCK``: one orbax
-operation at a time in the process.
+written with ``sat_jax.params_io.save_weights`` (flat) or ``save_shards`` (several processes),
+which take no orbax lock; only weights written to a URL (orbax's ``save_params``) share
+``params_io.ORBAX_LOCK`` with the checkpoints: one orbax operation at a time in the process.
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ class Checkpointer:
     ``save`` returns once the state's arrays are copied off the devices (orbax's blocking part),
     so the next step may donate them; the write and its commit go on in the background while the
     loop trains. At most one save is in flight: a save first waits for the one before it. The
-    process's other orbax operations (weight pushes) wait for an in-flight save to commit
+    process's other orbax operations (weight pushes to a URL) wait for an in-flight save to commit
     (``params_io.ORBAX_LOCK`` is held from a save's start to its commit), since orbax's completion
     signalling is not safe across concurrent operations. A save that fails, at its start or in
     the background, is logged with its directory and step and does not stop the run: the next

@@ -265,3 +265,35 @@ def test_verify_refuses_flat_weights_a_crash_tore(tmp_path):
     del entry["crc32"]
     index.write_text(json.dumps(entry))
     params_io.load_params(tmp_path / "v1", _params(), verify=True)
+
+
+def test_sharded_weights_read_back_across_shardings_and_refuse_what_does_not_match(tmp_path):
+    """Sharded weights (`save_shards` + `finish_shards`): each device's shard is assembled from
+    the pieces it overlaps, into another sharding and dtype; a leaf no part covers, another
+    shape, or (verify) torn bytes are refused naming the leaf or part."""
+    devices = np.array(jax.devices()[:2])
+    mesh = jax.sharding.Mesh(devices, ("x",))
+    rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x", None))
+    cols = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "x"))
+    w = np.arange(32, dtype=np.float32).reshape(4, 8)
+    path = tmp_path / "v1"
+    part = params_io.save_shards(path, {"w": jax.device_put(w, rows)}, durable=False)
+    params_io.finish_shards(path, [part], durable=False)
+    like = {"w": jax.ShapeDtypeStruct((4, 8), jnp.bfloat16, sharding=cols)}
+    back = params_io.load_params(path, like, verify=True)
+    assert back["w"].dtype == jnp.bfloat16 and back["w"].sharding == cols
+    np.testing.assert_array_equal(np.asarray(back["w"], np.float32), w)
+    with pytest.raises(ValueError, match="no leaf v"):
+        params_io.load_sharded(path, {"v": jnp.zeros((4, 8))})
+    with pytest.raises(ValueError, match=r"leaf w has shape \[4, 8\]"):
+        params_io.load_sharded(path, {"w": jnp.zeros((8, 4))})
+    nothing = tmp_path / "v2"  # process 1's part alone: NumPy leaves are process 0's
+    params_io.finish_shards(nothing, [params_io.save_shards(nothing, {"w": w}, process=1)])
+    with pytest.raises(ValueError, match="no leaf w"):
+        params_io.load_sharded(nothing, {"w": jnp.zeros((4, 8))})
+    data = path / part.replace(".json", ".bin")
+    torn = bytearray(data.read_bytes())
+    torn[0] ^= 0xFF
+    data.write_bytes(bytes(torn))
+    with pytest.raises(ValueError, match="does not match its CRC-32"):
+        params_io.load_params(path, like, verify=True)

@@ -18,6 +18,7 @@ from tests.train import multihost_worker
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 WORKER = pathlib.Path(multihost_worker.__file__)
+PUSH_WORKER = WORKER.with_name("multihost_push_worker.py")
 TIMEOUT_S = 180
 
 
@@ -64,11 +65,11 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
     # Each process copied only its half to host, in bfloat16, and wrote about half of the bytes.
     half = multihost_worker.W_SIZE // 2 * 2
     assert facts[0]["host_bytes"] == facts[1]["host_bytes"] == [half]
-    written = [_bytes_under(pathlib.Path(path) / f"ocdbt.process_{pid}") for pid in range(2)]
-    total = _bytes_under(pathlib.Path(path))
-    # (compressed, so less than `half` each), the rest of the directory being metadata.
-    assert all(0.4 * sum(written) <= b <= 0.6 * sum(written) for b in written), written
-    assert sum(written) >= 0.9 * total and sum(written) >= half, (written, total)
+    # Each process wrote its own half of the bytes in its own part (sharded weights), and process
+    # 0's index names both parts.
+    written = [_bytes_under_glob(pathlib.Path(path), f"shards-p{pid}-*.bin") for pid in range(2)]
+    assert written == [half, half], written
+    assert sum(written) >= 0.9 * _bytes_under(pathlib.Path(path)), written
     from sat_jax import params_io
 
     like = {"w": jax.numpy.zeros(multihost_worker.W_SIZE, jax.numpy.bfloat16)}
@@ -79,3 +80,32 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
 
 def _bytes_under(root: pathlib.Path) -> int:
     return sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def _bytes_under_glob(root: pathlib.Path, pattern: str) -> int:
+    return sum(f.stat().st_size for f in root.glob(pattern) if f.is_file())
+
+
+@pytest.mark.slow
+def test_pushes_go_on_while_a_checkpoint_commit_is_held(tmp_path: pathlib.Path) -> None:
+    """Two processes, a push after every step, one background checkpoint (step 4, version v)
+    whose commit is held open until the server has been told version v + 3: the loop keeps
+    stepping and both processes keep saving, so the run ends; v + 3 and the last version are
+    announced complete (both halves written) before the checkpoint commits, which it then does."""
+    port = portpicker.pick_unused_port()
+    env = workers.cpu_env("--xla_force_host_platform_device_count=1")
+    jobs = [([str(port), str(pid), str(tmp_path), "event"], env) for pid in range(2)]
+    workers.run_all(PUSH_WORKER, jobs, TIMEOUT_S)
+
+    facts = [json.loads((tmp_path / f"push{pid}.json").read_text()) for pid in range(2)]
+    v = facts[0]["ckpt_version"]
+    assert facts[1]["ckpt_version"] == v and facts[0]["ckpt_step"] == 4
+    for f in facts:  # held while v + 3 was made and pushed; committed afterwards
+        assert f["steps_during_hold"] >= 3 and f["orbax_lock_held_at_release"], f
+        assert f["committed"] == [4], f
+    during = facts[0]["announced_during_hold"]
+    assert during and max(during) >= v + 3 and during == sorted(set(during)), during
+    announced = facts[0]["announced"]
+    assert announced == sorted(set(announced)) and announced[-1] == facts[0]["final_version"]
+    # The last announced version holds the params after its steps, both halves of them.
+    assert facts[0]["last_announced_values"] == [announced[-1] - 1]

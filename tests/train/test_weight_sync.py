@@ -1,6 +1,5 @@
 """The background weight pusher: one push in flight, newer versions supersede queued ones, versions
-stay monotone (or, without superseding, every version is pushed), errors surface in the caller,
-close flushes; saves precede UpdateWeights; host copies keep the sharding, take the serving dtype and
+stay monotone, errors surface in the caller, close flushes; saves precede UpdateWeights; host copies keep the sharding, take the serving dtype and
 survive buffer donation. Pushes block on events the test releases: no wall-clock assertions."""
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import numpy as np
 import pytest
 
 from sat_jax import params_io
-from tests.clock import wait_until
 from train.weight_sync import KEEP_WEIGHTS, WeightPusher, host_copy, push_weights
 
 
@@ -179,37 +177,6 @@ def test_host_copy_casts_floats_to_the_serving_dtype():
         want = np.asarray(jnp.asarray(params[k]).astype(jnp.bfloat16))
         np.testing.assert_array_equal(np.asarray(copy[k]), want)
     np.testing.assert_array_equal(np.asarray(copy["i"]), np.arange(3))
-
-
-def _threads_waiting(pusher: WeightPusher) -> set[threading.Thread]:
-    """The threads that have waited on `pusher`'s condition from now on (a blocked `submit`)."""
-    waiting: set[threading.Thread] = set()
-    wait = pusher._cond.wait
-
-    def recording_wait(timeout=None):
-        waiting.add(threading.current_thread())
-        return wait(timeout)
-
-    pusher._cond.wait = recording_wait
-    return waiting
-
-
-def test_without_superseding_every_version_is_pushed_in_order():
-    push = Recorder(blocking=True)
-    with WeightPusher(push, supersede=False) as pusher:
-        pusher.submit(1, "p1")
-        assert push.started.wait(30)
-        pusher.submit(2, "p2")  # queued behind the running v1
-        third = threading.Thread(target=pusher.submit, args=(3, "p3"))
-        waiting = _threads_waiting(pusher)
-        third.start()  # waits: the slot holds v2 until v1 finishes
-        wait_until(lambda: third in waiting or not third.is_alive())
-        assert third.is_alive() and push.pushes == []
-        push.release.set()
-        third.join(timeout=30)
-        pusher.wait()
-    assert push.pushes == [(1, "p1"), (2, "p2"), (3, "p3")]
-    assert pusher.metrics()["pushes_superseded"] == 0
 
 
 def test_push_weights_without_a_pool_only_saves(tmp_path):
