@@ -297,18 +297,20 @@ class FleetQuota:
         """The groups still expected from `server` for this batch."""
         return max(math.floor(self.credit.get(server, 0.0) + 1e-9), 0)
 
-    def order(self, servers: Sequence[str], now: float) -> list[tuple[str, int | None]]:
+    def order(
+        self, servers: Sequence[str], now: float, *, fallback: bool = True
+    ) -> list[tuple[str, int | None]]:
         """The servers to pull next, in order, each with the most groups to take from it
         (None = no limit but the batch's), the most owed first: each server's whole groups of
-        credit, then one group from each by the largest remainder, and, after `fallback_s`,
-        any number from every server."""
+        credit, then one group from each by the largest remainder, and, after `fallback_s`
+        (unless `fallback` is False: the caller holds it), any number from every server."""
         ranked = sorted(servers, key=lambda name: -self.credit.get(name, 0.0))
         out: list[tuple[str, int | None]] = [
             (name, self.quota(name)) for name in ranked if self.quota(name) > 0
         ]
         if not out:
             out = [(name, 1) for name in ranked]
-        if now - self.since >= self.fallback_s:
+        if fallback and now - self.since >= self.fallback_s:
             out += [(name, None) for name in ranked]
         return out
 

@@ -23,6 +23,7 @@ import dataclasses
 import io
 import itertools
 import logging
+import math
 import threading
 import time
 
@@ -37,6 +38,7 @@ from train.remote import ServerPool
 log = logging.getLogger("train")
 
 CHUNK_BYTES = 16 << 20  # one value in the coordination service's key-value store
+_WAITING_LOG_S = 5.0  # "waiting for rollout groups" at most this often
 _WAIT_MS = 10_000  # a reader's wait per try for the batch (it gives up only when cancelled)
 _KEYS = itertools.count()  # next_batch's broadcast keys: the same sequence on every process
 
@@ -97,6 +99,7 @@ def pull_batch(
     seen_groups = set(progress.recent_group_keys)
     selection = batching.Selection.empty()
     last_group = time.monotonic()
+    logged = -math.inf
     filter_off = spec.filter_groups == "none"
     while len(selection.kept) < spec.batch_groups:
         if cancel is not None and cancel.is_set():
@@ -140,7 +143,11 @@ def pull_batch(
         if pulled:
             last_group = time.monotonic()
             continue
-        log.info("waiting for rollout groups (%d of %d)", len(selection.kept), spec.batch_groups)
+        if time.monotonic() - logged >= _WAITING_LOG_S:  # the pool may answer empty often
+            logged = time.monotonic()
+            log.info(
+                "waiting for rollout groups (%d of %d)", len(selection.kept), spec.batch_groups
+            )
         if time.monotonic() - last_group > stall_s:
             raise RuntimeError(
                 f"no rollout group for {stall_s:.0f}s although the servers answer: is their "

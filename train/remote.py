@@ -52,7 +52,7 @@ _PULL_SLACK_S = 30.0
 _PULL_SLACK_MIN_S = 2.0
 _UPDATE_WEIGHTS_S = 120.0
 # An UpdateWeights in flight longer than max(this, 2 install times + 2 push periods) is overdue.
-_OVERDUE_MIN_S = 2.0
+_OVERDUE_MIN_S = 5.0
 _REPLAN_S = 0.1  # a pull waiting on its servers' Pulls re-plans this often (the fallback)
 
 
@@ -371,6 +371,8 @@ class ServerPool(Membership):
                 return False
             server.pulling, server.pull_result = True, ""
             server.pull_asked, server.pull_for = max_groups, trainer_version
+            server.pull_started = self._clock()
+            server.pull_deadline = wait + self._pull_slack(server)
             acks = self._pending(server, server.acks)
             rejects = self._pending(server, server.rejects)
         request = self._pull_request(server, max_groups, wait, acks, rejects, trainer_version)
@@ -403,9 +405,7 @@ class ServerPool(Membership):
         started = self._clock()
         try:
             response = server.stub.Pull(
-                request,
-                timeout=request.timeout_s + self._pull_slack(server),
-                metadata=self._metadata,
+                request, timeout=server.pull_deadline, metadata=self._metadata
             )
         except grpc.RpcError as e:
             self._raise_unless_transient(server, "Pull", e)
@@ -462,9 +462,12 @@ class ServerPool(Membership):
                 need = max_groups - sum(
                     s.pull_asked for s in current if s.pulling and s.pull_for == trainer_version
                 )
+            # With several servers a short wait on each: an empty reply comes back soon, and a
+            # server that does not answer by its deadline is found out soon.
+            wait = timeout_s if len(current) == 1 else min(timeout_s, 1.0)
             for server, limit in plan:
                 n = max_groups if limit is None else min(max(need, 0), limit)
-                if n > 0 and self._launch_pull(server, n, timeout_s, limits, trainer_version):
+                if n > 0 and self._launch_pull(server, n, wait, limits, trainer_version):
                     launched.append(server)
                     need -= n
             for server in up:
@@ -482,9 +485,9 @@ class ServerPool(Membership):
                 )
                 if self._carried or self._error is not None:
                     continue
-                if not launched and not any(s.pulling for s in current):
-                    return []  # nothing to ask for (max_groups 0)
-                if not launched or any(s.pulling for s in launched):
+                if not launched:  # only Pulls of earlier calls in flight, and no reply yet
+                    return []
+                if any(s.pulling for s in launched):
                     continue
                 results = {s.pull_result for s in launched}
             if results <= {"failed"}:  # every server asked failed: wait a little
@@ -515,8 +518,18 @@ class ServerPool(Membership):
         now = self._clock()
         self._quota.start(trainer_version, self._quota_shares(current, trainer_version), now)
         by_address = {s.address: s for s in current}
+        # A server owed part of this batch whose Pull is in flight and not overdue holds the
+        # fallback: its groups are on their way, and taking its part from the others would
+        # make what it holds stale (a pause of a second or two costs a stall, not its groups).
+        # Past its deadline it is fenced, and its part goes to the others.
+        hold = any(
+            s.pulling
+            and self._quota.quota(s.address) > 0
+            and now - s.pull_started < s.pull_deadline
+            for s in current
+        )
         plan: dict[str, int | None] = {}
-        for address, limit in self._quota.order(list(by_address), now):
+        for address, limit in self._quota.order(list(by_address), now, fallback=not hold):
             if address in plan:
                 if limit is None:
                     plan[address] = None
@@ -819,7 +832,7 @@ class ServerPool(Membership):
 
     def maintain(self) -> None:
         """``Membership.maintain``, then fences the servers whose UpdateWeights is overdue: in
-        flight longer than max(2 s, 2 of its measured install times + 2 push periods)."""
+        flight longer than max(5 s, 2 of its measured install times + 2 push periods)."""
         super().maintain()
         now = self._clock()
         with self._lock:
