@@ -2,20 +2,27 @@
 steps 1 and 6, pull and push): pulling groups and pushing weights over gRPC.
 
 Knows the servers only through the generated proto client. The fleet is elastic (docs/DESIGN.md
-§6.5): which servers are up, their failure streaks, probes, rejoins, the ``servers_file`` and
-giving up (``ServersDownError``) are ``train.membership.Membership``, which ``ServerPool``
-extends; a rejoining server first gets the current weights (the last pushed version, with a new
-admission epoch) here (``_rejoin``). ``update_weights`` never waits for a down server. A server
-that answers "draining" (SIGTERM, a preemption notice) gets no more weights nor share, is pulled
-until it has nothing left and then leaves at once (``_drained``). Each push tells
-every server its share of the fleet's admission budget, in proportion to the capacity each
-reports on its Pull replies (``rollout_api.admission.fleet_shares``; 1/k with k servers up while
-none is known), so k servers run ahead by what one would alone and a server half as fast gets
-half the work, and every Pull names the trainer's version, by which admission
-shrinks a server's run-ahead when its weights are behind; with ``batch_groups`` the pool takes
-each server's share of every batch from it first (``rollout_api.admission.FleetQuota``,
-docs/DESIGN.md §6.3). A reply or request over the gRPC message
-limit (``server.max_message_bytes``) is not retried: it would fail the same way every time.
+§6.5): which servers are up, their failure streaks, probes, the ``servers_file`` and giving up
+(``ServersDownError``) are ``train.membership.Membership``, which ``ServerPool`` extends; each
+server's pushes are its sender (``train.senders``).
+
+- **Pushes** (``update_weights``) set the version every server is wanted to hold and return: each
+  server's sender has at most one ``UpdateWeights`` in flight and sends the newest version wanted
+  when it ends, so no loop thread waits on a server's load and a slow server delays no other.
+  Each push tells a server its share of the fleet's admission budget, in proportion to the
+  capacity each reports on its Pull replies (``rollout_api.admission.fleet_shares``), leased until
+  a trainer version (``share_until``).
+- **Deaf servers** (a push or a Pull overdue) are fenced: lagging, their share to the others and
+  their lease ended, still pulled in the background; current again once they hold weights within
+  S of the trainer. A (re)joining server joins once its sender has brought it within S: one load.
+- **Pulls** name the trainer's version (admission shrinks a server's run-ahead when its weights are
+  behind). With ``batch_groups`` (quotas) each server has at most one Pull in flight, all at once,
+  each for its share of the batch (``rollout_api.admission.FleetQuota``); a batch is made from
+  whichever replies first, and what overflows it or comes after it was made is handed back
+  unleased. Without quotas the servers are pulled in turn.
+- A server that answers "draining" (SIGTERM) gets no more weights nor share, is pulled until it
+  has nothing left and then leaves at once (``_drained``). A reply or request over the gRPC
+  message limit (``server.max_message_bytes``) is not retried.
 
 A Pull's groups are decoded and validated here, once (``rollout_api.records.decode_pulled``):
 the pool hands out ``Group`` records, and an ``InvalidGroup`` for each group that does not fit
@@ -70,7 +77,7 @@ _FALLBACK_MIN_S = 1.0  # the least a batch waits for the servers' quotas (FleetQ
 
 
 class ServerPool(Membership):
-    """Rollout servers, pulled from in turn, each up or down (see the module docstring).
+    """Rollout servers, each up or down, current or lagging (see the module docstring).
 
     Args:
       addresses, token, root_certificates, max_message_bytes, retry_max_s, server_wait_s,
@@ -80,13 +87,16 @@ class ServerPool(Membership):
       background: probe down servers and re-read ``servers_file`` on a thread of the pool's own
         (the trainer), so a rejoining server's weight load never holds a Pull; False: ``pull``
         does it when due (``maintain``), on the caller's thread (tests, with a fake clock).
-      batch_groups: groups per trainer step: with it, a Pull that names the trainer's version
-        takes from each server its share of the batch first (``rollout_api.admission.FleetQuota``),
-        and from the others only after the batch has waited three recent step periods;
-        0 = plain rotation.
-      max_staleness: the servers' ``rollout.max_staleness``: with ``batch_groups``, shares are
-        whole numbers of the fleet's (max_staleness + 1) · batch_groups budget
-        (``fleet_shares``' seats); None = shares not rounded.
+      batch_groups: groups per trainer step: with it, a pull that names the trainer's version
+        asks every server at once for its share of the batch (``rollout_api.admission.FleetQuota``),
+        and the others for more only after the batch has waited three recent step periods (and
+        no server owed part of it has a Pull in flight within its deadline); 0 = the servers in
+        turn.
+      max_staleness: S, the servers' ``rollout.max_staleness``: with ``batch_groups``, shares are
+        whole numbers of the fleet's (S + 1) · batch_groups budget (``fleet_shares``' seats),
+        leased until the next pulled batch's version + S, and a server is current (or joins)
+        once it holds weights within S of that version; None = shares not rounded, no lease,
+        current once it holds the newest weights.
     """
 
     def __init__(
