@@ -268,3 +268,47 @@ def test_an_error_making_the_batch_surfaces_in_take_as_raised():
         source.start(progress)
         with pytest.raises(RuntimeError, match="not taken"):
             source.start(progress)
+
+
+def test_the_next_batch_is_pulled_while_the_step_runs():
+    """Prefetch overlaps the step: the step's result (read by the loop after it dispatched the
+    step, as a device computation's would be) is ready only once the pool has been asked for the
+    next batch's groups, which a loop that pulls the next batch only after the step never does
+    (each step would wait until its hang guard and the test fail)."""
+    cfg = _cfg(1, "drop", steps=4)
+    pool = ScriptedPool(script(40, (0,)))
+    asked: dict[int, threading.Event] = {v: threading.Event() for v in range(1, 8)}
+    plain = pool.pull
+
+    def pull(max_groups, timeout_s, *, limits=None, trainer_version=0):
+        asked[trainer_version].set()
+        return plain(max_groups, timeout_s, limits=limits, trainer_version=trainer_version)
+
+    pool.pull = pull
+    trained: list = []
+    overlapped: list[bool] = []
+
+    class Pending:
+        """A step's result that is ready once batch ``version + 1`` has been asked for."""
+
+        def __init__(self, version: int):
+            self.version = version
+
+        def __array__(self, dtype=None, copy=None):
+            if self.version < 4:
+                overlapped.append(asked[self.version + 1].wait(60))
+            return np.asarray(0.0, np.float32)
+
+    def step(state, batch):
+        trained.append(np.asarray(batch.tokens))
+        return state.replace(step=state.step + 1), {"step_skipped": Pending(len(trained))}
+
+    state = TrainState(params={"w": jax.numpy.zeros(3)}, opt_state=(), step=np.int32(0))
+    progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
+    parts = main.LoopParts(
+        pool=pool, pusher=None, ckpt=MemoryCheckpoints(), writer=Recorder(), graphdef=None,
+        step_fn=step, mesh=sharding.make_mesh(cfg.train.mesh, jax.devices()[:1]),
+        spec=setup.batch_spec(cfg), prefetch=True,
+    )  # fmt: skip
+    main.train_loop(cfg, parts, state, progress)
+    assert overlapped == [True, True, True] and len(trained) == 4
