@@ -349,9 +349,11 @@ class ServerPool(Membership):
         return min(max(8 * server.pull_overhead_s, _PULL_SLACK_MIN_S), _PULL_SLACK_S)
 
     def _deaf(self, server: Member, error: grpc.RpcError) -> bool:
-        """A Pull past its deadline from a server whose overhead is measured: it is deaf
-        (paused, stuck), not gone: fenced, no failure streak. Returns whether it was."""
-        if error.code() != grpc.StatusCode.DEADLINE_EXCEEDED or server.pull_overhead_s is None:
+        """A Pull past its deadline (or cancelled with its transport) from a server whose
+        overhead is measured: it is deaf (paused, stuck), not gone: fenced, no failure streak.
+        Returns whether it was."""
+        no_answer = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+        if error.code() not in no_answer or server.pull_overhead_s is None:
             return False
         with self._lock:
             self._fence(server, "a Pull is overdue")
@@ -784,8 +786,9 @@ class ServerPool(Membership):
             self._note_failure()
             self._schedule_probe(server, f"UpdateWeights: {code.name} {details}")
             return False
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            self._fence(server, f"UpdateWeights v{push.version} overdue")
+        if code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+            # No answer (a paused server's transport may also be cancelled): deaf, not gone.
+            self._fence(server, f"UpdateWeights v{push.version}: {code.name}")
             return True
         self._failed(server, f"UpdateWeights v{push.version}: {code.name}", self._clock())
         return server.up
