@@ -75,7 +75,8 @@ class Member:
     pull_result: str = ""  # how the last launched Pull ended: "ok", "failed" or "deaf"
     pull_asked: int = 0  # the groups the launched Pull asked for, and its batch's version
     pull_for: int = 0
-    pull_started: float = 0.0  # when the launched Pull started, and its deadline (s)
+    pull_started: float = 0.0  # when the launched Pull started, its wait and deadline (s)
+    pull_wait: float = 0.0
     pull_deadline: float = 0.0
     grants: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (share, until)
     server_id: str = ""

@@ -61,6 +61,8 @@ _UPDATE_WEIGHTS_S = 120.0
 # An UpdateWeights in flight longer than max(this, 2 install times + 2 push periods) is overdue.
 _OVERDUE_MIN_S = 5.0
 _REPLAN_S = 0.1  # a pull waiting on its servers' Pulls re-plans this often (the fallback)
+_CONCURRENT_WAIT_S = 0.5  # with several servers, how long a Pull waits at its server
+_HOLD_AFTER_S = 0.25  # a Pull this long past its wait without an answer holds the fallback
 
 
 def _oldest(group: Group | InvalidGroup) -> int:
@@ -383,7 +385,7 @@ class ServerPool(Membership):
                 return False
             server.pulling, server.pull_result = True, ""
             server.pull_asked, server.pull_for = max_groups, trainer_version
-            server.pull_started = self._clock()
+            server.pull_started, server.pull_wait = self._clock(), wait
             server.pull_deadline = wait + self._pull_slack(server)
             acks = self._pending(server, server.acks)
             rejects = self._pending(server, server.rejects)
@@ -476,7 +478,7 @@ class ServerPool(Membership):
                 )
             # With several servers a short wait on each: an empty reply comes back soon, and a
             # server that does not answer by its deadline is found out soon.
-            wait = timeout_s if len(current) == 1 else min(timeout_s, 1.0)
+            wait = timeout_s if len(current) == 1 else min(timeout_s, _CONCURRENT_WAIT_S)
             for server, limit in plan:
                 n = max_groups if limit is None else min(max(need, 0), limit)
                 if n > 0 and self._launch_pull(server, n, wait, limits, trainer_version):
@@ -530,14 +532,16 @@ class ServerPool(Membership):
         now = self._clock()
         self._quota.start(trainer_version, self._quota_shares(current, trainer_version), now)
         by_address = {s.address: s for s in current}
-        # A server owed part of this batch whose Pull is in flight and not overdue holds the
-        # fallback: its groups are on their way, and taking its part from the others would
-        # make what it holds stale (a pause of a second or two costs a stall, not its groups).
-        # Past its deadline it is fenced, and its part goes to the others.
+        # A server owed part of this batch whose Pull has run past its wait without an answer
+        # (paused: a GC pause, SIGSTOP) holds the fallback until the Pull's deadline: taking its
+        # part from the others would advance the trainer past the groups it holds (a short
+        # pause costs a stall, not its groups). Past the deadline it is fenced and its part goes
+        # to the others. A Pull still within its wait (the server has no group ready) holds
+        # nothing: a slow server must not gate the batch.
         hold = any(
             s.pulling
             and self._quota.quota(s.address) > 0
-            and now - s.pull_started < s.pull_deadline
+            and s.pull_wait + _HOLD_AFTER_S < now - s.pull_started < s.pull_deadline
             for s in current
         )
         plan: dict[str, int | None] = {}
