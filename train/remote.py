@@ -728,6 +728,18 @@ class ServerPool(Membership):
 
         return self._senders.wait_for(idle, timeout_s)
 
+    def pinned_versions(self) -> set[int]:
+        """The weights versions a server is loading, is wanted to load next, or holds (a
+        restarting server reloads the one it holds): their directories must stay."""
+        with self._lock:
+            out: set[int] = set()
+            for s in self._servers:
+                st = self._senders.state(s)
+                out.update(p.version for p in (st.sending, st.wanted) if p is not None)
+                if st.installed >= 0:
+                    out.add(st.installed)
+            return out
+
     def installed(self, address: str) -> int:
         """The newest weights version the server at ``address`` confirmed (-1 = none yet)."""
         with self._lock:

@@ -102,7 +102,8 @@ def push_weights(
     wait_s: float = 0.0,
 ) -> None:
     """Saves ``params`` as ``<weights_dir>/v<version>`` (``save_version``) and makes every server
-    load it; removes weights directories older than the last ``KEEP_WEIGHTS`` versions, and what a
+    load it; removes weights directories older than the last ``KEEP_WEIGHTS`` versions (but not
+    one a server is loading, is sent next or holds: ``ServerPool.pinned_versions``), and what a
     flat save of an older version left behind when the process died in it (``v<N>.tmp-*``).
 
     Every process calls it (each writes its own shards); only the one with ``pool`` (process 0)
@@ -122,11 +123,14 @@ def push_weights(
         base_path=base_path,
         wait_s=wait_s,
     )
+    # A version a server is loading, is told to load, or holds (its restart reloads it) stays.
+    pinned = pool.pinned_versions() if hasattr(pool, "pinned_versions") else set()
     for old in os.listdir(weights_dir):
         number, _, tmp = old[1:].partition(".tmp-")
         if not (old.startswith("v") and number.isdigit()):
             continue
-        if int(number) < version - KEEP_WEIGHTS or (tmp and int(number) < version):
+        stale = int(number) < version - KEEP_WEIGHTS and int(number) not in pinned
+        if stale or (tmp and int(number) < version):
             shutil.rmtree(os.path.join(weights_dir, old), ignore_errors=True)
 
 

@@ -461,6 +461,7 @@ def test_a_server_whose_update_never_returns_delays_no_other_install_nor_the_nex
             pool.update_weights(version, f"/w/v{version}")  # returns while a's load hangs
             assert wait_until(lambda v=version: stubs["b:1"].version == v)
         assert [r.version for r in stubs["a:1"].rpcs("UpdateWeights")] == [1, 2]
+        assert {1, 2, 5} <= pool.pinned_versions()  # held, loading, wanted: not removed
         stubs["a:1"].UpdateWeights = stubs["a:1"].plain_update
         release.set()  # its load of v2 ends
         pool.settle()

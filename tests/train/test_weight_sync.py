@@ -106,6 +106,18 @@ def test_push_weights_saves_then_updates_and_keeps_the_newest(tmp_path):
     assert params_io.is_flat(tmp_path / "v5")  # one process, a local directory: no orbax
 
 
+def test_a_version_a_server_still_loads_or_holds_is_not_removed(tmp_path):
+    """A server whose load takes several pushes (its sender sends the newest next) or that holds
+    an old version (its restart reloads it) keeps that version's directory."""
+    pool = FakePool()
+    pool.pinned_versions = lambda: {1}
+    params = {"w": np.arange(4, dtype=np.float32)}
+    for version in range(1, 7):
+        push_weights(pool, params, version, str(tmp_path))
+    kept = sorted(p.name for p in tmp_path.iterdir())
+    assert kept == ["v1"] + [f"v{v}" for v in range(6 - KEEP_WEIGHTS, 7)]
+
+
 def test_a_push_is_not_fsynced_and_a_restart_can_check_it(tmp_path, monkeypatch):
     """A push's save is off the disk's sync path (a restarting server checks the CRC instead:
     tests/rollout_server/test_weights.py)."""
