@@ -95,6 +95,7 @@ from train import (
     prefetch,
     pulling,
     setup,
+    skips,
     weight_sync,
 )
 from train.local_server import LocalServer
@@ -116,6 +117,7 @@ class RunResult:
     accuracy_before: float | None
     accuracy_after: float | None
     run_dir: str
+    no_progress: str = ""  # the one line of a run stopped by train.max_skipped_steps
 
 
 def start_or_resume(
@@ -277,9 +279,15 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
             mesh=mesh,
             spec=setup.batch_spec(cfg),
         )
-        state, progress = train_loop(cfg, parts, state, progress)  # returns with pushes landed
+        no_progress = ""
+        try:
+            state, progress = train_loop(cfg, parts, state, progress)  # returns with pushes landed
+        except skips.NoProgress as e:  # checkpointed by the loop; no evaluation of a stuck run
+            no_progress = str(e)
         ckpt.save(int(state.step), state, progress)
-        acc_after = evaluate_and_log(cfg, graphdef, state, writer, "after")
+        acc_after = None
+        if not no_progress:
+            acc_after = evaluate_and_log(cfg, graphdef, state, writer, "after")
         if writer is not None:
             writer.flush()
             records = metrics.read_jsonl(writer.jsonl_path)
@@ -290,6 +298,7 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         accuracy_before=acc_before,
         accuracy_after=acc_after,
         run_dir=run_dir,
+        no_progress=no_progress,
     )
 
 
@@ -404,7 +413,11 @@ def train_loop(
     for each; the loop returns once the last one has landed. Every process runs the loop; see the
     module docstring for what only process 0 does.
 
+    A run stuck on skipped steps stops: after ``train.max_skipped_steps`` consecutive ones the
+    loop writes its last record, lands its pushes, checkpoints and raises ``skips.NoProgress``.
+
     Raises:
+      skips.NoProgress: ``train.max_skipped_steps`` consecutive steps were skipped (checkpointed).
       RuntimeError: a weight push failed (raised at the next step), or no groups arrive.
       Whatever stopped the batch being made (raised as is, e.g. the pool's ``ServersDownError``).
     """
@@ -413,6 +426,7 @@ def train_loop(
     step = int(state.step)
     ahead = parts.prefetch and t.mode != "sync"
     record = None  # the finished step's log record, written once the next step is dispatched
+    streak = skips.SkipStreak()  # consecutive skipped steps (a resume starts a new count)
     source = prefetch.BatchSource(
         parts.pool,
         parts.spec,
@@ -438,20 +452,31 @@ def train_loop(
                 source.start(advance(progress, ready.pulled.stats, False, rng))
             if record is not None:
                 write_record(parts, *record)
-            step, progress, record = finish_step(
-                cfg, parts, state, progress, ready.pulled, step_metrics, rng
+            step, progress, streak, record = finish_step(
+                cfg, parts, state, progress, ready.pulled, step_metrics, rng, streak
             )
             record[1].update(
                 tokens_per_s=ready.pulled.stats.tokens / max(time.monotonic() - start, 1e-9),
                 pull_wait_s=got_batch - start,
                 step_s=time.monotonic() - got_batch,
             )
+            if streak.exhausted(t.max_skipped_steps):
+                break
         if record is not None:
             write_record(parts, *record)
     if parts.pusher is not None:
         parts.pusher.wait()
     if parts.pool is not None:
         parts.pool.flush_acks()
+    if streak.exhausted(t.max_skipped_steps):
+        saved = ""
+        if parts.ckpt is not None:
+            failures = parts.ckpt.failures
+            parts.ckpt.save(step, state, progress)
+            parts.ckpt.wait()  # committed (or failed, logged) before the run ends
+            if parts.ckpt.failures == failures:
+                saved = f"; checkpoint {step} in {parts.ckpt.directory}"
+        raise skips.NoProgress(streak.message() + saved)
     return state, progress
 
 
@@ -463,14 +488,25 @@ def finish_step(
     pulled: pulling.PulledBatch,
     step_metrics: dict[str, jax.Array],
     rng: jax.Array,
-) -> tuple[int, checkpointing.Progress, tuple[int, dict[str, Any], batching.BatchStats]]:
+    streak: skips.SkipStreak,
+) -> tuple[
+    int,
+    checkpointing.Progress,
+    skips.SkipStreak,
+    tuple[int, dict[str, Any], batching.BatchStats],
+]:
     """Waits for the dispatched step (its metrics), then acknowledges its groups, pushes,
-    checkpoints and evaluates as due. Returns the step count, the progress after the batch and
-    the step's log record (step, scalars, stats) for ``write_record``."""
+    checkpoints and evaluates as due. Returns the step count, the progress after the batch, the
+    skip streak after it and the step's log record (step, scalars, stats) for ``write_record``."""
     t = cfg.train
     step_metrics = jax.device_get(step_metrics)
     skipped = bool(step_metrics["step_skipped"])
     progress = advance(progress, pulled.stats, skipped, rng)
+    if skipped:
+        cause = skips.skip_cause(step_metrics, pulled.batch, pulled.stats, t.overlong)
+        streak = streak.after(True, cause)
+    else:
+        streak = streak.after(False)
     if parts.pool is not None:  # trained (or dropped): the servers may forget them
         parts.pool.ack(pulled.pulled)
     step = int(state.step)
@@ -487,7 +523,7 @@ def finish_step(
         scalars = {**step_metrics, **loop_scalars(pulled.stats, progress)}
         scalars.update(parts.pusher.metrics() if parts.pusher else {}, accuracy=accuracy)
         scalars.update(parts.pool.metrics() if parts.pool else {})
-    return step, progress, (step, scalars, pulled.stats)
+    return step, progress, streak, (step, scalars, pulled.stats)
 
 
 def write_record(
@@ -555,7 +591,8 @@ def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -
 
 
 def cli(argv: list[str] | None = None) -> None:
-    """``sat-train --config FILE [key=value ...]``; a bad config exits with code 2 and one line."""
+    """``sat-train --config FILE [key=value ...]``; a bad config exits with code 2 and one line,
+    a run stopped by ``train.max_skipped_steps`` with code 1 and one line (after its checkpoint)."""
     command = sat_cli.Command("sat-train", __doc__)
     args = command.parse(sys.argv[1:] if argv is None else argv)
     cfg = command.load_config(args)
@@ -563,6 +600,9 @@ def cli(argv: list[str] | None = None) -> None:
         setup.check_run(cfg)
     sat_cli.log_to_stderr("train")
     result = run(cfg, args.config, args.overrides)
+    if result.no_progress:
+        log.error("%s", sat_cli.one_line(result.no_progress))
+        sys.exit(1)
     print(
         f"done: {result.steps} steps, weights version {result.version}, "
         f"accuracy {_fmt(result.accuracy_before)} -> {_fmt(result.accuracy_after)}, "
