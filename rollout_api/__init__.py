@@ -1,4 +1,4 @@
-"""The wire between the rollout servers and the trainer: its protocol, and the admission rule both run.
+"""The wire between the rollout servers and the trainer: its protocol and the admission rule.
 
 - ``proto``: ``rollout.proto`` (package ``satjax.rollout.v1``) and its generated modules;
 - ``client``: channels (plaintext or TLS) and the bearer-token metadata every call carries;

@@ -1,6 +1,7 @@
-"""Every package map names exactly the modules on disk: a package whose docstring lists its
+"""Prose that names files stays true. Every package map names exactly the modules on disk: a package whose docstring lists its
 modules ("- ``name``, ``other``: what they do" lines) lists each of its modules and subpackages
-once, and none that is gone (``__init__`` and ``__main__`` aside)."""
+once, and none that is gone (``__init__`` and ``__main__`` aside); every ``.py`` path README.md
+and docs/DESIGN.md quote is a file."""
 
 from __future__ import annotations
 
@@ -54,3 +55,16 @@ def test_the_package_map_names_the_modules_on_disk(package):
     assert named, f"{package}/__init__.py has no module map"
     assert not named - disk, f"{package}'s map names modules that are gone: {sorted(named - disk)}"
     assert not disk - named, f"{package}'s map omits {sorted(disk - named)}"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/DESIGN.md"])
+def test_the_python_files_the_docs_name_exist(doc):
+    text = (REPO / doc).read_text()
+    named = set(
+        re.findall(
+            r"`((?:sat_jax|train|rollout_server|rollout_api|tests|benchmarks)/[\w/]+\.py)`", text
+        )
+    )
+    assert named, doc
+    missing = sorted(p for p in named if not (REPO / p).is_file())
+    assert not missing, f"{doc} names files that are gone: {missing}"
