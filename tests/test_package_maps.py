@@ -1,7 +1,9 @@
-"""Prose that names files stays true. Every package map names exactly the modules on disk: a package whose docstring lists its
-modules ("- ``name``, ``other``: what they do" lines) lists each of its modules and subpackages
-once, and none that is gone (``__init__`` and ``__main__`` aside); every ``.py`` path README.md
-and docs/DESIGN.md quote is a file."""
+"""Prose that names files stays true.
+
+Every package map names exactly the modules on disk: a package whose docstring lists its modules
+("- ``name``, ``other``: what they do" lines) lists each of its modules and subpackages once, and
+none that is gone (``__init__`` and ``__main__`` aside). Every ``.py`` path README.md and
+docs/DESIGN.md quote is a file."""
 
 from __future__ import annotations
 
