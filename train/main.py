@@ -236,12 +236,8 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
             mesh=mesh,
             spec=setup.batch_spec(cfg),
         )
-        no_progress = ""
-        try:
-            state, progress = train_loop(cfg, parts, state, progress)  # returns with pushes landed
-        except skips.NoProgress as e:  # checkpointed by the loop; no evaluation of a stuck run
-            no_progress = str(e)
-        ckpt.save(int(state.step), state, progress)
+        state, progress, no_progress = loop_or_stuck(cfg, parts, state, progress)
+        ckpt.save(int(state.step), state, progress)  # a stuck run's loop has saved it already
         acc_after = None
         if not no_progress:
             acc_after = evaluate_and_log(cfg, graphdef, state, writer, "after")
@@ -426,15 +422,41 @@ def train_loop(
     if parts.pool is not None:
         parts.pool.flush_acks()
     if streak.exhausted(t.max_skipped_steps):
-        saved = ""
-        if parts.ckpt is not None:
-            failures = parts.ckpt.failures
-            parts.ckpt.save(step, state, progress)
-            parts.ckpt.wait()  # committed (or failed, logged) before the run ends
-            if parts.ckpt.failures == failures:
-                saved = f"; checkpoint {step} in {parts.ckpt.directory}"
-        raise skips.NoProgress(streak.message() + saved)
+        stop_stuck(parts, state, progress, streak)
     return state, progress
+
+
+def loop_or_stuck(
+    cfg: ExperimentConfig,
+    parts: LoopParts,
+    state: TrainState,
+    progress: checkpointing.Progress,
+) -> tuple[TrainState, checkpointing.Progress, str]:
+    """``train_loop``'s state and progress, and "" or, for a run stopped by
+    ``train.max_skipped_steps`` (checkpointed by the loop), its one line."""
+    try:
+        state, progress = train_loop(cfg, parts, state, progress)
+    except skips.NoProgress as e:
+        return e.state, e.progress, str(e)
+    return state, progress, ""
+
+
+def stop_stuck(
+    parts: LoopParts,
+    state: TrainState,
+    progress: checkpointing.Progress,
+    streak: skips.SkipStreak,
+) -> None:
+    """Checkpoints a run stuck on skipped steps (and waits for the write), then raises
+    ``skips.NoProgress`` with the one line: the count, the likely cause, the checkpoint."""
+    step, saved = int(state.step), ""
+    if parts.ckpt is not None:
+        failures = parts.ckpt.failures
+        parts.ckpt.save(step, state, progress)
+        parts.ckpt.wait()  # committed (or failed, logged) before the run ends
+        if parts.ckpt.failures == failures:
+            saved = f"; checkpoint {step} in {parts.ckpt.directory}"
+    raise skips.NoProgress(streak.message() + saved, state=state, progress=progress)
 
 
 def finish_step(

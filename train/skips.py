@@ -39,7 +39,15 @@ CAUSES = {
 
 
 class NoProgress(RuntimeError):
-    """``train.max_skipped_steps`` consecutive steps were skipped; the message is the one line."""
+    """``train.max_skipped_steps`` consecutive steps were skipped; the message is the one line.
+
+    Attributes:
+      state, progress: the loop's ``TrainState`` and ``Progress`` when it stopped (checkpointed).
+    """
+
+    def __init__(self, message: str, *, state: Any = None, progress: Any = None):
+        super().__init__(message)
+        self.state, self.progress = state, progress
 
 
 def skip_cause(metrics: dict[str, Any], batch: TrainBatch, stats: BatchStats, overlong: str) -> str:

@@ -137,15 +137,14 @@ def test_a_stuck_loop_checkpoints_then_stops_naming_the_count_and_the_cause(tmp_
         metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=3, console=None) as writer,
     ):
         parts = _loop_parts(cfg, pool, pusher, writer, _skipping(2 * limit), ckpt=ckpt)
-        with pytest.raises(skips.NoProgress) as stopped:
-            main.train_loop(cfg, parts, state, progress)
+        stopped_state, stopped, line = main.loop_or_stuck(cfg, parts, state, progress)
         assert ckpt.all_steps() == [0]  # written before the stop
         _, saved = ckpt.restore(0, jax.tree.map(jax.numpy.asarray, state))
-    line = str(stopped.value)
     assert "\n" not in line and f"{limit} consecutive steps" in line, line
     assert skips.CAUSES["cut"] in line and "checkpoint 0 in" in line, line
     # It stopped at the limit: that many batches consumed, each a version, all acknowledged.
     assert saved.steps_skipped == limit and saved.version == limit + 1
+    assert stopped == saved and int(stopped_state.step) == 0  # the run's result: the latest
     records = metrics.read_jsonl(writer.jsonl_path)
     assert [r["steps_skipped"] for r in records] == list(range(1, limit + 1))
     assert pool.acked[: limit * 2] == list(range(limit * 2))
