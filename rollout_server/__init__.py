@@ -7,16 +7,23 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 `proto/rollout.proto`). Modules, in data-flow order:
 
 - `jetstream_compat`: the JetStream 0.2.2 fixes; imported before anything from jetstream.
-- `sampling`, `engine`: the JetStream `Engine` (KV cache, slots, hot-swappable weights; per token
-  behavior log-prob, version and routing ids).
+- `jetstream_tokenizer`: JetStream's `Tokenizer` over a `sat_jax.tasks.Tokenizer`.
+- `engine`: the JetStream `Engine` over `sat_jax.decoding.DecodeCore` (KV cache, slots,
+  hot-swappable weights; per token behavior log-prob, version and routing ids).
 - `driver`: the orchestrator `Driver` whose detokenize thread writes each request's per-token
   arrays (allocated once per request) into a finished sample.
-- `rollout`, `group_queue`, `persistence`: prompts → groups of G samples → rewards →
-  `rollout_api.records.Group` → its proto (`records.to_proto`, the one conversion) in a bounded
-  queue, with admission control and a state file so a restart loses no prompt.
+- `generation`: a group's G samples (single-turn requests, multi-turn episodes, or HTTP
+  sessions), resampled on failure, into a `records.Group` with rewards.
+- `rollout`, `group_queue`, `persistence`: prompts → groups → `rollout_api.records.Group` → its
+  proto (`records.to_proto`, the one conversion) in a bounded queue, with admission
+  (`rollout_api.admission`) and a state file so a restart loses no prompt.
 - `weights`: UpdateWeights' checkpoint-root policy; loading through `sat_jax.params_io`.
+- `auth`: the shared-token check of every RPC but the health checks (a gRPC interceptor).
 - `service`, `metrics`, `process`: the gRPC servicers, Prometheus gauges, and the running server.
-- `server`: the `sat-serve` command (config errors are one line and exit 2).
+- `chat`, `http_api`, `sessions`: the OpenAI-compatible HTTP endpoint (its schema, the server)
+  and RL sessions played by external agents.
+- `server`: the `sat-serve` command (config errors are one line and exit 2; also
+  `python -m rollout_server`).
 
 The wire (proto, client, routing codec, records) is `rollout_api`, shared with the trainer.
 

@@ -5,9 +5,10 @@ process 0 (the only one that talks to the servers) to every process.
 Pulled groups are ``rollout_api.records`` (``ServerPool.pull`` decodes and validates them once),
 tracked by their ``key``.
 
-Broadcast (``broadcast_pulled``, docs/DESIGN.md §7.1 step 4, §7.3): host to host, through the
-key-value store of JAX's distributed runtime (the coordination service ``jax.distributed``
-starts; the client orbax uses for its barriers), never through the devices. Process 0 writes the
+Broadcast (``next_batch`` through ``send_pulled`` / ``receive_pulled``; docs/DESIGN.md §7.1
+step 4, §7.3): host to host, through the key-value store of JAX's distributed runtime (the
+coordination service ``jax.distributed`` starts; the client orbax uses for its barriers), never
+through the devices. Process 0 writes the
 batch's arrays, the flat lags of its trained tokens and the rest of its ``BatchStats`` (as JSON)
 as one ``.npz`` under the batch's key, in chunks of ``CHUNK_BYTES``; every other process reads
 them back and so holds the same host arrays, from which each then makes only its own devices'
@@ -207,17 +208,6 @@ def next_batch(
     if several:
         send_pulled(key, pulled)
     return pulled
-
-
-def broadcast_pulled(
-    pulled: PulledBatch | None, *, key: str, cancel: threading.Event | None = None
-) -> PulledBatch:
-    """Process 0's ``pulled`` on every process: process 0 sends it (and returns it), every other
-    process passes None and returns what it receives (see the module docstring)."""
-    if jax.process_index() == 0:
-        send_pulled(key, pulled)
-        return pulled
-    return receive_pulled(key, cancel=cancel)
 
 
 def encode_pulled(pulled: PulledBatch) -> bytes:

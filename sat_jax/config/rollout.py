@@ -20,11 +20,13 @@ class RolloutConfig:
         the sampler's kept-set size recorded per token and r the trainer's rank of the sampled
         token, so that at lag 0 the trainer's log-prob is the behavior log-prob; "full" over the
         whole vocabulary (the truncation then reads as a mismatch). Without truncation both are the same.
-      batch_groups: groups per trainer step (the `batch` of docs/DESIGN.md §6's admission rule).
-      max_staleness: versions a group may lag; admission keeps
-        (max_staleness + version + 1)·batch_groups − (consumed + queued + running) > 0, counted
-        from the server's first trainer weights (so (max_staleness + 1)·batch_groups groups of
-        them, then batch_groups more per version).
+      batch_groups: B, groups per trainer step (the batch of the admission rule).
+      max_staleness: S, the versions a trained token may lag. A server admits (starts) a group
+        only while its groups not yet acknowledged number fewer than
+        (S + 1 − (T − v)) · share · B, v the weights version it holds, T the trainer's version
+        and share its part of the batch (measured capacity over the fleet's); a group is
+        counted at the version it was admitted at, so none is trained more than S versions
+        later (``rollout_api.admission``; why: docs/DESIGN.md §6.3).
       queue_groups: capacity of the finished-group queue.
       stop_token_ids: ids that end a completion besides the tokenizer's eos ids (an HF
         checkpoint's eos set comes from its config.json and generation_config.json).

@@ -156,6 +156,9 @@ class TrainConfig:
         waits for the new weights: needs ``rollout.max_staleness = 0`` and
         ``weight_sync_interval = 1``, so every trained token has lag 0).
       steps: RL updates to apply (skipped steps do not count).
+      max_skipped_steps: a run whose last ``max_skipped_steps`` consecutive steps were all
+        skipped (nothing active, or a non-finite loss or gradient) writes a checkpoint and ends
+        with exit status 1 and one line naming the likely cause (``train.skips``); 0 = never.
       weight_sync_interval: n, push weights to the servers every n updates (the configured lag).
       stale_policy: what happens to a group with a token older than ``rollout.max_staleness``
         versions: "drop" (counted in ``stale_dropped``) or "keep" (trained, still counted).
@@ -200,6 +203,7 @@ class TrainConfig:
 
     mode: str = "async"
     steps: int = 100
+    max_skipped_steps: int = 100
     weight_sync_interval: int = 1
     stale_policy: str = "drop"
     routing_replay: bool = True
@@ -238,7 +242,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         _positive(self, "steps", "weight_sync_interval", "microbatches", "filter_max_rounds")
-        for name in ("length_bucket", "overlong_cache"):
+        for name in ("max_skipped_steps", "length_bucket", "overlong_cache"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.overlong_penalty < float("inf"):

@@ -10,7 +10,8 @@ process and rollout server processes, as in ``tests/train/test_fleet_live.py``:
   id, so every completion is cut and nothing is active): each skipped step republishes the
   weights under the new version, so the server's admission stays open and the run goes on far
   past the (max_staleness + 1) batches that closed it before, instead of dying of
-  ``train.client.wait_s``; also with ``rollout.logprob_replay=full``.
+  ``train.client.wait_s``; also with ``rollout.logprob_replay=full``. With
+  ``train.max_skipped_steps`` it stops after that many, checkpointed, naming the cause.
 
 Nothing here waits on the wall clock for a result: steps are paced by events (``PacedStep``), the
 stops by the trainer's steps and the other server's state; every timeout is only a hang guard.
@@ -18,6 +19,7 @@ stops by the trainer's steps and the other server's state; every timeout is only
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
@@ -29,8 +31,8 @@ import pytest
 
 from sat_jax.experiment import load_config, make_tokenizer
 from tests.train.test_fleet_live import _jax_env, _overrides, _server, _server_id, _start, _train
-from tests.train.test_main import CONFIG, PacedStep, _caught_up
-from train import metrics, setup
+from tests.train.test_main import CONFIG, PacedStep, _caught_up, _loop_parts, _push_to
+from train import checkpointing, main, metrics, setup, skips, weight_sync
 
 pytestmark = pytest.mark.slow
 _ = _jax_env  # the autouse fixture, applied here too
@@ -202,3 +204,43 @@ def test_a_run_whose_every_step_is_skipped_goes_on(tmp_path, replay):
     assert len(keys) == consumed * B and len(set(keys)) == len(keys), keys
     assert max(r["lag_max"] for r in records) <= S, [r["lag_max"] for r in records]
     assert progress.stale_dropped == 0
+
+
+def test_a_run_whose_every_step_is_skipped_stops_at_max_skipped_steps(tmp_path):
+    """The run above with ``train.max_skipped_steps=3``: after three skipped steps the loop
+    checkpoints and stops, naming the count and the cause it read off the live batches (every
+    completion cut under ``train.overlong=mask``) with the keys that change it."""
+    limit = 3
+    overrides = _overrides(
+        tmp_path,
+        "train.client.wait_s=300",
+        "train.overlong=mask",
+        "rollout.max_new_tokens=2",
+        f"train.max_skipped_steps={limit}",
+    )
+    server = _server(tmp_path, "a", overrides)
+    step = _SkipWhenNothingActive([server], last=99)
+    with (
+        server,
+        metrics.MetricsWriter(str(tmp_path / "logs"), total_steps=1, console=None) as w,
+        checkpointing.Checkpointer(str(tmp_path / "ckpt"), keep=1) as ckpt,
+    ):
+        server.wait_ready(timeout_s=240)
+        cfg = load_config(CONFIG, [*overrides, "train.steps=1"])
+        state, progress = _start(cfg)
+        state = state.replace(params=_never_stopping(state.params, make_tokenizer(cfg).stop_ids))
+        _, _, weights_dir = setup.run_paths(cfg)
+        push = functools.partial(_push_to, weights_dir=weights_dir)
+        with (
+            setup.connect(cfg, server) as pool,
+            weight_sync.WeightPusher(functools.partial(push, pool)) as pusher,
+        ):
+            step.pusher = pusher
+            progress = main.sync_weights(pool, state, progress, weights_dir)
+            parts = _loop_parts(cfg, pool, pusher, w, step, ckpt=ckpt)
+            with pytest.raises(skips.NoProgress) as stopped:
+                main.train_loop(cfg, parts, state, progress)
+        assert ckpt.all_steps() == [0]
+    line = str(stopped.value)
+    assert f"{limit} consecutive steps" in line and skips.CAUSES["cut"] in line, line
+    assert "\n" not in line and step.calls == limit, (line, step.calls)
