@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -79,6 +81,8 @@ class ApiError(Exception):
             409: "conflict_error",
             413: "invalid_request_error",
             429: "rate_limit_error",
+            500: "server_error",
+            504: "server_error",
         }
         return {
             "error": {
@@ -176,7 +180,9 @@ def _generation(
             "log-probs are those of the server's one sampler (rollout.temperature, top_p, top_k)",
             key,
         )
-    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    tokens = body.get("max_completion_tokens")
+    if tokens is None:  # absent or null: max_tokens (the older name) decides
+        tokens = body.get("max_tokens")
     if tokens is None:
         tokens = default_tokens
     _need(
@@ -259,7 +265,9 @@ def parse_chat(
     )
     choice = body.get("tool_choice")
     _need(choice in (None, "auto", "none"), "tool_choice must be auto or none", "tool_choice")
-    sid = body.get("session_id") or session_id
+    # The URL's session id wins over the body's: a client's extra body cannot move a request to
+    # another session than the base URL it was given.
+    sid = session_id or body.get("session_id") or ""
     _need(isinstance(sid, str) and len(sid) <= 128, "session_id must be a string", "session_id")
     return ChatRequest(
         model=model,
@@ -389,35 +397,81 @@ def make_stop_when(tokenizer: Any, stops: Sequence[str]):
     return stop_when
 
 
-def assistant_message(text: str, *, tools: bool, call_prefix: str) -> dict[str, Any]:
-    """The reply as an OpenAI assistant message: with `tools`, the `<tool_call>` blocks become
-    `tool_calls` (ids `call_prefix` + index) and the text before them the content."""
-    if tools and "<tool_call>" in text.rsplit("</think>", 1)[-1]:
-        calls = []
-        for i, body in enumerate(find_tool_calls(text)):
+def _tool_calls(text: str) -> list[dict[str, Any]] | None:
+    """The reply's `<tool_call>` blocks as OpenAI tool calls, or None when any block is not a
+    JSON object `{"name": str, "arguments": object}` (its `arguments` may also be a JSON string
+    of an object; absent = {}): such a reply stays content, as vLLM's Hermes parser leaves it."""
+    calls = []
+    for body in find_tool_calls(text):
+        try:
+            call = json.loads(body) if body is not None else None
+        except (ValueError, RecursionError):
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
             try:
-                call = json.loads(body) if body is not None else None
-            except ValueError:
-                call = None
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                continue
-            arguments = call.get("arguments", {})
-            calls.append(
-                {
-                    "id": f"{call_prefix}{i}",
-                    "type": "function",
-                    "function": {
-                        "name": call["name"],
-                        "arguments": arguments
-                        if isinstance(arguments, str)
-                        else json.dumps(arguments),
-                    },
-                }
-            )
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(arguments, dict):  # null, a number, a list, "1+1"
+            return None
+        calls.append(
+            {
+                "id": f"call_{secrets.token_hex(12)}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(arguments)},
+            }
+        )
+    return calls or None
+
+
+def assistant_message(text: str, *, tools: bool) -> dict[str, Any]:
+    """The reply as an OpenAI assistant message: with `tools`, the `<tool_call>` blocks after the
+    reasoning become `tool_calls` (each with a fresh id) and the text before them the content;
+    a reply with any block that is not a well-formed call stays all content. Never raises."""
+    visible_at = text.rfind("</think>")
+    visible_at = 0 if visible_at < 0 else visible_at + len("</think>")
+    if tools and "<tool_call>" in text[visible_at:]:
+        calls = _tool_calls(text)
         if calls:
-            head = text[: text.find("<tool_call>")].strip()
+            head = text[: text.find("<tool_call>", visible_at)].strip()
             return {"role": "assistant", "content": head or None, "tool_calls": calls}
     return {"role": "assistant", "content": text}
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: each vocabulary character's byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_OF = _bytes_to_unicode()
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The raw bytes of one token: its decoded text's UTF-8 when that is whole, else from the
+    vocabulary piece (byte-level BPE characters, or SentencePiece's `<0xNN>` byte pieces), so a
+    token holding part of a UTF-8 character has its own bytes rather than U+FFFD's."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    hf = getattr(tokenizer, "_tok", None)
+    piece = hf.convert_ids_to_tokens(int(token_id)) if hf is not None else None
+    if isinstance(piece, str):
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return [int(piece[3:5], 16)]
+        if piece and all(c in _BYTE_OF for c in piece):
+            return [_BYTE_OF[c] for c in piece]
+    return list(text.encode())
 
 
 def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> list[dict]:
@@ -429,7 +483,7 @@ def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> lis
             {
                 "token": text,
                 "logprob": lp,
-                "bytes": list(text.encode()),
+                "bytes": token_bytes(tokenizer, i, text),
                 "top_logprobs": [],
                 "token_id": i,
             }

@@ -24,6 +24,7 @@ import hmac
 import json
 import logging
 import math
+import ssl
 import time
 import uuid
 from typing import Any
@@ -35,7 +36,6 @@ from rollout_server.chat import (
     Generation,
     parse_chat,
     parse_completion,
-    token_logprobs,
 )
 from rollout_server.sessions import Generator, Reply, SessionManager
 
@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 
 MAX_TAKE = 256
 MAX_TAKE_TIMEOUT_S = 60.0
+OPEN_PATHS = ("/health",)  # served without the bearer token
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -60,6 +61,14 @@ class HttpLimits:
     max_messages: int
     max_requests: int
     reap_every_s: float = 1.0
+
+
+def server_ssl_context(cert: str, key: str) -> ssl.SSLContext:
+    """The HTTP port's TLS (`server.tls_cert`, `server.tls_key`; the gRPC port's files)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context
 
 
 class HttpApi:
@@ -94,6 +103,7 @@ class HttpApi:
         app = web.Application(
             client_max_size=self.limits.max_body_bytes, middlewares=[self._middleware]
         )
+        app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
@@ -102,14 +112,17 @@ class HttpApi:
         app.router.add_post("/sessions/{sid}/end", self._end)
         return app
 
-    async def start(self, host: str, port: int) -> int:
-        """Serves on `host:port` (0 = a free port); returns the port."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Serves on `host:port` (0 = a free port), over TLS with `ssl_context`; returns the
+        port."""
         if self.sessions is not None:
             self.sessions.bind(asyncio.get_running_loop())
             self._reaper = asyncio.create_task(self._reap())
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # Handlers are cancelled when their client leaves: a session's turn is shielded from it
+        # (it ends and is kept for the retry) and the departure is counted.
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]
 
@@ -118,6 +131,7 @@ class HttpApi:
             self._reaper.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
+        self.gen.close()
 
     async def _reap(self) -> None:
         while True:
@@ -130,9 +144,11 @@ class HttpApi:
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         try:
-            if self.token:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            if self.token and request.path not in OPEN_PATHS:
+                # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the
+                # bytes they were, they are simply a wrong token.
+                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
                     raise ApiError(401, "bad or missing bearer token")
             return await handler(request)
         except ApiError as e:
@@ -149,6 +165,12 @@ class HttpApi:
                 raise
             body = ApiError(e.status, e.reason or "error").body()
             return web.json_response(body, status=e.status)
+        except (ConnectionResetError, asyncio.CancelledError):  # the client left
+            raise
+        except Exception as e:  # a defect: one line, and the OpenAI error body
+            log.error("%s %s failed: %s: %s", request.method, request.path, type(e).__name__, e)
+            body = ApiError(500, "internal server error", code="server_error").body()
+            return web.json_response(body, status=500)
 
     async def _json(self, request: web.Request) -> Any:
         try:
@@ -159,6 +181,10 @@ class HttpApi:
             return json.loads(raw)
         except (ValueError, RecursionError):
             raise ApiError(400, "the body is not valid JSON") from None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        """Open (no token): a load balancer's or a framework's liveness probe."""
+        return web.json_response({"status": "ok"})
 
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sat-jax"}
@@ -185,12 +211,9 @@ class HttpApi:
                 raise ApiError(404, "this server runs no sessions (server.http_sessions)")
             replies = [await self.sessions.chat(req)]
         else:
-            ids = self.gen.prompt_ids(req.messages, req.tools)
+            ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
             replies = await self._stateless(
-                [
-                    self.gen.generate(ids, gen, tools=bool(req.tools), call_prefix=f"call_{i}_")
-                    for i in range(gen.n)
-                ]
+                [self.gen.generate(ids, gen, tools=bool(req.tools)) for _ in range(gen.n)]
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if gen.stream:
@@ -212,7 +235,16 @@ class HttpApi:
             "choices": choices,
             "usage": _usage(replies),
         }
+        if req.session_id:
+            out["session"] = self._session_info(req.session_id, replies[0])
         return web.json_response(out)
+
+    def _session_info(self, sid: str, reply: Reply | None = None) -> dict[str, Any]:
+        s = self.sessions.find(sid)
+        info = s.info() if s is not None else {"session_id": sid}
+        if reply is not None and reply.remaining_tokens is not None:
+            info["remaining_tokens"] = reply.remaining_tokens
+        return info
 
     async def _stateless(self, coros: list) -> list[Reply]:
         n = len(coros)
@@ -230,7 +262,7 @@ class HttpApi:
             self.in_flight -= n
 
     def _logprobs(self, r: Reply) -> dict[str, Any]:
-        return {"content": token_logprobs(self.gen.tokenizer, r.ids, r.logprobs)}
+        return {"content": r.content_logprobs or []}
 
     async def _stream_chat(
         self, request: web.Request, rid: str, model: str, replies: list[Reply], gen: Generation
@@ -265,17 +297,19 @@ class HttpApi:
         body = await self._json(request)
         req = parse_completion(body, self.gen.engine.sampling, **self._limits())
         gen = req.generation
-        ids = self.gen.tokenizer.encode(req.prompt)
+        msg = [{"role": "user", "content": req.prompt}]
+        self.gen.bound_length(msg, [])
+        ids = await self.gen.off_loop(self.gen.tokenizer.encode, req.prompt)
         self.gen.check_length(len(ids))
         replies = await self._stateless(
-            [self.gen.generate(ids, gen, tools=False, call_prefix="") for _ in range(gen.n)]
+            [self.gen.generate(ids, gen, tools=False) for _ in range(gen.n)]
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices = []
         for i, r in enumerate(replies):
             logprobs = None
             if gen.logprobs:
-                content = token_logprobs(self.gen.tokenizer, r.ids, r.logprobs)
+                content = r.content_logprobs or []
                 logprobs = {
                     "tokens": [c["token"] for c in content],
                     "token_logprobs": [c["logprob"] for c in content],
@@ -328,6 +362,7 @@ class HttpApi:
                 "group_id": s.tag[0],
                 "prompt": {"id": s.prompt.id, "text": s.prompt.text},
                 "answer": s.prompt.answer,
+                "remaining_tokens": s.room,
             }
             for s in taken
         ]
@@ -337,17 +372,23 @@ class HttpApi:
         if self.sessions is None:
             raise ApiError(404, "this server runs no sessions (server.http_sessions)")
         body = await self._json(request) if request.can_read_body else {}
-        if not isinstance(body, dict) or set(body) - {"reward"}:
-            raise ApiError(400, "the body takes only reward")
+        if not isinstance(body, dict) or set(body) - {"reward", "discard"}:
+            raise ApiError(400, "the body takes reward or discard")
+        discard = body.get("discard", False)
+        if not isinstance(discard, bool):
+            raise ApiError(400, "discard must be a boolean", param="discard")
         reward = body.get("reward")
+        if discard and reward is not None:
+            raise ApiError(400, "a discarded session has no reward", param="reward")
         if reward is not None and not (
             isinstance(reward, int | float)
             and not isinstance(reward, bool)
             and math.isfinite(reward)
         ):
             raise ApiError(400, "reward must be a finite number", param="reward")
-        s = self.sessions.end(request.match_info["sid"], reward)
-        return web.json_response({"session_id": s.id, "reward": s.reward, "turns": s.turns})
+        s = await self.sessions.end(request.match_info["sid"], reward, discard=discard)
+        out = {**s.info(), "reward": None if s.dropped else s.reward, "discarded": s.dropped}
+        return web.json_response(out)
 
 
 def _usage(replies: list[Reply]) -> dict[str, int]:

@@ -50,7 +50,8 @@ class ServerConfig:
         does. A second SIGTERM ends the drain at once.
       max_version_jump: UpdateWeights may raise the weights version by at most this much.
       seed: sampling PRNG seed.
-      tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
+      tls_cert, tls_key: PEM files; when both are set the gRPC port and the HTTP port
+        (`http_port`) serve TLS only. A non-loopback `host` with an `http_port` needs them.
       dtype: storage dtype of the served weights ("" = `model.param_dtype`); pushed weights are
         cast to it, e.g. float32 trainer weights served in bfloat16 (docs/DESIGN.md §11).
       mesh: the engine's device mesh, the trainer's `MeshConfig` and logical-axis rules (params
@@ -132,6 +133,11 @@ class ServerConfig:
             raise ValueError(f"http_port {self.http_port} is the gRPC port")
         if self.http_sessions and not self.http_port:
             raise ValueError("http_sessions needs an http_port")
+        if self.http_port and self.host not in _LOOPBACK_HOSTS and not self.tls_cert:
+            raise ValueError(
+                f"http_port on the non-loopback host {self.host!r} needs tls_cert and tls_key "
+                "(the bearer token would cross the network in clear)"
+            )
         if self.http_max_body_bytes < 1024:
             raise ValueError(f"http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
         for name in ("http_max_messages", "http_max_sessions", "http_max_requests"):

@@ -421,7 +421,7 @@ def test_an_abandoned_session_is_dropped_counted_and_replaced(live):
     client.chat.completions.create(model="m", messages=SESSION_MESSAGES, max_tokens=2)
     clock.now += IDLE_S + 1
     _wait(lambda: sessions.abandoned == 1, "the idle session was not dropped")
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.ConflictError, match="ended"):  # known, and ended: 409
         client.chat.completions.create(model="m", messages=SESSION_MESSAGES)
     # Its sample is offered again as a new session.
     _wait(lambda: sessions.open_sessions == 0, "the dropped session still holds its slot")
