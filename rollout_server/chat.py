@@ -489,3 +489,63 @@ def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> lis
             }
         )
     return out
+
+
+_OPEN_CALL = "<tool_call>"
+
+
+class StreamText:
+    """A choice's content as a stream of deltas, from its ids as they are generated.
+
+    Text is sent as soon as it is certain: not a partial UTF-8 character (decoded as U+FFFD), not
+    the last `len(longest stop) - 1` characters (they may begin a stop string; nothing from a
+    stop string on is ever sent), and with tools nothing from a `<tool_call>` after the reasoning
+    on, nor a tail that may begin one (calls go out parsed, when the reply is known). `finish`
+    sends what the final reply's content holds beyond what was sent.
+    """
+
+    def __init__(self, tokenizer: Any, stops: Sequence[str], tools: bool):
+        self.tok, self.stops, self.tools = tokenizer, tuple(stops), tools
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.decoded = 0  # ids decoded into `text`
+        self.text = ""
+        self.sent = 0  # characters of `text` sent
+        self.stopped = False
+
+    def feed(self, ids: Sequence[int]) -> str:
+        """The delta to send after `ids` (the next generated ids), possibly ""."""
+        self.ids.extend(int(i) for i in ids)
+        tail = self.tok.decode(self.ids[self.decoded :])
+        if not tail or tail.endswith("\ufffd"):  # a character still incomplete
+            return ""
+        self.text += tail
+        self.decoded = len(self.ids)
+        return self._delta()
+
+    def _delta(self) -> str:
+        if self.stopped:
+            return ""
+        text, found = truncate_at_stop(self.text, self.stops)
+        limit = len(text) if found else len(text) - self.hold
+        self.stopped = found
+        if self.tools:
+            reasoning = text.rfind("</think>")
+            at = text.find(_OPEN_CALL, 0 if reasoning < 0 else reasoning + len("</think>"))
+            if at >= 0:
+                limit = min(limit, at)
+            else:
+                for k in range(len(_OPEN_CALL) - 1, 0, -1):
+                    if text[:limit].endswith(_OPEN_CALL[:k]):
+                        limit -= k
+                        break
+        if limit <= self.sent:
+            return ""
+        out, self.sent = text[self.sent : limit], limit
+        return out
+
+    def finish(self, content: str | None) -> str:
+        """The rest of the final reply's `content` (what was sent is its prefix)."""
+        content = content or ""
+        done = self.text[: self.sent]
+        return content[len(done) :] if content.startswith(done) else ""

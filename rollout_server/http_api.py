@@ -29,11 +29,12 @@ import time
 import uuid
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from rollout_server.chat import (
     ApiError,
-    Generation,
+    StreamText,
     parse_chat,
     parse_completion,
 )
@@ -44,6 +45,7 @@ log = logging.getLogger(__name__)
 MAX_TAKE = 256
 MAX_TAKE_TIMEOUT_S = 60.0
 OPEN_PATHS = ("/health",)  # served without the bearer token
+KEEPALIVE_S = 15.0  # a stream with no token for this long gets a comment (proxies' idle cuts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -206,9 +208,11 @@ class HttpApi:
             **self._limits(),
         )
         gen = req.generation
+        if req.session_id and self.sessions is None:
+            raise ApiError(404, "this server runs no sessions (server.http_sessions)")
+        if gen.stream:
+            return await self._stream_chat(request, req)
         if req.session_id:
-            if self.sessions is None:
-                raise ApiError(404, "this server runs no sessions (server.http_sessions)")
             replies = [await self.sessions.chat(req)]
         else:
             ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
@@ -216,8 +220,6 @@ class HttpApi:
                 [self.gen.generate(ids, gen, tools=bool(req.tools)) for _ in range(gen.n)]
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if gen.stream:
-            return await self._stream_chat(request, rid, req.model, replies, gen)
         choices = [
             {
                 "index": i,
@@ -247,6 +249,11 @@ class HttpApi:
         return info
 
     async def _stateless(self, coros: list) -> list[Reply]:
+        self._reserve(coros)
+        return await self._run(coros)
+
+    def _reserve(self, coros: list) -> None:
+        """Counts `coros` as generating, or refuses them (429) when too many are."""
         n = len(coros)
         if self.in_flight + n > self.limits.max_requests:
             for c in coros:
@@ -256,41 +263,126 @@ class HttpApi:
                 f"{self.limits.max_requests} requests are generating (server.http_max_requests)",
             )
         self.in_flight += n
+
+    async def _run(self, coros: list) -> list[Reply]:
         try:
             return list(await asyncio.gather(*coros))
         finally:
-            self.in_flight -= n
+            self.in_flight -= len(coros)
 
     def _logprobs(self, r: Reply) -> dict[str, Any]:
         return {"content": r.content_logprobs or []}
 
-    async def _stream_chat(
-        self, request: web.Request, rid: str, model: str, replies: list[Reply], gen: Generation
-    ) -> web.StreamResponse:
-        """The replies as server-sent events: per choice its role, its content (one chunk; the
-        reply is sent when its turn ends) and its finish; then the usage if asked, and [DONE]."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
+    async def _stream_chat(self, request: web.Request, req: Any) -> web.StreamResponse:
+        """The reply as server-sent events, as it is generated: the headers and each choice's
+        role at once (once the request is accepted: a refusal is still a 4xx), content deltas as
+        the engine produces tokens (`StreamText`: stop strings and tool calls held back), a
+        comment every `KEEPALIVE_S` without one, then per choice its tool calls, log-probs and
+        finish, the usage if asked, and [DONE]. A client that leaves stops only its stream:
+        the generation runs on (a session keeps the reply for the request's retry)."""
+        gen, loop = req.generation, asyncio.get_running_loop()
+        deltas: asyncio.Queue = asyncio.Queue()
+
+        def watcher(index: int):
+            seen = 0
+
+            def watch(ids: np.ndarray) -> None:  # the driver's thread: hand the new ids over
+                nonlocal seen
+                new = np.array(ids[seen:])
+                seen = len(ids)
+                loop.call_soon_threadsafe(deltas.put_nowait, (index, new))
+
+            return watch
+
+        accepted = loop.create_future()
+        if req.session_id:
+            work = asyncio.ensure_future(
+                self.sessions.chat(req, watch=watcher(0), accepted=accepted)
+            )
+            work.add_done_callback(lambda _: _settle(accepted))
+            await asyncio.wait([work, accepted], return_when=asyncio.FIRST_COMPLETED)
+            if work.done() and work.exception() is not None:
+                raise work.exception()  # refused: an ordinary error answer
+            as_list = _as_list
+        else:
+            ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
+            coros = [
+                self.gen.generate(ids, gen, tools=bool(req.tools), watch=watcher(i))
+                for i in range(gen.n)
+            ]
+            self._reserve(coros)
+            work = asyncio.ensure_future(self._run(coros))
+            as_list = list
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time())}
-        head["model"] = model
+        head["model"] = req.model
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
 
         async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
             data = json.dumps({**head, "choices": choices, **extra})
             await response.write(f"data: {data}\n\n".encode())
 
-        for i, r in enumerate(replies):
-            delta: dict[str, Any] = {"role": "assistant", "content": r.message.get("content")}
-            if r.message.get("tool_calls"):
-                delta["tool_calls"] = [
-                    {"index": k, **c} for k, c in enumerate(r.message["tool_calls"])
-                ]
-            logprobs = self._logprobs(r) if gen.logprobs else None
-            await send([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
-            await send([{"index": i, "delta": {}, "finish_reason": r.finish_reason}])
-        if gen.include_usage:
-            await send([], usage=_usage(replies))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        def chunk(i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
+
+        try:
+            await send([chunk(i, {"role": "assistant", "content": ""}) for i in range(gen.n)])
+            texts = [
+                StreamText(self.gen.tokenizer, gen.stop, bool(req.tools)) for _ in range(gen.n)
+            ]
+            while not (work.done() and deltas.empty()):
+                if deltas.empty():
+                    get = asyncio.ensure_future(deltas.get())
+                    done, _ = await asyncio.wait(
+                        [get, work], timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                    )
+                    if get not in done:
+                        get.cancel()
+                        if not done:
+                            await response.write(b": keep-alive\n\n")
+                        continue
+                    index, ids = get.result()
+                else:
+                    index, ids = deltas.get_nowait()
+                if text := texts[index].feed(ids):
+                    await send([chunk(index, {"content": text})])
+            try:
+                replies = as_list(work.result())
+            except ApiError as e:  # failed mid-stream: the error as the last event
+                await response.write(f"data: {json.dumps(e.body())}\n\n".encode())
+                await response.write(b"data: [DONE]\n\n")
+                return response
+            for i, r in enumerate(replies):
+                delta: dict[str, Any] = {}
+                if rest := texts[i].finish(r.message.get("content")):
+                    delta["content"] = rest
+                if r.message.get("tool_calls"):
+                    delta["tool_calls"] = [
+                        {"index": k, **c} for k, c in enumerate(r.message["tool_calls"])
+                    ]
+                if delta:
+                    await send([chunk(i, delta)])
+                logprobs = self._logprobs(r) if gen.logprobs else None
+                await send([chunk(i, {}, logprobs=logprobs, finish_reason=r.finish_reason)])
+            extra = {}
+            if req.session_id:
+                extra["session"] = self._session_info(req.session_id, replies[0])
+            if gen.include_usage:
+                await send([], usage=_usage(replies), **extra)
+            elif extra:
+                await send([], **extra)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            if req.session_id and not work.done():
+                self.sessions.disconnects += 1
+                log.info(
+                    "the client of session %s left its stream; the reply is kept", req.session_id
+                )
+            raise
         return response
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
@@ -389,6 +481,15 @@ class HttpApi:
         s = await self.sessions.end(request.match_info["sid"], reward, discard=discard)
         out = {**s.info(), "reward": None if s.dropped else s.reward, "discarded": s.dropped}
         return web.json_response(out)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _as_list(reply: Reply) -> list[Reply]:
+    return [reply]
 
 
 def _usage(replies: list[Reply]) -> dict[str, int]:

@@ -185,8 +185,10 @@ class Generator:
         except ValueError as e:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
 
-    async def generate(self, ids: list[int], gen: Generation, *, tools: bool) -> Reply:
-        """One reply to the prompt `ids`."""
+    async def generate(
+        self, ids: list[int], gen: Generation, *, tools: bool, watch: Watch | None = None
+    ) -> Reply:
+        """One reply to the prompt `ids`; `watch` sees its ids as they are generated."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -199,7 +201,7 @@ class Generator:
             prefill_content=list(ids),
             is_client_side_tokenization=True,
             on_done=on_done,
-            stop_when=make_stop_when(self.tokenizer, gen.stop),
+            stop_when=watched(make_stop_when(self.tokenizer, gen.stop), watch),
         )
         self.driver.place_request_on_prefill_queue(request)
         # The engine request runs to its end whatever happens to this handler.
@@ -237,6 +239,26 @@ class Generator:
             content_logprobs=content,
             remaining_tokens=remaining,
         )
+
+
+Watch = Callable[[np.ndarray], None]
+
+
+def watched(stop_when: Callable[[np.ndarray], bool] | None, watch: Watch | None):
+    """The driver's `stop_when` that also shows `watch` the turn's ids so far (the driver calls
+    it after each generated id but a stop id: a stream's per-token deltas, with no change to the
+    driver). `watch` runs on the driver's detokenize thread: it must only hand the ids over."""
+    if watch is None:
+        return stop_when
+
+    def check(ids: np.ndarray) -> bool:
+        try:
+            watch(ids)
+        except Exception:  # a stream's trouble never stops the generation
+            log.exception("a stream's watcher failed")
+        return stop_when(ids) if stop_when is not None else False
+
+    return check
 
 
 def _resolve(future: asyncio.Future | None, value: Any) -> None:
@@ -420,10 +442,18 @@ class SessionManager:
         """The session, open or ended (remembered), or None."""
         return self._sessions.get(session_id) or self._ended.get(session_id)
 
-    async def chat(self, req: ChatRequest) -> Reply:
+    async def chat(
+        self,
+        req: ChatRequest,
+        *,
+        watch: Watch | None = None,
+        accepted: asyncio.Future | None = None,
+    ) -> Reply:
         """The session's next turn: its first request prefills, later ones extend. A request
         equal to the last accepted one is its retry: it gets that request's reply (awaiting the
-        turn when it is still generating), and nothing is generated again.
+        turn when it is still generating), and nothing is generated again. `watch` sees the
+        turn's ids as they are generated, and `accepted` resolves when the request is accepted
+        (a stream's headers go out then).
 
         Raises:
           ApiError: 404 unknown session, 409 another request in flight or the session ended,
@@ -464,12 +494,13 @@ class SessionManager:
             raise
         s.last_seen = self.clock()  # only an accepted request refreshes the idle clock
         s.messages, s.tools = list(req.messages), list(req.tools)
+        _resolve(accepted, None)
         if s.request is None:
-            self._start(s, ids, gen)
+            self._start(s, ids, gen, watch)
             s.context = len(ids)
         else:
             s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
-            s.request.stop_when = make_stop_when(self.gen.tokenizer, gen.stop)
+            s.request.stop_when = watched(make_stop_when(self.gen.tokenizer, gen.stop), watch)
             self.gen.driver.continue_episode(s.request, ids)
             s.context += len(ids)
             s.room -= len(ids)
@@ -488,7 +519,7 @@ class SessionManager:
             raise out
         return out
 
-    def _start(self, s: Session, ids: list[int], gen: Generation) -> None:
+    def _start(self, s: Session, ids: list[int], gen: Generation, watch: Watch | None) -> None:
         loop = asyncio.get_running_loop()
         engine = self.gen.engine
 
@@ -512,7 +543,7 @@ class SessionManager:
             episode=True,
             turn_tokens=gen.max_tokens,
             on_turn=on_turn,
-            stop_when=make_stop_when(self.gen.tokenizer, gen.stop),
+            stop_when=watched(make_stop_when(self.gen.tokenizer, gen.stop), watch),
         )
         s.room = engine.max_decode_length
         self.gen.driver.place_request_on_prefill_queue(s.request)

@@ -96,6 +96,9 @@ class FakeDriver:
         self.replies: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.mid = threading.Event()  # held after `pause_at` ids of a turn, until set
+        self.mid.set()
+        self.pause_at = 3
         self.placed = 0
         self.turns = 0
         self.ended: list[RolloutRequest] = []
@@ -104,7 +107,16 @@ class FakeDriver:
         def run():
             self.gate.wait(60)
             text = self.replies.pop(0) if self.replies else "12"
-            ids = np.array([*map(ord, text), STOP], np.int32)
+            out = []
+            for k, token in enumerate([*map(ord, text), STOP]):  # as the driver: id by id
+                out.append(token)
+                if token == STOP:
+                    break
+                if k == self.pause_at:
+                    self.mid.wait(60)
+                if request.stop_when is not None and request.stop_when(np.array(out)):
+                    break  # a stop string ended it
+            ids = np.array(out, np.int32)
             if not request.episode:
                 sample = types.SimpleNamespace(
                     completion_ids=ids,
@@ -632,3 +644,110 @@ def test_the_example_agent_ends_discards_or_leaves_sessions_and_never_dies(live)
         ((7, 1), None),
         ((7, 2), None),
     ]
+
+
+def sse(response):
+    """The stream's events: ("data", parsed JSON or "[DONE]") and ("comment", text)."""
+    for line in response.iter_lines():
+        if line.startswith(b"data: "):
+            body = line[6:].decode()
+            yield "data", body if body == "[DONE]" else json.loads(body)
+        elif line.startswith(b":"):
+            yield "comment", line.decode()
+
+
+def test_a_stream_sends_content_before_the_turn_ends(live, monkeypatch):
+    import rollout_server.http_api as http_api
+
+    monkeypatch.setattr(http_api, "KEEPALIVE_S", 0.05)
+    (sid,) = live.take()
+    live.driver.replies = ["7 + 5 = 12"]
+    live.driver.mid.clear()  # the turn pauses after its fourth id
+    r = requests.post(
+        f"{live.url}/sessions/{sid}/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": USER,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        stream=True,
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    events = sse(r)
+    content, comments = "", 0
+    for kind, event in events:
+        comments += kind == "comment"
+        if kind == "data" and event["choices"] and event["choices"][0]["delta"].get("content"):
+            content += event["choices"][0]["delta"]["content"]
+        if content and comments:
+            break
+    # Content arrived, and keep-alives while the turn was paused, before its last token.
+    assert content and "7 + 5 = 12".startswith(content) and live.driver.turns == 0
+    live.driver.mid.set()
+    finish, usage, session = None, None, None
+    for kind, event in events:
+        if kind != "data" or event == "[DONE]":
+            continue
+        for c in event["choices"]:
+            content += c["delta"].get("content") or ""
+            finish = c["finish_reason"] or finish
+        usage, session = event.get("usage") or usage, event.get("session") or session
+    assert content == "7 + 5 = 12" and finish == "stop"
+    assert usage["completion_tokens"] == 11 and session["remaining_tokens"] == MAX_DECODE - 11
+
+
+def test_a_stream_holds_back_stop_strings_and_tool_calls(live):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=live.url + "/v1", api_key=TOKEN, max_retries=0)
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "5+7"}}</tool_call>'
+    live.driver.replies = ["7 + 5 = 12", "Let me add.<tool_call>", "Let me add." + call]
+    chunks = list(
+        client.chat.completions.create(model="m", messages=USER, stop=["= 1"], stream=True)
+    )
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == "7 + 5 " and not any("=" in p for p in pieces)
+    for want_calls in (False, True):  # an unfinished call block is content; a call is a call
+        chunks = list(
+            client.chat.completions.create(
+                model="m", messages=USER, tools=[CALCULATOR_TOOL], stream=True
+            )
+        )
+        pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        calls = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or ()]
+        if want_calls:
+            assert "".join(pieces) == "Let me add." and not any("<" in p for p in pieces)
+            assert json.loads(calls[0].function.arguments) == {"expression": "5+7"}
+            assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        else:
+            assert "".join(pieces) == "Let me add.<tool_call>" and not calls
+
+
+def test_a_client_that_leaves_its_stream_stops_nothing_but_its_stream(live):
+    (sid,) = live.take()
+    live.driver.replies = ["7 + 5 = 12"]
+    live.driver.mid.clear()
+    body = {"model": "m", "messages": USER, "stream": True}
+    sock = raw_request(live.port, f"/sessions/{sid}/v1/chat/completions", json.dumps(body).encode())
+    seen = b""
+    while b'"content": "7' not in seen:  # the first content delta, then the client leaves
+        seen += sock.recv(4096)
+    sock.close()
+    wait(lambda: live.sessions.disconnects == 1, "the departure was not noticed")
+    live.driver.mid.set()
+    wait(lambda: live.sessions.get(sid).state == "waiting", "the turn did not end")
+    again = requests.post(
+        f"{live.url}/sessions/{sid}/v1/chat/completions",
+        json=body,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        timeout=60,
+    )
+    text = "".join(
+        c["delta"].get("content") or ""
+        for kind, e in sse(again)
+        if kind == "data" and e != "[DONE]"
+        for c in e["choices"]
+    )
+    assert text == "7 + 5 = 12" and live.driver.turns == 1 and live.sessions.retries == 1
