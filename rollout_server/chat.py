@@ -53,14 +53,22 @@ _DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "service_tier": (("auto", "default"), "is not supported: this server has one tier"),
 }
+# With `server.http_sampling: override`, what a client asks of the sampler is not refused: the
+# request is served with the server's one sampler (its behavior log-probs are the ones that
+# train) and the reply says which fields were overridden.
+SAMPLER_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias",
+)  # fmt: skip
 _CHAT_FIELDS = {
     "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
     "temperature", "top_p", "top_k", "n", "stop", "logprobs", "stream", "stream_options",
-    "session_id", *_IGNORED, *_DEFAULT_ONLY,
+    "session_id", "return_token_ids", *_IGNORED, *_DEFAULT_ONLY,
 }  # fmt: skip
 _COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs",
-    "stream", "stream_options", "echo", "suffix", "best_of", *_IGNORED, *_DEFAULT_ONLY,
+    "stream", "stream_options", "echo", "suffix", "best_of", "return_token_ids", *_IGNORED,
+    *_DEFAULT_ONLY,
 }  # fmt: skip
 
 
@@ -105,6 +113,10 @@ class Generation:
       logprobs: return each generated token's behavior log-prob.
       stream: answer as server-sent events.
       include_usage: the stream's last chunk carries the usage.
+      return_token_ids: the reply carries the prompt's and each choice's token ids (vLLM's
+        `prompt_token_ids` and `choices[].token_ids`).
+      overridden: the sampler fields the request set and the server's sampler overrode
+        (`server.http_sampling: override`).
     """
 
     max_tokens: int
@@ -113,6 +125,8 @@ class Generation:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False
+    overridden: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -148,8 +162,15 @@ def _is_number(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def _check_fields(body: Any, allowed: set[str]) -> None:
+def _check_fields(body: Any, allowed: set[str], override: bool) -> tuple[str, ...]:
+    """Refuses unknown fields and values not honoured; with `override`, takes the sampler
+    fields out of `body` and returns those that were set."""
     _need(isinstance(body, dict), "the request body must be a JSON object", None)
+    overridden: tuple[str, ...] = ()
+    if override:
+        overridden = tuple(k for k in SAMPLER_FIELDS if body.get(k) is not None)
+        for k in SAMPLER_FIELDS:
+            body.pop(k, None)
     unknown = sorted(str(k)[:40] for k in body if k not in allowed)
     _need(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown[:4])}", None)
     for key in _IGNORED:
@@ -159,10 +180,16 @@ def _check_fields(body: Any, allowed: set[str]) -> None:
         # By type too: `True == 1` would let a boolean pass for a number and the reverse.
         ok = value is None or any(type(value) is type(a) and value == a for a in accepted)
         _need(ok, f"{key}={json.dumps(value)[:40]} {why}", key)
+    return overridden
 
 
 def _generation(
-    body: dict[str, Any], sampling: SamplingConfig, *, max_tokens: int, default_tokens: int
+    body: dict[str, Any],
+    sampling: SamplingConfig,
+    *,
+    max_tokens: int,
+    default_tokens: int,
+    overridden: tuple[str, ...] = (),
 ) -> Generation:
     """The shared sampling fields; the server's sampler is the only one (module docstring)."""
     for key, served in (
@@ -216,6 +243,8 @@ def _generation(
         "logprobs must be a boolean",
         "logprobs",
     )
+    ids = body.get("return_token_ids") or False
+    _need(isinstance(ids, bool), "return_token_ids must be a boolean", "return_token_ids")
     return Generation(
         max_tokens=tokens,
         n=n,
@@ -223,6 +252,8 @@ def _generation(
         logprobs=bool(logprobs),
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        return_token_ids=ids,
+        overridden=overridden,
     )
 
 
@@ -234,13 +265,14 @@ def parse_chat(
     default_tokens: int,
     max_messages: int,
     session_id: str = "",
+    override: bool = False,
 ) -> ChatRequest:
     """Checks a chat completion body.
 
     Raises:
       ApiError: 400 naming the field.
     """
-    _check_fields(body, _CHAT_FIELDS)
+    overridden = _check_fields(body, _CHAT_FIELDS, override)
     model = body.get("model")
     _need(isinstance(model, str) and model, "model is required", "model")
     messages = body.get("messages")
@@ -274,21 +306,30 @@ def parse_chat(
         messages=messages,
         tools=[] if choice == "none" else tools,
         generation=_generation(
-            body, sampling, max_tokens=max_tokens, default_tokens=default_tokens
+            body,
+            sampling,
+            max_tokens=max_tokens,
+            default_tokens=default_tokens,
+            overridden=overridden,
         ),
         session_id=sid,
     )
 
 
 def parse_completion(
-    body: Any, sampling: SamplingConfig, *, max_tokens: int, default_tokens: int
+    body: Any,
+    sampling: SamplingConfig,
+    *,
+    max_tokens: int,
+    default_tokens: int,
+    override: bool = False,
 ) -> CompletionRequest:
     """Checks a (legacy) completion body: one prompt string.
 
     Raises:
       ApiError: 400 naming the field.
     """
-    _check_fields(body, _COMPLETION_FIELDS)
+    overridden = _check_fields(body, _COMPLETION_FIELDS, override)
     model = body.get("model")
     _need(isinstance(model, str) and model, "model is required", "model")
     prompt = body.get("prompt")
@@ -304,7 +345,11 @@ def parse_completion(
         model=model,
         prompt=prompt,
         generation=_generation(
-            body, sampling, max_tokens=max_tokens, default_tokens=default_tokens
+            body,
+            sampling,
+            max_tokens=max_tokens,
+            default_tokens=default_tokens,
+            overridden=overridden,
         ),
     )
 

@@ -57,12 +57,15 @@ class HttpLimits:
       max_messages: messages per chat request.
       max_requests: stateless requests generating at once (more get 429).
       reap_every_s: how often idle sessions are looked for.
+      sampling_override: a request's sampler fields are served with the server's sampler and
+        reported, not refused (`server.http_sampling: override`).
     """
 
     max_body_bytes: int
     max_messages: int
     max_requests: int
     reap_every_s: float = 1.0
+    sampling_override: bool = False
 
 
 def server_ssl_context(cert: str, key: str) -> ssl.SSLContext:
@@ -109,8 +112,10 @@ class HttpApi:
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/sessions", self._take)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_post("/sessions/{sid}/end", self._end)
         return app
 
@@ -192,11 +197,67 @@ class HttpApi:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sat-jax"}
         return web.json_response({"object": "list", "data": [model]})
 
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"the model {model[:80]!r} does not exist: this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
     def _limits(self) -> dict[str, Any]:
         return {
             "max_tokens": self.gen.engine.max_decode_length,
             "default_tokens": self.default_tokens,
+            "override": self.limits.sampling_override,
         }
+
+    def _sampling(self, gen: Any) -> dict[str, Any]:
+        """The sampler that served a request, and the fields it overrode (override mode)."""
+        sampling = self.gen.engine.sampling
+        return {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "overridden": list(gen.overridden),
+        }
+
+    def _extras(self, gen: Any, replies: list[Reply]) -> dict[str, Any]:
+        """The reply's fields beyond OpenAI's: prompt ids (`return_token_ids`), the sampler."""
+        out: dict[str, Any] = {}
+        if gen.return_token_ids and replies:
+            out["prompt_token_ids"] = replies[0].prompt_token_ids
+        if self.limits.sampling_override:
+            out["sampling"] = self._sampling(gen)
+        return out
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /tokenize`: a prompt's ids, or a chat's as the template renders them."""
+        body = await self._json(request)
+        ok = isinstance(body, dict) and set(body) <= {
+            "model", "prompt", "messages", "tools", "add_generation_prompt", "add_special_tokens",
+        }  # fmt: skip
+        if not ok or ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "the body takes a prompt or messages (and tools)")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise ApiError(400, "prompt must be a string", param="prompt")
+            self.gen.bound_length([{"role": "user", "content": prompt}], [])
+            ids = await self.gen.off_loop(self.gen.tokenizer.encode, prompt)
+        else:
+            if body.get("add_generation_prompt", True) is not True:
+                raise ApiError(400, "add_generation_prompt must be true", param="messages")
+            req = parse_chat(
+                {"model": "-", "messages": body["messages"], "tools": body.get("tools")},
+                self.gen.engine.sampling,
+                max_messages=self.limits.max_messages,
+                **self._limits(),
+            )
+            ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
+        limit = self.gen.engine.core.max_prefill_length
+        return web.json_response({"count": len(ids), "max_model_len": limit, "tokens": list(ids)})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
@@ -207,6 +268,7 @@ class HttpApi:
             session_id=request.match_info.get("sid", ""),
             **self._limits(),
         )
+        self._check_model(req.model)
         gen = req.generation
         if req.session_id and self.sessions is None:
             raise ApiError(404, "this server runs no sessions (server.http_sessions)")
@@ -226,6 +288,7 @@ class HttpApi:
                 "message": r.message,
                 "logprobs": self._logprobs(r) if gen.logprobs else None,
                 "finish_reason": r.finish_reason,
+                **({"token_ids": r.ids.tolist()} if gen.return_token_ids else {}),
             }
             for i, r in enumerate(replies)
         ]
@@ -236,6 +299,7 @@ class HttpApi:
             "model": req.model,
             "choices": choices,
             "usage": _usage(replies),
+            **self._extras(gen, replies),
         }
         if req.session_id:
             out["session"] = self._session_info(req.session_id, replies[0])
@@ -366,8 +430,9 @@ class HttpApi:
                 if delta:
                     await send([chunk(i, delta)])
                 logprobs = self._logprobs(r) if gen.logprobs else None
-                await send([chunk(i, {}, logprobs=logprobs, finish_reason=r.finish_reason)])
-            extra = {}
+                ids = {"token_ids": r.ids.tolist()} if gen.return_token_ids else {}
+                await send([chunk(i, {}, logprobs=logprobs, finish_reason=r.finish_reason, **ids)])
+            extra = self._extras(gen, replies)
             if req.session_id:
                 extra["session"] = self._session_info(req.session_id, replies[0])
             if gen.include_usage:
@@ -388,6 +453,7 @@ class HttpApi:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         req = parse_completion(body, self.gen.engine.sampling, **self._limits())
+        self._check_model(req.model)
         gen = req.generation
         msg = [{"role": "user", "content": req.prompt}]
         self.gen.bound_length(msg, [])
@@ -414,6 +480,7 @@ class HttpApi:
                     "text": r.message["content"],
                     "logprobs": logprobs,
                     "finish_reason": r.finish_reason,
+                    **({"token_ids": r.ids.tolist()} if gen.return_token_ids else {}),
                 }
             )
         out = {
@@ -423,6 +490,7 @@ class HttpApi:
             "model": req.model,
             "choices": choices,
             "usage": _usage(replies),
+            **self._extras(gen, replies),
         }
         if gen.stream:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

@@ -262,6 +262,7 @@ class RolloutServer:
                 max_body_bytes=s.http_max_body_bytes,
                 max_messages=s.http_max_messages,
                 max_requests=s.http_max_requests,
+                sampling_override=s.http_sampling == "override",
             ),
             token=s.token,
             model_name=self.cfg.model.hf_path.rstrip("/").rsplit("/", 1)[-1] or "sat-jax",

@@ -72,6 +72,8 @@ class Reply:
         off the event loop with the reply), else None.
       remaining_tokens: a session's token budget left after this turn (None for a stateless
         reply).
+      prompt_token_ids: the ids before the reply (a session's whole context), when the request
+        asked for them (`return_token_ids`).
     """
 
     ids: np.ndarray
@@ -82,6 +84,7 @@ class Reply:
     prompt_tokens: int
     content_logprobs: list[dict[str, Any]] | None = None
     remaining_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def _finish(reason: str, message: dict[str, Any]) -> str:
@@ -217,10 +220,21 @@ class Generator:
             gen,
             tools=tools,
             prompt_tokens=len(ids),
+            prompt_ids=list(ids) if gen.return_token_ids else None,
         )
 
     def reply(
-        self, ids, logprobs, versions, reason, gen, *, tools, prompt_tokens, remaining=None
+        self,
+        ids,
+        logprobs,
+        versions,
+        reason,
+        gen,
+        *,
+        tools,
+        prompt_tokens,
+        remaining=None,
+        prompt_ids=None,
     ) -> Reply:
         """The reply of generated `ids`. Never raises on the model's output: a text that does
         not parse as tool calls is content (`assistant_message`)."""
@@ -238,6 +252,7 @@ class Generator:
             prompt_tokens=prompt_tokens,
             content_logprobs=content,
             remaining_tokens=remaining,
+            prompt_token_ids=prompt_ids,
         )
 
 
@@ -285,6 +300,7 @@ class Session:
     closed: bool = True  # the last turn ended with the template's end-of-turn token
     room: int = 0  # tokens the session may still add (generated and inserted)
     context: int = 0  # tokens in the slot's cache: prompt, turns and deltas
+    ids: list[int] = dataclasses.field(default_factory=list)  # those tokens
     turns: int = 0
     last_seen: float = 0.0
     reward: float = 0.0
@@ -497,12 +513,13 @@ class SessionManager:
         _resolve(accepted, None)
         if s.request is None:
             self._start(s, ids, gen, watch)
-            s.context = len(ids)
+            s.context, s.ids = len(ids), list(ids)
         else:
             s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
             s.request.stop_when = watched(make_stop_when(self.gen.tokenizer, gen.stop), watch)
             self.gen.driver.continue_episode(s.request, ids)
             s.context += len(ids)
+            s.ids.extend(int(i) for i in ids)
             s.room -= len(ids)
         return await self._await_turn(s)
 
@@ -601,6 +618,7 @@ class SessionManager:
                 tools=bool(s.tools),
                 prompt_tokens=s.context,
                 remaining=room,
+                prompt_ids=list(s.ids) if s.gen.return_token_ids else None,
             )
             recorded = normalize_message(reply.message, "reply")
         except Exception:  # a tokenizer's own failure: the text as content, the turn kept
@@ -626,6 +644,7 @@ class SessionManager:
             s.closed = True
         s.messages.append(recorded)
         s.context += len(turn.ids)
+        s.ids.extend(int(i) for i in turn.ids)
         s.room, s.turns = room, s.turns + 1
         s.last_text = reply.message.get("content") or ""
         with contextlib.suppress(Exception):

@@ -40,16 +40,20 @@ def run_tool(arguments: str) -> str:
     return calculate(expression)
 
 
-def play(client: openai.OpenAI, question: str, *, max_turns: int = 4) -> list[dict[str, Any]]:
+def play(
+    client: openai.OpenAI, question: str, *, model: str = "", max_turns: int = 4
+) -> list[dict[str, Any]]:
     """One episode: the model answers, calling the calculator as often as it likes (at most
-    `max_turns` replies). `client` points at the session (`.../sessions/{id}/v1`)."""
+    `max_turns` replies). `client` points at the session (`.../sessions/{id}/v1`); `model` is
+    the served model's name (asked of the server when "")."""
+    model = model or client.models.list().data[0].id
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": question},
     ]
     for _ in range(max_turns):
         reply = client.chat.completions.create(
-            model="policy", messages=messages, tools=[CALCULATOR_TOOL]
+            model=model, messages=messages, tools=[CALCULATOR_TOOL]
         )
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))

@@ -68,6 +68,10 @@ class ServerConfig:
       http_max_requests: requests without a session generating at once (more get 429).
       http_session_idle_s: a taken session with no request for this long is dropped and its
         sample generated again.
+      http_sampling: "strict" (a request's temperature, top_p, seed... other than the server's
+        sampler is refused with 400) or "override" (they are served with the server's sampler,
+        whose log-probs are the ones that train, and the reply's `sampling` says so): for agent
+        frameworks that send their own settings.
     """
 
     host: str = "127.0.0.1"
@@ -99,6 +103,7 @@ class ServerConfig:
     http_max_sessions: int = 256
     http_max_requests: int = 64
     http_session_idle_s: float = 600.0
+    http_sampling: str = "strict"
 
     def __post_init__(self) -> None:
         self._check_http()
@@ -143,6 +148,10 @@ class ServerConfig:
         for name in ("http_max_messages", "http_max_sessions", "http_max_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.http_sampling not in ("strict", "override"):
+            raise ValueError(
+                f"http_sampling must be strict or override, got {self.http_sampling!r}"
+            )
         if not self.http_session_idle_s > 0:
             raise ValueError(f"http_session_idle_s must be > 0, got {self.http_session_idle_s}")
 

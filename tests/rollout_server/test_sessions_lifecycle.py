@@ -11,6 +11,7 @@ a gate the test opens. Nothing waits on wall-clock time except to fail: counts o
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import socket
 import ssl
@@ -751,3 +752,47 @@ def test_a_client_that_leaves_its_stream_stops_nothing_but_its_stream(live):
         for c in e["choices"]
     )
     assert text == "7 + 5 = 12" and live.driver.turns == 1 and live.sessions.retries == 1
+
+
+def test_return_token_ids_tokenize_and_health(live):
+    (sid,) = live.take()
+    live.driver.replies = ["7", "12"]
+    r = live.chat(sid, USER, return_token_ids=True, tools=None).json()
+    prompt = live.tok.encode_messages(USER)
+    assert r["prompt_token_ids"] == prompt
+    assert r["choices"][0]["token_ids"] == [ord("7"), STOP]
+    messages = [*USER, r["choices"][0]["message"], {"role": "user", "content": "Again."}]
+    r2 = live.chat(sid, messages, return_token_ids=True, tools=None).json()
+    delta = live.tok.observation_ids([{"role": "user", "content": "Again."}])
+    assert r2["prompt_token_ids"] == [*prompt, ord("7"), STOP, *delta]  # the whole context
+    assert r2["choices"][0]["token_ids"] == [ord("1"), ord("2"), STOP]
+    out = live.post("/tokenize", {"model": "m", "prompt": "ab"}).json()
+    assert out["tokens"] == [97, 98] and out["count"] == 2 and out["max_model_len"] == 4096
+    out = live.post("/tokenize", {"model": "m", "messages": USER}).json()
+    assert out["tokens"] == prompt
+    assert live.post("/tokenize", {"prompt": "a", "messages": USER}).status_code == 400
+    r = live.post("/v1/chat/completions", {"model": "gpt-4o", "messages": USER})
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    body = {"model": "m", "prompt": "ab", "return_token_ids": True}
+    out = live.post("/v1/completions", body).json()
+    assert out["prompt_token_ids"] == [97, 98] and out["choices"][0]["token_ids"][-1] == STOP
+
+
+def test_http_sampling_override_serves_the_servers_sampler_and_says_so():
+    openai = pytest.importorskip("openai")
+    server = Live()
+    try:
+        body = {"model": "m", "messages": USER, "temperature": 0.2, "seed": 3, "top_p": 0.9}
+        r = server.post("/v1/chat/completions", body)
+        assert r.status_code == 400 and r.json()["error"]["param"] in ("temperature", "seed")
+        server.api.limits = dataclasses.replace(server.api.limits, sampling_override=True)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0)
+        out = client.chat.completions.create(
+            model="m", messages=USER, temperature=0.2, seed=3, top_p=0.9, frequency_penalty=0.5
+        )
+        assert out.choices[0].message.content == "12"
+        sampling = out.model_extra["sampling"]
+        assert sampling["temperature"] == SamplingConfig().temperature
+        assert sampling["overridden"] == ["temperature", "top_p", "seed", "frequency_penalty"]
+    finally:
+        server.stop()
