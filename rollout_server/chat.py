@@ -63,7 +63,7 @@ SAMPLER_FIELDS = (
 _CHAT_FIELDS = {
     "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
     "temperature", "top_p", "top_k", "n", "stop", "logprobs", "stream", "stream_options",
-    "session_id", "return_token_ids", *_IGNORED, *_DEFAULT_ONLY,
+    "session_id", "return_token_ids", "chat_template_kwargs", *_IGNORED, *_DEFAULT_ONLY,
 }  # fmt: skip
 _COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs",
@@ -138,6 +138,7 @@ class ChatRequest:
     tools: list[dict[str, Any]]
     generation: Generation
     session_id: str = ""
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -300,6 +301,14 @@ def parse_chat(
     # The URL's session id wins over the body's: a client's extra body cannot move a request to
     # another session than the base URL it was given.
     sid = session_id or body.get("session_id") or ""
+    kwargs = body.get("chat_template_kwargs") or {}
+    _need(
+        isinstance(kwargs, dict)
+        and set(kwargs) <= {"enable_thinking"}
+        and all(isinstance(v, bool) for v in kwargs.values()),
+        "chat_template_kwargs may only hold enable_thinking (a boolean)",
+        "chat_template_kwargs",
+    )
     _need(isinstance(sid, str) and len(sid) <= 128, "session_id must be a string", "session_id")
     return ChatRequest(
         model=model,
@@ -313,6 +322,7 @@ def parse_chat(
             overridden=overridden,
         ),
         session_id=sid,
+        template_kwargs=dict(kwargs),
     )
 
 
@@ -382,11 +392,19 @@ def normalize_message(message: Any, where: str) -> dict[str, Any]:
         out["tool_calls"] = [
             _normalize_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)
         ]
-    for key in ("tool_call_id", "name"):
+    for key in ("tool_call_id", "name", "reasoning_content"):
         if message.get(key) is not None:
             _need(isinstance(message[key], str), f"{where}.{key} must be a string", where)
             out[key] = message[key]
+    if not out.get("reasoning_content"):
+        out.pop("reasoning_content", None)
     return out
+
+
+def history_view(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as the session rule compares it: without `reasoning_content`, which a client
+    may send back or drop (the session's ids hold the reasoning either way)."""
+    return {k: v for k, v in message.items() if k != "reasoning_content"}
 
 
 def _normalize_call(call: Any, where: str) -> dict[str, Any]:
@@ -442,16 +460,59 @@ def make_stop_when(tokenizer: Any, stops: Sequence[str]):
     return stop_when
 
 
-def _tool_calls(text: str) -> list[dict[str, Any]] | None:
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _schema_types(tools: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], str]:
+    """(function, parameter) -> its JSON-schema type, from the request's tools."""
+    out = {}
+    for t in tools:
+        fn = t.get("function") or {}
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        for name, schema in props.items() if isinstance(props, dict) else ():
+            if isinstance(schema, dict) and isinstance(schema.get("type"), str):
+                out[(fn.get("name"), name)] = schema["type"]
+    return out
+
+
+def _xml_call(body: str, types: dict[tuple[str, str], str]) -> dict[str, Any] | None:
+    """Qwen3-Coder's `<function=NAME><parameter=P>value</parameter>...</function>` as
+    {"name", "arguments"}: a value is a string unless its schema type is another one and it
+    parses as JSON (as vLLM's qwen3_coder parser converts it)."""
+    match = _FUNCTION.fullmatch(body)
+    if match is None:
+        return None
+    name, inner = match.group(1).strip(), match.group(2)
+    arguments: dict[str, Any] = {}
+    for key, value in _PARAMETER.findall(inner):
+        key = key.strip()
+        if types.get((name, key), "string") != "string":
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError):
+                pass
+        arguments[key] = value
+    if _PARAMETER.sub("", inner).strip():  # text that is no parameter: not a call
+        return None
+    return {"name": name, "arguments": arguments}
+
+
+def _tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]] | None:
     """The reply's `<tool_call>` blocks as OpenAI tool calls, or None when any block is not a
-    JSON object `{"name": str, "arguments": object}` (its `arguments` may also be a JSON string
-    of an object; absent = {}): such a reply stays content, as vLLM's Hermes parser leaves it."""
+    call: a Hermes JSON object `{"name": str, "arguments": object}` (its `arguments` may also be
+    a JSON string of an object; absent = {}), or a Qwen3-Coder XML `<function=...>` block. Such a
+    reply stays content, as vLLM's parsers leave it."""
     calls = []
+    types = _schema_types(tools)
     for body in find_tool_calls(text):
-        try:
-            call = json.loads(body) if body is not None else None
-        except (ValueError, RecursionError):
-            return None
+        if body is not None and body.lstrip().startswith("<function="):
+            call = _xml_call(body, types)
+        else:
+            try:
+                call = json.loads(body) if body is not None else None
+            except (ValueError, RecursionError):
+                return None
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", {})
@@ -472,18 +533,42 @@ def _tool_calls(text: str) -> list[dict[str, Any]] | None:
     return calls or None
 
 
-def assistant_message(text: str, *, tools: bool) -> dict[str, Any]:
-    """The reply as an OpenAI assistant message: with `tools`, the `<tool_call>` blocks after the
-    reasoning become `tool_calls` (each with a fresh id) and the text before them the content;
-    a reply with any block that is not a well-formed call stays all content. Never raises."""
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, content) of a reply in Qwen3's format (vLLM's qwen3 reasoning parser): the
+    text before `</think>` (without `<think>`) and the text after it; a `<think>` never closed
+    (the turn was cut) is all reasoning; no think tags: no reasoning."""
+    end = text.find("</think>")
+    if end < 0:
+        if text.lstrip().startswith("<think>"):
+            return text.lstrip()[len("<think>") :].strip(), ""
+        return None, text
+    reasoning = text[:end]
+    at = reasoning.find("<think>")
+    if at >= 0:
+        reasoning = reasoning[at + len("<think>") :]
+    return reasoning.strip(), text[end + len("</think>") :].lstrip()
+
+
+def assistant_message(
+    text: str, *, tools: bool | Sequence[Mapping[str, Any]], reasoning: bool = False
+) -> dict[str, Any]:
+    """The reply as an OpenAI assistant message: with `tools` (the request's tool schemas),
+    the `<tool_call>` blocks after the reasoning become `tool_calls` (each with a fresh id) and
+    the text before them the content; a reply with any block that is not a well-formed call stays
+    all content. With `reasoning`, the thinking goes to `reasoning_content`. Never raises."""
+    out: dict[str, Any] = {"role": "assistant"}
+    if reasoning:
+        thought, text = split_reasoning(text)
+        if thought is not None:
+            out["reasoning_content"] = thought
     visible_at = text.rfind("</think>")
     visible_at = 0 if visible_at < 0 else visible_at + len("</think>")
     if tools and "<tool_call>" in text[visible_at:]:
-        calls = _tool_calls(text)
+        calls = _tool_calls(text, tools if not isinstance(tools, bool) else ())
         if calls:
             head = text[: text.find("<tool_call>", visible_at)].strip()
-            return {"role": "assistant", "content": head or None, "tool_calls": calls}
-    return {"role": "assistant", "content": text}
+            return {**out, "content": head or None, "tool_calls": calls}
+    return {**out, "content": text}
 
 
 def _bytes_to_unicode() -> dict[str, int]:
@@ -540,57 +625,89 @@ _OPEN_CALL = "<tool_call>"
 
 
 class StreamText:
-    """A choice's content as a stream of deltas, from its ids as they are generated.
+    """A choice's deltas as a stream, from its ids as they are generated.
 
     Text is sent as soon as it is certain: not a partial UTF-8 character (decoded as U+FFFD), not
     the last `len(longest stop) - 1` characters (they may begin a stop string; nothing from a
     stop string on is ever sent), and with tools nothing from a `<tool_call>` after the reasoning
-    on, nor a tail that may begin one (calls go out parsed, when the reply is known). `finish`
-    sends what the final reply's content holds beyond what was sent.
+    on, nor a tail that may begin one (calls go out parsed, when the reply is known). With
+    `reasoning` (Qwen3's format), the text in `<think>...</think>` goes out as
+    `reasoning_content` deltas and what follows as `content`. `finish` sends what the final
+    message holds beyond what was sent.
     """
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str], tools: bool):
+    def __init__(self, tokenizer: Any, stops: Sequence[str], tools: bool, reasoning=False):
         self.tok, self.stops, self.tools = tokenizer, tuple(stops), tools
+        self.reasoning = reasoning
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
         self.decoded = 0  # ids decoded into `text`
         self.text = ""
-        self.sent = 0  # characters of `text` sent
+        self.sent = {"reasoning_content": "", "content": ""}
         self.stopped = False
 
-    def feed(self, ids: Sequence[int]) -> str:
-        """The delta to send after `ids` (the next generated ids), possibly ""."""
+    def feed(self, ids: Sequence[int]) -> dict[str, str]:
+        """The delta to send after `ids` (the next generated ids), possibly {}."""
         self.ids.extend(int(i) for i in ids)
         tail = self.tok.decode(self.ids[self.decoded :])
         if not tail or tail.endswith("\ufffd"):  # a character still incomplete
-            return ""
+            return {}
         self.text += tail
         self.decoded = len(self.ids)
         return self._delta()
 
-    def _delta(self) -> str:
-        if self.stopped:
-            return ""
+    def _parts(self) -> dict[str, str]:
+        """The certain text so far, split into its reasoning and its content."""
         text, found = truncate_at_stop(self.text, self.stops)
-        limit = len(text) if found else len(text) - self.hold
+        if not found:
+            text = text[: max(0, len(text) - self.hold)]
         self.stopped = found
+        parts = {"reasoning_content": "", "content": text}
+        if self.reasoning:
+            end = text.find("</think>")
+            opened = text.lstrip()
+            if end >= 0:
+                thought = text[:end]
+                at = thought.find("<think>")
+                parts["reasoning_content"] = thought[at + 7 if at >= 0 else 0 :].lstrip()
+                parts["content"] = text[end + len("</think>") :].lstrip()
+            elif opened.startswith("<think>"):
+                parts["reasoning_content"] = _hold_prefix(opened[7:].lstrip(), "</think>")
+                parts["content"] = ""
+            elif "<think>".startswith(opened):  # may still open a think block
+                parts["content"] = ""
+        content = parts["content"]
         if self.tools:
-            reasoning = text.rfind("</think>")
-            at = text.find(_OPEN_CALL, 0 if reasoning < 0 else reasoning + len("</think>"))
-            if at >= 0:
-                limit = min(limit, at)
-            else:
-                for k in range(len(_OPEN_CALL) - 1, 0, -1):
-                    if text[:limit].endswith(_OPEN_CALL[:k]):
-                        limit -= k
-                        break
-        if limit <= self.sent:
-            return ""
-        out, self.sent = text[self.sent : limit], limit
+            reasoning = content.rfind("</think>")
+            at = content.find(_OPEN_CALL, 0 if reasoning < 0 else reasoning + len("</think>"))
+            content = content[:at] if at >= 0 else _hold_prefix(content, _OPEN_CALL)
+        parts["content"] = content
+        return parts
+
+    def _delta(self) -> dict[str, str]:
+        if self.stopped:
+            return {}
+        out = {}
+        for key, text in self._parts().items():
+            sent = self.sent[key]
+            if len(text) > len(sent) and text.startswith(sent):
+                out[key], self.sent[key] = text[len(sent) :], text
         return out
 
-    def finish(self, content: str | None) -> str:
-        """The rest of the final reply's `content` (what was sent is its prefix)."""
-        content = content or ""
-        done = self.text[: self.sent]
-        return content[len(done) :] if content.startswith(done) else ""
+    def finish(self, message: Mapping[str, Any]) -> dict[str, str]:
+        """The rest of the final `message`'s content and reasoning (what was sent is a prefix
+        of each; where it is not, nothing more is sent)."""
+        out = {}
+        for key, sent in self.sent.items():
+            final = message.get(key) or ""
+            if final.startswith(sent) and len(final) > len(sent):
+                out[key] = final[len(sent) :]
+        return out
+
+
+def _hold_prefix(text: str, tag: str) -> str:
+    """`text` without a tail that may begin `tag`."""
+    for k in range(len(tag) - 1, 0, -1):
+        if text.endswith(tag[:k]):
+            return text[:-k]
+    return text

@@ -59,6 +59,8 @@ class HttpLimits:
       reap_every_s: how often idle sessions are looked for.
       sampling_override: a request's sampler fields are served with the server's sampler and
         reported, not refused (`server.http_sampling: override`).
+      reasoning_parser: "qwen3": a reply's `<think>...</think>` goes to `reasoning_content`
+        (`server.http_reasoning_parser`); "" = it stays in `content`.
     """
 
     max_body_bytes: int
@@ -66,6 +68,7 @@ class HttpLimits:
     max_requests: int
     reap_every_s: float = 1.0
     sampling_override: bool = False
+    reasoning_parser: str = ""
 
 
 def server_ssl_context(cert: str, key: str) -> ssl.SSLContext:
@@ -101,6 +104,7 @@ class HttpApi:
         self.gen, self.sessions, self.limits = generator, sessions, limits
         self.token, self.model_name, self.default_tokens = token, model_name, default_tokens
         self.in_flight = 0
+        generator.reasoning = limits.reasoning_parser == "qwen3"
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
 
@@ -237,6 +241,7 @@ class HttpApi:
         body = await self._json(request)
         ok = isinstance(body, dict) and set(body) <= {
             "model", "prompt", "messages", "tools", "add_generation_prompt", "add_special_tokens",
+            "chat_template_kwargs",
         }  # fmt: skip
         if not ok or ("prompt" in body) == ("messages" in body):
             raise ApiError(400, "the body takes a prompt or messages (and tools)")
@@ -250,12 +255,19 @@ class HttpApi:
             if body.get("add_generation_prompt", True) is not True:
                 raise ApiError(400, "add_generation_prompt must be true", param="messages")
             req = parse_chat(
-                {"model": "-", "messages": body["messages"], "tools": body.get("tools")},
+                {
+                    "model": "-",
+                    "messages": body["messages"],
+                    "tools": body.get("tools"),
+                    "chat_template_kwargs": body.get("chat_template_kwargs"),
+                },
                 self.gen.engine.sampling,
                 max_messages=self.limits.max_messages,
                 **self._limits(),
             )
-            ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
+            ids = await self.gen.off_loop(
+                self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+            )
         limit = self.gen.engine.core.max_prefill_length
         return web.json_response({"count": len(ids), "max_model_len": limit, "tokens": list(ids)})
 
@@ -277,9 +289,11 @@ class HttpApi:
         if req.session_id:
             replies = [await self.sessions.chat(req)]
         else:
-            ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
+            ids = await self.gen.off_loop(
+                self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+            )
             replies = await self._stateless(
-                [self.gen.generate(ids, gen, tools=bool(req.tools)) for _ in range(gen.n)]
+                [self.gen.generate(ids, gen, tools=req.tools) for _ in range(gen.n)]
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [
@@ -369,10 +383,11 @@ class HttpApi:
                 raise work.exception()  # refused: an ordinary error answer
             as_list = _as_list
         else:
-            ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
+            ids = await self.gen.off_loop(
+                self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+            )
             coros = [
-                self.gen.generate(ids, gen, tools=bool(req.tools), watch=watcher(i))
-                for i in range(gen.n)
+                self.gen.generate(ids, gen, tools=req.tools, watch=watcher(i)) for i in range(gen.n)
             ]
             self._reserve(coros)
             work = asyncio.ensure_future(self._run(coros))
@@ -395,7 +410,8 @@ class HttpApi:
         try:
             await send([chunk(i, {"role": "assistant", "content": ""}) for i in range(gen.n)])
             texts = [
-                StreamText(self.gen.tokenizer, gen.stop, bool(req.tools)) for _ in range(gen.n)
+                StreamText(self.gen.tokenizer, gen.stop, bool(req.tools), self.gen.reasoning)
+                for _ in range(gen.n)
             ]
             while not (work.done() and deltas.empty()):
                 if deltas.empty():
@@ -411,8 +427,8 @@ class HttpApi:
                     index, ids = get.result()
                 else:
                     index, ids = deltas.get_nowait()
-                if text := texts[index].feed(ids):
-                    await send([chunk(index, {"content": text})])
+                if delta := texts[index].feed(ids):
+                    await send([chunk(index, delta)])
             try:
                 replies = as_list(work.result())
             except ApiError as e:  # failed mid-stream: the error as the last event
@@ -420,9 +436,7 @@ class HttpApi:
                 await response.write(b"data: [DONE]\n\n")
                 return response
             for i, r in enumerate(replies):
-                delta: dict[str, Any] = {}
-                if rest := texts[i].finish(r.message.get("content")):
-                    delta["content"] = rest
+                delta: dict[str, Any] = texts[i].finish(r.message)
                 if r.message.get("tool_calls"):
                     delta["tool_calls"] = [
                         {"index": k, **c} for k, c in enumerate(r.message["tool_calls"])

@@ -263,6 +263,7 @@ class RolloutServer:
                 max_messages=s.http_max_messages,
                 max_requests=s.http_max_requests,
                 sampling_override=s.http_sampling == "override",
+                reasoning_parser=s.http_reasoning_parser,
             ),
             token=s.token,
             model_name=self.cfg.model.hf_path.rstrip("/").rsplit("/", 1)[-1] or "sat-jax",

@@ -43,6 +43,7 @@ from rollout_server.chat import (
     ChatRequest,
     Generation,
     assistant_message,
+    history_view,
     make_stop_when,
     normalize_message,
     template_messages,
@@ -121,6 +122,7 @@ class Generator:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
         self._longest_piece: int | None = None
+        self.reasoning = False  # Qwen3's <think> to reasoning_content (HttpLimits)
 
     async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """`fn(*args, **kwargs)` on the pool, awaited."""
@@ -168,15 +170,22 @@ class Generator:
                 code="context_length_exceeded",
             )
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        """The chat template's render of `messages` (with `tools`), checked to fit a prefill.
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The chat template's render of `messages` (with `tools` and the template's own
+        `template_kwargs`), checked to fit a prefill.
 
         Raises:
           ApiError: 400, the template fails or the prompt is too long.
         """
         self.bound_length(messages, tools)
         try:
-            ids = self.tokenizer.encode_messages(template_messages(messages), tools=tools)
+            extra = {"template_kwargs": template_kwargs} if template_kwargs else {}
+            ids = self.tokenizer.encode_messages(template_messages(messages), tools=tools, **extra)
         except Exception as e:  # a template's own error (jinja2 raises its own types)
             raise ApiError(400, f"the chat template cannot render the messages: {e}") from None
         self.check_length(len(ids))
@@ -239,7 +248,7 @@ class Generator:
         """The reply of generated `ids`. Never raises on the model's output: a text that does
         not parse as tool calls is content (`assistant_message`)."""
         text, _ = truncate_at_stop(self.tokenizer.decode(ids), gen.stop)
-        message = assistant_message(text, tools=tools)
+        message = assistant_message(text, tools=tools, reasoning=self.reasoning)
         ids = np.array(ids, np.int32)
         logprobs = np.array(logprobs, np.float32)
         content = token_logprobs(self.tokenizer, ids, logprobs) if gen.logprobs else None
@@ -296,6 +305,7 @@ class Session:
     state: str = "offered"
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # fixed at start
     request: RolloutRequest | None = None
     closed: bool = True  # the last turn ended with the template's end-of-turn token
     room: int = 0  # tokens the session may still add (generated and inserted)
@@ -493,7 +503,9 @@ class SessionManager:
         s.turn = asyncio.get_running_loop().create_future()
         try:
             if s.request is None:
-                ids = await self.gen.off_loop(self.gen.prompt_ids, req.messages, req.tools)
+                ids = await self.gen.off_loop(
+                    self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+                )
             else:
                 ids = await self.gen.off_loop(self._delta, s, req)
                 if len(ids) + 1 > s.room:
@@ -512,6 +524,7 @@ class SessionManager:
         s.messages, s.tools = list(req.messages), list(req.tools)
         _resolve(accepted, None)
         if s.request is None:
+            s.template_kwargs = dict(req.template_kwargs)
             self._start(s, ids, gen, watch)
             s.context, s.ids = len(ids), list(ids)
         else:
@@ -570,13 +583,19 @@ class SessionManager:
         n = len(s.messages)
         if req.tools != s.tools:
             raise ApiError(400, "tools differ from the session's", code="history_mismatch")
-        if len(req.messages) <= n or req.messages[:n] != s.messages:
+        if req.template_kwargs and req.template_kwargs != s.template_kwargs:
+            raise ApiError(
+                400,
+                "chat_template_kwargs differ from the session's first request's (they are fixed "
+                "per session)",
+                param="chat_template_kwargs",
+                code="history_mismatch",
+            )
+        given = [history_view(m) for m in req.messages]
+        held = [history_view(m) for m in s.messages]
+        if len(given) <= n or given[:n] != held:
             first = next(
-                (
-                    i
-                    for i, (a, b) in enumerate(zip(req.messages, s.messages, strict=False))
-                    if a != b
-                ),
+                (i for i, (a, b) in enumerate(zip(given, held, strict=False)) if a != b),
                 min(n, len(req.messages)),
             )
             raise ApiError(
@@ -597,8 +616,9 @@ class SessionManager:
                 code="history_mismatch",
             )
         try:
+            extra = {"template_kwargs": s.template_kwargs} if s.template_kwargs else {}
             return self.gen.tokenizer.observation_ids(
-                template_messages(new), tools=s.tools, close_turn=not s.closed
+                template_messages(new), tools=s.tools, close_turn=not s.closed, **extra
             )
         except Exception as e:
             raise ApiError(400, f"the chat template cannot render the messages: {e}") from None
@@ -615,7 +635,7 @@ class SessionManager:
                 versions,
                 turn.finish_reason,
                 s.gen,
-                tools=bool(s.tools),
+                tools=s.tools,
                 prompt_tokens=s.context,
                 remaining=room,
                 prompt_ids=list(s.ids) if s.gen.return_token_ids else None,

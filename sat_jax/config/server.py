@@ -72,6 +72,8 @@ class ServerConfig:
         sampler is refused with 400) or "override" (they are served with the server's sampler,
         whose log-probs are the ones that train, and the reply's `sampling` says so): for agent
         frameworks that send their own settings.
+      http_reasoning_parser: "" (a reply's `<think>...</think>` stays in `content`) or "qwen3"
+        (it goes to `reasoning_content`, as vLLM's qwen3 reasoning parser does).
     """
 
     host: str = "127.0.0.1"
@@ -104,6 +106,7 @@ class ServerConfig:
     http_max_requests: int = 64
     http_session_idle_s: float = 600.0
     http_sampling: str = "strict"
+    http_reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         self._check_http()
@@ -151,6 +154,10 @@ class ServerConfig:
         if self.http_sampling not in ("strict", "override"):
             raise ValueError(
                 f"http_sampling must be strict or override, got {self.http_sampling!r}"
+            )
+        if self.http_reasoning_parser not in ("", "qwen3"):
+            raise ValueError(
+                f"http_reasoning_parser must be '' or qwen3, got {self.http_reasoning_parser!r}"
             )
         if not self.http_session_idle_s > 0:
             raise ValueError(f"http_session_idle_s must be > 0, got {self.http_session_idle_s}")

@@ -93,7 +93,8 @@ class FakeDriver:
     """Answers each turn (and each stateless request) with the next text of `replies` (then
     "12"), from a thread, once `gate` is open."""
 
-    def __init__(self):
+    def __init__(self, encode=lambda text: [*map(ord, text)], stop=STOP):
+        self.encode, self.stop = encode, stop
         self.replies: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
@@ -109,9 +110,9 @@ class FakeDriver:
             self.gate.wait(60)
             text = self.replies.pop(0) if self.replies else "12"
             out = []
-            for k, token in enumerate([*map(ord, text), STOP]):  # as the driver: id by id
+            for k, token in enumerate([*self.encode(text), self.stop]):  # as the driver does
                 out.append(token)
-                if token == STOP:
+                if token == self.stop:
                     break
                 if k == self.pause_at:
                     self.mid.wait(60)
@@ -155,10 +156,12 @@ class FakeDriver:
 
 
 class Live:
-    def __init__(self, *, max_sessions=4, tokenizer=None, ssl_context=None, ca=None):
+    def __init__(
+        self, *, max_sessions=4, tokenizer=None, ssl_context=None, ca=None, driver=None, **limits
+    ):
         self.clock = FakeClock()
         self.verify = ca or True
-        self.driver = FakeDriver()
+        self.driver = driver or FakeDriver()
         self.tok = tokenizer or CharTokenizer()
         self.gen = Generator(self.driver, FakeEngine(), self.tok)
         self.sessions = SessionManager(
@@ -172,7 +175,11 @@ class Live:
             generator=self.gen,
             sessions=self.sessions,
             limits=HttpLimits(
-                max_body_bytes=4 * 1024 * 1024, max_messages=16, max_requests=8, reap_every_s=3600
+                max_body_bytes=4 * 1024 * 1024,
+                max_messages=16,
+                max_requests=8,
+                reap_every_s=3600,
+                **limits,
             ),
             token=TOKEN,
             model_name="m",
@@ -796,3 +803,158 @@ def test_http_sampling_override_serves_the_servers_sampler_and_says_so():
         assert sampling["overridden"] == ["temperature", "top_p", "seed", "frequency_penalty"]
     finally:
         server.stop()
+
+
+# Qwen3's chat format, cut down: reasoning in <think>, `enable_thinking`, and Qwen3-Coder's XML
+# tool calls (rendered back from the arguments mapping).
+QWEN3_TEMPLATE = (
+    "{%- if tools %}{{ '<|im_start|>system\\n# Tools:' }}{% for t in tools %}"
+    "{{ ' ' + t.function.name }}{% endfor %}{{ '<|im_end|>\\n' }}{% endif -%}"
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}"
+    "{{ '<|im_start|>assistant\\n' }}"
+    "{%- if m.reasoning_content %}{{ '<think>\\n' + m.reasoning_content + '\\n</think>\\n\\n' }}"
+    "{%- endif %}{{ m.content or '' }}"
+    "{%- for c in m.tool_calls or [] %}{{ '<tool_call>\\n<function=' + c.function.name + '>\\n' }}"
+    "{%- for k, v in c.function.arguments.items() %}"
+    "{{ '<parameter=' + k + '>\\n' + (v | string) + '\\n</parameter>\\n' }}{% endfor %}"
+    "{{ '</function>\\n</tool_call>' }}{% endfor %}{{ '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{ '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif -%}"
+)
+ADD_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "note": {"type": "string"}},
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def qwen3_tokenizer(tmp_path_factory):
+    from sat_jax.tasks.hf_tokenizer import HFTokenizer
+    from tests.hf_fixtures import make_tokenizer
+
+    path = tmp_path_factory.mktemp("qwen3") / "tok"
+    fast = make_tokenizer(path, chat_template=False)
+    fast.chat_template = QWEN3_TEMPLATE
+    fast.save_pretrained(str(path))
+    return HFTokenizer(str(path), chat_template=True)
+
+
+def test_qwen3_reasoning_and_coder_tool_calls_round_trip_in_a_session(qwen3_tokenizer):
+    openai = pytest.importorskip("openai")
+    tok = qwen3_tokenizer
+    end = int(tok._tok.convert_tokens_to_ids("<|im_end|>"))
+    driver = FakeDriver(
+        encode=lambda text: tok._tok(text, add_special_tokens=False)["input_ids"], stop=end
+    )
+    call = (
+        "<tool_call>\n<function=add>\n<parameter=a>\n5\n</parameter>\n"
+        "<parameter=note>\n7\n</parameter>\n</function>\n</tool_call>"
+    )
+    driver.replies = ["<think>\nadd them\n</think>\n\n" + call, "<think>\ndone\n</think>\n\n12"]
+    server = Live(tokenizer=tok, driver=driver, reasoning_parser="qwen3")
+    try:
+        (sid,) = server.take()
+        client = openai.OpenAI(
+            base_url=f"{server.url}/sessions/{sid}/v1", api_key=TOKEN, max_retries=0
+        )
+        first = client.chat.completions.create(
+            model="m",
+            messages=USER,
+            tools=[ADD_TOOL],
+            extra_body={"return_token_ids": True},
+        )
+        message = first.choices[0].message
+        assert message.model_extra["reasoning_content"] == "add them" and not message.content
+        (tc,) = message.tool_calls
+        assert tc.function.name == "add"
+        assert json.loads(tc.function.arguments) == {"a": 5, "note": "7"}  # by the schema's types
+        assert first.choices[0].finish_reason == "tool_calls"
+        opening = tok.encode_messages(USER, tools=[ADD_TOOL])
+        assert first.model_extra["prompt_token_ids"] == opening
+        # Sent back with its reasoning (as model_dump keeps it) or without: both extend.
+        tool = {"role": "tool", "tool_call_id": tc.id, "content": "12"}
+        with_reasoning = [*USER, message.model_dump(exclude_none=True), tool]
+        without = [
+            *USER,
+            {k: v for k, v in with_reasoning[1].items() if k != "reasoning_content"},
+            tool,
+        ]
+        second = client.chat.completions.create(
+            model="m", messages=without, tools=[ADD_TOOL], extra_body={"return_token_ids": True}
+        )
+        assert second.choices[0].message.content == "12"
+        assert second.choices[0].message.model_extra["reasoning_content"] == "done"
+        turn1 = first.choices[0].model_extra["token_ids"]
+        delta = tok.observation_ids([tool], tools=[ADD_TOOL])
+        assert second.model_extra["prompt_token_ids"] == [*opening, *turn1, *delta]
+        assert "<|im_start|>user\n<tool_response>" in tok._tok.decode(delta)
+        # The reasoning-kept form is also the session's conversation (a retry of it is equal).
+        more = [*with_reasoning, second.choices[0].message.model_dump(exclude_none=True)]
+        more.append({"role": "user", "content": "Thanks."})
+        assert client.chat.completions.create(model="m", messages=more, tools=[ADD_TOOL]).choices
+    finally:
+        server.stop()
+
+
+def test_enable_thinking_is_fixed_per_session(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    end = int(tok._tok.convert_tokens_to_ids("<|im_end|>"))
+    driver = FakeDriver(
+        encode=lambda text: tok._tok(text, add_special_tokens=False)["input_ids"], stop=end
+    )
+    server = Live(tokenizer=tok, driver=driver, reasoning_parser="qwen3")
+    try:
+        (sid,) = server.take()
+        off = {"enable_thinking": False}
+        r = server.post(
+            f"/sessions/{sid}/v1/chat/completions",
+            {"model": "m", "messages": USER, "chat_template_kwargs": off, "return_token_ids": True},
+        ).json()
+        assert tok._tok.decode(r["prompt_token_ids"]).endswith("<think>\n\n</think>\n\n")
+        assert r["choices"][0]["message"]["content"] == "12"
+        messages = [*USER, r["choices"][0]["message"], {"role": "user", "content": "Again."}]
+        body = {
+            "model": "m",
+            "messages": messages,
+            "chat_template_kwargs": {"enable_thinking": True},
+        }
+        bad = server.post(f"/sessions/{sid}/v1/chat/completions", body)
+        assert bad.status_code == 400 and bad.json()["error"]["code"] == "history_mismatch"
+        body = {"model": "m", "messages": messages, "return_token_ids": True}  # omitted: kept
+        r2 = server.post(f"/sessions/{sid}/v1/chat/completions", body).json()
+        assert tok._tok.decode(r2["prompt_token_ids"]).endswith("<think>\n\n</think>\n\n")
+        out = server.post("/tokenize", {"messages": USER, "chat_template_kwargs": off}).json()
+        assert out["tokens"] == r["prompt_token_ids"]
+    finally:
+        server.stop()
+
+
+def test_a_reasoning_stream_sends_reasoning_then_content(qwen3_tokenizer):
+    from rollout_server.chat import StreamText
+
+    tok = qwen3_tokenizer
+    text = "<think>\nfirst 5, then 7\n</think>\n\nLet me add.<tool_call>\n<function=add>"
+    ids = tok._tok(text, add_special_tokens=False)["input_ids"]
+    stream = StreamText(tok, (), tools=True, reasoning=True)
+    deltas = [stream.feed([i]) for i in ids]
+    reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+    content = "".join(d.get("content", "") for d in deltas)
+    assert reasoning.strip() == "first 5, then 7" and content == "Let me add."
+    first_content = next(k for k, d in enumerate(deltas) if "content" in d)
+    assert all("content" not in d for d in deltas[:first_content])
+    assert max(k for k, d in enumerate(deltas) if "reasoning_content" in d) < first_content
+    assert not any(
+        "<" in d.get("content", "") or "</" in d.get("reasoning_content", "") for d in deltas
+    )
