@@ -139,6 +139,7 @@ class ChatRequest:
     generation: Generation
     session_id: str = ""
     template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tool_choice: str = ""  # "" (auto), REQUIRED, or the name of the function forced
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -297,7 +298,25 @@ def parse_chat(
         "tools",
     )
     choice = body.get("tool_choice")
-    _need(choice in (None, "auto", "none"), "tool_choice must be auto or none", "tool_choice")
+    forced = ""
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        forced = fn.get("name") if isinstance(fn, dict) else None
+        names = {t["function"]["name"] for t in tools}
+        _need(
+            isinstance(forced, str) and forced in names,
+            "tool_choice names a function that is not in tools",
+            "tool_choice",
+        )
+    elif choice == "required":
+        _need(bool(tools), "tool_choice required needs tools", "tool_choice")
+        forced = REQUIRED
+    else:
+        _need(
+            choice in (None, "auto", "none"),
+            "tool_choice must be auto, none, required or a named function",
+            "tool_choice",
+        )
     # The URL's session id wins over the body's: a client's extra body cannot move a request to
     # another session than the base URL it was given.
     sid = session_id or body.get("session_id") or ""
@@ -323,6 +342,7 @@ def parse_chat(
         ),
         session_id=sid,
         template_kwargs=dict(kwargs),
+        tool_choice=forced,
     )
 
 
@@ -622,6 +642,20 @@ def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> lis
 
 
 _OPEN_CALL = "<tool_call>"
+REQUIRED = "\x00required"  # `ChatRequest.tool_choice` for "required" (no function is named so)
+
+
+def forced_prefix(tool_choice: str, *, xml: bool) -> str:
+    """The text a reply is made to begin with for `tool_choice` (inserted as observation
+    tokens, no loss on them): a call's opening, with the function's name when one is named; in
+    Qwen3-Coder's XML format (`xml`) or Hermes JSON."""
+    if not tool_choice:
+        return ""
+    if tool_choice == REQUIRED:
+        return "<tool_call>\n"
+    if xml:
+        return f"<tool_call>\n<function={tool_choice}>\n"
+    return f'<tool_call>\n{{"name": {json.dumps(tool_choice)}, "arguments": '
 
 
 class StreamText:
@@ -636,13 +670,15 @@ class StreamText:
     message holds beyond what was sent.
     """
 
-    def __init__(self, tokenizer: Any, stops: Sequence[str], tools: bool, reasoning=False):
+    def __init__(
+        self, tokenizer: Any, stops: Sequence[str], tools: bool, reasoning=False, prefix=""
+    ):
         self.tok, self.stops, self.tools = tokenizer, tuple(stops), tools
         self.reasoning = reasoning
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.ids: list[int] = []
         self.decoded = 0  # ids decoded into `text`
-        self.text = ""
+        self.text = prefix  # a forced prefix (`forced_prefix`) begins the reply
         self.sent = {"reasoning_content": "", "content": ""}
         self.stopped = False
 

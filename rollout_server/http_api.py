@@ -292,8 +292,11 @@ class HttpApi:
             ids = await self.gen.off_loop(
                 self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
             )
+            prefix, prefix_ids = self.gen.prefix(req)
+            ids = [*ids, *prefix_ids]
+            self.gen.check_length(len(ids))
             replies = await self._stateless(
-                [self.gen.generate(ids, gen, tools=req.tools) for _ in range(gen.n)]
+                [self.gen.generate(ids, gen, tools=req.tools, prefix=prefix) for _ in range(gen.n)]
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         choices = [
@@ -386,8 +389,12 @@ class HttpApi:
             ids = await self.gen.off_loop(
                 self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
             )
+            prefix, prefix_ids = self.gen.prefix(req)
+            ids = [*ids, *prefix_ids]
+            self.gen.check_length(len(ids))
             coros = [
-                self.gen.generate(ids, gen, tools=req.tools, watch=watcher(i)) for i in range(gen.n)
+                self.gen.generate(ids, gen, tools=req.tools, watch=watcher(i), prefix=prefix)
+                for i in range(gen.n)
             ]
             self._reserve(coros)
             work = asyncio.ensure_future(self._run(coros))
@@ -410,7 +417,13 @@ class HttpApi:
         try:
             await send([chunk(i, {"role": "assistant", "content": ""}) for i in range(gen.n)])
             texts = [
-                StreamText(self.gen.tokenizer, gen.stop, bool(req.tools), self.gen.reasoning)
+                StreamText(
+                    self.gen.tokenizer,
+                    gen.stop,
+                    bool(req.tools),
+                    self.gen.reasoning,
+                    self.gen.prefix(req)[0],
+                )
                 for _ in range(gen.n)
             ]
             while not (work.done() and deltas.empty()):

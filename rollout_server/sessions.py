@@ -43,6 +43,7 @@ from rollout_server.chat import (
     ChatRequest,
     Generation,
     assistant_message,
+    forced_prefix,
     history_view,
     make_stop_when,
     normalize_message,
@@ -191,6 +192,17 @@ class Generator:
         self.check_length(len(ids))
         return ids
 
+    def prefix(self, req: ChatRequest) -> tuple[str, list[int]]:
+        """The forced prefix of `req.tool_choice` (text and ids; ("", []) for none), in the
+        format of the chat template (Qwen3-Coder's XML when it renders `<function=`)."""
+        if not req.tool_choice:
+            return "", []
+        template = getattr(getattr(self.tokenizer, "_tok", None), "chat_template", "") or ""
+        text = forced_prefix(req.tool_choice, xml="<function=" in str(template))
+        hf = getattr(self.tokenizer, "_tok", None)
+        ids = hf(text, add_special_tokens=False)["input_ids"] if hf else self.tokenizer.encode(text)
+        return text, list(ids)
+
     def check_length(self, n: int) -> None:
         try:
             self.engine.check_prompt_length(n)
@@ -198,7 +210,13 @@ class Generator:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
 
     async def generate(
-        self, ids: list[int], gen: Generation, *, tools: bool, watch: Watch | None = None
+        self,
+        ids: list[int],
+        gen: Generation,
+        *,
+        tools: bool,
+        watch: Watch | None = None,
+        prefix: str = "",
     ) -> Reply:
         """One reply to the prompt `ids`; `watch` sees its ids as they are generated."""
         loop = asyncio.get_running_loop()
@@ -230,6 +248,7 @@ class Generator:
             tools=tools,
             prompt_tokens=len(ids),
             prompt_ids=list(ids) if gen.return_token_ids else None,
+            prefix=prefix,
         )
 
     def reply(
@@ -244,10 +263,11 @@ class Generator:
         prompt_tokens,
         remaining=None,
         prompt_ids=None,
+        prefix="",
     ) -> Reply:
         """The reply of generated `ids`. Never raises on the model's output: a text that does
         not parse as tool calls is content (`assistant_message`)."""
-        text, _ = truncate_at_stop(self.tokenizer.decode(ids), gen.stop)
+        text, _ = truncate_at_stop(prefix + self.tokenizer.decode(ids), gen.stop)
         message = assistant_message(text, tools=tools, reasoning=self.reasoning)
         ids = np.array(ids, np.int32)
         logprobs = np.array(logprobs, np.float32)
@@ -319,6 +339,7 @@ class Session:
     reported: bool = False  # `done` was called
     turn: asyncio.Future | None = None  # the turn in flight: its Reply, or an ApiError
     gen: Generation | None = None  # the turn in flight's
+    prefix: str = ""  # the turn in flight's forced prefix (`tool_choice`)
     key: Any = None  # the last accepted request (its retry gets `reply`)
     reply: Reply | None = None
     ended_by: tuple[str, float | None] | None = None  # ("reward", given) or ("discard", None)
@@ -502,12 +523,15 @@ class SessionManager:
         s.state, s.key, s.reply, s.gen = "generating", key, None, gen
         s.turn = asyncio.get_running_loop().create_future()
         try:
+            prefix, prefix_ids = self.gen.prefix(req)
             if s.request is None:
                 ids = await self.gen.off_loop(
                     self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
                 )
+                ids = [*ids, *prefix_ids]
+                self.gen.check_length(len(ids))
             else:
-                ids = await self.gen.off_loop(self._delta, s, req)
+                ids = [*(await self.gen.off_loop(self._delta, s, req)), *prefix_ids]
                 if len(ids) + 1 > s.room:
                     raise ApiError(
                         400, "the session's token budget is spent", code="context_length_exceeded"
@@ -521,7 +545,7 @@ class SessionManager:
             _resolve(future, e if isinstance(e, ApiError) else ApiError(500, "server error"))
             raise
         s.last_seen = self.clock()  # only an accepted request refreshes the idle clock
-        s.messages, s.tools = list(req.messages), list(req.tools)
+        s.messages, s.tools, s.prefix = list(req.messages), list(req.tools), prefix
         _resolve(accepted, None)
         if s.request is None:
             s.template_kwargs = dict(req.template_kwargs)
@@ -639,6 +663,7 @@ class SessionManager:
                 prompt_tokens=s.context,
                 remaining=room,
                 prompt_ids=list(s.ids) if s.gen.return_token_ids else None,
+                prefix=s.prefix,
             )
             recorded = normalize_message(reply.message, "reply")
         except Exception:  # a tokenizer's own failure: the text as content, the turn kept

@@ -104,6 +104,8 @@ class FakeDriver:
         self.placed = 0
         self.turns = 0
         self.ended: list[RolloutRequest] = []
+        self.inserted: list[list[int]] = []  # continue_episode's tokens
+        self.prefills: list[list[int]] = []
 
     def _emit(self, request: RolloutRequest) -> None:
         def run():
@@ -140,6 +142,7 @@ class FakeDriver:
 
     def place_request_on_prefill_queue(self, request: RolloutRequest) -> None:
         self.placed += 1
+        self.prefills.append(list(request.prefill_content))
         n = request.max_tokens
         request.buffer = types.SimpleNamespace(
             logprobs=np.zeros(n, np.float32), versions=np.zeros(n, np.int64), size=0
@@ -147,6 +150,7 @@ class FakeDriver:
         self._emit(request)
 
     def continue_episode(self, request: RolloutRequest, tokens) -> None:
+        self.inserted.append([int(t) for t in tokens])
         request.buffer.size += len(tokens)
         self._emit(request)
 
@@ -958,3 +962,60 @@ def test_a_reasoning_stream_sends_reasoning_then_content(qwen3_tokenizer):
     assert not any(
         "<" in d.get("content", "") or "</" in d.get("reasoning_content", "") for d in deltas
     )
+
+
+def test_tool_choice_named_and_required_force_the_call_as_inserted_tokens(live):
+    (sid,) = live.take()
+    live.driver.replies = [
+        '{"expression": "5+7"}}\n</tool_call>',
+        '{"name": "calculator", "arguments": {}}</tool_call>',
+    ]
+    named = {"type": "function", "function": {"name": "calculator"}}
+    r = live.chat(sid, USER, tool_choice=named).json()
+    (call,) = r["choices"][0]["message"]["tool_calls"]
+    assert (
+        call["function"]["name"] == "calculator"
+        and r["choices"][0]["finish_reason"] == "tool_calls"
+    )
+    assert json.loads(call["function"]["arguments"]) == {"expression": "5+7"}
+    prefix = '<tool_call>\n{"name": "calculator", "arguments": '
+    opening = live.tok.encode_messages(USER)
+    assert live.driver.prefills == [[*opening, *map(ord, prefix)]]  # the prefix: prompt tokens
+    messages = [
+        *USER,
+        r["choices"][0]["message"],
+        {"role": "tool", "tool_call_id": call["id"], "content": "12"},
+    ]
+    # "required" on a later turn: the call's opening goes in with the delta (loss mask 0).
+    r2 = live.chat(sid, messages, tool_choice="required").json()
+    assert live.driver.inserted[-1][-len("<tool_call>\n") :] == [*map(ord, "<tool_call>\n")]
+    assert r2["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "calculator"
+    bad = live.chat(sid, USER, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
+    body = {"model": "m", "messages": USER, "tool_choice": "required"}
+    assert live.post("/v1/chat/completions", body).status_code == 400  # no tools
+
+
+def test_tool_choice_named_in_qwen3_coder_xml(qwen3_tokenizer):
+    tok = qwen3_tokenizer
+    end = int(tok._tok.convert_tokens_to_ids("<|im_end|>"))
+    driver = FakeDriver(
+        encode=lambda text: tok._tok(text, add_special_tokens=False)["input_ids"], stop=end
+    )
+    driver.replies = ["<parameter=a>\n5\n</parameter>\n</function>\n</tool_call>"]
+    server = Live(tokenizer=tok, driver=driver)
+    try:
+        body = {
+            "model": "m",
+            "messages": USER,
+            "tools": [ADD_TOOL],
+            "tool_choice": {"type": "function", "function": {"name": "add"}},
+        }
+        r = server.post("/v1/chat/completions", body).json()
+        (call,) = r["choices"][0]["message"]["tool_calls"]
+        assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {
+            "a": 5
+        }
+        assert tok._tok.decode(driver.prefills[0]).endswith("<tool_call>\n<function=add>\n")
+    finally:
+        server.stop()
