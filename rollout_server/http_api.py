@@ -444,7 +444,10 @@ class HttpApi:
                     await send([chunk(index, delta)])
             try:
                 replies = as_list(work.result())
-            except ApiError as e:  # failed mid-stream: the error as the last event
+            except Exception as e:  # failed mid-stream: the error as the last event
+                if not isinstance(e, ApiError):
+                    log.error("a stream's generation failed: %s: %s", type(e).__name__, e)
+                    e = ApiError(500, "internal server error", code="server_error")
                 await response.write(f"data: {json.dumps(e.body())}\n\n".encode())
                 await response.write(b"data: [DONE]\n\n")
                 return response
