@@ -25,6 +25,7 @@ import json
 import logging
 import math
 import ssl
+import threading
 import time
 import uuid
 from typing import Any
@@ -38,7 +39,7 @@ from rollout_server.chat import (
     parse_chat,
     parse_completion,
 )
-from rollout_server.sessions import Generator, Reply, SessionManager
+from rollout_server.sessions import Generator, Reply, SessionManager, content_chars
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +251,7 @@ class HttpApi:
             if not isinstance(prompt, str):
                 raise ApiError(400, "prompt must be a string", param="prompt")
             self.gen.bound_length([{"role": "user", "content": prompt}], [])
-            ids = await self.gen.off_loop(self.gen.tokenizer.encode, prompt)
+            ids = await self.gen.off_loop(self.gen.tokenizer.encode, prompt, _size=len(prompt))
         else:
             if body.get("add_generation_prompt", True) is not True:
                 raise ApiError(400, "add_generation_prompt must be true", param="messages")
@@ -266,7 +267,11 @@ class HttpApi:
                 **self._limits(),
             )
             ids = await self.gen.off_loop(
-                self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+                self.gen.prompt_ids,
+                req.messages,
+                req.tools,
+                req.template_kwargs,
+                _size=content_chars(req.messages, req.tools),
             )
         limit = self.gen.engine.core.max_prefill_length
         return web.json_response({"count": len(ids), "max_model_len": limit, "tokens": list(ids)})
@@ -290,7 +295,11 @@ class HttpApi:
             replies = [await self.sessions.chat(req)]
         else:
             ids = await self.gen.off_loop(
-                self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+                self.gen.prompt_ids,
+                req.messages,
+                req.tools,
+                req.template_kwargs,
+                _size=content_chars(req.messages, req.tools),
             )
             prefix, prefix_ids = self.gen.prefix(req)
             ids = [*ids, *prefix_ids]
@@ -362,18 +371,38 @@ class HttpApi:
         finish, the usage if asked, and [DONE]. A client that leaves stops only its stream:
         the generation runs on (a session keeps the reply for the request's retry)."""
         gen, loop = req.generation, asyncio.get_running_loop()
-        deltas: asyncio.Queue = asyncio.Queue()
+        # New ids from the driver's thread, coalesced: one wake-up of the loop per batch it has
+        # not taken yet, however many tokens the engine produced meanwhile.
+        pending: list[tuple[int, np.ndarray]] = []
+        lock, ready = threading.Lock(), asyncio.Event()
+        scheduled = False
 
         def watcher(index: int):
             seen = 0
 
             def watch(ids: np.ndarray) -> None:  # the driver's thread: hand the new ids over
-                nonlocal seen
+                nonlocal seen, scheduled
                 new = np.array(ids[seen:])
                 seen = len(ids)
-                loop.call_soon_threadsafe(deltas.put_nowait, (index, new))
+                with lock:
+                    pending.append((index, new))
+                    if scheduled:
+                        return
+                    scheduled = True
+                loop.call_soon_threadsafe(ready.set)
 
             return watch
+
+        def take_pending() -> dict[int, np.ndarray]:
+            nonlocal scheduled
+            with lock:
+                items = pending[:]
+                pending.clear()
+                scheduled = False
+            merged: dict[int, list[np.ndarray]] = {}
+            for index, ids in items:
+                merged.setdefault(index, []).append(ids)
+            return {i: np.concatenate(parts) for i, parts in merged.items()}
 
         accepted = loop.create_future()
         if req.session_id:
@@ -387,7 +416,11 @@ class HttpApi:
             as_list = _as_list
         else:
             ids = await self.gen.off_loop(
-                self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+                self.gen.prompt_ids,
+                req.messages,
+                req.tools,
+                req.template_kwargs,
+                _size=content_chars(req.messages, req.tools),
             )
             prefix, prefix_ids = self.gen.prefix(req)
             ids = [*ids, *prefix_ids]
@@ -426,22 +459,25 @@ class HttpApi:
                 )
                 for _ in range(gen.n)
             ]
-            while not (work.done() and deltas.empty()):
-                if deltas.empty():
-                    get = asyncio.ensure_future(deltas.get())
-                    done, _ = await asyncio.wait(
-                        [get, work], timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
-                    )
-                    if get not in done:
-                        get.cancel()
-                        if not done:
-                            await response.write(b": keep-alive\n\n")
-                        continue
-                    index, ids = get.result()
-                else:
-                    index, ids = deltas.get_nowait()
-                if delta := texts[index].feed(ids):
-                    await send([chunk(index, delta)])
+            while True:
+                finished = work.done()  # before taking: what came before the end is taken
+                batch = take_pending()
+                for index, ids in batch.items():
+                    if delta := texts[index].feed(ids):
+                        await send([chunk(index, delta)])
+                if finished:
+                    break
+                if batch:
+                    continue
+                ready.clear()
+                wake = asyncio.ensure_future(ready.wait())
+                done, _ = await asyncio.wait(
+                    [wake, work], timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                if wake not in done:
+                    wake.cancel()
+                    if not done:
+                        await response.write(b": keep-alive\n\n")
             try:
                 replies = as_list(work.result())
             except Exception as e:  # failed mid-stream: the error as the last event
@@ -487,7 +523,7 @@ class HttpApi:
         gen = req.generation
         msg = [{"role": "user", "content": req.prompt}]
         self.gen.bound_length(msg, [])
-        ids = await self.gen.off_loop(self.gen.tokenizer.encode, req.prompt)
+        ids = await self.gen.off_loop(self.gen.tokenizer.encode, req.prompt, _size=len(req.prompt))
         self.gen.check_length(len(ids))
         replies = await self._stateless(
             [self.gen.generate(ids, gen, tools=False) for _ in range(gen.n)]

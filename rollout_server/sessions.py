@@ -95,7 +95,7 @@ def _finish(reason: str, message: dict[str, Any]) -> str:
     return "stop" if reason == "stop" else "length"
 
 
-def _content_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+def content_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
     """The characters a render of `messages` and `tools` holds at least (their text)."""
     n = 0
     for m in messages:
@@ -103,6 +103,9 @@ def _content_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) 
         for c in m.get("tool_calls") or ():
             n += len(json.dumps(c["function"]))
     return n + sum(len(json.dumps(t)) for t in tools)
+
+
+INLINE_BELOW = 8192  # characters to render or tokens to decode done on the loop (`off_loop`)
 
 
 class Generator:
@@ -125,8 +128,14 @@ class Generator:
         self._longest_piece: int | None = None
         self.reasoning = False  # Qwen3's <think> to reasoning_content (HttpLimits)
 
-    async def off_loop(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`fn(*args, **kwargs)` on the pool, awaited."""
+    async def off_loop(
+        self, fn: Callable[..., Any], *args: Any, _size: int | None = None, **kwargs: Any
+    ) -> Any:
+        """`fn(*args, **kwargs)` on the pool, awaited; on the loop at once when its work is
+        known to be small (`_size`, characters or tokens, under `INLINE_BELOW`): a hop to the
+        pool and back costs more than rendering a short delta or decoding a short turn."""
+        if _size is not None and _size < INLINE_BELOW:
+            return fn(*args, **kwargs)
         with self._pool_lock:
             if self._pool is None:
                 self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -162,7 +171,7 @@ class Generator:
         piece = self.longest_piece()
         if not piece:
             return
-        at_least = -(-_content_chars(messages, tools) // piece)
+        at_least = -(-content_chars(messages, tools) // piece)
         limit = self.engine.core.max_prefill_length
         if at_least > limit:
             raise ApiError(
@@ -249,6 +258,7 @@ class Generator:
             prompt_tokens=len(ids),
             prompt_ids=list(ids) if gen.return_token_ids else None,
             prefix=prefix,
+            _size=len(sample.completion_ids) * (4 if gen.logprobs else 1),
         )
 
     def reply(
@@ -526,12 +536,18 @@ class SessionManager:
             prefix, prefix_ids = self.gen.prefix(req)
             if s.request is None:
                 ids = await self.gen.off_loop(
-                    self.gen.prompt_ids, req.messages, req.tools, req.template_kwargs
+                    self.gen.prompt_ids,
+                    req.messages,
+                    req.tools,
+                    req.template_kwargs,
+                    _size=content_chars(req.messages, req.tools),
                 )
                 ids = [*ids, *prefix_ids]
                 self.gen.check_length(len(ids))
             else:
-                ids = [*(await self.gen.off_loop(self._delta, s, req)), *prefix_ids]
+                new = req.messages[len(s.messages) :]
+                size = content_chars(new, req.tools)
+                ids = [*(await self.gen.off_loop(self._delta, s, req, _size=size)), *prefix_ids]
                 if len(ids) + 1 > s.room:
                     raise ApiError(
                         400, "the session's token budget is spent", code="context_length_exceeded"
@@ -702,7 +718,8 @@ class SessionManager:
             self.gen.driver.end_episode(s.request)
             return
         try:
-            reply = await self.gen.off_loop(self._record_turn, s, turn, lps, versions)
+            size = len(turn.ids) * (4 if s.gen.logprobs else 1)
+            reply = await self.gen.off_loop(self._record_turn, s, turn, lps, versions, _size=size)
         except Exception:  # the pool is gone (shutting down)
             log.exception("session %s: recording its turn failed", s.id)
             reply = ApiError(500, "recording the turn failed", code="server_error")
