@@ -1,19 +1,26 @@
 """The OpenAI-compatible HTTP endpoint of sat-serve (`server.http_port`; docs/DESIGN.md §6.6).
 
-    POST /v1/chat/completions     chat (tools, n, stop, logprobs, stream, usage)
+    POST /v1/chat/completions     chat (tools, tool_choice, n, stop, logprobs, stream, usage,
+                                  return_token_ids, chat_template_kwargs)
     POST /v1/completions          one prompt string, no chat template
-    GET  /v1/models               the one served model
+    GET  /v1/models               the one served model (another `model` is 404)
+    POST /tokenize                a prompt's or a chat's ids (vLLM's)
+    GET  /health                  open: no token
     POST /sessions                an agent runner takes admitted sessions (`server.http_sessions`)
     POST /sessions/{id}/v1/chat/completions   a session's request (or `session_id` in the body)
-    POST /sessions/{id}/end       ends a session, with its reward or none
+    POST /sessions/{id}/end       ends a session: its reward, none, or {"discard": true}
 
-Every request carries `Authorization: Bearer <server.token>` when a token is set; bodies over
-`server.http_max_body_bytes` are refused before they are read, and every error is the OpenAI
-error body with its 4xx status. Requests run on the same engine, slots and weights as the
-rollouts; their log-probs are the behavior log-probs the engine records.
+Every request but `/health` carries `Authorization: Bearer <server.token>` when a token is set;
+bodies over `server.http_max_body_bytes` are refused before they are read, and every error is
+the OpenAI error body (a defect: 500 `server_error` and one log line). Requests run on the same
+engine, slots and weights as the rollouts; their log-probs are the behavior log-probs the engine
+records. Streams are real (per-token deltas as the engine produces them). With `server.tls_cert`
+the port serves TLS.
 
 aiohttp serves it (already a dependency of the stack through JetStream's and grpc's tooling, and
-one asyncio server in the process's own loop: no second server thread).
+one asyncio server in the process's own loop: no second server thread). Handlers are cancelled
+when their client leaves; rendering, tokenizing and reply building that is not small runs on the
+generator's thread pool, never on the loop.
 """
 
 from __future__ import annotations

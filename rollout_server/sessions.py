@@ -15,9 +15,14 @@ start with that conversation, then only new non-assistant messages; anything els
 0 on every inserted token.
 
 Everything here runs on the HTTP server's asyncio loop; the driver's callbacks (turns, ends) and
-the rollout loop's offers hop onto it. A session taken and then silent for `idle_s` (no request
-in flight) is dropped and counted: its sample reaches the loop as a failed one and is sampled
-again, so a group never waits forever.
+the rollout loop's offers hop onto it, and work that is not small (rendering, tokenizing,
+building replies, rewards) goes to the generator's thread pool. The lifecycle is built for real
+networks (docs/DESIGN.md §6.6): a request equal to the last accepted one is its retry and gets
+that reply; a turn is recorded when it ends, whatever the model wrote and whether or not its
+client is still there; `end` is idempotent and can discard. A session taken and then silent for
+`idle_s` (no request in flight), or stuck generating past `stuck_after_s`, is dropped and
+counted: its sample reaches the loop as a failed one and is sampled again, so a group never
+waits forever.
 """
 
 from __future__ import annotations
