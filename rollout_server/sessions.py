@@ -797,22 +797,23 @@ class SessionManager:
             self._drop(s)
             return s
         s.state = "ending"
-        s.ending = asyncio.get_running_loop().create_future()
-        try:
-            if reward is None:
-                try:
-                    reward = float(
-                        await self.gen.off_loop(self.reward_fn, s.last_text, s.prompt.answer)
-                    )
-                except Exception:
-                    log.exception("reward failed for prompt %s; scoring 0", s.prompt.id)
-                    reward = 0.0
-            s.reward = float(reward)
-            self.finished += 1
-            self.gen.driver.end_episode(s.request)
-        finally:
-            _resolve(s.ending, None)
+        # Its own task: a client that leaves while the reward is computed ends nothing halfway.
+        s.ending = asyncio.ensure_future(self._finish_end(s, reward))
+        await asyncio.shield(s.ending)
         return s
+
+    async def _finish_end(self, s: Session, reward: float | None) -> None:
+        if reward is None:
+            try:
+                reward = float(
+                    await self.gen.off_loop(self.reward_fn, s.last_text, s.prompt.answer)
+                )
+            except Exception:
+                log.exception("reward failed for prompt %s; scoring 0", s.prompt.id)
+                reward = 0.0
+        s.reward = float(reward)
+        self.finished += 1
+        self.gen.driver.end_episode(s.request)
 
     def _drop(self, s: Session) -> None:
         """Ends `s` with no sample: it is offered again (and its slot freed)."""
