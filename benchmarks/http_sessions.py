@@ -4,6 +4,7 @@ at equal slots; engine tokens/s of each and the time the HTTP path adds per turn
 
     python benchmarks/http_sessions.py [--preset small] [--turns 4] [--turn-tokens 32] [--json FILE]
     python benchmarks/http_sessions.py --quick     # the tiny preset, 3 turns of 8 tokens (seconds)
+    python benchmarks/http_sessions.py --stream    # streamed replies: also time to first content
 
 The setup is benchmarks/multiturn.py's (its ``Bench``): one CPU device, the ``--preset`` model
 with random weights and its vocabulary sized to a byte-level BPE tokenizer with a Qwen-style chat
@@ -94,6 +95,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="tiny preset, 2 slots, 2 groups of 2, 3 turns of 8, 2 repeats",
+    )
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        help="the agents stream their replies; also time each turn's first content chunk",
     )
     p.add_argument("--json", default="", help="also write the results to this file")
     args = p.parse_args(argv)
@@ -214,8 +220,9 @@ class HttpBench(multiturn.Bench):
                 loop.stop()
             engine = [t for r in requests if r.episode for t in engine_turn_s(r)]
             latency: list[float] = []
+            first: list[float] = []
         else:
-            wall, loop, engine, latency = self._http_round()
+            wall, loop, engine, latency, first = self._http_round()
         trajectories = [
             t
             for m in loop.queue.snapshot()[: self.args.groups]
@@ -228,9 +235,10 @@ class HttpBench(multiturn.Bench):
             "samples": len(trajectories),
             "engine_turn_s": engine,
             "latency_s": latency,
+            "first_s": first,
         }
 
-    def _http_round(self) -> tuple[float, RolloutLoop, list[float], list[float]]:
+    def _http_round(self) -> tuple[float, RolloutLoop, list[float], list[float], list[float]]:
         a = self.args
         samples = a.groups * a.group_size
         sessions = TakenSessions(
@@ -250,9 +258,12 @@ class HttpBench(multiturn.Bench):
         url = f"http://127.0.0.1:{port}"
         stop = threading.Event()
         latency: dict[str, list[float]] = {}
+        first: dict[str, list[float]] = {}
         errors: list[BaseException] = []
         clients = [
-            threading.Thread(target=_agent, args=(url, a, stop, latency, errors), daemon=True)
+            threading.Thread(
+                target=_agent, args=(url, a, stop, latency, first, errors), daemon=True
+            )
             for _ in range(a.slots)
         ]
         loop = self._loop(sessions=sessions)
@@ -275,11 +286,12 @@ class HttpBench(multiturn.Bench):
                 raise AssertionError(f"{len(lat)} requests but {len(turns)} engine turns")
             engine += turns
             client += lat
-        return wall, loop, engine, client
+        return wall, loop, engine, client, [t for ts in first.values() for t in ts]
 
 
-def _agent(url, args, stop, latency, errors) -> None:
-    """One client thread: takes sessions one at a time and plays ``--turns`` turns of each."""
+def _agent(url, args, stop, latency, first, errors) -> None:
+    """One client thread: takes sessions one at a time and plays ``--turns`` turns of each
+    (streamed with ``--stream``: then ``first`` gets each turn's time to its first content)."""
     server = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
     try:
         while not stop.is_set():
@@ -291,10 +303,27 @@ def _agent(url, args, stop, latency, errors) -> None:
                 client = server.with_options(base_url=f"{url}/sessions/{sid}/v1")
                 messages = [{"role": "user", "content": session["prompt"]["text"]}]
                 times = latency.setdefault(sid, [])
+                firsts = first.setdefault(sid, [])
                 for turn in range(args.turns):
                     if turn:
                         messages.append({"role": "user", "content": RETRY_MESSAGE})
                     start = time.perf_counter()
+                    if args.stream:
+                        content, seen = "", None
+                        for chunk in client.chat.completions.create(
+                            model="bench",
+                            messages=messages,
+                            max_tokens=args.turn_tokens,
+                            stream=True,
+                        ):
+                            delta = chunk.choices[0].delta.content if chunk.choices else None
+                            if delta and seen is None:
+                                seen = time.perf_counter() - start
+                            content += delta or ""
+                        times.append(time.perf_counter() - start)
+                        firsts.append(seen if seen is not None else times[-1])
+                        messages.append({"role": "assistant", "content": content})
+                        continue
                     reply = client.chat.completions.create(
                         model="bench", messages=messages, max_tokens=args.turn_tokens
                     )
@@ -332,6 +361,8 @@ def bench(b: HttpBench) -> dict[str, Any]:
         lat - eng for x in http for lat, eng in zip(x["latency_s"], x["engine_turn_s"], strict=True)
     ]
     modes["http"]["client_turn_ms"] = _stats([t for x in http for t in x["latency_s"]])
+    if a.stream:
+        modes["http"]["first_content_ms"] = _stats([t for x in http for t in x["first_s"]])
     samples = a.groups * a.group_size
     added = modes["http"]["wall_s"] - modes["in-server"]["wall_s"]
     return {
@@ -374,6 +405,12 @@ def format_table(args: argparse.Namespace, r: dict[str, Any]) -> str:
         f"{o['mean']:.1f} ms mean, {o['median']:.1f} ms median ({o['n']} turns); wall-time "
         f"difference per turn of a slot {r['wall_added_per_turn_ms']:.1f} ms.",
     ]
+    if "first_content_ms" in r["modes"]["http"]:
+        f = r["modes"]["http"]["first_content_ms"]
+        lines.append(
+            f"Streamed: time to the first content chunk {f['mean']:.1f} ms mean, "
+            f"{f['median']:.1f} ms median ({f['n']} turns)."
+        )
     return "\n".join(lines)
 
 
@@ -399,6 +436,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "turns": args.turns,
             "turn_tokens": args.turn_tokens,
             "repeats": args.repeats,
+            "stream": args.stream,
         },
         **result,
     }

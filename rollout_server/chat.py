@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -51,14 +53,22 @@ _DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     ),
     "service_tier": (("auto", "default"), "is not supported: this server has one tier"),
 }
+# With `server.http_sampling: override`, what a client asks of the sampler is not refused: the
+# request is served with the server's one sampler (its behavior log-probs are the ones that
+# train) and the reply says which fields were overridden.
+SAMPLER_FIELDS = (
+    "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "logit_bias",
+)  # fmt: skip
 _CHAT_FIELDS = {
     "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
     "temperature", "top_p", "top_k", "n", "stop", "logprobs", "stream", "stream_options",
-    "session_id", *_IGNORED, *_DEFAULT_ONLY,
+    "session_id", "return_token_ids", "chat_template_kwargs", *_IGNORED, *_DEFAULT_ONLY,
 }  # fmt: skip
 _COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs",
-    "stream", "stream_options", "echo", "suffix", "best_of", *_IGNORED, *_DEFAULT_ONLY,
+    "stream", "stream_options", "echo", "suffix", "best_of", "return_token_ids", *_IGNORED,
+    *_DEFAULT_ONLY,
 }  # fmt: skip
 
 
@@ -79,6 +89,8 @@ class ApiError(Exception):
             409: "conflict_error",
             413: "invalid_request_error",
             429: "rate_limit_error",
+            500: "server_error",
+            504: "server_error",
         }
         return {
             "error": {
@@ -101,6 +113,10 @@ class Generation:
       logprobs: return each generated token's behavior log-prob.
       stream: answer as server-sent events.
       include_usage: the stream's last chunk carries the usage.
+      return_token_ids: the reply carries the prompt's and each choice's token ids (vLLM's
+        `prompt_token_ids` and `choices[].token_ids`).
+      overridden: the sampler fields the request set and the server's sampler overrode
+        (`server.http_sampling: override`).
     """
 
     max_tokens: int
@@ -109,6 +125,8 @@ class Generation:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    return_token_ids: bool = False
+    overridden: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,6 +138,8 @@ class ChatRequest:
     tools: list[dict[str, Any]]
     generation: Generation
     session_id: str = ""
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    tool_choice: str = ""  # "" (auto), REQUIRED, or the name of the function forced
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -144,8 +164,15 @@ def _is_number(v: Any) -> bool:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def _check_fields(body: Any, allowed: set[str]) -> None:
+def _check_fields(body: Any, allowed: set[str], override: bool) -> tuple[str, ...]:
+    """Refuses unknown fields and values not honoured; with `override`, takes the sampler
+    fields out of `body` and returns those that were set."""
     _need(isinstance(body, dict), "the request body must be a JSON object", None)
+    overridden: tuple[str, ...] = ()
+    if override:
+        overridden = tuple(k for k in SAMPLER_FIELDS if body.get(k) is not None)
+        for k in SAMPLER_FIELDS:
+            body.pop(k, None)
     unknown = sorted(str(k)[:40] for k in body if k not in allowed)
     _need(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown[:4])}", None)
     for key in _IGNORED:
@@ -155,10 +182,16 @@ def _check_fields(body: Any, allowed: set[str]) -> None:
         # By type too: `True == 1` would let a boolean pass for a number and the reverse.
         ok = value is None or any(type(value) is type(a) and value == a for a in accepted)
         _need(ok, f"{key}={json.dumps(value)[:40]} {why}", key)
+    return overridden
 
 
 def _generation(
-    body: dict[str, Any], sampling: SamplingConfig, *, max_tokens: int, default_tokens: int
+    body: dict[str, Any],
+    sampling: SamplingConfig,
+    *,
+    max_tokens: int,
+    default_tokens: int,
+    overridden: tuple[str, ...] = (),
 ) -> Generation:
     """The shared sampling fields; the server's sampler is the only one (module docstring)."""
     for key, served in (
@@ -176,7 +209,9 @@ def _generation(
             "log-probs are those of the server's one sampler (rollout.temperature, top_p, top_k)",
             key,
         )
-    tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    tokens = body.get("max_completion_tokens")
+    if tokens is None:  # absent or null: max_tokens (the older name) decides
+        tokens = body.get("max_tokens")
     if tokens is None:
         tokens = default_tokens
     _need(
@@ -210,6 +245,8 @@ def _generation(
         "logprobs must be a boolean",
         "logprobs",
     )
+    ids = body.get("return_token_ids") or False
+    _need(isinstance(ids, bool), "return_token_ids must be a boolean", "return_token_ids")
     return Generation(
         max_tokens=tokens,
         n=n,
@@ -217,6 +254,8 @@ def _generation(
         logprobs=bool(logprobs),
         stream=stream,
         include_usage=bool(options.get("include_usage")),
+        return_token_ids=ids,
+        overridden=overridden,
     )
 
 
@@ -228,13 +267,14 @@ def parse_chat(
     default_tokens: int,
     max_messages: int,
     session_id: str = "",
+    override: bool = False,
 ) -> ChatRequest:
     """Checks a chat completion body.
 
     Raises:
       ApiError: 400 naming the field.
     """
-    _check_fields(body, _CHAT_FIELDS)
+    overridden = _check_fields(body, _CHAT_FIELDS, override)
     model = body.get("model")
     _need(isinstance(model, str) and model, "model is required", "model")
     messages = body.get("messages")
@@ -258,29 +298,68 @@ def parse_chat(
         "tools",
     )
     choice = body.get("tool_choice")
-    _need(choice in (None, "auto", "none"), "tool_choice must be auto or none", "tool_choice")
-    sid = body.get("session_id") or session_id
+    forced = ""
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        forced = fn.get("name") if isinstance(fn, dict) else None
+        names = {t["function"]["name"] for t in tools}
+        _need(
+            isinstance(forced, str) and forced in names,
+            "tool_choice names a function that is not in tools",
+            "tool_choice",
+        )
+    elif choice == "required":
+        _need(bool(tools), "tool_choice required needs tools", "tool_choice")
+        forced = REQUIRED
+    else:
+        _need(
+            choice in (None, "auto", "none"),
+            "tool_choice must be auto, none, required or a named function",
+            "tool_choice",
+        )
+    # The URL's session id wins over the body's: a client's extra body cannot move a request to
+    # another session than the base URL it was given.
+    sid = session_id or body.get("session_id") or ""
+    kwargs = body.get("chat_template_kwargs") or {}
+    _need(
+        isinstance(kwargs, dict)
+        and set(kwargs) <= {"enable_thinking"}
+        and all(isinstance(v, bool) for v in kwargs.values()),
+        "chat_template_kwargs may only hold enable_thinking (a boolean)",
+        "chat_template_kwargs",
+    )
     _need(isinstance(sid, str) and len(sid) <= 128, "session_id must be a string", "session_id")
     return ChatRequest(
         model=model,
         messages=messages,
         tools=[] if choice == "none" else tools,
         generation=_generation(
-            body, sampling, max_tokens=max_tokens, default_tokens=default_tokens
+            body,
+            sampling,
+            max_tokens=max_tokens,
+            default_tokens=default_tokens,
+            overridden=overridden,
         ),
         session_id=sid,
+        template_kwargs=dict(kwargs),
+        tool_choice=forced,
     )
 
 
 def parse_completion(
-    body: Any, sampling: SamplingConfig, *, max_tokens: int, default_tokens: int
+    body: Any,
+    sampling: SamplingConfig,
+    *,
+    max_tokens: int,
+    default_tokens: int,
+    override: bool = False,
 ) -> CompletionRequest:
     """Checks a (legacy) completion body: one prompt string.
 
     Raises:
       ApiError: 400 naming the field.
     """
-    _check_fields(body, _COMPLETION_FIELDS)
+    overridden = _check_fields(body, _COMPLETION_FIELDS, override)
     model = body.get("model")
     _need(isinstance(model, str) and model, "model is required", "model")
     prompt = body.get("prompt")
@@ -296,7 +375,11 @@ def parse_completion(
         model=model,
         prompt=prompt,
         generation=_generation(
-            body, sampling, max_tokens=max_tokens, default_tokens=default_tokens
+            body,
+            sampling,
+            max_tokens=max_tokens,
+            default_tokens=default_tokens,
+            overridden=overridden,
         ),
     )
 
@@ -329,11 +412,19 @@ def normalize_message(message: Any, where: str) -> dict[str, Any]:
         out["tool_calls"] = [
             _normalize_call(c, f"{where}.tool_calls[{i}]") for i, c in enumerate(calls)
         ]
-    for key in ("tool_call_id", "name"):
+    for key in ("tool_call_id", "name", "reasoning_content"):
         if message.get(key) is not None:
             _need(isinstance(message[key], str), f"{where}.{key} must be a string", where)
             out[key] = message[key]
+    if not out.get("reasoning_content"):
+        out.pop("reasoning_content", None)
     return out
+
+
+def history_view(message: Mapping[str, Any]) -> dict[str, Any]:
+    """A message as the session rule compares it: without `reasoning_content`, which a client
+    may send back or drop (the session's ids hold the reasoning either way)."""
+    return {k: v for k, v in message.items() if k != "reasoning_content"}
 
 
 def _normalize_call(call: Any, where: str) -> dict[str, Any]:
@@ -389,35 +480,148 @@ def make_stop_when(tokenizer: Any, stops: Sequence[str]):
     return stop_when
 
 
-def assistant_message(text: str, *, tools: bool, call_prefix: str) -> dict[str, Any]:
-    """The reply as an OpenAI assistant message: with `tools`, the `<tool_call>` blocks become
-    `tool_calls` (ids `call_prefix` + index) and the text before them the content."""
-    if tools and "<tool_call>" in text.rsplit("</think>", 1)[-1]:
-        calls = []
-        for i, body in enumerate(find_tool_calls(text)):
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*?)</function>\s*", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+
+def _schema_types(tools: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], str]:
+    """(function, parameter) -> its JSON-schema type, from the request's tools."""
+    out = {}
+    for t in tools:
+        fn = t.get("function") or {}
+        props = (fn.get("parameters") or {}).get("properties") or {}
+        for name, schema in props.items() if isinstance(props, dict) else ():
+            if isinstance(schema, dict) and isinstance(schema.get("type"), str):
+                out[(fn.get("name"), name)] = schema["type"]
+    return out
+
+
+def _xml_call(body: str, types: dict[tuple[str, str], str]) -> dict[str, Any] | None:
+    """Qwen3-Coder's `<function=NAME><parameter=P>value</parameter>...</function>` as
+    {"name", "arguments"}: a value is a string unless its schema type is another one and it
+    parses as JSON (as vLLM's qwen3_coder parser converts it)."""
+    match = _FUNCTION.fullmatch(body)
+    if match is None:
+        return None
+    name, inner = match.group(1).strip(), match.group(2)
+    arguments: dict[str, Any] = {}
+    for key, value in _PARAMETER.findall(inner):
+        key = key.strip()
+        if types.get((name, key), "string") != "string":
+            try:
+                value = json.loads(value)
+            except (ValueError, RecursionError):
+                pass
+        arguments[key] = value
+    if _PARAMETER.sub("", inner).strip():  # text that is no parameter: not a call
+        return None
+    return {"name": name, "arguments": arguments}
+
+
+def _tool_calls(text: str, tools: Sequence[Mapping[str, Any]] = ()) -> list[dict[str, Any]] | None:
+    """The reply's `<tool_call>` blocks as OpenAI tool calls, or None when any block is not a
+    call: a Hermes JSON object `{"name": str, "arguments": object}` (its `arguments` may also be
+    a JSON string of an object; absent = {}), or a Qwen3-Coder XML `<function=...>` block. Such a
+    reply stays content, as vLLM's parsers leave it."""
+    calls = []
+    types = _schema_types(tools)
+    for body in find_tool_calls(text):
+        if body is not None and body.lstrip().startswith("<function="):
+            call = _xml_call(body, types)
+        else:
             try:
                 call = json.loads(body) if body is not None else None
-            except ValueError:
-                call = None
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                continue
-            arguments = call.get("arguments", {})
-            calls.append(
-                {
-                    "id": f"{call_prefix}{i}",
-                    "type": "function",
-                    "function": {
-                        "name": call["name"],
-                        "arguments": arguments
-                        if isinstance(arguments, str)
-                        else json.dumps(arguments),
-                    },
-                }
-            )
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", {})
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except (ValueError, RecursionError):
+                return None
+        if not isinstance(arguments, dict):  # null, a number, a list, "1+1"
+            return None
+        calls.append(
+            {
+                "id": f"call_{secrets.token_hex(12)}",
+                "type": "function",
+                "function": {"name": call["name"], "arguments": json.dumps(arguments)},
+            }
+        )
+    return calls or None
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """(reasoning, content) of a reply in Qwen3's format (vLLM's qwen3 reasoning parser): the
+    text before `</think>` (without `<think>`) and the text after it; a `<think>` never closed
+    (the turn was cut) is all reasoning; no think tags: no reasoning."""
+    end = text.find("</think>")
+    if end < 0:
+        if text.lstrip().startswith("<think>"):
+            return text.lstrip()[len("<think>") :].strip(), ""
+        return None, text
+    reasoning = text[:end]
+    at = reasoning.find("<think>")
+    if at >= 0:
+        reasoning = reasoning[at + len("<think>") :]
+    return reasoning.strip(), text[end + len("</think>") :].lstrip()
+
+
+def assistant_message(
+    text: str, *, tools: bool | Sequence[Mapping[str, Any]], reasoning: bool = False
+) -> dict[str, Any]:
+    """The reply as an OpenAI assistant message: with `tools` (the request's tool schemas),
+    the `<tool_call>` blocks after the reasoning become `tool_calls` (each with a fresh id) and
+    the text before them the content; a reply with any block that is not a well-formed call stays
+    all content. With `reasoning`, the thinking goes to `reasoning_content`. Never raises."""
+    out: dict[str, Any] = {"role": "assistant"}
+    if reasoning:
+        thought, text = split_reasoning(text)
+        if thought is not None:
+            out["reasoning_content"] = thought
+    visible_at = text.rfind("</think>")
+    visible_at = 0 if visible_at < 0 else visible_at + len("</think>")
+    if tools and "<tool_call>" in text[visible_at:]:
+        calls = _tool_calls(text, tools if not isinstance(tools, bool) else ())
         if calls:
-            head = text[: text.find("<tool_call>")].strip()
-            return {"role": "assistant", "content": head or None, "tool_calls": calls}
-    return {"role": "assistant", "content": text}
+            head = text[: text.find("<tool_call>", visible_at)].strip()
+            return {**out, "content": head or None, "tool_calls": calls}
+    return {**out, "content": text}
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: each vocabulary character's byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_OF = _bytes_to_unicode()
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The raw bytes of one token: its decoded text's UTF-8 when that is whole, else from the
+    vocabulary piece (byte-level BPE characters, or SentencePiece's `<0xNN>` byte pieces), so a
+    token holding part of a UTF-8 character has its own bytes rather than U+FFFD's."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    hf = getattr(tokenizer, "_tok", None)
+    piece = hf.convert_ids_to_tokens(int(token_id)) if hf is not None else None
+    if isinstance(piece, str):
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return [int(piece[3:5], 16)]
+        if piece and all(c in _BYTE_OF for c in piece):
+            return [_BYTE_OF[c] for c in piece]
+    return list(text.encode())
 
 
 def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> list[dict]:
@@ -429,9 +633,117 @@ def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> lis
             {
                 "token": text,
                 "logprob": lp,
-                "bytes": list(text.encode()),
+                "bytes": token_bytes(tokenizer, i, text),
                 "top_logprobs": [],
                 "token_id": i,
             }
         )
     return out
+
+
+_OPEN_CALL = "<tool_call>"
+REQUIRED = "\x00required"  # `ChatRequest.tool_choice` for "required" (no function is named so)
+
+
+def forced_prefix(tool_choice: str, *, xml: bool) -> str:
+    """The text a reply is made to begin with for `tool_choice` (inserted as observation
+    tokens, no loss on them): a call's opening, with the function's name when one is named; in
+    Qwen3-Coder's XML format (`xml`) or Hermes JSON."""
+    if not tool_choice:
+        return ""
+    if tool_choice == REQUIRED:
+        return "<tool_call>\n"
+    if xml:
+        return f"<tool_call>\n<function={tool_choice}>\n"
+    return f'<tool_call>\n{{"name": {json.dumps(tool_choice)}, "arguments": '
+
+
+class StreamText:
+    """A choice's deltas as a stream, from its ids as they are generated.
+
+    Text is sent as soon as it is certain: not a partial UTF-8 character (decoded as U+FFFD), not
+    the last `len(longest stop) - 1` characters (they may begin a stop string; nothing from a
+    stop string on is ever sent), and with tools nothing from a `<tool_call>` after the reasoning
+    on, nor a tail that may begin one (calls go out parsed, when the reply is known). With
+    `reasoning` (Qwen3's format), the text in `<think>...</think>` goes out as
+    `reasoning_content` deltas and what follows as `content`. `finish` sends what the final
+    message holds beyond what was sent.
+    """
+
+    def __init__(
+        self, tokenizer: Any, stops: Sequence[str], tools: bool, reasoning=False, prefix=""
+    ):
+        self.tok, self.stops, self.tools = tokenizer, tuple(stops), tools
+        self.reasoning = reasoning
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.ids: list[int] = []
+        self.decoded = 0  # ids decoded into `text`
+        self.text = prefix  # a forced prefix (`forced_prefix`) begins the reply
+        self.sent = {"reasoning_content": "", "content": ""}
+        self.stopped = False
+
+    def feed(self, ids: Sequence[int]) -> dict[str, str]:
+        """The delta to send after `ids` (the next generated ids), possibly {}."""
+        self.ids.extend(int(i) for i in ids)
+        tail = self.tok.decode(self.ids[self.decoded :])
+        if not tail or tail.endswith("\ufffd"):  # a character still incomplete
+            return {}
+        self.text += tail
+        self.decoded = len(self.ids)
+        return self._delta()
+
+    def _parts(self) -> dict[str, str]:
+        """The certain text so far, split into its reasoning and its content."""
+        text, found = truncate_at_stop(self.text, self.stops)
+        if not found:
+            text = text[: max(0, len(text) - self.hold)]
+        self.stopped = found
+        parts = {"reasoning_content": "", "content": text}
+        if self.reasoning:
+            end = text.find("</think>")
+            opened = text.lstrip()
+            if end >= 0:
+                thought = text[:end]
+                at = thought.find("<think>")
+                parts["reasoning_content"] = thought[at + 7 if at >= 0 else 0 :].lstrip()
+                parts["content"] = text[end + len("</think>") :].lstrip()
+            elif opened.startswith("<think>"):
+                parts["reasoning_content"] = _hold_prefix(opened[7:].lstrip(), "</think>")
+                parts["content"] = ""
+            elif "<think>".startswith(opened):  # may still open a think block
+                parts["content"] = ""
+        content = parts["content"]
+        if self.tools:
+            reasoning = content.rfind("</think>")
+            at = content.find(_OPEN_CALL, 0 if reasoning < 0 else reasoning + len("</think>"))
+            content = content[:at] if at >= 0 else _hold_prefix(content, _OPEN_CALL)
+        parts["content"] = content
+        return parts
+
+    def _delta(self) -> dict[str, str]:
+        if self.stopped:
+            return {}
+        out = {}
+        for key, text in self._parts().items():
+            sent = self.sent[key]
+            if len(text) > len(sent) and text.startswith(sent):
+                out[key], self.sent[key] = text[len(sent) :], text
+        return out
+
+    def finish(self, message: Mapping[str, Any]) -> dict[str, str]:
+        """The rest of the final `message`'s content and reasoning (what was sent is a prefix
+        of each; where it is not, nothing more is sent)."""
+        out = {}
+        for key, sent in self.sent.items():
+            final = message.get(key) or ""
+            if final.startswith(sent) and len(final) > len(sent):
+                out[key] = final[len(sent) :]
+        return out
+
+
+def _hold_prefix(text: str, tag: str) -> str:
+    """`text` without a tail that may begin `tag`."""
+    for k in range(len(tag) - 1, 0, -1):
+        if text.endswith(tag[:k]):
+            return text[:-k]
+    return text

@@ -1,19 +1,26 @@
 """The OpenAI-compatible HTTP endpoint of sat-serve (`server.http_port`; docs/DESIGN.md §6.6).
 
-    POST /v1/chat/completions     chat (tools, n, stop, logprobs, stream, usage)
+    POST /v1/chat/completions     chat (tools, tool_choice, n, stop, logprobs, stream, usage,
+                                  return_token_ids, chat_template_kwargs)
     POST /v1/completions          one prompt string, no chat template
-    GET  /v1/models               the one served model
+    GET  /v1/models               the one served model (another `model` is 404)
+    POST /tokenize                a prompt's or a chat's ids (vLLM's)
+    GET  /health                  open: no token
     POST /sessions                an agent runner takes admitted sessions (`server.http_sessions`)
     POST /sessions/{id}/v1/chat/completions   a session's request (or `session_id` in the body)
-    POST /sessions/{id}/end       ends a session, with its reward or none
+    POST /sessions/{id}/end       ends a session: its reward, none, or {"discard": true}
 
-Every request carries `Authorization: Bearer <server.token>` when a token is set; bodies over
-`server.http_max_body_bytes` are refused before they are read, and every error is the OpenAI
-error body with its 4xx status. Requests run on the same engine, slots and weights as the
-rollouts; their log-probs are the behavior log-probs the engine records.
+Every request but `/health` carries `Authorization: Bearer <server.token>` when a token is set;
+bodies over `server.http_max_body_bytes` are refused before they are read, and every error is
+the OpenAI error body (a defect: 500 `server_error` and one log line). Requests run on the same
+engine, slots and weights as the rollouts; their log-probs are the behavior log-probs the engine
+records. Streams are real (per-token deltas as the engine produces them). With `server.tls_cert`
+the port serves TLS.
 
 aiohttp serves it (already a dependency of the stack through JetStream's and grpc's tooling, and
-one asyncio server in the process's own loop: no second server thread).
+one asyncio server in the process's own loop: no second server thread). Handlers are cancelled
+when their client leaves; rendering, tokenizing and reply building that is not small runs on the
+generator's thread pool, never on the loop.
 """
 
 from __future__ import annotations
@@ -24,25 +31,29 @@ import hmac
 import json
 import logging
 import math
+import ssl
+import threading
 import time
 import uuid
 from typing import Any
 
+import numpy as np
 from aiohttp import web
 
 from rollout_server.chat import (
     ApiError,
-    Generation,
+    StreamText,
     parse_chat,
     parse_completion,
-    token_logprobs,
 )
-from rollout_server.sessions import Generator, Reply, SessionManager
+from rollout_server.sessions import Generator, Reply, SessionManager, content_chars
 
 log = logging.getLogger(__name__)
 
 MAX_TAKE = 256
 MAX_TAKE_TIMEOUT_S = 60.0
+OPEN_PATHS = ("/health",)  # served without the bearer token
+KEEPALIVE_S = 15.0  # a stream with no token for this long gets a comment (proxies' idle cuts)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -54,12 +65,26 @@ class HttpLimits:
       max_messages: messages per chat request.
       max_requests: stateless requests generating at once (more get 429).
       reap_every_s: how often idle sessions are looked for.
+      sampling_override: a request's sampler fields are served with the server's sampler and
+        reported, not refused (`server.http_sampling: override`).
+      reasoning_parser: "qwen3": a reply's `<think>...</think>` goes to `reasoning_content`
+        (`server.http_reasoning_parser`); "" = it stays in `content`.
     """
 
     max_body_bytes: int
     max_messages: int
     max_requests: int
     reap_every_s: float = 1.0
+    sampling_override: bool = False
+    reasoning_parser: str = ""
+
+
+def server_ssl_context(cert: str, key: str) -> ssl.SSLContext:
+    """The HTTP port's TLS (`server.tls_cert`, `server.tls_key`; the gRPC port's files)."""
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(cert, key)
+    return context
 
 
 class HttpApi:
@@ -87,6 +112,7 @@ class HttpApi:
         self.gen, self.sessions, self.limits = generator, sessions, limits
         self.token, self.model_name, self.default_tokens = token, model_name, default_tokens
         self.in_flight = 0
+        generator.reasoning = limits.reasoning_parser == "qwen3"
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task | None = None
 
@@ -94,22 +120,28 @@ class HttpApi:
         app = web.Application(
             client_max_size=self.limits.max_body_bytes, middlewares=[self._middleware]
         )
+        app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/sessions", self._take)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+        app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_post("/sessions/{sid}/end", self._end)
         return app
 
-    async def start(self, host: str, port: int) -> int:
-        """Serves on `host:port` (0 = a free port); returns the port."""
+    async def start(self, host: str, port: int, ssl_context: ssl.SSLContext | None = None) -> int:
+        """Serves on `host:port` (0 = a free port), over TLS with `ssl_context`; returns the
+        port."""
         if self.sessions is not None:
             self.sessions.bind(asyncio.get_running_loop())
             self._reaper = asyncio.create_task(self._reap())
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # Handlers are cancelled when their client leaves: a session's turn is shielded from it
+        # (it ends and is kept for the retry) and the departure is counted.
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        site = web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=ssl_context)
         await site.start()
         return site._server.sockets[0].getsockname()[1]
 
@@ -118,6 +150,7 @@ class HttpApi:
             self._reaper.cancel()
         if self._runner is not None:
             await self._runner.cleanup()
+        self.gen.close()
 
     async def _reap(self) -> None:
         while True:
@@ -130,9 +163,11 @@ class HttpApi:
     @web.middleware
     async def _middleware(self, request: web.Request, handler) -> web.StreamResponse:
         try:
-            if self.token:
-                given = request.headers.get("Authorization", "")
-                if not hmac.compare_digest(given.encode(), f"Bearer {self.token}".encode()):
+            if self.token and request.path not in OPEN_PATHS:
+                # Header bytes that are not UTF-8 arrive as surrogate escapes: compared as the
+                # bytes they were, they are simply a wrong token.
+                given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+                if not hmac.compare_digest(given, f"Bearer {self.token}".encode()):
                     raise ApiError(401, "bad or missing bearer token")
             return await handler(request)
         except ApiError as e:
@@ -149,6 +184,12 @@ class HttpApi:
                 raise
             body = ApiError(e.status, e.reason or "error").body()
             return web.json_response(body, status=e.status)
+        except (ConnectionResetError, asyncio.CancelledError):  # the client left
+            raise
+        except Exception as e:  # a defect: one line, and the OpenAI error body
+            log.error("%s %s failed: %s: %s", request.method, request.path, type(e).__name__, e)
+            body = ApiError(500, "internal server error", code="server_error").body()
+            return web.json_response(body, status=500)
 
     async def _json(self, request: web.Request) -> Any:
         try:
@@ -160,15 +201,87 @@ class HttpApi:
         except (ValueError, RecursionError):
             raise ApiError(400, "the body is not valid JSON") from None
 
+    async def _health(self, request: web.Request) -> web.Response:
+        """Open (no token): a load balancer's or a framework's liveness probe."""
+        return web.json_response({"status": "ok"})
+
     async def _models(self, request: web.Request) -> web.Response:
         model = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "sat-jax"}
         return web.json_response({"object": "list", "data": [model]})
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise ApiError(
+                404,
+                f"the model {model[:80]!r} does not exist: this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _limits(self) -> dict[str, Any]:
         return {
             "max_tokens": self.gen.engine.max_decode_length,
             "default_tokens": self.default_tokens,
+            "override": self.limits.sampling_override,
         }
+
+    def _sampling(self, gen: Any) -> dict[str, Any]:
+        """The sampler that served a request, and the fields it overrode (override mode)."""
+        sampling = self.gen.engine.sampling
+        return {
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "overridden": list(gen.overridden),
+        }
+
+    def _extras(self, gen: Any, replies: list[Reply]) -> dict[str, Any]:
+        """The reply's fields beyond OpenAI's: prompt ids (`return_token_ids`), the sampler."""
+        out: dict[str, Any] = {}
+        if gen.return_token_ids and replies:
+            out["prompt_token_ids"] = replies[0].prompt_token_ids
+        if self.limits.sampling_override:
+            out["sampling"] = self._sampling(gen)
+        return out
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's `POST /tokenize`: a prompt's ids, or a chat's as the template renders them."""
+        body = await self._json(request)
+        ok = isinstance(body, dict) and set(body) <= {
+            "model", "prompt", "messages", "tools", "add_generation_prompt", "add_special_tokens",
+            "chat_template_kwargs",
+        }  # fmt: skip
+        if not ok or ("prompt" in body) == ("messages" in body):
+            raise ApiError(400, "the body takes a prompt or messages (and tools)")
+        if "prompt" in body:
+            prompt = body["prompt"]
+            if not isinstance(prompt, str):
+                raise ApiError(400, "prompt must be a string", param="prompt")
+            self.gen.bound_length([{"role": "user", "content": prompt}], [])
+            ids = await self.gen.off_loop(self.gen.tokenizer.encode, prompt, _size=len(prompt))
+        else:
+            if body.get("add_generation_prompt", True) is not True:
+                raise ApiError(400, "add_generation_prompt must be true", param="messages")
+            req = parse_chat(
+                {
+                    "model": "-",
+                    "messages": body["messages"],
+                    "tools": body.get("tools"),
+                    "chat_template_kwargs": body.get("chat_template_kwargs"),
+                },
+                self.gen.engine.sampling,
+                max_messages=self.limits.max_messages,
+                **self._limits(),
+            )
+            ids = await self.gen.off_loop(
+                self.gen.prompt_ids,
+                req.messages,
+                req.tools,
+                req.template_kwargs,
+                _size=content_chars(req.messages, req.tools),
+            )
+        limit = self.gen.engine.core.max_prefill_length
+        return web.json_response({"count": len(ids), "max_model_len": limit, "tokens": list(ids)})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
@@ -179,28 +292,36 @@ class HttpApi:
             session_id=request.match_info.get("sid", ""),
             **self._limits(),
         )
+        self._check_model(req.model)
         gen = req.generation
+        if req.session_id and self.sessions is None:
+            raise ApiError(404, "this server runs no sessions (server.http_sessions)")
+        if gen.stream:
+            return await self._stream_chat(request, req)
         if req.session_id:
-            if self.sessions is None:
-                raise ApiError(404, "this server runs no sessions (server.http_sessions)")
             replies = [await self.sessions.chat(req)]
         else:
-            ids = self.gen.prompt_ids(req.messages, req.tools)
+            ids = await self.gen.off_loop(
+                self.gen.prompt_ids,
+                req.messages,
+                req.tools,
+                req.template_kwargs,
+                _size=content_chars(req.messages, req.tools),
+            )
+            prefix, prefix_ids = self.gen.prefix(req)
+            ids = [*ids, *prefix_ids]
+            self.gen.check_length(len(ids))
             replies = await self._stateless(
-                [
-                    self.gen.generate(ids, gen, tools=bool(req.tools), call_prefix=f"call_{i}_")
-                    for i in range(gen.n)
-                ]
+                [self.gen.generate(ids, gen, tools=req.tools, prefix=prefix) for _ in range(gen.n)]
             )
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if gen.stream:
-            return await self._stream_chat(request, rid, req.model, replies, gen)
         choices = [
             {
                 "index": i,
                 "message": r.message,
                 "logprobs": self._logprobs(r) if gen.logprobs else None,
                 "finish_reason": r.finish_reason,
+                **({"token_ids": r.ids.tolist()} if gen.return_token_ids else {}),
             }
             for i, r in enumerate(replies)
         ]
@@ -211,10 +332,25 @@ class HttpApi:
             "model": req.model,
             "choices": choices,
             "usage": _usage(replies),
+            **self._extras(gen, replies),
         }
+        if req.session_id:
+            out["session"] = self._session_info(req.session_id, replies[0])
         return web.json_response(out)
 
+    def _session_info(self, sid: str, reply: Reply | None = None) -> dict[str, Any]:
+        s = self.sessions.find(sid)
+        info = s.info() if s is not None else {"session_id": sid}
+        if reply is not None and reply.remaining_tokens is not None:
+            info["remaining_tokens"] = reply.remaining_tokens
+        return info
+
     async def _stateless(self, coros: list) -> list[Reply]:
+        self._reserve(coros)
+        return await self._run(coros)
+
+    def _reserve(self, coros: list) -> None:
+        """Counts `coros` as generating, or refuses them (429) when too many are."""
         n = len(coros)
         if self.in_flight + n > self.limits.max_requests:
             for c in coros:
@@ -224,58 +360,187 @@ class HttpApi:
                 f"{self.limits.max_requests} requests are generating (server.http_max_requests)",
             )
         self.in_flight += n
+
+    async def _run(self, coros: list) -> list[Reply]:
         try:
             return list(await asyncio.gather(*coros))
         finally:
-            self.in_flight -= n
+            self.in_flight -= len(coros)
 
     def _logprobs(self, r: Reply) -> dict[str, Any]:
-        return {"content": token_logprobs(self.gen.tokenizer, r.ids, r.logprobs)}
+        return {"content": r.content_logprobs or []}
 
-    async def _stream_chat(
-        self, request: web.Request, rid: str, model: str, replies: list[Reply], gen: Generation
-    ) -> web.StreamResponse:
-        """The replies as server-sent events: per choice its role, its content (one chunk; the
-        reply is sent when its turn ends) and its finish; then the usage if asked, and [DONE]."""
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
+    async def _stream_chat(self, request: web.Request, req: Any) -> web.StreamResponse:
+        """The reply as server-sent events, as it is generated: the headers and each choice's
+        role at once (once the request is accepted: a refusal is still a 4xx), content deltas as
+        the engine produces tokens (`StreamText`: stop strings and tool calls held back), a
+        comment every `KEEPALIVE_S` without one, then per choice its tool calls, log-probs and
+        finish, the usage if asked, and [DONE]. A client that leaves stops only its stream:
+        the generation runs on (a session keeps the reply for the request's retry)."""
+        gen, loop = req.generation, asyncio.get_running_loop()
+        # New ids from the driver's thread, coalesced: one wake-up of the loop per batch it has
+        # not taken yet, however many tokens the engine produced meanwhile.
+        pending: list[tuple[int, np.ndarray]] = []
+        lock, ready = threading.Lock(), asyncio.Event()
+        scheduled = False
+
+        def watcher(index: int):
+            seen = 0
+
+            def watch(ids: np.ndarray) -> None:  # the driver's thread: hand the new ids over
+                nonlocal seen, scheduled
+                new = np.array(ids[seen:])
+                seen = len(ids)
+                with lock:
+                    pending.append((index, new))
+                    if scheduled:
+                        return
+                    scheduled = True
+                loop.call_soon_threadsafe(ready.set)
+
+            return watch
+
+        def take_pending() -> dict[int, np.ndarray]:
+            nonlocal scheduled
+            with lock:
+                items = pending[:]
+                pending.clear()
+                scheduled = False
+            merged: dict[int, list[np.ndarray]] = {}
+            for index, ids in items:
+                merged.setdefault(index, []).append(ids)
+            return {i: np.concatenate(parts) for i, parts in merged.items()}
+
+        accepted = loop.create_future()
+        if req.session_id:
+            work = asyncio.ensure_future(
+                self.sessions.chat(req, watch=watcher(0), accepted=accepted)
+            )
+            work.add_done_callback(lambda _: _settle(accepted))
+            await asyncio.wait([work, accepted], return_when=asyncio.FIRST_COMPLETED)
+            if work.done() and work.exception() is not None:
+                raise work.exception()  # refused: an ordinary error answer
+            as_list = _as_list
+        else:
+            ids = await self.gen.off_loop(
+                self.gen.prompt_ids,
+                req.messages,
+                req.tools,
+                req.template_kwargs,
+                _size=content_chars(req.messages, req.tools),
+            )
+            prefix, prefix_ids = self.gen.prefix(req)
+            ids = [*ids, *prefix_ids]
+            self.gen.check_length(len(ids))
+            coros = [
+                self.gen.generate(ids, gen, tools=req.tools, watch=watcher(i), prefix=prefix)
+                for i in range(gen.n)
+            ]
+            self._reserve(coros)
+            work = asyncio.ensure_future(self._run(coros))
+            as_list = list
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time())}
-        head["model"] = model
+        head["model"] = req.model
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        await response.prepare(request)
 
         async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
             data = json.dumps({**head, "choices": choices, **extra})
             await response.write(f"data: {data}\n\n".encode())
 
-        for i, r in enumerate(replies):
-            delta: dict[str, Any] = {"role": "assistant", "content": r.message.get("content")}
-            if r.message.get("tool_calls"):
-                delta["tool_calls"] = [
-                    {"index": k, **c} for k, c in enumerate(r.message["tool_calls"])
-                ]
-            logprobs = self._logprobs(r) if gen.logprobs else None
-            await send([{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None}])
-            await send([{"index": i, "delta": {}, "finish_reason": r.finish_reason}])
-        if gen.include_usage:
-            await send([], usage=_usage(replies))
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        def chunk(i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
+            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
+
+        try:
+            await send([chunk(i, {"role": "assistant", "content": ""}) for i in range(gen.n)])
+            texts = [
+                StreamText(
+                    self.gen.tokenizer,
+                    gen.stop,
+                    bool(req.tools),
+                    self.gen.reasoning,
+                    self.gen.prefix(req)[0],
+                )
+                for _ in range(gen.n)
+            ]
+            while True:
+                finished = work.done()  # before taking: what came before the end is taken
+                batch = take_pending()
+                for index, ids in batch.items():
+                    if delta := texts[index].feed(ids):
+                        await send([chunk(index, delta)])
+                if finished:
+                    break
+                if batch:
+                    continue
+                ready.clear()
+                wake = asyncio.ensure_future(ready.wait())
+                done, _ = await asyncio.wait(
+                    [wake, work], timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
+                )
+                if wake not in done:
+                    wake.cancel()
+                    if not done:
+                        await response.write(b": keep-alive\n\n")
+            try:
+                replies = as_list(work.result())
+            except Exception as e:  # failed mid-stream: the error as the last event
+                if not isinstance(e, ApiError):
+                    log.error("a stream's generation failed: %s: %s", type(e).__name__, e)
+                    e = ApiError(500, "internal server error", code="server_error")
+                await response.write(f"data: {json.dumps(e.body())}\n\n".encode())
+                await response.write(b"data: [DONE]\n\n")
+                return response
+            for i, r in enumerate(replies):
+                delta: dict[str, Any] = texts[i].finish(r.message)
+                if r.message.get("tool_calls"):
+                    delta["tool_calls"] = [
+                        {"index": k, **c} for k, c in enumerate(r.message["tool_calls"])
+                    ]
+                if delta:
+                    await send([chunk(i, delta)])
+                logprobs = self._logprobs(r) if gen.logprobs else None
+                ids = {"token_ids": r.ids.tolist()} if gen.return_token_ids else {}
+                await send([chunk(i, {}, logprobs=logprobs, finish_reason=r.finish_reason, **ids)])
+            extra = self._extras(gen, replies)
+            if req.session_id:
+                extra["session"] = self._session_info(req.session_id, replies[0])
+            if gen.include_usage:
+                await send([], usage=_usage(replies), **extra)
+            elif extra:
+                await send([], **extra)
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            if req.session_id and not work.done():
+                self.sessions.disconnects += 1
+                log.info(
+                    "the client of session %s left its stream; the reply is kept", req.session_id
+                )
+            raise
         return response
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
         req = parse_completion(body, self.gen.engine.sampling, **self._limits())
+        self._check_model(req.model)
         gen = req.generation
-        ids = self.gen.tokenizer.encode(req.prompt)
+        msg = [{"role": "user", "content": req.prompt}]
+        self.gen.bound_length(msg, [])
+        ids = await self.gen.off_loop(self.gen.tokenizer.encode, req.prompt, _size=len(req.prompt))
         self.gen.check_length(len(ids))
         replies = await self._stateless(
-            [self.gen.generate(ids, gen, tools=False, call_prefix="") for _ in range(gen.n)]
+            [self.gen.generate(ids, gen, tools=False) for _ in range(gen.n)]
         )
         rid = f"cmpl-{uuid.uuid4().hex}"
         choices = []
         for i, r in enumerate(replies):
             logprobs = None
             if gen.logprobs:
-                content = token_logprobs(self.gen.tokenizer, r.ids, r.logprobs)
+                content = r.content_logprobs or []
                 logprobs = {
                     "tokens": [c["token"] for c in content],
                     "token_logprobs": [c["logprob"] for c in content],
@@ -288,6 +553,7 @@ class HttpApi:
                     "text": r.message["content"],
                     "logprobs": logprobs,
                     "finish_reason": r.finish_reason,
+                    **({"token_ids": r.ids.tolist()} if gen.return_token_ids else {}),
                 }
             )
         out = {
@@ -297,6 +563,7 @@ class HttpApi:
             "model": req.model,
             "choices": choices,
             "usage": _usage(replies),
+            **self._extras(gen, replies),
         }
         if gen.stream:
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -328,6 +595,7 @@ class HttpApi:
                 "group_id": s.tag[0],
                 "prompt": {"id": s.prompt.id, "text": s.prompt.text},
                 "answer": s.prompt.answer,
+                "remaining_tokens": s.room,
             }
             for s in taken
         ]
@@ -337,17 +605,32 @@ class HttpApi:
         if self.sessions is None:
             raise ApiError(404, "this server runs no sessions (server.http_sessions)")
         body = await self._json(request) if request.can_read_body else {}
-        if not isinstance(body, dict) or set(body) - {"reward"}:
-            raise ApiError(400, "the body takes only reward")
+        if not isinstance(body, dict) or set(body) - {"reward", "discard"}:
+            raise ApiError(400, "the body takes reward or discard")
+        discard = body.get("discard", False)
+        if not isinstance(discard, bool):
+            raise ApiError(400, "discard must be a boolean", param="discard")
         reward = body.get("reward")
+        if discard and reward is not None:
+            raise ApiError(400, "a discarded session has no reward", param="reward")
         if reward is not None and not (
             isinstance(reward, int | float)
             and not isinstance(reward, bool)
             and math.isfinite(reward)
         ):
             raise ApiError(400, "reward must be a finite number", param="reward")
-        s = self.sessions.end(request.match_info["sid"], reward)
-        return web.json_response({"session_id": s.id, "reward": s.reward, "turns": s.turns})
+        s = await self.sessions.end(request.match_info["sid"], reward, discard=discard)
+        out = {**s.info(), "reward": None if s.dropped else s.reward, "discarded": s.dropped}
+        return web.json_response(out)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _as_list(reply: Reply) -> list[Reply]:
+    return [reply]
 
 
 def _usage(replies: list[Reply]) -> dict[str, int]:

@@ -30,7 +30,7 @@ from rollout_server import weights
 from rollout_server.auth import TokenInterceptor
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
-from rollout_server.http_api import HttpApi, HttpLimits
+from rollout_server.http_api import HttpApi, HttpLimits, server_ssl_context
 from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import StateStore
 from rollout_server.rollout import RolloutLoop
@@ -262,12 +262,15 @@ class RolloutServer:
                 max_body_bytes=s.http_max_body_bytes,
                 max_messages=s.http_max_messages,
                 max_requests=s.http_max_requests,
+                sampling_override=s.http_sampling == "override",
+                reasoning_parser=s.http_reasoning_parser,
             ),
             token=s.token,
             model_name=self.cfg.model.hf_path.rstrip("/").rsplit("/", 1)[-1] or "sat-jax",
             default_tokens=self.cfg.rollout.max_new_tokens,
         )
-        self.http_port = await self.http.start(s.host, s.http_port)
+        tls = server_ssl_context(s.tls_cert, s.tls_key) if s.tls_cert else None
+        self.http_port = await self.http.start(s.host, s.http_port, tls)
         log.info("HTTP (OpenAI-compatible) on %s:%d", s.host, self.http_port)
 
     async def stop(self) -> None:

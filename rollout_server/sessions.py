@@ -15,16 +15,25 @@ start with that conversation, then only new non-assistant messages; anything els
 0 on every inserted token.
 
 Everything here runs on the HTTP server's asyncio loop; the driver's callbacks (turns, ends) and
-the rollout loop's offers hop onto it. A session taken and then silent for `idle_s` (no request
-in flight) is dropped and counted: its sample reaches the loop as a failed one and is sampled
-again, so a group never waits forever.
+the rollout loop's offers hop onto it, and work that is not small (rendering, tokenizing,
+building replies, rewards) goes to the generator's thread pool. The lifecycle is built for real
+networks (docs/DESIGN.md §6.6): a request equal to the last accepted one is its retry and gets
+that reply; a turn is recorded when it ends, whatever the model wrote and whether or not its
+client is still there; `end` is idempotent and can discard. A session taken and then silent for
+`idle_s` (no request in flight), or stuck generating past `stuck_after_s`, is dropped and
+counted: its sample reaches the loop as a failed one and is sampled again, so a group never
+waits forever.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
+import contextlib
 import dataclasses
+import functools
+import json
 import logging
 import secrets
 import threading
@@ -39,9 +48,12 @@ from rollout_server.chat import (
     ChatRequest,
     Generation,
     assistant_message,
+    forced_prefix,
+    history_view,
     make_stop_when,
     normalize_message,
     template_messages,
+    token_logprobs,
     truncate_at_stop,
 )
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
@@ -63,6 +75,12 @@ class Reply:
       finish_reason: "stop", "length" or "tool_calls" (OpenAI's).
       message: the assistant message (content cut before a stop string; tool calls parsed).
       prompt_tokens: the tokens before the reply (a session's whole context so far).
+      content_logprobs: OpenAI's `logprobs.content` when the request asked for log-probs (built
+        off the event loop with the reply), else None.
+      remaining_tokens: a session's token budget left after this turn (None for a stateless
+        reply).
+      prompt_token_ids: the ids before the reply (a session's whole context), when the request
+        asked for them (`return_token_ids`).
     """
 
     ids: np.ndarray
@@ -71,6 +89,9 @@ class Reply:
     finish_reason: str
     message: dict[str, Any]
     prompt_tokens: int
+    content_logprobs: list[dict[str, Any]] | None = None
+    remaining_tokens: int | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 def _finish(reason: str, message: dict[str, Any]) -> str:
@@ -79,29 +100,122 @@ def _finish(reason: str, message: dict[str, Any]) -> str:
     return "stop" if reason == "stop" else "length"
 
 
+def content_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    """The characters a render of `messages` and `tools` holds at least (their text)."""
+    n = 0
+    for m in messages:
+        n += len(m.get("content") or "")
+        for c in m.get("tool_calls") or ():
+            n += len(json.dumps(c["function"]))
+    return n + sum(len(json.dumps(t)) for t in tools)
+
+
+INLINE_BELOW = 8192  # characters to render or tokens to decode done on the loop (`off_loop`)
+
+
 class Generator:
     """Stateless requests on the shared engine: one engine request per choice, awaited.
+
+    Rendering, tokenizing and reply building (decode, tool-call parsing, log-prob formatting)
+    run on a small thread pool, never on the event loop (`off_loop`).
 
     Args:
       driver, engine: the server's.
       tokenizer: the engine's (HF, with a chat template for chat requests).
+      workers: the pool's threads.
     """
 
-    def __init__(self, driver: RolloutDriver, engine: MoEEngine, tokenizer: Any):
+    def __init__(self, driver: RolloutDriver, engine: MoEEngine, tokenizer: Any, *, workers=4):
         self.driver, self.engine, self.tokenizer = driver, engine, tokenizer
+        self._workers = workers
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._longest_piece: int | None = None
+        self.reasoning = False  # Qwen3's <think> to reasoning_content (HttpLimits)
 
-    def prompt_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[int]:
-        """The chat template's render of `messages` (with `tools`), checked to fit a prefill.
+    async def off_loop(
+        self, fn: Callable[..., Any], *args: Any, _size: int | None = None, **kwargs: Any
+    ) -> Any:
+        """`fn(*args, **kwargs)` on the pool, awaited; on the loop at once when its work is
+        known to be small (`_size`, characters or tokens, under `INLINE_BELOW`): a hop to the
+        pool and back costs more than rendering a short delta or decoding a short turn."""
+        if _size is not None and _size < INLINE_BELOW:
+            return fn(*args, **kwargs)
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = concurrent.futures.ThreadPoolExecutor(
+                    self._workers, thread_name_prefix="http-cpu"
+                )
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def close(self) -> None:
+        with self._pool_lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
+
+    def longest_piece(self) -> int:
+        """The most characters one token decodes to (at most): its vocabulary piece's length
+        (byte-level pieces have one character per byte). 0 = unknown."""
+        if self._longest_piece is None:
+            try:
+                vocab = self.tokenizer._tok.get_vocab()
+                self._longest_piece = max(len(p) for p in vocab) if vocab else 0
+            except Exception:  # a tokenizer without a vocabulary to look at
+                self._longest_piece = 0
+        return self._longest_piece
+
+    def bound_length(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> None:
+        """Refuses, before tokenizing, a prompt whose text alone needs more tokens than a
+        prefill holds (each token is at most `longest_piece` characters).
+
+        Raises:
+          ApiError: 400 context_length_exceeded.
+        """
+        piece = self.longest_piece()
+        if not piece:
+            return
+        at_least = -(-content_chars(messages, tools) // piece)
+        limit = self.engine.core.max_prefill_length
+        if at_least > limit:
+            raise ApiError(
+                400,
+                f"the prompt has at least {at_least} tokens; max_prefill_length is {limit}",
+                code="context_length_exceeded",
+            )
+
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The chat template's render of `messages` (with `tools` and the template's own
+        `template_kwargs`), checked to fit a prefill.
 
         Raises:
           ApiError: 400, the template fails or the prompt is too long.
         """
+        self.bound_length(messages, tools)
         try:
-            ids = self.tokenizer.encode_messages(template_messages(messages), tools=tools)
+            extra = {"template_kwargs": template_kwargs} if template_kwargs else {}
+            ids = self.tokenizer.encode_messages(template_messages(messages), tools=tools, **extra)
         except Exception as e:  # a template's own error (jinja2 raises its own types)
             raise ApiError(400, f"the chat template cannot render the messages: {e}") from None
         self.check_length(len(ids))
         return ids
+
+    def prefix(self, req: ChatRequest) -> tuple[str, list[int]]:
+        """The forced prefix of `req.tool_choice` (text and ids; ("", []) for none), in the
+        format of the chat template (Qwen3-Coder's XML when it renders `<function=`)."""
+        if not req.tool_choice:
+            return "", []
+        template = getattr(getattr(self.tokenizer, "_tok", None), "chat_template", "") or ""
+        text = forced_prefix(req.tool_choice, xml="<function=" in str(template))
+        hf = getattr(self.tokenizer, "_tok", None)
+        ids = hf(text, add_special_tokens=False)["input_ids"] if hf else self.tokenizer.encode(text)
+        return text, list(ids)
 
     def check_length(self, n: int) -> None:
         try:
@@ -110,9 +224,15 @@ class Generator:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
 
     async def generate(
-        self, ids: list[int], gen: Generation, *, tools: bool, call_prefix: str
+        self,
+        ids: list[int],
+        gen: Generation,
+        *,
+        tools: bool,
+        watch: Watch | None = None,
+        prefix: str = "",
     ) -> Reply:
-        """One reply to the prompt `ids`."""
+        """One reply to the prompt `ids`; `watch` sees its ids as they are generated."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
 
@@ -125,70 +245,151 @@ class Generator:
             prefill_content=list(ids),
             is_client_side_tokenization=True,
             on_done=on_done,
-            stop_when=make_stop_when(self.tokenizer, gen.stop),
+            stop_when=watched(make_stop_when(self.tokenizer, gen.stop), watch),
         )
         self.driver.place_request_on_prefill_queue(request)
-        sample = await future
+        # The engine request runs to its end whatever happens to this handler.
+        sample = await asyncio.shield(future)
         if sample is None:
             raise ApiError(500, "generation failed", code="server_error")
-        return self.reply(
+        return await self.off_loop(
+            self.reply,
             sample.completion_ids,
             sample.logprobs,
             sample.versions,
             sample.finish_reason,
             gen,
             tools=tools,
-            call_prefix=call_prefix,
             prompt_tokens=len(ids),
+            prompt_ids=list(ids) if gen.return_token_ids else None,
+            prefix=prefix,
+            _size=len(sample.completion_ids) * (4 if gen.logprobs else 1),
         )
 
-    def reply(self, ids, logprobs, versions, reason, gen, *, tools, call_prefix, prompt_tokens):
-        text, _ = truncate_at_stop(self.tokenizer.decode(ids), gen.stop)
-        message = assistant_message(text, tools=tools, call_prefix=call_prefix)
+    def reply(
+        self,
+        ids,
+        logprobs,
+        versions,
+        reason,
+        gen,
+        *,
+        tools,
+        prompt_tokens,
+        remaining=None,
+        prompt_ids=None,
+        prefix="",
+    ) -> Reply:
+        """The reply of generated `ids`. Never raises on the model's output: a text that does
+        not parse as tool calls is content (`assistant_message`)."""
+        text, _ = truncate_at_stop(prefix + self.tokenizer.decode(ids), gen.stop)
+        message = assistant_message(text, tools=tools, reasoning=self.reasoning)
+        ids = np.array(ids, np.int32)
+        logprobs = np.array(logprobs, np.float32)
+        content = token_logprobs(self.tokenizer, ids, logprobs) if gen.logprobs else None
         return Reply(
-            ids=np.array(ids, np.int32),
-            logprobs=np.array(logprobs, np.float32),
+            ids=ids,
+            logprobs=logprobs,
             versions=np.array(versions, np.int64),
             finish_reason=_finish(reason, message),
             message=message,
             prompt_tokens=prompt_tokens,
+            content_logprobs=content,
+            remaining_tokens=remaining,
+            prompt_token_ids=prompt_ids,
         )
 
 
-def _resolve(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
+Watch = Callable[[np.ndarray], None]
+
+
+def watched(stop_when: Callable[[np.ndarray], bool] | None, watch: Watch | None):
+    """The driver's `stop_when` that also shows `watch` the turn's ids so far (the driver calls
+    it after each generated id but a stop id: a stream's per-token deltas, with no change to the
+    driver). `watch` runs on the driver's detokenize thread: it must only hand the ids over."""
+    if watch is None:
+        return stop_when
+
+    def check(ids: np.ndarray) -> bool:
+        try:
+            watch(ids)
+        except Exception:  # a stream's trouble never stops the generation
+            log.exception("a stream's watcher failed")
+        return stop_when(ids) if stop_when is not None else False
+
+    return check
+
+
+def _resolve(future: asyncio.Future | None, value: Any) -> None:
+    if future is not None and not future.done():
         future.set_result(value)
 
 
 @dataclasses.dataclass(eq=False)
 class Session:
-    """One admitted sample played over HTTP (module docstring)."""
+    """One admitted sample played over HTTP (module docstring).
+
+    `state`: offered, taken (no request yet), generating, waiting (a turn ended), ending (ended
+    by the runner, the reaper or a discard; the slot is being freed), ended.
+    """
 
     id: str
     prompt: Prompt
     tag: tuple[int, int]
     done: Done
-    state: str = "offered"  # offered, taken (no request yet), waiting, generating, ended
+    state: str = "offered"
     messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # fixed at start
     request: RolloutRequest | None = None
     closed: bool = True  # the last turn ended with the template's end-of-turn token
-    room: int = 0
+    room: int = 0  # tokens the session may still add (generated and inserted)
     context: int = 0  # tokens in the slot's cache: prompt, turns and deltas
+    ids: list[int] = dataclasses.field(default_factory=list)  # those tokens
     turns: int = 0
     last_seen: float = 0.0
     reward: float = 0.0
     last_text: str = ""
     dropped: bool = False
-    turn: asyncio.Future | None = None
+    reported: bool = False  # `done` was called
+    turn: asyncio.Future | None = None  # the turn in flight: its Reply, or an ApiError
+    gen: Generation | None = None  # the turn in flight's
+    prefix: str = ""  # the turn in flight's forced prefix (`tool_choice`)
+    key: Any = None  # the last accepted request (its retry gets `reply`)
+    reply: Reply | None = None
+    ended_by: tuple[str, float | None] | None = None  # ("reward", given) or ("discard", None)
+    ending: asyncio.Future | None = None  # resolves once `end` has its reward
+
+    def info(self) -> dict[str, Any]:
+        """What every session response carries about it."""
+        return {
+            "session_id": self.id,
+            "state": self.state,
+            "turns": self.turns,
+            "remaining_tokens": max(0, self.room),
+        }
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SessionLimits:
-    """`server.http_max_sessions` (taken and not ended) and `server.http_session_idle_s`."""
+    """`server.http_max_sessions` (taken and not ended) and `server.http_session_idle_s`;
+    `stuck_s`: a session generating or ending with no progress for this long is ended by the
+    reaper whatever it waits for (0 = 3 × idle_s)."""
 
     max_sessions: int
     idle_s: float
+    stuck_s: float = 0.0
+
+    @property
+    def stuck_after_s(self) -> float:
+        return self.stuck_s or 3 * self.idle_s
+
+
+def _request_key(req: ChatRequest) -> str:
+    """What makes two requests of a session the same request (a client's retry)."""
+    return json.dumps(
+        [req.messages, req.tools, dataclasses.asdict(req.generation)], sort_keys=True, default=str
+    )
 
 
 class SessionManager:
@@ -198,9 +399,10 @@ class SessionManager:
       generator: the engine side (prompt rendering and its checks).
       reward_fn: `(text, answer) -> float`, for a session ended without a reward.
       limits: open sessions and idle time.
-      turn_tokens: the default per-turn limit (`rollout.max_new_tokens`).
       clock: seconds, monotonic (tests step it).
     """
+
+    ENDED_KEPT = 4096  # ended sessions remembered (an ended id gets 409, an equal /end its reply)
 
     def __init__(
         self,
@@ -214,10 +416,17 @@ class SessionManager:
         self._offered: collections.deque[Session] = collections.deque()
         self._offer_lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._ended: collections.OrderedDict[str, Session] = collections.OrderedDict()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()  # turns being recorded
         self.abandoned = 0  # sessions dropped after idle_s
+        self.stuck = 0  # sessions ended by the reaper past stuck_after_s
+        self.discarded = 0  # sessions ended with {"discard": true}
         self.finished = 0
+        self.retries = 0  # requests answered as an equal earlier one's retry
+        self.disconnects = 0  # clients gone while their turn was generating
+        self.polling = 0  # takes waiting for offers
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Attaches the asyncio loop the HTTP server runs on (before it serves)."""
@@ -240,14 +449,18 @@ class SessionManager:
 
     # The runner's side.
 
+    def _room(self) -> int:
+        return self.limits.max_sessions - len(self._sessions)
+
     async def take(self, max_sessions: int, timeout_s: float) -> list[Session]:
-        """Up to `max_sessions` offered sessions, waiting up to `timeout_s` for the first.
+        """Up to `max_sessions` offered sessions, waiting up to `timeout_s` for the first. However
+        many takes wait at once, no more than `limits.max_sessions` are ever open: the room is
+        counted again each time offers are handed out.
 
         Raises:
           ApiError: 429 when `limits.max_sessions` are open.
         """
-        room = self.limits.max_sessions - len(self._sessions)
-        if room <= 0:
+        if self._room() <= 0:
             raise ApiError(
                 429, f"{self.limits.max_sessions} sessions are open (server.http_max_sessions)"
             )
@@ -256,73 +469,132 @@ class SessionManager:
         deadline = loop.time() + timeout_s
         while True:
             with self._offer_lock:
-                taken = [
-                    self._offered.popleft()
-                    for _ in range(min(room, max_sessions, len(self._offered)))
-                ]
-            if taken or loop.time() >= deadline:
+                n = min(max(0, self._room()), max_sessions, len(self._offered))
+                taken = [self._offered.popleft() for _ in range(n)]
+            for s in taken:  # open at once: a concurrent take sees the room they use
+                s.state, s.last_seen = "taken", self.clock()
+                s.room = self.gen.engine.max_decode_length
+                self._sessions[s.id] = s
+            if taken or loop.time() >= deadline or self._room() <= 0:
                 break
             self._wake.clear()
+            self.polling += 1
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, deadline - loop.time()))
             except TimeoutError:
                 pass
-        for s in taken:
-            s.state, s.last_seen = "taken", self.clock()
-            self._sessions[s.id] = s
+            finally:
+                self.polling -= 1
         return taken
 
     def get(self, session_id: str) -> Session:
-        session = self._sessions.get(session_id)
-        if session is None:
-            raise ApiError(
-                404, "no such session (unknown, ended or dropped)", code="session_not_found"
-            )
-        return session
-
-    async def chat(self, req: ChatRequest) -> Reply:
-        """The session's next turn: its first request prefills, later ones extend.
+        """The open session `session_id`.
 
         Raises:
-          ApiError: 404 unknown session, 409 a request in flight, 400 a history edit or a
-            conversation that no longer fits.
+          ApiError: 409 session_ended for one that has ended, 404 for one never known.
+        """
+        session = self._sessions.get(session_id)
+        if session is not None:
+            return session
+        if session_id in self._ended:
+            raise ApiError(409, "the session has ended", code="session_ended")
+        raise ApiError(404, "no such session (unknown or forgotten)", code="session_not_found")
+
+    def find(self, session_id: str) -> Session | None:
+        """The session, open or ended (remembered), or None."""
+        return self._sessions.get(session_id) or self._ended.get(session_id)
+
+    async def chat(
+        self,
+        req: ChatRequest,
+        *,
+        watch: Watch | None = None,
+        accepted: asyncio.Future | None = None,
+    ) -> Reply:
+        """The session's next turn: its first request prefills, later ones extend. A request
+        equal to the last accepted one is its retry: it gets that request's reply (awaiting the
+        turn when it is still generating), and nothing is generated again. `watch` sees the
+        turn's ids as they are generated, and `accepted` resolves when the request is accepted
+        (a stream's headers go out then).
+
+        Raises:
+          ApiError: 404 unknown session, 409 another request in flight or the session ended,
+            400 a history edit or a conversation that no longer fits.
         """
         s = self.get(req.session_id)
-        if s.state == "generating":
-            raise ApiError(409, "a request of this session is in flight", code="session_busy")
         gen = req.generation
         if gen.n != 1:
             raise ApiError(400, "a session is one conversation: n must be 1", param="n")
-        s.last_seen = self.clock()
-        if s.request is None:
-            ids = self.gen.prompt_ids(req.messages, req.tools)
-            self._start(s, ids, gen)
-            s.context = len(ids)
-        else:
-            ids = self._delta(s, req)
-            if len(ids) + 1 > s.room:
-                raise ApiError(
-                    400, "the session's token budget is spent", code="context_length_exceeded"
-                )
-            s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
-            s.request.stop_when = make_stop_when(self.gen.tokenizer, gen.stop)
-            self.gen.driver.continue_episode(s.request, ids)
-            s.context += len(ids)
-        s.messages, s.tools = list(req.messages), list(req.tools)
-        s.state = "generating"
+        key = _request_key(req)
+        if s.state in ("ending", "ended"):
+            raise ApiError(409, "the session is ending", code="session_ended")
+        if key == s.key and s.state in ("generating", "waiting"):
+            self.retries += 1
+            return s.reply if s.state == "waiting" else await self._await_turn(s)
+        if s.state == "generating":
+            raise ApiError(409, "a request of this session is in flight", code="session_busy")
+        previous = (s.state, s.key, s.reply)
+        # Accepted from here unless its checks fail: the session is busy while it renders.
+        s.state, s.key, s.reply, s.gen = "generating", key, None, gen
         s.turn = asyncio.get_running_loop().create_future()
         try:
-            turn: TurnEnd | None = await s.turn
-        except asyncio.CancelledError:
-            # The client went away mid-turn: the session is dropped when its turn ends.
-            s.dropped = True
+            prefix, prefix_ids = self.gen.prefix(req)
+            if s.request is None:
+                ids = await self.gen.off_loop(
+                    self.gen.prompt_ids,
+                    req.messages,
+                    req.tools,
+                    req.template_kwargs,
+                    _size=content_chars(req.messages, req.tools),
+                )
+                ids = [*ids, *prefix_ids]
+                self.gen.check_length(len(ids))
+            else:
+                new = req.messages[len(s.messages) :]
+                size = content_chars(new, req.tools)
+                ids = [*(await self.gen.off_loop(self._delta, s, req, _size=size)), *prefix_ids]
+                if len(ids) + 1 > s.room:
+                    raise ApiError(
+                        400, "the session's token budget is spent", code="context_length_exceeded"
+                    )
+            if s.state != "generating" or s.dropped:  # ended or reaped while it rendered
+                raise ApiError(409, "the session has ended", code="session_ended")
+        except BaseException as e:
+            if s.state == "generating" and not s.dropped:
+                s.state, s.key, s.reply = previous
+            future, s.turn = s.turn, None
+            _resolve(future, e if isinstance(e, ApiError) else ApiError(500, "server error"))
             raise
-        s.turn = None
-        if turn is None:
-            raise ApiError(500, "generation failed", code="server_error")
-        return self._record_turn(s, turn, gen)
+        s.last_seen = self.clock()  # only an accepted request refreshes the idle clock
+        s.messages, s.tools, s.prefix = list(req.messages), list(req.tools), prefix
+        _resolve(accepted, None)
+        if s.request is None:
+            s.template_kwargs = dict(req.template_kwargs)
+            self._start(s, ids, gen, watch)
+            s.context, s.ids = len(ids), list(ids)
+        else:
+            s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
+            s.request.stop_when = watched(make_stop_when(self.gen.tokenizer, gen.stop), watch)
+            self.gen.driver.continue_episode(s.request, ids)
+            s.context += len(ids)
+            s.ids.extend(int(i) for i in ids)
+            s.room -= len(ids)
+        return await self._await_turn(s)
 
-    def _start(self, s: Session, ids: list[int], gen: Generation) -> None:
+    async def _await_turn(self, s: Session) -> Reply:
+        """The turn in flight's reply. The turn is shielded: a client that leaves (its handler
+        is cancelled) is counted, and the turn ends and is kept for its retry."""
+        try:
+            out = await asyncio.shield(s.turn)
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            log.info("the client of session %s left mid-turn; the reply is kept", s.id)
+            raise
+        if isinstance(out, ApiError):
+            raise out
+        return out
+
+    def _start(self, s: Session, ids: list[int], gen: Generation, watch: Watch | None) -> None:
         loop = asyncio.get_running_loop()
         engine = self.gen.engine
 
@@ -346,8 +618,9 @@ class SessionManager:
             episode=True,
             turn_tokens=gen.max_tokens,
             on_turn=on_turn,
-            stop_when=make_stop_when(self.gen.tokenizer, gen.stop),
+            stop_when=watched(make_stop_when(self.gen.tokenizer, gen.stop), watch),
         )
+        s.room = engine.max_decode_length
         self.gen.driver.place_request_on_prefill_queue(s.request)
 
     def _delta(self, s: Session, req: ChatRequest) -> list[int]:
@@ -355,13 +628,19 @@ class SessionManager:
         n = len(s.messages)
         if req.tools != s.tools:
             raise ApiError(400, "tools differ from the session's", code="history_mismatch")
-        if len(req.messages) <= n or req.messages[:n] != s.messages:
+        if req.template_kwargs and req.template_kwargs != s.template_kwargs:
+            raise ApiError(
+                400,
+                "chat_template_kwargs differ from the session's first request's (they are fixed "
+                "per session)",
+                param="chat_template_kwargs",
+                code="history_mismatch",
+            )
+        given = [history_view(m) for m in req.messages]
+        held = [history_view(m) for m in s.messages]
+        if len(given) <= n or given[:n] != held:
             first = next(
-                (
-                    i
-                    for i, (a, b) in enumerate(zip(req.messages, s.messages, strict=False))
-                    if a != b
-                ),
+                (i for i, (a, b) in enumerate(zip(given, held, strict=False)) if a != b),
                 min(n, len(req.messages)),
             )
             raise ApiError(
@@ -382,95 +661,203 @@ class SessionManager:
                 code="history_mismatch",
             )
         try:
+            extra = {"template_kwargs": s.template_kwargs} if s.template_kwargs else {}
             return self.gen.tokenizer.observation_ids(
-                template_messages(new), tools=s.tools, close_turn=not s.closed
+                template_messages(new), tools=s.tools, close_turn=not s.closed, **extra
             )
         except Exception as e:
             raise ApiError(400, f"the chat template cannot render the messages: {e}") from None
 
-    def _record_turn(self, s: Session, turn_data, gen: Generation) -> Reply:
-        turn, lps, versions = turn_data
+    def _record_turn(self, s: Session, turn: TurnEnd, lps, versions) -> Reply:
+        """The turn's reply, and the session moved on by it. Never raises: whatever the model
+        wrote, the session waits for its next request afterwards."""
         tok = self.gen.tokenizer
-        reply = self.gen.reply(
-            turn.ids,
-            lps,
-            versions,
-            turn.finish_reason,
-            gen,
-            tools=bool(s.tools),
-            call_prefix=f"call_{s.turns}_",
-            prompt_tokens=s.context,
-        )
-        ended_by_id = turn.finish_reason == "stop" and int(turn.ids[-1]) in tok.stop_ids
-        s.closed = ended_by_id and tok.closes_turn(int(turn.ids[-1]))
-        s.messages.append(normalize_message(reply.message, "reply"))
+        room = int(turn.room)
+        try:
+            reply = self.gen.reply(
+                turn.ids,
+                lps,
+                versions,
+                turn.finish_reason,
+                s.gen,
+                tools=s.tools,
+                prompt_tokens=s.context,
+                remaining=room,
+                prompt_ids=list(s.ids) if s.gen.return_token_ids else None,
+                prefix=s.prefix,
+            )
+            recorded = normalize_message(reply.message, "reply")
+        except Exception:  # a tokenizer's own failure: the text as content, the turn kept
+            log.exception("session %s: building the reply failed; sent as plain content", s.id)
+            text = ""
+            with contextlib.suppress(Exception):
+                text = tok.decode(turn.ids)
+            message = {"role": "assistant", "content": text}
+            reply = Reply(
+                ids=np.asarray(turn.ids, np.int32),
+                logprobs=np.asarray(lps, np.float32),
+                versions=np.asarray(versions, np.int64),
+                finish_reason="stop" if turn.finish_reason == "stop" else "length",
+                message=message,
+                prompt_tokens=s.context,
+                remaining_tokens=room,
+            )
+            recorded = dict(message)
+        try:
+            ended_by_id = turn.finish_reason == "stop" and int(turn.ids[-1]) in tok.stop_ids
+            s.closed = ended_by_id and tok.closes_turn(int(turn.ids[-1]))
+        except Exception:
+            s.closed = True
+        s.messages.append(recorded)
         s.context += len(turn.ids)
-        s.room, s.turns, s.state = turn.room, s.turns + 1, "waiting"
-        s.last_text, s.last_seen = tok.decode(turn.ids), self.clock()
+        s.ids.extend(int(i) for i in turn.ids)
+        s.room, s.turns = room, s.turns + 1
+        s.last_text = reply.message.get("content") or ""
+        with contextlib.suppress(Exception):
+            s.last_text = tok.decode(turn.ids)
         return reply
 
-    def _on_turn(self, s: Session, turn_data) -> None:
-        if s.dropped:  # abandoned mid-turn: free the slot; the loop samples it again
-            s.turn, s.state = None, "ending"
-            self.abandoned += 1
+    async def _turn_ended(self, s: Session, turn_data) -> None:
+        turn, lps, versions = turn_data
+        if s.dropped or s.state != "generating":  # reaped or discarded mid-turn: free the slot
             self.gen.driver.end_episode(s.request)
-        elif s.turn is not None:
-            _resolve(s.turn, turn_data)
+            return
+        try:
+            size = len(turn.ids) * (4 if s.gen.logprobs else 1)
+            reply = await self.gen.off_loop(self._record_turn, s, turn, lps, versions, _size=size)
+        except Exception:  # the pool is gone (shutting down)
+            log.exception("session %s: recording its turn failed", s.id)
+            reply = ApiError(500, "recording the turn failed", code="server_error")
+        if s.dropped or s.state != "generating":
+            self.gen.driver.end_episode(s.request)
+            return
+        s.state, s.last_seen = "waiting", self.clock()
+        if isinstance(reply, Reply):
+            s.reply = reply
+        else:  # nothing to retry: the session is ended and its sample offered again
+            self._drop(s)
+        future, s.turn = s.turn, None
+        _resolve(future, reply)
+
+    def _on_turn(self, s: Session, turn_data) -> None:
+        task = asyncio.ensure_future(self._turn_ended(s, turn_data))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_done(self, s: Session, sample: FinishedSample | None) -> None:
-        if s.turn is not None:
-            _resolve(s.turn, None)
+        future, s.turn = s.turn, None
+        _resolve(future, ApiError(500, "generation failed", code="server_error"))
+        self._forget(s)
+        self._report(s, None if s.dropped else sample)
+
+    def _report(self, s: Session, sample: FinishedSample | None) -> None:
+        if not s.reported:
+            s.reported = True
+            s.done(s.tag, sample)
+
+    def _forget(self, s: Session) -> None:
         self._sessions.pop(s.id, None)
         s.state = "ended"
-        s.done(s.tag, None if s.dropped else sample)
+        self._ended[s.id] = s
+        while len(self._ended) > self.ENDED_KEPT:
+            self._ended.popitem(last=False)
 
-    def end(self, session_id: str, reward: float | None) -> Session:
+    async def end(self, session_id: str, reward: float | None, *, discard: bool = False) -> Session:
         """Ends a session: its sample joins its group, with `reward` (None = the task's reward
-        function of the last reply).
+        function of the last reply); with `discard`, nothing trains on it and its sample is
+        offered again. Idempotent: an equal end again gets the same answer.
 
         Raises:
-          ApiError: 404 unknown, 409 a request in flight.
+          ApiError: 404 unknown, 409 a request in flight or an end that differs from the first.
         """
-        s = self.get(session_id)
+        s = self.find(session_id)
+        if s is None:
+            raise ApiError(404, "no such session (unknown or forgotten)", code="session_not_found")
+        asked = ("discard", None) if discard else ("reward", reward)
+        if s.ended_by is not None:
+            same = asked == s.ended_by or (
+                asked[0] == "reward" == s.ended_by[0] and reward == s.reward
+            )
+            if not same:
+                raise ApiError(
+                    409,
+                    f"the session was already ended with {_describe(s.ended_by, s.reward)}",
+                    code="session_ended",
+                )
+            if s.ending is not None:
+                await asyncio.shield(s.ending)
+            return s
+        if s.state in ("ending", "ended"):  # dropped by the reaper or a failure
+            raise ApiError(409, "the session has ended (dropped)", code="session_ended")
         if s.state == "generating":
             raise ApiError(409, "a request of this session is in flight", code="session_busy")
-        if s.request is None:  # never played: sampled again
+        s.ended_by = asked
+        if discard or s.request is None:  # never played, or not the policy's failure
+            self.discarded += discard
             self._drop(s)
             return s
+        s.state = "ending"
+        # Its own task: a client that leaves while the reward is computed ends nothing halfway.
+        s.ending = asyncio.ensure_future(self._finish_end(s, reward))
+        await asyncio.shield(s.ending)
+        return s
+
+    async def _finish_end(self, s: Session, reward: float | None) -> None:
         if reward is None:
             try:
-                reward = float(self.reward_fn(s.last_text, s.prompt.answer))
+                reward = float(
+                    await self.gen.off_loop(self.reward_fn, s.last_text, s.prompt.answer)
+                )
             except Exception:
                 log.exception("reward failed for prompt %s; scoring 0", s.prompt.id)
                 reward = 0.0
-        s.reward, s.state = float(reward), "ending"
+        s.reward = float(reward)
         self.finished += 1
         self.gen.driver.end_episode(s.request)
-        return s
 
     def _drop(self, s: Session) -> None:
-        s.dropped, s.state = True, "ended"
-        self._sessions.pop(s.id, None)
+        """Ends `s` with no sample: it is offered again (and its slot freed)."""
+        s.dropped = True
         if s.request is None:
-            s.done(s.tag, None)
+            self._forget(s)
+            self._report(s, None)
         else:  # its sample (then None) reaches the loop through `_on_done`
-            self._sessions[s.id] = s  # until the slot is freed
             s.state = "ending"
             self.gen.driver.end_episode(s.request)
 
     def reap(self) -> int:
-        """Drops the sessions silent for `limits.idle_s` with no request in flight; returns
-        how many (also counted in `abandoned`)."""
+        """Drops the sessions silent for `limits.idle_s` with no request in flight, and ends
+        those generating or ending with no progress for `limits.stuck_after_s` (their sample
+        is offered again; a turn that ends later frees its slot). Returns how many were idle
+        (also counted in `abandoned`; the stuck ones in `stuck`)."""
         now = self.clock()
-        idle = [
-            s
-            for s in self._sessions.values()
-            if s.state in ("taken", "waiting") and now - s.last_seen > self.limits.idle_s
-        ]
+        idle, stuck = [], []
+        for s in self._sessions.values():
+            quiet = now - s.last_seen
+            if s.state in ("taken", "waiting") and quiet > self.limits.idle_s:
+                idle.append(s)
+            elif s.state in ("generating", "ending") and quiet > self.limits.stuck_after_s:
+                stuck.append(s)
         for s in idle:
             log.warning(
                 "session of prompt %s idle for %.0fs; dropped", s.prompt.id, now - s.last_seen
             )
             self._drop(s)
+        for s in stuck:
+            log.warning(
+                "session of prompt %s %s for %.0fs; ended", s.prompt.id, s.state, now - s.last_seen
+            )
+            s.dropped = True
+            future, s.turn = s.turn, None
+            _resolve(future, ApiError(504, "the turn did not end in time", code="session_stuck"))
+            if s.request is not None and s.state == "ending":
+                self.gen.driver.end_episode(s.request)
+            self._forget(s)
+            self._report(s, None)
         self.abandoned += len(idle)
+        self.stuck += len(stuck)
         return len(idle)
+
+
+def _describe(ended_by: tuple[str, float | None], reward: float) -> str:
+    return "discard" if ended_by[0] == "discard" else f"reward {reward}"

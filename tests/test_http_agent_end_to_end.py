@@ -116,9 +116,10 @@ def test_http_session_logprobs_match_transformers(tmp_path):
         (session,) = taken
         client = server.with_options(base_url=f"{url}/sessions/{session['session_id']}/v1")
         messages = [{"role": "user", "content": session["prompt"]["text"]}]
-        first = client.chat.completions.create(model="m", messages=messages, logprobs=True)
+        (model,) = [m.id for m in client.models.list().data]  # the one served model's name
+        first = client.chat.completions.create(model=model, messages=messages, logprobs=True)
         messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Sure?"}]
-        second = client.chat.completions.create(model="m", messages=messages, logprobs=True)
+        second = client.chat.completions.create(model=model, messages=messages, logprobs=True)
     finally:
         proc.send_signal(signal.SIGINT)  # at once, state saved (SIGTERM would drain first)
         proc.wait(60)

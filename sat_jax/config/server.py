@@ -50,7 +50,8 @@ class ServerConfig:
         does. A second SIGTERM ends the drain at once.
       max_version_jump: UpdateWeights may raise the weights version by at most this much.
       seed: sampling PRNG seed.
-      tls_cert, tls_key: PEM files; when both are set the gRPC port serves TLS only.
+      tls_cert, tls_key: PEM files; when both are set the gRPC port and the HTTP port
+        (`http_port`) serve TLS only. A non-loopback `host` with an `http_port` needs them.
       dtype: storage dtype of the served weights ("" = `model.param_dtype`); pushed weights are
         cast to it, e.g. float32 trainer weights served in bfloat16 (docs/DESIGN.md §11).
       mesh: the engine's device mesh, the trainer's `MeshConfig` and logical-axis rules (params
@@ -67,6 +68,12 @@ class ServerConfig:
       http_max_requests: requests without a session generating at once (more get 429).
       http_session_idle_s: a taken session with no request for this long is dropped and its
         sample generated again.
+      http_sampling: "strict" (a request's temperature, top_p, seed... other than the server's
+        sampler is refused with 400) or "override" (they are served with the server's sampler,
+        whose log-probs are the ones that train, and the reply's `sampling` says so): for agent
+        frameworks that send their own settings.
+      http_reasoning_parser: "" (a reply's `<think>...</think>` stays in `content`) or "qwen3"
+        (it goes to `reasoning_content`, as vLLM's qwen3 reasoning parser does).
     """
 
     host: str = "127.0.0.1"
@@ -98,6 +105,8 @@ class ServerConfig:
     http_max_sessions: int = 256
     http_max_requests: int = 64
     http_session_idle_s: float = 600.0
+    http_sampling: str = "strict"
+    http_reasoning_parser: str = ""
 
     def __post_init__(self) -> None:
         self._check_http()
@@ -132,11 +141,24 @@ class ServerConfig:
             raise ValueError(f"http_port {self.http_port} is the gRPC port")
         if self.http_sessions and not self.http_port:
             raise ValueError("http_sessions needs an http_port")
+        if self.http_port and self.host not in _LOOPBACK_HOSTS and not self.tls_cert:
+            raise ValueError(
+                f"http_port on the non-loopback host {self.host!r} needs tls_cert and tls_key "
+                "(the bearer token would cross the network in clear)"
+            )
         if self.http_max_body_bytes < 1024:
             raise ValueError(f"http_max_body_bytes must be >= 1024, got {self.http_max_body_bytes}")
         for name in ("http_max_messages", "http_max_sessions", "http_max_requests"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.http_sampling not in ("strict", "override"):
+            raise ValueError(
+                f"http_sampling must be strict or override, got {self.http_sampling!r}"
+            )
+        if self.http_reasoning_parser not in ("", "qwen3"):
+            raise ValueError(
+                f"http_reasoning_parser must be '' or qwen3, got {self.http_reasoning_parser!r}"
+            )
         if not self.http_session_idle_s > 0:
             raise ValueError(f"http_session_idle_s must be > 0, got {self.http_session_idle_s}")
 

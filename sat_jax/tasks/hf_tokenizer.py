@@ -156,15 +156,20 @@ class HFTokenizer:
         return list(self._tok(rendered, add_special_tokens=False)["input_ids"])
 
     def encode_messages(
-        self, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping[str, Any]] = ()
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] = (),
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The ids of an episode's opening: `messages` rendered by the chat template with
         `tools` (if any) and the generation prompt, encoded without adding special tokens.
+        `template_kwargs` are the template's own variables (e.g. Qwen3's `enable_thinking`).
 
         Raises:
           ValueError: the tokenizer has no chat template.
         """
-        rendered = self._render(messages, tools, generation_prompt=True)
+        rendered = self._render(messages, tools, generation_prompt=True, kwargs=template_kwargs)
         return list(self._tok(rendered, add_special_tokens=False)["input_ids"])
 
     def observation_ids(
@@ -173,6 +178,7 @@ class HFTokenizer:
         *,
         tools: Sequence[Mapping[str, Any]] = (),
         close_turn: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The ids that follow an assistant turn ended by a stop token: `observations` rendered
         by the chat template as exactly the delta between turns, up to the next generation
@@ -191,12 +197,13 @@ class HFTokenizer:
           close_turn: the turn did not end with the template's end-of-turn token (it was cut,
             or another stop id ended it, see `closes_turn`): prepend what the template closes an
             assistant message with (e.g. "<|im_end|>").
+          template_kwargs: the template's own variables, as the opening was rendered with.
 
         Raises:
           ValueError: no chat template, or one that closes an assistant message with none of
             the stop tokens.
         """
-        close, delta = self._turn_delta(observations, tools)
+        close, delta = self._turn_delta(observations, tools, template_kwargs)
         ids = list(self._tok(delta, add_special_tokens=False)["input_ids"]) if delta else []
         if close_turn:
             ids = list(self._tok(close, add_special_tokens=False)["input_ids"]) + ids
@@ -215,7 +222,10 @@ class HFTokenizer:
         return self._tok.decode([int(token_id)]) == close.strip() and bool(close.strip())
 
     def _turn_delta(
-        self, observations: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
+        self,
+        observations: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]],
+        kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[str, str]:
         """(the template's close of an assistant message from its content to its stop token, the
         text after that stop token up to the next generation prompt)."""
@@ -223,7 +233,9 @@ class HFTokenizer:
             {"role": "user", "content": "u"},
             {"role": "assistant", "content": _PLACEHOLDER},
         ]
-        text = self._render([*placeholder, *observations], tools, generation_prompt=True)
+        text = self._render(
+            [*placeholder, *observations], tools, generation_prompt=True, kwargs=kwargs
+        )
         start = text.find(_PLACEHOLDER)
         if start < 0:
             raise ValueError("the chat template does not render an assistant message's content")
@@ -247,6 +259,7 @@ class HFTokenizer:
         tools: Sequence[Mapping[str, Any]],
         *,
         generation_prompt: bool,
+        kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         if not self._tok.chat_template:
             raise ValueError(
@@ -257,6 +270,7 @@ class HFTokenizer:
             tools=[dict(t) for t in tools] or None,
             tokenize=False,
             add_generation_prompt=generation_prompt,
+            **(kwargs or {}),
         )
 
     def decode(self, ids: Iterable[int]) -> str:

@@ -1,6 +1,7 @@
 """The HTTP sessions benchmark (benchmarks/http_sessions.py): a ``--quick`` run (the tiny preset)
-plays the same episodes inside the server and over HTTP with the official client, and reports
-both modes' tokens/s at equal generated tokens and the per-turn figures of the HTTP path."""
+plays the same episodes inside the server and over HTTP with the official client (streamed), and
+reports both modes' tokens/s at equal generated tokens and the per-turn figures of the HTTP path,
+time to the first streamed content included."""
 
 import json
 import pathlib
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.slow  # starts an HTTP server and client threads
 
 def test_quick_run_reports_both_modes_and_the_time_per_turn(tmp_path):
     out = tmp_path / "http_sessions.json"
-    result = bench.main(["--quick", "--json", str(out)])
+    result = bench.main(["--quick", "--stream", "--json", str(out)])
     assert json.loads(out.read_text()) == json.loads(json.dumps(result))
     cfg = result["config"]
     assert set(result["modes"]) == set(bench.MODES)
@@ -48,3 +49,9 @@ def test_quick_run_reports_both_modes_and_the_time_per_turn(tmp_path):
 
     table = bench.format_table(bench.parse_args(["--quick"]), result)
     assert "| http |" in table and "| in-server |" in table and "Time added per turn" in table
+    # Streamed (the agents read server-sent events): every turn's first content is timed, and
+    # arrives no later than the turn's end.
+    assert result["config"]["stream"]
+    first = http["first_content_ms"]
+    assert first["n"] == turns * cfg["repeats"] and first["mean"] <= http["client_turn_ms"]["mean"]
+    assert "first content chunk" in table

@@ -71,6 +71,7 @@ REASONING_TEMPLATE = (
 REASONING_MESSAGES = [{"role": "user", "content": "Think, then add 5 and 7. " * 12}]
 CALL = '<tool_call>{"name": "calculator", "arguments": {"expression": "5 + 7"}}</tool_call>'
 TOKEN = "secret-token"
+MODEL = "sat-jax-tiny"
 # Fields accepted only at the values the server honours (rollout_server/chat.py).
 HONOURED_ONLY = (
     "seed", "store", "metadata", "parallel_tool_calls", "service_tier", "presence_penalty",
@@ -166,7 +167,7 @@ def live(tmp_path_factory):
             max_body_bytes=64 * 1024, max_messages=16, max_requests=8, reap_every_s=0.05
         ),
         token=TOKEN,
-        model_name="sat-jax-tiny",
+        model_name=MODEL,
         default_tokens=100,
     )
     aio = asyncio.new_event_loop()
@@ -211,7 +212,9 @@ def _full_forward(live, ids, p):
 
 def test_models_plain_chat_n_logprobs_and_usage(live):
     client = _client(live)
-    assert [m.id for m in client.models.list().data] == ["sat-jax-tiny"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=STATELESS_MESSAGES)
     out = client.chat.completions.create(
         model="sat-jax-tiny", messages=STATELESS_MESSAGES, n=2, logprobs=True, max_tokens=20
     )
@@ -232,11 +235,11 @@ def test_models_plain_chat_n_logprobs_and_usage(live):
 def test_stop_strings_and_max_tokens(live):
     client = _client(live)
     out = client.chat.completions.create(
-        model="m", messages=STATELESS_MESSAGES, stop=["= 1"], max_completion_tokens=20
+        model=MODEL, messages=STATELESS_MESSAGES, stop=["= 1"], max_completion_tokens=20
     )
     assert out.choices[0].message.content == "7 + 5 "
     assert out.choices[0].finish_reason == "stop"
-    out = client.chat.completions.create(model="m", messages=STATELESS_MESSAGES, max_tokens=2)
+    out = client.chat.completions.create(model=MODEL, messages=STATELESS_MESSAGES, max_tokens=2)
     assert out.choices[0].finish_reason == "length"
     assert out.usage.completion_tokens == 2
 
@@ -244,7 +247,7 @@ def test_stop_strings_and_max_tokens(live):
 def test_stream_and_completions(live):
     client = _client(live)
     stream = client.chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=STATELESS_MESSAGES,
         stream=True,
         stream_options={"include_usage": True},
@@ -258,7 +261,7 @@ def test_stream_and_completions(live):
     prompt = live["tok"]._tok.apply_chat_template(
         STATELESS_MESSAGES, tokenize=False, add_generation_prompt=True
     )
-    out = client.completions.create(model="m", prompt=prompt, max_tokens=20, logprobs=1)
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, logprobs=1)
     assert out.choices[0].text == "7 + 5 = 12"
     assert len(out.choices[0].logprobs.token_logprobs) == len(live["plain"])
 
@@ -296,7 +299,7 @@ def _play(live, session_id):
     client = _client(live, f"/sessions/{session_id}/v1")
     messages = list(SESSION_MESSAGES)
     first = client.chat.completions.create(
-        model="m", messages=messages, tools=[CALCULATOR_TOOL], logprobs=True
+        model=MODEL, messages=messages, tools=[CALCULATOR_TOOL], logprobs=True
     )
     call = first.choices[0].message.tool_calls[0]
     assert first.choices[0].finish_reason == "tool_calls"
@@ -305,13 +308,13 @@ def _play(live, session_id):
     messages.append(first.choices[0].message.model_dump(exclude_none=True))
     messages.append({"role": "tool", "content": "12", "tool_call_id": call.id})
     second = client.chat.completions.create(
-        model="m", messages=messages, tools=[CALCULATOR_TOOL], logprobs=True
+        model=MODEL, messages=messages, tools=[CALCULATOR_TOOL], logprobs=True
     )
     assert second.choices[0].message.content == "12"
     # A history edit is refused; the session goes on.
     edited = [{"role": "user", "content": "What is 6 + 7?"}, *messages[1:]]
     with pytest.raises(openai.BadRequestError, match="do not extend"):
-        client.chat.completions.create(model="m", messages=edited, tools=[CALCULATOR_TOOL])
+        client.chat.completions.create(model=MODEL, messages=edited, tools=[CALCULATOR_TOOL])
     return first, second
 
 
@@ -381,10 +384,10 @@ def test_a_session_extends_by_the_delta_where_a_rerender_drops_reasoning(live):
     for s in taken:
         client = _client(live, f"/sessions/{s['session_id']}/v1")
         messages = list(REASONING_MESSAGES)
-        first = client.chat.completions.create(model="m", messages=messages)
+        first = client.chat.completions.create(model=MODEL, messages=messages)
         assert first.choices[0].message.content == "<think>5 + 7</think>7"
         messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Again."}]
-        second = client.chat.completions.create(model="m", messages=messages)
+        second = client.chat.completions.create(model=MODEL, messages=messages)
         assert second.choices[0].message.content == "12"
         messages.append(second.choices[0].message.model_dump())
         r = requests.post(
@@ -418,18 +421,18 @@ def test_an_abandoned_session_is_dropped_counted_and_replaced(live):
     _wait(lambda: sessions.open_sessions == 0, "sessions of the last test still open")
     (s,) = _take(live).json()["sessions"]
     client = _client(live, f"/sessions/{s['session_id']}/v1")
-    client.chat.completions.create(model="m", messages=SESSION_MESSAGES, max_tokens=2)
+    client.chat.completions.create(model=MODEL, messages=SESSION_MESSAGES, max_tokens=2)
     clock.now += IDLE_S + 1
     _wait(lambda: sessions.abandoned == 1, "the idle session was not dropped")
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="m", messages=SESSION_MESSAGES)
+    with pytest.raises(openai.ConflictError, match="ended"):  # known, and ended: 409
+        client.chat.completions.create(model=MODEL, messages=SESSION_MESSAGES)
     # Its sample is offered again as a new session.
     _wait(lambda: sessions.open_sessions == 0, "the dropped session still holds its slot")
     again = _take_all(live, 2)
     assert s["session_id"] not in {x["session_id"] for x in again}
     for x in again:  # played and ended, so the groups can finish
         c = _client(live, f"/sessions/{x['session_id']}/v1")
-        c.chat.completions.create(model="m", messages=SESSION_MESSAGES, max_tokens=2)
+        c.chat.completions.create(model=MODEL, messages=SESSION_MESSAGES, max_tokens=2)
         _client(live, "").post(
             f"/sessions/{x['session_id']}/end", body={"reward": 0.0}, cast_to=object
         )
@@ -478,20 +481,20 @@ def _post(live, path, data, headers=None):
     [
         (b"{not json", None, 400, "invalid_request_error"),
         (b"x" * (65 * 1024), None, 413, "invalid_request_error"),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "bogus": 1}), None, 400, None),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES}), {"Authorization": ""}, 401, None),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "temperature": 0.5}), None, 400, None),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "max_tokens": 10**6}), None, 400, None),
-        (json.dumps({"model": "m", "messages": [{"role": "x"}]}), None, 400, None),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES * 17}), None, 400, None),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "session_id": "nope"}), None, 404, None),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "bogus": 1}), None, 400, None),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES}), {"Authorization": ""}, 401, None),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "temperature": 0.5}), None, 400, None),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "max_tokens": 10**6}), None, 400, None),
+        (json.dumps({"model": MODEL, "messages": [{"role": "x"}]}), None, 400, None),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES * 17}), None, 400, None),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "session_id": "nope"}), None, 404, None),
         # Accepted only where honoured: a seed cannot be (one PRNG stream for every slot).
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "seed": 3}), None, 400, "seed"),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "store": True}), None, 400, "store"),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "metadata": {"a": "b"}}), None, 400, "metadata"),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "parallel_tool_calls": False}), None, 400, "parallel_tool_calls"),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "service_tier": "flex"}), None, 400, "service_tier"),
-        (json.dumps({"model": "m", "messages": SESSION_MESSAGES, "presence_penalty": True}), None, 400, "presence_penalty"),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "seed": 3}), None, 400, "seed"),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "store": True}), None, 400, "store"),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "metadata": {"a": "b"}}), None, 400, "metadata"),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "parallel_tool_calls": False}), None, 400, "parallel_tool_calls"),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "service_tier": "flex"}), None, 400, "service_tier"),
+        (json.dumps({"model": MODEL, "messages": SESSION_MESSAGES, "presence_penalty": True}), None, 400, "presence_penalty"),
     ],
 )  # fmt: skip
 def test_hostile_requests_get_4xx_and_the_server_serves_on(live, data, headers, status, code):
@@ -504,7 +507,7 @@ def test_hostile_requests_get_4xx_and_the_server_serves_on(live, data, headers, 
         assert error["message"].startswith(f"{code}=") and len(error["message"]) > 30
     elif code:
         assert error["code"] == code or error["type"] == code
-    out = _client(live).chat.completions.create(model="m", messages=STATELESS_MESSAGES)
+    out = _client(live).chat.completions.create(model=MODEL, messages=STATELESS_MESSAGES)
     assert out.choices[0].message.content == "7 + 5 = 12"
 
 
@@ -512,7 +515,7 @@ def test_the_fields_at_the_values_honoured_are_accepted(live):
     """The official client's fields at the values this server honours (or null) pass; a seed
     only as null."""
     out = _client(live).chat.completions.create(
-        model="m",
+        model=MODEL,
         messages=STATELESS_MESSAGES,
         seed=None,
         store=False,
@@ -524,7 +527,7 @@ def test_the_fields_at_the_values_honoured_are_accepted(live):
     )
     assert out.choices[0].message.content == "7 + 5 = 12"
     with pytest.raises(openai.BadRequestError, match="one PRNG key stream") as e:
-        _client(live).chat.completions.create(model="m", messages=STATELESS_MESSAGES, seed=0)
+        _client(live).chat.completions.create(model=MODEL, messages=STATELESS_MESSAGES, seed=0)
     assert e.value.param == "seed"
 
 
@@ -544,8 +547,8 @@ def test_sat_serve_serves_http_beside_grpc(server_factory):
     client = openai.OpenAI(
         base_url=f"http://127.0.0.1:{port}/v1", api_key=TOKEN, max_retries=0, timeout=120
     )
-    assert len(client.models.list().data) == 1
-    out = client.completions.create(model="m", prompt="1+2=", max_tokens=3, logprobs=1)
+    (model,) = [m.id for m in client.models.list().data]
+    out = client.completions.create(model=model, prompt="1+2=", max_tokens=3, logprobs=1)
     assert out.usage.completion_tokens == len(out.choices[0].logprobs.token_logprobs) >= 1
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(
@@ -553,6 +556,6 @@ def test_sat_serve_serves_http_beside_grpc(server_factory):
         ).models.list()
     # A chat request to a tokenizer without a chat template is a 400, and the server serves on.
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "1+2"}])
-    assert client.completions.create(model="m", prompt="3+4=", max_tokens=2).choices
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "1+2"}])
+    assert client.completions.create(model=model, prompt="3+4=", max_tokens=2).choices
     assert server.stop() == 0, server.log()
