@@ -60,6 +60,7 @@ _PULL_SLACK_MIN_S = 2.0
 _UPDATE_WEIGHTS_S = 120.0
 # An UpdateWeights in flight longer than max(this, 2 install times + 2 push periods) is overdue.
 _OVERDUE_MIN_S = 5.0
+_CLOSE_WAIT_S = 30.0  # the longest ``close`` waits for the last push's installs
 _REPLAN_S = 0.1  # a pull waiting on its servers' Pulls re-plans this often (the fallback)
 _CONCURRENT_WAIT_S = 0.5  # with several servers, how long a Pull waits at its server
 _HOLD_AFTER_S = 0.25  # a Pull this long past its wait without an answer holds the fallback
@@ -174,8 +175,13 @@ class ServerPool(Membership):
         self.close()
 
     def close(self) -> None:
-        """Stops the senders and the background thread and closes the channels (a push in
-        flight is not waited for; call ``flush_acks`` first to send pending acknowledgements)."""
+        """Waits (at most ``_CLOSE_WAIT_S``) for the servers up and current to install the last
+        pushed version, then stops the senders and the background thread and closes the channels
+        (call ``flush_acks`` first to send pending acknowledgements)."""
+        with self._lock:
+            weights = self._weights
+        if weights is not None and self._error is None:
+            self.wait_installed(weights[0], _CLOSE_WAIT_S)
         self._senders.close()
         super().close()
 
