@@ -514,6 +514,17 @@ def assemble_batch(
     return batch, stats
 
 
+def packed_rows(needed: int, most: int, k: int, multiple: int) -> int:
+    """Rows per microbatch of a packed batch that needs ``needed``: the smallest multiple of a
+    quantum that holds them, the quantum ``ceil(most / 16)`` raised until k · quantum is a
+    multiple of ``multiple`` (the data shards), so at most 16 row counts per microbatch. The
+    caller caps it at ``most``, the padded batch's rows per microbatch (they always hold them)."""
+    quantum = -(-most // 16)
+    while (quantum * k) % multiple:
+        quantum += 1
+    return -(-needed // quantum) * quantum
+
+
 def pack_batch(batch: TrainBatch, spec: BatchSpec) -> tuple[TrainBatch, int, int]:
     """The padded ``batch`` (one trajectory per row, ``assemble_batch``'s) packed into rows of
     ``spec.row_capacity`` tokens: ``(packed batch, token slots used, all token slots)``.
@@ -524,7 +535,7 @@ def pack_batch(batch: TrainBatch, spec: BatchSpec) -> tuple[TrainBatch, int, int
     microbatch's trajectories are packed first-fit decreasing (longest first, ties by n) into
     rows; microbatch j's i-th row is the batch's row i·k + j, so the step's split
     (``accumulation._split``) hands it the same trajectories as the padded one. Rows per
-    microbatch come from R/k, R/2k, R/4k, ... (the smallest that holds them, the batch's row count a
+    microbatch are the multiples of a quantum (``packed_rows``; the batch's row count a
     multiple of ``spec.row_multiple``) and the row length from ``bucket_length`` (capped at the
     row capacity), so the step compiles a handful of shapes.
 
@@ -559,11 +570,7 @@ def pack_batch(batch: TrainBatch, spec: BatchSpec) -> tuple[TrainBatch, int, int
             fills[b] += int(lengths[n])
         needed = max(needed, len(fills))
         bins.append(fills)
-    rows_mb = R // k
-    while (
-        rows_mb % 2 == 0 and rows_mb // 2 >= needed and (rows_mb // 2 * k) % spec.row_multiple == 0
-    ):
-        rows_mb //= 2
+    rows_mb = min(packed_rows(needed, R // k, k, spec.row_multiple), R // k)
     longest = max((f for fills in bins for f in fills), default=0)
     T = bucket_length(longest, spec, cap)
     rows, used = rows_mb * k, int(lengths.sum())

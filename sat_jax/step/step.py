@@ -350,6 +350,12 @@ class Step:
                 return self.plain(state, batch)
             return self.with_reference(state, batch, ref_params)
 
+    @property
+    def compiled_programs(self) -> int:
+        """How many programs the step has compiled so far (one per batch shape and form: a
+        run with bucketed shapes compiles a handful; the ``compiled_programs`` metric)."""
+        return self.plain._cache_size() + self.with_reference._cache_size()
+
     def lower(self, state: Any, batch: Any, ref_params: Any = None) -> Any:
         with jax.set_mesh(self.mesh):
             if ref_params is None:

@@ -20,7 +20,9 @@ import numpy as np
 import optax
 import pytest
 
+from rollout_api import records
 from sat_jax import objectives, sharding
+from sat_jax.experiment import ConfigError, load_config
 from sat_jax.model import LoRAConfig, ModelConfig, placement
 from sat_jax.model.lora import join_lora, split_lora
 from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
@@ -237,3 +239,91 @@ def test_packed_step_equals_padded_step(params: dict, name: str) -> None:
         strict=True,
     ):
         np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+
+
+def test_pack_batch_moves_every_token_with_its_segment() -> None:
+    """FFD rows: each trajectory's tokens up to its last loss token, contiguous, with its id and
+    positions from 0; microbatch j's rows are j, j + k, ...; the view lists its tokens from the
+    first loss token on; pad_frac counts the packed slots."""
+    padded, k = padded_batch(), 2
+    packed = pack(padded, k)
+    rows, t = packed.tokens.shape
+    mask = np.asarray(padded.loss_mask)
+    for n in range(R):
+        where = np.flatnonzero(mask[n])
+        seg = np.argwhere(packed.segment_ids == n + 1)
+        if not where.size:  # no trained token (overlong "mask", a dropped group's row)
+            assert not seg.size and (packed.view_index[n] == -1).all()
+            continue
+        row, cols = seg[0, 0], seg[:, 1]
+        assert (seg[:, 0] == row).all() and row % k == n % k
+        assert (cols == cols[0] + np.arange(where[-1] + 1)).all()
+        np.testing.assert_array_equal(packed.positions[row, cols], np.arange(len(cols)))
+        for name in ("tokens", "loss_mask", "behavior_logp", "kept_counts", "fresh_mask"):
+            got = np.asarray(getattr(packed, name))[row, cols]
+            np.testing.assert_array_equal(got, np.asarray(getattr(padded, name))[n, : len(cols)])
+        np.testing.assert_array_equal(packed.routing[row, cols], padded.routing[n, : len(cols)])
+        span = np.arange(where[0], where[-1] + 1)
+        want = (row // k) * t + cols[0] + span
+        np.testing.assert_array_equal(packed.view_index[n, : len(span)], want)
+        assert (packed.view_index[n, len(span) :] == -1).all()
+    assert (packed.loss_mask[packed.segment_ids == 0] == 0).all()
+    np.testing.assert_array_equal(packed.rewards, padded.rewards)
+
+
+def _group(group_id: int, completion: int, prompt: int = 3) -> records.Group:
+    trajectories = tuple(
+        records.Trajectory(
+            prompt_ids=np.arange(1, prompt + 1, dtype=np.int32),
+            completion_ids=np.arange(10, 10 + completion + i, dtype=np.int32),
+            behavior_logprobs=np.full(completion + i, -0.5, np.float32),
+            versions=np.zeros(completion + i, np.int64),
+            reward=float(i),
+        )
+        for i in range(2)
+    )
+    return records.Group(group_id=group_id, prompt_id=f"p{group_id}", trajectories=trajectories)
+
+
+def _spec(**kw) -> batching.BatchSpec:
+    base = dict(
+        batch_groups=4,
+        group_size=2,
+        seq_len=40,
+        length_bucket=8,
+        routing_lk=None,
+        routing_dtype="uint8",
+        max_staleness=1,
+        stale_policy="drop",
+        vocab_size=64,
+        num_experts=8,
+        packing=True,
+        row_tokens=16,
+    )
+    return batching.BatchSpec(**(base | kw))
+
+
+def test_a_trajectory_longer_than_a_row_is_rejected_never_truncated(caplog) -> None:
+    spec = _spec()
+    groups = [_group(0, 4), _group(1, 13), _group(2, 5)]  # group 1's second: 3 + 14 > 16
+    with caplog.at_level("WARNING", logger="train"):
+        selection = batching.select_groups(groups, spec, trainer_version=0, min_version=0)
+    assert [g.group_id for g in selection.kept] == [0, 2] and selection.invalid == 1
+    assert "exceeds the row of 16 (train.row_tokens)" in caplog.text
+    batch, stats = batching.assemble_batch(selection, spec, trainer_version=0)
+    # 7, 8, 8, 9 tokens in rows of 16: two full-ish rows, and pad_frac over the packed slots.
+    assert batch.tokens.shape == (2, 16) and stats.pad_frac == pytest.approx(1 - 32 / 32)
+    assert stats.tokens == int(batch.loss_mask.sum()) == 4 + 5 + 5 + 6
+
+
+def test_packed_row_counts_come_from_a_few_buckets() -> None:
+    counts = {batching.packed_rows(n, 64, 2, 8) for n in range(1, 65)}
+    assert counts == {4 * i for i in range(1, 17)}  # quantum 4: 2 · 4 rows divide 8 shards
+    assert batching.packed_rows(5, 16, 1, 1) == 5
+
+
+def test_config_refuses_rows_shorter_than_the_longest_trajectory() -> None:
+    with pytest.raises(ConfigError, match=r"rollout.max_new_tokens .*train.row_tokens"):
+        load_config(None, ["train.packing=true", "train.row_tokens=40"])
+    cfg = load_config(None, ["train.packing=true", "train.row_tokens=48"])
+    assert cfg.train.packing and cfg.train.row_tokens == 48
