@@ -9,7 +9,9 @@ Trajectory lengths (prompt + completion) are lognormal with median `--median` an
 by the length limit). The same trajectories make both batches: padded (`assemble_batch`'s layout,
 one trajectory per row, T = the length bucket of the longest) and packed (`pack_batch`, rows of
 `--cap` tokens). Both run the real jitted `sat_jax.train_step` (SAT loss, Adam, the CPU path's
-blockwise attention) on one device in float32, one warm-up call each (compile, not timed), then
+blockwise attention, `--remat`) on one device in float32, split by the same token budget
+(`--microbatch-tokens`: the padded step into row-count microbatches of budget / cap rows, the
+packed one by `train.microbatch_tokens`; 0 = one pass each), one warm-up call each (compile, not timed), then
 `--repeats` calls each, interleaved (the order alternates), and the medians are reported:
 useful tokens/s = the trajectories' tokens / median step time; padded fraction = padded token
 slots / all token slots of the step (the `pad_frac` metric).
@@ -48,10 +50,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cut", type=float, default=0.05)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remat", default="layer", help="model.remat of both steps")
+    p.add_argument(
+        "--microbatch-tokens",
+        type=int,
+        default=8192,
+        help="token budget per microbatch: the padded step takes budget / cap rows per "
+        "microbatch, the packed one train.microbatch_tokens = budget (0 = one pass each)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny preset, cap 256, median 40")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.cap, args.median, args.repeats = "tiny", 256, 40.0, 2
+        args.microbatch_tokens = 0
     return args
 
 
@@ -88,7 +99,7 @@ def padded_batch(model: ModelConfig, lens: np.ndarray, spec: batching.BatchSpec)
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    model = ModelConfig.preset(args.preset)
+    model = ModelConfig.preset(args.preset, remat=args.remat)
     lens = lengths(args)
     n = len(lens)
     spec = batching.BatchSpec(
@@ -104,6 +115,7 @@ def main(argv: list[str] | None = None) -> dict:
         num_experts=model.num_experts,
         packing=True,
         row_tokens=args.cap,
+        microbatch_tokens=args.microbatch_tokens,
     )
     padded = padded_batch(model, lens, spec)
     packed, used, slots = batching.pack_batch(padded, spec)
@@ -112,7 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     optimizer = optax.adam(1e-5)
     loss = objectives.PolicyLossConfig(sat=objectives.SATConfig(enabled=True))
-    step = make_train_step(model, optimizer, StepConfig(loss=loss), mesh)
+    k_padded = max(1, n * args.cap // args.microbatch_tokens) if args.microbatch_tokens else 1
+    step = make_train_step(model, optimizer, StepConfig(loss=loss, microbatches=k_padded), mesh)
     _, params = placement.init_sharded(model, mesh, 0)
     state = create_train_state(model, optimizer, mesh, params)
     batches = {"padded": shard_batch(padded, mesh), "packed": shard_batch(packed, mesh)}
@@ -139,6 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
         "repeats": args.repeats,
         "backend": jax.default_backend(),
         "compiled_programs": step.compiled_programs,
+        "remat": args.remat,
+        "microbatch_tokens": args.microbatch_tokens,
+        "microbatches": {"padded": k_padded, "packed": packed.microbatches or 1},
     }
     for name in names:
         median = statistics.median(times[name])

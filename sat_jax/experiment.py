@@ -137,6 +137,19 @@ class ExperimentConfig:
                 f"than train.row_tokens ({row}): a packed row must hold the longest trajectory "
                 "(it is never split); raise train.row_tokens or lower the lengths"
             )
+        budget = self.train.microbatch_tokens
+        if budget and not self.train.packing:
+            raise ValueError("train.microbatch_tokens needs train.packing (rows of tokens)")
+        if budget and self.train.microbatches != 1:
+            raise ValueError(
+                "train.microbatch_tokens chooses each batch's microbatches: set "
+                f"train.microbatches to 1, not {self.train.microbatches}"
+            )
+        if budget and budget < (row or longest):
+            raise ValueError(
+                f"train.microbatch_tokens ({budget}) must hold one packed row: >= "
+                f"train.row_tokens ({row or longest})"
+            )
         if (
             self.train.overlong == "soft"
             and self.train.overlong_cache > self.rollout.max_new_tokens

@@ -105,6 +105,9 @@ class BatchSpec:
       microbatches: k of the step: packed trajectory n goes to microbatch n mod k (as the padded
         row n does), whose rows are the batch's rows j, j + k, ...
       row_multiple: a packed batch's row count is a multiple of it (the data-parallel shards).
+      microbatch_tokens: with packing, a token budget per microbatch: the batch is split into
+        the fewest k (a power of two dividing the rows) whose microbatches' token slots fit it,
+        carried as ``TrainBatch.microbatches`` (``microbatches`` is then 1); 0 = off.
     """
 
     batch_groups: int
@@ -128,6 +131,7 @@ class BatchSpec:
     row_tokens: int = 0
     microbatches: int = 1
     row_multiple: int = 1
+    microbatch_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.filter_groups not in ("none", "all_equal"):
@@ -526,12 +530,27 @@ def packed_rows(needed: int, most: int, k: int, multiple: int) -> int:
 
 
 def pack_batch(batch: TrainBatch, spec: BatchSpec) -> tuple[TrainBatch, int, int]:
+    """``_pack`` with ``spec.microbatches``, or, with ``spec.microbatch_tokens``, with the fewest
+    microbatches k (1, 2, 4, ... dividing the rows) whose token slots (rows per microbatch × row
+    length) fit the budget (the most k when none does); the packed batch carries that k."""
+    if not spec.microbatch_tokens:
+        return _pack(batch, spec, spec.microbatches)
+    rows, k = np.shape(batch.tokens)[0], 1
+    while True:
+        packed, used, slots = _pack(batch, spec, k)
+        fits = slots // k <= spec.microbatch_tokens
+        if fits or rows % (2 * k):
+            return packed.replace(microbatches=k), used, slots
+        k *= 2
+
+
+def _pack(batch: TrainBatch, spec: BatchSpec, k: int) -> tuple[TrainBatch, int, int]:
     """The padded ``batch`` (one trajectory per row, ``assemble_batch``'s) packed into rows of
     ``spec.row_capacity`` tokens: ``(packed batch, token slots used, all token slots)``.
 
     Trajectory n (padded row n) keeps its first ``L_n`` tokens, up to its last loss-mask token
     (the positions the padded step's ``token_mask`` keeps; none when it has no loss token) and
-    goes to microbatch n mod k (k = ``spec.microbatches``), as in the padded step's split. Each
+    goes to microbatch n mod k (of the step's k), as in the padded step's split. Each
     microbatch's trajectories are packed first-fit decreasing (longest first, ties by n) into
     rows; microbatch j's i-th row is the batch's row i·k + j, so the step's split
     (``accumulation._split``) hands it the same trajectories as the padded one. Rows per
@@ -549,7 +568,7 @@ def pack_batch(batch: TrainBatch, spec: BatchSpec) -> tuple[TrainBatch, int, int
       ValueError: a trajectory longer than the row capacity (``select_groups`` rejects those).
     """
     loss_mask = np.asarray(batch.loss_mask)
-    R, k, cap = loss_mask.shape[0], spec.microbatches, spec.row_capacity
+    R, cap = loss_mask.shape[0], spec.row_capacity
     t_idx = np.arange(loss_mask.shape[1])
     has = loss_mask > 0
     lengths = np.where(has.any(1), np.max(np.where(has, t_idx + 1, 0), axis=1), 0)

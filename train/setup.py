@@ -157,6 +157,7 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         row_tokens=cfg.train.row_tokens,
         microbatches=cfg.train.microbatches,
         row_multiple=_batch_shards(cfg),
+        microbatch_tokens=cfg.train.microbatch_tokens,
     )
 
 

@@ -177,6 +177,10 @@ class TrainConfig:
         completion); a packed row's length is bucketed like ``length_bucket``'s, and the
         rows per microbatch are multiples of a quantum (at most 16 counts); metric
         ``compiled_programs`` counts the step's shapes.
+      microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: into the
+        fewest microbatches (1, 2, 4, ... dividing the rows) whose token slots (packed rows ×
+        row length) fit this budget, exactly accumulated like ``microbatches``' (which must then
+        be 1); >= a row's length. 0 = off.
       loss: the policy objective; SAT on by default.
       old_logp: the proximal log-probs of the objective: "behavior" (the sampler's, the
         default) or "recompute" (the current params' own before the update, AReaL's decoupled
@@ -218,6 +222,7 @@ class TrainConfig:
     length_bucket: int = 64
     packing: bool = False
     row_tokens: int = 0
+    microbatch_tokens: int = 0
     loss: PolicyLossConfig = _SAT_LOSS
     old_logp: str = "behavior"
     advantage_estimator: str = "grpo"
@@ -251,7 +256,7 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         _positive(self, "steps", "weight_sync_interval", "microbatches", "filter_max_rounds")
-        for name in ("length_bucket", "overlong_cache", "row_tokens"):
+        for name in ("length_bucket", "overlong_cache", "row_tokens", "microbatch_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.overlong_penalty < float("inf"):

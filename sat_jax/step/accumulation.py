@@ -177,8 +177,10 @@ def accumulated(
     reference: Callable[[TrainBatch], TrainBatch],
     cfg: StepConfig,
     coef: float,
+    k: int | None = None,
 ) -> tuple[Any, Metrics]:
-    """Gradient and metrics of the batch summed over k microbatches (one compiled ``scan`` body).
+    """Gradient and metrics of the batch summed over k microbatches (one compiled ``scan`` body);
+    k defaults to ``cfg.microbatches``.
 
     Each microbatch j differentiates loss_sum / loss_count(batch) + w_j·coef·E·Σ f_e·P_e^j with
     the batch's f and w_j its share of the batch's real tokens (the balance loss is bilinear in f
@@ -186,7 +188,7 @@ def accumulated(
     gradient is the one-pass gradient. ``reference`` adds a microbatch's reference log-probs
     (outside its gradient), so the reference's activations are a microbatch's too.
     """
-    k = cfg.microbatches
+    k = cfg.microbatches if k is None else k
     micro = _split(batch, k)
     w_k = _token_shares(micro)
     (sat_q, m2_cutoff), frac_le = _batch_statistics(params, batch, micro, forward, cfg, coef, w_k)

@@ -71,6 +71,8 @@ class TrainBatch:
       view_index: optional [N, C] int32: trajectory n's j-th completion token is at flat
         position ``view_index[n, j]`` of its (micro)batch's [B, T] arrays (row · T + column;
         −1 past its completion). Trajectory n lies in microbatch n mod k of the step's k.
+      microbatches: static, not an array: the k this batch is split into, chosen by the host
+        from its tokens (``train.microbatch_tokens``); 0 = the step's ``microbatches``.
     """
 
     tokens: jax.Array
@@ -87,6 +89,7 @@ class TrainBatch:
     segment_ids: jax.Array | None = None
     positions: jax.Array | None = None
     view_index: jax.Array | None = None
+    microbatches: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
     def packed(self) -> bool:

@@ -105,7 +105,7 @@ def train_step(
 
     baseline = shift = None
     if cfg.loss.opob_baseline and batch.advantages is None:
-        baseline, shift = _opob_baseline(state.params, batch, forward, cfg.microbatches)
+        baseline, shift = _opob_baseline(state.params, batch, forward, _microbatches(batch, cfg))
     batch = with_advantages(
         batch, estimator=cfg.estimator, normalize_std=cfg.normalize_std, baseline=baseline
     )
@@ -116,12 +116,12 @@ def train_step(
             return batch
         return batch.replace(ref_logp=scored(ref_params, batch, replay=False)[0])
 
-    if cfg.microbatches == 1:
+    if _microbatches(batch, cfg) == 1:
         grads, metrics = accumulation.one_pass(state.params, reference(batch), forward, cfg)
     else:
         coef = nnx.merge(graphdef, state.model_params).config.router_aux_loss_coef
         grads, metrics = accumulation.accumulated(
-            state.params, batch, forward, reference, cfg, coef
+            state.params, batch, forward, reference, cfg, coef, _microbatches(batch, cfg)
         )
     step_scale = None
     if cfg.loss.ess_scaling:
@@ -202,6 +202,11 @@ def _trajectory_rows(batch: TrainBatch, k: int) -> TrainBatch:
     )
 
 
+def _microbatches(batch: TrainBatch, cfg: StepConfig) -> int:
+    """k: the batch's own (chosen by the host from its tokens), else ``cfg.microbatches``."""
+    return batch.microbatches or cfg.microbatches
+
+
 def _check_inputs(batch: TrainBatch, ref_params: Any, cfg: StepConfig) -> None:
     """Raises ValueError unless the batch's fields (static under ``jit``) fit ``cfg``."""
     if cfg.routing_replay and batch.routing is None:
@@ -212,10 +217,9 @@ def _check_inputs(batch: TrainBatch, ref_params: Any, cfg: StepConfig) -> None:
             f"{'None' if batch.kept_counts is None else 'given'}: the batch carries the "
             "sampler's kept-set sizes exactly when the step replays its truncation"
         )
-    if batch.tokens.shape[0] % cfg.microbatches:
-        raise ValueError(
-            f"microbatches={cfg.microbatches} must divide the batch size {batch.tokens.shape[0]}"
-        )
+    k = _microbatches(batch, cfg)
+    if batch.tokens.shape[0] % k or (batch.packed and batch.view_index.shape[0] % k):
+        raise ValueError(f"microbatches={k} must divide the batch size {batch.tokens.shape[0]}")
     if ref_params is not None and batch.ref_logp is not None:
         raise ValueError("give the reference as ref_params or as TrainBatch.ref_logp, not both")
     if cfg.recompute_old_logp and batch.old_logp is not None:

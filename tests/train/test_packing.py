@@ -88,7 +88,7 @@ def padded_batch(*, routing: bool = True, kept: bool = True) -> TrainBatch:
     )
 
 
-def pack(batch: TrainBatch, k: int, row_multiple: int = 1) -> TrainBatch:
+def pack(batch: TrainBatch, k: int, row_multiple: int = 1, budget: int = 0) -> TrainBatch:
     spec = batching.BatchSpec(
         batch_groups=GROUPS,
         group_size=SIZE,
@@ -104,6 +104,7 @@ def pack(batch: TrainBatch, k: int, row_multiple: int = 1) -> TrainBatch:
         row_tokens=48,
         microbatches=k,
         row_multiple=row_multiple,
+        microbatch_tokens=budget,
     )
     packed, used, slots = batching.pack_batch(batch, spec)
     old_logp = np.zeros_like(packed.behavior_logp)
@@ -123,6 +124,7 @@ class Case:
     reference: bool = False
     recompute: bool = False
     lora: bool = False
+    budget: int = 0  # train.microbatch_tokens of the packed batch (the padded one: k)
 
 
 CASES = {
@@ -162,6 +164,11 @@ CASES = {
     ),
     "recompute-seq-tis": Case(
         objectives.PolicyLossConfig(seq_tis_cap=1.5, tis_cap=2.0), recompute=True, k=4
+    ),
+    # Token-budget microbatches: the packed batch's own k (4: one row of 48 tokens each) against
+    # the padded step's 4 row-count microbatches; SAT's q and M2PO's cutoff are the batch's.
+    "microbatch-tokens-sat-m2po": Case(
+        objectives.PolicyLossConfig(sat=SAT, m2_threshold=2.0), k=4, budget=48
     ),
     "lora-sat": Case(objectives.PolicyLossConfig(sat=SAT), lora=True, replay=False),
     # On 8 devices SAT's q is the microbatch's: a batch-scope q is a value of the statistics
@@ -225,9 +232,12 @@ def test_packed_step_equals_padded_step(params: dict, name: str) -> None:
     case = CASES[name]
     padded = padded_batch(routing=case.replay, kept=case.kept)
     shards = 8 if case.mesh == EIGHT else 1
-    packed = pack(padded, case.k, shards)
+    packed = pack(padded, case.k, shards, case.budget)
     assert packed.tokens.shape[0] < R  # the trajectories share rows
     want_grads, want = _step(params, case, padded)
+    if case.budget:
+        assert packed.microbatches == case.k and packed.tokens.size // case.k <= case.budget
+        case = dataclasses.replace(case, k=1)  # the step's own k: the batch's decides
     got_grads, got = _step(params, case, packed)
     assert want["step_skipped"] == 0.0 and want["active_tokens"] > 0
     assert got.keys() == want.keys()
@@ -327,3 +337,12 @@ def test_config_refuses_rows_shorter_than_the_longest_trajectory() -> None:
         load_config(None, ["train.packing=true", "train.row_tokens=40"])
     cfg = load_config(None, ["train.packing=true", "train.row_tokens=48"])
     assert cfg.train.packing and cfg.train.row_tokens == 48
+
+
+def test_microbatch_tokens_config_needs_packing_and_one_row() -> None:
+    with pytest.raises(ConfigError, match="needs train.packing"):
+        load_config(None, ["train.microbatch_tokens=4096"])
+    with pytest.raises(ConfigError, match="must hold one packed row"):
+        load_config(None, ["train.packing=true", "train.microbatch_tokens=32"])
+    cfg = load_config(None, ["train.packing=true", "train.microbatch_tokens=96"])
+    assert cfg.train.microbatch_tokens == 96
