@@ -123,6 +123,33 @@ class ExperimentConfig:
                     f"task.max_episode_tokens ({episode}) must be >= rollout.max_new_tokens "
                     f"({self.rollout.max_new_tokens}), which bounds each turn"
                 )
+        row = self.train.row_tokens
+        longest = self.server.max_prefill_length + self.completion_tokens
+        if self.train.packing and row and longest > row:
+            key = (
+                "rollout.max_new_tokens"
+                if self.completion_tokens == self.rollout.max_new_tokens
+                else "task.max_episode_tokens"
+            )
+            raise ValueError(
+                f"a trajectory may hold server.max_prefill_length + {key} "
+                f"({self.server.max_prefill_length} + {self.completion_tokens}) tokens, more "
+                f"than train.row_tokens ({row}): a packed row must hold the longest trajectory "
+                "(it is never split); raise train.row_tokens or lower the lengths"
+            )
+        budget = self.train.microbatch_tokens
+        if budget and not self.train.packing:
+            raise ValueError("train.microbatch_tokens needs train.packing (rows of tokens)")
+        if budget and self.train.microbatches != 1:
+            raise ValueError(
+                "train.microbatch_tokens chooses each batch's microbatches: set "
+                f"train.microbatches to 1, not {self.train.microbatches}"
+            )
+        if budget and budget < (row or longest):
+            raise ValueError(
+                f"train.microbatch_tokens ({budget}) must hold one packed row: >= "
+                f"train.row_tokens ({row or longest})"
+            )
         if (
             self.train.overlong == "soft"
             and self.train.overlong_cache > self.rollout.max_new_tokens

@@ -42,6 +42,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sharded_engine_equals_one_device_and_swaps_onto_its_shardings",
     ),
     "tests/sat_jax/model/test_attention.py": (
+        "test_packed_segments_equal_each_sequence_alone",
         "test_layers_compile_once_whatever_the_depth",
         "test_blockwise_equals_dense_attention_and_gradient",
         "test_forward_paths_equal_the_dense_reference",
@@ -88,6 +89,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sharded_step_matches_one_device",
         "test_reference_params_are_the_whole_model",
     ),
+    "tests/train/test_packing.py": ("test_packed_step_equals_padded_step",),
     "tests/sat_jax/test_microbatches.py": (
         "test_reference_params_give_the_host_reference_logprobs_step",
         "test_rewards_and_group_ids_give_the_host_advantages_step",

@@ -36,6 +36,7 @@ from sat_jax import cli as sat_cli
 from sat_jax import params_io, sharding
 from sat_jax.experiment import ConfigError, ExperimentConfig
 from sat_jax.step import (
+    Step,
     TrainBatch,
     TrainState,
     create_train_state,
@@ -500,6 +501,9 @@ def finish_step(
     scalars = {}
     if parts.writer is not None:
         scalars = {**step_metrics, **loop_scalars(pulled.stats, progress)}
+        step_obj = getattr(parts.step_fn, "func", parts.step_fn)  # a partial binds ref_params
+        if isinstance(step_obj, Step):
+            scalars["compiled_programs"] = step_obj.compiled_programs
         scalars.update(parts.pusher.metrics() if parts.pusher else {}, accuracy=accuracy)
         scalars.update(parts.pool.metrics() if parts.pool else {})
     return step, progress, streak, (step, scalars, pulled.stats)

@@ -224,6 +224,8 @@ def decode_pulled(data: bytes) -> PulledBatch:
     """The inverse of ``encode_pulled`` (``pulled`` empty: only process 0 acknowledges)."""
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
         fields = {k.removeprefix("batch/"): npz[k] for k in npz.files if k.startswith("batch/")}
+        if "microbatches" in fields:  # static (a Python int), not an array
+            fields["microbatches"] = int(fields["microbatches"])
         stats = batching.BatchStats.from_json(npz["stats"].tobytes(), lags=npz["lags"])
     return PulledBatch(batch=TrainBatch(**fields), stats=stats)
 

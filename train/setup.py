@@ -10,6 +10,7 @@ of them starts a loop. ``base_policy`` loads ``model.hf_path`` or runs (or loads
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 import uuid
@@ -152,7 +153,18 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         overlong_cache=cfg.train.overlong_cache,
         overlong_penalty=cfg.train.overlong_penalty,
         max_new_tokens=cfg.rollout.max_new_tokens,
+        packing=cfg.train.packing,
+        row_tokens=cfg.train.row_tokens,
+        microbatches=cfg.train.microbatches,
+        row_multiple=_batch_shards(cfg),
+        microbatch_tokens=cfg.train.microbatch_tokens,
     )
+
+
+def _batch_shards(cfg: ExperimentConfig) -> int:
+    """The data-parallel shards of the train mesh (a packed batch's row count is a multiple)."""
+    sizes = cfg.train.mesh.axis_sizes(jax.device_count())
+    return math.prod(sizes[a] for a in sharding.batch_axes(sizes))
 
 
 def sampleable_mask(cfg: ExperimentConfig) -> np.ndarray:

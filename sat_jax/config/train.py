@@ -169,6 +169,21 @@ class TrainConfig:
       length_bucket: a batch's time axis is padded to the smallest of ``length_bucket`` · 2^k
         (k ≥ 0) and the capacity that holds its longest row, so the step compiles once per
         bucket (docs/DESIGN.md §7.1); 0 = always the capacity.
+      packing: pack the batch's trajectories into rows of ``row_tokens`` tokens (first-fit
+        decreasing; segment ids keep attention within a trajectory, positions restart per
+        trajectory) instead of one right-padded row each (docs/DESIGN.md §3.5, §7.1); the step's
+        loss, metrics and gradient are the padded step's. A trajectory longer than a row is
+        never split: refused at config time when ``server.max_prefill_length`` + the most
+        completion tokens (``rollout.max_new_tokens``, or a multi-turn episode's) exceeds it,
+        else rejected to its server with a logged reason.
+      row_tokens: a packed row's length (0 = the capacity, longest prompt + longest
+        completion); a packed row's length is bucketed like ``length_bucket``'s, and the
+        rows per microbatch are multiples of a quantum (at most 16 counts); metric
+        ``compiled_programs`` counts the step's shapes.
+      microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: into the
+        fewest microbatches (1, 2, 4, ... dividing the rows) whose token slots (packed rows ×
+        row length) fit this budget, exactly accumulated like ``microbatches``' (which must then
+        be 1); >= a row's length. 0 = off.
       loss: the policy objective; SAT on by default.
       old_logp: the proximal log-probs of the objective: "behavior" (the sampler's, the
         default) or "recompute" (the current params' own before the update, AReaL's decoupled
@@ -209,6 +224,9 @@ class TrainConfig:
     routing_replay: bool = True
     microbatches: int = 1
     length_bucket: int = 64
+    packing: bool = False
+    row_tokens: int = 0
+    microbatch_tokens: int = 0
     loss: PolicyLossConfig = _SAT_LOSS
     old_logp: str = "behavior"
     advantage_estimator: str = "grpo"
@@ -242,7 +260,13 @@ class TrainConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         _positive(self, "steps", "weight_sync_interval", "microbatches", "filter_max_rounds")
-        for name in ("max_skipped_steps", "length_bucket", "overlong_cache"):
+        for name in (
+            "max_skipped_steps",
+            "length_bucket",
+            "overlong_cache",
+            "row_tokens",
+            "microbatch_tokens",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.overlong_penalty < float("inf"):

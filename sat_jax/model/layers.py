@@ -258,11 +258,20 @@ class Attention(nnx.Module):
         *,
         path: str,
         block: int,
+        segment_ids_bt: jax.Array | None = None,
     ) -> jax.Array:
-        """Causal self-attention of right-padded rows (``valid_bt`` [B, T] marks real tokens) by
+        """Causal self-attention of right-padded rows (``valid_bt`` [B, T] marks real tokens), or
+        of packed rows (``segment_ids_bt``: a query sees its own segment only), by
         `sat_jax.model.attention.causal_attention`'s ``path``; [B, T, D] after the projection."""
         out_btgrh = causal_attention(
-            self._groups(q_btnh), k_btgh, v_btgh, valid_bt, path=path, block=block, dtype=self.dtype
+            self._groups(q_btnh),
+            k_btgh,
+            v_btgh,
+            valid_bt,
+            path=path,
+            block=block,
+            dtype=self.dtype,
+            segment_ids_bt=segment_ids_bt,
         )
         return self._output(out_btgrh)
 

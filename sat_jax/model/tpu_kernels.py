@@ -110,6 +110,7 @@ def splash_attention(
     *,
     block: int,
     interpret: bool | None = None,
+    segment_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
     """Causal attention of right-padded rows by the splash kernel; [B, T, G, R, H] in q's dtype.
 
@@ -124,6 +125,9 @@ def splash_attention(
       valid_bt: [B, T] bool, real (not padding) positions.
       block: requested block length (`ModelConfig.attention_block`), see `splash_block`.
       interpret: Pallas interpret mode; default: unless the target platform is TPU.
+      segment_ids_bt: optional [B, T] int, the sequences of packed rows (0 on padding, which
+        they mark instead of ``valid_bt``): the kernel's query and key segment ids, so attention
+        never crosses a segment.
     """
     if interpret is None:
         interpret = target_platform() != "tpu"
@@ -138,6 +142,12 @@ def splash_attention(
 
     q_btgrh, k_btgh, v_btgh = widen(q_btgrh, 2), widen(k_btgh, 1), widen(v_btgh, 1)
     valid_bt = jnp.pad(valid_bt, [(0, 0), (0, t_pad - t)]) if t_pad > t else valid_bt
+    if segment_ids_bt is None:
+        q_seg_bt, kv_seg_bt = jnp.ones(valid_bt.shape, jnp.int32), valid_bt.astype(jnp.int32)
+    else:
+        seg_bt = jnp.asarray(segment_ids_bt, jnp.int32)
+        seg_bt = jnp.pad(seg_bt, [(0, 0), (0, t_pad - t)]) if t_pad > t else seg_bt
+        q_seg_bt = kv_seg_bt = seg_bt
     local = functools.partial(_splash_local, block=bq, interpret=interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty:
@@ -149,15 +159,15 @@ def splash_attention(
         local = jax.shard_map(
             local,
             mesh=mesh,
-            in_specs=(q_spec, kv_spec, kv_spec, P(bax, None)),
+            in_specs=(q_spec, kv_spec, kv_spec, P(bax, None), P(bax, None)),
             out_specs=q_spec,
             check_vma=False,
         )
-    out_btgrh = local(q_btgrh, k_btgh, v_btgh, valid_bt)
+    out_btgrh = local(q_btgrh, k_btgh, v_btgh, q_seg_bt, kv_seg_bt)
     return out_btgrh[:, :t, :, :, :h]
 
 
-def _splash_local(q_btgrh, k_btgh, v_btgh, valid_bt, *, block: int, interpret: bool):
+def _splash_local(q_btgrh, k_btgh, v_btgh, q_seg_bt, kv_seg_bt, *, block: int, interpret: bool):
     """One shard of `splash_attention` (shapes already padded): the kernel vmapped over B."""
     b, t, g, r, h = q_btgrh.shape
     n = g * r
@@ -178,7 +188,7 @@ def _splash_local(q_btgrh, k_btgh, v_btgh, valid_bt, *, block: int, interpret: b
     )
     q_bnth = jnp.moveaxis(q_btgrh.reshape(b, t, n, h), 1, 2)
     k_bgth, v_bgth = jnp.moveaxis(k_btgh, 1, 2), jnp.moveaxis(v_btgh, 1, 2)
-    segments = splash.SegmentIds(q=jnp.ones((b, t), jnp.int32), kv=valid_bt.astype(jnp.int32))
+    segments = splash.SegmentIds(q=q_seg_bt, kv=kv_seg_bt)
     out_bnth = jax.vmap(kernel)(q_bnth, k_bgth, v_bgth, segments)
     return jnp.moveaxis(out_bnth, 2, 1).reshape(b, t, g, r, h)
 
@@ -205,6 +215,9 @@ def gmm_dispatch(
       ids_tk: [T, K] expert ids; weights_tk: [T, K] combine weights.
       gate_edf, up_edf: [E, D, F]; down_efd: [E, F, D] expert weights in the compute dtype.
       interpret: Pallas interpret mode; default: unless the target platform is TPU.
+      segment_ids_bt: optional [B, T] int, the sequences of packed rows (0 on padding, which
+        they mark instead of ``valid_bt``): the kernel's query and key segment ids, so attention
+        never crosses a segment.
     """
     if interpret is None:
         interpret = target_platform() != "tpu"

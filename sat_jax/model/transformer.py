@@ -282,8 +282,9 @@ class Transformer(nnx.Module):
         replay_routing: jax.Array | None = None,
         replay_mask_bt: jax.Array | None = None,
         dispatch: str | None = None,
+        segment_ids_bt: jax.Array | None = None,
     ) -> ModelOutput:
-        """Full causal forward of right-padded sequences.
+        """Full causal forward of right-padded sequences, or of packed rows.
 
         Args:
           tokens_bt: [B, T] int token ids.
@@ -295,6 +296,9 @@ class Transformer(nnx.Module):
             others are routed by the live router, exactly as without replay (a multi-turn
             trajectory's observation tokens). None = every position replays.
           dispatch: overrides `config.dispatch` for this call ("auto" | "dense" | "ragged").
+          segment_ids_bt: [B, T] int, packed rows (docs/DESIGN.md §7.1): the id of each
+            position's sequence, 0 on padding; a token attends to the earlier tokens of its own
+            segment only (give each segment's own `positions_bt`, restarting at 0).
         """
         c = self.config
         b, t = tokens_bt.shape
@@ -317,7 +321,7 @@ class Transformer(nnx.Module):
                 raise ValueError("replay_mask_bt needs replay_routing")
             replay_mask_bt = jnp.asarray(replay_mask_bt, bool)
         x_btd, stats = self._scan_layers(
-            x_btd, positions_bt, mask_bt, replay_routing, dispatch, replay_mask_bt
+            x_btd, positions_bt, mask_bt, replay_routing, dispatch, replay_mask_bt, segment_ids_bt
         )
         balance = balance_from_stats(stats.frac_le, stats.prob_le)
         hidden_btd = self.final_norm(x_btd).astype(c.dtype)
@@ -342,6 +346,8 @@ class Transformer(nnx.Module):
         replay_routing: jax.Array | None = None,
         replay_mask_bt: jax.Array | None = None,
         kept_bt: jax.Array | None = None,
+        positions_bt: jax.Array | None = None,
+        segment_ids_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelOutput]:
         """Log-probs of a batch's own tokens, and the forward's `ModelOutput`.
 
@@ -354,7 +360,9 @@ class Transformer(nnx.Module):
         Args:
           tokens_bt: [B, T] int token ids, right-padded.
           temperature, vocab_mask: as in `target_logprobs`.
-          mask_bt, replay_routing, replay_mask_bt: as in `forward`.
+          mask_bt, replay_routing, replay_mask_bt, positions_bt, segment_ids_bt: as in
+            `forward` (packed rows: a segment's first token is scored from the previous
+            segment's last, a log-prob the caller masks like column 0's).
           kept_bt: optional [B, T] int, the sampler's kept-set size of ``tokens_bt[b, t]``
             (aligned like the log-probs; 0 = no truncation): replays top-k / top-p truncation
             (`token_logprobs`).
@@ -364,9 +372,11 @@ class Transformer(nnx.Module):
         """
         out = self.forward(
             tokens_bt,
+            positions_bt=positions_bt,
             mask_bt=mask_bt,
             replay_routing=replay_routing,
             replay_mask_bt=replay_mask_bt,
+            segment_ids_bt=segment_ids_bt,
         )
         logp_bt = self.target_logprobs(
             out.hidden_btd[:, :-1],
@@ -377,7 +387,9 @@ class Transformer(nnx.Module):
         )
         return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 
-    def _scan_layers(self, x_btd, positions_bt, mask_bt, replay_btlk, dispatch, replay_mask_bt):
+    def _scan_layers(
+        self, x_btd, positions_bt, mask_bt, replay_btlk, dispatch, replay_mask_bt, segment_ids_bt
+    ):
         """The full forward's layers: each run of identical consecutive layers (all dense or all
         MoE) is one `lax.scan` over its params stacked on the fly, so one layer of each kind is
         compiled whatever the depth, and the param tree (HF names, checkpoints, sharding rules)
@@ -404,6 +416,7 @@ class Transformer(nnx.Module):
                     dispatch,
                     c,
                     replay_mask_bt,
+                    segment_ids_bt,
                 )
                 return constrain_batch(x), stats
 
@@ -596,12 +609,26 @@ def _runs(kinds: list[bool]) -> list[tuple[int, int]]:
 
 
 def _layer_step(
-    layer, x_btd, positions_bt, mask_bt, replay_btk, dispatch, c: ModelConfig, replay_mask_bt=None
+    layer,
+    x_btd,
+    positions_bt,
+    mask_bt,
+    replay_btk,
+    dispatch,
+    c: ModelConfig,
+    replay_mask_bt=None,
+    segment_ids_bt=None,
 ):
     """One decoder layer of the full forward: (new residual stream, MoE stats or None)."""
     qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
     x_btd = x_btd + layer.attn.attend_causal(
-        qkv.q_btnh, qkv.k_btgh, qkv.v_btgh, mask_bt, path=c.attention, block=c.attention_block
+        qkv.q_btnh,
+        qkv.k_btgh,
+        qkv.v_btgh,
+        mask_bt,
+        path=c.attention,
+        block=c.attention_block,
+        segment_ids_bt=segment_ids_bt,
     )
     h_btd = layer.mlp_norm(x_btd)
     if not layer.is_moe:

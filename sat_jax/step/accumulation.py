@@ -28,7 +28,7 @@ from sat_jax.model import (
 )
 from sat_jax.model.moe import balance_from_stats
 from sat_jax.objectives.loss_terms import loss_count
-from sat_jax.step.batch import TrainBatch, token_mask
+from sat_jax.step.batch import TrainBatch, real_tokens, trajectory_view
 from sat_jax.step.config import StepConfig
 
 Metrics = dict[str, jax.Array]
@@ -44,7 +44,11 @@ def _policy_terms(
 ) -> objectives.PolicyLossTerms:
     """The (micro)batch's policy-loss terms (sums and counts, ``objectives.policy_loss_terms``),
     with SAT's threshold ``sat_q`` and M2PO's cutoff ``m2_cutoff`` when given (the batch's) and
-    the step's own detached log-probs as ``old_logp`` under ``cfg.recompute_old_logp``."""
+    the step's own detached log-probs as ``old_logp`` under ``cfg.recompute_old_logp``. Packed
+    rows are first gathered into their trajectory view (``trajectory_view``), so every
+    per-trajectory reduction of the loss is per segment."""
+    if batch.packed:
+        batch, logp_bt = trajectory_view(batch, logp_bt)
     old_logp = batch.old_logp
     if cfg.recompute_old_logp:
         # The proximal policy is the params before this (the batch's only) update: the step's
@@ -95,6 +99,13 @@ def _unsplit(x: jax.Array) -> jax.Array:
     return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
 
 
+def _whole_view(micro: TrainBatch, logp_kbt: jax.Array) -> tuple[TrainBatch, jax.Array]:
+    """The whole batch's trajectory view (each microbatch's, in the batch's trajectory order) of
+    packed microbatches ``micro`` and their log-probs [k, B/k, T]."""
+    view_k, logp_knc = jax.vmap(trajectory_view)(micro, logp_kbt)
+    return jax.tree.map(_unsplit, view_k), _unsplit(logp_knc)
+
+
 def _batch_statistics(
     params: Any,
     batch: TrainBatch,
@@ -125,14 +136,18 @@ def _batch_statistics(
         return None, (logp_bt, out.router_frac_le)
 
     _, (logp_kbt, frac_kle) = jax.lax.scan(one, None, micro)
+    if batch.packed:  # the statistics read the trajectories' tokens, through their view
+        batch, logp_bt = _whole_view(micro, logp_kbt)
+    else:
+        logp_bt = _unsplit(logp_kbt)
     sat_q, m2_cutoff = None, None
     if cfg.loss.m2po:
         m2_cutoff = objectives.m2po_batch_cutoff(
-            _unsplit(logp_kbt), batch.behavior_logp, batch.loss_mask, cfg.loss
+            logp_bt, batch.behavior_logp, batch.loss_mask, cfg.loss
         )
     if need_q:
         sat_q = objectives.sat_threshold(
-            _unsplit(logp_kbt),
+            logp_bt,
             batch.behavior_logp,
             batch.loss_mask,
             cfg.loss,
@@ -146,7 +161,7 @@ def _token_shares(micro: TrainBatch) -> jax.Array:
 
     The router statistics f and P are means over real tokens, so the batch's are the
     microbatches' weighted by these shares (equal shares only without padding)."""
-    n_k = jnp.sum(jax.vmap(token_mask)(micro.loss_mask), axis=(1, 2)).astype(jnp.float32)
+    n_k = jnp.sum(jax.vmap(real_tokens)(micro), axis=(1, 2)).astype(jnp.float32)
     return n_k / jnp.maximum(jnp.sum(n_k), 1.0)
 
 
@@ -162,8 +177,10 @@ def accumulated(
     reference: Callable[[TrainBatch], TrainBatch],
     cfg: StepConfig,
     coef: float,
+    k: int | None = None,
 ) -> tuple[Any, Metrics]:
-    """Gradient and metrics of the batch summed over k microbatches (one compiled ``scan`` body).
+    """Gradient and metrics of the batch summed over k microbatches (one compiled ``scan`` body);
+    k defaults to ``cfg.microbatches``.
 
     Each microbatch j differentiates loss_sum / loss_count(batch) + w_j·coef·E·Σ f_e·P_e^j with
     the batch's f and w_j its share of the batch's real tokens (the balance loss is bilinear in f
@@ -171,11 +188,14 @@ def accumulated(
     gradient is the one-pass gradient. ``reference`` adds a microbatch's reference log-probs
     (outside its gradient), so the reference's activations are a microbatch's too.
     """
-    k = cfg.microbatches
+    k = cfg.microbatches if k is None else k
     micro = _split(batch, k)
     w_k = _token_shares(micro)
     (sat_q, m2_cutoff), frac_le = _batch_statistics(params, batch, micro, forward, cfg, coef, w_k)
-    count = jnp.maximum(loss_count(batch.loss_mask, cfg.loss.loss_agg), 1).astype(jnp.float32)
+    mask = batch.loss_mask
+    if batch.packed:  # seq_mean_token_mean counts trajectories: the view's rows
+        mask = _whole_view(micro, jnp.zeros(micro.loss_mask.shape, jnp.float32))[0].loss_mask
+    count = jnp.maximum(loss_count(mask, cfg.loss.loss_agg), 1).astype(jnp.float32)
 
     def objective(p: Any, mb: TrainBatch, w: jax.Array):
         logp_bt, out = forward(p, mb)

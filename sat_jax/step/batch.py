@@ -13,7 +13,15 @@ two generated ones, has loss mask 0 like the prompt, so it is out of the loss, S
 every metric (all of them read only loss-mask tokens); under routing replay it replays the
 routing the server's cache extension recorded for it, like every other position.
 
-Dimension letters: B batch, T sequence, L MoE layers, K experts per token.
+Packed rows (``train.packing``, docs/DESIGN.md §3.5, §7.1): the rows hold several trajectories
+each (``segment_ids`` > 0, ``positions`` restarting at each segment's start), every per-token
+field is carried at its packed position, and ``view_index`` maps each trajectory's completion
+into a [N, C] trajectory view (``trajectory_view``), where the loss runs unchanged: every
+per-trajectory reduction then reads exactly its trajectory's tokens. ``rewards`` and
+``group_ids`` are then [N], one per trajectory (view row).
+
+Dimension letters: B batch, T sequence, L MoE layers, K experts per token, N trajectories, C a
+trajectory view's length.
 """
 
 from __future__ import annotations
@@ -56,6 +64,15 @@ class TrainBatch:
       fresh_mask: optional [B, T] (uint8 from the trainer), 1 on the completion tokens sampled by the weights being
         trained (lag 0): the ``sampler_kl`` metric averages over them (all active tokens when
         None).
+      segment_ids: optional [B, T] int32, packed rows: 1 + the trajectory's view row (0 on
+        padding); attention stays within a segment. With ``positions`` and ``view_index``
+        (all three or none).
+      positions: optional [B, T] int32, each token's position within its trajectory.
+      view_index: optional [N, C] int32: trajectory n's j-th completion token is at flat
+        position ``view_index[n, j]`` of its (micro)batch's [B, T] arrays (row · T + column;
+        −1 past its completion). Trajectory n lies in microbatch n mod k of the step's k.
+      microbatches: static, not an array: the k this batch is split into, chosen by the host
+        from its tokens (``train.microbatch_tokens``); 0 = the step's ``microbatches``.
     """
 
     tokens: jax.Array
@@ -69,6 +86,15 @@ class TrainBatch:
     ref_logp: jax.Array | None = None
     kept_counts: jax.Array | None = None
     fresh_mask: jax.Array | None = None
+    segment_ids: jax.Array | None = None
+    positions: jax.Array | None = None
+    view_index: jax.Array | None = None
+    microbatches: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the rows are packed (static under ``jit``)."""
+        return self.segment_ids is not None
 
 
 def with_advantages(
@@ -101,7 +127,11 @@ def with_advantages(
         where=group_ids >= 0,
         baseline=baseline,
     )
-    advantages_bt = per_row_b[:, None] * jnp.asarray(batch.loss_mask, jnp.float32)
+    if batch.packed:  # each packed token takes its trajectory's (segment's) advantage
+        per_row_b = per_row_b[jnp.maximum(jnp.asarray(batch.segment_ids) - 1, 0)]
+    else:
+        per_row_b = per_row_b[:, None]
+    advantages_bt = per_row_b * jnp.asarray(batch.loss_mask, jnp.float32)
     return batch.replace(advantages=advantages_bt, rewards=None, group_ids=None)
 
 
@@ -126,10 +156,13 @@ def check_batch(batch: TrainBatch) -> None:
       ValueError: naming what is wrong.
     """
     _check_advantage_form(batch)
+    packing = (batch.segment_ids, batch.positions, batch.view_index)
+    if any(x is not None for x in packing) and any(x is None for x in packing):
+        raise ValueError("a packed TrainBatch needs segment_ids, positions and view_index")
     if batch.group_ids is None:
         return
     group_ids = np.asarray(batch.group_ids)
-    rows = np.shape(batch.tokens)[0]
+    rows = np.shape(batch.view_index if batch.packed else batch.tokens)[0]
     if group_ids.shape != (rows,) or np.shape(batch.rewards) != (rows,):
         raise ValueError(
             f"TrainBatch rewards and group_ids must be [B] = [{rows}], got "
@@ -154,6 +187,52 @@ def token_mask(loss_mask_bt: jax.Array) -> jax.Array:
     t = jnp.arange(active_bt.shape[1])
     last_b1 = jnp.max(jnp.where(active_bt, t, -1), axis=1, keepdims=True)
     return t <= last_b1
+
+
+def real_tokens(batch: TrainBatch) -> jax.Array:
+    """[B, T] bool: the positions holding a trajectory's token (the model's ``mask_bt``):
+    ``token_mask`` of right-padded rows, ``segment_ids > 0`` of packed ones (the host packs
+    each trajectory up to its last completion token, what ``token_mask`` keeps of its row)."""
+    if batch.packed:
+        return jnp.asarray(batch.segment_ids) > 0
+    return token_mask(batch.loss_mask)
+
+
+def trainable_mask(batch: TrainBatch) -> jax.Array:
+    """The float32 loss mask the step trains: 0 where no prediction exists, column 0 of a row
+    and, in packed rows, each segment's first token."""
+    mask = jnp.asarray(batch.loss_mask, jnp.float32).at[:, 0].set(0.0)
+    if batch.packed:
+        mask = jnp.where(jnp.asarray(batch.positions) > 0, mask, 0.0)
+    return mask
+
+
+def _gather(x_bt: jax.Array, index_nc: jax.Array) -> jax.Array:
+    """x at the view's flat positions; 0 where the index is −1."""
+    valid = index_nc >= 0
+    flat = jnp.asarray(x_bt).reshape(-1)
+    return jnp.where(valid, flat[jnp.maximum(index_nc, 0)], jnp.zeros((), flat.dtype))
+
+
+def trajectory_view(batch: TrainBatch, logp_bt: jax.Array) -> tuple[TrainBatch, jax.Array]:
+    """A packed (micro)batch's per-token loss inputs and ``logp_bt`` gathered into the
+    trajectory view [N, C] (``view_index``): one row per trajectory, what the loss reduces per
+    row. Differentiable in ``logp_bt`` (the gather's transpose scatters back). The view carries
+    no model inputs (routing, kept counts, segments); its ``tokens`` are the gathered ids."""
+    idx = jnp.asarray(batch.view_index, jnp.int32)
+    take = lambda x: None if x is None else _gather(x, idx)
+    view = TrainBatch(
+        tokens=take(batch.tokens),
+        loss_mask=take(batch.loss_mask),
+        behavior_logp=take(batch.behavior_logp),
+        advantages=take(batch.advantages),
+        rewards=batch.rewards,
+        group_ids=batch.group_ids,
+        old_logp=take(batch.old_logp),
+        ref_logp=take(batch.ref_logp),
+        fresh_mask=take(batch.fresh_mask),
+    )
+    return view, _gather(logp_bt, idx)
 
 
 def batch_shardings(batch: TrainBatch, mesh: Mesh) -> TrainBatch:

@@ -31,7 +31,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sat_jax import objectives, sharding
 from sat_jax.model import ModelConfig, ModelOutput, placement
 from sat_jax.step import accumulation
-from sat_jax.step.batch import TrainBatch, token_mask, with_advantages
+from sat_jax.step.batch import (
+    TrainBatch,
+    real_tokens,
+    trainable_mask,
+    trajectory_view,
+    with_advantages,
+)
 from sat_jax.step.config import StepConfig
 from sat_jax.step.state import TrainState, train_state_shardings, whole_params
 
@@ -99,23 +105,23 @@ def train_step(
 
     baseline = shift = None
     if cfg.loss.opob_baseline and batch.advantages is None:
-        baseline, shift = _opob_baseline(state.params, batch, forward)
+        baseline, shift = _opob_baseline(state.params, batch, forward, _microbatches(batch, cfg))
     batch = with_advantages(
         batch, estimator=cfg.estimator, normalize_std=cfg.normalize_std, baseline=baseline
     )
-    batch = batch.replace(loss_mask=batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0))
+    batch = batch.replace(loss_mask=trainable_mask(batch))
 
     def reference(batch: TrainBatch) -> TrainBatch:
         if ref_params is None:
             return batch
         return batch.replace(ref_logp=scored(ref_params, batch, replay=False)[0])
 
-    if cfg.microbatches == 1:
+    if _microbatches(batch, cfg) == 1:
         grads, metrics = accumulation.one_pass(state.params, reference(batch), forward, cfg)
     else:
         coef = nnx.merge(graphdef, state.model_params).config.router_aux_loss_coef
         grads, metrics = accumulation.accumulated(
-            state.params, batch, forward, reference, cfg, coef
+            state.params, batch, forward, reference, cfg, coef, _microbatches(batch, cfg)
         )
     step_scale = None
     if cfg.loss.ess_scaling:
@@ -126,18 +132,39 @@ def train_step(
     return _apply(state, grads, metrics, optimizer, batch.loss_mask, step_scale)
 
 
-def _opob_baseline(params: Any, batch: TrainBatch, forward: Any) -> tuple[jax.Array, jax.Array]:
+def _opob_baseline(
+    params: Any, batch: TrainBatch, forward: Any, microbatches: int
+) -> tuple[jax.Array, jax.Array]:
     """VCPO's off-policy optimal baseline per row and its mean shift (docs/DESIGN.md §3.6):
     each row's Σ_t log π and ‖∇ Σ_t log π‖² under the current params, one row's backward at a
-    time (``objectives.sequence_score_stats``), then ``objectives.opob_baselines``."""
-    mask = batch.loss_mask.astype(jnp.float32).at[:, 0].set(0.0)
+    time (``objectives.sequence_score_stats``), then ``objectives.opob_baselines``. Packed rows:
+    one trajectory's backward at a time too, through its packed row with the loss mask cut to
+    its segment (attention stays within a segment and dispatch is dropless, so that is the
+    trajectory's own score)."""
+    mask = trainable_mask(batch)
     rows = batch.replace(loss_mask=mask)
+    packed = batch.packed
+    if packed:
+        rows = _trajectory_rows(rows, microbatches)
+
+    def masked(row: TrainBatch, logp_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(the row's loss mask, its log-probs), in the trajectory's view when packed."""
+        if packed:
+            view, logp_bt = trajectory_view(row, logp_bt)
+            return view.loss_mask, logp_bt
+        return row.loss_mask, logp_bt
 
     def score(p: Any, row: TrainBatch) -> jax.Array:
-        return jnp.sum(jnp.where(row.loss_mask > 0, forward(p, row)[0], 0.0))
+        mask_1t, logp_1t = masked(row, forward(p, row)[0])
+        return jnp.sum(jnp.where(mask_1t > 0, logp_1t, 0.0))
 
     logp_sum, grad_sq = objectives.sequence_score_stats(score, params, rows)
-    behavior_sum = jnp.sum(jnp.where(mask > 0, batch.behavior_logp, 0.0), axis=-1)
+    if packed:  # each trajectory's behavior log-probs, through its view
+        one = lambda row: masked(jax.tree.map(lambda x: x[None], row), row.behavior_logp[None])
+        mask_n1c, behavior_n1c = jax.vmap(one)(rows)
+        behavior_sum = jnp.sum(jnp.where(mask_n1c > 0, behavior_n1c, 0.0), axis=(-2, -1))
+    else:
+        behavior_sum = jnp.sum(jnp.where(mask > 0, batch.behavior_logp, 0.0), axis=-1)
     group_ids = jnp.asarray(batch.group_ids, jnp.int32)
     return objectives.opob_baselines(
         batch.rewards,
@@ -147,6 +174,37 @@ def _opob_baseline(params: Any, batch: TrainBatch, forward: Any) -> tuple[jax.Ar
         num_groups=group_ids.shape[0],
         where=group_ids >= 0,
     )
+
+
+def _trajectory_rows(batch: TrainBatch, k: int) -> TrainBatch:
+    """Packed ``batch`` (unsplit, laid out for ``k`` microbatches: its view indices are of
+    microbatch n mod k) as one packed row per trajectory, [N, T] leaves: trajectory n's packed
+    row with its loss mask cut to its segment and ``view_index`` [N, C] into that one row (for
+    ``sequence_score_stats``). A trajectory without completion tokens gets row 0, all masked."""
+    t = batch.tokens.shape[1]
+    idx = jnp.asarray(batch.view_index, jnp.int32)
+    traj = jnp.arange(idx.shape[0])
+    # Trajectory n sits in microbatch j = n mod k, whose local row i is global row i·k + j.
+    first = jnp.max(idx, axis=1)  # a flat index of its completion (−1: none)
+    row_n = jnp.where(first >= 0, (first // t) * k + traj % k, 0)
+    seg = jnp.asarray(batch.segment_ids)[row_n]
+    own = (seg == (traj + 1)[:, None]) & (first >= 0)[:, None]
+    per_row = lambda x: None if x is None else jnp.asarray(x)[row_n]
+    return TrainBatch(
+        tokens=per_row(batch.tokens),
+        loss_mask=jnp.where(own, batch.loss_mask[row_n], 0.0),
+        behavior_logp=per_row(batch.behavior_logp),
+        routing=per_row(batch.routing),
+        kept_counts=per_row(batch.kept_counts),
+        segment_ids=seg,
+        positions=per_row(batch.positions),
+        view_index=jnp.where(idx >= 0, idx % t, -1),
+    )
+
+
+def _microbatches(batch: TrainBatch, cfg: StepConfig) -> int:
+    """k: the batch's own (chosen by the host from its tokens), else ``cfg.microbatches``."""
+    return batch.microbatches or cfg.microbatches
 
 
 def _check_inputs(batch: TrainBatch, ref_params: Any, cfg: StepConfig) -> None:
@@ -159,10 +217,9 @@ def _check_inputs(batch: TrainBatch, ref_params: Any, cfg: StepConfig) -> None:
             f"{'None' if batch.kept_counts is None else 'given'}: the batch carries the "
             "sampler's kept-set sizes exactly when the step replays its truncation"
         )
-    if batch.tokens.shape[0] % cfg.microbatches:
-        raise ValueError(
-            f"microbatches={cfg.microbatches} must divide the batch size {batch.tokens.shape[0]}"
-        )
+    k = _microbatches(batch, cfg)
+    if batch.tokens.shape[0] % k or (batch.packed and batch.view_index.shape[0] % k):
+        raise ValueError(f"microbatches={k} must divide the batch size {batch.tokens.shape[0]}")
     if ref_params is not None and batch.ref_logp is not None:
         raise ValueError("give the reference as ref_params or as TrainBatch.ref_logp, not both")
     if cfg.recompute_old_logp and batch.old_logp is not None:
@@ -185,9 +242,11 @@ def _logprobs(
         batch.tokens,
         temperature=temperature,
         vocab_mask=vocab_mask,
-        mask_bt=token_mask(batch.loss_mask),
+        mask_bt=real_tokens(batch),
         replay_routing=batch.routing if replay else None,
         kept_bt=batch.kept_counts,
+        positions_bt=batch.positions,
+        segment_ids_bt=batch.segment_ids,
     )
 
 
@@ -294,6 +353,12 @@ class Step:
             if ref_params is None:
                 return self.plain(state, batch)
             return self.with_reference(state, batch, ref_params)
+
+    @property
+    def compiled_programs(self) -> int:
+        """How many programs the step has compiled so far (one per batch shape and form: a
+        run with bucketed shapes compiles a handful; the ``compiled_programs`` metric)."""
+        return self.plain._cache_size() + self.with_reference._cache_size()
 
     def lower(self, state: Any, batch: Any, ref_params: Any = None) -> Any:
         with jax.set_mesh(self.mesh):
