@@ -46,7 +46,7 @@ from rollout_server.chat import (
     parse_chat,
     parse_completion,
 )
-from rollout_server.sessions import Generator, Reply, SessionManager, content_chars
+from rollout_server.sessions import Generator, Reply, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -273,13 +273,7 @@ class HttpApi:
                 max_messages=self.limits.max_messages,
                 **self._limits(),
             )
-            ids = await self.gen.off_loop(
-                self.gen.prompt_ids,
-                req.messages,
-                req.tools,
-                req.template_kwargs,
-                _size=content_chars(req.messages, req.tools),
-            )
+            ids = await self.gen.render(req)
         limit = self.gen.engine.core.max_prefill_length
         return web.json_response({"count": len(ids), "max_model_len": limit, "tokens": list(ids)})
 
@@ -301,16 +295,7 @@ class HttpApi:
         if req.session_id:
             replies = [await self.sessions.chat(req)]
         else:
-            ids = await self.gen.off_loop(
-                self.gen.prompt_ids,
-                req.messages,
-                req.tools,
-                req.template_kwargs,
-                _size=content_chars(req.messages, req.tools),
-            )
-            prefix, prefix_ids = self.gen.prefix(req)
-            ids = [*ids, *prefix_ids]
-            self.gen.check_length(len(ids))
+            ids, prefix = await self.gen.render_with_prefix(req)
             replies = await self._stateless(
                 [self.gen.generate(ids, gen, tools=req.tools, prefix=prefix) for _ in range(gen.n)]
             )
@@ -422,16 +407,7 @@ class HttpApi:
                 raise work.exception()  # refused: an ordinary error answer
             as_list = _as_list
         else:
-            ids = await self.gen.off_loop(
-                self.gen.prompt_ids,
-                req.messages,
-                req.tools,
-                req.template_kwargs,
-                _size=content_chars(req.messages, req.tools),
-            )
-            prefix, prefix_ids = self.gen.prefix(req)
-            ids = [*ids, *prefix_ids]
-            self.gen.check_length(len(ids))
+            ids, prefix = await self.gen.render_with_prefix(req)
             coros = [
                 self.gen.generate(ids, gen, tools=req.tools, watch=watcher(i), prefix=prefix)
                 for i in range(gen.n)

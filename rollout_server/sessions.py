@@ -206,6 +206,26 @@ class Generator:
         self.check_length(len(ids))
         return ids
 
+    async def render(self, req: ChatRequest) -> list[int]:
+        """`prompt_ids` of `req`'s messages, tools and template kwargs (off the loop unless
+        small)."""
+        return await self.off_loop(
+            self.prompt_ids,
+            req.messages,
+            req.tools,
+            req.template_kwargs,
+            _size=content_chars(req.messages, req.tools),
+        )
+
+    async def render_with_prefix(self, req: ChatRequest) -> tuple[list[int], str]:
+        """`req` rendered, then the forced prefix of its `tool_choice` (`prefix`): the ids to
+        prefill, checked to fit, and the prefix's text."""
+        ids = await self.render(req)
+        text, prefix_ids = self.prefix(req)
+        ids = [*ids, *prefix_ids]
+        self.check_length(len(ids))
+        return ids, text
+
     def prefix(self, req: ChatRequest) -> tuple[str, list[int]]:
         """The forced prefix of `req.tool_choice` (text and ids; ("", []) for none), in the
         format of the chat template (Qwen3-Coder's XML when it renders `<function=`)."""
@@ -538,18 +558,10 @@ class SessionManager:
         s.state, s.key, s.reply, s.gen = "generating", key, None, gen
         s.turn = asyncio.get_running_loop().create_future()
         try:
-            prefix, prefix_ids = self.gen.prefix(req)
             if s.request is None:
-                ids = await self.gen.off_loop(
-                    self.gen.prompt_ids,
-                    req.messages,
-                    req.tools,
-                    req.template_kwargs,
-                    _size=content_chars(req.messages, req.tools),
-                )
-                ids = [*ids, *prefix_ids]
-                self.gen.check_length(len(ids))
+                ids, prefix = await self.gen.render_with_prefix(req)
             else:
+                prefix, prefix_ids = self.gen.prefix(req)
                 new = req.messages[len(s.messages) :]
                 size = content_chars(new, req.tools)
                 ids = [*(await self.gen.off_loop(self._delta, s, req, _size=size)), *prefix_ids]
