@@ -249,10 +249,13 @@ class ServerAdmission:
 class FleetQuota:
     """The trainer's spread of its batches over the servers (see the module docstring).
 
-    Every trainer version gives each server a credit of share · B groups, plus what was left of
-    its last one, up to one group (the fraction a whole number of groups could not take, so that
-    over the versions each server is consumed at its share, fractions included; a debt, or a
-    credit the server could not deliver, is not carried: it would unbalance every later batch).
+    Every trainer version gives each server a credit of share · B groups, plus the fraction of a
+    group left of its last one (what a whole number of groups could not take, so that over the
+    versions each server is consumed at its share, fractions included). A debt, or a whole group
+    the server did not deliver, is not carried: credits would then sum to more than the batch,
+    the most owed server would fill it, and the next batch would owe the one it left out, each
+    batch taking the servers in turn with a version's delay between them (a stale drop a batch
+    at S = 1, seen live with two equal servers).
     The pool takes from each server its whole groups of credit first, the most owed first; once
     a batch has waited `fallback_periods` trainer step periods (measured between versions, at
     least `min_fallback_s`) it takes from any server: a server that is slow or stopped admitting
@@ -288,8 +291,7 @@ class FleetQuota:
             self.period = gap if self.period is None else 0.8 * self.period + 0.2 * gap
         b = self.batch_groups
         self.credit = {
-            name: min(max(self.credit.get(name, 0.0), 0.0), 1.0) + share * b
-            for name, share in shares.items()
+            name: _fraction(self.credit.get(name, 0.0)) + share * b for name, share in shares.items()
         }
         self.version, self.since = version, now
 
@@ -328,6 +330,13 @@ class FleetQuota:
         for name, share in shares.items():
             if name != server:
                 self.credit[name] = self.credit.get(name, 0.0) + owed * share / total
+
+
+def _fraction(credit: float) -> float:
+    """What a server's credit carries into the next batch: the fraction of a group its share
+    could not take in whole groups (a debt, or a whole group it did not deliver, is dropped)."""
+    credit = max(credit, 0.0)
+    return max(credit - math.floor(credit + 1e-9), 0.0)
 
 
 @dataclasses.dataclass

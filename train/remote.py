@@ -404,9 +404,10 @@ class ServerPool(Membership):
             except BaseException as fatal:  # refused, or too large: raised in the loop
                 self._error = fatal
             finally:
-                with self._replied:
-                    server.pulling, server.pull_result = False, result
-                    self._replied.notify_all()
+                if result:  # not ended with its groups (``_pull_once`` ended that one)
+                    with self._replied:
+                        server.pulling, server.pull_result = False, result
+                        self._replied.notify_all()
 
         threading.Thread(target=run, name="pull", daemon=True).start()
         return True
@@ -420,8 +421,10 @@ class ServerPool(Membership):
         limits: GroupLimits | None,
         trainer_version: int,
     ) -> str:
-        """One Pull (on a launched thread): its groups into ``_carried``; "ok", "failed" (it
-        counts toward the server's failure streak) or "deaf" (past its deadline: fenced)."""
+        """One Pull (on a launched thread): "failed" (it counts toward the server's failure
+        streak), "deaf" (past its deadline: fenced), "ok" (it answered draining), or "" once its
+        groups are in ``_carried`` and the Pull is marked ended, both under the lock, so a
+        ``pull`` that takes them finds the server free for its next Pull."""
         started = self._clock()
         try:
             response = server.stub.Pull(
@@ -445,7 +448,9 @@ class ServerPool(Membership):
             self._carried.extend(pulled)
             if server.lagging:
                 self._unfence_if_current(server)
-        return "ok"
+            server.pulling, server.pull_result = False, "ok"
+            self._replied.notify_all()
+        return ""
 
     def _pull_concurrently(
         self,
@@ -494,9 +499,11 @@ class ServerPool(Membership):
                 if server.lagging and server not in current:
                     self._launch_pull(server, max_groups, 0.0, limits, trainer_version)
             with self._replied:
-                # Wake on a reply; re-plan now and then (the fallback opens with time).
+                # Wake on a reply (of this call's Pulls, or of earlier calls' still in flight);
+                # re-plan now and then (the fallback opens with time).
+                asked = launched or [s for s in up if s.pulling]
                 self._replied.wait_for(
-                    lambda asked=launched: (
+                    lambda: (
                         self._carried
                         or self._error is not None
                         or not any(s.pulling for s in asked)
@@ -505,7 +512,7 @@ class ServerPool(Membership):
                 )
                 if self._carried or self._error is not None:
                     continue
-                if not launched:  # only Pulls of earlier calls in flight, and no reply yet
+                if not launched:  # earlier calls' Pulls only, none answered within the wait
                     return []
                 if any(s.pulling for s in launched):
                     continue

@@ -171,8 +171,27 @@ def test_the_fleet_quota_follows_the_shares_then_falls_back():
     assert q.order(["a", "b"], now=2.0) == [("a", 1), ("a", None), ("b", None)]
     q.took("b", 1)  # from the fallback
     q.start(2, shares, now=3.0)
-    assert q.credit == {"a": 3.0, "b": 6.0}  # a's undelivered group carried, b's debt not
+    # Neither a's undelivered group nor b's debt is carried: the credits make one batch.
+    assert q.credit == {"a": 2.0, "b": 6.0}
     assert q.period == 3.0 and q.fallback_s == 9.0  # three step periods
+
+
+def test_a_batch_one_server_filled_leaves_the_next_one_to_the_shares():
+    """Two equal servers, B = 2: the fallback took both groups of a batch from a. The next batch
+    asks each for one, its share. Carrying b's undelivered group made b owe two: b filled that
+    batch, a owed two in the next, and so on, the servers taken in turn, each one's groups a
+    version late (at S = 1 a stale drop a batch, seen live)."""
+    q = FleetQuota(batch_groups=2, min_fallback_s=1.0)
+    shares = {"a": 0.5, "b": 0.5}
+    q.start(1, shares, now=0.0)
+    assert q.order(["a", "b"], now=0.0) == [("a", 1), ("b", 1)]
+    q.took("a", 1)
+    q.took("a", 1)  # the fallback: b had nothing yet
+    for v in (2, 3, 4):
+        q.start(v, shares, now=float(v))
+        assert sorted(q.order(["a", "b"], now=float(v))) == [("a", 1), ("b", 1)], v
+        q.took("a", 1)
+        q.took("b", 1)
 
 
 def test_fractional_shares_are_met_over_the_versions():
