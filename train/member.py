@@ -1,9 +1,10 @@
 """One rollout server as the trainer's pool sees it (docs/DESIGN.md §6.5): a ``Member`` record,
-shared by the pool's parts (``train.remote``), each of which alone writes its own group of fields:
+shared by the pool's parts (``train.remote``), each of which keeps its own group of fields:
 the fleet (``train.membership``: up, down, draining, joining, lagging), the pushes
 (``train.fleet_weights``: the shares granted), the Pulls (``train.pulls``: the one in flight, the
 measured overhead and capacity) and the leases (``train.leases``: acknowledgements not yet sent).
-Every field is guarded by the fleet's lock.
+(A server that comes back as another, a new ``server_id``, has its acknowledgements and capacity
+cleared by the fleet.) Every field is guarded by the fleet's lock.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ FIRST_BACKOFF_S = 0.5  # the first wait before a retry, or a probe of a down ser
 @dataclasses.dataclass(eq=False)
 class Member:
     """One rollout server as the pool sees it (mutable; guarded by the fleet's lock). Each group
-    of fields belongs to one part of the pool, which alone writes it."""
+    of fields belongs to one part of the pool."""
 
     address: str
     index: int  # stable for the pool's life: its metric is pulled_<index>

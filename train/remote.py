@@ -103,6 +103,19 @@ class ServerPool:
             sleep=sleep,
             connect=connect,
         )
+        self._wire(token, run_id, batch_groups, max_staleness)
+        self._fleet.start(
+            background,
+            FleetHooks(
+                rejoin=self._weights.rejoin,
+                went_down=self._weights.senders.reset,
+                removed=self._weights.senders.forget,
+                upkeep=self._weights.fence_overdue,
+            ),
+        )
+
+    def _wire(self, token: str, run_id: str, batch_groups: int, max_staleness: int | None) -> None:
+        """Builds the parts over the fleet, each holding those it needs."""
         self._quota = (
             FleetQuota(batch_groups, min_fallback_s=_FALLBACK_MIN_S) if batch_groups else None
         )
@@ -128,14 +141,6 @@ class ServerPool:
             if self._quota is not None
             else None
         )
-        senders = self._weights.senders
-        hooks = FleetHooks(
-            rejoin=self._weights.rejoin,
-            went_down=senders.reset,
-            removed=senders.forget,
-            upkeep=self._weights.fence_overdue,
-        )
-        self._fleet.start(background, hooks)
 
     def __enter__(self) -> ServerPool:
         return self
