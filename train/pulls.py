@@ -1,8 +1,8 @@
-"""One Pull of one rollout server, the trainer's side (docs/DESIGN.md §6.2, §6.5): its request, its
-deadline, the call, what its outcome means for the server, and booking its reply. The schedulers
-(``train.rotation``: in turn; ``train.pull_scheduler``: concurrent, with quotas) decide which
-server to pull and for how many groups; this module makes the Pull, on the caller's thread
-(``call``) or on a thread of its own (``launch``), whose groups wait in ``carried``.
+"""One Pull of one rollout server, the trainer's side (docs/DESIGN.md §6.2, §6.5): its request,
+its deadline, the call, what its outcome means for the server, and booking its reply. The
+schedulers (``train.rotation``: in turn; ``train.pull_scheduler``: concurrent, with quotas)
+decide which server to pull and for how many groups; this module makes the Pull, on the caller's
+thread (``call``) or on a thread of its own (``launch``), whose groups wait in ``carried``.
 
 - A Pull carries its server's pending acknowledgements, rejections and hand-backs
   (``train.leases``) and names the trainer's version (admission shrinks a server's run-ahead when

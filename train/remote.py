@@ -51,7 +51,8 @@ class ServerPool:
 
     Args:
       addresses, token, root_certificates, max_message_bytes, retry_max_s, server_wait_s,
-        grace_s, servers_file, on_retry, clock, sleep, connect: as in ``train.membership.Membership``.
+        grace_s, servers_file, on_retry, clock, sleep, connect: as in
+        ``train.membership.Membership``.
       run_id: this trainer run's id (stable across its restarts; the servers let only the
         attached run start an admission epoch).
       background: probe down servers and re-read ``servers_file`` on a thread of the pool's own
