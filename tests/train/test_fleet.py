@@ -497,7 +497,7 @@ def test_an_overdue_server_is_fenced_then_current_again(fleet, caplog):
             got += pool.pull(4, 1.0, trainer_version=3)
             if any(g.server_id == "b:1-1" for g in got):
                 break
-            wait_until(lambda: not pool._servers[1].pulling)
+            wait_until(lambda: not pool._fleet.servers[1].pulling)
         assert any(g.server_id == "b:1-1" for g in got)
         # b's load ends (past its deadline): its sender sends the newest, with an ended lease.
         stubs[b].UpdateWeights = stubs[b].plain_update
@@ -643,10 +643,10 @@ def test_a_reply_after_its_batch_was_made_is_handed_back_unleased(fleet):
         assert [g.server_id for g in got] == ["a:1-1", "a:1-1"]
         stubs[b].Pull = plain
         release.set()  # b's reply, for the batch of version 2, comes now
-        wait_until(lambda: not pool._servers[1].pulling)
-        late = {g.group_id for g in pool._carried}
-        assert late and pool._servers[1].pull_for == 2
+        wait_until(lambda: not pool._fleet.servers[1].pulling)
+        late = {g.group_id for g in pool._pulls.carried}
+        assert late and pool._fleet.servers[1].pull_for == 2
         nxt = pool.pull(2, 1.0, trainer_version=3)  # hands them back; b's next Pull carries them
         pool.pull(2 - len(nxt), 1.0, trainer_version=3)
         returned = {i for r in stubs[b].rpcs("Pull") for i in r.return_group_ids}
-        assert returned == late and not pool._servers[1].returns
+        assert returned == late and not pool._fleet.servers[1].returns
