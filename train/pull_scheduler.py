@@ -7,11 +7,11 @@ fallback, any number); a batch is made from whichever replies first. What overfl
 comes after it was made, is handed back unleased (``train.leases``), so its server leases it again
 for the batch its next Pull names. With several servers a Pull waits at most 0.5 s at its server.
 
-The hold rule: a server owed part of the batch whose Pull has run 0.25 s past its wait without an
-answer (paused: a GC pause, SIGSTOP) holds the quota's fallback until the Pull's deadline, since
-taking its part from the others would advance the trainer past the groups it holds; past the
-deadline it is fenced and its part goes to the others. A Pull still within its wait (no group
-ready yet) holds nothing: a slow server must not gate the batch.
+A paused server (a GC pause, SIGSTOP) holds nothing: the quota's fallback opens after three step
+periods (at least 1 s) whatever its Pull is doing, and past the Pull's deadline it is fenced and
+its part goes to the others. An earlier rule held the fallback until a paused server's deadline;
+it cost half the trainer's steps with a server paused half of every second, and the waste it was
+added for came from a credit rule since fixed (benchmarks/RESULTS.md, issue 42).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from train.pulls import Pulled, Pulls
 
 _REPLAN_S = 0.1  # a pull waiting on its servers' Pulls re-plans this often (the fallback)
 _CONCURRENT_WAIT_S = 0.5  # with several servers, how long a Pull waits at its server
-_HOLD_AFTER_S = 0.25  # a Pull this long past its wait without an answer holds the fallback
 
 
 def _oldest(group: Group | InvalidGroup) -> int:
@@ -174,14 +173,8 @@ class PullScheduler:
         now = self._fleet.clock()
         self._quota.start(trainer_version, self.quota_shares(current, trainer_version), now)
         by_address = {s.address: s for s in current}
-        hold = any(
-            s.pulling
-            and self._quota.quota(s.address) > 0
-            and s.pull_wait + _HOLD_AFTER_S < now - s.pull_started < s.pull_deadline
-            for s in current
-        )
         plan: dict[str, int | None] = {}
-        for address, limit in self._quota.order(list(by_address), now, fallback=not hold):
+        for address, limit in self._quota.order(list(by_address), now):
             if address in plan:
                 if limit is None:
                     plan[address] = None
