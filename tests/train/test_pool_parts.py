@@ -1,7 +1,7 @@
 """The pool's parts alone (docs/DESIGN.md §6.5), each with fake stubs and the fake clock, without
 a ``ServerPool``: the fleet (``Membership``) and the servers file, the leases, one Pull, the
-rotation, the concurrent scheduler (its quota plan, the fallback past a paused server, the hand-back) and the
-pushes' fence and rejoin."""
+rotation, the concurrent scheduler (its quota plan, the fallback past a paused server, the
+hand-back) and the pushes' fence and rejoin."""
 
 from __future__ import annotations
 
