@@ -291,7 +291,8 @@ class FleetQuota:
             self.period = gap if self.period is None else 0.8 * self.period + 0.2 * gap
         b = self.batch_groups
         self.credit = {
-            name: _fraction(self.credit.get(name, 0.0)) + share * b for name, share in shares.items()
+            name: _fraction(self.credit.get(name, 0.0)) + share * b
+            for name, share in shares.items()
         }
         self.version, self.since = version, now
 
