@@ -9,9 +9,8 @@ for the batch its next Pull names. With several servers a Pull waits at most 0.5
 
 A paused server (a GC pause, SIGSTOP) holds nothing: the quota's fallback opens after three step
 periods (at least 1 s) whatever its Pull is doing, and past the Pull's deadline it is fenced and
-its part goes to the others. An earlier rule held the fallback until a paused server's deadline;
-it cost half the trainer's steps with a server paused half of every second, and the waste it was
-added for came from a credit rule since fixed (benchmarks/RESULTS.md, issue 42).
+its part goes to the others. An earlier rule held the fallback until a paused server's deadline,
+against stale drops that came from a credit rule since fixed (benchmarks/RESULTS.md, issue 42).
 """
 
 from __future__ import annotations

@@ -261,8 +261,7 @@ def test_the_plan_asks_each_server_for_its_quota_and_not_one_with_a_pull_in_flig
 def test_a_paused_server_owed_part_of_the_batch_holds_nothing_past_the_fallback(wait):
     """Past the fallback every server may be asked for any number, also while a server owed part
     of the batch has a Pull in flight past its wait (paused) and before its deadline: the paused
-    server's part is not waited for beyond the fallback (holding it halved a trainer-bound run
-    with a server paused half of every second)."""
+    server's part is not waited for beyond the fallback, as for any slow server."""
     parts = Parts(["a:1", "b:1"], batch_groups=4)
     parts.fleet.start(False)
     sched, (a, b), clock = scheduler(parts), parts.fleet.servers, parts.clock
