@@ -75,7 +75,7 @@ def step_config(cfg: ExperimentConfig) -> StepConfig:
         temperature=cfg.rollout.temperature,
         microbatches=train.microbatches,
         estimator=train.advantage_estimator,
-        normalize_std=train.normalize_std,
+        normalize_std=train.divides_std,
         recompute_old_logp=train.old_logp == "recompute",
         kept_counts=cfg.rollout.replays_truncation,
     )
