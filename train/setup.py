@@ -148,14 +148,14 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         packing=cfg.train.packing,
         row_tokens=cfg.train.row_tokens,
         microbatches=cfg.train.microbatches,
-        row_multiple=_batch_shards(cfg),
+        row_multiple=_batch_shards(cfg.train.mesh),
         microbatch_tokens=cfg.train.microbatch_tokens,
     )
 
 
-def _batch_shards(cfg: ExperimentConfig) -> int:
+def _batch_shards(mesh: sharding.MeshConfig) -> int:
     """The data-parallel shards of the train mesh (a packed batch's row count is a multiple)."""
-    sizes = cfg.train.mesh.axis_sizes(jax.device_count())
+    sizes = mesh.axis_sizes(jax.device_count())
     return math.prod(sizes[a] for a in sharding.batch_axes(sizes))
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from sat_jax.config.step import StepConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.optimizer import OptimizerConfig
 from sat_jax.sharding import MeshConfig
@@ -195,8 +196,8 @@ class TrainConfig:
     The batch (``rollout.batch_groups`` groups of ``rollout.group_size``) and the staleness bound
     (``rollout.max_staleness``) are shared with the server's admission rule and live in
     ``rollout``. The step's options (``loss``, ``routing_replay``, ``microbatches``,
-    ``old_logp``, ``advantage_estimator``, ``normalize_std``, with ``rollout.temperature``) are
-    gathered into one ``StepConfig`` by the step's own builder.
+    ``old_logp``, ``advantage_estimator``, ``normalize_std``) build the step's ``StepConfig``
+    (``step_options``, given ``rollout.temperature`` and the truncation replay).
 
     Attributes:
       mode: "async" (generation keeps running while the trainer steps) or "sync" (generation
@@ -366,6 +367,22 @@ class TrainConfig:
                     f"{' and '.join(unread)} {verb} inert with overlong {self.overlong!r} (only "
                     "'soft' reads them): drop them, or set overlong 'soft'"
                 )
+
+    def step_options(self, *, temperature: float, kept_counts: bool) -> StepConfig:
+        """The train step's options from this section: ``loss``, ``routing_replay``,
+        ``microbatches``, the advantages (``advantage_estimator``, ``divides_std``) and
+        ``old_logp``, with the sampler's ``temperature`` and whether the batch carries its kept
+        counts (``rollout.temperature``, ``rollout.replays_truncation``)."""
+        return StepConfig(
+            loss=self.loss,
+            routing_replay=self.routing_replay,
+            temperature=temperature,
+            microbatches=self.microbatches,
+            estimator=self.advantage_estimator,
+            normalize_std=self.divides_std,
+            recompute_old_logp=self.old_logp == "recompute",
+            kept_counts=kept_counts,
+        )
 
     @property
     def divides_std(self) -> bool:
