@@ -225,7 +225,7 @@ class TrainConfig:
         completion tokens (``rollout.max_new_tokens``, or a multi-turn episode's) exceeds it,
         else rejected to its server with a logged reason.
       row_tokens: a packed row's length (0 = the capacity, longest prompt + longest
-        completion); a packed row's length is bucketed like ``length_bucket``'s, and the
+        completion; refused without ``packing``); a packed row's length is bucketed like ``length_bucket``'s, and the
         rows per microbatch are multiples of a quantum (at most 16 counts); metric
         ``compiled_programs`` counts the step's shapes.
       microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: into the
@@ -346,6 +346,11 @@ class TrainConfig:
             raise ValueError(
                 "normalize_std is inert with advantage_estimator 'dr_grpo' (Dr.GRPO never "
                 "divides by the group's std): drop normalize_std, or use 'grpo'"
+            )
+        if self.row_tokens and not self.packing:
+            raise ValueError(
+                "row_tokens is inert without packing (only a packed row has that length): "
+                "drop it, or set packing true"
             )
         if self.filter_groups == "none" and self.filter_max_rounds is not None:
             raise ValueError(

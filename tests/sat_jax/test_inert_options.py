@@ -32,6 +32,7 @@ SOFT = ["train.overlong=soft", "train.overlong_cache=4", "rollout.max_new_tokens
             ["train.overlong=mask", "train.overlong_cache=4", "train.overlong_penalty=1.0"],
             ("overlong_cache and overlong_penalty", "overlong 'mask'"),
         ),
+        (["train.row_tokens=64"], ("row_tokens", "without packing")),
         (["task.turn_discount=0.5"], ("turn_discount", "env 'single_turn'")),
         (
             ["task.env=calculator", "task.chat_template=true", "task.turn_discount=0.9"],
@@ -58,6 +59,7 @@ def test_an_inert_option_is_refused_in_one_line_naming_the_keys(overrides, keys)
         [*SOFT, "train.overlong_penalty=0.5"],
         SOFT,
         ["train.overlong=mask"],
+        ["train.packing=true", "train.row_tokens=64"],
         [],
     ],
 )
