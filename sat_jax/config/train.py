@@ -225,9 +225,9 @@ class TrainConfig:
         completion tokens (``rollout.max_new_tokens``, or a multi-turn episode's) exceeds it,
         else rejected to its server with a logged reason.
       row_tokens: a packed row's length (0 = the capacity, longest prompt + longest
-        completion; refused without ``packing``); a packed row's length is bucketed like ``length_bucket``'s, and the
-        rows per microbatch are multiples of a quantum (at most 16 counts); metric
-        ``compiled_programs`` counts the step's shapes.
+        completion; refused without ``packing``); a packed row's length is bucketed like
+        ``length_bucket``'s, and the rows per microbatch are multiples of a quantum (at most 16
+        counts); metric ``compiled_programs`` counts the step's shapes.
       microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: into the
         fewest microbatches (1, 2, 4, ... dividing the rows) whose token slots (packed rows ×
         row length) fit this budget, exactly accumulated like ``microbatches``' (which must then
