@@ -47,6 +47,7 @@ from rollout_api import records
 from rollout_api.client import channel_options, connect
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server.engine import MoEEngine
+from rollout_server.service import pull_reply
 from sat_jax import params_io
 from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.decoding import DecodeCore, SamplingConfig, sample
@@ -381,11 +382,6 @@ def wire_groups(
     return out
 
 
-def pull_reply(messages: list, request: rollout_pb2.PullRequest) -> rollout_pb2.PullResponse:
-    """The server's Pull reply of its queued messages (as `RolloutService.Pull` encodes it)."""
-    return rollout_pb2.PullResponse(groups=messages)
-
-
 class _QueuedRollout(rollout_pb2_grpc.RolloutServicer):
     """Serves the same queued group messages (the server's `records.to_proto`) on every Pull."""
 
@@ -393,7 +389,7 @@ class _QueuedRollout(rollout_pb2_grpc.RolloutServicer):
         self.messages = messages
 
     def Pull(self, request, context):
-        return pull_reply(self.messages, request)
+        return pull_reply(self.messages, request, 0.0)
 
 
 def bench_wire(
@@ -411,7 +407,7 @@ def bench_wire(
     request = rollout_pb2.PullRequest(max_groups=groups)
 
     def server_side() -> bytes:
-        return pull_reply([records.to_proto(g) for g in recs], request).SerializeToString()
+        return pull_reply([records.to_proto(g) for g in recs], request, 0.0).SerializeToString()
 
     data = server_side()
 

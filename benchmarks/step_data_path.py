@@ -173,9 +173,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"d_model {cfg.model.d_model}, {cfg.model.num_layers} layers",
         "devices": f"{jax.device_count()} {jax.default_backend()}",
         "repeats": args.repeats,
-        "median_ms": {
-            p: 1e3 * statistics.median(v) for p, v in samples.items() if "cpu" not in p
-        },
+        "median_ms": {p: 1e3 * statistics.median(v) for p, v in samples.items() if "cpu" not in p},
         "trainer_cpu_s_per_1000_groups": {
             p.removesuffix("_cpu_per_1000"): statistics.median(v)
             for p, v in samples.items()

@@ -12,6 +12,15 @@ group, and raises `InvalidGroupError` naming what is wrong. The trainer turns th
 `InvalidGroup` (`decode_pulled`), which it counts as invalid and rejects, so the server
 generates a replacement.
 
+One validation per trajectory per process, where it enters (docs/DESIGN.md §6.2): on the
+server, when the engine's arrays become a record (`to_proto` checks nothing again); on the
+trainer, in `decode_group` (the wire's checks, the record's, then the limits'; batching trusts
+the records). The per-token arrays travel packed (`PackedArray`: one little-endian buffer each,
+`pack_array` / `unpack_array`), never as a Python object per token; a message of an older server
+(the repeated fields) still decodes. The texts (`prompt_text`, `answer`, `completion_text`) are
+in the queued message but leave the server only for a Pull that asks for them
+(`PullRequest.include_texts`, `strip_texts`): the trainer reads none.
+
 Multi-turn trajectories (docs/DESIGN.md §6.2): `Trajectory.loss_mask` marks which completion
 tokens the policy generated (True) and which the environment inserted (observation tokens,
 False). The per-token fields keep one entry per completion token, and the values of the
@@ -33,7 +42,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from rollout_api.proto import rollout_pb2
-from rollout_api.routing_codec import decode_routing, encode_routing
+from rollout_api.routing_codec import decode_routing
 
 # finish_reason of a record <-> the proto enum; "" is unspecified (or a reason this version of
 # the wire does not know: a newer server's reason is not an error). "stop": a stop id ended the
@@ -233,7 +242,10 @@ def group_key(server_id: str, group_id: int) -> str:
 
 
 def to_proto(group: Group) -> rollout_pb2.Group:
-    """The `rollout_pb2.Group` message of a record (the server's one conversion)."""
+    """The `rollout_pb2.Group` message of a record (the server's one conversion): the per-token
+    arrays packed (`PackedArray`, one buffer each), the texts included (`strip_texts` takes them
+    out of a reply that did not ask for them). The record was checked when it was built; nothing
+    is checked again here."""
     return rollout_pb2.Group(
         group_id=group.group_id,
         prompt_id=group.prompt_id,
@@ -245,20 +257,84 @@ def to_proto(group: Group) -> rollout_pb2.Group:
 
 
 def _trajectory_to_proto(t: Trajectory) -> rollout_pb2.Trajectory:
-    # `.tolist()` then the repeated field: protobuf converts Python numbers faster than numpy
-    # scalars.
     return rollout_pb2.Trajectory(
-        prompt_ids=t.prompt_ids.tolist(),
-        completion_ids=t.completion_ids.tolist(),
-        behavior_logprobs=t.behavior_logprobs.tolist(),
-        versions=t.versions.tolist(),
-        routing=None if t.routing is None else encode_routing(t.routing),
-        kept_counts=None if t.kept_counts is None else t.kept_counts.tolist(),
-        loss_mask=encode_loss_mask(t.loss_mask),
+        prompt_ids_packed=pack_array(t.prompt_ids),
+        completion_ids_packed=pack_array(t.completion_ids),
+        behavior_logprobs_packed=pack_array(t.behavior_logprobs),
+        versions_packed=pack_array(t.versions),
+        routing=None if t.routing is None else _routing_message(t.routing),
+        kept_counts_packed=None if t.kept_counts is None else pack_array(t.kept_counts),
+        loss_mask_packed=None if t.loss_mask is None else pack_array(t.loss_mask),
         reward=t.reward,
         finish_reason=_FINISH_TO_PROTO[t.finish_reason],
         completion_text=t.completion_text,
     )
+
+
+def _routing_message(routing: np.ndarray) -> rollout_pb2.Routing:
+    """`encode_routing` of a record's routing, whose dtype and rank its record checked."""
+    wire = routing.dtype.newbyteorder("<")
+    return rollout_pb2.Routing(
+        data=np.ascontiguousarray(routing, dtype=wire).tobytes(),
+        shape=routing.shape,
+        dtype=routing.dtype.name,
+    )
+
+
+# An integer array is packed in the first of these that holds its values; a reader accepts, for
+# each field, only the wire dtypes its values' dtype holds whole (no wrap-around on the way in).
+_NARROW = tuple(np.dtype(d) for d in (np.uint8, np.uint16, np.int32, np.int64))
+_WIRE_DTYPES = {
+    np.dtype(np.int32): ("uint8", "uint16", "int32"),
+    np.dtype(np.int64): ("uint8", "uint16", "uint32", "int32", "int64"),
+    np.dtype(np.float32): ("float32",),
+    np.dtype(np.uint8): ("uint8",),
+}
+
+
+def pack_array(values: np.ndarray) -> rollout_pb2.PackedArray:
+    """The `PackedArray` of a 1-D array: float32 as it is, bool as uint8, integers in the
+    narrowest of uint8, uint16, int32 and int64 that holds them; little-endian bytes."""
+    values = np.asarray(values)
+    if values.dtype == np.bool_:
+        wire = np.dtype(np.uint8)
+    elif values.dtype.kind in "iu":
+        lo, hi = (int(values.min()), int(values.max())) if values.size else (0, 0)
+        wire = next(d for d in _NARROW if np.iinfo(d).min <= lo and hi <= np.iinfo(d).max)
+    else:
+        wire = values.dtype
+    data = np.ascontiguousarray(values, dtype=wire.newbyteorder("<")).tobytes()
+    return rollout_pb2.PackedArray(data=data, dtype=wire.name)
+
+
+def unpack_array(packed: rollout_pb2.PackedArray, dtype: type) -> np.ndarray:
+    """The 1-D array of `dtype` (int32, int64, float32 or uint8) a `PackedArray` carries, fresh.
+
+    Raises:
+      ValueError: a wire dtype that does not hold `dtype`'s values whole (e.g. int64 for
+        int32 ids), or a byte count that is not a whole number of items.
+    """
+    target = np.dtype(dtype)
+    if packed.dtype not in _WIRE_DTYPES[target]:
+        raise ValueError(
+            f"packed dtype {packed.dtype!r} for {target} values (expected one of "
+            f"{', '.join(_WIRE_DTYPES[target])})"
+        )
+    wire = np.dtype(packed.dtype).newbyteorder("<")
+    data = packed.data
+    if len(data) % wire.itemsize:
+        raise ValueError(f"{len(data)} bytes are not a whole number of {packed.dtype} items")
+    return np.frombuffer(data, wire).astype(target)
+
+
+def strip_texts(groups: Iterable[rollout_pb2.Group]) -> None:
+    """Empties the texts of group messages (a reply's copies): `prompt_text`, `answer` and every
+    `completion_text`, which the trainer never reads (`PullRequest.include_texts` keeps them)."""
+    for g in groups:
+        g.ClearField("prompt_text")
+        g.ClearField("answer")
+        for t in g.trajectories:
+            t.ClearField("completion_text")
 
 
 def decode_group(message: rollout_pb2.Group, limits: GroupLimits | None = None) -> Group:
@@ -320,48 +396,71 @@ def decode_pulled(
     return out
 
 
+def _per_token(t: rollout_pb2.Trajectory, name: str, dtype: type) -> np.ndarray | None:
+    """A per-token field of a trajectory message: its packed form when set, else the repeated
+    one (an older server's); None when neither carries a value."""
+    packed = f"{name}_packed"
+    if t.HasField(packed):
+        try:
+            return unpack_array(getattr(t, packed), dtype)
+        except ValueError as e:
+            raise ValueError(f"unreadable {name} ({e})") from None
+    values = getattr(t, name)
+    return np.array(values, dtype) if len(values) else None
+
+
 def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) -> Trajectory:
-    """One trajectory's record; ValueError names what is wrong (without the group)."""
-    prompt_ids = np.array(t.prompt_ids, np.int32)
-    completion_ids = np.array(t.completion_ids, np.int32)
-    loss_mask = decode_loss_mask(t.loss_mask, completion_ids.size)
-    generated = np.ones(completion_ids.size, bool) if loss_mask is None else loss_mask
-    if limits is not None:
-        for name, ids in (("prompt", prompt_ids), ("completion", completion_ids)):
-            _check_range(f"{name} token id", ids, limits.vocab_size, "the vocabulary")
+    """One trajectory's record, validated once: the wire's own checks (the mask's values, the
+    routing's bytes), the record's (`Trajectory.__post_init__`: lengths, dtypes, finite values),
+    then the limits'. ValueError names what is wrong (without the group)."""
+    empty = lambda dtype: np.zeros(0, dtype)
+    prompt_ids = _per_token(t, "prompt_ids", np.int32)
+    completion_ids = _per_token(t, "completion_ids", np.int32)
+    completion_ids = empty(np.int32) if completion_ids is None else completion_ids
+    mask = _per_token(t, "loss_mask", np.int64)
+    loss_mask = None if mask is None else decode_loss_mask(mask, completion_ids.size)
     routing = None
     if t.HasField("routing") and (limits is None or limits.routing_lk is not None):
         try:
             routing = decode_routing(t.routing)
         except ValueError as e:
             raise ValueError(f"unreadable routing ({e})") from None
-    if limits is not None and limits.routing_lk is not None:
-        if routing is None:
-            raise ValueError("no routing (the trainer replays routing)")
-        lk = tuple(limits.routing_lk)
-        if routing.shape[1:] != lk:
-            raise ValueError(f"routing of (L, K) = {routing.shape[1:]}, expected {lk}")
-        # Every position is replayed, inserted (observation) tokens too.
-        if routing.shape[0] == prompt_ids.size + completion_ids.size:  # else a length mismatch
-            _check_range("routing id", routing, limits.num_experts, "the experts")
+    behavior = _per_token(t, "behavior_logprobs", np.float32)
+    versions = _per_token(t, "versions", np.int64)
     finish = int(t.finish_reason)
-    kept = np.array(t.kept_counts, np.int32) if len(t.kept_counts) else None
-    if kept is not None and limits is not None and kept.size == generated.size:
-        most = kept[generated].max(initial=1)
-        if most > limits.vocab_size:
-            raise ValueError(f"a kept count {int(most)} exceeds the vocabulary {limits.vocab_size}")
-    return Trajectory(
-        prompt_ids=prompt_ids,
+    record = Trajectory(
+        prompt_ids=empty(np.int32) if prompt_ids is None else prompt_ids,
         completion_ids=completion_ids,
-        behavior_logprobs=np.array(t.behavior_logprobs, np.float32),
-        versions=np.array(t.versions, np.int64),
+        behavior_logprobs=empty(np.float32) if behavior is None else behavior,
+        versions=empty(np.int64) if versions is None else versions,
         routing=routing,
-        kept_counts=kept,
+        kept_counts=_per_token(t, "kept_counts", np.int32),
         loss_mask=loss_mask,
         reward=float(t.reward),
         finish_reason=_FINISH_FROM_PROTO.get(finish, ""),
         completion_text=t.completion_text,
     )
+    if limits is not None:
+        _check_limits(record, limits)
+    return record
+
+
+def _check_limits(t: Trajectory, limits: GroupLimits) -> None:
+    """What a well-formed record must also fit to be trained by the trainer's model."""
+    for name, ids in (("prompt", t.prompt_ids), ("completion", t.completion_ids)):
+        _check_range(f"{name} token id", ids, limits.vocab_size, "the vocabulary")
+    if limits.routing_lk is not None:
+        if t.routing is None:
+            raise ValueError("no routing (the trainer replays routing)")
+        lk = tuple(limits.routing_lk)
+        if t.routing.shape[1:] != lk:
+            raise ValueError(f"routing of (L, K) = {t.routing.shape[1:]}, expected {lk}")
+        # Every position is replayed, inserted (observation) tokens too.
+        _check_range("routing id", t.routing, limits.num_experts, "the experts")
+    if t.kept_counts is not None:
+        most = t.kept_counts[t.generated].max(initial=1)
+        if most > limits.vocab_size:
+            raise ValueError(f"a kept count {int(most)} exceeds the vocabulary {limits.vocab_size}")
 
 
 def encode_loss_mask(loss_mask: np.ndarray | None) -> list[int]:
@@ -384,7 +483,7 @@ def decode_loss_mask(values: Iterable[int], completion_tokens: int) -> np.ndarra
       ValueError: a value other than 0 and 1, a length other than C, or a first completion
         token that is not generated (an episode starts with the policy's turn).
     """
-    mask = np.array(list(values), np.int64)
+    mask = values if isinstance(values, np.ndarray) else np.array(list(values), np.int64)
     if mask.size == 0:
         return None
     if mask.size != completion_tokens:
