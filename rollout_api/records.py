@@ -42,7 +42,7 @@ from collections.abc import Iterable
 import numpy as np
 
 from rollout_api.proto import rollout_pb2
-from rollout_api.routing_codec import decode_routing
+from rollout_api.routing_codec import decode_routing, encode_routing
 
 # finish_reason of a record <-> the proto enum; "" is unspecified (or a reason this version of
 # the wire does not know: a newer server's reason is not an error). "stop": a stop id ended the
@@ -243,9 +243,9 @@ def group_key(server_id: str, group_id: int) -> str:
 
 def to_proto(group: Group) -> rollout_pb2.Group:
     """The `rollout_pb2.Group` message of a record (the server's one conversion): the per-token
-    arrays packed (`PackedArray`, one buffer each), the texts included (`strip_texts` takes them
-    out of a reply that did not ask for them). The record was checked when it was built; nothing
-    is checked again here."""
+    arrays packed (`PackedArray`, one buffer each; the routing by `routing_codec`), the texts
+    included (`strip_texts` takes them out of a reply that did not ask for them). The record was
+    checked when it was built; no value is checked again here."""
     return rollout_pb2.Group(
         group_id=group.group_id,
         prompt_id=group.prompt_id,
@@ -262,22 +262,12 @@ def _trajectory_to_proto(t: Trajectory) -> rollout_pb2.Trajectory:
         completion_ids_packed=pack_array(t.completion_ids),
         behavior_logprobs_packed=pack_array(t.behavior_logprobs),
         versions_packed=pack_array(t.versions),
-        routing=None if t.routing is None else _routing_message(t.routing),
+        routing=None if t.routing is None else encode_routing(t.routing),
         kept_counts_packed=None if t.kept_counts is None else pack_array(t.kept_counts),
         loss_mask_packed=None if t.loss_mask is None else pack_array(t.loss_mask),
         reward=t.reward,
         finish_reason=_FINISH_TO_PROTO[t.finish_reason],
         completion_text=t.completion_text,
-    )
-
-
-def _routing_message(routing: np.ndarray) -> rollout_pb2.Routing:
-    """`encode_routing` of a record's routing, whose dtype and rank its record checked."""
-    wire = routing.dtype.newbyteorder("<")
-    return rollout_pb2.Routing(
-        data=np.ascontiguousarray(routing, dtype=wire).tobytes(),
-        shape=routing.shape,
-        dtype=routing.dtype.name,
     )
 
 
