@@ -17,9 +17,9 @@ server, when the engine's arrays become a record (`to_proto` checks no value aga
 trainer, in `decode_group` (the wire's checks, the record's, then the limits'; batching
 validates no value again). The per-token arrays travel packed (`PackedArray`: one little-endian
 buffer each, `pack_array` / `unpack_array`), never as a Python object per token; a message of an
-older server (the repeated fields) still decodes. The texts (`prompt_text`, `answer`, `completion_text`) are
-in the queued message but leave the server only for a Pull that asks for them
-(`PullRequest.include_texts`, `strip_texts`): the trainer reads none.
+older server (the repeated fields) still decodes. The texts (`prompt_text`, `answer`,
+`completion_text`) are in the queued message but leave the server only for a Pull that asks for
+them (`PullRequest.include_texts`, `strip_texts`): the trainer reads none.
 
 Multi-turn trajectories (docs/DESIGN.md §6.2): `Trajectory.loss_mask` marks which completion
 tokens the policy generated (True) and which the environment inserted (observation tokens,
