@@ -14,9 +14,11 @@ values, not the work).
 
 Timed per step: `decode` (the trainer's decoding and validation of the pulled protos, made by the
 server's own encoding `records.to_proto`), `assemble` (select_groups + assemble_batch), `shard`
-(shard_batch until the arrays are on the device), `step` (the step until its metrics are on the host) and `total` (all
-of it). After `--warmup` untimed steps (compiles), the medians over `--repeats` steps are
-reported, with the bytes each step moves host → device and device → host besides the metrics.
+(shard_batch until the arrays are on the device), `step` (the step until its metrics are on the
+host) and `total` (all of it). After `--warmup` untimed steps (compiles), the medians over
+`--repeats` steps are reported, with the bytes each step moves host → device and device → host
+besides the metrics, and the trainer's CPU seconds (this thread's) per 1,000 groups of `decode`
+and `assemble`.
 The machine may be shared and noisy: compare medians of runs made back to back.
 
 `make_data_path` is the only part that knows the train step's API (a copy adapted to an older
