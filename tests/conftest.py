@@ -5,11 +5,23 @@ jax is first imported, which is why it lives here and not in a fixture.
 """
 
 import os
+import pathlib
+import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache, for the test processes and every process they start (the
+# servers, trainers and benchmark scripts inherit the environment): the tests compile the same
+# tiny models' steps and decoders again and again, in-process and in subprocesses, and a hit loads
+# the executable XLA built the first time instead of building it again. Keyed by the program, the
+# jax version and the flags, so a hit is the same executable; JAX_COMPILATION_CACHE_DIR= (empty)
+# turns it off.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(tempfile.gettempdir()) / "sat_jax_test_jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax
 
@@ -147,3 +159,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
         if item.nodeid.split("[", 1)[0] in heavy:
             item.add_marker(pytest.mark.heavy)
+    items[:] = longest_files_first(items)
+
+
+# Rough seconds of a test, by its marks, for the order of the files (`longest_files_first`).
+SECONDS_SLOW, SECONDS_HEAVY, SECONDS_OTHER = 20.0, 8.0, 0.5
+
+
+def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The files ordered by their estimated time (by marks), longest first; each file's tests in
+    their order. `make test` hands out whole files to its two workers (`--dist loadfile`, so a
+    module's fixtures, servers and compiled steps are built once): a long file handed out last
+    would leave one worker running it alone at the end."""
+    cost: dict[str, float] = {}
+    for item in items:
+        s = SECONDS_SLOW if item.get_closest_marker("slow") else SECONDS_OTHER
+        s = SECONDS_HEAVY if item.get_closest_marker("heavy") and s < SECONDS_HEAVY else s
+        path = item.nodeid.split("::", 1)[0]
+        cost[path] = cost.get(path, 0.0) + s
+    rank = {path: i for i, path in enumerate(sorted(cost, key=lambda p: -cost[p]))}
+    return sorted(items, key=lambda item: rank[item.nodeid.split("::", 1)[0]])
