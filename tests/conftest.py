@@ -116,7 +116,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sat_properties",
     ),
     "tests/sat_jax/test_params_io.py": ("test_saves_keep_no_objects_from_orbax_spec_resolution",),
-    "tests/sat_jax/test_plan.py": (
+    "tests/sat_jax/plan/test_plan.py": (
         "test_counts_match_the_architecture",
         "test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proximal",
     ),

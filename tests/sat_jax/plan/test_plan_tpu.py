@@ -20,7 +20,7 @@ from sat_jax.plan import memory as plan
 from sat_jax.plan import topology
 from sat_jax.plan.__main__ import main as plan_main
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 GIB = 2**30
 LIBTPU = topology.libtpu_installed()
 needs_libtpu = pytest.mark.skipif(
