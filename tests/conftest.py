@@ -38,8 +38,8 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_served_weights_are_base_plus_scaled_product",
         "test_the_base_is_read_once_per_base_path",
     ),
-    "tests/sat_jax/test_recipe_off.py": ("test_options_off_give_the_golden_step",),
-    "tests/sat_jax/test_recipe_step.py": (
+    "tests/sat_jax/step/test_recipe_off.py": ("test_options_off_give_the_golden_step",),
+    "tests/sat_jax/step/test_recipe_step.py": (
         "test_sampler_kl_is_zero_with_the_replay_and_not_over_the_whole_vocabulary",
         "test_recomputed_proximal_logprobs_equal_the_behavior_logprobs_at_lag_0",
         "test_recompute_refuses_a_batch_that_carries_old_logp",
@@ -86,7 +86,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_masked_key_is_invisible_and_positions_are_honoured",
         "test_replaying_other_ids_changes_logits_and_trains_the_router",
     ),
-    "tests/sat_jax/test_advantages.py": ("test_matches_reference",),
+    "tests/sat_jax/objectives/test_advantages.py": ("test_matches_reference",),
     "tests/sat_jax/test_decoding.py": (
         "test_decode_window_follows_the_live_length_and_equals_the_full_cache",
         "test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id",
@@ -94,7 +94,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sharded_core_equals_one_device",
         "test_truncated_sampling_is_replayed_by_the_trainers_logprobs",
     ),
-    "tests/sat_jax/test_lora_step.py": (
+    "tests/sat_jax/step/test_lora_step.py": (
         "test_only_the_adapters_change_and_the_base_is_bit_identical",
         "test_optimizer_state_covers_only_the_adapters",
         "test_microbatches_equal_one_pass",
@@ -102,14 +102,14 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_reference_params_are_the_whole_model",
     ),
     "tests/train/test_packing.py": ("test_packed_step_equals_padded_step",),
-    "tests/sat_jax/test_microbatches.py": (
+    "tests/sat_jax/step/test_microbatches.py": (
         "test_reference_params_give_the_host_reference_logprobs_step",
         "test_rewards_and_group_ids_give_the_host_advantages_step",
         "test_microbatch_threshold_scope_uses_each_microbatch_quantile",
         "test_microbatches_equal_one_pass",
         "test_microbatches_on_eight_devices_with_replay",
     ),
-    "tests/sat_jax/test_objectives.py": (
+    "tests/sat_jax/objectives/test_objectives.py": (
         "test_jit_matches_eager",
         "test_hypothesis_shapes_and_masks",
         "test_microbatches_with_the_batch_threshold_merge_to_full_batch",
@@ -121,7 +121,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proximal",
     ),
     "tests/sat_jax/test_sharding.py": ("test_init_sharded_places_each_param_as_the_rules_say",),
-    "tests/sat_jax/test_train_step.py": (
+    "tests/sat_jax/step/test_train_step.py": (
         "test_alignment_logits_at_t_minus_1_score_token_t",
         "test_sharded_step_matches_one_device",
     ),
