@@ -216,6 +216,10 @@ class Senders:
             return
         wanted = st.wanted
         if not retry:
+            # Refused for good (or not to be sent): the same push is not sent again; a newer
+            # one wanted meanwhile still goes.
+            if wanted is not None and wanted.version <= push.version:
+                st.wanted = None
             return
         if wanted is None:  # nothing newer meanwhile: the same push again
             st.wanted = push

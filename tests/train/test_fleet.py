@@ -448,6 +448,36 @@ def hold_updates(stub: FakeStub, *, fail: bool = True) -> threading.Event:
     return release
 
 
+class Refused(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self):
+        return "checkpoint_path is outside the checkpoint root"
+
+
+def test_a_refused_push_is_not_sent_again(fleet):
+    """A server refusing a push for good (not transient, not "older than the current") gets it
+    once: its sender forgets it (before, it sent it again at once, in a loop, and ``close``
+    waited its 30 s for an install that could not come); the refusal is raised in the caller's
+    next call."""
+    make, stubs, clock = fleet
+    with make(["a:1"], batch_groups=2, max_staleness=1) as pool:
+        stub = pool._fleet.servers[0].stub
+
+        def refuse(request, timeout, metadata):
+            stub._call("UpdateWeights", request)
+            raise Refused()
+
+        stub.UpdateWeights = refuse
+        pool.update_weights(1, "/outside/v1", new_admission_epoch=True)
+        assert pool.settle(timeout_s=10)
+        assert len(stub.rpcs("UpdateWeights")) == 1
+        with pytest.raises(Refused):
+            pool.pull(1, 0.0)
+        assert len(stub.rpcs("UpdateWeights")) == 1
+
+
 def test_a_server_whose_update_never_returns_delays_no_other_install_nor_the_next_push(fleet):
     """One sender per server, newest version wins: a push returns at once; a server stuck in its
     load delays neither the other's installs nor the caller's next push; once its call ends it
