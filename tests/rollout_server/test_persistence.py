@@ -75,14 +75,14 @@ def test_one_write_in_flight_and_the_newest_snapshot_next(tmp_path):
 
 def test_a_snapshot_is_the_state_when_submitted(tmp_path):
     store = StateStore(str(tmp_path))
-    state = RolloutState(consumed=1, unfinished=[{"group_id": 0}], epoch_excluded=[0])
+    state = RolloutState(consumed=1, unfinished=[{"group_id": 0}], admission={"excluded": [0]})
     seq = store.submit(state)
     state.consumed = 2
     state.unfinished.append({"group_id": 1})
-    state.epoch_excluded.append(1)
+    state.admission["excluded"].append(1)
     assert store.wait(seq)
     saved = _saved(store)
-    assert (saved["consumed"], saved["unfinished"], saved["epoch_excluded"]) == (
+    assert (saved["consumed"], saved["unfinished"], saved["admission"]["excluded"]) == (
         1,
         [{"group_id": 0}],
         [0],
@@ -144,7 +144,7 @@ def test_a_pull_waits_for_the_dispatch_of_the_groups_it_returns(tmp_path):
     loop._dispatch_next()
     assert store.entered.acquire(timeout=HANG_S)  # its write is held
     for request in driver.requests:
-        loop._on_done(request, _sample())
+        request.on_done(request, _sample())
     loop._collect(timeout_s=HANG_S)
     assert len(loop.queue) == 1  # finished before its dispatch is on disk
     pulled: list = []
@@ -165,7 +165,7 @@ def test_stop_writes_every_change_not_written_yet(tmp_path):
                  driver=RecordingDriver())  # fmt: skip
     loop._dispatch_next()  # nothing waits for its write
     loop.stop()
-    saved = _saved(loop._store)
+    saved = _saved(loop._core.store)
     assert saved["next_group_id"] == 1 and [r["group_id"] for r in saved["unfinished"]] == [0]
 
 
