@@ -175,3 +175,47 @@ def test_without_a_directory_nothing_is_written_and_nothing_waits():
     loop.queue.put(rollout_pb2.Group(group_id=0))
     assert [g.group_id for g in loop.pull(1, 0)] == [0]
     assert loop.ack([0]) == 1 and store.writes == 0 and store.durable == store.submitted
+
+
+def test_a_state_file_of_an_older_server_still_loads(tmp_path):
+    """Older servers saved admission's fields at the top level and an `epoch_used` count no
+    longer kept: a server restarted on such a state_dir starts from what it says, and the
+    rollout loop's admission takes it up (`ServerAdmission.set_state`)."""
+    old = {
+        "iterator": None,
+        "unfinished": [{"group_id": 3, "id": "a", "text": "1+1=", "answer": "2"}],
+        "consumed": 2,
+        "next_group_id": 4,
+        "version": 5,
+        "checkpoint_path": "/ckpt/v5",
+        "base_path": "",
+        "epoch_version": 5,
+        "epoch_used": 7,
+        "epoch_excluded": [1, 2],
+        "share": 0.5,
+        "share_until": 6,
+        "server_id": "abc",
+        "run_id": "run-a",
+        "trainer_version": 6,
+        "trained_since": 1,
+    }
+    (tmp_path / "rollout_state.json").write_text(json.dumps(old))
+    store = StateStore(str(tmp_path))
+    state = store.load()
+    assert (state.consumed, state.next_group_id, state.version, state.server_id) == (2, 4, 5, "abc")
+    assert state.admission == {
+        "share": 0.5,
+        "share_until": 6,
+        "trainer_version": 6,
+        "trained_since": 1,
+        "excluded": [1, 2],
+    }
+    loop = _loop(store, FakeEngine(), wait=True)
+    adm = loop.admission
+    assert (adm.share, adm.share_until, adm.weights_version, adm.trainer_version) == (0.5, 6, 5, 6)
+    assert (adm.trained_since, adm.excluded) == (1, {1, 2})
+    assert [r["group_id"] for r in loop.persisted.unfinished] == [3]  # re-issued first
+    store.save(loop.persisted)  # saved in today's form: admission's part under `admission`
+    saved = _saved(store)
+    assert "epoch_used" not in saved and "share" not in saved
+    assert saved["admission"]["excluded"] == [1, 2]
