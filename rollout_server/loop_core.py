@@ -16,8 +16,9 @@ from collections.abc import Callable
 from rollout_api.admission import ServerAdmission
 from rollout_server.delivery import Deliveries
 from rollout_server.generation import Generation
-from rollout_server.persistence import RolloutState, StateStore
+from rollout_server.persistence import RolloutState, StateStore, new_server_id
 from rollout_server.prompt_book import PromptBook
+from sat_jax.config import RolloutConfig
 
 
 @dataclasses.dataclass(eq=False)
@@ -47,6 +48,40 @@ class LoopCore:
     sleep: Callable[[float], None]
     draining: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    @classmethod
+    def restore(
+        cls,
+        state: RolloutState,
+        store: StateStore,
+        cfg: RolloutConfig,
+        generation: Generation,
+        prompts: PromptBook,
+        *,
+        lease_s: float,
+        max_response_bytes: int,
+        clock: Callable[[], float],
+        sleep: Callable[[float], None],
+    ) -> LoopCore:
+        """The parts of a loop that starts from `state` (admission restored from it by
+        `ServerAdmission.set_state`; a `server_id` drawn if it has none yet), with `cfg`'s
+        admission parameters and queue capacity and `Deliveries`' lease and response limits."""
+        if not state.server_id:
+            state.server_id = new_server_id()
+        admission = ServerAdmission(
+            max_staleness=cfg.max_staleness,
+            batch_groups=cfg.batch_groups,
+            capacity=cfg.queue_groups,
+        )
+        admission.set_state(state.admission, weights_version=state.version)
+        deliveries = Deliveries(
+            capacity=cfg.queue_groups,
+            admission=admission,
+            lease_s=lease_s,
+            max_response_bytes=max_response_bytes,
+            clock=clock,
+        )
+        return cls(state, store, admission, generation, deliveries, prompts, clock, sleep)
 
     def outstanding_ids_locked(self) -> set[int]:
         """Ids of the groups queued, leased or running."""

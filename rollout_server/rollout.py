@@ -48,13 +48,12 @@ import grain
 
 from rollout_api import records
 from rollout_api.admission import ServerAdmission
-from rollout_server.delivery import Deliveries
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.generation import Collected, Generation, RunningGroup, SessionSource
 from rollout_server.group_queue import GroupQueue
 from rollout_server.loop_core import LoopCore
-from rollout_server.persistence import RolloutState, StateStore, new_server_id
+from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.prompt_book import PromptBook
 from rollout_server.trainer_link import TrainerLink
 from sat_jax.config import RolloutConfig
@@ -132,14 +131,6 @@ class RolloutLoop:
         self._driver, self._engine, self._cfg = driver, engine, cfg
         self._wait_for_weights = wait_for_weights
         state = store.load() if state is None else state
-        if not state.server_id:
-            state.server_id = new_server_id()
-        admission = ServerAdmission(
-            max_staleness=cfg.max_staleness,
-            batch_groups=cfg.batch_groups,
-            capacity=cfg.queue_groups,
-        )
-        admission.set_state(state.admission, weights_version=state.version)
         generation = Generation(
             driver=driver,
             engine=engine,
@@ -150,22 +141,16 @@ class RolloutLoop:
             sessions=sessions,
             clock=clock,
         )
-        deliveries = Deliveries(
-            capacity=cfg.queue_groups,
-            admission=admission,
+        self._core = LoopCore.restore(
+            state,
+            store,
+            cfg,
+            generation,
+            PromptBook(prompts, state),
             lease_s=lease_s,
             max_response_bytes=max_response_bytes,
             clock=clock,
-        )
-        self._core = LoopCore(
-            state,
-            store,
-            admission,
-            generation,
-            deliveries,
-            PromptBook(prompts, state),
-            clock,
-            sleep,
+            sleep=sleep,
         )
         self.trainer = TrainerLink(self._core, engine, lease_s)
         self._stop = threading.Event()
