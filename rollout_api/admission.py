@@ -88,6 +88,8 @@ SHARE_RESOLUTION = 0.05
 @dataclasses.dataclass
 class ServerAdmission:
     """One server's admission state (mutated in place by its owner, under its owner's lock).
+    It owns its persisted part: `get_state` is what the server saves, `set_state` restores it
+    after a restart (as grain's iterators do), so no owner copies its fields one by one.
 
     Args:
       max_staleness: S, the versions a trained group may lag its admission.
