@@ -31,7 +31,8 @@ from rollout_server import weights
 from rollout_server.auth import has_token
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
-from rollout_server.rollout import RolloutLoop, RunNotAttachedError
+from rollout_server.rollout import RolloutLoop
+from rollout_server.trainer_link import RunNotAttachedError
 from sat_jax.model.config import LoRAConfig
 
 log = logging.getLogger(__name__)
