@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(memory.format_plan(setup.name, plan))
     if args.lengths:
         try:
-            print("\n".join(_lengths_report(args, setup, plan, args.devices or jax.device_count())))
+            print("\n".join(_lengths_report(args, setup, plan, plan.num_devices)))
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
