@@ -23,6 +23,8 @@ Modules, in data-flow order:
 - ``batching``: one selection pass over pulled groups (duplicates, staleness), then a fixed-shape
   ``TrainBatch`` with per-row rewards and group ids (the jitted step turns them into GRPO
   advantages) and its ``BatchStats`` with per-token lags.
+- ``packing``: the padded batch packed into rows of ``train.row_tokens`` (``train.packing``):
+  segment ids, positions, every per-token field moved to ``sat_jax.packing``'s layout.
 - ``prefetch``: ``BatchSource``, the next batch made (pulled, assembled, sharded) while the step
   runs.
 - ``weight_sync``: background weight pushes to the servers.

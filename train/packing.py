@@ -8,15 +8,29 @@ it and builds the segment ids, positions and trajectory view of the packed ``Tra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from sat_jax import packing
 from sat_jax.step import TrainBatch
 
-if TYPE_CHECKING:
-    from train.batching import BatchSpec
+
+class PackingSpec(Protocol):
+    """What packing reads of a batch's spec (``train.batching.BatchSpec`` has it; a protocol, so
+    that ``batching``, which packs, is not imported back)."""
+
+    @property
+    def row_capacity(self) -> int: ...
+    @property
+    def row_multiple(self) -> int: ...
+    @property
+    def microbatches(self) -> int: ...
+    @property
+    def microbatch_tokens(self) -> int: ...
+    @property
+    def length_bucket(self) -> int: ...
+
 
 PER_TOKEN = ("tokens", "loss_mask", "behavior_logp", "kept_counts", "fresh_mask")
 
@@ -29,7 +43,7 @@ def packed_rows(needed: int, most: int, k: int, multiple: int) -> int:
     return packing.row_bucket(needed, most=most, quantum=packing.row_quantum(k, multiple))
 
 
-def pack_batch(batch: TrainBatch, spec: BatchSpec) -> tuple[TrainBatch, int, int]:
+def pack_batch(batch: TrainBatch, spec: PackingSpec) -> tuple[TrainBatch, int, int]:
     """``_pack`` with ``spec.microbatches``, or, with ``spec.microbatch_tokens``, with the fewest
     microbatches k (1, 2, 4, ... dividing the rows) whose token slots (rows per microbatch × row
     length) fit the budget (the most k when none does); the packed batch carries that k.
@@ -59,7 +73,7 @@ def trajectory_spans(loss_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return lengths, starts
 
 
-def _pack(batch: TrainBatch, spec: BatchSpec, k: int) -> tuple[TrainBatch, int, int]:
+def _pack(batch: TrainBatch, spec: PackingSpec, k: int) -> tuple[TrainBatch, int, int]:
     """The padded ``batch`` packed into rows of ``spec.row_capacity`` tokens, for a step of k
     microbatches: ``(packed batch, token slots used, all token slots)``.
 

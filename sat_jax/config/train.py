@@ -217,7 +217,7 @@ class TrainConfig:
       length_bucket: a batch's time axis is padded to the smallest of ``length_bucket`` · 2^k
         (k ≥ 0) and the capacity that holds its longest row, so the step compiles once per
         bucket (docs/DESIGN.md §7.1); 0 = always the capacity.
-      packing: pack the batch's trajectories into rows of ``row_tokens`` tokens (first-fit
+      packing: pack the batch's trajectories into rows of ``row_tokens`` tokens (best-fit
         decreasing; segment ids keep attention within a trajectory, positions restart per
         trajectory) instead of one right-padded row each (docs/DESIGN.md §3.5, §7.1); the step's
         loss, metrics and gradient are the padded step's. A trajectory longer than a row is
@@ -226,8 +226,9 @@ class TrainConfig:
         else rejected to its server with a logged reason.
       row_tokens: a packed row's length (0 = the capacity, longest prompt + longest
         completion; refused without ``packing``); a packed row's length is bucketed like
-        ``length_bucket``'s, and the rows per microbatch are multiples of a quantum (at most 16
-        counts); metric ``compiled_programs`` counts the step's shapes.
+        ``length_bucket``'s, and the rows per microbatch are rounded up to at most 5
+        significant bits times the data shards' quantum (``sat_jax.packing.row_bucket``: at
+        most 1/16 spare); metric ``compiled_programs`` counts the step's shapes.
       microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: into the
         fewest microbatches (1, 2, 4, ... dividing the rows) whose token slots (packed rows ×
         row length) fit this budget, exactly accumulated like ``microbatches``' (which must then

@@ -326,11 +326,10 @@ def test_a_trajectory_longer_than_a_row_is_rejected_never_truncated(caplog) -> N
     assert stats.tokens == int(batch.loss_mask.sum()) == 4 + 5 + 5 + 6
 
 
-@pytest.mark.parametrize("module", [batching, packing])
-def test_packed_row_counts_come_from_a_few_buckets(module) -> None:
-    counts = {module.packed_rows(n, 64, 2, 8) for n in range(1, 65)}
+def test_packed_row_counts_come_from_a_few_buckets() -> None:
+    counts = {packing.packed_rows(n, 64, 2, 8) for n in range(1, 65)}
     assert counts == {4 * i for i in range(1, 17)}  # quantum 4: 2 · 4 rows divide 8 shards
-    assert module.packed_rows(5, 16, 1, 1) == 5
+    assert packing.packed_rows(5, 16, 1, 1) == 5
 
 
 def test_config_refuses_rows_shorter_than_the_longest_trajectory() -> None:
