@@ -1,7 +1,7 @@
 """The next batch, made while the step runs (docs/DESIGN.md §7.1).
 
 ``BatchSource`` makes one batch at a time: pull, decode, select and assemble on process 0, the
-host-to-host broadcast to the other processes (``pulling.next_batch``), and the host→device
+host-to-host broadcast to the other processes of their own rows (``pulling.next_batch``), and the host→device
 transfer of each process's own shards (``shard_batch``). With ``background`` it does all of that on
 a thread of its own, so the loop starts batch k+1 right after dispatching step k and takes it,
 ready on the devices, once step k is done; without, ``take`` makes the batch on the caller's thread
@@ -153,5 +153,6 @@ class BatchSource:
             stall_s=self._stall_s,
             key=job.key,
             cancel=self._cancel,
+            mesh=self._mesh,
         )
         return ReadyBatch(pulled=pulled, batch=shard_batch(pulled.batch, self._mesh))

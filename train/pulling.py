@@ -8,14 +8,16 @@ tracked by their ``key``.
 Broadcast (``next_batch`` through ``send_pulled`` / ``receive_pulled``; docs/DESIGN.md §7.1
 step 4, §7.3): host to host, through the key-value store of JAX's distributed runtime (the
 coordination service ``jax.distributed`` starts; the client orbax uses for its barriers), never
-through the devices. Process 0 writes the
-batch's arrays, the flat lags of its trained tokens and the rest of its ``BatchStats`` (as JSON)
-as one ``.npz`` under the batch's key, in chunks of ``CHUNK_BYTES``; every other process reads
-them back and so holds the same host arrays, from which each then makes only its own devices'
-shards (``shard_batch``). Keys are distinct per batch (no ordering between processes is
-needed, so a background thread may send or receive); each reader marks the batch read and process
-0 deletes a batch's keys once every reader has. A failure on process 0 while it makes the batch
-is written under the batch's key instead, so the other processes raise it rather than wait.
+through the devices. Given the step's mesh, process 0 writes each other process only its own rows
+of every per-token field (the rows its devices hold under ``batch_shardings``; the other rows
+arrive as 0s, which nothing on that process reads: ``shard_batch`` copies only its own devices'
+slices), and the [B] fields, the flat lags of the trained tokens and the rest of the
+``BatchStats`` (as JSON) whole; without a mesh every process gets the whole batch. Each process's
+part is one ``.npz`` under the batch's key, in chunks of ``CHUNK_BYTES``. Keys are distinct per
+batch (no ordering between processes is needed, so a background thread may send or receive);
+each reader marks the batch read and process 0 deletes a batch's keys once every reader has. A
+failure on process 0 while it makes the batch is written under the batch's key instead, so the
+other processes raise it rather than wait.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import itertools
+import json
 import logging
 import math
 import threading
@@ -32,7 +35,7 @@ import jax
 import numpy as np
 
 from rollout_api.records import Group, InvalidGroup
-from sat_jax.step import TrainBatch
+from sat_jax.step import TrainBatch, batch_shardings
 from train import batching, checkpointing
 from train.remote import ServerPool
 
@@ -166,6 +169,7 @@ def next_batch(
     stall_s: float,
     key: str | None = None,
     cancel: threading.Event | None = None,
+    mesh: jax.sharding.Mesh | None = None,
 ) -> PulledBatch:
     """Pulls and assembles the next batch on process 0 and gives it to every process.
 
@@ -177,9 +181,12 @@ def next_batch(
       key: the batch's broadcast key, the same on every process and distinct per batch (None:
         the next of a sequence that every process draws from in the same order, for callers that
         make every batch on one thread).
+      mesh: the mesh the step shards the batch over: each other process then receives only the
+        rows of the per-token fields its devices hold (0s elsewhere); None = the whole batch.
 
     Returns:
-      The same ``PulledBatch`` on every process (its ``pulled`` on process 0 only).
+      The batch on every process (its ``pulled`` on process 0 only): the same ``PulledBatch``,
+      or with ``mesh`` the same [B] fields, stats and own rows.
 
     Raises:
       ValueError: ``pool`` is given on a process other than 0, or missing on process 0.
@@ -206,39 +213,89 @@ def next_batch(
         raise
     pulled = PulledBatch(batch=batch, stats=stats, pulled=selection.pulled)
     if several:
-        send_pulled(key, pulled)
+        send_pulled(key, pulled, mesh)
     return pulled
 
 
-def encode_pulled(pulled: PulledBatch) -> bytes:
-    """The batch's host arrays, its lags and the rest of its stats as one ``.npz`` (no pickle)."""
-    arrays = {f"batch/{k}": np.asarray(v) for k, v in vars(pulled.batch).items() if v is not None}
-    arrays["lags"] = np.asarray(pulled.stats.lags)
+def encode_pulled(pulled: PulledBatch, rows: dict[str, np.ndarray] | None = None) -> bytes:
+    """The batch's host arrays, its lags and the rest of its stats as one ``.npz`` (no pickle).
+
+    Args:
+      pulled: the batch.
+      rows: per field, the rows (of dimension 0) to send; the fields not named go whole.
+    """
+    arrays = {"lags": np.asarray(pulled.stats.lags)}
     arrays["stats"] = np.frombuffer(pulled.stats.to_json(), np.uint8)
+    for k, v in vars(pulled.batch).items():
+        if v is None:
+            continue
+        v = np.asarray(v)
+        if rows is not None and k in rows:
+            arrays[f"rows/{k}"] = rows[k]
+            arrays[f"shape/{k}"] = np.asarray(v.shape, np.int64)
+            v = v[rows[k]]
+        arrays[f"batch/{k}"] = v
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
     return buffer.getvalue()
 
 
 def decode_pulled(data: bytes) -> PulledBatch:
-    """The inverse of ``encode_pulled`` (``pulled`` empty: only process 0 acknowledges)."""
+    """The inverse of ``encode_pulled`` (``pulled`` empty: only process 0 acknowledges); a field
+    sent by rows is as long as the whole, with 0s in the rows not sent."""
     with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-        fields = {k.removeprefix("batch/"): npz[k] for k in npz.files if k.startswith("batch/")}
+        fields = {}
+        for name in npz.files:
+            if not name.startswith("batch/"):
+                continue
+            k, value = name.removeprefix("batch/"), npz[name]
+            if f"rows/{k}" in npz.files:
+                whole = np.zeros(tuple(npz[f"shape/{k}"]), value.dtype)
+                whole[npz[f"rows/{k}"]] = value
+                value = whole
+            fields[k] = value
         if "microbatches" in fields:  # static (a Python int), not an array
             fields["microbatches"] = int(fields["microbatches"])
         stats = batching.BatchStats.from_json(npz["stats"].tobytes(), lags=npz["lags"])
     return PulledBatch(batch=TrainBatch(**fields), stats=stats)
 
 
-def send_pulled(key: str, pulled: PulledBatch) -> None:
-    """Writes ``pulled`` under ``key`` for the other processes (process 0), chunk by chunk and
-    the chunk count last, then deletes the keys of earlier batches every reader has marked read."""
+def process_rows(batch: TrainBatch, mesh: jax.sharding.Mesh) -> dict[int, dict[str, np.ndarray]]:
+    """Per process, the rows of each per-token field (≥ 2 dimensions) that its devices hold
+    under ``batch_shardings`` on ``mesh``, sorted; the [B] fields are left out (sent whole)."""
+    shardings = batch_shardings(batch, mesh)
+    owned: dict[int, dict[str, set[int]]] = {}
+    for k, x in vars(batch).items():
+        if x is None or np.ndim(x) < 2:
+            continue
+        n = np.shape(x)[0]
+        for device, index in getattr(shardings, k).devices_indices_map(np.shape(x)).items():
+            part = owned.setdefault(device.process_index, {}).setdefault(k, set())
+            part.update(range(*index[0].indices(n)))
+    return {
+        p: {k: np.fromiter(sorted(r), np.int64, len(r)) for k, r in fields.items()}
+        for p, fields in owned.items()
+    }
+
+
+def send_pulled(key: str, pulled: PulledBatch, mesh: jax.sharding.Mesh | None = None) -> None:
+    """Writes ``pulled`` under ``key`` for the other processes (process 0): with ``mesh``, to each
+    its own rows (``process_rows``), else the whole batch once; chunk by chunk and the chunk
+    counts last; then deletes the keys of earlier batches every reader has marked read."""
     client = _client()
-    data = encode_pulled(pulled)
-    chunks = range(0, max(len(data), 1), CHUNK_BYTES)
-    for i, at in enumerate(chunks):
-        client.key_value_set_bytes(f"{key}/chunk/{i}", data[at : at + CHUNK_BYTES])
-    client.key_value_set_bytes(f"{key}/count", str(len(chunks)).encode())
+    others = range(1, jax.process_count())
+    if mesh is None:
+        parts = {"all": encode_pulled(pulled)}
+    else:
+        rows = process_rows(pulled.batch, mesh)
+        parts = {f"p{p}": encode_pulled(pulled, rows.get(p, {})) for p in others}
+    counts = {}
+    for part, data in parts.items():
+        chunks = range(0, max(len(data), 1), CHUNK_BYTES)
+        for i, at in enumerate(chunks):
+            client.key_value_set_bytes(f"{key}/{part}/chunk/{i}", data[at : at + CHUNK_BYTES])
+        counts[part] = len(chunks)
+    client.key_value_set_bytes(f"{key}/count", json.dumps(counts).encode())
     _sent.append(key)
     _forget_read(client)
 
@@ -250,8 +307,8 @@ def send_failure(key: str, error: BaseException) -> None:
 
 
 def receive_pulled(key: str, *, cancel: threading.Event | None = None) -> PulledBatch:
-    """The batch process 0 sends under ``key`` (a process other than 0); waits for it however
-    long process 0 pulls, until ``cancel`` is set.
+    """The batch process 0 sends under ``key`` (a process other than 0): its own part, or the
+    whole batch; waits for it however long process 0 pulls, until ``cancel`` is set.
 
     Raises:
       RuntimeError: process 0 failed to make this batch (its error in the message).
@@ -271,8 +328,11 @@ def receive_pulled(key: str, *, cancel: threading.Event | None = None) -> Pulled
         raise RuntimeError(
             f"process 0 failed to make the batch {key}: {count[6:].decode(errors='replace')}"
         )
+    counts = json.loads(count)
+    part = "all" if "all" in counts else f"p{jax.process_index()}"
     data = b"".join(
-        client.blocking_key_value_get_bytes(f"{key}/chunk/{i}", _WAIT_MS) for i in range(int(count))
+        client.blocking_key_value_get_bytes(f"{key}/{part}/chunk/{i}", _WAIT_MS)
+        for i in range(counts[part])
     )
     client.key_value_set_bytes(f"{key}/read/{jax.process_index()}", b"")
     return decode_pulled(data)

@@ -177,7 +177,7 @@ def _train_two_steps(pool, mesh) -> dict[str, np.ndarray]:
 
     from sat_jax.experiment import load_config
     from sat_jax.step import TrainState
-    from train import batching, main
+    from train import batching, main, pulling
 
     cfg = load_config(
         str(pathlib.Path(__file__).resolve().parents[2] / "configs" / "arith_tiny.yaml"),
@@ -211,8 +211,33 @@ def _train_two_steps(pool, mesh) -> dict[str, np.ndarray]:
         spec=batching.BatchSpec(**SPEC_KWARGS),
     )
     state = TrainState(params={}, opt_state=(), step=np.int32(0))
+    received = _record_received(got)
     main.train_loop(cfg, parts, state, progress())
+    pulling.decode_pulled = received
     return got
+
+
+def _record_received(got: dict[str, np.ndarray]):
+    """Makes ``pulling.decode_pulled`` record, per batch this process receives, the rows of each
+    field in the part it was sent and the host batch it made of it; returns the original."""
+    import io
+
+    from train import pulling
+
+    decode, count = pulling.decode_pulled, iter(range(100))
+
+    def recording(data: bytes):
+        n = next(count)
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            for name in ("tokens", "routing", "rewards"):
+                got[f"recv/{n}/{name}_rows_sent"] = np.int64(npz[f"batch/{name}"].shape[0])
+        pulled = decode(data)
+        got[f"recv/{n}/tokens"] = np.asarray(pulled.batch.tokens)
+        got[f"recv/{n}/routing"] = np.asarray(pulled.batch.routing)
+        return pulled
+
+    pulling.decode_pulled = recording
+    return decode
 
 
 class BrokenPool(FakePool):

@@ -50,6 +50,15 @@ def test_process_0_pulls_and_broadcasts_the_batch(tmp_path: pathlib.Path) -> Non
             np.testing.assert_array_equal(arrays[pid][f"loop/{n}/own"], want[rows])
             own.append(rows)
         assert sorted(np.concatenate(own).tolist()) == list(range(want.shape[0])), own
+        # Process 1 was sent only its own rows of the per-token fields, the [B] ones whole; the
+        # host batch it made holds them, and 0s in process 0's rows.
+        got, rows = arrays[1], own[1]
+        assert got[f"recv/{n}/tokens_rows_sent"] == got[f"recv/{n}/routing_rows_sent"] == len(rows)
+        assert got[f"recv/{n}/rewards_rows_sent"] == want.shape[0]
+        np.testing.assert_array_equal(got[f"recv/{n}/tokens"][rows], want[rows])
+        assert (
+            not got[f"recv/{n}/tokens"][own[0]].any() and not got[f"recv/{n}/routing"][own[0]].any()
+        )
     # Process 0's pull failed: it raised the pool's error, and process 1 raised it too (no hang).
     assert facts[0]["failure"] == "ConnectionError: server gone mid-Pull"
     assert facts[1]["failure"].startswith("RuntimeError: process 0 failed to make the batch")
