@@ -11,8 +11,9 @@ the KV cache by the chat template's delta of the new messages (`HFTokenizer.obse
 never by re-rendering the history. The session keeps the conversation as it was rendered (the
 request's messages and the replies it was given), and a request must extend it: its messages
 start with that conversation, then only new non-assistant messages; anything else is refused
-(`history_mismatch`). The finished sample reaches the loop like an episode's, with the loss mask
-0 on every inserted token.
+(`history_mismatch`), or, with `SessionLimits.fork`, starts a new segment of the sample
+re-prefilled from the new history (`rollout_server.segments`). The finished sample reaches the
+loop like an episode's, with the loss mask 0 on every inserted token.
 
 Everything here runs on the HTTP server's asyncio loop; the driver's callbacks (turns, ends) and
 the rollout loop's offers hop onto it, and work that is not small (rendering, tokenizing,
@@ -58,6 +59,7 @@ from rollout_server.chat import (
 )
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
 from rollout_server.engine import MoEEngine
+from rollout_server.segments import Segments
 from sat_jax.tasks import Prompt
 
 log = logging.getLogger(__name__)
@@ -379,6 +381,8 @@ class Session:
     reply: Reply | None = None
     ended_by: tuple[str, float | None] | None = None  # ("reward", given) or ("discard", None)
     ending: asyncio.Future | None = None  # resolves once `end` has its reward
+    segments: Segments = dataclasses.field(default_factory=Segments)  # forks so far
+    last: tuple[FinishedSample | None] | None = None  # the current request's sample, once done
 
     def info(self) -> dict[str, Any]:
         """What every session response carries about it."""
@@ -394,11 +398,15 @@ class Session:
 class SessionLimits:
     """`server.http_max_sessions` (taken and not ended) and `server.http_session_idle_s`;
     `stuck_s`: a session generating or ending with no progress for this long is ended by the
-    reaper whatever it waits for (0 = 3 × idle_s)."""
+    reaper whatever it waits for (0 = 3 × idle_s). `fork` (`server.http_session_fork`): a
+    history that diverges from the session's starts a new segment instead of a 400, up to
+    `max_segments` segments a session."""
 
     max_sessions: int
     idle_s: float
     stuck_s: float = 0.0
+    fork: bool = False
+    max_segments: int = 8
 
     @property
     def stuck_after_s(self) -> float:
@@ -446,6 +454,7 @@ class SessionManager:
         self.finished = 0
         self.retries = 0  # requests answered as an equal earlier one's retry
         self.disconnects = 0  # clients gone while their turn was generating
+        self.forks = 0  # new segments started by a diverging history
         self.polling = 0  # takes waiting for offers
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -557,6 +566,7 @@ class SessionManager:
         # Accepted from here unless its checks fail: the session is busy while it renders.
         s.state, s.key, s.reply, s.gen = "generating", key, None, gen
         s.turn = asyncio.get_running_loop().create_future()
+        fork = False
         try:
             if s.request is None:
                 ids, prefix = await self.gen.render_with_prefix(req)
@@ -564,11 +574,20 @@ class SessionManager:
                 prefix, prefix_ids = self.gen.prefix(req)
                 new = req.messages[len(s.messages) :]
                 size = content_chars(new, req.tools)
-                ids = [*(await self.gen.off_loop(self._delta, s, req, _size=size)), *prefix_ids]
-                if len(ids) + 1 > s.room:
-                    raise ApiError(
-                        400, "the session's token budget is spent", code="context_length_exceeded"
+                delta = await self.gen.off_loop(self._delta, s, req, _size=size)
+                if delta is None:  # a fork: the new history is the new segment's prompt
+                    fork = True
+                    ids, prefix = await self.gen.render_with_prefix(
+                        dataclasses.replace(req, template_kwargs=s.template_kwargs)
                     )
+                else:
+                    ids = [*delta, *prefix_ids]
+                    if len(ids) + 1 > s.room:
+                        raise ApiError(
+                            400,
+                            "the session's token budget is spent",
+                            code="context_length_exceeded",
+                        )
             if s.state != "generating" or s.dropped:  # ended or reaped while it rendered
                 raise ApiError(409, "the session has ended", code="session_ended")
         except BaseException as e:
@@ -580,10 +599,15 @@ class SessionManager:
         s.last_seen = self.clock()  # only an accepted request refreshes the idle clock
         s.messages, s.tools, s.prefix = list(req.messages), list(req.tools), prefix
         _resolve(accepted, None)
-        if s.request is None:
-            s.template_kwargs = dict(req.template_kwargs)
+        if s.request is None or fork:
+            if fork:  # the segment so far ends (its sample arrives through `_on_done`)
+                self.forks += 1
+                s.segments.fork(s.request)
+                self.gen.driver.end_episode(s.request)
+            else:
+                s.template_kwargs = dict(req.template_kwargs)
             self._start(s, ids, gen, watch)
-            s.context, s.ids = len(ids), list(ids)
+            s.context, s.ids, s.closed = len(ids), list(ids), True
         else:
             s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
             s.request.stop_when = watched(make_stop_when(self.gen.tokenizer, gen.stop), watch)
@@ -618,7 +642,7 @@ class SessionManager:
             loop.call_soon_threadsafe(self._on_turn, s, (turn, lps, versions))
 
         def on_done(request: RolloutRequest, sample: FinishedSample | None) -> None:
-            loop.call_soon_threadsafe(self._on_done, s, sample)
+            loop.call_soon_threadsafe(self._on_done, s, request, sample)
 
         s.request = RolloutRequest(
             max_tokens=engine.max_decode_length,
@@ -635,8 +659,10 @@ class SessionManager:
         s.room = engine.max_decode_length
         self.gen.driver.place_request_on_prefill_queue(s.request)
 
-    def _delta(self, s: Session, req: ChatRequest) -> list[int]:
-        """The template's delta ids of the new messages (the session rule, module docstring)."""
+    def _delta(self, s: Session, req: ChatRequest) -> list[int] | None:
+        """The template's delta ids of the new messages (the session rule, module docstring);
+        None when the history diverges and `limits.fork` makes that a new segment (tools and
+        template arguments stay fixed: they are refused either way)."""
         n = len(s.messages)
         if req.tools != s.tools:
             raise ApiError(400, "tools differ from the session's", code="history_mismatch")
@@ -650,7 +676,18 @@ class SessionManager:
             )
         given = [history_view(m) for m in req.messages]
         held = [history_view(m) for m in s.messages]
-        if len(given) <= n or given[:n] != held:
+        diverges = len(given) <= n or given[:n] != held
+        if self.limits.fork and (diverges or any(m["role"] == "assistant" for m in given[n:])):
+            if len(s.segments) >= self.limits.max_segments:
+                raise ApiError(
+                    400,
+                    f"the messages fork the session a {len(s.segments) + 1}th time; a session "
+                    f"holds at most {self.limits.max_segments} segments",
+                    param="messages",
+                    code="history_mismatch",
+                )
+            return None
+        if diverges:
             first = next(
                 (i for i, (a, b) in enumerate(zip(given, held, strict=False)) if a != b),
                 min(n, len(req.messages)),
@@ -756,11 +793,16 @@ class SessionManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_done(self, s: Session, sample: FinishedSample | None) -> None:
-        future, s.turn = s.turn, None
-        _resolve(future, ApiError(500, "generation failed", code="server_error"))
-        self._forget(s)
-        self._report(s, None if s.dropped else sample)
+    def _on_done(
+        self, s: Session, request: RolloutRequest, sample: FinishedSample | None
+    ) -> None:
+        if not s.segments.arrived(request, sample):  # the session's current request: its end
+            future, s.turn = s.turn, None
+            _resolve(future, ApiError(500, "generation failed", code="server_error"))
+            self._forget(s)
+            s.last = (sample,)
+        if s.last is not None and s.segments.complete:  # every segment's sample is in
+            self._report(s, None if s.dropped else s.segments.sample(s.last[0]))
 
     def _report(self, s: Session, sample: FinishedSample | None) -> None:
         if not s.reported:
