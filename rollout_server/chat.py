@@ -37,7 +37,12 @@ _DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((0, 0.0), _UNSUPPORTED),
     "logit_bias": (({},), _UNSUPPORTED),
     "top_logprobs": ((0,), _UNSUPPORTED),
-    "response_format": (({"type": "text"},), _UNSUPPORTED),
+    "response_format": (
+        ({"type": "text"},),
+        'is not supported: only {"type": "text"} is served; json_object and json_schema need '
+        "constrained decoding, a per-request token mask in the engine's sampler (whose masked "
+        "log-probs would be the behavior log-probs), which the engine does not take yet",
+    ),
     "reasoning_effort": ((), _UNSUPPORTED),
     "modalities": ((["text"],), _UNSUPPORTED),
     "seed": (

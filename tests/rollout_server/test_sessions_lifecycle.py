@@ -1019,3 +1019,22 @@ def test_tool_choice_named_in_qwen3_coder_xml(qwen3_tokenizer):
         assert tok._tok.decode(driver.prefills[0]).endswith("<tool_call>\n<function=add>\n")
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    [
+        {"type": "json_object"},
+        {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
+    ],
+)
+def test_response_format_json_is_refused_naming_what_is_served(live, fmt):
+    body = {"model": "m", "messages": USER, "response_format": fmt}
+    r = live.post("/v1/chat/completions", body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format"
+    assert 'only {"type": "text"} is served' in error["message"]
+    assert "constrained decoding" in error["message"]
+    text = {**body, "response_format": {"type": "text"}}
+    assert live.post("/v1/chat/completions", text).status_code == 200
