@@ -793,9 +793,7 @@ class SessionManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_done(
-        self, s: Session, request: RolloutRequest, sample: FinishedSample | None
-    ) -> None:
+    def _on_done(self, s: Session, request: RolloutRequest, sample: FinishedSample | None) -> None:
         if not s.segments.arrived(request, sample):  # the session's current request: its end
             future, s.turn = s.turn, None
             _resolve(future, ApiError(500, "generation failed", code="server_error"))

@@ -18,14 +18,7 @@ import pytest
 
 from rollout_server.driver import FinishedSample, RolloutRequest
 from rollout_server.segments import ForkedSample, Segments, segments_of
-from tests.rollout_server.test_sessions_lifecycle import (  # noqa: F401  (the `live` fixture)
-    PROMPT,
-    USER,
-    FakeDriver,
-    Live,
-    live,
-    wait,
-)
+from tests.rollout_server.test_sessions_lifecycle import PROMPT, USER, FakeDriver, Live, wait
 
 
 class SampleDriver(FakeDriver):
@@ -61,6 +54,13 @@ class SampleDriver(FakeDriver):
 
 
 @pytest.fixture
+def refusing():
+    server = Live()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
 def forking():
     server = Live(driver=SampleDriver())
     server.sessions.limits = dataclasses.replace(server.sessions.limits, fork=True, max_segments=3)
@@ -74,7 +74,8 @@ def _turn(live, sid, messages, status=200):
     return r.json()
 
 
-def test_without_forks_a_diverging_history_is_still_refused(live):
+def test_without_forks_a_diverging_history_is_still_refused(refusing):
+    live = refusing
     (sid,) = live.take()
     first = _turn(live, sid, USER)["choices"][0]["message"]
     trimmed = [{"role": "user", "content": "Summary: 5 + 7 was asked."}]
