@@ -97,6 +97,10 @@ def test_a_diverging_history_starts_a_segment_prefilled_from_it(forking):
     assert live.sessions.forks == 1 and len(driver.ended) == 1
     assert driver.prefills[-1] == live.tok.encode_messages(summary)
     assert out["usage"]["prompt_tokens"] == len(driver.prefills[-1])
+    # The client's retry of the forking request gets its reply: nothing forks again.
+    again = _turn(live, sid, summary)
+    assert again["choices"] == out["choices"] and again["usage"] == out["usage"]
+    assert live.sessions.forks == 1 and live.sessions.retries == 1
     # The new segment extends by the delta, as any session does.
     more = [*summary, out["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
     assert _turn(live, sid, more)["choices"][0]["message"]["content"] == "14"
