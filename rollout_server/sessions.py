@@ -681,8 +681,9 @@ class SessionManager:
             if len(s.segments) >= self.limits.max_segments:
                 raise ApiError(
                     400,
-                    f"the messages fork the session a {len(s.segments) + 1}th time; a session "
-                    f"holds at most {self.limits.max_segments} segments",
+                    f"the messages diverge from the session's and would start its segment "
+                    f"{len(s.segments) + 1}; a session holds at most {self.limits.max_segments} "
+                    "segments",
                     param="messages",
                     code="history_mismatch",
                 )
