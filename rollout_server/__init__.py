@@ -22,6 +22,8 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 - `service`, `metrics`, `process`: the gRPC servicers, Prometheus gauges, and the running server.
 - `chat`, `http_api`, `sessions`: the OpenAI-compatible HTTP endpoint (its schema, the server)
   and RL sessions played by external agents.
+- `segments`, `json_mask`: a session's forks (`server.http_session_fork`) and `json_object`'s
+  token mask (the host half of constrained decoding).
 - `server`: the `sat-serve` command (config errors are one line and exit 2; also
   `python -m rollout_server`).
 

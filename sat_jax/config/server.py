@@ -145,6 +145,8 @@ class ServerConfig:
             raise ValueError(f"http_port {self.http_port} is the gRPC port")
         if self.http_sessions and not self.http_port:
             raise ValueError("http_sessions needs an http_port")
+        if self.http_session_fork and not self.http_sessions:
+            raise ValueError("http_session_fork needs http_sessions")
         if self.http_port and self.host not in _LOOPBACK_HOSTS and not self.tls_cert:
             raise ValueError(
                 f"http_port on the non-loopback host {self.host!r} needs tls_cert and tls_key "

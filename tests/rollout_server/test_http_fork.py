@@ -143,6 +143,14 @@ def test_segments_are_bounded_and_a_failed_one_fails_the_sample(forking):
     assert live.done[1][1] is None
 
 
+def test_forks_need_sessions():
+    from sat_jax.config import ServerConfig
+
+    with pytest.raises(ValueError, match="http_session_fork needs http_sessions"):
+        ServerConfig(http_port=8800, http_session_fork=True)
+    assert ServerConfig(http_port=8800, http_sessions=True, http_session_fork=True)
+
+
 def test_a_sample_waits_for_every_segment_in_any_order():
     segments = Segments()
     old = object()
