@@ -4,8 +4,11 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# Two cores on the reference machine: one pytest worker per core.
+# Two cores on the reference machine: one pytest worker per core. Each worker takes whole files
+# (a module's servers, fixtures and compiled steps are built once, not once per worker), the
+# longest first (tests/conftest.py longest_files_first), so that no long file is left for last.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 .PHONY: venv run test test-fast lint format bench clean
 
@@ -25,14 +28,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) --durations=25 tests
+	$(PY) -m pytest $(XDIST) --durations=25 tests
 
 # The edit-test loop: the unit tests of a few seconds, no test marked slow (servers, trainers and
 # commands in processes) or heavy (tests/conftest.py), no notebook and no benchmark runs.
 # `make test` (what CI runs) has them all.
 test-fast: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow and not heavy" --ignore=tests/notebooks \
+	$(PY) -m pytest $(XDIST) -m "not slow and not heavy" --ignore=tests/notebooks \
 		--ignore=tests/benchmarks tests
 
 lint: $(STAMP)

@@ -314,7 +314,7 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
                 cfg.train.client.servers,
                 background=True,
                 batch_groups=cfg.rollout.batch_groups,
-                **setup.connection_args(cfg),
+                **vars(setup.connection(cfg)),  # ServerPool's keyword arguments
             )
         _, _, weights_dir = setup.run_paths(cfg)
         state = TrainState(params=_params(cfg), opt_state=(), step=np.int32(0))

@@ -123,8 +123,7 @@ def microbatches(method: str) -> int:
 
 def needs_proximal(cfg: objectives.PolicyLossConfig) -> bool:
     """Whether the config weighs behavior -> proximal, so the batch needs ``old_logp``."""
-    weights = (cfg.tis_cap, cfg.icepop_range, cfg.seq_tis_cap, cfg.seq_mask_range)
-    return any(w is not None for w in weights)
+    return bool(cfg.rollout_corrections)
 
 
 def sat_reach(cfg: objectives.PolicyLossConfig) -> float:

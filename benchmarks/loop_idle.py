@@ -44,6 +44,7 @@ import threading
 import time
 
 import jax
+import numpy as np
 
 from rollout_api import records
 from sat_jax import sharding
@@ -76,8 +77,9 @@ class FastPool:
             proto.CopyFrom(self.templates[self.served % len(self.templates)])
             proto.group_id = self.served
             version = self.served // self.spec.batch_groups + self.first_version
-            for t in proto.trajectories:
-                t.versions[:] = [version] * len(t.versions)
+            for t in proto.trajectories:  # the versions travel packed (records.to_proto)
+                n = len(records.unpack_array(t.versions_packed, np.int64))
+                t.versions_packed.CopyFrom(records.pack_array(np.full(n, version, np.int64)))
             out.append(records.decode_group(proto, limits or self.spec.limits))
             self.served += 1
         return out

@@ -2,12 +2,14 @@
 
 Run: `python benchmarks/packing.py` (the `small` preset, 16 trajectories of a long-tailed length
 distribution capped at 2048 tokens; tens of minutes on 2 loaded CPU cores) or `--quick` (the
-`tiny` preset, cap 256, seconds).
+`tiny` preset, cap 256, seconds). `--layouts 16 64 256 512` runs no step: it prints the padded
+fraction of the packed layout (`sat_jax.packing.layout`) of `--seeds` batches of each size, with
+the part of it that no packer avoids (the last row's remainder, `ceil(tokens / cap)` rows).
 
 Trajectory lengths (prompt + completion) are lognormal with median `--median` and shape
 `--sigma`, capped at `--cap`, and a fraction `--cut` of them is exactly `--cap` (completions cut
 by the length limit). The same trajectories make both batches: padded (`assemble_batch`'s layout,
-one trajectory per row, T = the length bucket of the longest) and packed (`pack_batch`, rows of
+one trajectory per row, T = the length bucket of the longest) and packed (`train.packing.pack_batch`, rows of
 `--cap` tokens). Both run the real jitted `sat_jax.train_step` (SAT loss, Adam, the CPU path's
 blockwise attention, `--remat`) on one device in float32, split by the same token budget
 (`--microbatch-tokens`: the padded step into row-count microbatches of budget / cap rows, the
@@ -32,10 +34,11 @@ import jax
 import numpy as np
 import optax
 
-from sat_jax import objectives, sharding
+from sat_jax import objectives, packing, sharding
 from sat_jax.model import ModelConfig, placement
 from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
 from train import batching
+from train import packing as train_packing
 
 PROMPT = 64
 
@@ -59,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "microbatch, the packed one train.microbatch_tokens = budget (0 = one pass each)",
     )
     p.add_argument("--quick", action="store_true", help="tiny preset, cap 256, median 40")
+    p.add_argument(
+        "--layouts",
+        type=int,
+        nargs="+",
+        help="no step: the packed layout's padded fraction at these trajectory counts",
+    )
+    p.add_argument("--seeds", type=int, default=10, help="batches per count of --layouts")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.cap, args.median, args.repeats = "tiny", 256, 40.0, 2
@@ -97,8 +107,32 @@ def padded_batch(model: ModelConfig, lens: np.ndarray, spec: batching.BatchSpec)
     )
 
 
+def layouts(args: argparse.Namespace) -> dict:
+    """Per trajectory count: the packed layout's padded fraction over ``args.seeds`` batches
+    (mean and max), the bound's (``ceil(tokens / cap)`` full rows), and the rows' counts."""
+    out = {}
+    for n in args.layouts:
+        pads, bounds, rows = [], [], set()
+        for seed in range(args.seeds):
+            lens = lengths(argparse.Namespace(**{**vars(args), "trajectories": n, "seed": seed}))
+            lay = packing.layout(lens, capacity=args.cap, length_bucket=64)
+            pads.append(lay.pad_frac)
+            bounds.append(1 - lay.used / (-(-lay.used // args.cap) * args.cap))
+            rows.add(lay.rows)
+        out[n] = {
+            "pad_frac_mean": round(float(np.mean(pads)), 4),
+            "pad_frac_max": round(float(np.max(pads)), 4),
+            "bound_mean": round(float(np.mean(bounds)), 4),
+            "row_counts": sorted(rows),
+        }
+    print(json.dumps(out, indent=1))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
+    if args.layouts:
+        return layouts(args)
     model = ModelConfig.preset(args.preset, remat=args.remat)
     lens = lengths(args)
     n = len(lens)
@@ -118,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         microbatch_tokens=args.microbatch_tokens,
     )
     padded = padded_batch(model, lens, spec)
-    packed, used, slots = batching.pack_batch(padded, spec)
+    packed, used, slots = train_packing.pack_batch(padded, spec)
     useful = int(lens.sum())
     assert used == useful
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])

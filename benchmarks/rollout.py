@@ -3,7 +3,8 @@ time vs checkpoint bytes; Pull throughput over real gRPC and routing bytes per t
 
 Run: `python benchmarks/rollout.py` (a few minutes on 2 CPU cores); `--quick` for a smoke run;
 `--engine [--preset small --dtype bfloat16 --slots 32 --new-tokens 128]` for the engine's decode
-tokens/s alone (the accelerator check, `benchmarks/gpu_check.sh`).
+tokens/s alone (the accelerator check, `benchmarks/gpu_check.sh`); `--wire` for the wire's figures
+alone (`bench_wire`).
 
 - decode: tokens/s of `MoEEngine.generate` (KV cache, B slots) on the tiny preset, against a
   jitted naive decoder that recomputes the full forward of the whole padded sequence every step,
@@ -42,9 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from rollout_api import records
 from rollout_api.client import channel_options, connect
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server.engine import MoEEngine
+from rollout_server.service import pull_reply
 from sat_jax import params_io
 from sat_jax.config import RolloutConfig, ServerConfig
 from sat_jax.decoding import DecodeCore, SamplingConfig, sample
@@ -343,6 +346,121 @@ def bench_pull(
     return size / secs / 1e6, size / 1e6, layers * k
 
 
+def wire_groups(
+    groups: int, group_size: int, prompt_len: int, completion_len: int, routing: bool
+) -> list[records.Group]:
+    """Server-side records of Qwen3-30B-A3B-shaped trajectories (vocabulary 151,936; with
+    `routing`, 48 MoE layers top-8 of 128 experts, uint8), with texts of ~4 characters a token."""
+    rng = np.random.default_rng(0)
+    total = prompt_len + completion_len
+    out = []
+    for g in range(groups):
+        prompt = rng.integers(0, 151_936, prompt_len).astype(np.int32)
+        trajectories = tuple(
+            records.Trajectory(
+                prompt_ids=prompt,
+                completion_ids=rng.integers(0, 151_936, completion_len).astype(np.int32),
+                behavior_logprobs=(-rng.random(completion_len)).astype(np.float32),
+                versions=np.full(completion_len, 7, np.int64),
+                routing=rng.integers(0, 128, (total, 48, 8), np.uint8) if routing else None,
+                reward=1.0,
+                finish_reason="stop",
+                completion_text="abcd" * completion_len,
+            )
+            for _ in range(group_size)
+        )
+        out.append(
+            records.Group(
+                group_id=g,
+                prompt_id=str(g),
+                server_id="bench",
+                prompt_text="abcd" * prompt_len,
+                answer="42",
+                trajectories=trajectories,
+            )
+        )
+    return out
+
+
+class _QueuedRollout(rollout_pb2_grpc.RolloutServicer):
+    """Serves the same queued group messages (the server's `records.to_proto`) on every Pull."""
+
+    def __init__(self, messages: list):
+        self.messages = messages
+
+    def Pull(self, request, context):
+        return pull_reply(self.messages, request, 0.0)
+
+
+def bench_wire(
+    groups: int, group_size: int, prompt_len: int, completion_len: int, routing: bool, repeats: int
+) -> dict[str, float]:
+    """One wire's figures: the server's CPU s per 1,000 groups (`records.to_proto` where a
+    group is queued, the Pull reply and its serialization), the trainer's (parse and
+    `records.decode_pulled` with the model's limits), and a real gRPC Pull's throughput, groups/s
+    and MB/s, the client's decoding included. Medians of `repeats` after a warm-up; CPU is this
+    thread's (`time.thread_time`)."""
+    recs = wire_groups(groups, group_size, prompt_len, completion_len, routing)
+    limits = records.GroupLimits(
+        vocab_size=151_936, num_experts=128, routing_lk=(48, 8) if routing else None
+    )
+    request = rollout_pb2.PullRequest(max_groups=groups)
+
+    def server_side() -> bytes:
+        return pull_reply([records.to_proto(g) for g in recs], request, 0.0).SerializeToString()
+
+    data = server_side()
+
+    def trainer_side() -> None:
+        records.decode_pulled(rollout_pb2.PullResponse.FromString(data).groups, limits)
+
+    def cpu(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.thread_time()
+            fn()
+            times.append(time.thread_time() - start)
+        return statistics.median(times) * 1000 / groups
+
+    server_cpu, trainer_cpu = cpu(server_side), cpu(trainer_side)
+    server = grpc.server(
+        concurrent.futures.ThreadPoolExecutor(2), options=channel_options(MAX_MESSAGE_BYTES)
+    )
+    messages = [records.to_proto(g) for g in recs]
+    rollout_pb2_grpc.add_RolloutServicer_to_server(_QueuedRollout(messages), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        channel, stub = connect(f"127.0.0.1:{port}", MAX_MESSAGE_BYTES)
+        secs = _timed(lambda: records.decode_pulled(stub.Pull(request).groups, limits), repeats)
+        channel.close()
+    finally:
+        server.stop(None)
+    return {
+        "mb": len(data) / 1e6,
+        "groups_per_s": groups / secs,
+        "mb_per_s": len(data) / secs / 1e6,
+        "server_cpu_s_per_1000": server_cpu,
+        "trainer_cpu_s_per_1000": trainer_cpu,
+    }
+
+
+def wire_only(repeats: int) -> None:
+    """The wire's figures (`bench_wire`) for a routed and an unrouted trajectory shape."""
+    print(
+        "| Pull of 16 groups x 8 | MB | groups/s | MB/s | server CPU s / 1,000 groups | "
+        "trainer CPU s / 1,000 groups |\n| --- | --- | --- | --- | --- | --- |"
+    )
+    for name, routing in (("prompt 128 + 1,024, routing 48x8", True), ("same, no routing", False)):
+        r = bench_wire(16, 8, 128, 1024, routing, repeats)
+        print(
+            f"| {name} | {r['mb']:.1f} | {r['groups_per_s']:.0f} | {r['mb_per_s']:.0f} | "
+            f"{r['server_cpu_s_per_1000']:.2f} | {r['trainer_cpu_s_per_1000']:.2f} |",
+            flush=True,
+        )
+
+
 def engine_only(args: argparse.Namespace, repeats: int) -> None:
     """The engine's decode tokens/s for one preset, serving dtype and slot count (random
     weights, an 8-token prompt), e.g. on an accelerator."""
@@ -367,6 +485,9 @@ def main() -> None:
         action="store_true",
         help="only the engine's decode tokens/s, for --preset/--dtype/--slots/--new-tokens",
     )
+    parser.add_argument(
+        "--wire", action="store_true", help="only the wire's figures (`bench_wire`)"
+    )
     parser.add_argument("--preset", default="small", help="--engine: model preset")
     parser.add_argument(
         "--dtype", default="bfloat16", choices=("float32", "bfloat16"), help="--engine: dtype"
@@ -377,6 +498,9 @@ def main() -> None:
     repeats = 1 if args.quick else 3
     if args.engine:
         engine_only(args, repeats)
+        return
+    if args.wire:
+        wire_only(repeats)
         return
     cfg = ModelConfig.preset("tiny")
     slots, prompt_len, new_tokens = 8, 8, 16 if args.quick else 64

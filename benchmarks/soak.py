@@ -16,8 +16,8 @@ Growth is measured after warm-up (the first ``--warmup-minutes`` of the soak): f
 ``growth_pct`` = (RSS at the end − RSS at the first sample after warm-up) / that first RSS, and
 ``slope_mb_per_min``, a least-squares line over the samples after warm-up. The target is growth
 below ``TARGET_PCT`` (10%) for both; the summary says whether it was met. A process that exits
-early fails the soak (exit 1, with its log's tail). ``--smoke``: a 20-second soak, samples every
-2 s, a 5-second warm-up (the test's mode; its growth figures mean little).
+early fails the soak (exit 1, with its log's tail). ``--smoke``: a 12-second soak, samples every
+1.5 s, a 4-second warm-up (the test's mode; its growth figures mean little).
 """
 
 from __future__ import annotations
@@ -239,11 +239,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup-minutes", type=float, default=2.0, help="left out of growth")
     parser.add_argument("--out", default=str(REPO / "runs" / "soak"), help="results directory")
     parser.add_argument("--config", default=str(REPO / "configs" / "arith_tiny.yaml"))
-    parser.add_argument("--smoke", action="store_true", help="a 20 s soak (for the test)")
+    parser.add_argument("--smoke", action="store_true", help="a 12 s soak (for the test)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value config overrides")
     args = parser.parse_args(argv)
     if args.smoke:
-        args.minutes, args.interval, args.warmup_minutes = 20 / 60, 2.0, 5 / 60
+        args.minutes, args.interval, args.warmup_minutes = 12 / 60, 1.5, 4 / 60
     if args.minutes <= args.warmup_minutes or args.interval <= 0:
         parser.error("need --minutes > --warmup-minutes and --interval > 0")
     args.config = os.path.abspath(args.config)

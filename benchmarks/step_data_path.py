@@ -12,10 +12,13 @@ are synthetic `Group` messages of the arithmetic task's shapes (prompts up to
 rewards), fixed by `--seed`; the policy and its reference are random inits (a warm-up changes the
 values, not the work).
 
-Timed per step: `assemble` (decode_group of the pulled protos + select_groups + assemble_batch), `shard` (shard_batch until the
-arrays are on the device), `step` (the step until its metrics are on the host) and `total` (all
-of it). After `--warmup` untimed steps (compiles), the medians over `--repeats` steps are
-reported, with the bytes each step moves host → device and device → host besides the metrics.
+Timed per step: `decode` (the trainer's decoding and validation of the pulled protos, made by the
+server's own encoding `records.to_proto`), `assemble` (select_groups + assemble_batch), `shard`
+(shard_batch until the arrays are on the device), `step` (the step until its metrics are on the
+host) and `total` (all of it). After `--warmup` untimed steps (compiles), the medians over
+`--repeats` steps are reported, with the bytes each step moves host → device and device → host
+besides the metrics, and the trainer's CPU seconds (this thread's) per 1,000 groups of `decode`
+and `assemble`.
 The machine may be shared and noisy: compare medians of runs made back to back.
 
 `make_data_path` is the only part that knows the train step's API (a copy adapted to an older
@@ -42,7 +45,6 @@ import numpy as np
 
 from rollout_api import records
 from rollout_api.proto import rollout_pb2
-from rollout_api.routing_codec import encode_routing
 from sat_jax import sharding
 from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import placement
@@ -73,7 +75,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def make_groups(cfg: ExperimentConfig, seed: int) -> list[rollout_pb2.Group]:
-    """One batch's worth of synthetic groups of the configured shapes (lag 0 at version 1)."""
+    """One batch's worth of synthetic groups of the configured shapes (lag 0 at version 1), as
+    the server's `records.to_proto` writes them (texts included, as a server has them)."""
     rng = np.random.default_rng(seed)
     m, r = cfg.model, cfg.rollout
     groups = []
@@ -86,20 +89,25 @@ def make_groups(cfg: ExperimentConfig, seed: int) -> list[rollout_pb2.Group]:
             scores = rng.random((len(prompt) + c, m.num_moe_layers, m.num_experts))
             routing = np.argsort(scores, axis=-1)[..., : m.num_experts_per_tok]
             trajectories.append(
-                rollout_pb2.Trajectory(
-                    prompt_ids=prompt,
-                    completion_ids=rng.integers(3, m.vocab_size, c).tolist(),
-                    behavior_logprobs=(-rng.uniform(0.1, 3.0, c)).tolist(),
-                    versions=[1] * c,
-                    routing=encode_routing(routing.astype(m.routing_dtype)),
+                records.Trajectory(
+                    prompt_ids=np.array(prompt, np.int32),
+                    completion_ids=rng.integers(3, m.vocab_size, c).astype(np.int32),
+                    behavior_logprobs=(-rng.uniform(0.1, 3.0, c)).astype(np.float32),
+                    versions=np.ones(c, np.int64),
+                    routing=routing.astype(m.routing_dtype),
                     reward=float(rng.integers(0, 2)),
+                    completion_text="9" * c,
                 )
             )
-        groups.append(
-            rollout_pb2.Group(
-                group_id=g, prompt_id=f"p{g}", server_id="bench", trajectories=trajectories
-            )
+        group = records.Group(
+            group_id=g,
+            prompt_id=f"p{g}",
+            server_id="bench",
+            prompt_text="1+2=" * (len(prompt) // 4),
+            answer="3",
+            trajectories=tuple(trajectories),
         )
+        groups.append(records.to_proto(group))
     return groups
 
 
@@ -116,25 +124,31 @@ def make_data_path(
     state = create_train_state(cfg.model, optimizer, mesh, params)
 
     def one_step(state: Any, groups: list[rollout_pb2.Group]):
-        start = time.perf_counter()
+        cpu_start, start = time.thread_time(), time.perf_counter()
         # What the trainer does with a pulled reply: decode and validate once (ServerPool.pull),
         # then select and assemble.
-        pulled = [records.decode_group(g, spec.limits) for g in groups]
+        pulled = records.decode_pulled(groups, spec.limits)
+        cpu_decoded, decoded = time.thread_time(), time.perf_counter()
         selection = batching.select_groups(pulled, spec, trainer_version=1, min_version=1)
         batch, _ = batching.assemble_batch(selection, spec, trainer_version=1)
-        assembled = time.perf_counter()
+        cpu_assembled, assembled = time.thread_time(), time.perf_counter()
         on_device = jax.block_until_ready(shard_batch(batch, mesh))
         sharded = time.perf_counter()
         state, metrics = step_fn(state, on_device)
         metrics = jax.device_get(metrics)
         done = time.perf_counter()
         seconds = {
-            "assemble": assembled - start,
+            "decode": decoded - start,
+            "assemble": assembled - decoded,
             "shard": sharded - assembled,
             "step": done - sharded,
             "total": done - start,
         }
         h2d = sum(np.asarray(x).nbytes for x in jax.tree.leaves(batch))
+        # CPU seconds of this thread per 1,000 groups: the trainer's host work on a reply.
+        per_k = 1000 / len(groups)
+        seconds["decode_cpu_per_1000"] = (cpu_decoded - cpu_start) * per_k
+        seconds["assemble_cpu_per_1000"] = (cpu_assembled - cpu_decoded) * per_k
         return state, metrics, seconds, {"h2d": h2d, "d2h": 0}
 
     return one_step, state
@@ -161,7 +175,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"d_model {cfg.model.d_model}, {cfg.model.num_layers} layers",
         "devices": f"{jax.device_count()} {jax.default_backend()}",
         "repeats": args.repeats,
-        "median_ms": {p: 1e3 * statistics.median(v) for p, v in samples.items()},
+        "median_ms": {p: 1e3 * statistics.median(v) for p, v in samples.items() if "cpu" not in p},
+        "trainer_cpu_s_per_1000_groups": {
+            p.removesuffix("_cpu_per_1000"): statistics.median(v)
+            for p, v in samples.items()
+            if "cpu" in p
+        },
         "bytes": moved,
         "load_average": os.getloadavg()[0],
     }
@@ -174,6 +193,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"average {result['load_average']:.1f} at the end\n"
         + ", ".join(f"{p} {ms:.1f} ms" for p, ms in med.items())
         + f"; host->device {result['bytes']['h2d']} B, device->host {result['bytes']['d2h']} B"
+        + "\ntrainer CPU s per 1,000 groups: "
+        + ", ".join(f"{p} {s:.3f}" for p, s in result["trainer_cpu_s_per_1000_groups"].items())
     )
 
 

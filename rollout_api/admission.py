@@ -77,6 +77,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
 
 # No server's share falls below this fraction of an equal share (`fleet_shares`).
 SHARE_FLOOR = 0.2
@@ -87,6 +88,8 @@ SHARE_RESOLUTION = 0.05
 @dataclasses.dataclass
 class ServerAdmission:
     """One server's admission state (mutated in place by its owner, under its owner's lock).
+    It owns its persisted part: `get_state` is what the server saves, `set_state` restores it
+    after a restart (as grain's iterators do), so no owner copies its fields one by one.
 
     Args:
       max_staleness: S, the versions a trained group may lag its admission.
@@ -121,6 +124,31 @@ class ServerAdmission:
                 f"admission needs max_staleness >= 0, batch_groups >= 1 and capacity >= 1 (got "
                 f"{self.max_staleness}, {self.batch_groups}, {self.capacity})"
             )
+
+    def get_state(self) -> dict[str, Any]:
+        """What a restarted server needs of this state (JSON-able; `set_state` restores it):
+        the share and its lease, the trainer's version, the groups trained since it was
+        reported, and the groups the epoch does not count. The groups running, queued and
+        leased are not in it: a restart re-issues them and admits them again."""
+        return {
+            "share": self.share,
+            "share_until": self.share_until,
+            "trainer_version": self.trainer_version,
+            "trained_since": self.trained_since,
+            "excluded": sorted(self.excluded),
+        }
+
+    def set_state(self, state: Mapping[str, Any], weights_version: int) -> None:
+        """Restores what `get_state` returned (a missing key keeps its default) at the weights
+        `weights_version` the server holds after its restart; the trainer's version is at least
+        that."""
+        self.weights_version = weights_version
+        self.share = state.get("share", 1.0)
+        self.share_until = state.get("share_until", 0)
+        self.trainer_version = max(state.get("trainer_version", 0), weights_version)
+        self.reported = self.trainer_version
+        self.trained_since = state.get("trained_since", 0)
+        self.excluded = set(state.get("excluded", ()))
 
     @property
     def lead(self) -> int:
@@ -291,7 +319,8 @@ class FleetQuota:
             self.period = gap if self.period is None else 0.8 * self.period + 0.2 * gap
         b = self.batch_groups
         self.credit = {
-            name: _fraction(self.credit.get(name, 0.0)) + share * b for name, share in shares.items()
+            name: _fraction(self.credit.get(name, 0.0)) + share * b
+            for name, share in shares.items()
         }
         self.version, self.since = version, now
 

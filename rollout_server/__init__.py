@@ -13,10 +13,14 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 - `driver`: the orchestrator `Driver` whose detokenize thread writes each request's per-token
   arrays (allocated once per request) into a finished sample.
 - `generation`: a group's G samples (single-turn requests, multi-turn episodes, or HTTP
-  sessions), resampled on failure, into a `records.Group` with rewards.
-- `rollout`, `group_queue`, `persistence`: prompts → groups → `rollout_api.records.Group` → its
-  proto (`records.to_proto`, the one conversion) in a bounded queue, with admission
-  (`rollout_api.admission`) and a state file so a restart loses no prompt.
+  sessions), resampled on failure, into a `records.Group` with rewards; reports finished groups.
+- `rollout`, `loop_core`, `prompt_book`: the rollout loop's thread (admit → dispatch → collect →
+  hand out), the parts and lock it shares with the trainer's side, and the prompts dispatched
+  and not acknowledged (re-issued by a restart).
+- `delivery`, `group_queue`, `trainer_link`: finished groups → their proto (`records.to_proto`,
+  the one conversion) in a bounded queue, leased until acknowledged; Pull, Ack and UpdateWeights.
+- `persistence`: the state file (admission's part is `rollout_api.admission`'s `get_state`) so
+  a restart loses no prompt.
 - `weights`: UpdateWeights' checkpoint-root policy; loading through `sat_jax.params_io`.
 - `auth`: the shared-token check of every RPC but the health checks (a gRPC interceptor).
 - `service`, `metrics`, `process`: the gRPC servicers, Prometheus gauges, and the running server.

@@ -40,36 +40,13 @@ from jetstream.core.utils.return_sample import ReturnSample
 from jetstream.engine import engine_api
 
 from rollout_server.engine import MoEEngine, unpack_step
+from sat_jax.completions import FinishedSample, TokenBuffer, turn_end
 
 log = logging.getLogger(__name__)
 
 _RACE = "must have some requests inserted"
 _ACTION_POLL_S = 0.01  # how often an idle detokenize thread looks for episode actions
 _NOTHING = object()  # JetStream 0.2.2's free-slot race (see below)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FinishedSample:
-    """One completed sample of a rollout request.
-
-    Attributes:
-      prompt_ids: [P] int32, exactly the tokenizer's prompt ids.
-      completion_ids: [C] int32, the stop id included when `finish_reason == "stop"`.
-      logprobs: [C] float32 behavior log-probs.
-      versions: [C] int64 weights version per completion token.
-      routing: [P + C, L, K] expert ids in the model's routing dtype.
-      kept_counts: [C] int32 the sampler's kept-set size per completion token.
-      finish_reason: "stop" or "length" (an episode's: "length" when any of its turns was cut).
-    """
-
-    prompt_ids: np.ndarray
-    completion_ids: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    routing: np.ndarray
-    finish_reason: str
-    kept_counts: np.ndarray | None = None
-    loss_mask: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -85,102 +62,6 @@ class TurnEnd:
     ids: np.ndarray
     finish_reason: str
     room: int
-
-
-class TokenBuffer:
-    """The per-token arrays of one request, allocated for `max_tokens` completion tokens when it
-    gets its slot and filled one generate step at a time.
-
-    Args:
-      prompt_ids: [P] the prompt's ids.
-      prompt_routing: [P, L, K] the prompt's routing ids (its dtype is the routing's).
-      max_tokens: the most completion tokens the request may produce.
-    """
-
-    def __init__(
-        self,
-        prompt_ids: np.ndarray,
-        prompt_routing: np.ndarray,
-        max_tokens: int,
-        *,
-        masked: bool = False,
-    ):
-        p = len(prompt_ids)
-        self.prompt_ids = np.asarray(prompt_ids, np.int32)
-        self.tokens = np.empty(max_tokens, np.int32)
-        self.logprobs = np.empty(max_tokens, np.float32)
-        self.versions = np.empty(max_tokens, np.int64)
-        self.kept = np.empty(max_tokens, np.int32)
-        # Prompt then completion positions, so the finished routing needs no concatenation.
-        self.routing = np.empty((p + max_tokens, *prompt_routing.shape[1:]), prompt_routing.dtype)
-        self.routing[:p] = prompt_routing
-        # Multi-turn: True where the policy generated the token (`insert` writes False).
-        self.mask = np.empty(max_tokens, bool) if masked else None
-        self.size = 0  # completion tokens written
-
-    def add(
-        self,
-        token: int,
-        logp: np.floating,
-        version: np.integer,
-        routing: np.ndarray,
-        kept: np.integer = 0,
-    ) -> None:
-        """Writes the next completion token's values (`routing`: [L, K]; `kept`: the sampler's
-        kept-set size).
-
-        Raises:
-          IndexError: the buffer already holds `max_tokens` tokens.
-        """
-        n = self.size
-        self.tokens[n], self.logprobs[n], self.versions[n] = token, logp, version
-        self.kept[n] = kept
-        self.routing[len(self.prompt_ids) + n] = routing
-        if self.mask is not None:
-            self.mask[n] = True
-        self.size = n + 1
-
-    def insert(self, tokens: np.ndarray) -> None:
-        """Appends inserted (observation) tokens: loss mask 0, log-prob 0, the last generated
-        token's version and kept count 0 (the trainer reads none of them); their routing is 0
-        until `set_routing` writes what the cache extension recorded (the trainer replays it).
-
-        Raises:
-          ValueError: the buffer is not masked, or the tokens do not fit.
-        """
-        n, k = self.size, len(tokens)
-        if self.mask is None:
-            raise ValueError("insert needs a masked (multi-turn) buffer")
-        if n + k > len(self.tokens):
-            raise ValueError(f"{k} inserted tokens do not fit after {n} of {len(self.tokens)}")
-        p = len(self.prompt_ids)
-        self.tokens[n : n + k] = tokens
-        self.logprobs[n : n + k] = 0.0
-        self.versions[n : n + k] = self.versions[n - 1] if n else 0
-        self.kept[n : n + k] = 0
-        self.routing[p + n : p + n + k] = 0
-        self.mask[n : n + k] = False
-        self.size = n + k
-
-    def set_routing(self, start: int, routing: np.ndarray) -> None:
-        """Writes the routing [n, L, K] of completion tokens start .. start + n − 1 (inserted
-        tokens', recorded by the cache extension)."""
-        p = len(self.prompt_ids)
-        self.routing[p + start : p + start + len(routing)] = routing
-
-    def sample(self, finish_reason: str) -> FinishedSample:
-        """The finished sample: views of the filled part of the arrays."""
-        n = self.size
-        return FinishedSample(
-            prompt_ids=self.prompt_ids,
-            completion_ids=self.tokens[:n],
-            logprobs=self.logprobs[:n],
-            versions=self.versions[:n],
-            routing=self.routing[: len(self.prompt_ids) + n],
-            finish_reason=finish_reason,
-            kept_counts=self.kept[:n],
-            loss_mask=None if self.mask is None else self.mask[:n],
-        )
 
 
 @dataclasses.dataclass
@@ -336,15 +217,7 @@ class RolloutDriver(orchestrator.Driver):
                 slot, request = item
                 live[slot] = request
                 if isinstance(request, RolloutRequest):
-                    request.slot, request.detokenize_index = slot, idx
-                    try:
-                        prompt_ids, prompt_routing = engine.slot_prompt(slot)
-                    except KeyError:  # a failed prefill/insert: the slot emits nothing
-                        request.buffer = None
-                    else:
-                        request.buffer = TokenBuffer(
-                            prompt_ids, prompt_routing, request.max_tokens, masked=request.episode
-                        )
+                    self._take_slot(request, slot, idx, engine)
                 continue
             try:
                 step = unpack_step(
@@ -371,6 +244,19 @@ class RolloutDriver(orchestrator.Driver):
             with self._counter_lock:
                 self.tokens_generated += emitted
 
+    @staticmethod
+    def _take_slot(request: RolloutRequest, slot: int, idx: int, engine: MoEEngine) -> None:
+        """`request` now has `slot` (of detokenize thread `idx`): its buffer is allocated."""
+        request.slot, request.detokenize_index = slot, idx
+        try:
+            prompt_ids, prompt_routing = engine.slot_prompt(slot)
+        except KeyError:  # a failed prefill/insert: the slot emits nothing
+            request.buffer = None
+        else:
+            request.buffer = TokenBuffer(
+                prompt_ids, prompt_routing, request.max_tokens, masked=request.episode
+            )
+
     def _advance(
         self,
         request: orchestrator.ActiveRequest,
@@ -391,12 +277,7 @@ class RolloutDriver(orchestrator.Driver):
         if isinstance(request, RolloutRequest):
             buffer = request.buffer
             if request.inserted_routing is not None:
-                at, n = request.inserted_routing
-                request.inserted_routing = None
-                routing = engine.extension_routing(slot, request.segment)
-                if routing.shape[0] != n:
-                    raise ValueError(f"extension routing of {routing.shape[0]} tokens, not {n}")
-                buffer.set_routing(at, routing)
+                self._take_inserted_routing(request, slot, engine)
             buffer.add(
                 token,
                 step["logp"][slot],
@@ -407,19 +288,19 @@ class RolloutDriver(orchestrator.Driver):
             if token not in stops and request.stop_when is not None:
                 if request.stop_when(buffer.tokens[request.turn_start : buffer.size]):
                     stops = frozenset({token})  # a stop string ended it: as a stop id would
-            if request.episode:
-                if token in stops:
-                    return self._end_turn(request, "stop")
-                if buffer.size - request.turn_start >= request.turn_tokens or (
-                    buffer.size >= request.max_tokens
-                ):
-                    return self._end_turn(request, "length")
+            # A request that is not an episode is one turn of `max_tokens`.
+            episode = request.episode
+            reason = turn_end(
+                token,
+                buffer.size,
+                request.turn_start if episode else 0,
+                stops=stops,
+                turn_tokens=request.turn_tokens if episode else request.max_tokens,
+                max_tokens=request.max_tokens,
+            )
+            if reason is None:
                 return False
-            if token in stops:
-                return self._finish(request, "stop")
-            if buffer.size >= request.max_tokens:
-                return self._finish(request, "length")
-            return False
+            return self._end_turn(request, reason) if episode else self._finish(request, reason)
         channel = request.return_channel
         if channel is None or channel.cancelled():
             return True  # the client went away: free the slot now
@@ -433,6 +314,17 @@ class RolloutDriver(orchestrator.Driver):
             channel.close()
             return True
         return False
+
+    @staticmethod
+    def _take_inserted_routing(request: RolloutRequest, slot: int, engine: MoEEngine) -> None:
+        """Writes into `request`'s buffer the routing the engine's extension recorded for the
+        tokens it inserted (taken with the first step after the extension)."""
+        at, n = request.inserted_routing
+        request.inserted_routing = None
+        routing = engine.extension_routing(slot, request.segment)
+        if routing.shape[0] != n:
+            raise ValueError(f"extension routing of {routing.shape[0]} tokens, not {n}")
+        request.buffer.set_routing(at, routing)
 
     def _end_turn(self, request: RolloutRequest, reason: str) -> bool:
         """Hands an ended turn to `on_turn`; the request keeps its slot and waits."""

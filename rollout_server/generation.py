@@ -4,20 +4,18 @@ environment continues (`task.env`), or to external agents as HTTP sessions; fini
 back on one queue, failed ones are sampled again (a few times, then the group is dropped), and a
 complete group becomes its `records.Group` with rewards and texts.
 
-`GroupGeneration` holds this plumbing and the groups running; `rollout_server.rollout.RolloutLoop`
-extends it with admission, delivery and persistence and decides what a finished or dropped group
-means (`_queue_group`, `_drop_group`). The driver's and the sessions' callbacks only hand over
-(they run on JetStream's detokenize thread or an HTTP handler); everything else runs on the
-loop's thread.
+`Generation` holds this plumbing and the groups running. It is a component of
+`rollout_server.rollout.RolloutLoop`, which starts groups (`start`, `submit`) and decides what a
+finished or dropped group means: `collect` reports them (`Collected`) and the loop takes them out
+of `running`. The driver's and the sessions' callbacks only hand over (they run on JetStream's
+detokenize thread or an HTTP handler); everything else runs on the loop's thread.
 """
 
 from __future__ import annotations
 
-import abc
 import dataclasses
 import logging
 import queue
-import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -36,7 +34,7 @@ log = logging.getLogger(__name__)
 
 _MAX_FAILURES = 3  # failed samples per group before the group is dropped
 _TURN = object()  # marks an ended turn in the loop's queue
-_WAKE = object()  # ends the loop's wait for finished samples (`GroupGeneration._wake`)
+_WAKE = object()  # ends the loop's wait for finished samples (`Generation.wake`)
 _RATE_WINDOW_S = 5.0  # the busy time one capacity measurement spans (`RateMeter`)
 
 
@@ -65,12 +63,26 @@ class SessionSource(Protocol):
     ) -> Any: ...
 
 
+@dataclasses.dataclass
+class Collected:
+    """What one `Generation.collect` found: groups whose every sample finished, and groups
+    that will not finish (too many failed samples). Both are still in `Generation.running`:
+    the owner takes them out."""
+
+    finished: list[RunningGroup] = dataclasses.field(default_factory=list)
+    dropped: list[RunningGroup] = dataclasses.field(default_factory=list)
+
+    def ended(self, group_id: int) -> bool:
+        """Whether `group_id` is among them (later samples of it are ignored)."""
+        return any(g.record["group_id"] == group_id for g in self.finished + self.dropped)
+
+
 def prompt_of(record: dict[str, Any]) -> Prompt:
     """The `Prompt` of a dispatched group's record."""
     return Prompt(id=record["id"], text=record["text"], answer=record["answer"])
 
 
-class GroupGeneration(abc.ABC):
+class Generation:
     """The samples of the groups running (see the module docstring).
 
     Args:
@@ -81,12 +93,13 @@ class GroupGeneration(abc.ABC):
       reward_fn: (completion text, answer) -> float, for single-turn samples.
       episodes: runs multi-turn episodes; None = single-turn samples.
       sessions: hands each sample to an external agent instead (None = none).
-      clock: the monotonic clock, in seconds, of the capacity measure (and of the subclass).
+      clock: the monotonic clock, in seconds, of the capacity measure (the loop's).
 
     It measures the server's capacity (`rollout_api.admission.RateMeter`: tokens per second
     with every slot busy, from the driver's token count and the samples in flight, at most the
     engine's `max_concurrent_decodes`; an engine that names none, a test's fake, measures
-    nothing). `_lock` guards the running groups (and whatever the subclass guards with it).
+    nothing). It takes no lock: the owner guards `running` with its own (its other threads
+    read it and remove acknowledged groups), and calls `collect` from one thread.
     """
 
     def __init__(
@@ -105,21 +118,11 @@ class GroupGeneration(abc.ABC):
         self._tokenizer, self._reward_fn = tokenizer, reward_fn
         self._episodes, self._sessions = episodes, sessions
         self._truncates = SamplingConfig.from_rollout(cfg).truncates
-        self._running: dict[int, RunningGroup] = {}
+        self.running: dict[int, RunningGroup] = {}
         self._done: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
         self._clock = clock
         slots = getattr(engine, "max_concurrent_decodes", 0)
         self._meter = RateMeter(int(slots), window_s=_RATE_WINDOW_S) if slots else None
-
-    @abc.abstractmethod
-    def _queue_group(self, group_id: int, group: RunningGroup) -> None:
-        """Every sample of the running `group_id` finished: it leaves the running groups."""
-
-    @abc.abstractmethod
-    def _drop_group(self, group_id: int) -> None:
-        """The running `group_id` will not finish (too many failed samples, or samples that
-        make no valid record): it leaves the running groups."""
 
     @property
     def capacity_tokens_per_s(self) -> float:
@@ -127,23 +130,39 @@ class GroupGeneration(abc.ABC):
         see `RateMeter`)."""
         return 0.0 if self._meter is None else self._meter.rate
 
-    def _measure(self) -> None:
-        """One observation for the capacity measure (the loop's thread calls it every turn):
-        the driver's token count and the samples in flight now (each holds a slot, or waits for
-        one)."""
+    def measure(self) -> None:
+        """One observation for the capacity measure (the loop calls it every turn, under its
+        lock): the driver's token count and the samples in flight now (each holds a slot, or
+        waits for one)."""
         if self._meter is None:
             return
-        with self._lock:
-            size = self._cfg.group_size
-            busy = sum(size - len(g.samples) for g in self._running.values())
-            self._meter.observe(self._clock(), self._driver.tokens_generated, busy)
+        size = self._cfg.group_size
+        busy = sum(size - len(g.samples) for g in self.running.values())
+        self._meter.observe(self._clock(), self._driver.tokens_generated, busy)
 
-    def _wake(self) -> None:
-        """Ends the loop thread's wait in `_collect` now. Other threads call it after a change
+    def wake(self) -> None:
+        """Ends the loop thread's wait in `collect` now. Other threads call it after a change
         that may open admission (new weights, an acknowledgement) and to stop the loop: an idle
         server, with no sample to finish, would otherwise notice only when the wait times out,
         a delay in series with every batch whenever the staleness bound held generation back."""
         self._done.put((_WAKE, None))
+
+    def start(self, record: dict[str, Any]) -> RunningGroup:
+        """Adds the group of a dispatched prompt `record` to `running` (under the owner's lock;
+        `submit` then starts its samples).
+
+        Raises:
+          ValueError: its prompt does not fit the prefill (or cannot be encoded).
+          EnvError: the environment cannot start it.
+        """
+        group = RunningGroup(record=record, prompt_ids=self._opening(record))
+        self.running[record["group_id"]] = group
+        return group
+
+    def submit(self, group: RunningGroup) -> None:
+        """Starts every sample of `group` (outside the owner's lock)."""
+        for i in range(self._cfg.group_size):
+            self._submit(group, i)
 
     def _opening(self, record: dict[str, Any]) -> list[int]:
         """The prompt ids of a group's record: encoded, or the opening as the environment
@@ -204,12 +223,13 @@ class GroupGeneration(abc.ABC):
         # Called on JetStream's detokenize thread: the environment runs on the loop's thread.
         self._done.put((_TURN, (request, turn)))
 
-    def _after_turn(self, request: RolloutRequest, turn: TurnEnd) -> None:
+    def _after_turn(self, request: RolloutRequest, turn: TurnEnd, ended: Collected) -> None:
         """Asks the sample's environment about its ended turn and continues or ends the
-        episode; a sample whose group is gone (acknowledged, dropped) just ends, freeing its
-        slot, and one whose environment fails ends and is sampled again."""
+        episode; a sample whose group is gone (acknowledged, dropped, or `ended` in this
+        collect) just ends, freeing its slot, and one whose environment fails ends and is
+        sampled again."""
         group_id, index = request.tag
-        group = self._running.get(group_id)
+        group = None if ended.ended(group_id) else self.running.get(group_id)
         episode = None if group is None else group.episodes.get(index)
         ids = None
         if episode is not None:
@@ -225,15 +245,16 @@ class GroupGeneration(abc.ABC):
         else:
             self._driver.continue_episode(request, ids)
 
-    def _collect(self, timeout_s: float) -> None:
+    def collect(self, timeout_s: float) -> Collected:
         """Takes what the driver, the episodes and the sessions handed over (waiting up to
         `timeout_s` for the first): an ended turn goes to its environment, a finished sample to
-        its group (a complete group to `_queue_group`), a failed one is sampled again, up to
-        `_MAX_FAILURES` times a group, and then the group is dropped (`_drop_group`)."""
+        its group, a failed one is sampled again, up to `_MAX_FAILURES` times a group. Reports
+        the groups now complete and those dropped (too many failed samples)."""
+        out = Collected()
         try:
             items = [self._done.get(timeout=timeout_s)]
         except queue.Empty:
-            return
+            return out
         while True:
             try:
                 items.append(self._done.get_nowait())
@@ -243,30 +264,35 @@ class GroupGeneration(abc.ABC):
             if tag is _WAKE:
                 continue
             if tag is _TURN:
-                self._after_turn(*sample)
+                self._after_turn(*sample, out)
                 continue
             group_id, index = tag
-            group = self._running.get(group_id)
-            if group is None:
-                continue
-            if index in group.env_failed:
-                group.env_failed.discard(index)
-                sample = None
-            if sample is None:  # generation failed: sample again, a few times
-                group.failures += 1
-                if group.failures <= _MAX_FAILURES:
-                    self._submit(group, index)
-                    continue
-                log.error(
-                    "dropping prompt %s: %d failed samples", group.record["id"], group.failures
-                )
-                self._drop_group(group_id)
-                continue
-            group.samples[index] = sample
-            if len(group.samples) == self._cfg.group_size:
-                self._queue_group(group_id, group)
+            group = self.running.get(group_id)
+            if group is not None and not out.ended(group_id):
+                self._take(group, index, sample, out)
+        return out
 
-    def _group_record(self, group: RunningGroup, server_id: str) -> records.Group:
+    def _take(
+        self, group: RunningGroup, index: int, sample: FinishedSample | None, out: Collected
+    ) -> None:
+        """Files one sample of `group`: kept, sampled again after a failure, or the end of the
+        group (complete, or dropped after `_MAX_FAILURES` failures), reported in `out`."""
+        if index in group.env_failed:
+            group.env_failed.discard(index)
+            sample = None
+        if sample is None:  # generation failed: sample again, a few times
+            group.failures += 1
+            if group.failures <= _MAX_FAILURES:
+                self._submit(group, index)
+                return
+            log.error("dropping prompt %s: %d failed samples", group.record["id"], group.failures)
+            out.dropped.append(group)
+            return
+        group.samples[index] = sample
+        if len(group.samples) == self._cfg.group_size:
+            out.finished.append(group)
+
+    def group_record(self, group: RunningGroup, server_id: str) -> records.Group:
         """The group's record, under `server_id`: the engine's arrays as they are, with rewards
         and texts."""
         record = group.record

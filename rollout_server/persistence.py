@@ -16,8 +16,8 @@ What must be on disk before which reply, for exactly-once across kill -9:
 
 - **Ack, and a Pull that carries acknowledgements**: the acknowledgement. The trainer forgets an
   acknowledgement once a reply confirms it; lost in a crash, the restarted server would re-issue a
-  group the trainer trained, and count it once more (consumed, and admission's `epoch_used` when
-  the trainer rejects the repeat).
+  group the trainer trained, and count it once more (consumed, and a place in admission's budget
+  when the trainer rejects the repeat).
 - **A Pull that returns groups**: the dispatch of each group (its `group_id`, its prompt, the prompt
   position after it, and the `server_id` the reply names it by). Lost, a restarted server would
   draw that prompt again, and under a fresh `server_id` (none saved yet) deliver it as a new group.
@@ -38,6 +38,7 @@ at shutdown (`RolloutLoop.stop` submits the state once more and waits for it).
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import fcntl
 import json
@@ -72,25 +73,13 @@ class RolloutState:
       version, checkpoint_path: the weights last installed by UpdateWeights ("" = none yet).
       base_path: under LoRA, the base that `checkpoint_path`'s adapters apply to ("" = the
         checkpoint holds whole params).
-      epoch_version, epoch_used: where the current admission epoch began: the weights version and
-        the groups dispatched until then (consumed + queued + running), plus the groups the
-        trainer rejected since, which admission no longer counts (see
-        `rollout.admission_budget`, docs/DESIGN.md §6).
-      epoch_excluded: ids of the groups outstanding (queued, leased or running) when the epoch
-        began, which `epoch_used` leaves out of the count: one of them rejected stays out of it
-        (no replacement), one acknowledged as trained counts (the trainer spent a batch place
-        on it, so the epoch owes one group fewer).
-      share: this server's share of the fleet's admission (the trainer sends shares ∝ the
-        servers' measured capacities, 1/k with k servers up until they are known): admission
-        allows `share` · batch_groups groups per version (docs/DESIGN.md §6.3);
-        `share_until` the last trainer version it holds for (0 = no lease).
+      epoch_version: the weights version at which the current admission epoch began.
+      admission: `rollout_api.admission.ServerAdmission.get_state` at the last save (the
+        share and its lease, the trainer's version, the groups the epoch does not count, ...;
+        `ServerAdmission.set_state` restores it; docs/DESIGN.md §6.3).
       server_id: a random id of this state (drawn by `new_server_id` when the first group is
         dispatched), on every group: the trainer names groups by (server_id, group_id).
       run_id: the trainer run attached (the last one that started an admission epoch).
-      trainer_version: the newest trainer version the server has seen (`rollout_api.admission`:
-        admission shrinks the run-ahead by how far it is ahead of `version`).
-      trained_since: groups acknowledged as trained since that version was reported (they count
-        against the budget of a trainer whose Pulls do not carry its version).
     """
 
     iterator: dict[str, Any] | None = None
@@ -101,14 +90,33 @@ class RolloutState:
     checkpoint_path: str = ""
     base_path: str = ""
     epoch_version: int = 0
-    epoch_used: int = 0
-    epoch_excluded: list[int] = dataclasses.field(default_factory=list)
-    share: float = 1.0
-    share_until: int = 0
+    admission: dict[str, Any] = dataclasses.field(default_factory=dict)
     server_id: str = ""
     run_id: str = ""
-    trainer_version: int = 0
-    trained_since: int = 0
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> RolloutState:
+        """The state of a saved document, this version's or an older one's: older servers
+        saved admission's fields at the top level (folded into `admission` here) and a count
+        no longer kept (`epoch_used`, ignored), so a server restarted on an old `state_dir`
+        starts where that one stopped."""
+        doc = dict(doc)
+        doc.pop("epoch_used", None)
+        admission = dict(doc.pop("admission", None) or {})
+        for old, new in _LEGACY_ADMISSION.items():
+            if old in doc:
+                admission.setdefault(new, doc.pop(old))
+        return cls(**doc, admission=admission)
+
+
+# Admission's fields as servers before `RolloutState.admission` saved them: old key -> new key.
+_LEGACY_ADMISSION = {
+    "share": "share",
+    "share_until": "share_until",
+    "trainer_version": "trainer_version",
+    "trained_since": "trained_since",
+    "epoch_excluded": "excluded",
+}
 
 
 class StateStore:
@@ -149,8 +157,7 @@ class StateStore:
         """The saved state, or a fresh one when nothing was saved."""
         if self.path is None or not self.path.exists():
             return RolloutState()
-        doc = json.loads(self.path.read_text())
-        return RolloutState(**doc)
+        return RolloutState.from_dict(json.loads(self.path.read_text()))
 
     def save(self, state: RolloutState) -> None:
         """Replaces the saved state atomically (unique temporary file, fsync, rename, fsync of
@@ -183,12 +190,12 @@ class StateStore:
     def submit(self, state: RolloutState) -> int:
         """Snapshots `state` for the writer and returns the snapshot's number (for `wait`).
 
-        Cheap (the lists are copied, not their records): call it under the lock that guards
+        Cheap (the lists and admission's small dict are copied, not the records): call it under the lock that guards
         `state`, so the snapshot is consistent. The snapshot shares `state`'s records and
         iterator state, which the loop replaces and never mutates.
         """
         snapshot = dataclasses.replace(
-            state, unfinished=list(state.unfinished), epoch_excluded=list(state.epoch_excluded)
+            state, unfinished=list(state.unfinished), admission=copy.deepcopy(state.admission)
         )
         with self._cond:
             self._submitted += 1

@@ -32,7 +32,7 @@ from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.http_api import HttpApi, HttpLimits, server_ssl_context
 from rollout_server.metrics import ServerMetrics
-from rollout_server.persistence import StateStore
+from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.rollout import RolloutLoop
 from rollout_server.service import RolloutService, ValidatingOrchestrator
 from rollout_server.sessions import Generator, SessionLimits, SessionManager
@@ -111,7 +111,7 @@ class RolloutServer:
             cfg.model.lora,
             lora_adapters(cfg, mesh) if cfg.model.lora.rank else None,
         )
-        self._restore_weights()
+        persisted = self._restore_weights()
         params = self.engine.load_params()
         self.driver = RolloutDriver(
             prefill_engines=[self.engine],
@@ -123,7 +123,7 @@ class RolloutServer:
         )
         self.generator = Generator(self.driver, self.engine, self.tokenizer)
         self.sessions = self._session_manager()
-        self.loop = self._rollout_loop()
+        self.loop = self._rollout_loop(persisted)
         self.metrics = ServerMetrics(
             self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()
         )
@@ -131,16 +131,18 @@ class RolloutServer:
         self.service: RolloutService | None = None
         self.http: HttpApi | None = None
 
-    def _restore_weights(self) -> None:
-        """Installs the weights the state directory names; when they cannot be loaded, goes
-        back to the initial weights (the next UpdateWeights starts a fresh admission epoch)."""
+    def _restore_weights(self) -> RolloutState:
+        """Loads the state directory's state (the one load: the rollout loop takes it from here)
+        and installs the weights it names; when they cannot be loaded, goes back to the initial
+        weights (the next UpdateWeights starts a fresh admission epoch)."""
         persisted = self.store.load()
         if persisted.checkpoint_path and not self._reload(
             persisted.version, persisted.checkpoint_path, persisted.base_path
         ):
             persisted.version, persisted.checkpoint_path, persisted.base_path = 0, "", ""
-            persisted.epoch_version, persisted.epoch_used = 0, persisted.consumed
+            persisted.epoch_version = 0
             self.store.save(persisted)
+        return persisted
 
     def _session_manager(self) -> SessionManager | None:
         """With ``server.http_sessions``, the manager of the HTTP agents' sessions."""
@@ -150,8 +152,9 @@ class RolloutServer:
         limits = SessionLimits(max_sessions=s.http_max_sessions, idle_s=s.http_session_idle_s)
         return SessionManager(self.generator, make_reward(self.cfg.task.reward), limits)
 
-    def _rollout_loop(self) -> RolloutLoop:
-        """The admission and generation loop over the configured prompts."""
+    def _rollout_loop(self, persisted: RolloutState) -> RolloutLoop:
+        """The admission and generation loop over the configured prompts, from the state
+        `persisted` (loaded by `_restore_weights`)."""
         cfg, s = self.cfg, self.cfg.server
         prompts, rows_skipped = prompt_source(cfg.task)
         episodes = None
@@ -166,6 +169,7 @@ class RolloutServer:
             tokenizer=self.tokenizer,
             cfg=cfg.rollout,
             store=self.store,
+            state=persisted,
             wait_for_weights=s.wait_for_weights,
             max_response_bytes=s.max_message_bytes - _PULL_RESPONSE_HEADROOM_BYTES,
             rows_skipped=rows_skipped,

@@ -24,13 +24,15 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 from jetstream.core import orchestrator
 from jetstream.core.proto import jetstream_pb2
 
+from rollout_api import records
 from rollout_api.client import DRAINING
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_server import weights
 from rollout_server.auth import has_token
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
-from rollout_server.rollout import RolloutLoop, RunNotAttachedError
+from rollout_server.rollout import RolloutLoop
+from rollout_server.trainer_link import RunNotAttachedError
 from sat_jax.model.config import LoRAConfig
 
 log = logging.getLogger(__name__)
@@ -149,9 +151,7 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
                 grpc.StatusCode.UNAVAILABLE,
                 f"{DRAINING} this server is shutting down (SIGTERM) and has no group left",
             )
-        return rollout_pb2.PullResponse(
-            groups=groups, capacity_tokens_per_s=self._loop.capacity_tokens_per_s
-        )
+        return pull_reply(groups, request, self._loop.capacity_tokens_per_s)
 
     def _give_back(self, future: asyncio.Future) -> None:
         if not future.cancelled() and future.exception() is None:
@@ -289,6 +289,19 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
             version=self._engine.version,
             server_id=self._loop.persisted.server_id,
         )
+
+
+def pull_reply(
+    groups: list[rollout_pb2.Group], request: rollout_pb2.PullRequest, capacity: float
+) -> rollout_pb2.PullResponse:
+    """The Pull reply of leased groups (their queued messages, `records.to_proto`'s: arrays
+    packed): a copy, without the texts unless the request asks for them (`include_texts`; the
+    trainer reads none, docs/DESIGN.md §6.2). The queued messages keep theirs (a re-delivery may
+    go to a Pull that asks)."""
+    reply = rollout_pb2.PullResponse(groups=groups, capacity_tokens_per_s=capacity)
+    if not request.include_texts:
+        records.strip_texts(reply.groups)
+    return reply
 
 
 class ValidatingOrchestrator(orchestrator.LLMOrchestrator):

@@ -4,13 +4,17 @@ benchmarks): continuous batching over the core's slots, as the rollout server ru
 
 ``complete`` generates one completion per prompt; ``complete_episodes`` runs one episode per
 prompt, extending a slot's KV cache with the environment's inserted ids after each turn.
+
+What the server and evaluation share is here, so that they cannot drift apart: the turn-end rule
+(`turn_end`) and the bookkeeping of a completion's ids and per-id values (`TokenBuffer`, which
+`rollout_server.driver` fills from JetStream's detokenize thread, into a `FinishedSample`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -36,6 +40,127 @@ class Completion:
     kept: tuple[int, ...] = ()
     generated: tuple[bool, ...] = ()
     routing: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FinishedSample:
+    """One completed sample of a rollout request.
+
+    Attributes:
+      prompt_ids: [P] int32, exactly the tokenizer's prompt ids.
+      completion_ids: [C] int32, the stop id included when `finish_reason == "stop"`.
+      logprobs: [C] float32 behavior log-probs.
+      versions: [C] int64 weights version per completion token.
+      routing: [P + C, L, K] expert ids in the model's routing dtype.
+      kept_counts: [C] int32 the sampler's kept-set size per completion token.
+      finish_reason: "stop" or "length" (an episode's: "length" when any of its turns was cut).
+    """
+
+    prompt_ids: np.ndarray
+    completion_ids: np.ndarray
+    logprobs: np.ndarray
+    versions: np.ndarray
+    routing: np.ndarray
+    finish_reason: str
+    kept_counts: np.ndarray | None = None
+    loss_mask: np.ndarray | None = None
+
+
+class TokenBuffer:
+    """The per-token arrays of one request, allocated for `max_tokens` completion tokens when it
+    gets its slot and filled one generate step at a time: the one bookkeeping of a completion's
+    ids, of the rollout server (`rollout_server.driver`) and of evaluation (`complete_episodes`).
+
+    Args:
+      prompt_ids: [P] the prompt's ids.
+      prompt_routing: [P, L, K] the prompt's routing ids (its dtype is the routing's).
+      max_tokens: the most completion tokens the request may produce.
+    """
+
+    def __init__(
+        self,
+        prompt_ids: np.ndarray,
+        prompt_routing: np.ndarray,
+        max_tokens: int,
+        *,
+        masked: bool = False,
+    ):
+        p = len(prompt_ids)
+        self.prompt_ids = np.asarray(prompt_ids, np.int32)
+        self.tokens = np.empty(max_tokens, np.int32)
+        self.logprobs = np.empty(max_tokens, np.float32)
+        self.versions = np.empty(max_tokens, np.int64)
+        self.kept = np.empty(max_tokens, np.int32)
+        # Prompt then completion positions, so the finished routing needs no concatenation.
+        self.routing = np.empty((p + max_tokens, *prompt_routing.shape[1:]), prompt_routing.dtype)
+        self.routing[:p] = prompt_routing
+        # Multi-turn: True where the policy generated the token (`insert` writes False).
+        self.mask = np.empty(max_tokens, bool) if masked else None
+        self.size = 0  # completion tokens written
+
+    def add(
+        self,
+        token: int,
+        logp: np.floating,
+        version: np.integer,
+        routing: np.ndarray,
+        kept: np.integer = 0,
+    ) -> None:
+        """Writes the next completion token's values (`routing`: [L, K]; `kept`: the sampler's
+        kept-set size).
+
+        Raises:
+          IndexError: the buffer already holds `max_tokens` tokens.
+        """
+        n = self.size
+        self.tokens[n], self.logprobs[n], self.versions[n] = token, logp, version
+        self.kept[n] = kept
+        self.routing[len(self.prompt_ids) + n] = routing
+        if self.mask is not None:
+            self.mask[n] = True
+        self.size = n + 1
+
+    def insert(self, tokens: np.ndarray) -> None:
+        """Appends inserted (observation) tokens: loss mask 0, log-prob 0, the last generated
+        token's version and kept count 0 (the trainer reads none of them); their routing is 0
+        until `set_routing` writes what the cache extension recorded (the trainer replays it).
+
+        Raises:
+          ValueError: the buffer is not masked, or the tokens do not fit.
+        """
+        n, k = self.size, len(tokens)
+        if self.mask is None:
+            raise ValueError("insert needs a masked (multi-turn) buffer")
+        if n + k > len(self.tokens):
+            raise ValueError(f"{k} inserted tokens do not fit after {n} of {len(self.tokens)}")
+        p = len(self.prompt_ids)
+        self.tokens[n : n + k] = tokens
+        self.logprobs[n : n + k] = 0.0
+        self.versions[n : n + k] = self.versions[n - 1] if n else 0
+        self.kept[n : n + k] = 0
+        self.routing[p + n : p + n + k] = 0
+        self.mask[n : n + k] = False
+        self.size = n + k
+
+    def set_routing(self, start: int, routing: np.ndarray) -> None:
+        """Writes the routing [n, L, K] of completion tokens start .. start + n − 1 (inserted
+        tokens', recorded by the cache extension)."""
+        p = len(self.prompt_ids)
+        self.routing[p + start : p + start + len(routing)] = routing
+
+    def sample(self, finish_reason: str) -> FinishedSample:
+        """The finished sample: views of the filled part of the arrays."""
+        n = self.size
+        return FinishedSample(
+            prompt_ids=self.prompt_ids,
+            completion_ids=self.tokens[:n],
+            logprobs=self.logprobs[:n],
+            versions=self.versions[:n],
+            routing=self.routing[: len(self.prompt_ids) + n],
+            finish_reason=finish_reason,
+            kept_counts=self.kept[:n],
+            loss_mask=None if self.mask is None else self.mask[:n],
+        )
 
 
 def complete(
@@ -70,50 +195,25 @@ def complete(
 AfterTurn = Callable[[int, Sequence[int], str, int], "Sequence[int] | None"]
 
 
-@dataclasses.dataclass
-class _Episode:
-    """One running episode's ids and per-id values, in completion order."""
-
-    index: int
-    prompt: int  # prompt length
-    ids: list[int] = dataclasses.field(default_factory=list)
-    logp: list[float] = dataclasses.field(default_factory=list)
-    kept: list[int] = dataclasses.field(default_factory=list)
-    generated: list[bool] = dataclasses.field(default_factory=list)
-    routing: list[np.ndarray] = dataclasses.field(default_factory=list)
-    turn_start: int = 0
-    segment: int = 0
-    cut: bool = False  # a turn was cut by a limit: the episode is overlong
-
-    def add(self, step: dict[str, np.ndarray], slot: int) -> int:
-        """Appends the slot's token of ``step``; returns it."""
-        token = int(step["token"][slot])
-        self.ids.append(token)
-        self.logp.append(float(step["logp"][slot]))
-        self.kept.append(int(step["kept"][slot]))
-        self.generated.append(True)
-        self.routing.append(step["routing"][slot])
-        return token
-
-    def insert(self, ids: Sequence[int], routing_nlk: np.ndarray) -> None:
-        """Appends inserted ids with the routing the cache extension recorded for them."""
-        n = len(ids)
-        self.ids += [int(i) for i in ids]
-        self.logp += [0.0] * n
-        self.kept += [0] * n
-        self.generated += [False] * n
-        self.routing += list(routing_nlk)
-        self.turn_start, self.segment = len(self.ids), self.segment + 1
-
-    def result(self) -> Completion:
-        return Completion(
-            ids=tuple(self.ids),
-            logp=tuple(self.logp),
-            finish="length" if self.cut else "stop",
-            kept=tuple(self.kept),
-            generated=tuple(self.generated),
-            routing=np.stack(self.routing).astype(np.int32),
-        )
+def turn_end(
+    token: int,
+    size: int,
+    turn_start: int,
+    *,
+    stops: Collection[int],
+    turn_tokens: int,
+    max_tokens: int,
+) -> str | None:
+    """The turn-end rule, the rollout server's (`rollout_server.driver`) and evaluation's
+    (`complete_episodes`): after `token` made the completion `size` ids long, of which the turn
+    started at `turn_start`, the turn ends with "stop" at a stop id, with "length" once the turn
+    has `turn_tokens` ids or the completion `max_tokens` (an episode with a turn cut so is
+    overlong), and goes on otherwise (None)."""
+    if token in stops:
+        return "stop"
+    if size - turn_start >= turn_tokens or size >= max_tokens:
+        return "length"
+    return None
 
 
 def complete_episodes(
@@ -147,10 +247,10 @@ def complete_episodes(
             raise ValueError(
                 f"prompt {i} has {len(ids)} tokens; it must have 1 to {core.max_prefill_length}"
             )
-    stops = set(int(i) for i in stop_ids)
+    stops = frozenset(int(i) for i in stop_ids)
     c, budget = core.config, core.max_decode_length
     pending = deque(enumerate(prompts))
-    running: dict[int, _Episode] = {}
+    running: dict[int, _Running] = {}
     results: list[Completion | None] = [None] * len(prompts)
     state = core.init_state(version)
     while pending or running:
@@ -158,30 +258,78 @@ def complete_episodes(
             if slot not in running and pending:
                 index, ids = pending.popleft()
                 state = core.insert(core.prefill_prompt(params, ids, version), state, slot)
-                running[slot] = _Episode(index=index, prompt=len(ids))
+                running[slot] = _Running.start(index, ids, budget, c)
         state, data = core.generate(params, state, jnp.int32(version))
         step = unpack_step(jax.device_get(data), c.num_moe_layers, c.num_experts_per_tok)
         for slot, e in list(running.items()):
-            token, n = e.add(step, slot), len(e.ids)
-            if token in stops:
-                finish = "stop"
-            elif n - e.turn_start >= turn_tokens or n >= budget:
-                finish, e.cut = "length", True
-            else:
+            b = e.buffer
+            token = int(step["token"][slot])
+            b.add(token, *(step[k][slot] for k in ("logp", "version", "routing", "kept")))
+            finish = turn_end(
+                token, b.size, e.turn_start, stops=stops, turn_tokens=turn_tokens, max_tokens=budget
+            )
+            if finish is None:
                 continue
-            inserted = after_turn(e.index, e.ids[e.turn_start :], finish, budget - n)
+            e.cut = e.cut or finish == "length"
+            turn = b.tokens[e.turn_start : b.size].tolist()
+            inserted = after_turn(e.index, turn, finish, budget - b.size)
             if inserted is not None and len(inserted):
-                if n + len(inserted) + 1 > budget:
-                    raise ValueError(
-                        f"after_turn returned {len(inserted)} ids with room for {budget - n - 1}"
-                    )
-                extend = dict(start=e.prompt + n, generated=n + len(inserted), version=version)
-                state, routing = core.extend(
-                    params, state, slot, inserted, **extend, segment=e.segment + 1
-                )
-                e.insert(inserted, np.asarray(routing))
+                state = e.extend(core, params, state, slot, inserted, version)
                 continue
             results[e.index] = e.result()
             del running[slot]
             state = core.evict(state, slot)
     return [r for r in results if r is not None]
+
+
+@dataclasses.dataclass
+class _Running:
+    """One running episode of `complete_episodes`: its ids in a `TokenBuffer` and where its turn
+    stands (what the rollout server keeps on its `RolloutRequest`)."""
+
+    index: int
+    buffer: TokenBuffer
+    turn_start: int = 0
+    segment: int = 0
+    cut: bool = False  # a turn was cut by a limit: the episode is overlong
+
+    @classmethod
+    def start(cls, index: int, prompt: Sequence[int], budget: int, config: Any) -> _Running:
+        """Prompt `index`'s episode, with room for `budget` completion ids (the prompt's routing
+        is not recorded here: zeros)."""
+        layers, k = config.num_moe_layers, config.num_experts_per_tok
+        routing = np.zeros((len(prompt), layers, k), np.int32)
+        return cls(index, TokenBuffer(np.asarray(prompt), routing, budget, masked=True))
+
+    def extend(
+        self, core: DecodeCore, params: Any, state: Any, slot: int, ids: Sequence[int], version: int
+    ) -> Any:
+        """Inserts `ids` after the turn (extending the slot's KV cache) and starts the next turn;
+        returns the decode state.
+
+        Raises:
+          ValueError: they do not fit the budget with one more generated id.
+        """
+        b, n = self.buffer, self.buffer.size
+        room = len(b.tokens) - n - 1
+        if len(ids) > room:
+            raise ValueError(f"after_turn returned {len(ids)} ids with room for {room}")
+        extend = dict(start=len(b.prompt_ids) + n, generated=n + len(ids), version=version)
+        state, routing = core.extend(params, state, slot, ids, **extend, segment=self.segment + 1)
+        b.insert(np.asarray(ids, np.int32))
+        b.set_routing(n, np.asarray(routing))
+        self.turn_start, self.segment = b.size, self.segment + 1
+        return state
+
+    def result(self) -> Completion:
+        """The episode's `Completion`."""
+        b, n = self.buffer, self.buffer.size
+        p = len(b.prompt_ids)
+        return Completion(
+            ids=tuple(b.tokens[:n].tolist()),
+            logp=tuple(b.logprobs[:n].tolist()),
+            finish="length" if self.cut else "stop",
+            kept=tuple(b.kept[:n].tolist()),
+            generated=tuple(b.mask[:n].tolist()),
+            routing=b.routing[p : p + n].astype(np.int32),
+        )

@@ -11,7 +11,8 @@ place (``MOVED_KEYS``)::
     cfg = load_config("configs/arith_tiny.yaml", ["server.port=9001", "model.preset=small"])
     cfg.train.optimizer.make(cfg.train.steps)    # the optax transformation
     cfg.train.checkpoint                          # -> train.checkpointing.Checkpointer
-    cfg.train.client                              # -> train.setup.connect (the server pool)
+    cfg.train.client                              # .connection(...) -> train.setup.connect
+    cfg.train.step_options(...)                   # the train step's StepConfig (step_config)
 
 The sections nest by concept (docs/DESIGN.md §8): ``model``, ``task``, ``server``, ``rollout`` and
 ``train`` with ``train.optimizer``, ``train.checkpoint``, ``train.warmup``, ``train.client``,

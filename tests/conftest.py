@@ -5,11 +5,23 @@ jax is first imported, which is why it lives here and not in a fixture.
 """
 
 import os
+import pathlib
+import tempfile
 
 import pytest
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# JAX's persistent compilation cache, for the test processes and every process they start (the
+# servers, trainers and benchmark scripts inherit the environment): the tests compile the same
+# tiny models' steps and decoders again and again, in-process and in subprocesses, and a hit loads
+# the executable XLA built the first time instead of building it again. Keyed by the program, the
+# jax version and the flags, so a hit is the same executable; JAX_COMPILATION_CACHE_DIR= (empty)
+# turns it off.
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(tempfile.gettempdir()) / "sat_jax_test_jax_cache")
+)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import jax
 
@@ -26,8 +38,8 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_served_weights_are_base_plus_scaled_product",
         "test_the_base_is_read_once_per_base_path",
     ),
-    "tests/sat_jax/test_recipe_off.py": ("test_options_off_give_the_golden_step",),
-    "tests/sat_jax/test_recipe_step.py": (
+    "tests/sat_jax/step/test_recipe_off.py": ("test_options_off_give_the_golden_step",),
+    "tests/sat_jax/step/test_recipe_step.py": (
         "test_sampler_kl_is_zero_with_the_replay_and_not_over_the_whole_vocabulary",
         "test_recomputed_proximal_logprobs_equal_the_behavior_logprobs_at_lag_0",
         "test_recompute_refuses_a_batch_that_carries_old_logp",
@@ -74,7 +86,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_masked_key_is_invisible_and_positions_are_honoured",
         "test_replaying_other_ids_changes_logits_and_trains_the_router",
     ),
-    "tests/sat_jax/test_advantages.py": ("test_matches_reference",),
+    "tests/sat_jax/objectives/test_advantages.py": ("test_matches_reference",),
     "tests/sat_jax/test_decoding.py": (
         "test_decode_window_follows_the_live_length_and_equals_the_full_cache",
         "test_greedy_completions_follow_the_full_forward_and_stop_at_a_stop_id",
@@ -82,7 +94,7 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_sharded_core_equals_one_device",
         "test_truncated_sampling_is_replayed_by_the_trainers_logprobs",
     ),
-    "tests/sat_jax/test_lora_step.py": (
+    "tests/sat_jax/step/test_lora_step.py": (
         "test_only_the_adapters_change_and_the_base_is_bit_identical",
         "test_optimizer_state_covers_only_the_adapters",
         "test_microbatches_equal_one_pass",
@@ -90,26 +102,26 @@ HEAVY_TESTS: dict[str, tuple[str, ...]] = {
         "test_reference_params_are_the_whole_model",
     ),
     "tests/train/test_packing.py": ("test_packed_step_equals_padded_step",),
-    "tests/sat_jax/test_microbatches.py": (
+    "tests/sat_jax/step/test_microbatches.py": (
         "test_reference_params_give_the_host_reference_logprobs_step",
         "test_rewards_and_group_ids_give_the_host_advantages_step",
         "test_microbatch_threshold_scope_uses_each_microbatch_quantile",
         "test_microbatches_equal_one_pass",
         "test_microbatches_on_eight_devices_with_replay",
     ),
-    "tests/sat_jax/test_objectives.py": (
+    "tests/sat_jax/objectives/test_objectives.py": (
         "test_jit_matches_eager",
         "test_hypothesis_shapes_and_masks",
         "test_microbatches_with_the_batch_threshold_merge_to_full_batch",
         "test_sat_properties",
     ),
     "tests/sat_jax/test_params_io.py": ("test_saves_keep_no_objects_from_orbax_spec_resolution",),
-    "tests/sat_jax/test_plan.py": (
+    "tests/sat_jax/plan/test_plan.py": (
         "test_counts_match_the_architecture",
         "test_the_compiled_step_takes_the_truncation_replay_and_the_recomputed_proximal",
     ),
     "tests/sat_jax/test_sharding.py": ("test_init_sharded_places_each_param_as_the_rules_say",),
-    "tests/sat_jax/test_train_step.py": (
+    "tests/sat_jax/step/test_train_step.py": (
         "test_alignment_logits_at_t_minus_1_score_token_t",
         "test_sharded_step_matches_one_device",
     ),
@@ -147,3 +159,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.timeout(SLOW_TEST_TIMEOUT_S))
         if item.nodeid.split("[", 1)[0] in heavy:
             item.add_marker(pytest.mark.heavy)
+    items[:] = longest_files_first(items)
+
+
+# Rough seconds of a test, by its marks, for the order of the files (`longest_files_first`).
+SECONDS_SLOW, SECONDS_HEAVY, SECONDS_OTHER = 20.0, 8.0, 0.5
+
+
+def longest_files_first(items: list[pytest.Item]) -> list[pytest.Item]:
+    """The files ordered by their estimated time (by marks), longest first; each file's tests in
+    their order. `make test` hands out whole files to its two workers (`--dist loadfile`, so a
+    module's fixtures, servers and compiled steps are built once): a long file handed out last
+    would leave one worker running it alone at the end."""
+    cost: dict[str, float] = {}
+    for item in items:
+        s = SECONDS_SLOW if item.get_closest_marker("slow") else SECONDS_OTHER
+        s = SECONDS_HEAVY if item.get_closest_marker("heavy") and s < SECONDS_HEAVY else s
+        path = item.nodeid.split("::", 1)[0]
+        cost[path] = cost.get(path, 0.0) + s
+    rank = {path: i for i, path in enumerate(sorted(cost, key=lambda p: -cost[p]))}
+    return sorted(items, key=lambda item: rank[item.nodeid.split("::", 1)[0]])

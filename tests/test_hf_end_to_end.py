@@ -34,6 +34,7 @@ from rollout_api.proto import rollout_pb2
 from sat_jax.experiment import load_config
 from sat_jax.model import hf
 from tests import hf_fixtures
+from tests.rollout_server.conftest import unpacked
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -158,8 +159,9 @@ def _pull_groups(server: _Server, want: int) -> tuple[list, rollout_pb2.StatsRes
         deadline = time.monotonic() + 400
         while len(groups) < want and time.monotonic() < deadline:
             assert server.proc.poll() is None, server.log()
-            reply = stub.Pull(rollout_pb2.PullRequest(max_groups=want, timeout_s=10), timeout=30)
-            groups += list(reply.groups)
+            request = rollout_pb2.PullRequest(max_groups=want, timeout_s=10, include_texts=True)
+            reply = stub.Pull(request, timeout=30)
+            groups += unpacked(reply.groups)
         stats = stub.Stats(rollout_pb2.StatsRequest(), timeout=10)
     finally:
         channel.close()

@@ -4,15 +4,27 @@ Modules, in data-flow order:
 
 - ``setup``: builders from the config (optimizer, run paths, base policy, batch spec, sampleable
   ids, the server pool).
-- ``membership``: the fleet's membership, the trainer's side: which servers are up or down,
-  failure streaks and their grace, probing and rejoining, ``servers_file``.
-- ``remote``: ``ServerPool``, a ``membership.Membership`` that pulls groups over gRPC (decoded
-  and validated once into ``rollout_api.records``), acknowledges them and pushes weights.
+- ``remote``: ``ServerPool``, the rollout servers as one object: a thin front over the parts
+  below, each holding the ones it needs (composition, no base class).
+- ``membership``: the fleet, the trainer's side: which servers are up or down, draining, joining
+  or lagging, failure streaks and their grace, probing and rejoining, giving up.
+- ``member``: one server as the pool sees it (the record every part shares).
+- ``servers_file``: ``train.client.servers_file``, re-read every few seconds.
+- ``fleet_weights``: the pushes: the version every server is wanted to hold, each one's share and
+  lease, the fence of deaf servers, the rejoin.
 - ``senders``: one weights sender per server, each with at most one ``UpdateWeights`` in flight.
+- ``pulls``: one Pull of one server over gRPC (groups decoded and validated once into
+  ``rollout_api.records``): its deadline, its outcome, booking its reply.
+- ``rotation``, ``pull_scheduler``: which servers a pull asks: in turn; or all at once, each for
+  its quota of the batch.
+- ``leases``: pulled groups leased until acknowledged; acknowledgements not sent yet; the batch
+  being pulled.
 - ``pulling``: pull until a batch's worth of groups passes the staleness policy.
 - ``batching``: one selection pass over pulled groups (duplicates, staleness), then a fixed-shape
   ``TrainBatch`` with per-row rewards and group ids (the jitted step turns them into GRPO
   advantages) and its ``BatchStats`` with per-token lags.
+- ``packing``: the padded batch packed into rows of ``train.row_tokens`` (``train.packing``):
+  segment ids, positions, every per-token field moved to ``sat_jax.packing``'s layout.
 - ``prefetch``: ``BatchSource``, the next batch made (pulled, assembled, sharded) while the step
   runs.
 - ``weight_sync``: background weight pushes to the servers.

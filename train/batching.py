@@ -62,6 +62,7 @@ import numpy as np
 
 from rollout_api.records import Group, GroupLimits, InvalidGroup, Trajectory
 from sat_jax.step import TrainBatch
+from train.packing import pack_batch
 
 log = logging.getLogger("train")
 
@@ -516,125 +517,6 @@ def assemble_batch(
         overlong_frac=truncated / len(lengths) if lengths else 0.0,
     )
     return batch, stats
-
-
-def packed_rows(needed: int, most: int, k: int, multiple: int) -> int:
-    """Rows per microbatch of a packed batch that needs ``needed``: the smallest multiple of a
-    quantum that holds them, the quantum ``ceil(most / 16)`` raised until k · quantum is a
-    multiple of ``multiple`` (the data shards), so at most 16 row counts per microbatch. The
-    caller caps it at ``most``, the padded batch's rows per microbatch (they always hold them)."""
-    quantum = -(-most // 16)
-    while (quantum * k) % multiple:
-        quantum += 1
-    return -(-needed // quantum) * quantum
-
-
-def pack_batch(batch: TrainBatch, spec: BatchSpec) -> tuple[TrainBatch, int, int]:
-    """``_pack`` with ``spec.microbatches``, or, with ``spec.microbatch_tokens``, with the fewest
-    microbatches k (1, 2, 4, ... dividing the rows) whose token slots (rows per microbatch × row
-    length) fit the budget (the most k when none does); the packed batch carries that k."""
-    if not spec.microbatch_tokens:
-        return _pack(batch, spec, spec.microbatches)
-    rows, k = np.shape(batch.tokens)[0], 1
-    while True:
-        packed, used, slots = _pack(batch, spec, k)
-        fits = slots // k <= spec.microbatch_tokens
-        if fits or rows % (2 * k):
-            return packed.replace(microbatches=k), used, slots
-        k *= 2
-
-
-def _pack(batch: TrainBatch, spec: BatchSpec, k: int) -> tuple[TrainBatch, int, int]:
-    """The padded ``batch`` (one trajectory per row, ``assemble_batch``'s) packed into rows of
-    ``spec.row_capacity`` tokens: ``(packed batch, token slots used, all token slots)``.
-
-    Trajectory n (padded row n) keeps its first ``L_n`` tokens, up to its last loss-mask token
-    (the positions the padded step's ``token_mask`` keeps; none when it has no loss token) and
-    goes to microbatch n mod k (of the step's k), as in the padded step's split. Each
-    microbatch's trajectories are packed first-fit decreasing (longest first, ties by n) into
-    rows; microbatch j's i-th row is the batch's row i·k + j, so the step's split
-    (``accumulation._split``) hands it the same trajectories as the padded one. Rows per
-    microbatch are the multiples of a quantum (``packed_rows``; the batch's row count a
-    multiple of ``spec.row_multiple``) and the row length from ``bucket_length`` (capped at the
-    row capacity), so the step compiles a handful of shapes.
-
-    Every per-token field moves with its token; ``segment_ids`` = n + 1 (0 on padding),
-    ``positions`` restart at 0 per trajectory, and ``view_index`` [R, C] (C the bucketed
-    longest span from a trajectory's first to its last loss token) gives each trajectory's
-    tokens from its first loss token on as flat positions of its microbatch's rows
-    (``sat_jax.step.batch.trajectory_view``). ``rewards`` and ``group_ids`` stay per trajectory.
-
-    Raises:
-      ValueError: a trajectory longer than the row capacity (``select_groups`` rejects those).
-    """
-    loss_mask = np.asarray(batch.loss_mask)
-    R, cap = loss_mask.shape[0], spec.row_capacity
-    t_idx = np.arange(loss_mask.shape[1])
-    has = loss_mask > 0
-    lengths = np.where(has.any(1), np.max(np.where(has, t_idx + 1, 0), axis=1), 0)
-    starts = np.where(has.any(1), np.argmax(has, axis=1), 0)
-    if lengths.max(initial=0) > cap:
-        raise ValueError(f"a trajectory of {lengths.max()} tokens exceeds the row of {cap}")
-    bins: list[list[tuple[int, int, int]]] = []  # per microbatch: [fill, ...] and placements
-    place = np.full((R, 2), -1, np.int64)  # trajectory -> (global row, offset)
-    needed = 1
-    for j in range(k):
-        fills: list[int] = []
-        order = sorted((n for n in range(j, R, k) if lengths[n]), key=lambda n: -lengths[n])
-        for n in order:
-            b = next((b for b, f in enumerate(fills) if f + lengths[n] <= cap), len(fills))
-            if b == len(fills):
-                fills.append(0)
-            place[n] = (b * k + j, fills[b])
-            fills[b] += int(lengths[n])
-        needed = max(needed, len(fills))
-        bins.append(fills)
-    rows_mb = min(packed_rows(needed, R // k, k, spec.row_multiple), R // k)
-    longest = max((f for fills in bins for f in fills), default=0)
-    T = bucket_length(longest, spec, cap)
-    rows, used = rows_mb * k, int(lengths.sum())
-    span = int((lengths - starts)[lengths > 0].max(initial=1))
-    C = bucket_length(span, spec, cap)
-
-    def new(x: np.ndarray | None, fill: np.ndarray | None = None) -> np.ndarray | None:
-        if x is None:
-            return None
-        x = np.asarray(x)
-        out = np.zeros((rows, T, *x.shape[2:]), x.dtype)
-        if fill is not None:
-            out[:] = fill
-        return out
-
-    routing = None if batch.routing is None else np.asarray(batch.routing)
-    out = {
-        name: new(getattr(batch, name))
-        for name in ("tokens", "loss_mask", "behavior_logp", "kept_counts", "fresh_mask")
-    }
-    # Padding positions replay a valid, duplicate-free expert set, as in ``_padding``.
-    pad_ids = None if routing is None else np.arange(routing.shape[-1], dtype=routing.dtype)
-    out["routing"] = None if routing is None else new(routing, pad_ids)
-    segment_ids = np.zeros((rows, T), np.int32)
-    positions = np.zeros((rows, T), np.int32)
-    view_index = np.full((R, C), -1, np.int32)
-    for n in np.flatnonzero(lengths):
-        row, off = place[n]
-        length = int(lengths[n])
-        for name, x in out.items():
-            if x is not None:
-                x[row, off : off + length] = np.asarray(getattr(batch, name))[n, :length]
-        segment_ids[row, off : off + length] = n + 1
-        positions[row, off : off + length] = np.arange(length)
-        local = (row // k) * T + off  # flat position in microbatch n mod k's rows
-        view_index[n, : length - starts[n]] = local + np.arange(starts[n], length)
-    packed = TrainBatch(
-        **out,
-        rewards=batch.rewards,
-        group_ids=batch.group_ids,
-        segment_ids=segment_ids,
-        positions=positions,
-        view_index=view_index,
-    )
-    return packed, used, rows * T
 
 
 def empty_batch(spec: BatchSpec, length: int) -> TrainBatch:

@@ -32,6 +32,7 @@ from sat_jax.experiment import ConfigError, ExperimentConfig, load_config
 from sat_jax.model import hf, placement
 from sat_jax.model.config import runtime_overrides
 from sat_jax.tasks import Prompt
+from sat_jax.tasks.config import TaskConfig
 from sat_jax.tasks.pipeline import read_prompts
 from train import checkpointing, held_out, setup
 
@@ -40,11 +41,10 @@ class EvalInputError(Exception):
     """Bad input to sat-eval; the message is the one line the CLI prints."""
 
 
-def problems_of(cfg: ExperimentConfig, n: int) -> list[Prompt]:
+def problems_of(t: TaskConfig, n: int) -> list[Prompt]:
     """The first ``n`` evaluation problems of the task (file rows lacking a column are skipped)."""
-    if cfg.task.source == "arithmetic":
-        return held_out.held_out_problems(cfg.task, n)
-    t = cfg.task
+    if t.source == "arithmetic":
+        return held_out.held_out_problems(t, n)
     prompts, _ = read_prompts(
         t.path, prompt_key=t.prompt_key, answer_key=t.answer_key, id_key=t.id_key
     )
@@ -98,7 +98,7 @@ def cli(argv: list[str] | None = None) -> None:
             raise EvalInputError(f"--k and --problems must be >= 1, got {args.k}, {args.problems}")
         cfg = load_config(args.config, args.overrides)
         label, graphdef, params = policy_params(cfg, step=args.step, hf_dir=args.hf)
-        problems = problems_of(cfg, args.problems)
+        problems = problems_of(cfg.task, args.problems)
     evaluator = held_out.Evaluator.from_config(cfg, graphdef)
     result = evaluator.evaluate(params, problems, k=args.k)
     out = pathlib.Path(args.out or os.path.join(setup.run_paths(cfg)[0], "eval", f"{label}.json"))

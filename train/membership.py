@@ -1,17 +1,20 @@
 """The fleet's membership, the trainer's side (docs/DESIGN.md §6.5): which rollout servers are
 *up* (pulled, pushed to) or *down*, failure streaks and their grace, probing a down server and
-bringing it back, the ``servers_file``, and the run's giving up. ``train.remote.ServerPool`` is a
-``Membership`` that also pulls, acknowledges and pushes.
+bringing it back, the ``servers_file``, and the run's giving up. ``train.remote.ServerPool`` holds
+a ``Membership`` (the fleet) beside its other parts, which reach the servers through it.
 
-A server whose calls keep failing for ``grace_s`` leaves with one log line (``_failed``); a down
+A server whose calls keep failing for ``grace_s`` leaves with one log line (``failed``); a down
 server is probed (Health) with exponential backoff capped at ``retry_max_s`` and, when it answers
-live, ``_rejoin`` brings it back (``ServerPool`` first pushes it the current weights). Servers
-listed in ``servers_file`` (re-read every few seconds) join the same way and leave when their line
-goes. A server that answers "draining" (SIGTERM) is noted once (``_note_draining``). No server
-answering for ``server_wait_s`` raises ``ServersDownError``. With ``background``, probes and the
-file run on a thread of the pool's own (``_start``), so a rejoining server's weight load never
-holds a Pull; without, ``maintain`` runs them on the caller's thread when due (tests, with a fake
-clock).
+live, the ``rejoin`` hook brings it back (the pool's pushes first send it the current weights;
+without the hook it joins at once). Servers listed in ``servers_file`` (re-read every few
+seconds) join the same way and leave when their line goes. A server that answers "draining"
+(SIGTERM) is noted once (``note_draining``). No server answering for ``server_wait_s`` raises
+``ServersDownError``. With ``background``, probes and the file run on a thread of the fleet's own
+(``start``), so a rejoining server's weight load never holds a Pull; without, ``maintain`` runs
+them on the caller's thread when due (tests, with a fake clock).
+
+The fleet's ``lock`` (reentrant) guards every ``Member`` field, and the pool's parts share it:
+each part's own state is guarded by it too, so one part may call another under it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import grpc
 
 from rollout_api.client import bearer_metadata, connect
 from rollout_api.proto import rollout_pb2
+from train.member import FIRST_BACKOFF_S, Member
+from train.servers_file import POLL_S, ServersFile
 
 log = logging.getLogger("train")
 
@@ -40,8 +45,6 @@ _TRANSIENT = (
 _TOO_LARGE = "larger than max"
 _HEALTH_S = 10.0  # deadline of a Health call to an up server
 _PROBE_S = 5.0  # deadline of a probe of a down server
-_FIRST_BACKOFF_S = 0.5
-_FILE_POLL_S = 3.0  # how often servers_file is re-read
 _MAINTAIN_S = 0.2  # the background thread's turn
 
 
@@ -53,40 +56,23 @@ class MessageTooLargeError(RuntimeError):
     """A request or reply exceeded the gRPC message limit (``server.max_message_bytes``)."""
 
 
-@dataclasses.dataclass(eq=False)
-class Member:
-    """One rollout server as the pool sees it (mutable; guarded by the pool's lock)."""
+@dataclasses.dataclass(frozen=True)
+class FleetHooks:
+    """What the rest of the pool does when the fleet changes (each called under the lock but
+    ``upkeep``).
 
-    address: str
-    index: int  # stable for the pool's life: its metric is pulled_<index>
-    channel: grpc.Channel
-    stub: object
-    from_file: bool = False
-    up: bool = True
-    failing_since: float | None = None  # first failure of the current streak, while up
-    next_probe: float = 0.0
-    backoff: float = _FIRST_BACKOFF_S
-    reason: str = ""  # why it is down (logged when it changes)
-    draining: bool = False  # it drains (SIGTERM): no weights, no share; probes quiet until back
-    joining: bool = False  # answered a probe: its sender brings it up to date, then it joins
-    lagging: bool = False  # its calls are overdue (deaf): fenced, no share, still pulled
-    pull_overhead_s: float | None = None  # a Pull's time beyond its wait (an average)
-    pulling: bool = False  # a launched Pull is in flight (``ServerPool._launch_pull``)
-    pull_result: str = ""  # how the last launched Pull ended: "ok", "failed" or "deaf"
-    pull_asked: int = 0  # the groups the launched Pull asked for, and its batch's version
-    pull_for: int = 0
-    pull_started: float = 0.0  # when the launched Pull started, its wait and deadline (s)
-    pull_wait: float = 0.0
-    pull_deadline: float = 0.0
-    grants: list[tuple[float, int]] = dataclasses.field(default_factory=list)  # (share, until)
-    server_id: str = ""
-    pulled: int = 0
-    rate: float = 0.0  # its capacity, as its last Pull reply said (0 = not known)
-    # Not yet sent: (server_id, group_id) to acknowledge, and to acknowledge as rejected.
-    acks: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    rejects: list[tuple[str, int]] = dataclasses.field(default_factory=list)
-    # Not yet sent: (server_id, group_id) of leased groups to hand back unleased.
-    returns: list[tuple[str, int]] = dataclasses.field(default_factory=list)
+    Attributes:
+      rejoin: a down server answered a probe at weights ``version``: bring it back (default: it
+        joins at once).
+      went_down: a server is out of the rotation (it may come back restarted).
+      removed: a server left the fleet for good (its line left ``servers_file``).
+      upkeep: runs at the end of every ``maintain`` round (outside the lock).
+    """
+
+    rejoin: Callable[[Member, int], None] | None = None
+    went_down: Callable[[Member], None] = lambda server: None
+    removed: Callable[[Member], None] = lambda server: None
+    upkeep: Callable[[], None] = lambda: None
 
 
 class Membership:
@@ -109,6 +95,12 @@ class Membership:
       sleep: waits between retries (tests pass a fake clock's, so retries take no time).
       connect: opens a server's (channel, stub) from its address, the message limit and the
         certificates (``rollout_api.client.connect``; tests pass fakes).
+
+    Attributes:
+      lock: guards every ``Member`` and is shared by the pool's parts (reentrant).
+      servers: every server, up or down (the list is only ever changed in place).
+      metadata: the gRPC metadata every call carries (the token).
+      error: a fatal error of a background thread, raised by ``raise_background_error``.
     """
 
     def __init__(
@@ -129,54 +121,72 @@ class Membership:
     ):
         if not addresses and not servers_file:
             raise ValueError("ServerPool needs at least one address or a servers_file")
-        self._metadata = bearer_metadata(token)
+        self.metadata = bearer_metadata(token)
         self._certificates = root_certificates
         self._max_message_bytes = max_message_bytes
-        self._retry_max_s = retry_max_s
+        self.retry_max_s = retry_max_s
         self._server_wait_s = server_wait_s
         self._grace_s = grace_s
-        self._servers_file = servers_file
+        self._file = ServersFile(servers_file, clock) if servers_file else None
         self._on_retry = on_retry
         self._retry_lock = threading.Lock()
-        self._clock, self._sleep = clock, sleep
+        self.clock, self.sleep = clock, sleep
         self._connect = connect
-        self._lock = threading.RLock()
-        self._servers: list[Member] = []
+        self._hooks = FleetHooks()
+        self.lock = threading.RLock()
+        self.servers: list[Member] = []
         self._count = 0  # servers ever added: the next index
         for address in addresses:
             self._add(address, up=True)
         self._failing_since: float | None = None  # no server has answered since
-        self._file_read_at: float | None = None
-        self._file_error = ""
-        self._error: BaseException | None = None  # raised by the background thread
+        self.error: BaseException | None = None
         self._closed = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def _start(self, background: bool) -> None:
-        """Reads ``servers_file`` once and, with ``background``, starts the thread that probes
-        and re-reads it (the subclass calls this last in its constructor: the thread may rejoin
-        a server at once)."""
-        if self._servers_file:
+    def start(self, background: bool, hooks: FleetHooks | None = None) -> None:
+        """Sets the ``hooks``, reads ``servers_file`` once and, with ``background``, starts the
+        thread that probes and re-reads it (the pool calls this last in its constructor: the
+        thread may rejoin a server at once)."""
+        self._hooks = hooks or FleetHooks()
+        if self._file is not None:
             self._read_servers_file()
         if background:
             self._thread = threading.Thread(target=self._run, name="server-pool", daemon=True)
             self._thread.start()
 
     @property
+    def background(self) -> bool:
+        """Whether the upkeep runs on the fleet's own thread (else callers ``maintain``)."""
+        return self._thread is not None
+
+    @property
     def addresses(self) -> tuple[str, ...]:
         """Every server's address, up or down."""
-        with self._lock:
-            return tuple(s.address for s in self._servers)
+        with self.lock:
+            return tuple(s.address for s in self.servers)
+
+    def up(self) -> list[Member]:
+        """The servers up now (call under the lock)."""
+        return [s for s in self.servers if s.up]
 
     def close(self) -> None:
-        """Stops the background thread and closes the channels (call ``flush_acks`` first to
-        send pending acknowledgements)."""
+        """Stops the background thread and closes the channels."""
         self._closed.set()
         if self._thread is not None:
             self._thread.join(timeout=_PROBE_S + 5)
-        with self._lock:
-            for s in self._servers:
+        with self.lock:
+            for s in self.servers:
                 s.channel.close()
+
+    def metrics(self) -> dict[str, float]:
+        """``servers_up``, ``servers_lagging`` (while any is) and ``pulled_<i>``: the groups
+        pulled from each server so far (``i`` numbers the servers in the order first seen)."""
+        with self.lock:
+            out: dict[str, float] = {"servers_up": sum(s.up for s in self.servers)}
+            if any(s.lagging for s in self.servers):
+                out["servers_lagging"] = sum(s.up and s.lagging for s in self.servers)
+            out.update({f"pulled_{s.index}": s.pulled for s in self.servers})
+            return out
 
     def versions(self) -> list[int]:
         """The weights version of every server that answers (waiting for at least one; a server
@@ -186,78 +196,78 @@ class Membership:
           ServersDownError: no server answered for ``server_wait_s``.
         """
         answered: dict[int, int] = {}
-        backoff = self._first_backoff()
+        backoff = self.first_backoff()
         while True:
-            self._raise_background_error()
+            self.raise_background_error()
             if self._thread is None:
                 self.maintain()
-            with self._lock:
-                waiting = [s for s in self._servers if s.up and s.index not in answered]
+            with self.lock:
+                waiting = [s for s in self.servers if s.up and s.index not in answered]
             for server in waiting:
-                started = self._clock()
+                started = self.clock()
                 try:
                     reply = server.stub.Health(
-                        rollout_pb2.HealthRequest(), timeout=_HEALTH_S, metadata=self._metadata
+                        rollout_pb2.HealthRequest(), timeout=_HEALTH_S, metadata=self.metadata
                     )
                 except grpc.RpcError as e:
-                    self._raise_unless_transient(server, "Health", e)
-                    self._failed(server, f"Health: {e.code().name}", started)
+                    self.raise_unless_transient(server, "Health", e)
+                    self.failed(server, f"Health: {e.code().name}", started)
                     continue
-                with self._lock:
-                    self._answered(server)
+                with self.lock:
+                    self.answered(server)
                     server.server_id = reply.server_id or server.server_id
                 answered[server.index] = int(reply.version)
-            with self._lock:
-                left = [s for s in self._servers if s.up and s.index not in answered]
+            with self.lock:
+                left = [s for s in self.servers if s.up and s.index not in answered]
             if answered and not left:
                 return list(answered.values())
             if not answered and not left:
-                self._wait_for_a_server()
+                self.wait_for_a_server()
                 continue
-            self._check_servers_down()
-            self._sleep(backoff)
-            backoff = min(2 * backoff, self._retry_max_s)
+            self.check_servers_down()
+            self.sleep(backoff)
+            backoff = min(2 * backoff, self.retry_max_s)
 
     # Health.
 
     def maintain(self) -> None:
         """One round of the fleet's upkeep: re-reads ``servers_file`` when due, probes the down
-        servers whose backoff has passed and brings back those that answer."""
-        now = self._clock()
-        if self._servers_file and (
-            self._file_read_at is None or now - self._file_read_at >= _FILE_POLL_S
-        ):
+        servers whose backoff has passed and brings back those that answer; then the hooks'
+        ``upkeep``."""
+        now = self.clock()
+        if self._file is not None and self._file.due():
             self._read_servers_file()
-        with self._lock:
-            due = [s for s in self._servers if not s.up and not s.joining and s.next_probe <= now]
+        with self.lock:
+            due = [s for s in self.servers if not s.up and not s.joining and s.next_probe <= now]
         for server in due:
             self._probe(server)
+        self._hooks.upkeep()
 
     def _run(self) -> None:
         while not self._closed.wait(_MAINTAIN_S):
             try:
                 self.maintain()
             except BaseException as e:  # e.g. on_retry gave up: surfaces in the next pull
-                self._error = e
+                self.error = e
                 return
 
     def _probe(self, server: Member) -> None:
         """Health of a down server; when it answers, ``_rejoin``."""
         try:
             reply = server.stub.Health(
-                rollout_pb2.HealthRequest(), timeout=_PROBE_S, metadata=self._metadata
+                rollout_pb2.HealthRequest(), timeout=_PROBE_S, metadata=self.metadata
             )
             if not reply.live:
                 raise _NotLive()
         except (grpc.RpcError, _NotLive) as e:
             code = e.code().name if isinstance(e, grpc.RpcError) else "not live"
-            with self._lock:
-                self._note_failure()
-                self._schedule_probe(server, f"Health: {code}")
+            with self.lock:
+                self.note_failure()
+                self.schedule_probe(server, f"Health: {code}")
             self._retry_hook()
             return
-        with self._lock:
-            self._answered(server)
+        with self.lock:
+            self.answered(server)
             if server.server_id and reply.server_id and reply.server_id != server.server_id:
                 dropped = len(server.acks) + len(server.rejects)
                 if dropped:
@@ -275,57 +285,63 @@ class Membership:
         self._rejoin(server, int(reply.version))
 
     def _rejoin(self, server: Member, version: int) -> None:
-        """Brings ``server``, which answered at weights ``version``, back into the rotation
-        (``ServerPool`` pushes it the current weights first)."""
-        with self._lock:
-            if server in self._servers:
-                self._join(server, f"at weights version {version}")
+        """Brings ``server``, which answered at weights ``version``, back into the rotation (the
+        ``rejoin`` hook: the pool pushes it the current weights first)."""
+        with self.lock:
+            if self._hooks.rejoin is not None:
+                self._hooks.rejoin(server, version)
+            elif server in self.servers:
+                self.join(server, f"at weights version {version}")
 
-    def _join(self, server: Member, how: str) -> None:
+    def join(self, server: Member, how: str) -> None:
+        """``server`` is up again (call under the lock)."""
         server.up, server.failing_since, server.reason = True, None, ""
         server.draining = server.joining = server.lagging = False
-        server.backoff = self._first_backoff()
+        server.backoff = self.first_backoff()
         log.info(
             "rollout server %s joined %s (%d up)",
             server.address,
             how,
-            sum(s.up for s in self._servers),
+            sum(s.up for s in self.servers),
         )
 
     def _leave(self, server: Member, reason: str) -> None:
         if not server.up:
             return
-        self._take_out(server)
+        self.take_out(server)
         server.reason = reason
         log.warning(
             "rollout server %s left the rotation: %s (%d up); probing it until it answers",
             server.address,
             reason,
-            sum(s.up for s in self._servers),
+            sum(s.up for s in self.servers),
         )
 
-    def _take_out(self, server: Member) -> None:
-        """Marks ``server`` down, its first probe one backoff from now."""
+    def take_out(self, server: Member) -> None:
+        """Marks ``server`` down, its first probe one backoff from now (call under the lock)."""
         server.up, server.failing_since = False, None
         server.joining = server.lagging = False
-        server.backoff = self._first_backoff()
-        server.next_probe = self._clock() + server.backoff
-        self._went_down(server)
+        server.backoff = self.first_backoff()
+        server.next_probe = self.clock() + server.backoff
+        self._hooks.went_down(server)
 
-    def _went_down(self, server: Member) -> None:
-        """``server`` is out of the rotation (it may come back restarted); ``ServerPool``
-        resets its sender."""
+    def drained(self, server: Member) -> None:
+        """A Pull found a draining ``server`` with nothing left: it leaves at once (no grace, no
+        failure streak; logged once, by ``note_draining``)."""
+        with self.lock:
+            self.answered(server)
+            self.note_draining(server)
+            if server.up:
+                self.take_out(server)
 
-    def _removed(self, server: Member) -> None:
-        """``server`` left the fleet for good (its line left ``servers_file``)."""
+    def first_backoff(self) -> float:
+        """The wait before the first retry (or probe)."""
+        return min(FIRST_BACKOFF_S, self.retry_max_s)
 
-    def _first_backoff(self) -> float:
-        return min(_FIRST_BACKOFF_S, self._retry_max_s)
-
-    def _note_draining(self, server: Member) -> None:
+    def note_draining(self, server: Member) -> None:
         """``server`` drains (SIGTERM, a preemption notice): no more weights go to it and its
         share goes to the others with the next push; it stays in the pull rotation until a Pull
-        finds nothing left (``_drained``). One log line, the first time."""
+        finds nothing left (``drained``). One log line, the first time (call under the lock)."""
         if server.draining:
             return
         server.draining = True
@@ -333,24 +349,24 @@ class Membership:
             "rollout server %s is draining (it got SIGTERM: a preemption notice): it leaves "
             "once its groups are pulled, and is probed until it answers again (%d up)",
             server.address,
-            sum(s.up and not s.draining for s in self._servers),
+            sum(s.up and not s.draining for s in self.servers),
         )
 
-    def _schedule_probe(self, server: Member, reason: str) -> None:
+    def schedule_probe(self, server: Member, reason: str) -> None:
         """The next probe of a down server, after its backoff (which doubles, up to
-        ``retry_max_s``); a new reason is logged once."""
+        ``retry_max_s``); a new reason is logged once (call under the lock)."""
         if reason != server.reason and not server.draining:
             log.warning("rollout server %s stays out: %s", server.address, reason)
             server.reason = reason
-        server.next_probe = self._clock() + server.backoff
-        server.backoff = min(2 * server.backoff, self._retry_max_s)
+        server.next_probe = self.clock() + server.backoff
+        server.backoff = min(2 * server.backoff, self.retry_max_s)
 
-    def _failed(self, server: Member, reason: str, started: float) -> None:
+    def failed(self, server: Member, reason: str, started: float) -> None:
         """A call to an up server, made at ``started``, failed: the server leaves once it has
         failed for ``grace_s`` (a call that hung that long leaves at once)."""
-        with self._lock:
-            self._note_failure()
-            now = self._clock()
+        with self.lock:
+            self.note_failure()
+            now = self.clock()
             if server.up and server.failing_since is None:
                 server.failing_since = started
                 log.warning(
@@ -371,37 +387,42 @@ class Membership:
             with self._retry_lock:
                 self._on_retry()
 
-    def _answered(self, server: Member) -> None:
+    def answered(self, server: Member) -> None:
+        """``server`` answered: its failure streak, and the fleet's silence, end (under the
+        lock)."""
         server.failing_since = None
         self._failing_since = None
 
-    def _note_failure(self) -> None:
+    def note_failure(self) -> None:
+        """A call failed: the fleet's silence starts now unless it started before (under the
+        lock)."""
         if self._failing_since is None:
-            self._failing_since = self._clock()
+            self._failing_since = self.clock()
 
-    def _check_servers_down(self) -> None:
+    def check_servers_down(self) -> None:
         """Raises ServersDownError once no server has answered for ``server_wait_s``."""
-        with self._lock:
-            self._note_failure()
-            silent = self._clock() - self._failing_since
-            addresses = [s.address for s in self._servers]
+        with self.lock:
+            self.note_failure()
+            silent = self.clock() - self._failing_since
+            addresses = [s.address for s in self.servers]
         if silent > self._server_wait_s:
             raise ServersDownError(
                 f"no rollout server answered for {self._server_wait_s:.0f}s "
                 f"(train.client.wait_s): {addresses or 'none listed'}"
             )
 
-    def _wait_for_a_server(self) -> None:
+    def wait_for_a_server(self) -> None:
         """No server is up: waits a little (for the probes), or raises ServersDownError."""
-        self._check_servers_down()
-        with self._lock:
-            due = [s.next_probe for s in self._servers if not s.up]
-        wait = min(due, default=self._clock() + _FILE_POLL_S) - self._clock()
-        self._sleep(min(max(wait, 0.05), self._retry_max_s, _MAINTAIN_S * 5))
+        self.check_servers_down()
+        with self.lock:
+            due = [s.next_probe for s in self.servers if not s.up]
+        wait = min(due, default=self.clock() + POLL_S) - self.clock()
+        self.sleep(min(max(wait, 0.05), self.retry_max_s, _MAINTAIN_S * 5))
 
-    def _raise_background_error(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def raise_background_error(self) -> None:
+        """Raises what stopped a background thread (a refused call, ``on_retry`` giving up)."""
+        if self.error is not None:
+            raise self.error
 
     def _add(self, address: str, *, up: bool, from_file: bool = False) -> Member:
         channel, stub = self._connect(
@@ -414,53 +435,37 @@ class Membership:
             stub=stub,
             from_file=from_file,
             up=up,
-            next_probe=self._clock(),
-            backoff=self._first_backoff(),
+            next_probe=self.clock(),
+            backoff=self.first_backoff(),
         )
         self._count += 1
-        self._servers.append(server)
+        self.servers.append(server)
         return server
 
     def _read_servers_file(self) -> None:
         """Adds the new lines of ``servers_file`` (down: probed at once, then they join) and
         removes the servers whose lines are gone."""
-        self._file_read_at = self._clock()
-        try:
-            with open(self._servers_file) as f:
-                lines = [line.split("#", 1)[0].strip() for line in f]
-        except OSError as e:
-            if str(e) != self._file_error:
-                log.warning("cannot read train.client.servers_file: %s; keeping its servers", e)
-                self._file_error = str(e)
+        listed = self._file.read()
+        if listed is None:
             return
-        self._file_error = ""
-        listed = []
-        for line in lines:
-            host, sep, port = line.rpartition(":")
-            if not line:
-                continue
-            if not sep or not host or not port.isdigit():
-                log.warning(
-                    "train.client.servers_file %s: %r is not host:port", self._servers_file, line
-                )
-                continue
-            listed.append(line)
-        with self._lock:
-            static = {s.address for s in self._servers if not s.from_file}
-            known = {s.address: s for s in self._servers if s.from_file}
+        with self.lock:
+            static = {s.address for s in self.servers if not s.from_file}
+            known = {s.address: s for s in self.servers if s.from_file}
             for address in dict.fromkeys(listed):
                 if address not in known and address not in static:
                     self._add(address, up=False, from_file=True)
-                    log.info("rollout server %s listed in %s", address, self._servers_file)
+                    log.info("rollout server %s listed in %s", address, self._file.path)
             for address, server in known.items():
                 if address not in listed:
                     if server.up:
-                        self._leave(server, f"removed from {self._servers_file}")
-                    self._servers.remove(server)
-                    self._removed(server)
+                        self._leave(server, f"removed from {self._file.path}")
+                    self.servers.remove(server)
+                    self._hooks.removed(server)
                     server.channel.close()
 
-    def _raise_unless_transient(self, server: Member, rpc: str, error: grpc.RpcError) -> None:
+    def raise_unless_transient(self, server: Member, rpc: str, error: grpc.RpcError) -> None:
+        """Raises ``error`` unless it is transient (the server may answer later): a message
+        over the limit as ``MessageTooLargeError``."""
         code, details = error.code(), error.details() or ""
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE in details:
             raise MessageTooLargeError(

@@ -7,13 +7,13 @@ several steps gets the newest version next, skipping those pushed meanwhile.
 
 A new admission epoch (``Push.new_epoch``) sticks to what a server is wanted until an install
 confirms one: a newer push that arrives while the epoch's push waits or fails carries it on. A
-failed call is retried by the sender with exponential backoff (the pool decides, in
-``on_result``, whether to retry, count the server current or stop). Each sender measures its
-server's install time (an exponential average), from which the pool derives when a call is
-overdue.
+failed call is retried by the sender with exponential backoff (the pool's pushes,
+``train.fleet_weights``, decide in ``on_result`` whether to retry, count the server current or
+stop). Each sender measures its server's install time (an exponential average), from which the
+pool derives when a call is overdue.
 
-The senders share the pool's lock (every field of ``SendState`` is guarded by it) and call the
-pool back under it; the ``UpdateWeights`` call itself runs without it.
+The senders share the pool's lock, the fleet's (every field of ``SendState`` is guarded by it),
+and call the pushes back under it; the ``UpdateWeights`` call itself runs without it.
 """
 
 from __future__ import annotations
@@ -216,6 +216,10 @@ class Senders:
             return
         wanted = st.wanted
         if not retry:
+            # Refused for good (or not to be sent): the same push is not sent again; a newer
+            # one wanted meanwhile still goes.
+            if wanted is not None and wanted.version <= push.version:
+                st.wanted = None
             return
         if wanted is None:  # nothing newer meanwhile: the same push again
             st.wanted = push

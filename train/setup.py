@@ -21,6 +21,7 @@ import numpy as np
 from flax import nnx
 
 from sat_jax import sharding
+from sat_jax.config import Connection
 from sat_jax.experiment import ConfigError, ExperimentConfig, make_tokenizer
 from sat_jax.model import hf, placement
 from sat_jax.model.config import LoRAConfig
@@ -61,26 +62,17 @@ def check_run(cfg: ExperimentConfig) -> None:
         )
 
 
-def connection_args(cfg: ExperimentConfig) -> dict[str, Any]:
-    """``ServerPool``'s connection arguments from ``train.client.*``, ``train.tls_ca`` and the
-    servers' ``server.token`` and ``server.max_message_bytes``.
+def connection(cfg: ExperimentConfig) -> Connection:
+    """The server pool's ``Connection``: ``train.client.*`` with ``train.tls_ca`` and the
+    servers' ``server.token`` and ``server.max_message_bytes`` (``ClientConfig.connection``).
 
     Raises:
       OSError: ``train.tls_ca`` cannot be read.
     """
-    client = cfg.train.client
-    certificates = None
-    if cfg.train.tls_ca:
-        with open(cfg.train.tls_ca, "rb") as f:
-            certificates = f.read()
-    return dict(
+    return cfg.train.client.connection(
         token=cfg.server.token,
-        root_certificates=certificates,
         max_message_bytes=cfg.server.max_message_bytes,
-        retry_max_s=client.retry_max_s,
-        server_wait_s=client.wait_s,
-        grace_s=client.grace_s,
-        servers_file=client.servers_file,
+        tls_ca=cfg.train.tls_ca,
     )
 
 
@@ -148,22 +140,22 @@ def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
         num_experts=m.num_experts,
         kept_counts=cfg.rollout.replays_truncation,
         filter_groups=cfg.train.filter_groups,
-        filter_max_rounds=cfg.train.filter_max_rounds,
+        filter_max_rounds=cfg.train.filter_rounds,
         overlong=cfg.train.overlong,
         overlong_cache=cfg.train.overlong_cache,
-        overlong_penalty=cfg.train.overlong_penalty,
+        overlong_penalty=cfg.train.soft_penalty,
         max_new_tokens=cfg.rollout.max_new_tokens,
         packing=cfg.train.packing,
         row_tokens=cfg.train.row_tokens,
         microbatches=cfg.train.microbatches,
-        row_multiple=_batch_shards(cfg),
+        row_multiple=_batch_shards(cfg.train.mesh),
         microbatch_tokens=cfg.train.microbatch_tokens,
     )
 
 
-def _batch_shards(cfg: ExperimentConfig) -> int:
+def _batch_shards(mesh: sharding.MeshConfig) -> int:
     """The data-parallel shards of the train mesh (a packed batch's row count is a multiple)."""
-    sizes = cfg.train.mesh.axis_sizes(jax.device_count())
+    sizes = mesh.axis_sizes(jax.device_count())
     return math.prod(sizes[a] for a in sharding.batch_axes(sizes))
 
 
@@ -177,18 +169,24 @@ def connect(cfg: ExperimentConfig, server: LocalServer | None, *, run: str = "")
     """The configured servers (``train.client.servers`` and ``train.client.servers_file``), or the local child
     once it answers; a crashed child is restarted from the pool's retry loop. Calls carry
     ``server.token`` and the run's id ``run`` (``run_id``; "" = anonymous); with ``train.tls_ca``
-    the channels are TLS (``connection_args``). Down servers are probed on the pool's own
+    the channels are TLS (``connection``). Down servers are probed on the pool's own
     thread."""
     client = cfg.train.client
-    args = connection_args(cfg)
+    conn = connection(cfg)
     if server is not None:
-        server.wait_ready(timeout_s=client.wait_s, root_certificates=args["root_certificates"])
+        server.wait_ready(timeout_s=client.wait_s, root_certificates=conn.root_certificates)
     return ServerPool(
         (server.address,) if client.local_server else client.servers,
+        token=conn.token,
         run_id=run,
+        root_certificates=conn.root_certificates,
+        max_message_bytes=conn.max_message_bytes,
+        retry_max_s=conn.retry_max_s,
+        server_wait_s=conn.server_wait_s,
+        grace_s=conn.grace_s,
+        servers_file=conn.servers_file,
         background=True,
         on_retry=None if server is None else server.restart_if_exited,
         batch_groups=cfg.rollout.batch_groups,
         max_staleness=cfg.rollout.max_staleness,
-        **args,
     )

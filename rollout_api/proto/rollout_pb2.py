@@ -24,41 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollout_api/proto/rollout.proto\x12\x11satjax.rollout.v1\"\xa8\x01\n\x0bPullRequest\x12\x12\n\nmax_groups\x18\x01 \x01(\x05\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\x12\x15\n\rack_group_ids\x18\x03 \x03(\x03\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x18\n\x10reject_group_ids\x18\x05 \x03(\x03\x12\x17\n\x0ftrainer_version\x18\x06 \x01(\x03\x12\x18\n\x10return_group_ids\x18\x07 \x03(\x03\"c\n\nAckRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x18\n\x10reject_group_ids\x18\x03 \x03(\x03\x12\x18\n\x10return_group_ids\x18\x04 \x03(\x03\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\x05\"5\n\x07Routing\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\"\xb1\x02\n\nTrajectory\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x62\x65havior_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12+\n\x07routing\x18\x05 \x01(\x0b\x32\x1a.satjax.rollout.v1.Routing\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12\x36\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1f.satjax.rollout.v1.FinishReason\x12\x17\n\x0f\x63ompletion_text\x18\x08 \x01(\t\x12\x13\n\x0bkept_counts\x18\t \x03(\x05\x12\x11\n\tloss_mask\x18\x0b \x03(\rJ\x04\x08\n\x10\x0bR\x0eloss_mask_runs\"\x99\x01\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\x03\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\x12\x33\n\x0ctrajectories\x18\x05 \x03(\x0b\x32\x1d.satjax.rollout.v1.Trajectory\x12\x11\n\tserver_id\x18\x06 \x01(\t\"W\n\x0cPullResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.satjax.rollout.v1.Group\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x02 \x01(\x01\"\xd6\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\x1b\n\x13new_admission_epoch\x18\x04 \x01(\x08\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x17\n\x0f\x61\x64mission_share\x18\x06 \x01(\x02\x12\x11\n\tbase_path\x18\x07 \x01(\t\x12\x17\n\x0ftrainer_version\x18\x08 \x01(\x03\x12\x13\n\x0bshare_until\x18\t \x01(\x03\"H\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x02\x12\x0e\n\x06swap_s\x18\x03 \x01(\x02\"\x0e\n\x0cStatsRequest\"\xd4\x03\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x17\n\x0fgroups_produced\x18\x02 \x01(\x03\x12\x17\n\x0fgroups_consumed\x18\x03 \x01(\x03\x12\x15\n\rgroups_queued\x18\x04 \x01(\x03\x12\x16\n\x0egroups_running\x18\x05 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x03\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x15\n\rprompts_drawn\x18\x08 \x01(\x03\x12\x16\n\x0e\x61\x64mission_open\x18\t \x01(\x08\x12\x17\n\x0fprompts_skipped\x18\x0b \x01(\x03\x12\x14\n\x0crows_skipped\x18\x0c \x01(\x03\x12\x15\n\rprefill_calls\x18\r \x01(\x03\x12\x15\n\rgroups_leased\x18\x14 \x01(\x03\x12\x17\n\x0fgroups_rejected\x18\x15 \x01(\x03\x12\x12\n\npush_bytes\x18\x16 \x01(\x03\x12\x18\n\x10push_bytes_total\x18\x17 \x01(\x03\x12\x16\n\x0eprefill_tokens\x18\x18 \x01(\x03\x12\x17\n\x0finserted_tokens\x18\x19 \x01(\x03\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x1a \x01(\x01\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tserver_id\x18\x03 \x01(\t*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x97\x03\n\x07Rollout\x12G\n\x04Pull\x12\x1e.satjax.rollout.v1.PullRequest\x1a\x1f.satjax.rollout.v1.PullResponse\x12\x44\n\x03\x41\x63k\x12\x1d.satjax.rollout.v1.AckRequest\x1a\x1e.satjax.rollout.v1.AckResponse\x12\x62\n\rUpdateWeights\x12\'.satjax.rollout.v1.UpdateWeightsRequest\x1a(.satjax.rollout.v1.UpdateWeightsResponse\x12J\n\x05Stats\x12\x1f.satjax.rollout.v1.StatsRequest\x1a .satjax.rollout.v1.StatsResponse\x12M\n\x06Health\x12 .satjax.rollout.v1.HealthRequest\x1a!.satjax.rollout.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1frollout_api/proto/rollout.proto\x12\x11satjax.rollout.v1\"\xbf\x01\n\x0bPullRequest\x12\x12\n\nmax_groups\x18\x01 \x01(\x05\x12\x11\n\ttimeout_s\x18\x02 \x01(\x02\x12\x15\n\rack_group_ids\x18\x03 \x03(\x03\x12\x0e\n\x06run_id\x18\x04 \x01(\t\x12\x18\n\x10reject_group_ids\x18\x05 \x03(\x03\x12\x17\n\x0ftrainer_version\x18\x06 \x01(\x03\x12\x18\n\x10return_group_ids\x18\x07 \x03(\x03\x12\x15\n\rinclude_texts\x18\x08 \x01(\x08\"c\n\nAckRequest\x12\x11\n\tgroup_ids\x18\x01 \x03(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x18\n\x10reject_group_ids\x18\x03 \x03(\x03\x12\x18\n\x10return_group_ids\x18\x04 \x03(\x03\"\x1c\n\x0b\x41\x63kResponse\x12\r\n\x05\x61\x63ked\x18\x01 \x01(\x05\"5\n\x07Routing\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05shape\x18\x02 \x03(\x05\x12\r\n\x05\x64type\x18\x03 \x01(\t\"*\n\x0bPackedArray\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\"\x9c\x05\n\nTrajectory\x12\x12\n\nprompt_ids\x18\x01 \x03(\x05\x12\x16\n\x0e\x63ompletion_ids\x18\x02 \x03(\x05\x12\x19\n\x11\x62\x65havior_logprobs\x18\x03 \x03(\x02\x12\x10\n\x08versions\x18\x04 \x03(\x03\x12+\n\x07routing\x18\x05 \x01(\x0b\x32\x1a.satjax.rollout.v1.Routing\x12\x0e\n\x06reward\x18\x06 \x01(\x02\x12\x36\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1f.satjax.rollout.v1.FinishReason\x12\x17\n\x0f\x63ompletion_text\x18\x08 \x01(\t\x12\x13\n\x0bkept_counts\x18\t \x03(\x05\x12\x11\n\tloss_mask\x18\x0b \x03(\r\x12\x39\n\x11prompt_ids_packed\x18\x0c \x01(\x0b\x32\x1e.satjax.rollout.v1.PackedArray\x12=\n\x15\x63ompletion_ids_packed\x18\r \x01(\x0b\x32\x1e.satjax.rollout.v1.PackedArray\x12@\n\x18\x62\x65havior_logprobs_packed\x18\x0e \x01(\x0b\x32\x1e.satjax.rollout.v1.PackedArray\x12\x37\n\x0fversions_packed\x18\x0f \x01(\x0b\x32\x1e.satjax.rollout.v1.PackedArray\x12:\n\x12kept_counts_packed\x18\x10 \x01(\x0b\x32\x1e.satjax.rollout.v1.PackedArray\x12\x38\n\x10loss_mask_packed\x18\x11 \x01(\x0b\x32\x1e.satjax.rollout.v1.PackedArrayJ\x04\x08\n\x10\x0bR\x0eloss_mask_runs\"\x99\x01\n\x05Group\x12\x10\n\x08group_id\x18\x01 \x01(\x03\x12\x11\n\tprompt_id\x18\x02 \x01(\t\x12\x13\n\x0bprompt_text\x18\x03 \x01(\t\x12\x0e\n\x06\x61nswer\x18\x04 \x01(\t\x12\x33\n\x0ctrajectories\x18\x05 \x03(\x0b\x32\x1d.satjax.rollout.v1.Trajectory\x12\x11\n\tserver_id\x18\x06 \x01(\t\"W\n\x0cPullResponse\x12(\n\x06groups\x18\x01 \x03(\x0b\x32\x18.satjax.rollout.v1.Group\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x02 \x01(\x01\"\xd6\x01\n\x14UpdateWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x02 \x01(\t\x12\r\n\x05token\x18\x03 \x01(\t\x12\x1b\n\x13new_admission_epoch\x18\x04 \x01(\x08\x12\x0e\n\x06run_id\x18\x05 \x01(\t\x12\x17\n\x0f\x61\x64mission_share\x18\x06 \x01(\x02\x12\x11\n\tbase_path\x18\x07 \x01(\t\x12\x17\n\x0ftrainer_version\x18\x08 \x01(\x03\x12\x13\n\x0bshare_until\x18\t \x01(\x03\"H\n\x15UpdateWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x02\x12\x0e\n\x06swap_s\x18\x03 \x01(\x02\"\x0e\n\x0cStatsRequest\"\xd4\x03\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x17\n\x0fgroups_produced\x18\x02 \x01(\x03\x12\x17\n\x0fgroups_consumed\x18\x03 \x01(\x03\x12\x15\n\rgroups_queued\x18\x04 \x01(\x03\x12\x16\n\x0egroups_running\x18\x05 \x01(\x03\x12\x18\n\x10tokens_generated\x18\x06 \x01(\x03\x12\x14\n\x0ctokens_per_s\x18\x07 \x01(\x01\x12\x15\n\rprompts_drawn\x18\x08 \x01(\x03\x12\x16\n\x0e\x61\x64mission_open\x18\t \x01(\x08\x12\x17\n\x0fprompts_skipped\x18\x0b \x01(\x03\x12\x14\n\x0crows_skipped\x18\x0c \x01(\x03\x12\x15\n\rprefill_calls\x18\r \x01(\x03\x12\x15\n\rgroups_leased\x18\x14 \x01(\x03\x12\x17\n\x0fgroups_rejected\x18\x15 \x01(\x03\x12\x12\n\npush_bytes\x18\x16 \x01(\x03\x12\x18\n\x10push_bytes_total\x18\x17 \x01(\x03\x12\x16\n\x0eprefill_tokens\x18\x18 \x01(\x03\x12\x17\n\x0finserted_tokens\x18\x19 \x01(\x03\x12\x1d\n\x15\x63\x61pacity_tokens_per_s\x18\x1a \x01(\x01\"\x0f\n\rHealthRequest\"B\n\x0eHealthResponse\x12\x0c\n\x04live\x18\x01 \x01(\x08\x12\x0f\n\x07version\x18\x02 \x01(\x03\x12\x11\n\tserver_id\x18\x03 \x01(\t*^\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x32\x97\x03\n\x07Rollout\x12G\n\x04Pull\x12\x1e.satjax.rollout.v1.PullRequest\x1a\x1f.satjax.rollout.v1.PullResponse\x12\x44\n\x03\x41\x63k\x12\x1d.satjax.rollout.v1.AckRequest\x1a\x1e.satjax.rollout.v1.AckResponse\x12\x62\n\rUpdateWeights\x12\'.satjax.rollout.v1.UpdateWeightsRequest\x1a(.satjax.rollout.v1.UpdateWeightsResponse\x12J\n\x05Stats\x12\x1f.satjax.rollout.v1.StatsRequest\x1a .satjax.rollout.v1.StatsResponse\x12M\n\x06Health\x12 .satjax.rollout.v1.HealthRequest\x1a!.satjax.rollout.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'rollout_api.proto.rollout_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1827
-  _globals['_FINISHREASON']._serialized_end=1921
+  _globals['_FINISHREASON']._serialized_start=2257
+  _globals['_FINISHREASON']._serialized_end=2351
   _globals['_PULLREQUEST']._serialized_start=55
-  _globals['_PULLREQUEST']._serialized_end=223
-  _globals['_ACKREQUEST']._serialized_start=225
-  _globals['_ACKREQUEST']._serialized_end=324
-  _globals['_ACKRESPONSE']._serialized_start=326
-  _globals['_ACKRESPONSE']._serialized_end=354
-  _globals['_ROUTING']._serialized_start=356
-  _globals['_ROUTING']._serialized_end=409
-  _globals['_TRAJECTORY']._serialized_start=412
-  _globals['_TRAJECTORY']._serialized_end=717
-  _globals['_GROUP']._serialized_start=720
-  _globals['_GROUP']._serialized_end=873
-  _globals['_PULLRESPONSE']._serialized_start=875
-  _globals['_PULLRESPONSE']._serialized_end=962
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=965
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1179
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1181
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1253
-  _globals['_STATSREQUEST']._serialized_start=1255
-  _globals['_STATSREQUEST']._serialized_end=1269
-  _globals['_STATSRESPONSE']._serialized_start=1272
-  _globals['_STATSRESPONSE']._serialized_end=1740
-  _globals['_HEALTHREQUEST']._serialized_start=1742
-  _globals['_HEALTHREQUEST']._serialized_end=1757
-  _globals['_HEALTHRESPONSE']._serialized_start=1759
-  _globals['_HEALTHRESPONSE']._serialized_end=1825
-  _globals['_ROLLOUT']._serialized_start=1924
-  _globals['_ROLLOUT']._serialized_end=2331
+  _globals['_PULLREQUEST']._serialized_end=246
+  _globals['_ACKREQUEST']._serialized_start=248
+  _globals['_ACKREQUEST']._serialized_end=347
+  _globals['_ACKRESPONSE']._serialized_start=349
+  _globals['_ACKRESPONSE']._serialized_end=377
+  _globals['_ROUTING']._serialized_start=379
+  _globals['_ROUTING']._serialized_end=432
+  _globals['_PACKEDARRAY']._serialized_start=434
+  _globals['_PACKEDARRAY']._serialized_end=476
+  _globals['_TRAJECTORY']._serialized_start=479
+  _globals['_TRAJECTORY']._serialized_end=1147
+  _globals['_GROUP']._serialized_start=1150
+  _globals['_GROUP']._serialized_end=1303
+  _globals['_PULLRESPONSE']._serialized_start=1305
+  _globals['_PULLRESPONSE']._serialized_end=1392
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=1395
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=1609
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=1611
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=1683
+  _globals['_STATSREQUEST']._serialized_start=1685
+  _globals['_STATSREQUEST']._serialized_end=1699
+  _globals['_STATSRESPONSE']._serialized_start=1702
+  _globals['_STATSRESPONSE']._serialized_end=2170
+  _globals['_HEALTHREQUEST']._serialized_start=2172
+  _globals['_HEALTHREQUEST']._serialized_end=2187
+  _globals['_HEALTHRESPONSE']._serialized_start=2189
+  _globals['_HEALTHRESPONSE']._serialized_end=2255
+  _globals['_ROLLOUT']._serialized_start=2354
+  _globals['_ROLLOUT']._serialized_end=2761
 # @@protoc_insertion_point(module_scope)

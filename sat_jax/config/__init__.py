@@ -9,6 +9,7 @@ from sat_jax.config.server import ServerConfig
 from sat_jax.config.train import (
     CheckpointConfig,
     ClientConfig,
+    Connection,
     EvalConfig,
     TrainConfig,
     WarmupConfig,
@@ -18,6 +19,7 @@ __all__ = [
     "CheckpointConfig",
     "ClientConfig",
     "ConfigError",
+    "Connection",
     "EvalConfig",
     "RolloutConfig",
     "ServerConfig",

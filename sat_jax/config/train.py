@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from sat_jax.config.step import StepConfig
 from sat_jax.objectives import PolicyLossConfig, SATConfig
 from sat_jax.optimizer import OptimizerConfig
 from sat_jax.sharding import MeshConfig
@@ -20,7 +21,9 @@ from sat_jax.sharding import MeshConfig
 _SAT_LOSS = PolicyLossConfig(sat=SATConfig(enabled=True))
 # Frozen, so one shared default instance is safe.
 _ONE_AXIS_MESH = MeshConfig()
-_ROLLOUT_CORRECTIONS = ("tis_cap", "icepop_range", "seq_tis_cap", "seq_mask_range")
+# What an unset recipe option means where it acts (``TrainConfig.filter_rounds``, ...).
+_FILTER_MAX_ROUNDS = 4
+_OVERLONG_PENALTY = 1.0
 
 
 def _positive(part: object, *names: str) -> None:
@@ -77,8 +80,31 @@ class CheckpointConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class Connection:
+    """How the trainer's server pool reaches and waits for its servers (``ClientConfig.connection``
+    builds it; the fields are ``train.remote.ServerPool``'s keyword arguments of the same names).
+
+    Attributes:
+      token: ``server.token``, sent as a bearer token on every call ("" = none).
+      root_certificates: the PEM CA of ``train.tls_ca`` (None = plaintext).
+      max_message_bytes: ``server.max_message_bytes``, the largest reply the channels accept.
+      retry_max_s, server_wait_s, grace_s, servers_file: ``train.client.retry_max_s``,
+        ``wait_s``, ``grace_s`` and ``servers_file``.
+    """
+
+    token: str
+    root_certificates: bytes | None
+    max_message_bytes: int
+    retry_max_s: float
+    server_wait_s: float
+    grace_s: float
+    servers_file: str
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ClientConfig:
-    """How the trainer reaches its rollout servers (``train.setup.connect`` builds the pool).
+    """How the trainer reaches its rollout servers (``connection`` builds the pool's part;
+    ``train.setup.connect`` the pool).
 
     The servers' own ``server.token`` and ``server.max_message_bytes`` and the trainer's
     ``train.tls_ca`` complete the connection.
@@ -115,6 +141,28 @@ class ClientConfig:
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"servers: {address!r} is not host:port")
 
+    def connection(self, *, token: str, max_message_bytes: int, tls_ca: str) -> Connection:
+        """The pool's ``Connection``: this section's retry, wait and fleet-file settings, with
+        the servers' ``token`` and ``max_message_bytes`` and the CA file ``tls_ca`` ("" =
+        plaintext).
+
+        Raises:
+          OSError: ``tls_ca`` cannot be read.
+        """
+        certificates = None
+        if tls_ca:
+            with open(tls_ca, "rb") as f:
+                certificates = f.read()
+        return Connection(
+            token=token,
+            root_certificates=certificates,
+            max_message_bytes=max_message_bytes,
+            retry_max_s=self.retry_max_s,
+            server_wait_s=self.wait_s,
+            grace_s=self.grace_s,
+            servers_file=self.servers_file,
+        )
+
     @property
     def local_server(self) -> bool:
         """Whether the trainer starts its own server process (no ``servers``, no file)."""
@@ -148,8 +196,8 @@ class TrainConfig:
     The batch (``rollout.batch_groups`` groups of ``rollout.group_size``) and the staleness bound
     (``rollout.max_staleness``) are shared with the server's admission rule and live in
     ``rollout``. The step's options (``loss``, ``routing_replay``, ``microbatches``,
-    ``old_logp``, ``advantage_estimator``, ``normalize_std``, with ``rollout.temperature``) are
-    gathered into one ``StepConfig`` by the step's own builder.
+    ``old_logp``, ``advantage_estimator``, ``normalize_std``) build the step's ``StepConfig``
+    (``step_options``, given ``rollout.temperature`` and the truncation replay).
 
     Attributes:
       mode: "async" (generation keeps running while the trainer steps) or "sync" (generation
@@ -169,7 +217,7 @@ class TrainConfig:
       length_bucket: a batch's time axis is padded to the smallest of ``length_bucket`` · 2^k
         (k ≥ 0) and the capacity that holds its longest row, so the step compiles once per
         bucket (docs/DESIGN.md §7.1); 0 = always the capacity.
-      packing: pack the batch's trajectories into rows of ``row_tokens`` tokens (first-fit
+      packing: pack the batch's trajectories into rows of ``row_tokens`` tokens (best-fit
         decreasing; segment ids keep attention within a trajectory, positions restart per
         trajectory) instead of one right-padded row each (docs/DESIGN.md §3.5, §7.1); the step's
         loss, metrics and gradient are the padded step's. A trajectory longer than a row is
@@ -177,9 +225,10 @@ class TrainConfig:
         completion tokens (``rollout.max_new_tokens``, or a multi-turn episode's) exceeds it,
         else rejected to its server with a logged reason.
       row_tokens: a packed row's length (0 = the capacity, longest prompt + longest
-        completion); a packed row's length is bucketed like ``length_bucket``'s, and the
-        rows per microbatch are multiples of a quantum (at most 16 counts); metric
-        ``compiled_programs`` counts the step's shapes.
+        completion; refused without ``packing``); a packed row's length is bucketed like
+        ``length_bucket``'s, and the rows per microbatch are rounded up to at most 5
+        significant bits times the data shards' quantum (``sat_jax.packing.row_bucket``: at
+        most 1/16 spare); metric ``compiled_programs`` counts the step's shapes.
       microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: into the
         fewest microbatches (1, 2, 4, ... dividing the rows) whose token slots (packed rows ×
         row length) fit this budget, exactly accumulated like ``microbatches``' (which must then
@@ -189,7 +238,10 @@ class TrainConfig:
         default) or "recompute" (the current params' own before the update, AReaL's decoupled
         objective: TIS, IcePop and the sequence corrections then weigh behavior → proximal;
         docs/DESIGN.md §3.4).
-      advantage_estimator, normalize_std: GRPO ("grpo", optional std division) or "dr_grpo".
+      advantage_estimator: GRPO ("grpo") or Dr.GRPO ("dr_grpo": centered only, never divided
+        by the group's std).
+      normalize_std: GRPO's division by the group's std (unset = true); refused with "dr_grpo",
+        which never divides (``divides_std``).
       filter_groups: DAPO's dynamic sampling: "none", or "all_equal": a pulled group whose
         trajectories' raw rewards (before overlong shaping) are all exactly equal (zero
         advantage) is not trained but rejected to its server, which generates a replacement,
@@ -204,8 +256,10 @@ class TrainConfig:
         reward: −``overlong_penalty`` when truncated, else 0 up to L_max − L_cache tokens of its
         longest turn, then ``overlong_penalty`` · ((L_max − L_cache) − length) / L_cache).
         Metric ``overlong_frac``.
-      overlong_cache: L_cache; "soft" needs 0 < overlong_cache <= ``rollout.max_new_tokens``.
-      overlong_penalty: the soft punishment's factor (>= 0): it ranges over [−penalty, 0].
+      overlong_cache: L_cache; "soft" needs 0 < overlong_cache <= ``rollout.max_new_tokens``,
+        and only "soft" reads it (refused otherwise).
+      overlong_penalty: the soft punishment's factor (>= 0): it ranges over [−penalty, 0]
+        (unset = 1, ``soft_penalty``); only "soft" reads it (refused otherwise).
       mesh: the device mesh of the train step.
       run_dir: logs, checkpoints, plots and weights for the server; a local directory (the
         server loads weights from it); "" = "runs/<name>".
@@ -230,12 +284,12 @@ class TrainConfig:
     loss: PolicyLossConfig = _SAT_LOSS
     old_logp: str = "behavior"
     advantage_estimator: str = "grpo"
-    normalize_std: bool = True
+    normalize_std: bool | None = None
     filter_groups: str = "none"
-    filter_max_rounds: int = 4
+    filter_max_rounds: int | None = None
     overlong: str = "none"
     overlong_cache: int = 0
-    overlong_penalty: float = 1.0
+    overlong_penalty: float | None = None
     mesh: MeshConfig = _ONE_AXIS_MESH
     run_dir: str = ""
     tls_ca: str = ""
@@ -259,7 +313,9 @@ class TrainConfig:
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        _positive(self, "steps", "weight_sync_interval", "microbatches", "filter_max_rounds")
+        _positive(self, "steps", "weight_sync_interval", "microbatches")
+        if self.filter_max_rounds is not None:
+            _positive(self, "filter_max_rounds")
         for name in (
             "max_skipped_steps",
             "length_bucket",
@@ -269,12 +325,13 @@ class TrainConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0 <= self.overlong_penalty < float("inf"):
+        if self.overlong_penalty is not None and not 0 <= self.overlong_penalty < float("inf"):
             raise ValueError(
                 f"overlong_penalty must be finite and >= 0, got {self.overlong_penalty}"
             )
         if self.overlong == "soft" and self.overlong_cache == 0:
             raise ValueError("overlong 'soft' needs overlong_cache > 0")
+        self._check_inert()
         if "://" in self.run_dir:
             raise ValueError(
                 f"run_dir must be a local directory, got {self.run_dir!r}; put checkpoints on a "
@@ -284,12 +341,77 @@ class TrainConfig:
             raise ValueError("mode 'sync' needs weight_sync_interval = 1")
         self._check_old_logp()
 
+    def _check_inert(self) -> None:
+        """Refuses an option that would do nothing in its combination, naming both keys."""
+        if self.advantage_estimator == "dr_grpo" and self.normalize_std is not None:
+            raise ValueError(
+                "normalize_std is inert with advantage_estimator 'dr_grpo' (Dr.GRPO never "
+                "divides by the group's std): drop normalize_std, or use 'grpo'"
+            )
+        if self.row_tokens and not self.packing:
+            raise ValueError(
+                "row_tokens is inert without packing (only a packed row has that length): "
+                "drop it, or set packing true"
+            )
+        if self.filter_groups == "none" and self.filter_max_rounds is not None:
+            raise ValueError(
+                "filter_max_rounds is inert with filter_groups 'none' (no filter to bound): "
+                "drop it, or set filter_groups 'all_equal'"
+            )
+        if self.overlong != "soft":
+            unread = [
+                name
+                for name, unset in (
+                    ("overlong_cache", self.overlong_cache == 0),
+                    ("overlong_penalty", self.overlong_penalty is None),
+                )
+                if not unset
+            ]
+            if unread:
+                verb = "is" if len(unread) == 1 else "are"
+                raise ValueError(
+                    f"{' and '.join(unread)} {verb} inert with overlong {self.overlong!r} (only "
+                    "'soft' reads them): drop them, or set overlong 'soft'"
+                )
+
+    def step_options(self, *, temperature: float, kept_counts: bool) -> StepConfig:
+        """The train step's options from this section: ``loss``, ``routing_replay``,
+        ``microbatches``, the advantages (``advantage_estimator``, ``divides_std``) and
+        ``old_logp``, with the sampler's ``temperature`` and whether the batch carries its kept
+        counts (``rollout.temperature``, ``rollout.replays_truncation``)."""
+        return StepConfig(
+            loss=self.loss,
+            routing_replay=self.routing_replay,
+            temperature=temperature,
+            microbatches=self.microbatches,
+            estimator=self.advantage_estimator,
+            normalize_std=self.divides_std,
+            recompute_old_logp=self.old_logp == "recompute",
+            kept_counts=kept_counts,
+        )
+
+    @property
+    def divides_std(self) -> bool:
+        """Whether the advantages are divided by their group's std: GRPO with
+        ``normalize_std`` (unset = true); never under Dr.GRPO."""
+        return self.advantage_estimator == "grpo" and self.normalize_std is not False
+
+    @property
+    def filter_rounds(self) -> int:
+        """``filter_max_rounds``, or its default (4) when unset."""
+        return _FILTER_MAX_ROUNDS if self.filter_max_rounds is None else self.filter_max_rounds
+
+    @property
+    def soft_penalty(self) -> float:
+        """``overlong_penalty``, or its default (1) when unset."""
+        return _OVERLONG_PENALTY if self.overlong_penalty is None else self.overlong_penalty
+
     def _check_old_logp(self) -> None:
         """The loss options that need proximal log-probs need "recompute", the clip-based ones
         do nothing with it (one update per batch: r = π/π_old is 1 at the update), and without
         one of the former it is unweighted, unclipped REINFORCE on stale samples."""
         loss = self.loss
-        needs = [name for name in _ROLLOUT_CORRECTIONS if getattr(loss, name, None) is not None]
+        needs = loss.rollout_corrections
         if needs and self.old_logp != "recompute":
             raise ValueError(
                 f"loss.{needs[0]} weighs behavior → proximal log-probs: it needs "

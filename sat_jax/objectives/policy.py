@@ -83,6 +83,11 @@ class SATConfig:
             raise ValueError(f"SATConfig.exponent must be > 0, got {self.exponent!r}")
 
 
+# The options that weigh tokens by the old-to-behavior ratio, so need old_logp
+# (``PolicyLossConfig.rollout_corrections``).
+_NEEDS_OLD_LOGP = ("tis_cap", "icepop_range", "seq_tis_cap", "seq_mask_range")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PolicyLossConfig:
     """Configuration of :func:`policy_loss`; every stabilizer is off by default.
@@ -177,6 +182,12 @@ class PolicyLossConfig:
         for name, (value, valid, want) in rules.items():
             if not valid:
                 raise ValueError(f"PolicyLossConfig.{name} must be {want}, got {value!r}")
+
+    @property
+    def rollout_corrections(self) -> tuple[str, ...]:
+        """The options set that weigh tokens by the proximal-to-behavior ratio (TIS, IcePop, the
+        sequence corrections), so need ``old_logp``: the one list of them."""
+        return tuple(name for name in _NEEDS_OLD_LOGP if getattr(self, name) is not None)
 
     @property
     def m2po(self) -> bool:
@@ -343,10 +354,6 @@ def _check_shapes(fn: str, **arrays: ArrayLike) -> None:
         raise ValueError(f"{fn}: {', '.join(shapes)} must share one [B, T] shape, got {shapes}")
 
 
-# The options that weigh tokens by the old-to-behavior ratio, so need old_logp.
-_NEEDS_OLD_LOGP = ("tis_cap", "icepop_range", "seq_tis_cap", "seq_mask_range")
-
-
 def _prepare(
     logp, behavior_logp, advantages, mask, cfg, old_logp, ref_logp, sat_q, fresh_mask
 ) -> _Batch:
@@ -360,7 +367,7 @@ def _prepare(
         mask=mask,
         **{name: x for name, x in optional.items() if x is not None},
     )
-    needs_old = [name for name in _NEEDS_OLD_LOGP if getattr(cfg, name) is not None]
+    needs_old = cfg.rollout_corrections
     if old_logp is None and needs_old:
         raise ValueError(f"policy_loss: {needs_old[0]} is set but old_logp is None")
     if cfg.kl_coef > 0 and ref_logp is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from sat_jax.config import TrainConfig
 from sat_jax.experiment import ExperimentConfig, load_config
 from sat_jax.model import ModelConfig
 from sat_jax.model.config import LoRAConfig
-from sat_jax.plan import memory, topology
+from sat_jax.plan import lengths, memory, topology
 from sat_jax.step import StepConfig, step_config
 
 
@@ -91,6 +92,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--hbm-gib", type=float, default=None, help="override the chip's HBM")
     parser.add_argument(
+        "--lengths",
+        help="trajectory lengths: a file of lengths or a named distribution such as lognormal "
+        "(or lognormal:median=300,sigma=1,cut=0.05); report padded against packed batches",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="the --lengths draw's seed")
+    parser.add_argument(
         "--dump-hlo", help="write the compiled train step's (--serve: decode step's) HLO text here"
     )
     return parser.parse_intermixed_args(argv)
@@ -158,6 +165,16 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
     print(memory.header(args.topology, devices, chip))
     if args.serve:
         lines, fits = memory.report_serve(setup.experiment, mesh, chip, dump_hlo=args.dump_hlo)
+    elif args.lengths:
+        optimizer = setup.train.optimizer.make(setup.train.steps)
+        plan = memory.plan_memory(setup.model, setup.mesh, len(devices), optimizer)
+        print(memory.format_plan(setup.name, plan))
+        compile_shape = lengths.host_compile(
+            setup.model, optimizer, _train_step_config(setup, _batch_shape(args, setup)[2]),
+            mesh, on_tpu=True,
+        )  # fmt: skip
+        lines = _lengths_report(args, setup, plan, len(devices), compile_shape)
+        fits = True
     else:
         batch, seq_len, k = _batch_shape(args, setup)
         if batch is None or seq_len is None:
@@ -180,6 +197,47 @@ def _for_topology(args: argparse.Namespace, setup: _Setup) -> int:
     return 0 if fits else 1
 
 
+def _lengths_report(
+    args: argparse.Namespace,
+    setup: _Setup,
+    plan: memory.MemoryPlan,
+    num_devices: int,
+    compile_shape: lengths.Compile | None = None,
+) -> list[str]:
+    """``--lengths``: padded against packed batches of the distribution (``lengths``); each
+    compiled with ``compile_shape``, or, with ``--compile`` and no topology, on this host."""
+    batch, seq_len, k = _batch_shape(args, setup)
+    if batch is None or seq_len is None:
+        raise ValueError("--lengths needs --batch and --seq-len (or a --config)")
+    sizes = setup.mesh.axis_sizes(num_devices)
+    shards = math.prod(sizes[a] for a in sharding.batch_axes(sizes))
+    drawn = lengths.draw(args.lengths, batch, seq_len, seed=args.seed)
+    shapes = lengths.batch_shapes(
+        drawn,
+        capacity=seq_len,
+        length_bucket=setup.train.length_bucket,
+        row_tokens=setup.train.row_tokens,
+        microbatches=k,
+        row_multiple=shards,
+        microbatch_tokens=setup.train.microbatch_tokens,
+    )
+    label = "per-device total"
+    if compile_shape is None and args.compile:
+        optimizer = setup.train.optimizer.make(setup.train.steps)
+        mesh = sharding.make_mesh(setup.mesh, jax.devices()[:num_devices])
+        step_cfg = _train_step_config(setup, k)
+        compile_shape = lengths.host_compile(setup.model, optimizer, step_cfg, mesh)
+        label = "compiled temp"
+    table = lengths.report(
+        shapes,
+        model_cfg=setup.model,
+        active_params=plan.active_params,
+        compile_shape=compile_shape,
+        memory_label=label,
+    )
+    return [lengths.describe(args.lengths, drawn), *table]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status (1: the program does not fit)."""
     args = _parse(argv)
@@ -200,6 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(memory.format_plan(setup.name, plan))
+    if args.lengths:
+        try:
+            print("\n".join(_lengths_report(args, setup, plan, plan.num_devices)))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        return 0
     if args.compile:
         try:
             step_cfg = _train_step_config(setup, k)

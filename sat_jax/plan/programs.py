@@ -73,6 +73,7 @@ def abstract_train_inputs(
     routing: bool = False,
     rewards: bool = False,
     kept_counts: bool = False,
+    packed: tuple[int, int] | None = None,
 ) -> tuple[TrainState, TrainBatch]:
     """``(state, batch)`` of a [batch, seq_len] step as sharded ``ShapeDtypeStruct``s.
 
@@ -82,17 +83,21 @@ def abstract_train_inputs(
         advantages (what the trainer sends, with its lag-0 mask); else per-token advantages
         [B, T].
       kept_counts: the batch carries the sampler's kept-set sizes (truncation replay).
+      packed: ``(N, C)``: packed rows (``train.packing``) of N trajectories, with segment ids
+        and positions [B, T], the trajectory view [N, C], and rewards and group ids [N].
     """
     state = abstract_train_state(model_cfg, optimizer, mesh)
     f32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.float32)
+    i32 = jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)
+    n = batch if packed is None else packed[0]
     lk = (model_cfg.num_moe_layers, model_cfg.num_experts_per_tok)
     data = TrainBatch(
         tokens=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
         loss_mask=f32,
         behavior_logp=f32,
         advantages=None if rewards else f32,
-        rewards=jax.ShapeDtypeStruct((batch,), jnp.float32) if rewards else None,
-        group_ids=jax.ShapeDtypeStruct((batch,), jnp.int32) if rewards else None,
+        rewards=jax.ShapeDtypeStruct((n,), jnp.float32) if rewards else None,
+        group_ids=jax.ShapeDtypeStruct((n,), jnp.int32) if rewards else None,
         routing=(
             jax.ShapeDtypeStruct((batch, seq_len, *lk), model_cfg.routing_dtype)
             if routing
@@ -100,6 +105,9 @@ def abstract_train_inputs(
         ),
         kept_counts=jax.ShapeDtypeStruct((batch, seq_len), jnp.int32) if kept_counts else None,
         fresh_mask=jax.ShapeDtypeStruct((batch, seq_len), jnp.uint8) if rewards else None,
+        segment_ids=None if packed is None else i32,
+        positions=None if packed is None else i32,
+        view_index=None if packed is None else jax.ShapeDtypeStruct(packed, jnp.int32),
     )
     return state, jax.tree.map(_with, data, batch_shardings(data, mesh))
 
@@ -111,13 +119,15 @@ def compile_train_step(
     mesh: Mesh,
     batch: int,
     seq_len: int,
+    packed: tuple[int, int] | None = None,
 ) -> tuple[jax.stages.Compiled, float]:
     """(the compiled train step of a [batch, seq_len] batch on ``mesh``, compile seconds).
 
     The step is ``make_train_step(model_cfg, optimizer, cfg, mesh)``, given what the trainer
     gives it: per-row rewards and group ids with the lag-0 mask, the recorded routing under
     ``cfg.routing_replay``, the kept counts under ``cfg.kept_counts``, the reference policy's
-    params when ``cfg.uses_reference``, and a [V] vocabulary mask.
+    params when ``cfg.uses_reference``, and a [V] vocabulary mask; ``packed`` = (N, C): the
+    batch's rows are packed rows of N trajectories (``abstract_train_inputs``).
 
     Raises:
       ValueError: the batch does not divide over the mesh's batch axes or the microbatches.
@@ -137,6 +147,7 @@ def compile_train_step(
         routing=cfg.routing_replay,
         rewards=True,
         kept_counts=cfg.kept_counts,
+        packed=packed,
     )
     ref_params = abstract_params(model_cfg, mesh) if cfg.uses_reference else None
     start = time.monotonic()

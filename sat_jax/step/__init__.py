@@ -1,7 +1,7 @@
 """The train step in parts (docs/DESIGN.md §7.1):
 
-- ``config``: ``StepConfig``, the step's options held once, and ``step_config``, the one function
-  that reads them from an experiment's config.
+- ``config``: ``step_config``, the one function that builds the step's options (``StepConfig``,
+  defined with the config sections so the train section builds it) from an experiment's config.
 - ``state``: ``TrainState``, its shardings, and how it is created, initialized or described as
   shapes.
 - ``batch``: ``TrainBatch``, its checks, masks and advantages, and its placement on the mesh.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from sat_jax.tasks.envs.base import EnvConfig
-from sat_jax.tasks.envs.registry import load_environment
+from sat_jax.tasks.envs.registry import SHIPPED, load_environment
 
 REWARDS = ("exact_match", "math", "gsm8k")
 
@@ -47,7 +47,8 @@ class TaskConfig:
         environment together (0 = what `model.max_seq_len` leaves after the prompt); the
         rollout server enforces it.
       turn_discount: `feedback`'s reward is the last answer's times
-        `turn_discount ** (turns - 1)`; in (0, 1], 1.0 = no discount.
+        `turn_discount ** (turns - 1)`; in (0, 1], unset = 1.0 (no discount). Refused with the
+        other shipped environments, which never read it (a user's class may).
     """
 
     source: str = "arithmetic"
@@ -68,7 +69,7 @@ class TaskConfig:
     env: str = ""
     max_turns: int = 4
     max_episode_tokens: int = 0
-    turn_discount: float = 1.0
+    turn_discount: float | None = None
 
     def __post_init__(self) -> None:
         if self.source not in ("arithmetic", "file"):
@@ -93,6 +94,11 @@ class TaskConfig:
             raise ValueError("alphabet must be non-empty without repeated characters")
         self.env_config  # noqa: B018 (checks max_turns, max_episode_tokens, turn_discount)
         load_environment(self.env)
+        if self.turn_discount is not None and self.env in ("", *SHIPPED) and self.env != "feedback":
+            raise ValueError(
+                f"turn_discount is inert with env {self.env or 'single_turn'!r} (only 'feedback' "
+                "or a user's class reads it): drop it, or set env 'feedback'"
+            )
         if self.multi_turn and not self.chat_template:
             raise ValueError(
                 f"env {self.env!r} needs chat_template: true (its turns are chat messages)"
@@ -111,5 +117,5 @@ class TaskConfig:
             system_prompt=self.system_prompt,
             max_turns=self.max_turns,
             max_episode_tokens=self.max_episode_tokens,
-            turn_discount=self.turn_discount,
+            turn_discount=1.0 if self.turn_discount is None else self.turn_discount,
         )

@@ -1,5 +1,5 @@
 """The soak (benchmarks/soak.py): its growth figures on synthetic samples, its argument checks, and
-the ``--smoke`` run (a real server and trainer, 20 s after the first step)."""
+the ``--smoke`` run (a real server and trainer, 12 s after the first step)."""
 
 import csv
 import json

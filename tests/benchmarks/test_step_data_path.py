@@ -27,7 +27,8 @@ def test_a_small_run_times_every_phase_and_moves_the_batch_once(tmp_path):
     argv = ["--repeats", "2", "--warmup", "1", "--json", str(out)]
     bench.main_cli([*argv, *(a for s in sets for a in ("--set", s))])
     result = json.loads(out.read_text())
-    assert set(result["median_ms"]) == {"assemble", "shard", "step", "total"}
+    assert set(result["median_ms"]) == {"decode", "assemble", "shard", "step", "total"}
+    assert set(result["trainer_cpu_s_per_1000_groups"]) == {"decode", "assemble"}
     assert all(ms > 0 for ms in result["median_ms"].values()) and result["repeats"] == 2
     # 8 rows of T = 24: tokens, mask, behavior log-probs [8, 24] 4 bytes each, routing
     # [8, 24, 2, 2] uint8, the lag-0 mask [8, 24] uint8, rewards and group ids [8] 4 bytes each;

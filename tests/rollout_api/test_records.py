@@ -52,6 +52,40 @@ def wire(g: records.Group) -> rollout_pb2.Group:
     return rollout_pb2.Group.FromString(records.to_proto(g).SerializeToString())
 
 
+_DTYPES = {
+    "prompt_ids": np.int32,
+    "completion_ids": np.int32,
+    "behavior_logprobs": np.float32,
+    "versions": np.int64,
+    "kept_counts": np.int32,
+    "loss_mask": np.int64,
+}
+
+
+def values(t: rollout_pb2.Trajectory, name: str) -> list:
+    """A per-token field of a message as a list (the packed form, as this server sends it)."""
+    if not t.HasField(f"{name}_packed"):
+        return []
+    return records.unpack_array(getattr(t, f"{name}_packed"), _DTYPES[name]).tolist()
+
+
+def set_values(t: rollout_pb2.Trajectory, name: str, new: list) -> None:
+    """Sets a per-token field of a message (its packed form, as this server writes it)."""
+    array = np.array(new, _DTYPES[name] if name != "loss_mask" else np.int32)
+    getattr(t, f"{name}_packed").CopyFrom(records.pack_array(array))
+
+
+def old_form(m: rollout_pb2.Group) -> rollout_pb2.Group:
+    """The message as a server before packing wrote it: the repeated fields."""
+    m = rollout_pb2.Group.FromString(m.SerializeToString())
+    for t in m.trajectories:
+        for name in _DTYPES:
+            if t.HasField(f"{name}_packed"):
+                getattr(t, name).extend(values(t, name))
+                t.ClearField(f"{name}_packed")
+    return m
+
+
 def assert_same(a: records.Group, b: records.Group) -> None:
     for f in ("group_id", "prompt_id", "prompt_text", "answer", "server_id", "key"):
         assert getattr(a, f) == getattr(b, f), f
@@ -92,11 +126,19 @@ def test_kept_counts_round_trip_and_are_absent_without_truncation():
     assert back.trajectories[0].kept_counts.dtype == np.int32
     assert back.trajectories[1].kept_counts is None  # nothing on the wire
     assert len(message.trajectories[1].kept_counts) == 0
-    # Varints: 1 byte per count below 128, 2 below 16,384, 3 here.
+    assert not message.trajectories[1].HasField("kept_counts_packed")
+    # Packed: 1 byte per count below 256 (uint8), 2 below 65,536 (uint16).
     small = trajectory(3, kept_counts=np.array([5, 6, 7], np.int32))
     plain = trajectory(3)
     extra = records.to_proto(group(small)).ByteSize() - records.to_proto(group(plain)).ByteSize()
-    assert extra == 3 + 2  # the three counts, a tag and a length
+    # The three counts; the PackedArray's tag (2 bytes: field 16) and length, its data's tag and
+    # length, its dtype's tag, length and name ("uint8").
+    assert extra == 3 + 3 + 2 + 7
+    wider = trajectory(3, kept_counts=np.array([5, 6, 700], np.int32))
+    wider_extra = (
+        records.to_proto(group(wider)).ByteSize() - records.to_proto(group(small)).ByteSize()
+    )
+    assert wider_extra == 3 + 1  # a byte more per count, "uint16" a character longer than "uint8"
 
 
 def test_no_routing_without_replay():
@@ -125,8 +167,7 @@ def _set(path: str, value):
         elif path == "clear":
             t.ClearField(value)
         elif isinstance(value, list):
-            del getattr(t, path)[:]
-            getattr(t, path).extend(value)
+            set_values(t, path, value)
         else:
             setattr(t, path, value)
 
@@ -184,7 +225,7 @@ def test_every_invalid_group_is_refused_naming_what_is_wrong(change, message):
 
 def test_range_checks_need_the_limits():
     m = wire(group())
-    m.trajectories[0].completion_ids[0] = 10_000
+    set_values(m.trajectories[0], "completion_ids", [10_000, 11])
     assert records.decode_group(m).trajectories[0].completion_ids[0] == 10_000
     with pytest.raises(records.InvalidGroupError, match="token id 10000"):
         records.decode_group(m, LIMITS)
@@ -192,7 +233,7 @@ def test_range_checks_need_the_limits():
 
 def test_decode_pulled_keeps_the_order():
     good, bad = wire(group()), wire(dataclasses.replace(group(), group_id=8))
-    bad.trajectories[0].prompt_ids[0] = 99
+    set_values(bad.trajectories[0], "prompt_ids", [99, 5, 6])
     out = records.decode_pulled([good, bad, good], LIMITS)
     assert [type(g).__name__ for g in out] == ["Group", "InvalidGroup", "Group"]
     assert [g.key for g in out] == ["srv/7", "srv/8", "srv/7"]
@@ -246,8 +287,9 @@ def multi_turn(**kw) -> records.Trajectory:
 def test_a_multi_turn_loss_mask_round_trips_one_entry_per_token():
     t = multi_turn()
     m = wire(group(t, trajectory(8, dtype=np.uint16)))
-    assert list(m.trajectories[0].loss_mask) == [1, 1, 0, 0, 0, 1, 1, 0]
-    assert list(m.trajectories[1].loss_mask) == []  # single-turn: nothing on the wire
+    assert values(m.trajectories[0], "loss_mask") == [1, 1, 0, 0, 0, 1, 1, 0]
+    assert values(m.trajectories[1], "loss_mask") == []  # single-turn: nothing on the wire
+    assert list(m.trajectories[1].loss_mask) == []
     back = records.decode_group(m, LIMITS)  # garbage at inserted positions is not an error
     assert_same(group(t, trajectory(8, dtype=np.uint16)), back)
     assert back.trajectories[0].loss_mask.dtype == np.bool_
@@ -260,16 +302,91 @@ def test_the_loss_mask_costs_one_byte_per_token_and_nothing_for_single_turn():
     plain = trajectory(8)
     t = dataclasses.replace(plain, loss_mask=multi_turn().loss_mask)
     extra = records.to_proto(group(t)).ByteSize() - records.to_proto(group(plain)).ByteSize()
-    assert extra == 8 + 2  # eight packed 1-byte varints, a tag and a length
+    # Eight bytes (uint8); the PackedArray's tag (2 bytes: field 17) and length, its data's tag
+    # and length, its dtype's tag, length and name ("uint8").
+    assert extra == 8 + 3 + 2 + 7
     # No mask (a single-turn trajectory) is sent as nothing.
     assert list(records.to_proto(group(plain)).trajectories[0].loss_mask) == []
+    assert not records.to_proto(group(plain)).trajectories[0].HasField("loss_mask_packed")
 
 
 def test_an_old_servers_trajectory_is_all_generated():
     """A message without the field (a server from before multi-turn) decodes to loss_mask None."""
     m = wire(group())
     m.trajectories[0].ClearField("loss_mask")
+    m.trajectories[0].ClearField("loss_mask_packed")
     assert records.decode_group(m, LIMITS).trajectories[0].loss_mask is None
+
+
+@pytest.mark.parametrize("make", [lambda: group(), lambda: group(multi_turn(), trajectory(8))])
+def test_an_old_servers_repeated_fields_decode_as_the_packed_ones(make):
+    """A message of a server from before packing (the repeated fields) decodes to the same
+    record; this server sends no per-token repeated field and no per-token Python list."""
+    g = make()
+    m = wire(g)
+    for t in m.trajectories:
+        assert all(len(getattr(t, name)) == 0 for name in _DTYPES)
+    old = old_form(m)
+    assert all(not t.HasField("prompt_ids_packed") for t in old.trajectories)
+    assert_same(records.decode_group(m, LIMITS), records.decode_group(old, LIMITS))
+    assert_same(g, records.decode_group(old, LIMITS))
+
+
+@pytest.mark.parametrize(
+    "name, packed, message",
+    [
+        (
+            "prompt_ids",
+            rollout_pb2.PackedArray(data=b"\0" * 8, dtype="int64"),
+            "packed dtype 'int64'",
+        ),
+        ("completion_ids", rollout_pb2.PackedArray(data=b"\0" * 3, dtype="int32"), "3 bytes are"),
+        ("behavior_logprobs", rollout_pb2.PackedArray(data=b"", dtype="float64"), "'float64'"),
+        ("versions", rollout_pb2.PackedArray(data=b"\0", dtype="bool"), "packed dtype 'bool'"),
+    ],
+)
+def test_an_unreadable_packed_array_is_refused(name, packed, message):
+    m = wire(group(trajectory(), trajectory()))
+    getattr(m.trajectories[1], f"{name}_packed").CopyFrom(packed)
+    with pytest.raises(records.InvalidGroupError, match=r"^group srv/7, trajectory 1: ") as info:
+        records.decode_group(m, LIMITS)
+    assert f"unreadable {name} (" in str(info.value) and message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "array, dtype",
+    [
+        (np.array([0, 255], np.int32), "uint8"),
+        (np.array([0, 256], np.int32), "uint16"),
+        (np.array([-1, 5], np.int32), "int32"),
+        (np.array([0, 2**40], np.int64), "int64"),
+        (np.array([True, False]), "uint8"),
+        (np.array([-0.5, np.nan], np.float32), "float32"),
+        (np.zeros(0, np.int32), "uint8"),
+    ],
+)
+def test_pack_array_is_the_narrowest_dtype_and_round_trips(array, dtype):
+    packed = records.pack_array(array)
+    assert packed.dtype == dtype
+    assert len(packed.data) == array.size * np.dtype(dtype).itemsize
+    target = np.uint8 if array.dtype == np.bool_ else array.dtype
+    back = records.unpack_array(packed, target)
+    assert back.dtype == target and back.flags.writeable
+    np.testing.assert_array_equal(back, array.astype(target))
+
+
+def test_strip_texts_leaves_everything_else():
+    m = wire(group(trajectory(), trajectory()))
+    kept = rollout_pb2.Group.FromString(m.SerializeToString())
+    records.strip_texts([m])
+    assert m.prompt_text == m.answer == "" and all(t.completion_text == "" for t in m.trajectories)
+    for f in ("prompt_text", "answer"):
+        kept.ClearField(f)
+    for t in kept.trajectories:
+        t.ClearField("completion_text")
+    assert m == kept
+    back = records.decode_group(m, LIMITS)
+    assert back.prompt_text == "" and back.trajectories[0].completion_text == ""
 
 
 @pytest.mark.parametrize(

@@ -130,16 +130,43 @@ def wait_for(predicate, timeout_s: float = 120, interval_s: float = 0.2):
     raise AssertionError(f"condition not met within {timeout_s}s")
 
 
+_PER_TOKEN = {
+    "prompt_ids": np.int32,
+    "completion_ids": np.int32,
+    "behavior_logprobs": np.float32,
+    "versions": np.int64,
+    "kept_counts": np.int32,
+    "loss_mask": np.int64,
+}
+
+
+def unpacked(groups) -> list[rollout_pb2.Group]:
+    """Copies of pulled group messages with their packed per-token arrays (`*_packed`, what the
+    server sends) in the repeated fields too, so a test reads `list(t.prompt_ids)`."""
+    from rollout_api.records import unpack_array
+
+    out = []
+    for g in groups:
+        g = rollout_pb2.Group.FromString(g.SerializeToString())
+        for t in g.trajectories:
+            for name, dtype in _PER_TOKEN.items():
+                if t.HasField(f"{name}_packed") and not len(getattr(t, name)):
+                    getattr(t, name).extend(unpack_array(getattr(t, f"{name}_packed"), dtype))
+        out.append(g)
+    return out
+
+
 def pull_all(stub, n, timeout_s=120.0):
-    """Pulls `n` groups, acknowledging each Pull's groups with the next and the last with Ack."""
+    """Pulls `n` groups (with their texts), acknowledging each Pull's groups with the next and
+    the last with Ack; the messages `unpacked`."""
     groups = []
 
     def pull():
         acks = [g.group_id for g in groups]
         request = rollout_pb2.PullRequest(
-            max_groups=n - len(groups), timeout_s=5, ack_group_ids=acks
+            max_groups=n - len(groups), timeout_s=5, ack_group_ids=acks, include_texts=True
         )
-        groups.extend(stub.Pull(request, timeout=30).groups)
+        groups.extend(unpacked(stub.Pull(request, timeout=30).groups))
         return len(groups) >= n
 
     wait_for(pull, timeout_s=timeout_s, interval_s=0)

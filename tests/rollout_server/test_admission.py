@@ -250,3 +250,29 @@ def test_fleet_shares_follow_rates_with_a_floor_and_whole_seats():
     assert sum(shares.values()) == pytest.approx(1.0)
     with pytest.raises(ValueError, match="server 'a': rate -1"):
         fleet_shares({"a": -1.0})
+
+
+def test_get_state_and_set_state_restore_what_a_restart_needs():
+    """`ServerAdmission` owns its persisted part: what `get_state` returns, `set_state` restores
+    on a fresh state (the groups running, queued and leased are not in it: a restart re-issues
+    them); the trainer's version is at least the weights held."""
+    adm = _adm(version=3, share=0.5)
+    adm.install(3, 0.5, share_until=5)
+    adm.saw_trainer(4)
+    adm.begin_epoch(4, [7, 8])
+    adm.done([9], trained=[9])
+    state = adm.get_state()
+    assert state == {
+        "share": 0.5,
+        "share_until": 5,
+        "trainer_version": 4,
+        "trained_since": 1,
+        "excluded": [7, 8],
+    }
+    again = ServerAdmission(max_staleness=1, batch_groups=B, capacity=64)
+    again.set_state(state, weights_version=3)
+    assert again.get_state() == state and again.weights_version == 3
+    assert again.lead == adm.lead == 1
+    behind = ServerAdmission(max_staleness=1, batch_groups=B, capacity=64)
+    behind.set_state({}, weights_version=6)  # nothing saved yet: the defaults
+    assert (behind.trainer_version, behind.share, behind.excluded) == (6, 1.0, set())

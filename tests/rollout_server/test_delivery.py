@@ -16,7 +16,7 @@ from rollout_api import records
 from rollout_api.proto import rollout_pb2
 from rollout_server.driver import FinishedSample
 from rollout_server.persistence import StateDirLockedError, StateStore
-from rollout_server.rollout import RunNotAttachedError
+from rollout_server.trainer_link import RunNotAttachedError
 from sat_jax.config import RolloutConfig
 from tests.clock import FakeClock
 from tests.rollout_server.test_rollout import FakeEngine, RecordingDriver, ShortPromptEngine, _loop
@@ -33,10 +33,10 @@ def test_an_unacknowledged_lease_expires_back_to_the_front():
     _groups(loop, range(4))
     assert [g.group_id for g in loop.pull(2, 0)] == [0, 1]
     clock.advance(4.5)
-    loop._expire_leases()  # too early: still leased
+    loop.trainer.expire_leases()  # too early: still leased
     assert loop.stats()["groups_leased"] == 2 and len(loop.queue) == 2
     clock.advance(0.5)
-    loop._expire_leases()
+    loop.trainer.expire_leases()
     assert loop.stats()["groups_leased"] == 0
     assert [g.group_id for g in loop.pull(4, 0)] == [0, 1, 2, 3]  # pulled again, in order
     assert loop.persisted.consumed == 0
@@ -56,7 +56,7 @@ def test_a_lease_that_ends_unacknowledged_counts_for_admission_again():
     loop.release(pulled[2:])
     assert not adm.in_earlier_batch(2)
     clock.advance(5.0)
-    loop._expire_leases()
+    loop.trainer.expire_leases()
     assert not any(adm.in_earlier_batch(i) for i in range(4))
 
 
@@ -147,14 +147,14 @@ def test_a_full_disk_loses_and_strands_no_group(tmp_path):
     loop._dispatch_next()  # its save fails: the group still runs
     assert loop.stats()["groups_running"] == 1 and len(driver.requests) == 2
     for request in driver.requests:
-        loop._on_done(request, _sample())
+        request.on_done(request, _sample())
     loop._collect(timeout_s=1.0)
     assert loop.stats()["groups_running"] == 0 and len(loop.queue) == 1
     [group] = loop.pull(1, 0)
     assert loop.ack([group.group_id]) == 1  # its save fails too: counted in memory
     assert loop.persisted.consumed == 1 and not (tmp_path / "rollout_state.json").exists()
     store.full = False
-    loop._retry_failed_save()  # the loop's next turn
+    loop._core.retry_failed_save()  # the loop's next turn
     saved = json.loads((tmp_path / "rollout_state.json").read_text())
     assert saved["consumed"] == 1 and saved["unfinished"] == []
     assert [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")] == []
@@ -168,7 +168,7 @@ def test_a_finished_group_is_queued_as_the_proto_of_its_records():
     loop = _loop(StateStore(""), LongPromptEngine(), wait=False, cfg=cfg, driver=driver)
     loop._dispatch_next()
     for request in driver.requests:
-        loop._on_done(request, _sample())
+        request.on_done(request, _sample())
     loop._collect(timeout_s=1.0)
     [message] = loop.pull(1, 0)
     assert isinstance(message, rollout_pb2.Group)
@@ -191,7 +191,7 @@ def test_samples_that_make_no_valid_group_drop_it_and_count_it_failed():
     loop._dispatch_next()
     bad = dataclasses.replace(_sample(), routing=np.zeros((4, 1, 2), np.uint8))  # 3 + 2 rows due
     for request in driver.requests:
-        loop._on_done(request, bad)
+        request.on_done(request, bad)
     loop._collect(timeout_s=1.0)  # logged, not raised: the loop goes on
     stats = loop.stats()
     assert (stats["groups_running"], stats["groups_queued"], loop.groups_failed) == (0, 0, 1)
@@ -212,12 +212,20 @@ def test_only_the_attached_run_starts_an_admission_epoch():
     loop = _loop(StateStore(""), engine, wait=True, lease_s=5.0, clock=clock)
     loop.install_weights(1, "/ckpt/v1", None, new_epoch=True, run_id="run-a")
     loop.install_weights(2, "/ckpt/v2", None, new_epoch=True, run_id="run-a")  # its restart
-    before = (loop.persisted.epoch_version, list(loop.persisted.epoch_excluded), engine.swaps)
+    before = (
+        loop.persisted.epoch_version,
+        list(loop.persisted.admission["excluded"]),
+        engine.swaps,
+    )
     with pytest.raises(RunNotAttachedError, match="run-a"):
         loop.install_weights(3, "/ckpt/v3", None, new_epoch=True, run_id="intruder")
     with pytest.raises(RunNotAttachedError):
         loop.check_attached(True, "")
-    assert (loop.persisted.epoch_version, loop.persisted.epoch_excluded, engine.swaps) == before
+    assert (
+        loop.persisted.epoch_version,
+        loop.persisted.admission["excluded"],
+        engine.swaps,
+    ) == before
     loop.install_weights(3, "/ckpt/v3", None, run_id="other")  # no new epoch: a plain update
     clock.advance(4.5)  # run-a silent for less than the lease time: still attached
     with pytest.raises(RunNotAttachedError):

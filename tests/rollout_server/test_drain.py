@@ -49,7 +49,7 @@ def test_a_drained_loop_admits_nothing_hands_out_what_is_left_and_persists_the_r
     assert loop.pull(4, timeout_s=0.1) == [] and not loop.drained()
     # The running group is handed back: it stays in the saved state for a restart to re-issue.
     assert [r["group_id"] for r in store.load().unfinished] == [0]
-    loop._running.clear()  # as if generation of group 0 failed for good
+    loop._core.generation.running.clear()  # as if generation of group 0 failed for good
     # Nothing runs: a Pull returns at once however long it may wait (a wait would hang here).
     assert loop.pull(4, timeout_s=600.0) == []
     assert not loop.drained()  # group 7 is leased, not acknowledged yet

@@ -36,13 +36,13 @@ def test_rejecting_the_groups_of_before_a_new_epoch_buys_no_replacement(tmp_path
     assert _budget(loop) == 0
     # The trainer is killed and resumes past the server: a new epoch at v20.
     loop.install_weights(20, "/ckpt/v20", params=None, new_epoch=True, run_id="run")
-    assert loop.persisted.epoch_excluded == list(range(2 * B))
+    assert loop.persisted.admission["excluded"] == list(range(2 * B))
     assert _budget(loop) == 2 * B
     # It rejects every old group as too stale: the budget stays (max_staleness + 1) batches.
     pulled = loop.pull(2 * B, 0)
     assert loop.ack([], reject=[g.group_id for g in pulled]) == 2 * B
     assert _budget(loop) == 2 * B
-    assert loop.persisted.epoch_excluded == [] and loop.groups_rejected == 2 * B
+    assert loop.persisted.admission["excluded"] == [] and loop.trainer.groups_rejected == 2 * B
     # The epoch's own groups, rejected, are replaced as before.
     _queue(loop, [100, 101])
     assert _budget(loop) == 2 * B - 2
@@ -51,7 +51,7 @@ def test_rejecting_the_groups_of_before_a_new_epoch_buys_no_replacement(tmp_path
     # The counts persist: a restarted server goes on from them.
     again = StateStore(str(tmp_path / "copy"))
     again.save(loop.persisted)
-    assert again.load().epoch_excluded == []
+    assert again.load().admission["excluded"] == []
 
 
 def test_training_a_group_of_before_the_epoch_moves_the_trainer_on():
@@ -67,7 +67,7 @@ def test_training_a_group_of_before_the_epoch_moves_the_trainer_on():
     loop.pull(3, 0, trainer_version=2)
     loop.ack([0, 1], reject=[2])  # two trained at v2
     assert loop.admission.trainer_version == 3 and _budget(loop) == B
-    assert loop.persisted.epoch_excluded == []
+    assert loop.persisted.admission["excluded"] == []
     loop.install_weights(3, "/ckpt/v3", params=None)
     assert _budget(loop) == 2 * B
 
@@ -80,12 +80,12 @@ def test_an_ack_stops_a_group_the_restarted_server_makes_again(tmp_path):
     store.save(RolloutState(unfinished=[record], next_group_id=8, version=3, checkpoint_path="/c"))
     store.close()
     loop = _loop(StateStore(str(tmp_path)), FakeEngine(), wait=True, cfg=CFG)
-    assert [r["group_id"] for r in loop._reissue] == [7]
+    assert [r["group_id"] for r in loop._core.prompts.reissue] == [7]
     assert loop.ack([7]) == 1
-    assert list(loop._reissue) == [] and loop.persisted.consumed == 1
+    assert list(loop._core.prompts.reissue) == [] and loop.persisted.consumed == 1
     assert loop.persisted.unfinished == []  # saved so: a restart does not re-issue it
-    loop._running[9] = object()  # re-issued and running
-    assert loop.ack([], reject=[9]) == 1 and 9 not in loop._running
+    loop._core.generation.running[9] = object()  # re-issued and running
+    assert loop.ack([], reject=[9]) == 1 and 9 not in loop._core.generation.running
 
 
 def _consume(loop, n: int) -> None:
@@ -181,10 +181,10 @@ def test_a_new_share_counts_what_is_outstanding():
     assert _budget(loop) == 0
     # The other server left: this one now holds the fleet's whole budget, minus what it has.
     loop.install_weights(5, "/ckpt/v5", params=None, share=1.0)
-    assert loop.persisted.share == 1.0
+    assert loop.persisted.admission["share"] == 1.0
     assert _budget(loop) == 2 * B - B
     loop.install_weights(6, "/ckpt/v6", params=None, share=0)  # unset (an older trainer): 1
-    assert loop.persisted.share == 1.0 and _budget(loop) == 2 * B - B
+    assert loop.persisted.admission["share"] == 1.0 and _budget(loop) == 2 * B - B
 
 
 def test_a_rejoining_server_learns_the_trainers_version_with_its_weights():

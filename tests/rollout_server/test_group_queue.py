@@ -51,7 +51,7 @@ def test_state_store_round_trip(tmp_path):
         consumed=2,
         next_group_id=5,
         epoch_version=3,
-        epoch_used=1,
+        admission={"excluded": [1], "share": 0.5},
         unfinished=[{"group_id": 3, "id": "a", "text": "1+1=", "answer": "2"}],
     )
     store.save(state)

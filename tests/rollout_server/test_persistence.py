@@ -75,14 +75,14 @@ def test_one_write_in_flight_and_the_newest_snapshot_next(tmp_path):
 
 def test_a_snapshot_is_the_state_when_submitted(tmp_path):
     store = StateStore(str(tmp_path))
-    state = RolloutState(consumed=1, unfinished=[{"group_id": 0}], epoch_excluded=[0])
+    state = RolloutState(consumed=1, unfinished=[{"group_id": 0}], admission={"excluded": [0]})
     seq = store.submit(state)
     state.consumed = 2
     state.unfinished.append({"group_id": 1})
-    state.epoch_excluded.append(1)
+    state.admission["excluded"].append(1)
     assert store.wait(seq)
     saved = _saved(store)
-    assert (saved["consumed"], saved["unfinished"], saved["epoch_excluded"]) == (
+    assert (saved["consumed"], saved["unfinished"], saved["admission"]["excluded"]) == (
         1,
         [{"group_id": 0}],
         [0],
@@ -144,7 +144,7 @@ def test_a_pull_waits_for_the_dispatch_of_the_groups_it_returns(tmp_path):
     loop._dispatch_next()
     assert store.entered.acquire(timeout=HANG_S)  # its write is held
     for request in driver.requests:
-        loop._on_done(request, _sample())
+        request.on_done(request, _sample())
     loop._collect(timeout_s=HANG_S)
     assert len(loop.queue) == 1  # finished before its dispatch is on disk
     pulled: list = []
@@ -165,7 +165,7 @@ def test_stop_writes_every_change_not_written_yet(tmp_path):
                  driver=RecordingDriver())  # fmt: skip
     loop._dispatch_next()  # nothing waits for its write
     loop.stop()
-    saved = _saved(loop._store)
+    saved = _saved(loop._core.store)
     assert saved["next_group_id"] == 1 and [r["group_id"] for r in saved["unfinished"]] == [0]
 
 
@@ -175,3 +175,47 @@ def test_without_a_directory_nothing_is_written_and_nothing_waits():
     loop.queue.put(rollout_pb2.Group(group_id=0))
     assert [g.group_id for g in loop.pull(1, 0)] == [0]
     assert loop.ack([0]) == 1 and store.writes == 0 and store.durable == store.submitted
+
+
+def test_a_state_file_of_an_older_server_still_loads(tmp_path):
+    """Older servers saved admission's fields at the top level and an `epoch_used` count no
+    longer kept: a server restarted on such a state_dir starts from what it says, and the
+    rollout loop's admission takes it up (`ServerAdmission.set_state`)."""
+    old = {
+        "iterator": None,
+        "unfinished": [{"group_id": 3, "id": "a", "text": "1+1=", "answer": "2"}],
+        "consumed": 2,
+        "next_group_id": 4,
+        "version": 5,
+        "checkpoint_path": "/ckpt/v5",
+        "base_path": "",
+        "epoch_version": 5,
+        "epoch_used": 7,
+        "epoch_excluded": [1, 2],
+        "share": 0.5,
+        "share_until": 6,
+        "server_id": "abc",
+        "run_id": "run-a",
+        "trainer_version": 6,
+        "trained_since": 1,
+    }
+    (tmp_path / "rollout_state.json").write_text(json.dumps(old))
+    store = StateStore(str(tmp_path))
+    state = store.load()
+    assert (state.consumed, state.next_group_id, state.version, state.server_id) == (2, 4, 5, "abc")
+    assert state.admission == {
+        "share": 0.5,
+        "share_until": 6,
+        "trainer_version": 6,
+        "trained_since": 1,
+        "excluded": [1, 2],
+    }
+    loop = _loop(store, FakeEngine(), wait=True)
+    adm = loop.admission
+    assert (adm.share, adm.share_until, adm.weights_version, adm.trainer_version) == (0.5, 6, 5, 6)
+    assert (adm.trained_since, adm.excluded) == (1, {1, 2})
+    assert [r["group_id"] for r in loop.persisted.unfinished] == [3]  # re-issued first
+    store.save(loop.persisted)  # saved in today's form: admission's part under `admission`
+    saved = _saved(store)
+    assert "epoch_used" not in saved and "share" not in saved
+    assert saved["admission"]["excluded"] == [1, 2]

@@ -106,21 +106,21 @@ def test_epochs_and_waiting_for_weights(tmp_path):
     assert engine.swaps == [5]
     state = loop.persisted
     assert (state.version, state.checkpoint_path) == (5, "/ckpt/v5")
-    assert state.epoch_version == 5 and state.epoch_excluded == [0, 1]
+    assert state.epoch_version == 5 and state.admission["excluded"] == [0, 1]
     assert loop.stats()["admission_open"]
     assert loop.admission_budget() == 2 * B  # the 2 queued groups are not counted
     # A later push keeps the epoch (the excluded groups stay out of the count); one with
     # new_epoch starts another, excluding what is outstanding then.
     loop.install_weights(6, "/ckpt/v6", params=None)
-    assert loop.persisted.epoch_version == 5 and loop.persisted.epoch_excluded == [0, 1]
+    assert loop.persisted.epoch_version == 5 and loop.persisted.admission["excluded"] == [0, 1]
     loop.queue.put(rollout_pb2.Group(group_id=2))
     assert loop.admission_budget() == 2 * B - 1
     loop.install_weights(7, "/ckpt/v7", params=None, new_epoch=True)
-    assert loop.persisted.epoch_version == 7 and loop.persisted.epoch_excluded == [0, 1, 2]
+    assert loop.persisted.epoch_version == 7 and loop.persisted.admission["excluded"] == [0, 1, 2]
     assert loop.admission_budget() == 2 * B
     # The epoch persists: a restarted server keeps counting from it.
     again = store.load()
-    assert (again.version, again.epoch_version, again.epoch_excluded) == (7, 7, [0, 1, 2])
+    assert (again.version, again.epoch_version, again.admission["excluded"]) == (7, 7, [0, 1, 2])
 
 
 def test_without_waiting_the_initial_weights_generate():
@@ -157,7 +157,7 @@ def test_admission_never_sees_pulled_groups_in_neither_count(tmp_path):
     assert not loop.stats()["admission_open"]
     seen: list[bool] = []
     take = loop.queue.remove_if
-    loop._lock = lock = _ContendedLock()
+    loop._core.lock = lock = _ContendedLock()
 
     def take_then_look(predicate):
         items = take(predicate)
@@ -233,7 +233,7 @@ def test_the_loop_measures_its_capacity_and_reports_it(tmp_path):
     driver = FakeDriver()
     loop = _loop(StateStore(str(tmp_path)), SlotsEngine(), wait=True, driver=driver, clock=clock)
     assert loop.stats()["capacity_tokens_per_s"] == 0.0  # not measured yet
-    loop._running[0] = RunningGroup(record={}, prompt_ids=[])  # 4 samples in flight
+    loop._core.generation.running[0] = RunningGroup(record={}, prompt_ids=[])  # 4 samples in flight
     for _ in range(6):
         loop._measure()
         clock.advance(1.0)

@@ -20,7 +20,7 @@ from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_api.routing_codec import decode_routing
 from sat_jax.params_io import save_params
 from sat_jax.tasks import CharTokenizer
-from tests.rollout_server.conftest import ServerProcess, random_params, stats, wait_for
+from tests.rollout_server.conftest import ServerProcess, random_params, stats, unpacked, wait_for
 from tests.rollout_server.conftest import pull_all as _pull_all
 
 pytestmark = pytest.mark.slow  # starts server processes
@@ -156,7 +156,8 @@ def test_update_weights_and_versions(live):
     seen_v1 = []
 
     def pull_until_v1():
-        for g in stub.Pull(rollout_pb2.PullRequest(max_groups=8, timeout_s=5), timeout=30).groups:
+        request = rollout_pb2.PullRequest(max_groups=8, timeout_s=5, include_texts=True)
+        for g in unpacked(stub.Pull(request, timeout=30).groups):
             for t in g.trajectories:
                 _check_trajectory(t, g)
                 if set(t.versions) == {1}:

@@ -1,7 +1,7 @@
 """The train step's loss, metrics and gradients on fixed inputs, saved before the recipe options
 (truncation replay, decoupled PPO, filters, sequence corrections) existed.
 
-``tests/sat_jax/test_recipe_off.py`` checks that with every recipe option off the step gives
+``tests/sat_jax/step/test_recipe_off.py`` checks that with every recipe option off the step gives
 these bit for bit. XLA's CPU code generation follows the host's instruction set, so the bits are
 those of one jax version on one kind of CPU: the file keeps one set of fingerprints per host kind
 (``host_kind``: the CPU model and its vector extensions), each written by the same code, the step

@@ -12,6 +12,7 @@ import pytest
 from sat_jax.config import (
     CheckpointConfig,
     ClientConfig,
+    Connection,
     EvalConfig,
     TrainConfig,
     WarmupConfig,
@@ -460,7 +461,7 @@ def test_parts_carry_the_configured_keys(tmp_path):
         wait_s=42.0,
         grace_s=3.0,
     )
-    assert setup.connection_args(cfg) == dict(
+    assert setup.connection(cfg) == Connection(
         token="s3cret",
         root_certificates=b"PEM",
         max_message_bytes=2 * 1024 * 1024,
@@ -477,10 +478,10 @@ def test_checkpoint_directory_defaults_under_the_run_dir():
 
 
 def test_client_without_a_ca_is_plaintext_and_a_missing_ca_file_is_an_oserror(tmp_path):
-    assert setup.connection_args(ExperimentConfig())["root_certificates"] is None
+    assert setup.connection(ExperimentConfig()).root_certificates is None
     missing = ExperimentConfig(train=TrainConfig(tls_ca=str(tmp_path / "none.pem")))
     with pytest.raises(OSError):
-        setup.connection_args(missing)
+        setup.connection(missing)
 
 
 @pytest.mark.parametrize(

@@ -125,7 +125,7 @@ def main(
     pool = FreshPool() if process_id == 0 else None
     weights_dir = str(out / "weights")
     progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
-    progress = main.sync_weights(pool, state, progress, weights_dir, main.serving_dtype(cfg))
+    progress = main.sync_weights(pool, state, progress, weights_dir, main.serving_dtype(cfg.server))
 
     dispatched = itertools.count(1)
     steps_dispatched = [0]

@@ -448,6 +448,36 @@ def hold_updates(stub: FakeStub, *, fail: bool = True) -> threading.Event:
     return release
 
 
+class Refused(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self):
+        return "checkpoint_path is outside the checkpoint root"
+
+
+def test_a_refused_push_is_not_sent_again(fleet):
+    """A server refusing a push for good (not transient, not "older than the current") gets it
+    once: its sender forgets it (before, it sent it again at once, in a loop, and ``close``
+    waited its 30 s for an install that could not come); the refusal is raised in the caller's
+    next call."""
+    make, stubs, clock = fleet
+    with make(["a:1"], batch_groups=2, max_staleness=1) as pool:
+        stub = pool._fleet.servers[0].stub
+
+        def refuse(request, timeout, metadata):
+            stub._call("UpdateWeights", request)
+            raise Refused()
+
+        stub.UpdateWeights = refuse
+        pool.update_weights(1, "/outside/v1", new_admission_epoch=True)
+        assert pool.settle(timeout_s=10)
+        assert len(stub.rpcs("UpdateWeights")) == 1
+        with pytest.raises(Refused):
+            pool.pull(1, 0.0)
+        assert len(stub.rpcs("UpdateWeights")) == 1
+
+
 def test_a_server_whose_update_never_returns_delays_no_other_install_nor_the_next_push(fleet):
     """One sender per server, newest version wins: a push returns at once; a server stuck in its
     load delays neither the other's installs nor the caller's next push; once its call ends it
@@ -497,7 +527,7 @@ def test_an_overdue_server_is_fenced_then_current_again(fleet, caplog):
             got += pool.pull(4, 1.0, trainer_version=3)
             if any(g.server_id == "b:1-1" for g in got):
                 break
-            wait_until(lambda: not pool._servers[1].pulling)
+            wait_until(lambda: not pool._fleet.servers[1].pulling)
         assert any(g.server_id == "b:1-1" for g in got)
         # b's load ends (past its deadline): its sender sends the newest, with an ended lease.
         stubs[b].UpdateWeights = stubs[b].plain_update
@@ -643,10 +673,10 @@ def test_a_reply_after_its_batch_was_made_is_handed_back_unleased(fleet):
         assert [g.server_id for g in got] == ["a:1-1", "a:1-1"]
         stubs[b].Pull = plain
         release.set()  # b's reply, for the batch of version 2, comes now
-        wait_until(lambda: not pool._servers[1].pulling)
-        late = {g.group_id for g in pool._carried}
-        assert late and pool._servers[1].pull_for == 2
+        wait_until(lambda: not pool._fleet.servers[1].pulling)
+        late = {g.group_id for g in pool._pulls.carried}
+        assert late and pool._fleet.servers[1].pull_for == 2
         nxt = pool.pull(2, 1.0, trainer_version=3)  # hands them back; b's next Pull carries them
         pool.pull(2 - len(nxt), 1.0, trainer_version=3)
         returned = {i for r in stubs[b].rpcs("Pull") for i in r.return_group_ids}
-        assert returned == late and not pool._servers[1].returns
+        assert returned == late and not pool._fleet.servers[1].returns

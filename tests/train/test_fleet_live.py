@@ -193,7 +193,7 @@ def test_a_listed_server_joins_and_all_down_stops_after_server_wait(tmp_path):
         cfg = load_config(CONFIG, [*overrides, "train.steps=99"])
         assert cfg.train.client.servers == ()
         state, progress = _start(cfg)
-        args = setup.connection_args(cfg)
+        args = vars(setup.connection(cfg))  # ServerPool's keyword arguments
         with ServerPool((), background=True, clock=clock, sleep=clock.sleep, **args) as pool:
             pool_ref.append(pool)
             with pytest.raises(ServersDownError, match=r"no rollout server answered for 20s"):
@@ -320,7 +320,7 @@ def test_a_server_killed_during_a_pull_and_during_a_push_rejoins_and_loses_nothi
             CONFIG,
             [*overrides, f"train.client.servers=[{a.address},{b.address}]", f"train.steps={steps}"],
         )
-        args = setup.connection_args(cfg)
+        args = vars(setup.connection(cfg))  # ServerPool's keyword arguments
         with ServerPool(
             cfg.train.client.servers, background=True, connect=connect_through_killer, **args
         ) as pool:

@@ -26,7 +26,7 @@ from sat_jax.experiment import ConfigError, load_config
 from sat_jax.model import LoRAConfig, ModelConfig, placement
 from sat_jax.model.lora import join_lora, split_lora
 from sat_jax.step import StepConfig, TrainBatch, create_train_state, make_train_step, shard_batch
-from train import batching
+from train import batching, packing
 
 RTOL, ATOL = 2e-5, 2e-6
 GROUPS, SIZE, T = 4, 4, 24
@@ -106,7 +106,7 @@ def pack(batch: TrainBatch, k: int, row_multiple: int = 1, budget: int = 0) -> T
         row_multiple=row_multiple,
         microbatch_tokens=budget,
     )
-    packed, used, slots = batching.pack_batch(batch, spec)
+    packed, used, slots = packing.pack_batch(batch, spec)
     old_logp = np.zeros_like(packed.behavior_logp)
     for n in range(R):  # the padded rows' old log-probs at the packed positions
         where = packed.segment_ids == n + 1
@@ -327,9 +327,9 @@ def test_a_trajectory_longer_than_a_row_is_rejected_never_truncated(caplog) -> N
 
 
 def test_packed_row_counts_come_from_a_few_buckets() -> None:
-    counts = {batching.packed_rows(n, 64, 2, 8) for n in range(1, 65)}
+    counts = {packing.packed_rows(n, 64, 2, 8) for n in range(1, 65)}
     assert counts == {4 * i for i in range(1, 17)}  # quantum 4: 2 · 4 rows divide 8 shards
-    assert batching.packed_rows(5, 16, 1, 1) == 5
+    assert packing.packed_rows(5, 16, 1, 1) == 5
 
 
 def test_config_refuses_rows_shorter_than_the_longest_trajectory() -> None:

@@ -307,13 +307,13 @@ def test_keys_parse_from_yaml_and_overrides_and_reach_the_batch_spec(tmp_path):
         12,
     )
     d = load_config(None).train
-    assert (d.filter_groups, d.filter_max_rounds, d.overlong, d.overlong_cache) == (
+    assert (d.filter_groups, d.filter_rounds, d.overlong, d.overlong_cache) == (
         "none",
         4,
         "none",
         0,
     )
-    assert d.overlong_penalty == 1.0
+    assert d.soft_penalty == 1.0
     assert load_config(None, ["train.overlong=mask"]).train.overlong == "mask"
 
 

@@ -1,6 +1,6 @@
 """train.setup: what the trainer builds from a config (optimizer, paths, base policy, batch shape,
 sampleable ids, and the server pool, live against a fake Rollout service). The reference policy's
-log-probs are the train step's (tests/sat_jax/test_microbatches.py)."""
+log-probs are the train step's (tests/sat_jax/step/test_microbatches.py)."""
 
 from __future__ import annotations
 

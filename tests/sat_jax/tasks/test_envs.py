@@ -300,7 +300,9 @@ def test_feedback_right_the_first_time():
 
 
 def test_feedback_asks_again_until_right_and_discounts():
-    episode, steps = run(Feedback, env_config(max_turns=4, turn_discount=0.5), ["1", "2", "19"])
+    episode, steps = run(
+        Feedback, env_config(env="feedback", max_turns=4, turn_discount=0.5), ["1", "2", "19"]
+    )
     retry = [{"role": "user", "content": RETRY_MESSAGE}]
     assert [(list(s.observations), s.reward, s.done) for s in steps] == [
         (retry, 0.0, False),

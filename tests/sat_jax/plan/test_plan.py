@@ -23,7 +23,7 @@ from sat_jax.plan import programs, topology
 from sat_jax.plan.__main__ import main as plan_main
 from sat_jax.step import StepConfig, step_config
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+REPO = pathlib.Path(__file__).resolve().parents[3]
 
 
 @functools.cache

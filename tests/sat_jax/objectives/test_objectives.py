@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from sat_jax import objectives
 from sat_jax.objectives import PolicyLossConfig, SATConfig
-
-from .objectives_reference import quantile_inverted_cdf, reference_policy_loss
+from tests.sat_jax.objectives_reference import quantile_inverted_cdf, reference_policy_loss
 
 # float32 implementation vs float64 reference: ~1e-6 relative rounding per op, a few ops deep.
 RTOL, ATOL = 2e-5, 1e-6

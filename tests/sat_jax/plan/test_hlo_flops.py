@@ -2,7 +2,7 @@
 
 Programs compiled here on the CPU; the counter reads HLO text, so the same walk applies to
 XLA:TPU's (whose dots are mostly convolutions, checked against XLA's count in
-tests/sat_jax/test_plan_tpu.py's compiles).
+tests/sat_jax/plan/test_plan_tpu.py's compiles).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ import pytest
 
 from sat_jax import objectives
 from sat_jax.objectives import PolicyLossConfig, SATConfig
+from tests.sat_jax.objectives_reference import m2po_masked, reference_ess, reference_policy_loss
 
-from .objectives_reference import m2po_masked, reference_ess, reference_policy_loss
 from .test_objectives import loss_and_grad, make_batch
 
 RTOL, ATOL = 2e-5, 1e-6

@@ -320,7 +320,7 @@ def test_advantages_and_reference_come_in_exactly_one_form(setup: Setup) -> None
 def _host_opob_advantages(params: dict, rows: TrainBatch) -> tuple[np.ndarray, float]:
     """[B, T] GRPO advantages centered on VCPO's off-policy optimal baseline, from each row's
     Σ_t log π and ‖∇ Σ_t log π‖² computed one row at a time from the full logits, in float64."""
-    from .test_large_lag import reference_opob
+    from tests.sat_jax.objectives.test_large_lag import reference_opob
 
     graphdef, _ = placement.abstract_model(MODEL_CFG)
     mask = rows.loss_mask.copy()
