@@ -149,7 +149,11 @@ class RolloutServer:
         s = self.cfg.server
         if not s.http_sessions:
             return None
-        limits = SessionLimits(max_sessions=s.http_max_sessions, idle_s=s.http_session_idle_s)
+        limits = SessionLimits(
+            max_sessions=s.http_max_sessions,
+            idle_s=s.http_session_idle_s,
+            fork=s.http_session_fork,
+        )
         return SessionManager(self.generator, make_reward(self.cfg.task.reward), limits)
 
     def _rollout_loop(self, persisted: RolloutState) -> RolloutLoop:
