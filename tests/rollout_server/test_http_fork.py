@@ -234,7 +234,14 @@ def engine_live(tmp_path_factory):
     try:
         port = asyncio.run_coroutine_threadsafe(api.start("127.0.0.1", 0), aio).result(60)
         yield dict(
-            url=f"http://127.0.0.1:{port}", tok=tok, engine=engine, params=params, sessions=sessions
+            url=f"http://127.0.0.1:{port}",
+            tok=tok,
+            engine=engine,
+            params=params,
+            sessions=sessions,
+            driver=driver,
+            model=model,
+            cfg=cfg,
         )
     finally:
         asyncio.run_coroutine_threadsafe(api.stop(), aio).result(30)
@@ -302,3 +309,113 @@ def test_an_agent_that_forks_makes_two_trajectories_each_a_fresh_prefill(engine_
         np.testing.assert_allclose(segment.logprobs[segment.loss_mask], want, atol=2e-4)
         np.testing.assert_allclose(first[1] + second[1], want, atol=2e-4)
         assert len(segment.routing) == len(ids)
+
+
+def _take(url: str) -> dict:
+    server = openai.OpenAI(base_url=url, api_key="t", max_retries=0, timeout=300)
+    body = {"max_sessions": 1, "timeout_s": 30}
+    (session,) = server.post("/sessions", body=body, cast_to=object)["sessions"]
+    return session
+
+
+def _plain_agent(url: str, session: dict, reward: float) -> None:
+    """One turn, then the end with `reward` (no fork)."""
+    server = openai.OpenAI(base_url=url, api_key="t", max_retries=2, timeout=300)
+    client = server.with_options(base_url=f"{url}/sessions/{session['session_id']}/v1")
+    messages = [{"role": "user", "content": session["prompt"]["text"]}]
+    client.chat.completions.create(model="tiny", messages=messages)
+    server.post(f"/sessions/{session['session_id']}/end", body={"reward": reward}, cast_to=object)
+
+
+def _train_step(live, batch):
+    """One train step on `batch` from the engine's own params: its metrics."""
+    import jax
+    import optax
+    from flax import nnx
+
+    from sat_jax import objectives, sharding
+    from sat_jax.step import StepConfig, create_train_state, make_train_step, shard_batch
+
+    cfg = live["cfg"]
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    params = jax.device_get(nnx.to_pure_dict(nnx.state(live["model"])))
+    step_cfg = StepConfig(loss=objectives.PolicyLossConfig(), routing_replay=True)
+    mask = np.asarray(live["engine"].sampleable_ids)
+    step = make_train_step(cfg, optax.sgd(0.1), step_cfg, mesh, vocab_mask=mask)
+    state = create_train_state(cfg, optax.sgd(0.1), mesh, params)
+    _, metrics = step(state, shard_batch(batch, mesh))
+    return jax.device_get(metrics)
+
+
+@pytest.mark.slow
+def test_a_forked_session_reaches_the_trainer_as_two_trajectories_and_trains(engine_live):
+    """End to end: a group of two sessions (one forks) through `Generation`, its record over the
+    wire (`to_proto` -> bytes -> `decode_group`), `select_groups`, `assemble_batch` and a train
+    step: three trajectories, each segment's log-probs a fresh prefill of its history, the
+    group's statistics over its two sessions, and the step trains every generated token."""
+    from rollout_api import records
+    from rollout_api.proto import rollout_pb2
+    from rollout_server.generation import Generation
+    from sat_jax.config import RolloutConfig
+    from sat_jax.step.batch import with_advantages
+    from train import batching
+
+    live, tok = engine_live, engine_live["tok"]
+    forks = live["sessions"].forks
+    generation = Generation(
+        driver=live["driver"],
+        engine=live["engine"],
+        cfg=RolloutConfig(group_size=2, max_new_tokens=6),
+        tokenizer=tok,
+        reward_fn=lambda text, answer: 0.0,
+        episodes=None,
+        sessions=live["sessions"],
+    )
+    record = {"group_id": 11, "id": PROMPT.id, "text": PROMPT.text, "answer": PROMPT.answer}
+    generation.submit(generation.start(record))
+    histories = _fork_agent(live["url"], _take(live["url"]))  # reward 0.75, one fork
+    _plain_agent(live["url"], _take(live["url"]), 0.25)
+    finished = []
+    for _ in range(240):
+        finished += generation.collect(0.5).finished
+        if finished:
+            break
+    assert finished and live["sessions"].forks == forks + 1
+    message = records.to_proto(generation.group_record(finished[0], "srv"))
+    cfg = live["cfg"]
+    spec = batching.BatchSpec(
+        batch_groups=1,
+        group_size=2,
+        seq_len=384,
+        length_bucket=0,
+        routing_lk=(cfg.num_moe_layers, cfg.num_experts_per_tok),
+        routing_dtype="uint8",
+        max_staleness=4,
+        stale_policy="drop",
+        vocab_size=cfg.vocab_size,
+        num_experts=cfg.num_experts,
+    )
+    wire = rollout_pb2.Group.FromString(message.SerializeToString())
+    group = records.decode_group(wire, spec.limits)
+    assert group.sessions == (0, 0, 1) and len(group.trajectories) == 3
+    assert [t.reward for t in group.trajectories] == [0.75, 0.75, 0.25]
+    starts = [histories[0][0], histories[2][0]]
+    for traj, history in zip(group.trajectories, starts, strict=False):
+        assert traj.prompt_ids.tolist() == tok.encode_messages(history)
+        ids = [*traj.prompt_ids.tolist(), *traj.completion_ids.tolist()]
+        want = _full_forward(live, ids, len(traj.prompt_ids))[traj.generated]
+        np.testing.assert_allclose(traj.behavior_logprobs[traj.generated], want, atol=2e-4)
+    selection = batching.select_groups([group], spec, trainer_version=0, min_version=0)
+    batch, stats = batching.assemble_batch(selection, spec, trainer_version=0)
+    # Three trajectories in a batch of two rows: the rows double; the forked session's two
+    # segments weigh 1/2 each, so the group's mean and spread are its two sessions'.
+    assert batch.tokens.shape[0] == 4 and batch.group_ids.tolist() == [0, 0, 0, -1]
+    np.testing.assert_allclose(batch.session_weights, [0.5, 0.5, 1.0, 0.0])
+    assert stats.reward_mean == pytest.approx(0.5) and stats.tokens == batch.loss_mask.sum()
+    advantages = np.asarray(with_advantages(batch).advantages)
+    per_row = [advantages[r][batch.loss_mask[r] > 0] for r in range(3)]
+    for row, sign in zip(per_row, (1, 1, -1), strict=True):  # (0.75 - 0.5) / std(0.75, 0.25)
+        np.testing.assert_allclose(row, sign / np.sqrt(2), rtol=1e-4)
+    metrics = _train_step(live, batch)
+    assert metrics["step_skipped"] == 0 and metrics["active_tokens"] == stats.tokens
+    assert metrics["mismatch_abs_mean"] < 1e-3  # the trainer scores what the engine sampled
