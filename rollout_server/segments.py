@@ -6,8 +6,8 @@ finished segment) and starts a new one, prefilled from the new history as a fres
 tokens before the divergence are that segment's prompt (no loss), and its turns are generated
 and inserted as in any session. Each segment is a whole trajectory of its own (its prompt, its
 log-probs, versions and routing: what the engine recorded for it), and the session's reward is
-every segment's. The sample a session reports is its last segment's, carrying the earlier ones
-(`ForkedSample`); `segments_of` lists them all, in order.
+every segment's. A forked session reports a `ForkedSample` holding its segments;
+`segments_of` lists any sample's, in order.
 """
 
 from __future__ import annotations
@@ -18,18 +18,18 @@ from typing import Any
 from rollout_server.driver import FinishedSample
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ForkedSample(FinishedSample):
-    """A forked session's sample: its last segment's arrays, as any sample's, and the segments
-    forked away before it (`earlier`, oldest first), each a `FinishedSample` of its own."""
+@dataclasses.dataclass(frozen=True)
+class ForkedSample:
+    """A forked session's sample: its segments, oldest first, each a `FinishedSample` of its
+    own (the last is the segment the session ended in)."""
 
-    earlier: tuple[FinishedSample, ...] = ()
+    segments: tuple[FinishedSample, ...]
 
 
-def segments_of(sample: FinishedSample) -> tuple[FinishedSample, ...]:
-    """Every trajectory `sample` holds, oldest first: a forked session's earlier segments, then
-    the sample itself (one for a sample that never forked)."""
-    return (*getattr(sample, "earlier", ()), sample)
+def segments_of(sample: FinishedSample | ForkedSample) -> tuple[FinishedSample, ...]:
+    """Every trajectory `sample` holds, oldest first: a forked session's segments, or the
+    sample itself (one for a sample that never forked)."""
+    return sample.segments if isinstance(sample, ForkedSample) else (sample,)
 
 
 _PENDING = object()
@@ -65,7 +65,7 @@ class Segments:
         """Every forked-away segment's sample has arrived."""
         return all(entry[1] is not _PENDING for entry in self._ended)
 
-    def sample(self, last: FinishedSample | None) -> FinishedSample | None:
+    def sample(self, last: FinishedSample | None) -> FinishedSample | ForkedSample | None:
         """The session's sample given its last segment's: None when any segment failed (the
         sample is generated again), `last` itself when it never forked."""
         if not self._ended:
@@ -73,5 +73,4 @@ class Segments:
         earlier = tuple(entry[1] for entry in self._ended)
         if last is None or any(s is None for s in earlier):
             return None
-        fields = {f.name: getattr(last, f.name) for f in dataclasses.fields(FinishedSample)}
-        return ForkedSample(**fields, earlier=earlier)
+        return ForkedSample((*earlier, last))
