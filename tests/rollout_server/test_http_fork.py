@@ -143,12 +143,15 @@ def test_segments_are_bounded_and_a_failed_one_fails_the_sample(forking):
     assert live.done[1][1] is None
 
 
-def test_forks_need_sessions():
+def test_forks_need_sessions_and_reach_the_servers_sessions():
+    from rollout_server.process import session_limits
     from sat_jax.config import ServerConfig
 
     with pytest.raises(ValueError, match="http_session_fork needs http_sessions"):
         ServerConfig(http_port=8800, http_session_fork=True)
-    assert ServerConfig(http_port=8800, http_sessions=True, http_session_fork=True)
+    on = ServerConfig(http_port=8800, http_sessions=True, http_session_fork=True)
+    assert session_limits(on).fork and not session_limits(ServerConfig(http_port=8800)).fork
+    assert session_limits(on).max_sessions == on.http_max_sessions
 
 
 def test_a_sample_waits_for_every_segment_in_any_order():
