@@ -432,7 +432,7 @@ def test_a_forked_batch_trains_padded_and_packed():
     import jax
     import optax
 
-    from sat_jax import sharding
+    from sat_jax import objectives, sharding
     from sat_jax.model import ModelConfig
 
     model = ModelConfig.preset("tiny", dispatch="dense")
@@ -440,7 +440,8 @@ def test_a_forked_batch_trains_padded_and_packed():
     mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
     _, params = placement.init_sharded(model, mesh, 0)
     params = jax.device_get(params)
-    step = make_train_step(model, optax.sgd(0.1), StepConfig(), mesh)
+    step_cfg = StepConfig(loss=objectives.PolicyLossConfig())
+    step = make_train_step(model, optax.sgd(0.1), step_cfg, mesh)
     weights = None
     for packing in (False, True):
         s = spec(batch_groups=2, group_size=2, routing_lk=None, packing=packing)
