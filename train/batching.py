@@ -47,6 +47,13 @@ and the soft overlong punishment of an episode that is not truncated reads its l
 (run of generated tokens; ``rollout.max_new_tokens`` bounds each turn): for a single-turn
 trajectory both are its completion length.
 
+Forked HTTP sessions (``Group.sessions``, docs/DESIGN.md §6.6): a group holds G samples, a
+forked session one trajectory per segment. Every segment is a row of its own (its tokens from
+its loss mask, as any trajectory's), the rows grow to the next multiple of ``rows`` that holds
+them, and ``TrainBatch.session_weights`` (1 / the session's segments) make the step's group
+statistics count each session once, each segment taking its session's advantage. A batch
+without forks carries no weights: it is the batch it always was.
+
 Alignment follows ``sat_jax.step.batch``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
 """
