@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -200,6 +200,12 @@ class Group:
       prompt_text, answer: the prompt and its reference answer.
       server_id: the random id of the server's persisted state.
       trajectories: the group's samples.
+      sessions: forked HTTP sessions (docs/DESIGN.md §6.6): per trajectory, the index of the
+        sample it is a segment of (non-decreasing from 0 by steps of at most 1; a session's
+        segments share its reward); () = one trajectory per sample.
+
+    Raises:
+      ValueError: `sessions` of another length than `trajectories`, or not 0, ... in order.
     """
 
     group_id: int
@@ -208,6 +214,18 @@ class Group:
     answer: str = ""
     server_id: str = ""
     trajectories: tuple[Trajectory, ...] = ()
+    sessions: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.sessions:
+            check_sessions(self.sessions, len(self.trajectories))
+
+    @property
+    def session_ids(self) -> np.ndarray:
+        """int [len(trajectories)]: each trajectory's sample (0, 1, ... without forks)."""
+        if self.sessions:
+            return np.asarray(self.sessions, np.int64)
+        return np.arange(len(self.trajectories))
 
     @property
     def key(self) -> str:
@@ -236,6 +254,16 @@ class InvalidGroup:
         return group_key(self.server_id, self.group_id)
 
 
+def check_sessions(sessions: Sequence[int], trajectories: int) -> None:
+    """Raises ValueError unless `sessions` (a group's, `Group.sessions`) has one entry per
+    trajectory, starts at 0 and steps by 0 or 1."""
+    if len(sessions) != trajectories:
+        raise ValueError(f"{len(sessions)} sessions for {trajectories} trajectories")
+    steps = np.diff(np.asarray([0, *sessions]))
+    if sessions[0] != 0 or ((steps != 0) & (steps != 1)).any():
+        raise ValueError(f"sessions must count 0, 1, ... in order, got {list(sessions)}")
+
+
 def group_key(server_id: str, group_id: int) -> str:
     """The name of a group, unique across servers and their restarts: "server_id/group_id"."""
     return f"{server_id}/{group_id}"
@@ -253,6 +281,7 @@ def to_proto(group: Group) -> rollout_pb2.Group:
         answer=group.answer,
         server_id=group.server_id,
         trajectories=[_trajectory_to_proto(t) for t in group.trajectories],
+        sessions=group.sessions,
     )
 
 
@@ -363,6 +392,13 @@ def decode_group(message: rollout_pb2.Group, limits: GroupLimits | None = None) 
             raise InvalidGroupError(
                 f"group {group_key(message.server_id, message.group_id)}, trajectory {i}: {e}"
             ) from None
+    sessions = tuple(message.sessions)
+    if sessions:
+        try:
+            check_sessions(sessions, len(trajectories))
+        except ValueError as e:
+            name = group_key(message.server_id, message.group_id)
+            raise InvalidGroupError(f"group {name}: {e}") from None
     return Group(
         group_id=message.group_id,
         prompt_id=message.prompt_id,
@@ -370,6 +406,7 @@ def decode_group(message: rollout_pb2.Group, limits: GroupLimits | None = None) 
         answer=message.answer,
         server_id=message.server_id,
         trajectories=tuple(trajectories),
+        sessions=sessions,
     )
 
 

@@ -24,8 +24,11 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 - `weights`: UpdateWeights' checkpoint-root policy; loading through `sat_jax.params_io`.
 - `auth`: the shared-token check of every RPC but the health checks (a gRPC interceptor).
 - `service`, `metrics`, `process`: the gRPC servicers, Prometheus gauges, and the running server.
-- `chat`, `http_api`, `sessions`: the OpenAI-compatible HTTP endpoint (its schema, the server)
-  and RL sessions played by external agents.
+- `chat`, `http_api`, `http_stream`, `http_sessions`, `sessions`, `session_state`: the
+  OpenAI-compatible HTTP endpoint (its schema, the server, streamed replies, the session
+  routes) and RL sessions played by external agents (the manager; a session's state and rules).
+- `segments`, `json_mask`: a session's forks (`server.http_session_fork`) and `json_object`'s
+  token mask (the host half of constrained decoding).
 - `server`: the `sat-serve` command (config errors are one line and exit 2; also
   `python -m rollout_server`).
 

@@ -199,43 +199,11 @@ def _generation(
     overridden: tuple[str, ...] = (),
 ) -> Generation:
     """The shared sampling fields; the server's sampler is the only one (module docstring)."""
-    for key, served in (
-        ("temperature", sampling.temperature),
-        ("top_p", sampling.top_p),
-        ("top_k", sampling.top_k),
-    ):
-        value = body.get(key)
-        if value is None:
-            continue
-        _need(_is_number(value), f"{key} must be a number", key)
-        _need(
-            math.isclose(value, served, rel_tol=1e-6) or (key == "top_k" and value == served),
-            f"{key}={value} differs from this server's sampler ({key}={served}): the behavior "
-            "log-probs are those of the server's one sampler (rollout.temperature, top_p, top_k)",
-            key,
-        )
-    tokens = body.get("max_completion_tokens")
-    if tokens is None:  # absent or null: max_tokens (the older name) decides
-        tokens = body.get("max_tokens")
-    if tokens is None:
-        tokens = default_tokens
-    _need(
-        _is_int(tokens) and 1 <= tokens <= max_tokens,
-        f"max_tokens must be an integer in [1, {max_tokens}]",
-        "max_tokens",
-    )
+    _check_sampler(body, sampling)
+    tokens = _max_tokens(body, max_tokens, default_tokens)
     n = body.get("n", 1) if body.get("n") is not None else 1
     _need(_is_int(n) and 1 <= n <= MAX_N, f"n must be an integer in [1, {MAX_N}]", "n")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    _need(
-        isinstance(stop, list)
-        and len(stop) <= MAX_STOPS
-        and all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in stop),
-        f"stop must be a string or a list of at most {MAX_STOPS} strings of 1 to "
-        f"{MAX_STOP_CHARS} characters",
-        "stop",
-    )
+    stop = _stops(body)
     stream = body.get("stream") or False
     _need(isinstance(stream, bool), "stream must be a boolean", "stream")
     options = body.get("stream_options") or {}
@@ -264,6 +232,55 @@ def _generation(
     )
 
 
+def _check_sampler(body: dict[str, Any], sampling: SamplingConfig) -> None:
+    """Refuses a sampler field that differs from the server's sampler."""
+    for key, served in (
+        ("temperature", sampling.temperature),
+        ("top_p", sampling.top_p),
+        ("top_k", sampling.top_k),
+    ):
+        value = body.get(key)
+        if value is None:
+            continue
+        _need(_is_number(value), f"{key} must be a number", key)
+        _need(
+            math.isclose(value, served, rel_tol=1e-6) or (key == "top_k" and value == served),
+            f"{key}={value} differs from this server's sampler ({key}={served}): the behavior "
+            "log-probs are those of the server's one sampler (rollout.temperature, top_p, top_k)",
+            key,
+        )
+
+
+def _max_tokens(body: dict[str, Any], max_tokens: int, default_tokens: int) -> int:
+    """`max_completion_tokens`, else `max_tokens`, else `default_tokens`; checked."""
+    tokens = body.get("max_completion_tokens")
+    if tokens is None:  # absent or null: max_tokens (the older name) decides
+        tokens = body.get("max_tokens")
+    if tokens is None:
+        tokens = default_tokens
+    _need(
+        _is_int(tokens) and 1 <= tokens <= max_tokens,
+        f"max_tokens must be an integer in [1, {max_tokens}]",
+        "max_tokens",
+    )
+    return tokens
+
+
+def _stops(body: dict[str, Any]) -> list[str]:
+    """The stop strings (a string or a list of them), checked."""
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    _need(
+        isinstance(stop, list)
+        and len(stop) <= MAX_STOPS
+        and all(isinstance(s, str) and 1 <= len(s) <= MAX_STOP_CHARS for s in stop),
+        f"stop must be a string or a list of at most {MAX_STOPS} strings of 1 to "
+        f"{MAX_STOP_CHARS} characters",
+        "stop",
+    )
+    return stop
+
+
 def parse_chat(
     body: Any,
     sampling: SamplingConfig,
@@ -289,39 +306,9 @@ def parse_chat(
         "messages",
     )
     messages = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
-    tools = body.get("tools") or []
-    _need(
-        isinstance(tools, list)
-        and all(
-            isinstance(t, dict)
-            and t.get("type") == "function"
-            and isinstance(t.get("function"), dict)
-            and isinstance(t["function"].get("name"), str)
-            for t in tools
-        ),
-        'tools must be a list of {"type": "function", "function": {"name": ...}}',
-        "tools",
-    )
+    tools = _tools(body)
     choice = body.get("tool_choice")
-    forced = ""
-    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
-        fn = choice.get("function") if choice.get("type") == "function" else None
-        forced = fn.get("name") if isinstance(fn, dict) else None
-        names = {t["function"]["name"] for t in tools}
-        _need(
-            isinstance(forced, str) and forced in names,
-            "tool_choice names a function that is not in tools",
-            "tool_choice",
-        )
-    elif choice == "required":
-        _need(bool(tools), "tool_choice required needs tools", "tool_choice")
-        forced = REQUIRED
-    else:
-        _need(
-            choice in (None, "auto", "none"),
-            "tool_choice must be auto, none, required or a named function",
-            "tool_choice",
-        )
+    forced = _forced_tool(choice, tools)
     # The URL's session id wins over the body's: a client's extra body cannot move a request to
     # another session than the base URL it was given.
     sid = session_id or body.get("session_id") or ""
@@ -349,6 +336,48 @@ def parse_chat(
         template_kwargs=dict(kwargs),
         tool_choice=forced,
     )
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The request's function tools, checked."""
+    tools = body.get("tools") or []
+    _need(
+        isinstance(tools, list)
+        and all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        ),
+        'tools must be a list of {"type": "function", "function": {"name": ...}}',
+        "tools",
+    )
+    return tools
+
+
+def _forced_tool(choice: Any, tools: list[dict[str, Any]]) -> str:
+    """What `tool_choice` forces: a function's name, `REQUIRED`, or "" (auto / none)."""
+    forced = ""
+    if isinstance(choice, dict):  # {"type": "function", "function": {"name": ...}}
+        fn = choice.get("function") if choice.get("type") == "function" else None
+        forced = fn.get("name") if isinstance(fn, dict) else None
+        names = {t["function"]["name"] for t in tools}
+        _need(
+            isinstance(forced, str) and forced in names,
+            "tool_choice names a function that is not in tools",
+            "tool_choice",
+        )
+    elif choice == "required":
+        _need(bool(tools), "tool_choice required needs tools", "tool_choice")
+        forced = REQUIRED
+    else:
+        _need(
+            choice in (None, "auto", "none"),
+            "tool_choice must be auto, none, required or a named function",
+            "tool_choice",
+        )
+    return forced
 
 
 def parse_completion(

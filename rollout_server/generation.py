@@ -24,6 +24,7 @@ from rollout_api import records
 from rollout_api.admission import RateMeter
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
 from rollout_server.engine import MoEEngine
+from rollout_server.segments import segments_of
 from sat_jax.config import RolloutConfig
 from sat_jax.decoding import SamplingConfig
 from sat_jax.tasks import Prompt, Tokenizer
@@ -294,29 +295,17 @@ class Generation:
 
     def group_record(self, group: RunningGroup, server_id: str) -> records.Group:
         """The group's record, under `server_id`: the engine's arrays as they are, with rewards
-        and texts."""
+        and texts. A forked HTTP session (docs/DESIGN.md §6.6) gives one trajectory per segment,
+        oldest first, each with the session's reward, and the record says which sample each
+        is a segment of (`records.Group.sessions`; () when no sample forked)."""
         record = group.record
-        trajectories = []
+        trajectories, sessions = [], []
         for i in range(self._cfg.group_size):
-            s = group.samples[i]
-            text = self._tokenizer.decode(s.completion_ids)
             episode = group.episodes.get(i)
-            trajectories.append(
-                records.Trajectory(
-                    prompt_ids=s.prompt_ids,
-                    completion_ids=s.completion_ids,
-                    behavior_logprobs=s.logprobs,
-                    versions=s.versions,
-                    routing=s.routing,
-                    # Sent only when the sampler truncates: otherwise every count is the whole
-                    # sampleable vocabulary, and the trainer scores over it anyway.
-                    kept_counts=s.kept_counts if self._truncates else None,
-                    reward=self._reward(text, record) if episode is None else episode.reward,
-                    finish_reason=s.finish_reason,
-                    completion_text=text,
-                    loss_mask=s.loss_mask,
-                )
-            )
+            reward = None if episode is None else episode.reward
+            for segment in segments_of(group.samples[i]):
+                trajectories.append(self._trajectory(segment, record, reward))
+                sessions.append(i)
         return records.Group(
             server_id=server_id,
             group_id=record["group_id"],
@@ -324,6 +313,28 @@ class Generation:
             prompt_text=record["text"],
             answer=record["answer"],
             trajectories=tuple(trajectories),
+            sessions=tuple(sessions) if len(sessions) > self._cfg.group_size else (),
+        )
+
+    def _trajectory(
+        self, s: FinishedSample, record: dict[str, Any], reward: float | None
+    ) -> records.Trajectory:
+        """One sample's (or segment's) trajectory; `reward` None = scored by the reward
+        function (a single-turn sample)."""
+        text = self._tokenizer.decode(s.completion_ids)
+        return records.Trajectory(
+            prompt_ids=s.prompt_ids,
+            completion_ids=s.completion_ids,
+            behavior_logprobs=s.logprobs,
+            versions=s.versions,
+            routing=s.routing,
+            # Sent only when the sampler truncates: otherwise every count is the whole
+            # sampleable vocabulary, and the trainer scores over it anyway.
+            kept_counts=s.kept_counts if self._truncates else None,
+            reward=self._reward(text, record) if reward is None else reward,
+            finish_reason=s.finish_reason,
+            completion_text=text,
+            loss_mask=s.loss_mask,
         )
 
     def _reward(self, text: str, record: dict[str, Any]) -> float:

@@ -30,14 +30,11 @@ import dataclasses
 import hmac
 import json
 import logging
-import math
 import ssl
-import threading
 import time
 import uuid
 from typing import Any
 
-import numpy as np
 from aiohttp import web
 
 from rollout_server.chat import (
@@ -46,12 +43,12 @@ from rollout_server.chat import (
     parse_chat,
     parse_completion,
 )
+from rollout_server.http_sessions import SessionRoutes
+from rollout_server.http_stream import EventStream, TokenFeed, chunk
 from rollout_server.sessions import Generator, Reply, SessionManager
 
 log = logging.getLogger(__name__)
 
-MAX_TAKE = 256
-MAX_TAKE_TIMEOUT_S = 60.0
 OPEN_PATHS = ("/health",)  # served without the bearer token
 KEEPALIVE_S = 15.0  # a stream with no token for this long gets a comment (proxies' idle cuts)
 
@@ -320,15 +317,8 @@ class HttpApi:
             **self._extras(gen, replies),
         }
         if req.session_id:
-            out["session"] = self._session_info(req.session_id, replies[0])
+            out["session"] = self._session_routes().info(req.session_id, replies[0])
         return web.json_response(out)
-
-    def _session_info(self, sid: str, reply: Reply | None = None) -> dict[str, Any]:
-        s = self.sessions.find(sid)
-        info = s.info() if s is not None else {"session_id": sid}
-        if reply is not None and reply.remaining_tokens is not None:
-            info["remaining_tokens"] = reply.remaining_tokens
-        return info
 
     async def _stateless(self, coros: list) -> list[Reply]:
         self._reserve(coros)
@@ -356,140 +346,42 @@ class HttpApi:
         return {"content": r.content_logprobs or []}
 
     async def _stream_chat(self, request: web.Request, req: Any) -> web.StreamResponse:
-        """The reply as server-sent events, as it is generated: the headers and each choice's
-        role at once (once the request is accepted: a refusal is still a 4xx), content deltas as
-        the engine produces tokens (`StreamText`: stop strings and tool calls held back), a
+        """The reply as server-sent events, as it is generated (`http_stream`): the headers and
+        each choice's role at once (once the request is accepted: a refusal is still a 4xx),
+        content deltas as the engine produces tokens (stop strings and tool calls held back), a
         comment every `KEEPALIVE_S` without one, then per choice its tool calls, log-probs and
         finish, the usage if asked, and [DONE]. A client that leaves stops only its stream:
         the generation runs on (a session keeps the reply for the request's retry)."""
-        gen, loop = req.generation, asyncio.get_running_loop()
-        # New ids from the driver's thread, coalesced: one wake-up of the loop per batch it has
-        # not taken yet, however many tokens the engine produced meanwhile.
-        pending: list[tuple[int, np.ndarray]] = []
-        lock, ready = threading.Lock(), asyncio.Event()
-        scheduled = False
-
-        def watcher(index: int):
-            seen = 0
-
-            def watch(ids: np.ndarray) -> None:  # the driver's thread: hand the new ids over
-                nonlocal seen, scheduled
-                new = np.array(ids[seen:])
-                seen = len(ids)
-                with lock:
-                    pending.append((index, new))
-                    if scheduled:
-                        return
-                    scheduled = True
-                loop.call_soon_threadsafe(ready.set)
-
-            return watch
-
-        def take_pending() -> dict[int, np.ndarray]:
-            nonlocal scheduled
-            with lock:
-                items = pending[:]
-                pending.clear()
-                scheduled = False
-            merged: dict[int, list[np.ndarray]] = {}
-            for index, ids in items:
-                merged.setdefault(index, []).append(ids)
-            return {i: np.concatenate(parts) for i, parts in merged.items()}
-
-        accepted = loop.create_future()
-        if req.session_id:
-            work = asyncio.ensure_future(
-                self.sessions.chat(req, watch=watcher(0), accepted=accepted)
-            )
-            work.add_done_callback(lambda _: _settle(accepted))
-            await asyncio.wait([work, accepted], return_when=asyncio.FIRST_COMPLETED)
-            if work.done() and work.exception() is not None:
-                raise work.exception()  # refused: an ordinary error answer
-            as_list = _as_list
-        else:
-            ids, prefix = await self.gen.render_with_prefix(req)
-            coros = [
-                self.gen.generate(ids, gen, tools=req.tools, watch=watcher(i), prefix=prefix)
-                for i in range(gen.n)
-            ]
-            self._reserve(coros)
-            work = asyncio.ensure_future(self._run(coros))
-            as_list = list
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        head = {"id": rid, "object": "chat.completion.chunk", "created": int(time.time())}
-        head["model"] = req.model
-        response = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-        )
-        await response.prepare(request)
-
-        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
-            data = json.dumps({**head, "choices": choices, **extra})
-            await response.write(f"data: {data}\n\n".encode())
-
-        def chunk(i: int, delta: dict[str, Any], **extra: Any) -> dict[str, Any]:
-            return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None, **extra}
-
+        gen = req.generation
+        feed = TokenFeed(asyncio.get_running_loop())
+        work, as_list = await self._stream_work(req, feed)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk"}
+        head |= {"created": int(time.time()), "model": req.model}
+        out = await EventStream.open(request, head)
         try:
-            await send([chunk(i, {"role": "assistant", "content": ""}) for i in range(gen.n)])
+            await out.send([chunk(i, {"role": "assistant", "content": ""}) for i in range(gen.n)])
+            prefix = self.gen.prefix(req)[0]
+            tok, reasoning = self.gen.tokenizer, self.gen.reasoning
             texts = [
-                StreamText(
-                    self.gen.tokenizer,
-                    gen.stop,
-                    bool(req.tools),
-                    self.gen.reasoning,
-                    self.gen.prefix(req)[0],
-                )
-                for _ in range(gen.n)
+                StreamText(tok, gen.stop, bool(req.tools), reasoning, prefix) for _ in range(gen.n)
             ]
-            while True:
-                finished = work.done()  # before taking: what came before the end is taken
-                batch = take_pending()
-                for index, ids in batch.items():
-                    if delta := texts[index].feed(ids):
-                        await send([chunk(index, delta)])
-                if finished:
-                    break
-                if batch:
-                    continue
-                ready.clear()
-                wake = asyncio.ensure_future(ready.wait())
-                done, _ = await asyncio.wait(
-                    [wake, work], timeout=KEEPALIVE_S, return_when=asyncio.FIRST_COMPLETED
-                )
-                if wake not in done:
-                    wake.cancel()
-                    if not done:
-                        await response.write(b": keep-alive\n\n")
+            await out.deltas(feed, work, texts, KEEPALIVE_S)
             try:
                 replies = as_list(work.result())
             except Exception as e:  # failed mid-stream: the error as the last event
-                if not isinstance(e, ApiError):
-                    log.error("a stream's generation failed: %s: %s", type(e).__name__, e)
-                    e = ApiError(500, "internal server error", code="server_error")
-                await response.write(f"data: {json.dumps(e.body())}\n\n".encode())
-                await response.write(b"data: [DONE]\n\n")
-                return response
-            for i, r in enumerate(replies):
-                delta: dict[str, Any] = texts[i].finish(r.message)
-                if r.message.get("tool_calls"):
-                    delta["tool_calls"] = [
-                        {"index": k, **c} for k, c in enumerate(r.message["tool_calls"])
-                    ]
-                if delta:
-                    await send([chunk(i, delta)])
-                logprobs = self._logprobs(r) if gen.logprobs else None
-                ids = {"token_ids": r.ids.tolist()} if gen.return_token_ids else {}
-                await send([chunk(i, {}, logprobs=logprobs, finish_reason=r.finish_reason, **ids)])
+                await out.fail(e, log)
+                return out.response
             extra = self._extras(gen, replies)
             if req.session_id:
-                extra["session"] = self._session_info(req.session_id, replies[0])
-            if gen.include_usage:
-                await send([], usage=_usage(replies), **extra)
-            elif extra:
-                await send([], **extra)
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+                extra["session"] = self._session_routes().info(req.session_id, replies[0])
+            await out.finish(
+                replies,
+                texts,
+                logprobs=self._logprobs if gen.logprobs else None,
+                token_ids=gen.return_token_ids,
+                usage=_usage(replies) if gen.include_usage else None,
+                extra=extra,
+            )
         except (ConnectionResetError, asyncio.CancelledError):
             if req.session_id and not work.done():
                 self.sessions.disconnects += 1
@@ -497,7 +389,30 @@ class HttpApi:
                     "the client of session %s left its stream; the reply is kept", req.session_id
                 )
             raise
-        return response
+        return out.response
+
+    async def _stream_work(self, req: Any, feed: TokenFeed) -> tuple[asyncio.Future, Any]:
+        """Starts a streamed request's generation, watched by `feed`: `(work, as_list)`, what
+        `as_list(work.result())` gives being the replies. A session's request returns once it
+        is accepted (a refusal raises here, an ordinary error answer)."""
+        gen = req.generation
+        if req.session_id:
+            accepted = asyncio.get_running_loop().create_future()
+            work = asyncio.ensure_future(
+                self.sessions.chat(req, watch=feed.watcher(0), accepted=accepted)
+            )
+            work.add_done_callback(lambda _: _settle(accepted))
+            await asyncio.wait([work, accepted], return_when=asyncio.FIRST_COMPLETED)
+            if work.done() and work.exception() is not None:
+                raise work.exception()  # refused: an ordinary error answer
+            return work, _as_list
+        ids, prefix = await self.gen.render_with_prefix(req)
+        coros = [
+            self.gen.generate(ids, gen, tools=req.tools, watch=feed.watcher(i), prefix=prefix)
+            for i in range(gen.n)
+        ]
+        self._reserve(coros)
+        return asyncio.ensure_future(self._run(coros)), list
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._json(request)
@@ -551,53 +466,18 @@ class HttpApi:
         return web.json_response(out)
 
     async def _take(self, request: web.Request) -> web.Response:
-        if self.sessions is None:
-            raise ApiError(404, "this server runs no sessions (server.http_sessions)")
-        body = await self._json(request)
-        if not isinstance(body, dict) or set(body) - {"max_sessions", "timeout_s"}:
-            raise ApiError(400, "the body takes max_sessions and timeout_s")
-        n, timeout = body.get("max_sessions", 1), body.get("timeout_s", 0.0)
-        if not (isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_TAKE):
-            raise ApiError(400, f"max_sessions must be in [1, {MAX_TAKE}]", param="max_sessions")
-        ok = isinstance(timeout, int | float) and not isinstance(timeout, bool)
-        if not (ok and math.isfinite(timeout) and 0 <= timeout <= MAX_TAKE_TIMEOUT_S):
-            raise ApiError(
-                400, f"timeout_s must be in [0, {MAX_TAKE_TIMEOUT_S}]", param="timeout_s"
-            )
-        taken = await self.sessions.take(n, float(timeout))
-        sessions = [
-            {
-                "session_id": s.id,
-                "group_id": s.tag[0],
-                "prompt": {"id": s.prompt.id, "text": s.prompt.text},
-                "answer": s.prompt.answer,
-                "remaining_tokens": s.room,
-            }
-            for s in taken
-        ]
-        return web.json_response({"sessions": sessions})
+        routes = self._session_routes()
+        return web.json_response(await routes.take(await self._json(request)))
 
     async def _end(self, request: web.Request) -> web.Response:
+        routes = self._session_routes()
+        body = await self._json(request) if request.can_read_body else {}
+        return web.json_response(await routes.end(request.match_info["sid"], body))
+
+    def _session_routes(self) -> SessionRoutes:
         if self.sessions is None:
             raise ApiError(404, "this server runs no sessions (server.http_sessions)")
-        body = await self._json(request) if request.can_read_body else {}
-        if not isinstance(body, dict) or set(body) - {"reward", "discard"}:
-            raise ApiError(400, "the body takes reward or discard")
-        discard = body.get("discard", False)
-        if not isinstance(discard, bool):
-            raise ApiError(400, "discard must be a boolean", param="discard")
-        reward = body.get("reward")
-        if discard and reward is not None:
-            raise ApiError(400, "a discarded session has no reward", param="reward")
-        if reward is not None and not (
-            isinstance(reward, int | float)
-            and not isinstance(reward, bool)
-            and math.isfinite(reward)
-        ):
-            raise ApiError(400, "reward must be a finite number", param="reward")
-        s = await self.sessions.end(request.match_info["sid"], reward, discard=discard)
-        out = {**s.info(), "reward": None if s.dropped else s.reward, "discarded": s.dropped}
-        return web.json_response(out)
+        return SessionRoutes(self.sessions)
 
 
 def _settle(future: asyncio.Future) -> None:

@@ -37,6 +37,7 @@ from rollout_server.rollout import RolloutLoop
 from rollout_server.service import RolloutService, ValidatingOrchestrator
 from rollout_server.sessions import Generator, SessionLimits, SessionManager
 from sat_jax import sharding
+from sat_jax.config import ServerConfig
 from sat_jax.decoding import SamplingConfig
 from sat_jax.experiment import ExperimentConfig, make_tokenizer
 from sat_jax.model import Transformer, hf, placement
@@ -73,6 +74,15 @@ def lora_adapters(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> Any:
     their shardings on the engine's `mesh` (what `UpdateWeights` restores them into)."""
     served = cfg.serving_model.replace(lora=cfg.model.lora)
     return abstract_adapters(served, mesh)
+
+
+def session_limits(s: ServerConfig) -> SessionLimits:
+    """The HTTP sessions' limits from `server.*`: open sessions, idle time, forks."""
+    return SessionLimits(
+        max_sessions=s.http_max_sessions,
+        idle_s=s.http_session_idle_s,
+        fork=s.http_session_fork,
+    )
 
 
 class RolloutServer:
@@ -149,8 +159,7 @@ class RolloutServer:
         s = self.cfg.server
         if not s.http_sessions:
             return None
-        limits = SessionLimits(max_sessions=s.http_max_sessions, idle_s=s.http_session_idle_s)
-        return SessionManager(self.generator, make_reward(self.cfg.task.reward), limits)
+        return SessionManager(self.generator, make_reward(self.cfg.task.reward), session_limits(s))
 
     def _rollout_loop(self, persisted: RolloutState) -> RolloutLoop:
         """The admission and generation loop over the configured prompts, from the state

@@ -11,8 +11,9 @@ the KV cache by the chat template's delta of the new messages (`HFTokenizer.obse
 never by re-rendering the history. The session keeps the conversation as it was rendered (the
 request's messages and the replies it was given), and a request must extend it: its messages
 start with that conversation, then only new non-assistant messages; anything else is refused
-(`history_mismatch`). The finished sample reaches the loop like an episode's, with the loss mask
-0 on every inserted token.
+(`history_mismatch`), or, with `SessionLimits.fork`, starts a new segment of the sample
+re-prefilled from the new history (`rollout_server.segments`). The finished sample reaches the
+loop like an episode's, with the loss mask 0 on every inserted token.
 
 Everything here runs on the HTTP server's asyncio loop; the driver's callbacks (turns, ends) and
 the rollout loop's offers hop onto it, and work that is not small (rendering, tokenizing,
@@ -30,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import json
@@ -49,49 +49,25 @@ from rollout_server.chat import (
     Generation,
     assistant_message,
     forced_prefix,
-    history_view,
     make_stop_when,
-    normalize_message,
     template_messages,
     token_logprobs,
     truncate_at_stop,
 )
 from rollout_server.driver import FinishedSample, RolloutDriver, RolloutRequest, TurnEnd
 from rollout_server.engine import MoEEngine
+from rollout_server.session_state import (
+    Done,
+    Reply,
+    Session,
+    SessionLimits,
+    history_delta,
+    record_turn,
+    request_key,
+)
 from sat_jax.tasks import Prompt
 
 log = logging.getLogger(__name__)
-
-Done = Callable[[tuple[int, int], FinishedSample | None], None]
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Reply:
-    """One generated reply (a choice, or a session's turn).
-
-    Attributes:
-      ids: [n] the generated ids (the stop id included when one ended it).
-      logprobs: [n] their behavior log-probs; versions: [n] their weights versions.
-      finish_reason: "stop", "length" or "tool_calls" (OpenAI's).
-      message: the assistant message (content cut before a stop string; tool calls parsed).
-      prompt_tokens: the tokens before the reply (a session's whole context so far).
-      content_logprobs: OpenAI's `logprobs.content` when the request asked for log-probs (built
-        off the event loop with the reply), else None.
-      remaining_tokens: a session's token budget left after this turn (None for a stateless
-        reply).
-      prompt_token_ids: the ids before the reply (a session's whole context), when the request
-        asked for them (`return_token_ids`).
-    """
-
-    ids: np.ndarray
-    logprobs: np.ndarray
-    versions: np.ndarray
-    finish_reason: str
-    message: dict[str, Any]
-    prompt_tokens: int
-    content_logprobs: list[dict[str, Any]] | None = None
-    remaining_tokens: int | None = None
-    prompt_token_ids: list[int] | None = None
 
 
 def _finish(reason: str, message: dict[str, Any]) -> str:
@@ -345,73 +321,6 @@ def _resolve(future: asyncio.Future | None, value: Any) -> None:
         future.set_result(value)
 
 
-@dataclasses.dataclass(eq=False)
-class Session:
-    """One admitted sample played over HTTP (module docstring).
-
-    `state`: offered, taken (no request yet), generating, waiting (a turn ended), ending (ended
-    by the runner, the reaper or a discard; the slot is being freed), ended.
-    """
-
-    id: str
-    prompt: Prompt
-    tag: tuple[int, int]
-    done: Done
-    state: str = "offered"
-    messages: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    tools: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    template_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)  # fixed at start
-    request: RolloutRequest | None = None
-    closed: bool = True  # the last turn ended with the template's end-of-turn token
-    room: int = 0  # tokens the session may still add (generated and inserted)
-    context: int = 0  # tokens in the slot's cache: prompt, turns and deltas
-    ids: list[int] = dataclasses.field(default_factory=list)  # those tokens
-    turns: int = 0
-    last_seen: float = 0.0
-    reward: float = 0.0
-    last_text: str = ""
-    dropped: bool = False
-    reported: bool = False  # `done` was called
-    turn: asyncio.Future | None = None  # the turn in flight: its Reply, or an ApiError
-    gen: Generation | None = None  # the turn in flight's
-    prefix: str = ""  # the turn in flight's forced prefix (`tool_choice`)
-    key: Any = None  # the last accepted request (its retry gets `reply`)
-    reply: Reply | None = None
-    ended_by: tuple[str, float | None] | None = None  # ("reward", given) or ("discard", None)
-    ending: asyncio.Future | None = None  # resolves once `end` has its reward
-
-    def info(self) -> dict[str, Any]:
-        """What every session response carries about it."""
-        return {
-            "session_id": self.id,
-            "state": self.state,
-            "turns": self.turns,
-            "remaining_tokens": max(0, self.room),
-        }
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SessionLimits:
-    """`server.http_max_sessions` (taken and not ended) and `server.http_session_idle_s`;
-    `stuck_s`: a session generating or ending with no progress for this long is ended by the
-    reaper whatever it waits for (0 = 3 × idle_s)."""
-
-    max_sessions: int
-    idle_s: float
-    stuck_s: float = 0.0
-
-    @property
-    def stuck_after_s(self) -> float:
-        return self.stuck_s or 3 * self.idle_s
-
-
-def _request_key(req: ChatRequest) -> str:
-    """What makes two requests of a session the same request (a client's retry)."""
-    return json.dumps(
-        [req.messages, req.tools, dataclasses.asdict(req.generation)], sort_keys=True, default=str
-    )
-
-
 class SessionManager:
     """The sessions of admitted samples (module docstring); `offer` is the rollout loop's hook.
 
@@ -446,6 +355,7 @@ class SessionManager:
         self.finished = 0
         self.retries = 0  # requests answered as an equal earlier one's retry
         self.disconnects = 0  # clients gone while their turn was generating
+        self.forks = 0  # new segments started by a diverging history
         self.polling = 0  # takes waiting for offers
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -545,7 +455,7 @@ class SessionManager:
         gen = req.generation
         if gen.n != 1:
             raise ApiError(400, "a session is one conversation: n must be 1", param="n")
-        key = _request_key(req)
+        key = request_key(req)
         if s.state in ("ending", "ended"):
             raise ApiError(409, "the session is ending", code="session_ended")
         if key == s.key and s.state in ("generating", "waiting"):
@@ -558,17 +468,7 @@ class SessionManager:
         s.state, s.key, s.reply, s.gen = "generating", key, None, gen
         s.turn = asyncio.get_running_loop().create_future()
         try:
-            if s.request is None:
-                ids, prefix = await self.gen.render_with_prefix(req)
-            else:
-                prefix, prefix_ids = self.gen.prefix(req)
-                new = req.messages[len(s.messages) :]
-                size = content_chars(new, req.tools)
-                ids = [*(await self.gen.off_loop(self._delta, s, req, _size=size)), *prefix_ids]
-                if len(ids) + 1 > s.room:
-                    raise ApiError(
-                        400, "the session's token budget is spent", code="context_length_exceeded"
-                    )
+            ids, prefix, fork = await self._render(s, req)
             if s.state != "generating" or s.dropped:  # ended or reaped while it rendered
                 raise ApiError(409, "the session has ended", code="session_ended")
         except BaseException as e:
@@ -580,18 +480,56 @@ class SessionManager:
         s.last_seen = self.clock()  # only an accepted request refreshes the idle clock
         s.messages, s.tools, s.prefix = list(req.messages), list(req.tools), prefix
         _resolve(accepted, None)
-        if s.request is None:
-            s.template_kwargs = dict(req.template_kwargs)
-            self._start(s, ids, gen, watch)
-            s.context, s.ids = len(ids), list(ids)
-        else:
-            s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
-            s.request.stop_when = watched(make_stop_when(self.gen.tokenizer, gen.stop), watch)
-            self.gen.driver.continue_episode(s.request, ids)
-            s.context += len(ids)
-            s.ids.extend(int(i) for i in ids)
-            s.room -= len(ids)
+        self._launch(s, req, ids, fork, watch)
         return await self._await_turn(s)
+
+    async def _render(self, s: Session, req: ChatRequest) -> tuple[list[int], str, bool]:
+        """The ids an accepted `req` sends to the engine, its forced prefix, and whether it
+        forks: the prefill of a first request or of a fork's new history, else the template's
+        delta of the new messages (and the prefix's ids).
+
+        Raises:
+          ApiError: a history edit (no fork), or a delta that does not fit the budget.
+        """
+        if s.request is None:
+            return (*await self.gen.render_with_prefix(req), False)
+        prefix, prefix_ids = self.gen.prefix(req)
+        size = content_chars(req.messages[len(s.messages) :], req.tools)
+        delta = await self.gen.off_loop(
+            history_delta, s, req, self.gen.tokenizer, self.limits, _size=size
+        )
+        if delta is None:  # a fork: the new history is the new segment's prompt
+            forked = dataclasses.replace(req, template_kwargs=s.template_kwargs)
+            return (*await self.gen.render_with_prefix(forked), True)
+        ids = [*delta, *prefix_ids]
+        if len(ids) + 1 > s.room:
+            raise ApiError(
+                400, "the session's token budget is spent", code="context_length_exceeded"
+            )
+        return ids, prefix, False
+
+    def _launch(
+        self, s: Session, req: ChatRequest, ids: list[int], fork: bool, watch: Watch | None
+    ) -> None:
+        """Sends an accepted request's `ids` to the engine: a new engine request (the first, or
+        a fork's new segment, the segment so far ended), or the session's continued."""
+        gen = req.generation
+        if s.request is None or fork:
+            if fork:  # the segment so far ends (its sample arrives through `_on_done`)
+                self.forks += 1
+                s.segments.fork(s.request)
+                self.gen.driver.end_episode(s.request)
+            else:
+                s.template_kwargs = dict(req.template_kwargs)
+            self._start(s, ids, gen, watch)
+            s.context, s.ids, s.closed = len(ids), list(ids), True
+            return
+        s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
+        s.request.stop_when = watched(make_stop_when(self.gen.tokenizer, gen.stop), watch)
+        self.gen.driver.continue_episode(s.request, ids)
+        s.context += len(ids)
+        s.ids.extend(int(i) for i in ids)
+        s.room -= len(ids)
 
     async def _await_turn(self, s: Session) -> Reply:
         """The turn in flight's reply. The turn is shielded: a client that leaves (its handler
@@ -618,7 +556,7 @@ class SessionManager:
             loop.call_soon_threadsafe(self._on_turn, s, (turn, lps, versions))
 
         def on_done(request: RolloutRequest, sample: FinishedSample | None) -> None:
-            loop.call_soon_threadsafe(self._on_done, s, sample)
+            loop.call_soon_threadsafe(self._on_done, s, request, sample)
 
         s.request = RolloutRequest(
             max_tokens=engine.max_decode_length,
@@ -635,100 +573,6 @@ class SessionManager:
         s.room = engine.max_decode_length
         self.gen.driver.place_request_on_prefill_queue(s.request)
 
-    def _delta(self, s: Session, req: ChatRequest) -> list[int]:
-        """The template's delta ids of the new messages (the session rule, module docstring)."""
-        n = len(s.messages)
-        if req.tools != s.tools:
-            raise ApiError(400, "tools differ from the session's", code="history_mismatch")
-        if req.template_kwargs and req.template_kwargs != s.template_kwargs:
-            raise ApiError(
-                400,
-                "chat_template_kwargs differ from the session's first request's (they are fixed "
-                "per session)",
-                param="chat_template_kwargs",
-                code="history_mismatch",
-            )
-        given = [history_view(m) for m in req.messages]
-        held = [history_view(m) for m in s.messages]
-        if len(given) <= n or given[:n] != held:
-            first = next(
-                (i for i, (a, b) in enumerate(zip(given, held, strict=False)) if a != b),
-                min(n, len(req.messages)),
-            )
-            raise ApiError(
-                400,
-                f"the messages do not extend the session's conversation (they differ at "
-                f"message {first}: a request must resend the earlier messages and the replies "
-                "it was given unchanged, then add new messages)",
-                param="messages",
-                code="history_mismatch",
-            )
-        new = req.messages[n:]
-        if any(m["role"] == "assistant" for m in new):
-            raise ApiError(
-                400,
-                "new messages may not be assistant messages: a session's assistant turns are "
-                "the model's",
-                param="messages",
-                code="history_mismatch",
-            )
-        try:
-            extra = {"template_kwargs": s.template_kwargs} if s.template_kwargs else {}
-            return self.gen.tokenizer.observation_ids(
-                template_messages(new), tools=s.tools, close_turn=not s.closed, **extra
-            )
-        except Exception as e:
-            raise ApiError(400, f"the chat template cannot render the messages: {e}") from None
-
-    def _record_turn(self, s: Session, turn: TurnEnd, lps, versions) -> Reply:
-        """The turn's reply, and the session moved on by it. Never raises: whatever the model
-        wrote, the session waits for its next request afterwards."""
-        tok = self.gen.tokenizer
-        room = int(turn.room)
-        try:
-            reply = self.gen.reply(
-                turn.ids,
-                lps,
-                versions,
-                turn.finish_reason,
-                s.gen,
-                tools=s.tools,
-                prompt_tokens=s.context,
-                remaining=room,
-                prompt_ids=list(s.ids) if s.gen.return_token_ids else None,
-                prefix=s.prefix,
-            )
-            recorded = normalize_message(reply.message, "reply")
-        except Exception:  # a tokenizer's own failure: the text as content, the turn kept
-            log.exception("session %s: building the reply failed; sent as plain content", s.id)
-            text = ""
-            with contextlib.suppress(Exception):
-                text = tok.decode(turn.ids)
-            message = {"role": "assistant", "content": text}
-            reply = Reply(
-                ids=np.asarray(turn.ids, np.int32),
-                logprobs=np.asarray(lps, np.float32),
-                versions=np.asarray(versions, np.int64),
-                finish_reason="stop" if turn.finish_reason == "stop" else "length",
-                message=message,
-                prompt_tokens=s.context,
-                remaining_tokens=room,
-            )
-            recorded = dict(message)
-        try:
-            ended_by_id = turn.finish_reason == "stop" and int(turn.ids[-1]) in tok.stop_ids
-            s.closed = ended_by_id and tok.closes_turn(int(turn.ids[-1]))
-        except Exception:
-            s.closed = True
-        s.messages.append(recorded)
-        s.context += len(turn.ids)
-        s.ids.extend(int(i) for i in turn.ids)
-        s.room, s.turns = room, s.turns + 1
-        s.last_text = reply.message.get("content") or ""
-        with contextlib.suppress(Exception):
-            s.last_text = tok.decode(turn.ids)
-        return reply
-
     async def _turn_ended(self, s: Session, turn_data) -> None:
         turn, lps, versions = turn_data
         if s.dropped or s.state != "generating":  # reaped or discarded mid-turn: free the slot
@@ -736,7 +580,9 @@ class SessionManager:
             return
         try:
             size = len(turn.ids) * (4 if s.gen.logprobs else 1)
-            reply = await self.gen.off_loop(self._record_turn, s, turn, lps, versions, _size=size)
+            reply = await self.gen.off_loop(
+                record_turn, self.gen, s, turn, lps, versions, _size=size
+            )
         except Exception:  # the pool is gone (shutting down)
             log.exception("session %s: recording its turn failed", s.id)
             reply = ApiError(500, "recording the turn failed", code="server_error")
@@ -756,11 +602,14 @@ class SessionManager:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def _on_done(self, s: Session, sample: FinishedSample | None) -> None:
-        future, s.turn = s.turn, None
-        _resolve(future, ApiError(500, "generation failed", code="server_error"))
-        self._forget(s)
-        self._report(s, None if s.dropped else sample)
+    def _on_done(self, s: Session, request: RolloutRequest, sample: FinishedSample | None) -> None:
+        if not s.segments.arrived(request, sample):  # the session's current request: its end
+            future, s.turn = s.turn, None
+            _resolve(future, ApiError(500, "generation failed", code="server_error"))
+            self._forget(s)
+            s.last = (sample,)
+        if s.last is not None and s.segments.complete:  # every segment's sample is in
+            self._report(s, None if s.dropped else s.segments.sample(s.last[0]))
 
     def _report(self, s: Session, sample: FinishedSample | None) -> None:
         if not s.reported:

@@ -47,6 +47,13 @@ and the soft overlong punishment of an episode that is not truncated reads its l
 (run of generated tokens; ``rollout.max_new_tokens`` bounds each turn): for a single-turn
 trajectory both are its completion length.
 
+Forked HTTP sessions (``Group.sessions``, docs/DESIGN.md §6.6): a group holds G samples, a
+forked session one trajectory per segment. Every segment is a row of its own (its tokens from
+its loss mask, as any trajectory's), the rows grow to the next multiple of ``rows`` that holds
+them, and ``TrainBatch.session_weights`` (1 / the session's segments) make the step's group
+statistics count each session once, each segment taking its session's advantage. A batch
+without forks carries no weights: it is the batch it always was.
+
 Alignment follows ``sat_jax.step.batch``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
 """
@@ -417,7 +424,8 @@ def assemble_batch(
 
     Args:
       selection: ``select_groups``' result; at most ``spec.batch_groups`` kept groups of
-        ``spec.group_size`` trajectories.
+        ``spec.group_size`` samples each: one trajectory per sample, or, for a group of forked
+        HTTP sessions (``Group.sessions``), one per segment of each session.
       spec: the batch shape.
       trainer_version: version of the weights being trained (for the lags).
 
@@ -440,66 +448,35 @@ def assemble_batch(
       the trainer's own version, lag 0: ``sampler_kl``'s tokens); rows past the kept
       trajectories are padding (mask 0). ``stats``
       carries the selection's counts and the lags of the trained tokens.
+      R is ``spec.rows``; forked sessions' segments may need more trajectories than that: R is
+      then the next multiple of ``spec.rows`` that holds them (every divisibility of the rows
+      holds), and ``session_weights`` [R] weigh each segment 1 / its session's segments in its
+      group's statistics (one reward per session; each segment takes its session's advantage).
+      A batch without forks has no ``session_weights`` (None).
 
     Raises:
-      ValueError: too many groups, a group of the wrong size, a trajectory longer than
+      ValueError: too many groups, a group of the wrong size (of samples), a trajectory longer than
         ``seq_len``, or a routing that does not fit ``spec.routing_lk``.
     """
     kept = selection.kept
     if len(kept) > spec.batch_groups:
         raise ValueError(f"{len(kept)} groups for a batch of {spec.batch_groups}")
+    for group in kept:
+        _check_samples(group, spec)
     row_tokens = [t.num_tokens for g in kept for t in g.trajectories]
-    R, T = spec.rows, bucket_length(max(row_tokens, default=0), spec)
-    tokens, mask, behavior, routing = _padding(spec, T)
-    kept_counts = np.zeros((R, T), np.int32) if spec.kept_counts else None
-    fresh = np.zeros((R, T), np.uint8)  # 1 byte per token on the way to the device
-    lags: list[np.ndarray] = []  # per row, in row order: the flat lags of the trained tokens
-    rewards = np.zeros(R, np.float32)
-    group_ids = np.full(R, -1, np.int32)
-    active = np.zeros(R, bool)
-    lengths = []
-    shaping = np.zeros(R, np.float32)  # overlong "soft": added to the rewards
-    truncated = 0
+    rows = spec.rows * max(1, -(-len(row_tokens) // spec.rows))
+    fill = _Rows(spec, rows, bucket_length(max(row_tokens, default=0), spec), trainer_version)
+    forked = any(g.sessions for g in kept)
+    row = 0
     for g, group in enumerate(kept):
-        if len(group.trajectories) != spec.group_size:
-            raise ValueError(
-                f"group {group.group_id} has {len(group.trajectories)} trajectories, "
-                f"expected {spec.group_size}"
-            )
-        for i, traj in enumerate(group.trajectories):
-            row = g * spec.group_size + i
-            _fill_row(row, traj, spec, tokens, mask, behavior, routing)
-            p, c = len(traj.prompt_ids), len(traj.completion_ids)
-            generated = traj.generated
-            if kept_counts is not None and traj.kept_counts is not None:
-                kept_counts[row, p : p + c] = np.where(generated, traj.kept_counts, 0)
-            is_truncated = traj.finish_reason == "length"
-            truncated += is_truncated
-            if spec.overlong == "mask" and is_truncated:
-                mask[row] = 0.0
-            else:
-                fresh[row, p : p + c] = generated & (traj.versions == trainer_version)
-                lags.append(trainer_version - traj.versions[generated])
-            rewards[row], group_ids[row], active[row] = traj.reward, g, True
-            lengths.append(traj.num_generated)
-            if spec.overlong == "soft":
-                length = spec.max_new_tokens if is_truncated else longest_turn(traj)
-                shaping[row] = overlong_shaping(length, spec)
-    reward_mean = float(rewards[active].mean()) if active.any() else 0.0  # raw rewards
-    slots = R * T
-    batch = TrainBatch(
-        tokens=tokens,
-        loss_mask=mask,
-        behavior_logp=behavior,
-        rewards=rewards + shaping if spec.overlong == "soft" else rewards,
-        group_ids=group_ids,
-        routing=None if routing is None else routing.astype(spec.routing_dtype),
-        kept_counts=kept_counts,
-        fresh_mask=fresh,
-    )
+        for traj, weight in zip(group.trajectories, _session_weights(group), strict=True):
+            fill.add(row, traj, g, weight)
+            row += 1
+    batch, slots = fill.batch(forked), rows * fill.length
     if spec.packing:
         batch, used, slots = pack_batch(batch, spec)
         row_tokens = [used]
+    lengths = fill.lengths
     stats = BatchStats(
         groups=len(kept),
         stale_dropped=selection.stale_dropped,
@@ -507,16 +484,96 @@ def assemble_batch(
         duplicates=selection.duplicates,
         invalid=selection.invalid,
         filtered=selection.filtered,
-        reward_mean=reward_mean,
+        reward_mean=fill.reward_mean(forked),
         response_len_mean=float(np.mean(lengths)) if lengths else 0.0,
-        tokens=int(mask.sum()),
+        tokens=int(fill.mask.sum()),
         prompt_ids=tuple(g.prompt_id for g in kept),
         group_keys=tuple(g.key for g in kept),
         pad_frac=1.0 - sum(row_tokens) / slots,
-        lags=np.concatenate(lags) if lags else np.zeros(0, np.int64),
-        overlong_frac=truncated / len(lengths) if lengths else 0.0,
+        lags=np.concatenate(fill.lags) if fill.lags else np.zeros(0, np.int64),
+        overlong_frac=fill.truncated / len(lengths) if lengths else 0.0,
     )
     return batch, stats
+
+
+def _check_samples(group: Group, spec: BatchSpec) -> None:
+    """Raises ValueError unless ``group`` holds ``spec.group_size`` samples (trajectories, or
+    sessions of segments)."""
+    samples = group.sessions[-1] + 1 if group.sessions else len(group.trajectories)
+    if samples != spec.group_size:
+        what = "sessions" if group.sessions else "trajectories"
+        raise ValueError(f"group {group.group_id} has {samples} {what}, expected {spec.group_size}")
+
+
+def _session_weights(group: Group) -> np.ndarray:
+    """float32 per trajectory: 1 / the segments of its session (1 each without forks)."""
+    ids = group.session_ids
+    return (1.0 / np.bincount(ids)[ids]).astype(np.float32)
+
+
+class _Rows:
+    """The per-row arrays of a padded batch of ``rows`` rows of ``length`` tokens, filled one
+    trajectory at a time (``add``), with what the stats read (lags, generated lengths,
+    truncated trajectories)."""
+
+    def __init__(self, spec: BatchSpec, rows: int, length: int, trainer_version: int):
+        self.spec, self.length, self.version = spec, length, trainer_version
+        self.tokens, self.mask, self.behavior, self.routing = _padding(spec, length, rows)
+        self.kept_counts = np.zeros((rows, length), np.int32) if spec.kept_counts else None
+        self.fresh = np.zeros((rows, length), np.uint8)  # 1 byte per token to the device
+        self.lags: list[np.ndarray] = []  # per row, in row order: the trained tokens' lags
+        self.rewards = np.zeros(rows, np.float32)
+        self.group_ids = np.full(rows, -1, np.int32)
+        self.weights = np.zeros(rows, np.float32)
+        self.active = np.zeros(rows, bool)
+        self.lengths: list[int] = []
+        self.shaping = np.zeros(rows, np.float32)  # overlong "soft": added to the rewards
+        self.truncated = 0
+
+    def add(self, row: int, traj: Trajectory, group: int, weight: float) -> None:
+        """Writes ``traj``, of the batch's group ``group``, into ``row``."""
+        spec = self.spec
+        _fill_row(row, traj, spec, self.tokens, self.mask, self.behavior, self.routing)
+        p, c = len(traj.prompt_ids), len(traj.completion_ids)
+        generated = traj.generated
+        if self.kept_counts is not None and traj.kept_counts is not None:
+            self.kept_counts[row, p : p + c] = np.where(generated, traj.kept_counts, 0)
+        is_truncated = traj.finish_reason == "length"
+        self.truncated += is_truncated
+        if spec.overlong == "mask" and is_truncated:
+            self.mask[row] = 0.0
+        else:
+            self.fresh[row, p : p + c] = generated & (traj.versions == self.version)
+            self.lags.append(self.version - traj.versions[generated])
+        self.rewards[row], self.group_ids[row], self.active[row] = traj.reward, group, True
+        self.weights[row] = weight
+        self.lengths.append(traj.num_generated)
+        if spec.overlong == "soft":
+            length = spec.max_new_tokens if is_truncated else longest_turn(traj)
+            self.shaping[row] = overlong_shaping(length, spec)
+
+    def reward_mean(self, forked: bool) -> float:
+        """The raw rewards' mean over the trajectories (over the sessions when ``forked``)."""
+        if not self.active.any():
+            return 0.0
+        if forked:
+            return float(np.sum(self.rewards * self.weights) / np.sum(self.weights))
+        return float(self.rewards[self.active].mean())
+
+    def batch(self, forked: bool) -> TrainBatch:
+        """The padded ``TrainBatch`` (with ``session_weights`` only when ``forked``)."""
+        spec = self.spec
+        return TrainBatch(
+            tokens=self.tokens,
+            loss_mask=self.mask,
+            behavior_logp=self.behavior,
+            rewards=self.rewards + self.shaping if spec.overlong == "soft" else self.rewards,
+            group_ids=self.group_ids,
+            session_weights=self.weights if forked else None,
+            routing=None if self.routing is None else self.routing.astype(spec.routing_dtype),
+            kept_counts=self.kept_counts,
+            fresh_mask=self.fresh,
+        )
 
 
 def empty_batch(spec: BatchSpec, length: int) -> TrainBatch:
@@ -537,11 +594,12 @@ def empty_batch(spec: BatchSpec, length: int) -> TrainBatch:
 
 
 def _padding(
-    spec: BatchSpec, length: int
+    spec: BatchSpec, length: int, rows: int | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """All-padding per-token arrays [R, ``length``]: tokens (int32), loss mask and behavior
-    log-probs (float32), routing [R, T, L, K] of ``spec.routing_dtype`` (None without routing)."""
-    R, T = spec.rows, length
+    """All-padding per-token arrays [R, ``length``] (R = ``rows``, default ``spec.rows``):
+    tokens (int32), loss mask and behavior log-probs (float32), routing [R, T, L, K] of
+    ``spec.routing_dtype`` (None without routing)."""
+    R, T = spec.rows if rows is None else rows, length
     routing = None
     if spec.routing_lk is not None:
         L, K = spec.routing_lk

@@ -138,6 +138,7 @@ def _pack(batch: TrainBatch, spec: PackingSpec, k: int) -> tuple[TrainBatch, int
         **out,
         rewards=batch.rewards,
         group_ids=batch.group_ids,
+        session_weights=batch.session_weights,
         segment_ids=segment_ids,
         positions=positions,
         view_index=view_index,

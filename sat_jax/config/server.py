@@ -74,6 +74,9 @@ class ServerConfig:
         frameworks that send their own settings.
       http_reasoning_parser: "" (a reply's `<think>...</think>` stays in `content`) or "qwen3"
         (it goes to `reasoning_content`, as vLLM's qwen3 reasoning parser does).
+      http_session_fork: a session request whose history diverges from the session's starts a
+        new segment of the sample (re-prefilled from the new history) instead of a 400
+        `history_mismatch`.
     """
 
     host: str = "127.0.0.1"
@@ -107,6 +110,7 @@ class ServerConfig:
     http_session_idle_s: float = 600.0
     http_sampling: str = "strict"
     http_reasoning_parser: str = ""
+    http_session_fork: bool = False
 
     def __post_init__(self) -> None:
         self._check_http()
@@ -141,6 +145,8 @@ class ServerConfig:
             raise ValueError(f"http_port {self.http_port} is the gRPC port")
         if self.http_sessions and not self.http_port:
             raise ValueError("http_sessions needs an http_port")
+        if self.http_session_fork and not self.http_sessions:
+            raise ValueError("http_session_fork needs http_sessions")
         if self.http_port and self.host not in _LOOPBACK_HOSTS and not self.tls_cert:
             raise ValueError(
                 f"http_port on the non-loopback host {self.host!r} needs tls_cert and tls_key "

@@ -34,6 +34,7 @@ def group_advantages(
     eps: float = 1e-6,
     where: ArrayLike | None = None,
     baseline: ArrayLike | None = None,
+    weights: ArrayLike | None = None,
 ) -> jax.Array:
     """Per-response group-relative advantages.
 
@@ -52,6 +53,9 @@ def group_advantages(
         group's mean (VCPO's off-policy optimal baseline, ``opob_baselines``; docs/DESIGN.md
         §3.6): A_i = (R_i − baseline_i) / (std_g + eps), the std still the group's own. A group
         whose rewards are all equal keeps advantage 0.
+      weights: optional float [N] > 0, each response's weight in its group's count, mean and
+        variance (a forked session's k segments weigh 1/k each and share its reward: the
+        statistics are over sessions, docs/DESIGN.md §6.6); None = 1 each.
 
     Returns:
       float32 [N] advantages; 0 for inactive responses, single-response groups and groups whose
@@ -80,8 +84,14 @@ def group_advantages(
     def per_group_sum(x):
         return jax.ops.segment_sum(x, group_ids, num_segments=num_groups)
 
-    count = per_group_sum(active.astype(jnp.float32))
-    mean = per_group_sum(rewards) / jnp.maximum(count, 1.0)
+    if weights is None:
+        weight = None
+        count = per_group_sum(active.astype(jnp.float32))
+        mean = per_group_sum(rewards) / jnp.maximum(count, 1.0)
+    else:
+        weight = jnp.where(active, jnp.asarray(weights, jnp.float32), 0.0)
+        count = per_group_sum(weight)
+        mean = per_group_sum(weight * rewards) / jnp.maximum(count, 1e-9)
     centered = jnp.where(active, rewards - mean[group_ids], 0.0)
     shifted = centered
     if baseline is not None:
@@ -93,11 +103,13 @@ def group_advantages(
         shifted = jnp.where(active, rewards - jnp.asarray(baseline, jnp.float32), 0.0)
     if estimator == "dr_grpo" or not normalize_std:
         return shifted
-    var = per_group_sum(jnp.square(centered)) / jnp.maximum(count - 1.0, 1.0)
+    squares = jnp.square(centered) if weight is None else weight * jnp.square(centered)
+    var = per_group_sum(squares) / jnp.maximum(count - 1.0, 1.0)
     std = jnp.sqrt(var)[group_ids]
     # A constant group has std == 0 (and centered == 0): its advantage is 0 even when eps == 0.
     normalized = shifted / jnp.where(std > 0, std + eps, 1.0)
-    return jnp.where(active & (count[group_ids] > 1), normalized, 0.0)
+    # A group of one response (one session, however many segments) has no spread: 0.
+    return jnp.where(active & (count[group_ids] > 1 + 1e-6), normalized, 0.0)
 
 
 def check_group_ids(group_ids: ArrayLike, num_groups: int) -> None:

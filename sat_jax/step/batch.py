@@ -52,6 +52,9 @@ class TrainBatch:
       rewards: [B] float per-row rewards (with ``group_ids``; instead of ``advantages``).
       group_ids: [B] int32 each row's group in [0, B); -1 marks a padding row (no group, no
         advantage).
+      session_weights: optional [B] float with ``rewards``: each row's weight in its group's
+        statistics, 1 / the segments of its session (a forked HTTP session counts once,
+        docs/DESIGN.md §6.6); None = 1 each.
       routing: optional [B, T, L, K] uint8/uint16 expert ids recorded by the rollout (for R3).
       old_logp: optional [B, T] float proximal log-probs (the step can instead take its own,
         ``recompute_old_logp``).
@@ -89,6 +92,7 @@ class TrainBatch:
     segment_ids: jax.Array | None = None
     positions: jax.Array | None = None
     view_index: jax.Array | None = None
+    session_weights: jax.Array | None = None
     microbatches: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
@@ -126,13 +130,16 @@ def with_advantages(
         normalize_std=normalize_std,
         where=group_ids >= 0,
         baseline=baseline,
+        weights=batch.session_weights,
     )
     if batch.packed:  # each packed token takes its trajectory's (segment's) advantage
         per_row_b = per_row_b[jnp.maximum(jnp.asarray(batch.segment_ids) - 1, 0)]
     else:
         per_row_b = per_row_b[:, None]
     advantages_bt = per_row_b * jnp.asarray(batch.loss_mask, jnp.float32)
-    return batch.replace(advantages=advantages_bt, rewards=None, group_ids=None)
+    return batch.replace(
+        advantages=advantages_bt, rewards=None, group_ids=None, session_weights=None
+    )
 
 
 def _check_advantage_form(batch: TrainBatch) -> None:
@@ -168,6 +175,9 @@ def check_batch(batch: TrainBatch) -> None:
             f"TrainBatch rewards and group_ids must be [B] = [{rows}], got "
             f"{np.shape(batch.rewards)} and {group_ids.shape}"
         )
+    weights = batch.session_weights
+    if weights is not None and np.shape(weights) != (rows,):
+        raise ValueError(f"TrainBatch.session_weights must be [{rows}], got {np.shape(weights)}")
     if group_ids.size and (group_ids.min() < -1 or group_ids.max() >= rows):
         raise ValueError(
             f"TrainBatch.group_ids must lie in [0, {rows}) or be -1 (padding), got "
@@ -228,6 +238,7 @@ def trajectory_view(batch: TrainBatch, logp_bt: jax.Array) -> tuple[TrainBatch, 
         advantages=take(batch.advantages),
         rewards=batch.rewards,
         group_ids=batch.group_ids,
+        session_weights=batch.session_weights,
         old_logp=take(batch.old_logp),
         ref_logp=take(batch.ref_logp),
         fresh_mask=take(batch.fresh_mask),

@@ -432,3 +432,34 @@ def test_kept_counts_over_the_vocabulary_are_refused_only_at_generated_tokens():
     kept[1] = 51
     with pytest.raises(records.InvalidGroupError, match="a kept count 51 exceeds"):
         records.decode_group(wire(group(dataclasses.replace(t, kept_counts=kept))), LIMITS)
+
+
+def test_a_forked_groups_sessions_round_trip_and_cost_nothing_without_forks():
+    plain = group(trajectory(), trajectory())
+    assert plain.sessions == () and wire(plain).sessions == []
+    assert plain.session_ids.tolist() == [0, 1]
+    # Without forks the message is the one a server without the field sends.
+    assert (
+        records.to_proto(plain).SerializeToString()
+        == records.to_proto(dataclasses.replace(plain)).SerializeToString()
+    )
+    assert not records.to_proto(plain).ListFields()[-1][0].name == "sessions"
+    forked = dataclasses.replace(plain, trajectories=(trajectory(),) * 3, sessions=(0, 0, 1))
+    back = records.decode_group(wire(forked))
+    assert back.sessions == (0, 0, 1) and back.session_ids.tolist() == [0, 0, 1]
+
+
+@pytest.mark.parametrize(
+    "sessions, message",
+    [((0, 1), "2 sessions for 3 trajectories"), ((0, 2, 2), "in order"), ((1, 1, 1), "in order")],
+)
+def test_bad_sessions_are_refused_where_the_group_is_built_and_where_it_is_pulled(
+    sessions, message
+):
+    three = (trajectory(),) * 3
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(group(), trajectories=three, sessions=sessions)
+    m = wire(group(*three))
+    m.sessions.extend(sessions)
+    with pytest.raises(records.InvalidGroupError, match=f"group srv/7: .*{message}"):
+        records.decode_group(m)

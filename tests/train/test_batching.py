@@ -377,3 +377,79 @@ def jax_structure(batch):
     import jax
 
     return jax.tree.structure(batch), [(x.shape, x.dtype) for x in jax.tree.leaves(batch)]
+
+
+def forked_group(group_id: int, rewards: list[float], segments: list[int]) -> records.Group:
+    """A group of sessions of `rewards`, session i in `segments[i]` segments (trajectories)."""
+    flat = [r for r, k in zip(rewards, segments, strict=True) for _ in range(k)]
+    sessions = tuple(i for i, k in enumerate(segments) for _ in range(k))
+    base = make_group(group_id, flat, [[5, 5]] * len(flat))
+    return dataclasses.replace(base, sessions=sessions if len(flat) > len(rewards) else ())
+
+
+def test_forked_sessions_count_once_in_their_groups_statistics():
+    """Forks (docs/DESIGN.md §6.6): a session's segments are trajectories of their own, each
+    taking its session's advantage, with the group's mean and std over its sessions: the
+    advantages are those of the same group without forks. The rows grow to the next multiple of
+    the batch's; a batch without forks carries no session weights."""
+    s = spec(batch_groups=2, group_size=3)
+    forked = [
+        forked_group(0, [1.0, 0.0, 0.5], [3, 1, 2]),
+        forked_group(1, [2.0, 0.0, 0.0], [1, 1, 1]),
+    ]
+    plain = [forked_group(0, [1.0, 0.0, 0.5], [1, 1, 1]), forked[1]]
+    batch, stats = assemble(forked, s, trainer_version=5)
+    base, base_stats = assemble(plain, s, trainer_version=5)
+    assert base.session_weights is None and base.tokens.shape[0] == 6
+    assert batch.tokens.shape[0] == 12  # 9 trajectories in rows of 6
+    assert batch.group_ids.tolist() == [0] * 6 + [1] * 3 + [-1] * 3
+    third, half = 1 / 3, 1 / 2
+    np.testing.assert_allclose(batch.session_weights[:9], [third] * 3 + [1, half, half, 1, 1, 1])
+    got = advantages(batch)[:, 3]  # each row's advantage at its first completion token
+    want = advantages(base)[:, 3]
+    np.testing.assert_allclose(
+        got[:9], [want[0]] * 3 + [want[1]] + [want[2]] * 2 + list(want[3:]), rtol=1e-5
+    )
+    assert want[0] != 0 and stats.reward_mean == pytest.approx(base_stats.reward_mean)
+    assert stats.tokens == 9 * 2 and not advantages(batch)[9:].any()
+    # Without the weights (every segment a sample) the baseline would be another one.
+    unweighted = advantages(batch.replace(session_weights=None))[:, 3]
+    assert not np.allclose(unweighted[:6], got[:6])
+
+
+def test_a_forked_group_must_hold_group_size_sessions():
+    two = forked_group(0, [1.0, 0.0], [2, 1])
+    with pytest.raises(ValueError, match="group 0 has 2 sessions, expected 3"):
+        batching.assemble_batch(
+            batching.Selection(kept=(two,), stale_dropped=0, stale_kept=0, duplicates=0),
+            spec(group_size=3),
+            trainer_version=0,
+        )
+
+
+def test_a_forked_batch_trains_padded_and_packed():
+    """A step runs on a forked batch, padded and packed (its session weights carried along)."""
+    import jax
+    import optax
+
+    from sat_jax import objectives, sharding
+    from sat_jax.model import ModelConfig
+
+    model = ModelConfig.preset("tiny", dispatch="dense")
+    groups = [forked_group(0, [1.0, 0.0], [2, 1]), forked_group(1, [0.5, 0.0], [1, 1])]
+    mesh = sharding.make_mesh(sharding.MeshConfig(fsdp=1), jax.devices()[:1])
+    _, params = placement.init_sharded(model, mesh, 0)
+    params = jax.device_get(params)
+    step_cfg = StepConfig(loss=objectives.PolicyLossConfig())
+    step = make_train_step(model, optax.sgd(0.1), step_cfg, mesh)
+    weights = None
+    for packing in (False, True):
+        s = spec(batch_groups=2, group_size=2, routing_lk=None, packing=packing)
+        batch, stats = assemble(groups, s, trainer_version=5)
+        if weights is None:
+            weights = batch.session_weights
+        np.testing.assert_array_equal(batch.session_weights, weights)
+        state = create_train_state(model, optax.sgd(0.1), mesh, params)
+        _, metrics = step(state, shard_batch(batch, mesh))
+        metrics = jax.device_get(metrics)
+        assert metrics["step_skipped"] == 0 and metrics["active_tokens"] == stats.tokens == 10

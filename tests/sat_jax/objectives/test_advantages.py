@@ -91,3 +91,21 @@ def test_bad_input_is_named(kwargs, match):
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         group_advantages(**args)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "dr_grpo"])
+def test_weights_count_each_forked_session_once(estimator):
+    """A session's k segments weigh 1/k each and share its reward: the advantages are those of
+    the group of sessions, each segment taking its session's (docs/DESIGN.md §6.6)."""
+    sessions = jnp.array([1.0, 0.0, 0.5, 2.0, 2.0])  # group 0: three sessions; group 1: two
+    ids = jnp.array([0, 0, 0, 1, 1])
+    want = group_advantages(sessions, ids, num_groups=2, estimator=estimator)
+    # Session 0 of group 0 forked twice (three segments), session 1 of group 1 once.
+    rewards = jnp.array([1.0, 1.0, 1.0, 0.0, 0.5, 2.0, 2.0, 2.0])
+    seg_ids = jnp.array([0, 0, 0, 0, 0, 1, 1, 1])
+    weights = jnp.array([1 / 3, 1 / 3, 1 / 3, 1.0, 1.0, 1.0, 0.5, 0.5])
+    got = group_advantages(rewards, seg_ids, num_groups=2, estimator=estimator, weights=weights)
+    expand = np.array([0, 0, 0, 1, 2, 3, 4, 4])
+    np.testing.assert_allclose(got, np.asarray(want)[expand], rtol=1e-5, atol=1e-7)
+    one = group_advantages(rewards[:3], seg_ids[:3], num_groups=1, weights=weights[:3])
+    np.testing.assert_array_equal(one, 0.0)  # one session, however many segments: no spread

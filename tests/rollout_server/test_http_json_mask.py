@@ -1,0 +1,139 @@
+"""`response_format: json_object`'s token mask (rollout_server/json_mask.py): the byte automaton
+accepts exactly the prefixes of one JSON object, the trie's mask equals a token-by-token check,
+and a completion decoded under the mask is a JSON object whose log-probs are the masked
+distribution's."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rollout_server.json_mask import JsonObjectMask, JsonState, masked_logprobs, step
+from sat_jax.tasks.hf_tokenizer import HFTokenizer
+from tests.hf_fixtures import make_tokenizer
+
+VALID = [
+    "{}",
+    ' { "a" : 1 } ',
+    '{"a": [1, -2.5e+3, 0, 0.25E-1, true, false, null, "x\\u00e9\\n", {}, [], [[]]]}',
+    '{"k": {"nested": {"deep": ["\\"quoted\\"", "\\\\"]}}, "n": -0}',
+    '{"utf8": "é日本"}',
+]
+INVALID = [
+    "[1]", '"a"', "1", "{,}", '{"a"}', '{"a":}', '{"a": 01}', '{"a": 1.}', '{"a": -}',
+    '{"a": tru}', '{"a": 1,}', '{"a": [1,]}', '{"a": "\\x"}', '{"a": "\\u12g4"}', '{"a": 1}}',
+    '{"a": 1} x', '{"a": "line\nbreak"}', "{'a': 1}",
+]  # fmt: skip
+
+
+def _run(text: str, max_depth: int = 32) -> JsonState | None:
+    state: JsonState | None = JsonState()
+    for b in text.encode():
+        state = step(state, b, max_depth)
+        if state is None:
+            return None
+    return state
+
+
+@pytest.mark.parametrize("text", VALID)
+def test_every_json_object_is_accepted_and_complete(text):
+    state = _run(text.strip())
+    assert state is not None and state.complete
+    for k in range(len(text.strip().encode())):  # every prefix is a live state, not complete
+        prefix = text.strip().encode()[:k].decode(errors="ignore")
+        assert _run(prefix) is not None
+
+
+@pytest.mark.parametrize("text", INVALID)
+def test_what_is_no_json_object_is_refused(text):
+    state = _run(text)
+    assert state is None or not state.complete, text
+
+
+def test_nesting_is_bounded():
+    assert _run('{"a": [[1]]}', max_depth=3).complete
+    assert _run('{"a": [[[1]]]}', max_depth=3) is None
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.dictionaries(st.text(max_size=5), JSON, max_size=4), st.booleans(), st.booleans())
+def test_json_dumps_of_any_object_is_accepted(obj, ascii_only, indent):
+    text = json.dumps(obj, ensure_ascii=ascii_only, indent=2 if indent else None)
+    state = _run(text)
+    assert state is not None and state.complete, text
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    make_tokenizer(path)
+    return HFTokenizer(str(path), chat_template=True)
+
+
+def test_the_tries_mask_is_every_token_checked_one_by_one(tok):
+    vocab = len(tok) + 5  # padded rows: never allowed
+    mask = JsonObjectMask(tok, vocab)
+    ids = tok._tok('{"a": [1, "b\\u00e9", {"c": tr', add_special_tokens=False)["input_ids"]
+    state = mask.start()
+    for i in [None, *ids]:
+        if i is not None:
+            state = mask.advance(state, i)
+        want = np.zeros(vocab, bool)
+        for j in range(vocab):
+            try:
+                mask.advance(state, j)
+                want[j] = j not in tok.stop_ids
+            except ValueError:
+                pass
+        np.testing.assert_array_equal(mask.allowed(state), want)
+    with pytest.raises(ValueError, match="cannot continue"):
+        mask.advance(mask.start(), tok._tok("[", add_special_tokens=False)["input_ids"][0])
+
+
+def test_a_constrained_completion_is_an_object_with_the_masked_logprobs(tok):
+    """A policy steered towards a target text (its next token's logit raised), the rest random:
+    every step samples from the masked distribution, whose log-prob is recorded; the target's
+    own tokens are always allowed, and the completion ends with a stop id once it is whole."""
+    vocab = len(tok)
+    mask = JsonObjectMask(tok, vocab)
+    target = '{"answer": 12, "steps": ["5 + 7", "é"], "ok": true}'
+    plan = [*tok._tok(target, add_special_tokens=False)["input_ids"], min(tok.stop_ids)]
+    rng = np.random.default_rng(0)
+    state, out, logps = mask.start(), [], []
+    for want in plan:
+        allowed = mask.allowed(state)
+        assert allowed[want]
+        logits = rng.normal(size=vocab)
+        logits[want] += 40.0
+        logp = masked_logprobs(logits, allowed)
+        # From the definition: the model's probabilities restricted to the mask, renormalized.
+        p = np.exp(logits - logits.max())
+        p = p / p.sum()
+        renormalized = np.where(allowed, p, 0.0) / p[allowed].sum()
+        np.testing.assert_allclose(np.exp(logp), renormalized, rtol=1e-12, atol=1e-300)
+        assert np.all(np.isneginf(logp[~allowed]))
+        token = int(rng.choice(vocab, p=np.exp(logp)))
+        assert token == want  # the steering dominates; a disallowed id is never drawn
+        logps.append((logp[token], np.log(p[token]), p[allowed].sum(), allowed.all()))
+        out.append(token)
+        if token in tok.stop_ids:
+            break
+        state = mask.advance(state, token)
+    assert state.complete and out[-1] in tok.stop_ids
+    assert json.loads(tok.decode(out)) == json.loads(target)
+    # The recorded log-probs are the masked distribution's: the model's own minus the log of the
+    # mass the mask kept (every step here took some away).
+    for masked, full, mass, whole in logps:
+        assert not whole and np.isclose(masked, full - np.log(mass), rtol=0, atol=1e-12)
