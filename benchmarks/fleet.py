@@ -10,7 +10,8 @@ training, servers of equal or unequal speed, a SIGTERM drain and a kill/rejoin.
 The trainer's loop runs in this process against ``--servers`` rollout server processes
 (configs/arith_tiny.yaml: ``--staleness`` (max_staleness, default 1), ``--batch-groups`` groups of
 ``--group-size`` per batch, ``--max-new-tokens``) with a stand-in step that only takes
-``--step-s`` seconds: 0.5 s outpaces nothing (generation faster than training, admission alone
+``--step-s`` seconds, dispatched at once like a jitted step (the loop pulls the next batch while
+it runs, ``train.prefetch``, and waits for it when it reads the step's metrics): 0.5 s outpaces nothing (generation faster than training, admission alone
 bounds staleness), 0 makes every group take longer than a step (the regime of issue 33, and of a
 pod: a group spans several versions).
 
@@ -88,18 +89,37 @@ def _params(cfg) -> dict:
     )
 
 
+class _Done:
+    """A stand-in step's ``step_skipped``: reading it (``jax.device_get`` in the loop's
+    ``finish_step``) waits until the step's time is up, as reading a dispatched step's metrics
+    waits for the device; records (time, completion tokens) of its batch in ``trained`` then."""
+
+    def __init__(self, end: float, tokens: int, trained: list):
+        self._end, self._tokens, self._trained = end, tokens, trained
+
+    def __array__(self, dtype=None, copy=None):
+        left = self._end - time.monotonic()
+        if left > 0:
+            time.sleep(left)
+        if self._trained is not None:
+            self._trained.append((time.monotonic(), self._tokens))
+            self._trained = None
+        return np.asarray(False, dtype=dtype)
+
+
 def _step(seconds: float, hooks: dict, trained: list):
-    """A stand-in train step: runs ``hooks[k]`` before the k-th call, takes ``seconds``, and
-    records (time, completion tokens) of its batch in ``trained``."""
+    """A stand-in train step: runs ``hooks[k]`` before the k-th call and takes ``seconds``.
+    Like a jitted step it returns at once (dispatched): the loop starts the next batch's pull
+    (``train.prefetch``) and then waits for the step by reading its metrics (``_Done``)."""
     calls = [0]
 
     def step(state: TrainState, batch):
         calls[0] += 1
         if calls[0] in hooks:
             hooks[calls[0]]()
-        time.sleep(seconds)
-        trained.append((time.monotonic(), int(np.asarray(batch.loss_mask).sum())))
-        return state.replace(step=state.step + 1), {"step_skipped": np.bool_(False)}
+        tokens = int(np.asarray(batch.loss_mask).sum())
+        done = _Done(time.monotonic() + seconds, tokens, trained)
+        return state.replace(step=state.step + 1), {"step_skipped": done}
 
     return step
 

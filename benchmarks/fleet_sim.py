@@ -9,6 +9,7 @@ server measures, with servers of equal and unequal speed and one that slows down
 
     PYTHONPATH=$PWD python benchmarks/fleet_sim.py [--steps 200]
     PYTHONPATH=$PWD python benchmarks/fleet_sim.py --control     # issue 42: the control plane
+    PYTHONPATH=$PWD python benchmarks/fleet_sim.py --steps 120 --grid-ticks 0.1 0.02 0.01
 
 `--control` runs issue 42's grid instead (`tests.fleet_sim`'s `duty_scenario`, `pod_scenario`,
 `spread_scenario`, `deaf_figures`): the pool of today ("before": serial pushes, blocking Pulls)
@@ -211,11 +212,44 @@ def control_tables(steps: int) -> None:
         print(f"| {label} | {fn(deaf['before'])} | {fn(deaf['after'])} |", flush=True)
 
 
+def grid_table(steps: int, dts: list[float]) -> None:
+    """Issue 42's S grid with the "after" pool at each simulator tick in `dts`: of the bound,
+    and (at the last tick) the slot time left idle while admission's budget was full, the
+    groups leased, running or queued filling it."""
+    heads = " | ".join(f"of the bound, tick {dt:g}" for dt in dts)
+    print(f"| spread, servers, S | {heads} | stale drops / trained | violations | "
+          "slot time idle, budget full |")  # fmt: skip
+    print("| --- " * (len(dts) + 5) + "|")
+    for lengths in ((10, 1000), (200, 8192)):
+        for k in (1, 2, 4):
+            for s in (1, 2):
+                cells = []
+                for dt in dts:
+                    sim = spread_scenario("after", k, lengths, s, strict=False, dt=dt)
+                    f = sim.run(steps, warmup=20)
+                    cells.append(
+                        f"{f['groups_per_time'] * period_bound(sim) / sim.batch_groups:.1%}"
+                    )
+                idle = sum(x.idle.get("budget", 0.0) for x in sim.servers)
+                slot = sum(x.slot_time for x in sim.servers)
+                print(
+                    f"| {lengths[0]}–{lengths[1]}, {k}, {s} | {' | '.join(cells)} | "
+                    f"{f['drops_per_group']:.3f} | {f['violations']} | {idle / slot:.1%} |",
+                    flush=True,
+                )
+
+
 def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--control", action="store_true", help="issue 42's grid")
+    parser.add_argument(
+        "--grid-ticks", type=float, nargs="+", help="issue 42's S grid at these simulator ticks"
+    )
     args = parser.parse_args()
+    if args.grid_ticks:
+        grid_table(args.steps, args.grid_ticks)
+        return
     if args.control:
         control_tables(args.steps)
         return

@@ -169,6 +169,7 @@ class SimServer:
         # Its capacity measure (a process's: a restart measures again), reported on every Pull.
         self.meter = RateMeter(self.slots, window_s=self.sim.rate_window)
         self.tokens = 0.0  # generated so far (the engine's counter)
+        self.slot_time, self.idle = 0.0, {}  # slot time, and idle slot time by cause (`tick`)
 
     def install(
         self, version: int, share: float, new_epoch: bool, share_until: int | None = None
@@ -235,6 +236,7 @@ class SimServer:
             g.length += length / self.sim.group_size
             self.active.append([gid, length])
         self.meter.observe(self.sim.now, self.tokens, len(self.active))
+        self._count_idle(dt)
         still = []
         for a in self.active:
             self.tokens += min(self.speed * dt, a[1])
@@ -254,6 +256,22 @@ class SimServer:
                 self.queue.insert(0, gid)
                 if not isinstance(self.adm, OldAdmission):
                     self.adm.unlease([gid])
+
+    def _count_idle(self, dt: float) -> None:
+        """Adds this tick's slot time to `slot_time`, and its idle slot time with no sample
+        waiting to `idle` by why nothing was admitted: "closed" (no weights, draining, fenced,
+        lease ended), "budget" (`budget` ≤ 0: the outstanding groups fill it) or "capacity"."""
+        self.slot_time += self.slots * dt
+        idle = self.slots - len(self.active)
+        if idle <= 0 or self.waiting:
+            return
+        if not self.admitting():
+            why = "closed"
+        elif not self.adm.may_admit(self.groups.keys()):
+            why = "budget" if len(self.groups) < self.adm.capacity else "capacity"
+        else:
+            return
+        self.idle[why] = self.idle.get(why, 0.0) + idle * dt
 
     def pull(self, n: int, trainer_version: int, acks, rejects) -> list[SimGroup]:
         self.ack(acks, rejects)

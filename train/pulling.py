@@ -30,6 +30,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -76,6 +77,7 @@ def pull_batch(
     timeout_s: float,
     stall_s: float,
     cancel: threading.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> batching.Selection:
     """Pulls until ``spec.batch_groups`` groups pass ``batching.select_groups`` (the staleness
     policy, the duplicate check and, with ``spec.filter_groups``, the all-equal-rewards filter);
@@ -92,17 +94,20 @@ def pull_batch(
       spec: the batch shape and staleness policy.
       progress: the trainer version, ``min_version`` and recently trained prompt ids.
       timeout_s: how long one pull may wait for groups.
-      stall_s: how long the servers may answer without sending a group.
+      stall_s: how long the servers may answer without sending a group the batch keeps.
       cancel: set by another thread to stop between two pulls (the groups pulled so far stay
         leased, so their servers deliver them again to the next trainer that asks).
+      clock: seconds, monotonic (the stall's clock; tests pass a fake one).
 
     Raises:
-      RuntimeError: the servers answered but sent no group for ``stall_s`` seconds.
+      RuntimeError: for ``stall_s`` seconds the servers answered but sent no group the batch
+        kept: none at all, or only stale ones (their weights are not the pushed ones).
       Cancelled: ``cancel`` was set.
     """
     seen_groups = set(progress.recent_group_keys)
     selection = batching.Selection.empty()
-    last_group = time.monotonic()
+    last_kept = clock()
+    stale_since = 0  # groups dropped as stale since a group was last kept
     logged = -math.inf
     filter_off = spec.filter_groups == "none"
     while len(selection.kept) < spec.batch_groups:
@@ -144,20 +149,33 @@ def pull_batch(
                 len(selection.kept),
                 spec.batch_groups,
             )
-        if pulled:
-            last_group = time.monotonic()
+        if chosen.kept or (pulled and not chosen.stale_dropped):
+            last_kept, stale_since = clock(), 0
             continue
-        if time.monotonic() - logged >= _WAITING_LOG_S:  # the pool may answer empty often
-            logged = time.monotonic()
+        stale_since += chosen.stale_dropped
+        if not pulled and clock() - logged >= _WAITING_LOG_S:  # the pool may answer empty often
+            logged = clock()
             log.info(
                 "waiting for rollout groups (%d of %d)", len(selection.kept), spec.batch_groups
             )
-        if time.monotonic() - last_group > stall_s:
-            raise RuntimeError(
-                f"no rollout group for {stall_s:.0f}s although the servers answer: is their "
-                "admission closed (a server of another run, or weights never pushed)?"
-            )
+        if clock() - last_kept > stall_s:
+            _raise_stalled(stall_s, stale_since, progress)
     return selection
+
+
+def _raise_stalled(stall_s: float, stale: int, progress: checkpointing.Progress) -> None:
+    """The stall of ``pull_batch``: no group kept for ``stall_s`` seconds, ``stale`` of the
+    groups pulled meanwhile dropped as stale."""
+    if stale:
+        raise RuntimeError(
+            f"every rollout group pulled for {stall_s:.0f}s was stale ({stale} dropped, trainer "
+            f"version {progress.version}): the servers are likely not installing the pushed "
+            "weights (see their UpdateWeights errors and server.checkpoint_root)"
+        )
+    raise RuntimeError(
+        f"no rollout group for {stall_s:.0f}s although the servers answer: is their "
+        "admission closed (a server of another run, or weights never pushed)?"
+    )
 
 
 def next_batch(
