@@ -68,6 +68,8 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from rollout_api.records import Group, GroupLimits, InvalidGroup, Trajectory
+from sat_jax.config import RolloutConfig, TrainConfig
+from sat_jax.model.config import ModelConfig
 from sat_jax.step import TrainBatch
 from train.packing import pack_batch
 
@@ -79,8 +81,8 @@ LAG_BINS = 9
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BatchSpec:
-    """The fixed shape of every batch and how groups become rows (built from the experiment's
-    config, which holds the defaults).
+    """The fixed shape of every batch and how groups become rows (``from_config`` builds it from
+    the experiment's sections, which hold the defaults).
 
     Attributes:
       batch_groups: groups per batch.
@@ -140,6 +142,52 @@ class BatchSpec:
     microbatches: int = 1
     row_multiple: int = 1
     microbatch_tokens: int = 0
+
+    @classmethod
+    def from_config(
+        cls,
+        rollout: RolloutConfig,
+        train: TrainConfig,
+        model: ModelConfig,
+        *,
+        seq_len: int,
+        row_multiple: int = 1,
+    ) -> BatchSpec:
+        """The spec of the batches a run trains: the groups' shape and staleness bound from
+        ``rollout``, the batch's rules from ``train`` (length bucket, stale policy, filter,
+        overlong shaping, packing and microbatches), the token and routing ranges from ``model``.
+
+        Args:
+          rollout, train, model: the experiment's sections.
+          seq_len: the row capacity, the server's prefill length + the most completion tokens.
+          row_multiple: the data-parallel shards of the train mesh.
+        """
+        return cls(
+            batch_groups=rollout.batch_groups,
+            group_size=rollout.group_size,
+            max_staleness=rollout.max_staleness,
+            max_new_tokens=rollout.max_new_tokens,
+            kept_counts=rollout.replays_truncation,
+            seq_len=seq_len,
+            length_bucket=train.length_bucket,
+            stale_policy=train.stale_policy,
+            filter_groups=train.filter_groups,
+            filter_max_rounds=train.filter_rounds,
+            overlong=train.overlong,
+            overlong_cache=train.overlong_cache,
+            overlong_penalty=train.soft_penalty,
+            packing=train.packing,
+            row_tokens=train.row_tokens,
+            microbatches=train.microbatches,
+            microbatch_tokens=train.microbatch_tokens,
+            row_multiple=row_multiple,
+            routing_lk=(
+                (model.num_moe_layers, model.num_experts_per_tok) if train.routing_replay else None
+            ),
+            routing_dtype=np.dtype(model.routing_dtype).name,
+            vocab_size=model.vocab_size,
+            num_experts=model.num_experts,
+        )
 
     def __post_init__(self) -> None:
         if self.filter_groups not in ("none", "all_equal"):

@@ -123,33 +123,15 @@ def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphD
 
 
 def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
-    """The batch shape: every prompt fits the server's prefill, every completion (a multi-turn
-    episode's generated and inserted tokens) `cfg.completion_tokens`; the
-    time axis is bucketed from ``train.length_bucket``."""
-    m = cfg.model
-    return batching.BatchSpec(
-        batch_groups=cfg.rollout.batch_groups,
-        group_size=cfg.rollout.group_size,
+    """The batch spec (``BatchSpec.from_config``): every prompt fits the server's prefill, every
+    completion (a multi-turn episode's generated and inserted tokens) ``cfg.completion_tokens``;
+    packed rows' counts are multiples of the train mesh's data-parallel shards."""
+    return batching.BatchSpec.from_config(
+        cfg.rollout,
+        cfg.train,
+        cfg.model,
         seq_len=cfg.server.max_prefill_length + cfg.completion_tokens,
-        length_bucket=cfg.train.length_bucket,
-        routing_lk=(m.num_moe_layers, m.num_experts_per_tok) if cfg.train.routing_replay else None,
-        routing_dtype=np.dtype(m.routing_dtype).name,
-        max_staleness=cfg.rollout.max_staleness,
-        stale_policy=cfg.train.stale_policy,
-        vocab_size=m.vocab_size,
-        num_experts=m.num_experts,
-        kept_counts=cfg.rollout.replays_truncation,
-        filter_groups=cfg.train.filter_groups,
-        filter_max_rounds=cfg.train.filter_rounds,
-        overlong=cfg.train.overlong,
-        overlong_cache=cfg.train.overlong_cache,
-        overlong_penalty=cfg.train.soft_penalty,
-        max_new_tokens=cfg.rollout.max_new_tokens,
-        packing=cfg.train.packing,
-        row_tokens=cfg.train.row_tokens,
-        microbatches=cfg.train.microbatches,
         row_multiple=_batch_shards(cfg.train.mesh),
-        microbatch_tokens=cfg.train.microbatch_tokens,
     )
 
 
