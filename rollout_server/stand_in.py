@@ -95,6 +95,7 @@ class StandInEngine(MoEEngine):
         self._logp = np.float32(-math.log(len(sampleable)))
         self._rng = np.random.default_rng(0)
         self._calls = self._prompt_tokens = 0
+        self._last_prompt = b""
 
     @property
     def prefill_calls(self) -> int:
@@ -109,16 +110,18 @@ class StandInEngine(MoEEngine):
         return 0
 
     def prefill(self, *, padded_tokens: Any, true_length: int, **kwargs: Any) -> StandInPrefix:
-        self._calls += 1
-        self._prompt_tokens += int(true_length)
         ids = np.asarray(padded_tokens, np.int32)[:true_length].copy()
+        if ids.tobytes() != self._last_prompt:  # a group's samples share one, as in `DecodeCore`
+            self._calls += 1
+            self._prompt_tokens += int(true_length)
+            self._last_prompt = ids.tobytes()
         return StandInPrefix(ids, int(true_length))
 
     def insert(self, prefix: Any, decode_state: StandInState, slot: int, **kwargs) -> StandInState:
         cfg = self.config
         n = prefix.true_length
-        routing = np.zeros((n, cfg.num_moe_layers, cfg.num_experts_per_tok), np.int32)
-        routing[:] = np.arange(cfg.num_experts_per_tok, dtype=np.int32)
+        routing = np.zeros((n, cfg.num_moe_layers, cfg.num_experts_per_tok), cfg.routing_dtype)
+        routing[:] = np.arange(cfg.num_experts_per_tok)
         self._slot_prompts[slot] = (prefix.prompt_ids, routing)
         decode_state.generated_b[slot] = 0
         whole = math.floor(self.tokens)
@@ -136,6 +139,7 @@ class StandInEngine(MoEEngine):
         self, params: Any, decode_state: StandInState, **kwargs: Any
     ) -> tuple[StandInState, engine_api.ResultTokens]:
         """Sleeps `step_s`, then one token for every busy slot (see the module docstring)."""
+        self.decode_clock.dispatched()  # the sleep is the step's work
         self._sleep(self.step_s)
         cfg = self.config
         k, layers = cfg.num_experts_per_tok, cfg.num_moe_layers
@@ -156,7 +160,6 @@ class StandInEngine(MoEEngine):
         data[:, SEGMENT_COL] = 0
         data[:, ROUTING_COL:] = np.tile(np.arange(k, dtype=np.int32), layers)
         gen[done] = -1  # the slot is free once its stop id is out
-        self.decode_clock.dispatched()
         return decode_state, engine_api.ResultTokens(
             data=data,
             tokens_idx=(TOKEN_COL, TOKEN_COL + 1),
