@@ -46,7 +46,7 @@ from sat_jax.decoding import (
     VERSION_COL,
 )
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("rollout_server.stand_in")  # also when run as __main__
 
 PREFIX = "stand_in."  # the command's own k=v arguments
 
