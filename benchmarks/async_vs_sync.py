@@ -246,6 +246,13 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="also run each async mode with the stand-in step and engine (module docstring)",
     )
+    parser.add_argument("--keep", default="", help="save each repeat's run data in this folder")
+    parser.add_argument(
+        "--from",
+        dest="load_from",
+        default="",
+        help="make the tables from a --keep folder's run data instead of running",
+    )
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     args.pin = args.pin and len(os.sched_getaffinity(0)) >= 2
@@ -280,6 +287,21 @@ def run_repeat(args: argparse.Namespace, rep: int) -> dict[str, Run]:
                     args.pin,
                     stand_in,
                 )
+    return runs
+
+
+def repeat_runs(args: argparse.Namespace, rep: int) -> dict[str, Run]:
+    """Repeat `rep`'s runs: read from ``--from DIR`` (``runs_<rep>.json``), or run (and, with
+    ``--keep DIR``, saved there), so the tables can be made again from a run's data."""
+    if args.load_from:
+        saved = json.loads((pathlib.Path(args.load_from) / f"runs_{rep}.json").read_text())
+        return {name: Run(**run) for name, run in saved.items()}
+    runs = run_repeat(args, rep)
+    if args.keep:
+        path = pathlib.Path(args.keep)
+        path.mkdir(parents=True, exist_ok=True)
+        saved = {name: dataclasses.asdict(run) for name, run in runs.items()}
+        (path / f"runs_{rep}.json").write_text(json.dumps(saved))
     return runs
 
 
@@ -359,7 +381,7 @@ def main() -> None:
     loops: dict[str, list[dict]] = {}
     ideals, timings = [], []
     for rep in range(args.repeats):
-        results = run_repeat(args, rep)
+        results = repeat_runs(args, rep)
         sync = breakdown(results["sync"])
         t_rollout, t_train = sync["pull_wait"], sync["step"]
         ideal = (t_rollout + t_train) / max(t_rollout, t_train)

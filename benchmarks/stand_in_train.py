@@ -25,11 +25,16 @@ from train import main as train_main
 
 
 def sleep_step(step_s: float, sleep=time.sleep):
-    """A train step that sleeps `step_s` and advances the state's step count."""
+    """A train step that sleeps `step_s` and advances the state's step count; its metrics are
+    ``step_skipped`` 0 and the batch's ``active_tokens`` (the loss mask's sum)."""
 
     def step(state, batch):
         sleep(step_s)
-        return dataclasses.replace(state, step=state.step + 1), {"step_skipped": np.float32(0)}
+        metrics = {
+            "step_skipped": np.float32(0),
+            "active_tokens": np.float32(np.asarray(batch.loss_mask).sum()),
+        }
+        return dataclasses.replace(state, step=state.step + 1), metrics
 
     return step
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pathlib
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -108,6 +109,8 @@ def test_stand_in_step_sleeps_and_advances_the_step():
     sleeps = []
     step = stand_in_train.sleep_step(0.25, sleep=sleeps.append)
     state = TrainState(params={"w": jnp.ones(2)}, opt_state=(), step=jnp.int32(3))
-    new, metrics = step(state, batch=None)
+    batch = types.SimpleNamespace(loss_mask=jnp.array([[0.0, 1.0, 1.0], [0.0, 0.0, 1.0]]))
+    new, metrics = step(state, batch)
     assert sleeps == [0.25] and int(new.step) == 4 and metrics["step_skipped"] == 0
+    assert metrics["active_tokens"] == 3
     assert np.array_equal(new.params["w"], state.params["w"])
