@@ -24,6 +24,10 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
 - `weights`: UpdateWeights' checkpoint-root policy; loading through `sat_jax.params_io`.
 - `auth`: the shared-token check of every RPC but the health checks (a gRPC interceptor).
 - `service`, `metrics`, `process`: the gRPC servicers, Prometheus gauges, and the running server.
+- `loop_stats`: the busy-time accounting in Stats and the gauges (decode seconds, slot-seconds
+  idle while admission is closed, CPU and steal seconds).
+- `stand_in`: an engine that sleeps per token instead of computing, and its command
+  (`python -m rollout_server.stand_in`), for the loop benchmark only.
 - `chat`, `http_api`, `http_stream`, `http_sessions`, `sessions`, `session_state`: the
   OpenAI-compatible HTTP endpoint (its schema, the server, streamed replies, the session
   routes) and RL sessions played by external agents (the manager; a session's state and rules).

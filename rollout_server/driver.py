@@ -148,6 +148,11 @@ class RolloutDriver(orchestrator.Driver):
         """Requests waiting for a prefill."""
         return self._prefill_backlog.qsize()
 
+    def idle_slots(self) -> int:
+        """Slots holding no request with no request waiting for a prefill to take them."""
+        free = sum(slots.qsize() for slots in self._generate_slots)
+        return max(0, free - self._prefill_backlog.qsize())
+
     def _process_prefill_content(
         self, request: orchestrator.ActiveRequest, tokenizer: Any, is_bos: bool, max_length: int
     ) -> tuple[np.ndarray, int]:
@@ -220,9 +225,9 @@ class RolloutDriver(orchestrator.Driver):
                     self._take_slot(request, slot, idx, engine)
                 continue
             try:
-                step = unpack_step(
-                    np.asarray(item[1].data), cfg.num_moe_layers, cfg.num_experts_per_tok
-                )
+                data = np.asarray(item[1].data)  # waits for the step
+                engine.decode_clock.ready()
+                step = unpack_step(data, cfg.num_moe_layers, cfg.num_experts_per_tok)
             except Exception:
                 log.exception("cannot read a generate step; dropping it")
                 continue

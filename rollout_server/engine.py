@@ -49,6 +49,7 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 from jetstream.engine import engine_api, tokenizer_pb2
 
 from rollout_server.jetstream_tokenizer import JetStreamTokenizer
+from rollout_server.loop_stats import DecodeClock
 from sat_jax.decoding import (
     LENGTH_COL,
     TOKEN_COL,
@@ -135,6 +136,8 @@ class MoEEngine(engine_api.Engine):
         self._extension_routing: dict[int, tuple[int, jax.Array]] = {}
         self._extensions_lock = threading.Lock()
         self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+        # Generate steps' busy seconds: noted here at dispatch, by the driver when on the host.
+        self.decode_clock = DecodeClock()
 
     @property
     def prefill_calls(self) -> int:
@@ -316,6 +319,7 @@ class MoEEngine(engine_api.Engine):
         if self._extensions:
             decode_state = self._apply_extensions(decode_state, version, current)
         state, data = self.core.generate(current, decode_state, jnp.int32(version))
+        self.decode_clock.dispatched()
         return state, engine_api.ResultTokens(
             data=data,
             tokens_idx=(TOKEN_COL, TOKEN_COL + 1),

@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 import prometheus_client as prom
+
+# The busy-time gauges (`loop_stats.LoopAccounting`, docs/DESIGN.md §4), all since the start.
+ACCOUNTING = (
+    ("decode_seconds", "seconds the engine spent on generate steps"),
+    ("decode_steps", "generate steps"),
+    ("admission_idle_slot_seconds", "free slots x seconds while admission was closed"),
+    ("cpu_seconds", "CPU seconds (user + system) of the server process"),
+    ("steal_seconds", "the machine's steal seconds (NaN where the kernel does not report it)"),
+)
 
 
 class ServerMetrics:
@@ -16,6 +26,8 @@ class ServerMetrics:
       stats: returns the rollout loop's `stats()` dict.
       prefill_backlog: returns the driver's prefill backlog size.
       registry: where the metrics register (a fresh one per server; tests build several).
+      accounting: returns the busy-time accounting (`loop_stats.LoopAccounting.stats`), exported
+        as the gauges of `ACCOUNTING`; None = not exported.
     """
 
     def __init__(
@@ -23,8 +35,13 @@ class ServerMetrics:
         stats: Callable[[], dict[str, Any]],
         prefill_backlog: Callable[[], int],
         registry: prom.CollectorRegistry,
+        accounting: Callable[[], dict[str, Any]] | None = None,
     ):
         self.registry = registry
+        for key, doc in ACCOUNTING if accounting is not None else ():
+            gauge = prom.Gauge(f"satjax_rollout_{key}", doc, registry=registry)
+            # NaN where a figure is not reported (steal on a kernel without the column), never 0.
+            gauge.set_function(lambda key=key: float(accounting().get(key, math.nan)))
         for key, doc in [
             ("version", "weights version in use"),
             ("groups_produced", "finished groups produced"),

@@ -31,6 +31,7 @@ from rollout_server.auth import TokenInterceptor
 from rollout_server.driver import RolloutDriver
 from rollout_server.engine import MoEEngine
 from rollout_server.http_api import HttpApi, HttpLimits, server_ssl_context
+from rollout_server.loop_stats import IdleMeter, LoopAccounting
 from rollout_server.metrics import ServerMetrics
 from rollout_server.persistence import RolloutState, StateStore
 from rollout_server.rollout import RolloutLoop
@@ -92,9 +93,16 @@ class RolloutServer:
       cfg: the experiment.
       store: the state store of `server.state_dir`, holding its lock (`sat-serve` opens it before
         importing anything heavy, so a second server on the directory fails at once).
+      engine_class: builds the engine from `MoEEngine`'s arguments (`MoEEngine`; the loop
+        benchmark's stand-in passes `rollout_server.stand_in.StandInEngine`).
     """
 
-    def __init__(self, cfg: ExperimentConfig, store: StateStore):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        store: StateStore,
+        engine_class: Callable[..., MoEEngine] = MoEEngine,
+    ):
         self.cfg = cfg
         self.store = store
         self.fatal: BaseException | None = None
@@ -106,7 +114,7 @@ class RolloutServer:
             mesh.size,
             mesh.devices.flat[0].platform,
         )
-        self.engine = MoEEngine(
+        self.engine = engine_class(
             initial_model(cfg, mesh),
             mesh=mesh,
             tokenizer=self.tokenizer,
@@ -134,8 +142,15 @@ class RolloutServer:
         self.generator = Generator(self.driver, self.engine, self.tokenizer)
         self.sessions = self._session_manager()
         self.loop = self._rollout_loop(persisted)
+        self.accounting = LoopAccounting(
+            self.engine.decode_clock,
+            IdleMeter(lambda: self.loop.stats()["admission_open"], self.driver.idle_slots),
+        )
         self.metrics = ServerMetrics(
-            self.loop.stats, self.driver.prefill_backlog_size, prom.CollectorRegistry()
+            self.loop.stats,
+            self.driver.prefill_backlog_size,
+            prom.CollectorRegistry(),
+            accounting=self.accounting.stats,
         )
         self.grpc_server: grpc.aio.Server | None = None
         self.service: RolloutService | None = None
@@ -240,6 +255,7 @@ class RolloutServer:
             pull_threads=s.grpc_threads,
             metrics=self.metrics,
             loader=self.loader,
+            accounting=self.accounting.stats,
         )
         rollout_pb2_grpc.add_RolloutServicer_to_server(self.service, self.grpc_server)
         address = f"[{s.host}]:{s.port}" if ":" in s.host else f"{s.host}:{s.port}"
@@ -255,6 +271,7 @@ class RolloutServer:
         if s.http_port:
             await self._start_http()
         self.loop.start()
+        self.accounting.idle.start()
         log.info(
             "serving on %s:%d (metrics port %d), weights version %d",
             s.host,
@@ -289,6 +306,7 @@ class RolloutServer:
     async def stop(self) -> None:
         """Stops the rollout loop (saving its state), the gRPC server (1 s grace), the driver,
         and releases the state directory."""
+        self.accounting.idle.stop()
         self.loop.stop()
         if self.http is not None:
             await self.http.stop()
@@ -300,11 +318,13 @@ class RolloutServer:
         self.store.close()
 
 
-async def serve(cfg: ExperimentConfig, store: StateStore) -> int:
+async def serve(
+    cfg: ExperimentConfig, store: StateStore, engine_class: Callable[..., MoEEngine] = MoEEngine
+) -> int:
     """Runs the server (with `store`, see `RolloutServer`) until SIGINT (exit code 0), SIGTERM
     (drained for up to `server.drain_s`, see `drain`; exit code 0) or until generation fails (the
     state is saved and the exit code is 1: a supervisor restarts the server where it was)."""
-    server = RolloutServer(cfg, store)
+    server = RolloutServer(cfg, store, engine_class)
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     draining: list[asyncio.Task] = []

@@ -14,7 +14,9 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
@@ -70,6 +72,8 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
       metrics: an optional `ServerMetrics`.
       loader: reads what UpdateWeights names (`weights.WeightsLoader`; under LoRA it keeps the
         base); default: whole params under `checkpoint_root`.
+      accounting: the busy-time fields Stats adds (`loop_stats.LoopAccounting.stats`); None =
+        none.
     """
 
     def __init__(
@@ -84,8 +88,10 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
         pull_threads: int,
         metrics=None,
         loader: weights.WeightsLoader | None = None,
+        accounting: Callable[[], dict[str, Any]] | None = None,
     ):
         self._loop, self._engine, self._driver = loop, engine, driver
+        self._accounting = accounting
         self._token, self._metrics = token, metrics
         self._loader = loader or weights.WeightsLoader(checkpoint_root, LoRAConfig())
         self._max_jump = max_version_jump
@@ -276,8 +282,9 @@ class RolloutService(rollout_pb2_grpc.RolloutServicer):
     async def Stats(
         self, request: rollout_pb2.StatsRequest, context: grpc.aio.ServicerContext
     ) -> rollout_pb2.StatsResponse:
-        """The rollout loop's counters."""
-        return rollout_pb2.StatsResponse(**self._loop.stats())
+        """The rollout loop's counters and the busy-time accounting."""
+        extra = self._accounting() if self._accounting is not None else {}
+        return rollout_pb2.StatsResponse(**self._loop.stats(), **extra)
 
     async def Health(
         self, request: rollout_pb2.HealthRequest, context: grpc.aio.ServicerContext

@@ -58,7 +58,8 @@ class LocalServer:
 
     ``restart_if_exited`` (the pool's retry hook) starts a crashed child again on the same port, at
     most ``max_restarts`` times: the server persists its prompt position, unfinished prompts and
-    weights version, so the run continues where it was.
+    weights version, so the run continues where it was. ``module``: the server's command
+    (``python -m MODULE``; the loop benchmark's stand-in runs ``rollout_server.stand_in``).
     """
 
     def __init__(
@@ -68,11 +69,12 @@ class LocalServer:
         log_path: str,
         *,
         max_restarts: int = 3,
+        module: str = "rollout_server",
     ):
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, "-m", "rollout_server"]
+        cmd = [sys.executable, "-c", _EXEC_WITH_PDEATHSIG, "-m", module]
         if config_path:
             cmd += ["--config", config_path]
         # The child generates only with the trainer's weights: groups of its random initial

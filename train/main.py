@@ -35,6 +35,7 @@ from jax.experimental import multihost_utils
 from sat_jax import cli as sat_cli
 from sat_jax import params_io, sharding
 from sat_jax.config import ServerConfig
+from sat_jax.cpu_clock import CpuWindow
 from sat_jax.experiment import ConfigError, ExperimentConfig
 from sat_jax.step import (
     Step,
@@ -399,6 +400,7 @@ def train_loop(
         stall_s=t.client.wait_s,
         background=ahead,
     )
+    cpu = CpuWindow()  # the process's CPU and the machine's steal seconds, per step
     with source:
         while step < t.steps:
             if parts.pusher is not None:
@@ -419,10 +421,13 @@ def train_loop(
             step, progress, streak, record = finish_step(
                 cfg, parts, state, progress, ready.pulled, step_metrics, rng, streak
             )
+            cpu_s, steal_s = cpu.lap()
             record[1].update(
                 tokens_per_s=ready.pulled.stats.tokens / max(time.monotonic() - start, 1e-9),
                 pull_wait_s=got_batch - start,
                 step_s=time.monotonic() - got_batch,
+                cpu_s=cpu_s,
+                steal_s=steal_s,
             )
             if streak.exhausted(t.max_skipped_steps):
                 break

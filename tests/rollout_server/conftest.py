@@ -33,9 +33,15 @@ MAX_MESSAGE_BYTES = load_config(str(CONFIG), SHAPES).server.max_message_bytes
 
 class ServerProcess:
     """`python -m rollout_server --config configs/arith_tiny.yaml ...` on a free port, on one CPU
-    device (or `devices` simulated ones)."""
+    device (or `devices` simulated ones); `module` runs another server command (the stand-in)."""
 
-    def __init__(self, tmp: pathlib.Path, overrides: list[str], devices: int = 1):
+    def __init__(
+        self,
+        tmp: pathlib.Path,
+        overrides: list[str],
+        devices: int = 1,
+        module: str = "rollout_server",
+    ):
         self.token = [o.split("=", 1)[1] for o in overrides if o.startswith("server.token=")]
         self.token = self.token[-1] if self.token else ""
         self.port = portpicker.pick_unused_port()
@@ -53,7 +59,7 @@ class ServerProcess:
         )
         # Its own state_dir unless the test names one (the config's is shared, and locked).
         state = f"server.state_dir={tmp / f'state-{self.port}'}"
-        cmd = [sys.executable, "-m", "rollout_server", "--config", str(CONFIG),
+        cmd = [sys.executable, "-m", module, "--config", str(CONFIG),
                f"server.port={self.port}", state, *SHAPES, *overrides]  # fmt: skip
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(
@@ -198,8 +204,10 @@ def random_params(preset: str, seed: int):
 def server_factory(tmp_path):
     started: list[ServerProcess] = []
 
-    def start(overrides: list[str], devices: int = 1) -> ServerProcess:
-        server = ServerProcess(tmp_path, overrides, devices)
+    def start(
+        overrides: list[str], devices: int = 1, module: str = "rollout_server"
+    ) -> ServerProcess:
+        server = ServerProcess(tmp_path, overrides, devices, module)
         started.append(server)
         return server.wait_ready()
 

@@ -175,6 +175,11 @@ def test_prometheus_metrics(live):
     produced = [line for line in text.splitlines() if line.startswith("satjax_rollout_groups_")]
     assert any(line.startswith("satjax_rollout_groups_produced ") for line in produced)
     assert "satjax_rollout_prefill_backlog" in text and "satjax_rollout_version" in text
+    # The busy-time accounting (loop_stats), through the real engine and driver.
+    for name in ("decode_seconds", "decode_steps", "admission_idle_slot_seconds", "cpu_seconds"):
+        assert f"satjax_rollout_{name} " in text
+    got = stats(live.rollout_stub())
+    assert got.decode_steps > 0 and got.decode_seconds > 0 and got.cpu_seconds > 0
 
 
 def test_stock_jetstream_decode(live):
