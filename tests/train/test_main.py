@@ -32,7 +32,7 @@ from flax import nnx
 
 from rollout_api.proto import rollout_pb2, rollout_pb2_grpc
 from rollout_api.records import Group, Trajectory
-from sat_jax import sharding
+from sat_jax import cpu_clock, sharding
 from sat_jax.experiment import load_config
 from sat_jax.model import placement
 from sat_jax.step import TrainState
@@ -493,8 +493,14 @@ def test_weight_pushes_run_beside_the_loop_and_sync_waits_for_them(mode, tmp_pat
         metrics.MetricsWriter(str(tmp_path), total_steps=steps, console=None) as writer,
     ):
         parts = _loop_parts(cfg, pool, pusher, writer, _step_opening(gate, steps))
+        cpu_before = cpu_clock.cpu_seconds()
         state, progress = main.train_loop(cfg, parts, state, progress)
+        cpu_during = cpu_clock.cpu_seconds() - cpu_before
     records = metrics.read_jsonl(writer.jsonl_path)
+    # Every step logs the process's CPU seconds of its window: they add up to at most what the
+    # process spent over the loop.
+    assert all(r["cpu_s"] >= 0 for r in records) and len(records) == steps
+    assert sum(r["cpu_s"] for r in records) <= cpu_during + 1e-6
     assert progress.version == steps + 1 and pushed[-1] == steps + 1  # flushed on return
     assert pushed == sorted(set(pushed))
     assert all(0 < r["pad_frac"] < 1 for r in records)  # logged every step
