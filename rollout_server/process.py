@@ -93,7 +93,8 @@ class RolloutServer:
       cfg: the experiment.
       store: the state store of `server.state_dir`, holding its lock (`sat-serve` opens it before
         importing anything heavy, so a second server on the directory fails at once).
-      engine_class: builds the engine from `MoEEngine`'s arguments (`MoEEngine`; the loop
+      engine_class: builds the engine from `MoEEngine`'s arguments (`MoEEngine`, or one that
+        answers as it does; the loop
         benchmark's stand-in passes `rollout_server.stand_in.StandInEngine`).
     """
 
@@ -101,7 +102,7 @@ class RolloutServer:
         self,
         cfg: ExperimentConfig,
         store: StateStore,
-        engine_class: Callable[..., MoEEngine] = MoEEngine,
+        engine_class: Callable[..., Any] = MoEEngine,
     ):
         self.cfg = cfg
         self.store = store
@@ -319,7 +320,7 @@ class RolloutServer:
 
 
 async def serve(
-    cfg: ExperimentConfig, store: StateStore, engine_class: Callable[..., MoEEngine] = MoEEngine
+    cfg: ExperimentConfig, store: StateStore, engine_class: Callable[..., Any] = MoEEngine
 ) -> int:
     """Runs the server (with `store`, see `RolloutServer`) until SIGINT (exit code 0), SIGTERM
     (drained for up to `server.drain_s`, see `drain`; exit code 0) or until generation fails (the

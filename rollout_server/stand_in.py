@@ -1,5 +1,6 @@
-"""A stand-in engine for measuring the loop without its compute (docs/DESIGN.md §9): a `MoEEngine`
-whose prefill, insert and generate do no model work, and whose every generate step sleeps
+"""A stand-in engine for measuring the loop without its compute (docs/DESIGN.md §9): a JetStream
+engine that holds a real `MoEEngine` and answers prefill, insert and generate itself, with no
+model work, and whose every generate step sleeps
 `step_s` (the per-token decode time measured on the real engine) and emits, for every busy slot,
 a token drawn uniformly from the sampleable non-stop ids, then a stop id once the slot's
 completion reaches `tokens`. Its log-probs are the uniform distribution's, its versions the
@@ -68,8 +69,10 @@ class StandInState:
     target_b: np.ndarray
 
 
-class StandInEngine(MoEEngine):
-    """`MoEEngine` with prefill / insert / generate replaced by the stand-in's (module docstring).
+class StandInEngine(engine_api.Engine):
+    """A JetStream engine whose prefill / insert / generate are the stand-in's (module docstring);
+    everything else (the weights and their swaps, the tokenizer, the decode clock, the slots, the
+    mesh) is the `MoEEngine` it holds, built from the same arguments.
 
     Args:
       step_s: seconds each generate step sleeps (≥ 0).
@@ -84,18 +87,65 @@ class StandInEngine(MoEEngine):
             raise ValueError(f"stand_in.step_s must be a finite number >= 0, got {step_s}")
         if tokens < 1:
             raise ValueError(f"stand_in.tokens must be >= 1, got {tokens}")
-        super().__init__(*args, **kwargs)
+        self.real = MoEEngine(*args, **kwargs)
         self.step_s, self.tokens, self._sleep = float(step_s), float(tokens), sleep
-        stops = sorted(self.tokenizer.stop_ids)
+        stops = sorted(self.real.tokenizer.stop_ids)
         if not stops:
             raise ValueError("the stand-in engine needs a tokenizer with a stop id")
         self._stop_id = stops[0]
-        sampleable = np.flatnonzero(self.sampleable_ids)
+        sampleable = np.flatnonzero(self.real.sampleable_ids)
         self._ids = np.setdiff1d(sampleable, stops).astype(np.int32)
         self._logp = np.float32(-math.log(len(sampleable)))
         self._rng = np.random.default_rng(0)
         self._calls = self._prompt_tokens = 0
         self._last_prompt = b""
+        self._slot_prompts: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        """What the stand-in does not answer itself is the real engine's."""
+        if name == "real":  # not set yet: __init__ failed before it
+            raise AttributeError(name)
+        return getattr(self.real, name)
+
+    # JetStream's engine API that `MoEEngine` implements (the base class's own would answer
+    # otherwise, not `__getattr__`), answered by the real engine.
+    def load_params(self, *args: Any, **kwargs: Any) -> Any:
+        return self.real.load_params(*args, **kwargs)
+
+    def get_prefix_destination_sharding(self) -> Any:
+        return self.real.get_prefix_destination_sharding()
+
+    def get_tokenizer(self) -> Any:
+        return self.real.get_tokenizer()
+
+    def build_tokenizer(self, metadata: Any) -> Any:
+        return self.real.build_tokenizer(metadata)
+
+    @property
+    def max_concurrent_decodes(self) -> int:
+        return self.real.max_concurrent_decodes
+
+    @property
+    def max_prefill_length(self) -> int:
+        return self.real.max_prefill_length
+
+    @property
+    def samples_per_slot(self) -> int:
+        return self.real.samples_per_slot
+
+    @property
+    def mesh(self) -> Any:
+        return self.real.mesh
+
+    @property
+    def colocated_cpus(self) -> Any:
+        return self.real.colocated_cpus
+
+    def slot_prompt(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """(prompt ids [P], prompt routing [P, L, K]) of the request last inserted into `slot`."""
+        if slot not in self._slot_prompts:
+            raise KeyError(f"slot {slot} holds no prompt (nothing inserted)")
+        return self._slot_prompts[slot]
 
     @property
     def prefill_calls(self) -> int:
