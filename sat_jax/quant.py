@@ -137,14 +137,33 @@ def all_finite(params) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])) if leaves else True
 
 
+def kv_storage_dtype(fmt: str) -> jnp.dtype:
+    """The dtype an 8-bit KV cache of ``fmt`` is stored in: int8, or fp8's bits as uint8 (XLA
+    scatters uint8 into a donated buffer in place on every backend; XLA:CPU widens a float8
+    scatter through a temporary copy)."""
+    return jnp.dtype(jnp.int8 if fmt == "int8" else jnp.uint8)
+
+
+def kv_format_of(dtype: jnp.dtype) -> str:
+    """The format of a KV cache stored in ``dtype`` (`kv_storage_dtype`; "bfloat16" for any
+    float dtype)."""
+    dtype = jnp.dtype(dtype)
+    return {jnp.dtype(jnp.int8): "int8", jnp.dtype(jnp.uint8): "fp8"}.get(dtype, "bfloat16")
+
+
 def quantize_kv(x_gh: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
-    """(q [..., G, H], scale [..., G]) of keys or values: one scale per KV head and position."""
+    """(q [..., G, H] in `kv_storage_dtype`, scale [..., G]) of keys or values: one scale per
+    KV head and position."""
     q, scale = quantize(x_gh, fmt, (-1,))
+    if fmt == "fp8":
+        q = jax.lax.bitcast_convert_type(q, jnp.uint8)
     return q, scale[..., 0]
 
 
 def dequantize_kv(q_gh: jax.Array, scale_g: jax.Array, dtype) -> jax.Array:
     """Keys or values [..., G, H] in ``dtype`` from `quantize_kv`'s (q, scale)."""
+    if q_gh.dtype == jnp.uint8:
+        q_gh = jax.lax.bitcast_convert_type(q_gh, jnp.float8_e4m3fn)
     return dequantize(q_gh, scale_g[..., None], dtype)
 
 
@@ -174,6 +193,8 @@ __all__ = [
     "fake_quantize_kv",
     "format_of",
     "is_quantized",
+    "kv_format_of",
+    "kv_storage_dtype",
     "quantize",
     "quantize_kv",
     "quantize_params",

@@ -22,7 +22,7 @@ class KVCache:
       v_lbsgh: [num_layers, B, S, G, H] values.
       lengths_b: [B] int32 valid positions per row; the next token of row b goes to lengths_b[b].
       k_scale_lbsg, v_scale_lbsg: [num_layers, B, S, G] float32 scales of an 8-bit cache
-        (keys and values in int8 or float8_e4m3fn, `sat_jax.quant.quantize_kv`: one scale per
+        (keys and values in int8, or float8_e4m3fn bits as uint8, `sat_jax.quant.quantize_kv`: one scale per
         position and KV head); None for a cache in a float dtype.
     """
 
@@ -39,7 +39,7 @@ class KVCache:
     @property
     def kv_format(self) -> str:
         """ "int8" or "fp8" for an 8-bit cache, "bfloat16" for one in a float dtype."""
-        return quant.format_of(self.k_lbsgh.dtype)
+        return quant.kv_format_of(self.k_lbsgh.dtype)
 
     def arrays(self) -> dict[str, jax.Array]:
         """The per-position arrays by field name (keys, values and, when 8-bit, their scales):

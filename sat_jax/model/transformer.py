@@ -717,7 +717,7 @@ def empty_cache(shape_lbsgh: tuple[int, ...], dtype, kv_format: str = "bfloat16"
     if not quant.is_quantized(kv_format):
         zeros = lambda: jnp.zeros(shape_lbsgh, dtype)
         return KVCache(k_lbsgh=zeros(), v_lbsgh=zeros(), lengths_b=jnp.zeros((b,), jnp.int32))
-    zeros = lambda: jnp.zeros(shape_lbsgh, quant.storage_dtype(kv_format))
+    zeros = lambda: jnp.zeros(shape_lbsgh, quant.kv_storage_dtype(kv_format))
     ones = lambda: jnp.ones(shape_lbsgh[:-1], jnp.float32)
     return KVCache(
         k_lbsgh=zeros(),
