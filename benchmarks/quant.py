@@ -67,8 +67,8 @@ def small_model(seed: int = 0):
     """(graphdef, float32 master params) of the ``small`` preset, randomly initialized."""
     cfg = ModelConfig.preset("small", dispatch="dense")
     mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
-    _, state = placement.init_sharded(cfg, mesh, seed)
-    return cfg, nnx.to_pure_dict(state)
+    _, params = placement.init_sharded(cfg, mesh, seed)  # a pure dict
+    return cfg, params
 
 
 def hf_model(tmp: pathlib.Path, seed: int = 0):
