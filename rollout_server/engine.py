@@ -30,10 +30,19 @@ arguments, so `swap_params` changes weights between two steps without recompilin
 another float dtype are cast to the engine's serving dtype (e.g. float32 trainer weights served in
 bfloat16). The `params` JetStream passes back into `prefill`/`generate` (captured once by its
 threads) are ignored.
+
+With `weight_dtype` "int8" or "fp8" the engine quantizes what it installs (`sat_jax.quant`: the
+experts, attention projections, dense MLPs and LM head per output channel; router, norms and
+embedding as they are) and holds only the 8-bit weights and their scales; every program
+dequantizes them on use. Pushes stay full precision (the trainer keeps its masters) and a LoRA
+push is merged into its full-precision base first, then quantized. With `kv_cache_dtype` "int8"
+or "fp8" the decode cache is 8-bit (`DecodeCore`). Behavior log-probs and routing are the
+quantized model's own: what sampled the token.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from typing import Any
@@ -50,6 +59,7 @@ from jetstream.engine import engine_api, tokenizer_pb2
 
 from rollout_server.jetstream_tokenizer import JetStreamTokenizer
 from rollout_server.loop_stats import DecodeClock
+from sat_jax import quant
 from sat_jax.decoding import (
     LENGTH_COL,
     TOKEN_COL,
@@ -87,6 +97,12 @@ class MoEEngine(engine_api.Engine):
       version: version number of the initial params.
       mesh: the mesh the params are sharded over (`server.mesh`); the KV cache is sharded on it
         too (`DecodeCore`). Default: one device.
+      weight_dtype: "bfloat16" (serve the params as they are) or "int8" / "fp8" (`server.weight_dtype`).
+      kv_cache_dtype: "bfloat16" or "int8" / "fp8" (`server.kv_cache_dtype`).
+
+    Raises:
+      ValueError: a format that is not one of `quant.FORMATS`, or one this backend cannot run
+        (naming the key).
     """
 
     def __init__(
@@ -101,7 +117,11 @@ class MoEEngine(engine_api.Engine):
         seed: int = 0,
         version: int = 0,
         mesh: jax.sharding.Mesh | None = None,
+        weight_dtype: str = "bfloat16",
+        kv_cache_dtype: str = "bfloat16",
     ):
+        check_backend_formats(weight_dtype, kv_cache_dtype)
+        self.weight_dtype = weight_dtype
         n = max_prefill_length
         if n < 16 or n > 32768 or n & (n - 1):
             raise ValueError(f"max_prefill_length must be a power of two in [16, 32768], got {n}")
@@ -121,13 +141,19 @@ class MoEEngine(engine_api.Engine):
             sampleable_v=sampleable_mask(tokenizer, model.config.vocab_size),
             seed=seed,
             mesh=mesh,
+            kv_cache_dtype=kv_cache_dtype,
         )
         # Committed placement now, so swapped-in params (device_put onto these shardings) hit
         # the same compiled executables.
         params = jax.tree_util.tree_map(
             lambda x: jax.device_put(x, x.sharding), nnx.to_pure_dict(state)
         )
-        self._current = (int(version), params)
+        # What a push must look like: the full-precision tree (shapes, dtypes, shardings).
+        self._like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params
+        )
+        self._quantize = jax.jit(functools.partial(quant.quantize_params, fmt=weight_dtype))
+        self._current = (int(version), self._installed(params))
         self._swap_lock = threading.Lock()
         # (slot, tokens, start, generated, segment) waiting for the generate thread.
         self._extensions: list[tuple[int, np.ndarray, int, int, int]] = []
@@ -172,8 +198,31 @@ class MoEEngine(engine_api.Engine):
         return self._current[0]
 
     def current_params(self) -> tuple[int, Any]:
-        """(version, params) now in use."""
+        """(version, params) now in use, in the full-precision layout a push restores into.
+        With 8-bit weights (`weight_dtype`) the params are that layout's abstract arrays
+        (`jax.ShapeDtypeStruct`s with their shardings; the engine holds only the quantized
+        ones, `served_params`)."""
+        version, params = self._current
+        return version, (self._like if quant.is_quantized(self.weight_dtype) else params)
+
+    def served_params(self) -> tuple[int, Any]:
+        """(version, the params the programs run): with 8-bit weights, `quant.QTensor` leaves."""
         return self._current
+
+    def _installed(self, params: Any) -> Any:
+        """``params`` (placed like the current ones) as served: quantized per `weight_dtype`.
+
+        Raises:
+          ValueError: 8-bit weights and a non-finite value (no scale can hold it).
+        """
+        if not quant.is_quantized(self.weight_dtype):
+            return params
+        if not bool(quant.all_finite(params)):
+            raise ValueError(
+                f"the params hold inf or NaN: server.weight_dtype {self.weight_dtype} cannot "
+                "quantize them"
+            )
+        return self._quantize(params)
 
     def swap_params(self, version: int, params: Any) -> None:
         """Installs new params for every later step; they land on the old params' shardings.
@@ -181,16 +230,18 @@ class MoEEngine(engine_api.Engine):
         The old params stay alive until the step in flight finishes, so for a moment both
         versions occupy memory.
 
+        With 8-bit weights (`weight_dtype`) the params are quantized here; params that cannot be
+        (inf or NaN) are refused and the served weights stay as they were.
+
         Raises:
           ValueError: the tree structure or a leaf's shape differs from the current params, a
-            leaf's dtype differs other than float for float, or the version is outside
-            [0, 2**31).
+            leaf's dtype differs other than float for float, the version is outside
+            [0, 2**31), or 8-bit weights cannot be made of the params.
         """
         if not 0 <= version < 2**31:
             raise ValueError(f"version must be in [0, 2**31), got {version}")
         with self._swap_lock:
-            _, old = self._current
-            old_leaves, old_def = jax.tree_util.tree_flatten(old)
+            old_leaves, old_def = jax.tree_util.tree_flatten(self._like)
             new_leaves, new_def = jax.tree_util.tree_flatten(params)
             if old_def != new_def:
                 raise ValueError("new params have a different tree structure")
@@ -202,6 +253,7 @@ class MoEEngine(engine_api.Engine):
             placed = jax.tree_util.tree_unflatten(
                 old_def, [_placed_like(n, o) for o, n in zip(old_leaves, new_leaves, strict=True)]
             )
+            placed = self._installed(placed)
             jax.block_until_ready(placed)
             self._current = (int(version), placed)
 
@@ -376,6 +428,27 @@ class MoEEngine(engine_api.Engine):
         return None
 
 
+def check_backend_formats(weight_dtype: str, kv_cache_dtype: str) -> None:
+    """Raises ValueError (one line naming the key) unless both are `quant.FORMATS` this
+    process's default backend can quantize and dequantize."""
+    for key, fmt in (
+        ("server.weight_dtype", weight_dtype),
+        ("server.kv_cache_dtype", kv_cache_dtype),
+    ):
+        quant.check_format(fmt, key)
+        if not quant.is_quantized(fmt):
+            continue
+        try:
+            x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32).reshape(2, 4)
+            jax.block_until_ready(
+                jax.jit(functools.partial(quant.fake_quantize, fmt=fmt, axes=(1,)))(x)
+            )
+        except Exception as e:  # the backend's compiler refuses the 8-bit dtype
+            raise ValueError(
+                f"{key} {fmt}: the {jax.default_backend()} backend cannot run it ({e})"
+            ) from e
+
+
 def _placed_like(new: Any, old: jax.Array) -> jax.Array:
     """`new` on `old`'s sharding and dtype: as it is when it is already there (what the weights
     loader restores), else copied and cast."""
@@ -389,4 +462,4 @@ def _castable(new: np.dtype, old: np.dtype) -> bool:
     return new == old or (jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(old, jnp.floating))
 
 
-__all__ = ["FailedPrefix", "MoEEngine", "unpack_step"]
+__all__ = ["FailedPrefix", "MoEEngine", "check_backend_formats", "unpack_step"]

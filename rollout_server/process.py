@@ -124,6 +124,8 @@ class RolloutServer:
             max_decode_length=cfg.completion_tokens,  # an episode's, multi-turn
             sampling=SamplingConfig.from_rollout(cfg.rollout),
             seed=cfg.server.seed,
+            weight_dtype=cfg.server.weight_dtype,
+            kv_cache_dtype=cfg.server.kv_cache_dtype,
         )
         self.loader = weights.WeightsLoader(
             cfg.server.checkpoint_root,

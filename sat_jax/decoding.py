@@ -43,9 +43,9 @@ import numpy as np
 from flax import nnx, struct
 from jax.sharding import NamedSharding
 
-from sat_jax import sharding
+from sat_jax import quant, sharding
 from sat_jax.config import RolloutConfig
-from sat_jax.model import KVCache, ModelConfig
+from sat_jax.model import KVCache, ModelConfig, empty_cache
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +199,14 @@ class DecodeCore:
         docs/DESIGN.md §6.1). None: whatever the params' devices are (one device: a process
         with several TPU devices and no mesh cannot place the kernels and keeps ``ragged_dot``,
         which is logged as a warning).
+      kv_cache_dtype: "bfloat16" (the cache in the serving dtype) or "int8" / "fp8": the cache
+        stored 8-bit with a float32 scale per position and KV head (`sat_jax.quant`), written in
+        place and read dequantized; a prompt's prefill attends over its keys and values as the
+        cache holds them, so every token is sampled from the model the trainer can replay
+        (``Transformer.forward(kv_cache_dtype=...)``).
+
+    Params may hold `sat_jax.quant.QTensor` leaves (8-bit served weights): every program
+    dequantizes them on use (`quant.dequantize_params`), before the model runs.
     """
 
     def __init__(
@@ -213,13 +221,16 @@ class DecodeCore:
         sampleable_v: np.ndarray,
         seed: int = 0,
         mesh: jax.sharding.Mesh | None = None,
+        kv_cache_dtype: str = "bfloat16",
     ):
+        quant.check_format(kv_cache_dtype, "kv_cache_dtype")
         if np.shape(sampleable_v) != (config.vocab_size,):
             raise ValueError(
                 f"sampleable_v has shape {np.shape(sampleable_v)}, expected ({config.vocab_size},)"
             )
         self.graphdef = graphdef
         self.config = config
+        self.kv_cache_dtype = kv_cache_dtype
         self.slots = slots
         self.max_prefill_length = max_prefill_length
         self.max_decode_length = max_decode_length
@@ -287,22 +298,29 @@ class DecodeCore:
         without a mesh)."""
         if self.mesh is None:
             return cache
-        spec = sharding.logical_to_spec(
-            ("layers", None, "length", "kv_heads", "head_dim"),
-            shape=cache.k_lbsgh.shape,
-            mesh=self.mesh,
-        )
-        put = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
-        return cache.replace(k_lbsgh=put(cache.k_lbsgh), v_lbsgh=put(cache.v_lbsgh))
+        axes = ("layers", None, "length", "kv_heads", "head_dim")
+
+        def put(x: jax.Array) -> jax.Array:  # keys/values [L, B, S, G, H], scales [L, B, S, G]
+            spec = sharding.logical_to_spec(axes[: x.ndim], shape=x.shape, mesh=self.mesh)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        return cache.map_arrays(put)
+
+    def _model(self, params: Any) -> Any:
+        """The model of ``params``, 8-bit weights dequantized (`quant.dequantize_params`)."""
+        return nnx.merge(self.graphdef, quant.dequantize_params(params))
 
     def _prefill(
         self, params: Any, tokens_p: jax.Array, true_length: jax.Array, version: jax.Array
     ) -> Prefix:
-        model = nnx.merge(self.graphdef, params)
+        model = self._model(params)
         p = tokens_p.shape[0]
         mask_1p = (jnp.arange(p) < true_length)[None]
         out = model.prefill(
-            model.init_cache(1, p), tokens_p[None], mask_bt=mask_1p, return_routing=True
+            model.init_cache(1, p, self.kv_cache_dtype),
+            tokens_p[None],
+            mask_bt=mask_1p,
+            return_routing=True,
         )
         return Prefix(
             cache=self._shard_cache(out.cache),
@@ -315,14 +333,14 @@ class DecodeCore:
 
     def _insert(self, prefix: Prefix, state: DecodeState, slot: jax.Array) -> DecodeState:
         c = state.cache
-        start = (0, slot, 0, 0, 0)
-        cache = KVCache(
-            k_lbsgh=jax.lax.dynamic_update_slice(
-                c.k_lbsgh, prefix.cache.k_lbsgh.astype(c.k_lbsgh.dtype), start
-            ),
-            v_lbsgh=jax.lax.dynamic_update_slice(
-                c.v_lbsgh, prefix.cache.v_lbsgh.astype(c.v_lbsgh.dtype), start
-            ),
+        new = prefix.cache.arrays()
+        cache = c.replace(
+            **{
+                n: jax.lax.dynamic_update_slice(
+                    x, new[n].astype(x.dtype), (0, slot) + (0,) * (x.ndim - 2)
+                )
+                for n, x in c.arrays().items()
+            },
             lengths_b=c.lengths_b.at[slot].set(prefix.true_length),
         )
         return DecodeState(
@@ -346,20 +364,18 @@ class DecodeCore:
         version: jax.Array,
         segment: jax.Array,
     ) -> tuple[DecodeState, jax.Array]:
-        model = nnx.merge(self.graphdef, params)
+        model = self._model(params)
         c = state.cache
         row = lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, axis=1)
-        cache_1 = KVCache(
-            k_lbsgh=row(c.k_lbsgh), v_lbsgh=row(c.v_lbsgh), lengths_b=start.reshape(1)
-        )
+        cache_1 = c.map_arrays(row).replace(lengths_b=start.reshape(1))
         mask_1t = (jnp.arange(tokens_t.shape[0]) < n)[None]
         out = model.extend(
             cache_1, tokens_t[None], mask_bt=mask_1t, return_routing=True, window=self.cache_length
         )
         put = lambda x, r: jax.lax.dynamic_update_slice_in_dim(x, r.astype(x.dtype), slot, axis=1)
-        cache = KVCache(
-            k_lbsgh=put(c.k_lbsgh, out.cache.k_lbsgh),
-            v_lbsgh=put(c.v_lbsgh, out.cache.v_lbsgh),
+        new = out.cache.arrays()
+        cache = c.replace(
+            **{name: put(x, new[name]) for name, x in c.arrays().items()},
             lengths_b=c.lengths_b.at[slot].set(start + n),
         )
         new_state = DecodeState(
@@ -387,7 +403,7 @@ class DecodeCore:
         logits_bv = jnp.where(self.sampleable_v, state.logits_bv, -jnp.inf)
         tokens_b, logp_b, kept_b = self._sample(logits_bv, step_key, state.cache.lengths_b)
         active_b = state.generated_b < self.max_decode_length
-        model = nnx.merge(self.graphdef, params)
+        model = self._model(params)
         out = model.decode_step(
             state.cache, tokens_b, active_b=active_b, return_routing=True, window=window
         )
@@ -511,18 +527,15 @@ class DecodeCore:
         return state, data
 
     def init_state(self, version: int = 0) -> DecodeState:
-        """An empty KV cache (in ``param_dtype``, the serving dtype) with every slot free
-        (exhausted until an insert). The core tracks the slots of the last state it made."""
+        """An empty KV cache (in ``param_dtype``, the serving dtype, or 8-bit with scales per
+        ``kv_cache_dtype``) with every slot free (exhausted until an insert). The core tracks the
+        slots of the last state it made."""
         c = self.config
         self._lengths_b[:] = 0
         self._generated_b[:] = self.max_decode_length
         shape = (c.num_layers, self.slots, self.cache_positions, c.num_kv_heads, c.head_dim)
         # Stored in the serving dtype (the params'), e.g. bfloat16 whatever the compute dtype.
-        cache = KVCache(
-            k_lbsgh=jnp.zeros(shape, c.params_dtype),
-            v_lbsgh=jnp.zeros(shape, c.params_dtype),
-            lengths_b=jnp.zeros((self.slots,), jnp.int32),
-        )
+        cache = empty_cache(shape, c.params_dtype, self.kv_cache_dtype)
         return DecodeState(
             cache=jax.jit(self._shard_cache)(cache),
             logits_bv=jnp.zeros((self.slots, c.vocab_size), jnp.float32),

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 from sat_jax.sharding import MeshConfig
 
 _LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# `server.weight_dtype` / `server.kv_cache_dtype` (`sat_jax.quant.FORMATS`).
+_QUANT_FORMATS = ("bfloat16", "int8", "fp8")
 # Frozen, so one shared default instance is safe.
 _ONE_DEVICE_MESH = MeshConfig(fsdp=1)
 
@@ -77,6 +79,12 @@ class ServerConfig:
       http_session_fork: a session request whose history diverges from the session's starts a
         new segment of the sample (re-prefilled from the new history) instead of a 400
         `history_mismatch`.
+      weight_dtype: "bfloat16" (the served weights as they are, in `dtype`), "int8" or "fp8"
+        (float8_e4m3fn): the server quantizes what it installs per output channel (experts,
+        attention projections, dense MLPs, the LM head; router, norms and embedding stay) and
+        dequantizes on use; behavior log-probs are the quantized model's (docs/DESIGN.md §6.1).
+      kv_cache_dtype: "bfloat16" (the decode KV cache in `dtype`), "int8" or "fp8": the cache
+        stored 8-bit with a float32 scale per position and KV head, written in place.
     """
 
     host: str = "127.0.0.1"
@@ -111,11 +119,14 @@ class ServerConfig:
     http_sampling: str = "strict"
     http_reasoning_parser: str = ""
     http_session_fork: bool = False
+    weight_dtype: str = "bfloat16"
+    kv_cache_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         self._check_http()
         if self.dtype:
             _check_float_dtype(self.dtype)
+        self._check_quantization()
         if self.host not in _LOOPBACK_HOSTS and not self.token:
             raise ValueError(f"host {self.host!r} is not loopback: a token is required")
         for name in ("port", "metrics_port"):
@@ -137,6 +148,18 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be >= 1 MiB, got {self.max_message_bytes}")
         if self.max_request_bytes < 64 * 1024:
             raise ValueError(f"max_request_bytes must be >= 64 KiB, got {self.max_request_bytes}")
+
+    def _check_quantization(self) -> None:
+        for key in ("weight_dtype", "kv_cache_dtype"):
+            fmt = getattr(self, key)
+            if fmt not in _QUANT_FORMATS:
+                raise ValueError(
+                    f"server.{key} must be one of {', '.join(_QUANT_FORMATS)}, got {fmt!r}"
+                )
+            if fmt != "bfloat16" and self.dtype and jnp.dtype(self.dtype).itemsize < 2:
+                raise ValueError(
+                    f"server.{key} {fmt} needs server.dtype of 16 or 32 bits, got {self.dtype}"
+                )
 
     def _check_http(self) -> None:
         if not 0 <= self.http_port < 65536:

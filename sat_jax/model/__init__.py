@@ -8,7 +8,7 @@ from sat_jax.model.router_shift import (
     router_shift_from_counts,
     router_shift_ratio,
 )
-from sat_jax.model.transformer import ModelOutput, Transformer
+from sat_jax.model.transformer import ModelOutput, Transformer, empty_cache
 
 __all__ = [
     "PRESETS",
@@ -19,6 +19,7 @@ __all__ = [
     "ModelOutput",
     "PrefillOutput",
     "Transformer",
+    "empty_cache",
     "router_shift_counts",
     "router_shift_from_counts",
     "router_shift_ratio",

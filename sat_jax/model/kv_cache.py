@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 from flax import struct
 
+from sat_jax import quant
+
 
 @struct.dataclass
 class KVCache:
@@ -19,15 +21,37 @@ class KVCache:
       k_lbsgh: [num_layers, B, S, G, H] keys (normed and rotated).
       v_lbsgh: [num_layers, B, S, G, H] values.
       lengths_b: [B] int32 valid positions per row; the next token of row b goes to lengths_b[b].
+      k_scale_lbsg, v_scale_lbsg: [num_layers, B, S, G] float32 scales of an 8-bit cache
+        (keys and values in int8, or float8_e4m3fn bits as uint8, `sat_jax.quant.quantize_kv`: one scale per
+        position and KV head); None for a cache in a float dtype.
     """
 
     k_lbsgh: jax.Array
     v_lbsgh: jax.Array
     lengths_b: jax.Array
+    k_scale_lbsg: jax.Array | None = None
+    v_scale_lbsg: jax.Array | None = None
 
     @property
     def max_len(self) -> int:
         return self.k_lbsgh.shape[2]
+
+    @property
+    def kv_format(self) -> str:
+        """ "int8" or "fp8" for an 8-bit cache, "bfloat16" for one in a float dtype."""
+        return quant.kv_format_of(self.k_lbsgh.dtype)
+
+    def arrays(self) -> dict[str, jax.Array]:
+        """The per-position arrays by field name (keys, values and, when 8-bit, their scales):
+        each is [num_layers, B, S, ...], so a slot's or a position's update applies to all."""
+        names = ("k_lbsgh", "v_lbsgh")
+        if self.k_scale_lbsg is not None:
+            names += ("k_scale_lbsg", "v_scale_lbsg")
+        return {n: getattr(self, n) for n in names}
+
+    def map_arrays(self, fn) -> KVCache:
+        """This cache with ``fn(array)`` in place of every `arrays` entry (lengths kept)."""
+        return self.replace(**{n: fn(x) for n, x in self.arrays().items()})
 
 
 @struct.dataclass

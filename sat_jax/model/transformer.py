@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from sat_jax import quant
 from sat_jax.model.config import ModelConfig
 from sat_jax.model.kv_cache import DecodeOutput, KVCache, PrefillOutput
 from sat_jax.model.layers import Attention, DenseMLP, RMSNorm, fan_in_init, make_param
@@ -58,12 +59,14 @@ class ModelOutput:
 class _Trunk:
     """What `Transformer._trunk` computes: the residual stream after the last layer, each MoE
     layer's output, and the keys and values: [L, B, T, G, H] of the T positions without a cache,
-    the whole updated cache [L, B, S, G, H] with one."""
+    the whole updated cache [L, B, S, G, H] with one (and, for an 8-bit cache, its scales)."""
 
     x_btd: jax.Array
     moe: tuple[MoEOutput, ...]
     k_lbtgh: jax.Array
     v_lbtgh: jax.Array
+    k_scale_lbtg: jax.Array | None = None
+    v_scale_lbtg: jax.Array | None = None
 
 
 class DecoderLayer(nnx.Module):
@@ -161,6 +164,7 @@ class Transformer(nnx.Module):
         replay_btlk: jax.Array | None = None,
         dispatch: str | None = None,
         window: int | None = None,
+        kv_format: str = "bfloat16",
     ) -> _Trunk:
         """Runs every layer. With `cache`, the T new keys/values of row b go to its positions
         `positions_bt[b]` (lengths_b[b] onwards; positions past the cache are dropped) and
@@ -171,12 +175,19 @@ class Transformer(nnx.Module):
         buffers carried from layer to layer, and the returned `_Trunk` holds those buffers: under
         `jit` with the cache donated, XLA writes the new entries into the donated buffers in
         place, so no second cache is built (docs/DESIGN.md §5). Without, the T positions' keys
-        and values are stacked over layers."""
+        and values are stacked over layers.
+
+        An 8-bit cache (`KVCache.kv_format`) is written quantized (`quant.quantize_kv`) and read
+        dequantized; without a cache, ``kv_format`` "int8" / "fp8" makes attention see the keys
+        and values as such a cache holds them (`quant.fake_quantize_kv`), so a prefill's prompt
+        and a full forward read what the decode steps later read."""
         c = self.config
         x_btd = self.embedding_vd[...].astype(c.dtype)[tokens_bt]
         rows_b = jnp.arange(tokens_bt.shape[0])
         moe_outs, ks, vs = [], [], []
         k_all, v_all = (None, None) if cache is None else (cache.k_lbsgh, cache.v_lbsgh)
+        ks_all, vs_all = (None, None) if cache is None else (cache.k_scale_lbsg, cache.v_scale_lbsg)
+        fmt = kv_format if cache is None else cache.kv_format
         if cache is not None:
             # Row b's position p is row b·S + p of the cache seen as [L, B·S, G, H] (positions
             # past the cache go to B·S, out of range, and are dropped). One index per update, not
@@ -192,16 +203,31 @@ class Transformer(nnx.Module):
             if cache is None:
                 ks.append(k_bsgh)
                 vs.append(v_bsgh)
+                k_bsgh, v_bsgh = (
+                    quant.fake_quantize_kv(k_bsgh, fmt),
+                    quant.fake_quantize_kv(v_bsgh, fmt),
+                )
             else:  # T new tokens per row, written at their positions of layer i
                 put = lambda c, x, i=i: (
-                    c.reshape(num_l, b * s, g, h)
+                    c.reshape(num_l, b * s, *c.shape[3:])
                     .at[i, flat_bt]
                     .set(x.astype(c.dtype), mode="drop")
-                    .reshape(num_l, b, s, g, h)
+                    .reshape(c.shape)
                 )
-                k_all, v_all = put(k_all, k_bsgh), put(v_all, v_bsgh)
                 span = k_all.shape[2] if window is None else window
-                k_bsgh, v_bsgh = k_all[i, :, :span], v_all[i, :, :span]
+                if quant.is_quantized(fmt):
+                    dtype = k_bsgh.dtype
+                    (kq, k_sc), (vq, v_sc) = (
+                        quant.quantize_kv(k_bsgh, fmt),
+                        quant.quantize_kv(v_bsgh, fmt),
+                    )
+                    k_all, v_all = put(k_all, kq), put(v_all, vq)
+                    ks_all, vs_all = put(ks_all, k_sc), put(vs_all, v_sc)
+                    k_bsgh = quant.dequantize_kv(k_all[i, :, :span], ks_all[i, :, :span], dtype)
+                    v_bsgh = quant.dequantize_kv(v_all[i, :, :span], vs_all[i, :, :span], dtype)
+                else:
+                    k_all, v_all = put(k_all, k_bsgh), put(v_all, v_bsgh)
+                    k_bsgh, v_bsgh = k_all[i, :, :span], v_all[i, :, :span]
             x_btd = x_btd + layer.attn.attend(qkv.q_btnh, k_bsgh, v_bsgh, allowed_bts)
             h_btd = layer.mlp_norm(x_btd)
             if layer.is_moe:
@@ -216,7 +242,14 @@ class Transformer(nnx.Module):
                 x_btd = x_btd + layer.mlp(h_btd)
         if cache is None:
             k_all, v_all = jnp.stack(ks), jnp.stack(vs)
-        return _Trunk(x_btd=x_btd, moe=tuple(moe_outs), k_lbtgh=k_all, v_lbtgh=v_all)
+        return _Trunk(
+            x_btd=x_btd,
+            moe=tuple(moe_outs),
+            k_lbtgh=k_all,
+            v_lbtgh=v_all,
+            k_scale_lbtg=ks_all,
+            v_scale_lbtg=vs_all,
+        )
 
     def _logits(self, x_btd: jax.Array) -> jax.Array:
         return self._project(self.final_norm(x_btd).astype(self.config.dtype))
@@ -283,6 +316,7 @@ class Transformer(nnx.Module):
         replay_mask_bt: jax.Array | None = None,
         dispatch: str | None = None,
         segment_ids_bt: jax.Array | None = None,
+        kv_cache_dtype: str = "bfloat16",
     ) -> ModelOutput:
         """Full causal forward of right-padded sequences, or of packed rows.
 
@@ -299,6 +333,9 @@ class Transformer(nnx.Module):
           segment_ids_bt: [B, T] int, packed rows (docs/DESIGN.md §7.1): the id of each
             position's sequence, 0 on padding; a token attends to the earlier tokens of its own
             segment only (give each segment's own `positions_bt`, restarting at 0).
+          kv_cache_dtype: "int8" / "fp8": attention reads the keys and values as an 8-bit decode
+            cache of that format holds them (`quant.fake_quantize_kv`): the forward a server
+            with that `server.kv_cache_dtype` decodes. "bfloat16" (default): as computed.
         """
         c = self.config
         b, t = tokens_bt.shape
@@ -321,7 +358,14 @@ class Transformer(nnx.Module):
                 raise ValueError("replay_mask_bt needs replay_routing")
             replay_mask_bt = jnp.asarray(replay_mask_bt, bool)
         x_btd, stats = self._scan_layers(
-            x_btd, positions_bt, mask_bt, replay_routing, dispatch, replay_mask_bt, segment_ids_bt
+            x_btd,
+            positions_bt,
+            mask_bt,
+            replay_routing,
+            dispatch,
+            replay_mask_bt,
+            segment_ids_bt,
+            kv_cache_dtype,
         )
         balance = balance_from_stats(stats.frac_le, stats.prob_le)
         hidden_btd = self.final_norm(x_btd).astype(c.dtype)
@@ -388,7 +432,15 @@ class Transformer(nnx.Module):
         return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 
     def _scan_layers(
-        self, x_btd, positions_bt, mask_bt, replay_btlk, dispatch, replay_mask_bt, segment_ids_bt
+        self,
+        x_btd,
+        positions_bt,
+        mask_bt,
+        replay_btlk,
+        dispatch,
+        replay_mask_bt,
+        segment_ids_bt,
+        kv_format="bfloat16",
     ):
         """The full forward's layers: each run of identical consecutive layers (all dense or all
         MoE) is one `lax.scan` over its params stacked on the fly, so one layer of each kind is
@@ -417,6 +469,7 @@ class Transformer(nnx.Module):
                     c,
                     replay_mask_bt,
                     segment_ids_bt,
+                    kv_format,
                 )
                 return constrain_batch(x), stats
 
@@ -456,14 +509,16 @@ class Transformer(nnx.Module):
         )
         return (out.logits_btv, out.routing_btlk) if return_routing else out.logits_btv
 
-    def init_cache(self, batch: int, max_len: int | None = None) -> KVCache:
-        """An empty cache of `max_len` (default `config.max_seq_len`) positions for `batch` rows."""
+    def init_cache(
+        self, batch: int, max_len: int | None = None, kv_format: str = "bfloat16"
+    ) -> KVCache:
+        """An empty cache of `max_len` (default `config.max_seq_len`) positions for `batch` rows,
+        in `config.dtype`, or 8-bit with scales for ``kv_format`` "int8" / "fp8"."""
         c = self.config
-        shape = (c.num_layers, batch, max_len or c.max_seq_len, c.num_kv_heads, c.head_dim)
-        return KVCache(
-            k_lbsgh=jnp.zeros(shape, c.dtype),
-            v_lbsgh=jnp.zeros(shape, c.dtype),
-            lengths_b=jnp.zeros((batch,), jnp.int32),
+        return empty_cache(
+            (c.num_layers, batch, max_len or c.max_seq_len, c.num_kv_heads, c.head_dim),
+            c.dtype,
+            kv_format,
         )
 
     def prefill(
@@ -485,14 +540,17 @@ class Transformer(nnx.Module):
         mask_bt = jnp.ones((b, t), bool) if mask_bt is None else mask_bt.astype(bool)
         positions_bt = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         allowed_bts = jnp.tril(jnp.ones((t, t), bool))[None] & mask_bt[:, None, :]
-        trunk = self._trunk(tokens_bt, positions_bt, mask_bt, allowed_bts)
-        cache = KVCache(
-            k_lbsgh=jax.lax.dynamic_update_slice_in_dim(
-                cache.k_lbsgh, trunk.k_lbtgh.astype(cache.k_lbsgh.dtype), 0, axis=2
-            ),
-            v_lbsgh=jax.lax.dynamic_update_slice_in_dim(
-                cache.v_lbsgh, trunk.v_lbtgh.astype(cache.v_lbsgh.dtype), 0, axis=2
-            ),
+        fmt = cache.kv_format
+        trunk = self._trunk(tokens_bt, positions_bt, mask_bt, allowed_bts, kv_format=fmt)
+        new = {"k_lbsgh": trunk.k_lbtgh, "v_lbsgh": trunk.v_lbtgh}
+        if quant.is_quantized(fmt):
+            (kq, k_sc), (vq, v_sc) = (quant.quantize_kv(x, fmt) for x in new.values())
+            new = {"k_lbsgh": kq, "v_lbsgh": vq, "k_scale_lbsg": k_sc, "v_scale_lbsg": v_sc}
+        cache = cache.replace(
+            **{
+                n: jax.lax.dynamic_update_slice_in_dim(c, new[n].astype(c.dtype), 0, axis=2)
+                for n, c in cache.arrays().items()
+            },
             lengths_b=jnp.sum(mask_bt, axis=-1, dtype=jnp.int32),
         )
         routing = self._routing(trunk, b, t) if return_routing else None
@@ -585,6 +643,8 @@ class Transformer(nnx.Module):
             k_lbsgh=trunk.k_lbtgh,
             v_lbsgh=trunk.v_lbtgh,
             lengths_b=cache.lengths_b + jnp.sum(mask_bt, axis=-1, dtype=jnp.int32),
+            k_scale_lbsg=trunk.k_scale_lbtg,
+            v_scale_lbsg=trunk.v_scale_lbtg,
         )
         routing = self._routing(trunk, b, t) if return_routing else None
         return PrefillOutput(
@@ -618,13 +678,14 @@ def _layer_step(
     c: ModelConfig,
     replay_mask_bt=None,
     segment_ids_bt=None,
+    kv_format="bfloat16",
 ):
     """One decoder layer of the full forward: (new residual stream, MoE stats or None)."""
     qkv = layer.attn.project(layer.attn_norm(x_btd), positions_bt)
     x_btd = x_btd + layer.attn.attend_causal(
         qkv.q_btnh,
-        qkv.k_btgh,
-        qkv.v_btgh,
+        quant.fake_quantize_kv(qkv.k_btgh, kv_format),
+        quant.fake_quantize_kv(qkv.v_btgh, kv_format),
         mask_bt,
         path=c.attention,
         block=c.attention_block,
@@ -647,3 +708,21 @@ def _layer_step(
         prob_le=out.router_prob_e,
     )
     return x_btd + out.y_btd, stats
+
+
+def empty_cache(shape_lbsgh: tuple[int, ...], dtype, kv_format: str = "bfloat16") -> KVCache:
+    """A zero cache of ``shape_lbsgh`` [L, B, S, G, H] for every row: in ``dtype``, or for
+    ``kv_format`` "int8" / "fp8" in its 8-bit storage with float32 scales [L, B, S, G] of 1."""
+    b = shape_lbsgh[1]
+    if not quant.is_quantized(kv_format):
+        zeros = lambda: jnp.zeros(shape_lbsgh, dtype)
+        return KVCache(k_lbsgh=zeros(), v_lbsgh=zeros(), lengths_b=jnp.zeros((b,), jnp.int32))
+    zeros = lambda: jnp.zeros(shape_lbsgh, quant.kv_storage_dtype(kv_format))
+    ones = lambda: jnp.ones(shape_lbsgh[:-1], jnp.float32)
+    return KVCache(
+        k_lbsgh=zeros(),
+        v_lbsgh=zeros(),
+        lengths_b=jnp.zeros((b,), jnp.int32),
+        k_scale_lbsg=ones(),
+        v_scale_lbsg=ones(),
+    )

@@ -5,6 +5,8 @@
 - ``programs``: the train step and the serving programs, lowered and compiled without allocating.
 - ``topology``: compile-only devices of a TPU slice from libtpu, the chips' figures, HBM accounting.
 - ``hlo_flops``: the matmul FLOPs of a compiled program's HLO.
+- ``quantized``: the server's per-device memory and decode roofline for each
+  ``server.weight_dtype`` × ``server.kv_cache_dtype`` (``--serve``'s table).
 - ``lengths``: a distribution of trajectory lengths (a file or a named one) as padded and packed
   batches: padded fraction, FLOPs per useful token (``--lengths``).
 

@@ -57,7 +57,7 @@ from sat_jax.model import ModelConfig, placement
 from sat_jax.model.layers import is_lora_path
 from sat_jax.model.lora import split_lora
 from sat_jax.optimizer import OptimizerConfig
-from sat_jax.plan import programs, topology
+from sat_jax.plan import programs, quantized, topology
 from sat_jax.plan.topology import GIB
 from sat_jax.step import StepConfig
 
@@ -406,6 +406,8 @@ def report_serve(
     the old params are dropped, ``MoEEngine.swap_params``), two prefixes (``prefill_once``
     keeps the last one and hands out a copy), the largest program's temporaries and every
     program's code. ``dump_hlo``: a path to write the compiled decode step's HLO text to.
+    The programs are compiled for ``server.weight_dtype`` and ``server.kv_cache_dtype``; the
+    report ends with every other combination of the two (`quantized.dtype_table`).
     """
     model_cfg, s, r = cfg.serving_model, cfg.server, cfg.rollout
     try:
@@ -417,6 +419,8 @@ def report_serve(
                 max_prefill_length=s.max_prefill_length,
                 max_decode_length=cfg.completion_tokens,
                 sampling=SamplingConfig.from_rollout(r),
+                weight_dtype=s.weight_dtype,
+                kv_cache_dtype=s.kv_cache_dtype,
             )
     except programs.ProgramOutOfMemory as e:
         return _out_of_memory(e.__cause__, chip, e.program), False
@@ -435,15 +439,28 @@ def report_serve(
         mesh=sizes,
     )
     cache_shards = _num_shards(cache_spec, sizes)
-    cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_positions)
+    cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_positions, s.kv_cache_dtype)
+    served = quantized.served_bytes(
+        model_cfg,
+        mesh,
+        s.weight_dtype,
+        s.kv_cache_dtype,
+        slots=s.slots,
+        positions=progs.cache_positions,
+        cache_shards=cache_shards,
+    )
+    plan = dataclasses.replace(plan, param_bytes=served.params, expert_param_bytes=served.experts)
     total = (
         mem["generate"].argument
-        + plan.param_bytes
+        + served.swap_peak
+        - served.params
         + 2 * mem["prefill"].output
         + max(m.temp for m in mem.values())
         + sum(m.code for m in mem.values())
     )
     lines = _serve_table(cfg, progs, mem, cache, cache_shards, plan.param_bytes)
+    if served.params != served.full:  # 8-bit weights: the push is quantized on the way in
+        lines[-1] += f" (and the pushed {_gib(served.full)} while it is quantized)"
     lines.append(verdict(total, chip.hbm_bytes))
     lines += _roofline(
         model_cfg,
@@ -454,6 +471,18 @@ def report_serve(
         chip,
         s.slots,
         mesh.devices.size,
+    )
+    lines += quantized.dtype_table(
+        model_cfg,
+        mesh,
+        (s.weight_dtype, s.kv_cache_dtype),
+        total,
+        slots=s.slots,
+        positions=progs.cache_positions,
+        cache_shards=cache_shards,
+        touched=programs.touched_expert_fraction(model_cfg, s.slots),
+        hbm_bytes=chip.hbm_bytes,
+        hbm_gbps=chip.hbm_gbps,
     )
     return lines, total <= chip.hbm_bytes
 

@@ -38,7 +38,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sat_jax import sharding
+from sat_jax import quant, sharding
 from sat_jax.decoding import DecodeCore, SamplingConfig
 from sat_jax.model import ModelConfig, placement
 from sat_jax.plan import hlo_flops
@@ -61,6 +61,30 @@ def abstract_params(model_cfg: ModelConfig, mesh: Mesh) -> Any:
     _, abstract = placement.abstract_model(model_cfg)
     shardings = sharding.param_shardings(abstract, mesh)
     return jax.tree.map(_with, nnx.to_pure_dict(abstract), shardings)
+
+
+def abstract_served_params(model_cfg: ModelConfig, mesh: Mesh, weight_dtype: str) -> Any:
+    """`abstract_params` as a server with ``weight_dtype`` holds them: each quantized weight a
+    `quant.QTensor` of 8-bit values in the weight's sharding and float32 scales sharded like it
+    on the output axes (replicated on the contraction axes, which they lack)."""
+    params = abstract_params(model_cfg, mesh)
+    if not quant.is_quantized(weight_dtype):
+        return params
+    shapes = jax.eval_shape(lambda p: quant.quantize_params(p, weight_dtype), params)
+
+    def place(x: Any, like: jax.ShapeDtypeStruct) -> Any:
+        if not isinstance(x, quant.QTensor):
+            return like
+        spec = list(like.sharding.spec) + [None] * (len(like.shape) - len(like.sharding.spec))
+        scale_spec = PartitionSpec(
+            *(None if n == 1 else a for n, a in zip(x.scale.shape, spec, strict=True))
+        )
+        return x.replace(
+            q=_with(x.q, like.sharding), scale=_with(x.scale, NamedSharding(mesh, scale_spec))
+        )
+
+    is_q = lambda x: isinstance(x, quant.QTensor)
+    return jax.tree.map(place, shapes, params, is_leaf=is_q)
 
 
 def abstract_train_inputs(
@@ -267,12 +291,16 @@ def compile_server_programs(
     max_prefill_length: int,
     max_decode_length: int,
     sampling: SamplingConfig,
+    weight_dtype: str = "bfloat16",
+    kv_cache_dtype: str = "bfloat16",
 ) -> ServerPrograms:
     """Compiles ``DecodeCore``'s prefill, insert and generate (at the whole cache) on ``mesh``.
 
     ``model_cfg`` is the served one (``ExperimentConfig.serving_model``: ``server.dtype`` as the
     parameter dtype). The params come in their rule shardings, the KV cache in
     ``DecodeCore``'s (heads over ``tensor``); the decode state's small arrays replicated.
+    ``weight_dtype`` / ``kv_cache_dtype``: ``server.*``'s (8-bit weights as
+    `abstract_served_params`, an 8-bit cache with its scales).
 
     Raises:
       ProgramOutOfMemory: XLA:TPU refused a program for lack of HBM (which one is named).
@@ -287,8 +315,9 @@ def compile_server_programs(
         sampling=sampling,
         sampleable_v=np.ones((model_cfg.vocab_size,), bool),
         mesh=mesh,
+        kv_cache_dtype=kv_cache_dtype,
     )
-    params = abstract_params(model_cfg, mesh)
+    params = abstract_served_params(model_cfg, mesh, weight_dtype)
     scalar = _replicated(jax.ShapeDtypeStruct((), jnp.int32), mesh)
     tokens = _replicated(jax.ShapeDtypeStruct((max_prefill_length,), jnp.int32), mesh)
     start = time.monotonic()
@@ -299,20 +328,14 @@ def compile_server_programs(
         prefill.output_shardings,
     )
     shapes = jax.eval_shape(core.init_state)
-    cache_sh = NamedSharding(
-        mesh,
-        sharding.logical_to_spec(
-            ("layers", None, "length", "kv_heads", "head_dim"),
-            shape=shapes.cache.k_lbsgh.shape,
-            mesh=mesh,
-        ),
+    axes = ("layers", None, "length", "kv_heads", "head_dim")
+    cache_sh = lambda x: NamedSharding(
+        mesh, sharding.logical_to_spec(axes[: x.ndim], shape=x.shape, mesh=mesh)
     )
     state = jax.tree.map(lambda x: _replicated(x, mesh), shapes)
+    state = state.replace(cache=shapes.cache.map_arrays(lambda x: _with(x, cache_sh(x))))
     state = state.replace(
-        cache=state.cache.replace(
-            k_lbsgh=_with(shapes.cache.k_lbsgh, cache_sh),
-            v_lbsgh=_with(shapes.cache.v_lbsgh, cache_sh),
-        )
+        cache=state.cache.replace(lengths_b=_replicated(shapes.cache.lengths_b, mesh))
     )
     # DecodeCore.insert's jitted step (its host bookkeeping aside).
     insert = _compile("insert", core._insert_step.lower(prefix, state, scalar))
@@ -329,12 +352,18 @@ def compile_server_programs(
     )
 
 
-def kv_cache_bytes(model_cfg: ModelConfig, slots: int, positions: int) -> int:
+def kv_cache_bytes(
+    model_cfg: ModelConfig, slots: int, positions: int, kv_cache_dtype: str = "bfloat16"
+) -> int:
     """Bytes of the keys and values of ``slots`` rows of ``positions`` (every layer), stored in
-    the served parameter dtype as ``DecodeCore.init_state`` keeps them."""
+    the served parameter dtype as ``DecodeCore.init_state`` keeps them, or 8-bit with a float32
+    scale per position and KV head (``kv_cache_dtype`` "int8" / "fp8")."""
     c = model_cfg
-    per_position = 2 * c.num_layers * c.num_kv_heads * c.head_dim * c.params_dtype.itemsize
-    return slots * positions * per_position
+    if quant.is_quantized(kv_cache_dtype):
+        per_head = c.head_dim + 4
+    else:
+        per_head = c.head_dim * c.params_dtype.itemsize
+    return slots * positions * 2 * c.num_layers * c.num_kv_heads * per_head
 
 
 def touched_expert_fraction(model_cfg: ModelConfig, slots: int) -> float:

@@ -1,0 +1,197 @@
+"""The mismatch 8-bit serving adds, at lag 0, and the engine's decode speed on CPU, per
+``server.weight_dtype`` × ``server.kv_cache_dtype`` (docs/DESIGN.md §6.1).
+
+For each model: the trainer's float32 master params, served in bfloat16 (``server.dtype``) and
+quantized by the server's own code (`quant.quantize_params`; the cache by ``DecodeCore``'s
+``kv_cache_dtype``). Each configuration samples the same prompts (one slot each, temperature 1,
+the same seed) through ``DecodeCore`` and records each token's behavior log-prob, as the rollout
+server does. At lag 0 the trainer scores those tokens with its float32 masters
+(``Transformer.forward``, full precision); per configuration the table gives:
+
+  * ``sampler_kl``: mean k3 = exp(d) − 1 − d over the tokens, d = trainer logp − behavior logp
+    (the trainer's ``sampler_kl`` at lag 0, unclamped);
+  * ``|logp - behavior|``: the mean absolute log-ratio (the trainer's ``mismatch_abs_mean``);
+  * each as a multiple of the bfloat16 row's (bfloat16 serving: its own mismatch, from the
+    bfloat16 weights and the bfloat16 cache beside float32 compute), which isolates what
+    quantization adds;
+  * decode tokens/s of the engine's step on this CPU (a second pass over the same prompts, after
+    compiling; XLA:CPU dequantizes every step, so this is not the TPU figure: see the plan).
+
+Models: the ``small`` preset (random init by the model's initializers, the server's
+``placement.init_sharded``) and a Hugging Face Qwen3-MoE checkpoint written here with
+``transformers`` (a real ``Qwen3MoeConfig``: head_dim 128, 8 query heads per KV head, top-8 of 32
+experts, no tied embeddings; tiny widths; weights drawn wider than HF's init so the logits are
+far from uniform) and loaded by ``sat_jax.model.hf``. Nothing is downloaded.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/quant.py [--models small,hf] [--slots 8]
+        [--new-tokens 48] [--prompt-len 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sat_jax import decoding, quant, sharding
+from sat_jax.model import ModelConfig, Transformer, hf, placement
+
+HF_CONFIG = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    moe_intermediate_size=96,
+    num_hidden_layers=4,
+    num_attention_heads=16,
+    num_key_value_heads=2,
+    head_dim=128,
+    num_experts=32,
+    num_experts_per_tok=8,
+    max_position_embeddings=4096,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    vocab_size=4096,
+)
+
+
+def small_model(seed: int = 0):
+    """(graphdef, float32 master params) of the ``small`` preset, randomly initialized."""
+    cfg = ModelConfig.preset("small", dispatch="dense")
+    mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+    _, params = placement.init_sharded(cfg, mesh, seed)  # a pure dict
+    return cfg, params
+
+
+def hf_model(tmp: pathlib.Path, seed: int = 0):
+    """(config, graphdef, float32 params) of a Qwen3-MoE checkpoint written with transformers."""
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**HF_CONFIG)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.save_pretrained(str(tmp))
+    loaded = hf.load_qwen3_moe(tmp, dispatch="dense")
+    return loaded.config, nnx.to_pure_dict(nnx.state(loaded))
+
+
+def sample(cfg, graphdef, served, kv, prompts, new_tokens, seed=0):
+    """(tokens [B, N], behavior log-probs [B, N], decode tokens/s of the timed pass)."""
+    slots, p = prompts.shape
+    core = decoding.DecodeCore(
+        graphdef,
+        cfg,
+        slots=slots,
+        max_prefill_length=p,
+        max_decode_length=new_tokens,
+        sampling=decoding.SamplingConfig(),
+        sampleable_v=np.ones((cfg.vocab_size,), bool),
+        seed=seed,
+        kv_cache_dtype=kv,
+    )
+
+    def one_pass():
+        state = core.init_state()
+        for slot in range(slots):
+            prefix = core.prefill_prompt(served, prompts[slot].tolist())
+            state = core.insert(prefix, state, slot)
+        rows = []
+        start = time.perf_counter()
+        for _ in range(new_tokens):
+            state, data = core.generate(served, state, jnp.int32(0))
+            rows.append(decoding.unpack_step(data, cfg.num_moe_layers, cfg.num_experts_per_tok))
+        seconds = time.perf_counter() - start
+        tokens = np.stack([r["token"] for r in rows], 1)
+        logp = np.stack([r["logp"] for r in rows], 1)
+        return tokens, logp, slots * new_tokens / seconds
+
+    first = one_pass()  # compiles every window
+    second = one_pass()
+    np.testing.assert_array_equal(first[0], second[0])
+    return second
+
+
+def scored(graphdef, params, prompts, tokens):
+    """Full-forward log-probs [B, N] of ``tokens`` after ``prompts`` under ``params``."""
+    seq = jnp.concatenate([prompts, tokens], 1).astype(jnp.int32)
+    logits = nnx.merge(graphdef, params)(seq)
+    p = prompts.shape[1]
+    logp = jax.nn.log_softmax(logits[:, p - 1 : -1].astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, tokens[..., None], -1)[..., 0]
+
+
+def k3(d: np.ndarray) -> float:
+    return float(np.mean(np.exp(d) - 1.0 - d))
+
+
+def _graphdef(cfg: ModelConfig):
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
+
+
+def run_model(name, cfg, masters, args) -> list[str]:
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, cfg.vocab_size, (args.slots, args.prompt_len)).astype(np.int32)
+    masters = jax.tree.map(lambda x: x.astype(jnp.float32), masters)
+    bf16_cfg = cfg.replace(param_dtype=jnp.bfloat16)
+    graphdef = _graphdef(bf16_cfg)  # the server's model: bfloat16 weights (server.dtype)
+    served_bf16 = jax.tree.map(lambda x: x.astype(jnp.bfloat16), masters)
+    master_graph = _graphdef(cfg.replace(param_dtype=jnp.float32))
+    score = jax.jit(lambda g, p, s, t: scored(g, p, s, t), static_argnums=0)
+    score_master = lambda p, s, t: np.asarray(score(master_graph, p, s, t))
+    lines, base = [], None
+    for w, kv in itertools.product(quant.FORMATS, quant.FORMATS):
+        served = jax.jit(lambda p, w=w: quant.quantize_params(p, w))(served_bf16)
+        tokens, behavior, tps = sample(bf16_cfg, graphdef, served, kv, prompts, args.new_tokens)
+        trainer = score_master(masters, prompts, tokens)
+        d = trainer - behavior
+        kl, mean_abs = k3(d), float(np.abs(d).mean())
+        base = (kl, mean_abs) if base is None else base
+        lines.append(
+            f"| {name} | {w} | {kv} | {kl:.2e} | {kl / base[0]:.1f}x | {mean_abs:.4f} | "
+            f"{mean_abs / base[1]:.1f}x | {tps:,.0f} |"
+        )
+        print(lines[-1], flush=True)
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="small,hf")
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=48)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    args = parser.parse_args(argv)
+    print(
+        "| model | weights | cache | sampler_kl | vs bf16 | mean abs(logp - behavior) | vs bf16 "
+        "| decode tokens/s (CPU) |"
+    )
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for name in args.models.split(","):
+        if name == "small":
+            run_model("small", *small_model(), args)
+        elif name == "hf":
+            with tempfile.TemporaryDirectory() as tmp:
+                run_model("hf qwen3-moe", *hf_model(pathlib.Path(tmp)), args)
+        else:
+            raise SystemExit(f"--models: unknown model {name!r} (small, hf)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
