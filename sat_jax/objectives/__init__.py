@@ -10,9 +10,10 @@ importable from here. The modules behind it, each usable on its own:
 - ``quantile``: the exact masked inverted-CDF quantile SAT's threshold uses;
 - ``stabilizers``: TIS, IcePop, DPPO-TV, the sequence-level rollout corrections (sequence TIS,
   geometric-mean sequence masking) and the KL penalty estimators;
-- ``large_lag``: M2PO's second-moment mask (``m2po_cutoff``, ``m2po_mask``, the batch's
-  ``m2po_batch_cutoff``) and the effective sample size of the importance weights
-  (``importance_weight_sums``, ``effective_sample_size``, VCPO's ``ess_step_scale``) and VCPO's
+- ``large_lag``: M2PO's second-moment mask (``m2po_candidates``, ``m2po_cutoff``, ``m2po_mask``,
+  the batch's ``m2po_batch_cutoff``) and the effective sample size of the importance weights
+  (``importance_weight_sums``, ``sequence_weight_sums``, ``effective_sample_size``, VCPO's
+  ``ess_step_scale``) and VCPO's
   off-policy optimal baseline (``opob_baselines``, from ``sequence_score_stats``);
 - ``corrections`` and ``diagnostics``: the wrapper's corrections to the per-token loss and its
   metrics (internal to ``policy_loss_terms``);
@@ -26,10 +27,12 @@ from sat_jax.objectives.large_lag import (
     ess_step_scale,
     importance_weight_sums,
     m2po_batch_cutoff,
+    m2po_candidates,
     m2po_cutoff,
     m2po_mask,
     opob_baselines,
     sequence_score_stats,
+    sequence_weight_sums,
 )
 from sat_jax.objectives.loss_terms import LossAgg, PolicyLossTerms, aggregate, loss_count
 from sat_jax.objectives.policy import (
@@ -80,6 +83,7 @@ __all__ = [
     "kl_penalty",
     "loss_count",
     "m2po_batch_cutoff",
+    "m2po_candidates",
     "m2po_cutoff",
     "m2po_mask",
     "masked_quantile",
@@ -92,5 +96,6 @@ __all__ = [
     "sequence_importance_weights",
     "sequence_log_ratio",
     "sequence_score_stats",
+    "sequence_weight_sums",
     "truncated_importance_weights",
 ]

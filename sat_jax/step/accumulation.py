@@ -143,7 +143,7 @@ def _batch_statistics(
     sat_q, m2_cutoff = None, None
     if cfg.loss.m2po:
         m2_cutoff = objectives.m2po_batch_cutoff(
-            logp_bt, batch.behavior_logp, batch.loss_mask, cfg.loss
+            logp_bt, batch.behavior_logp, batch.loss_mask, cfg.loss, advantages=batch.advantages
         )
     if need_q:
         sat_q = objectives.sat_threshold(
