@@ -16,12 +16,14 @@ importable from here. The modules behind it, each usable on its own:
   ``ess_step_scale``) and VCPO's
   off-policy optimal baseline (``opob_baselines``, from ``sequence_score_stats``);
 - ``corrections`` and ``diagnostics``: the wrapper's corrections to the per-token loss and its
-  metrics (internal to ``policy_loss_terms``);
+  metrics (internal to ``policy_loss_terms``), and ``kept_loss_mask`` (the tokens in the loss's
+  denominator once MIS has rejected responses, for the train step's accumulated count);
 - ``advantages``: group-relative advantages (GRPO, Dr.GRPO), jittable, and the host-side check
   of their group ids.
 """
 
 from sat_jax.objectives.advantages import AdvantageEstimator, check_group_ids, group_advantages
+from sat_jax.objectives.corrections import kept_loss_mask
 from sat_jax.objectives.large_lag import (
     effective_sample_size,
     ess_step_scale,
@@ -80,6 +82,7 @@ __all__ = [
     "group_advantages",
     "icepop_weights",
     "importance_weight_sums",
+    "kept_loss_mask",
     "kl_penalty",
     "loss_count",
     "m2po_batch_cutoff",

@@ -47,10 +47,27 @@ def stabilize(per_token: jax.Array, ratio: jax.Array, batch: Batch, cfg: PolicyL
     return per_token, metrics
 
 
+def kept_loss_mask(
+    behavior_logp: jax.Array, old_logp: jax.Array, active: jax.Array, cfg: PolicyLossConfig
+) -> jax.Array:
+    """[B, T] bool: the active tokens that stay in the loss's denominator: all of them, except
+    with MIS sequence masking (``cfg.seq_mask_range``) the tokens of a rejected response, which
+    leave it as in verl (the response leaves the batch). ``active`` itself when MIS is off."""
+    if cfg.seq_mask_range is None:
+        return active
+    low, high = cfg.seq_mask_range
+    masked_b1 = geometric_mean_mask(
+        old_logp, behavior_logp, low=low, high=high, where=active, keepdims=True
+    )
+    return active & ~masked_b1
+
+
 def sequence_corrections(per_token: jax.Array, batch: Batch, cfg: PolicyLossConfig):
     """Applies the sequence-level rollout corrections (docs/DESIGN.md §3.4: sequence TIS and MIS
     sequence masking) to −S; returns it and their metrics' (sums, counts), each a mean over the
-    responses with an active token (exact across row microbatches, which split whole responses)."""
+    responses with an active token (exact across row microbatches, which split whole responses).
+    A response MIS rejects gets weight 0; :func:`kept_loss_mask` takes it out of the loss's
+    denominator."""
     sums, counts = {}, {}
     if cfg.seq_tis_cap is None and cfg.seq_mask_range is None:
         return per_token, sums, counts

@@ -109,8 +109,9 @@ class PolicyLossConfig:
         (computed as exp(min(Σ, log cap)), so it never overflows). Needs ``old_logp``. None = off.
       seq_mask_range: (low, high): sequence masking (MIS): a response whose geometric-mean ratio
         g_b = exp(mean_t (old − behavior)) over its active tokens lies outside [low, high] gets
-        weight 0 (loss and gradient 0); its tokens still count in the loss's denominator, like
-        IcePop's zero weights. Needs ``old_logp``. None = off.
+        weight 0 (loss and gradient 0) and leaves the loss's denominator, as in verl's rejection
+        sampling (the loss is over the kept responses; ``corrections.kept_loss_mask``). Needs
+        ``old_logp``. None = off.
       dppo_tv_delta: δ of the DPPO total-variation mask: a token's gradient is zeroed (its value
         kept) when A·(r − 1) > 0 and |exp(logp) − exp(old_logp)| > δ. None = off.
       kl_coef: weight of a KL penalty to a reference policy (needs ``ref_logp`` when > 0).
@@ -539,11 +540,12 @@ def policy_loss_terms(
         )
         seq_sums, seq_counts = {**seq_sums, **m2_sums}, {**seq_counts, **m2_counts}
 
-    loss_sum, loss_count = aggregate(per_token, batch.active, cfg.loss_agg)
+    kept = corrections.kept_loss_mask(batch.behavior, batch.old, batch.active, cfg)
+    loss_sum, loss_count = aggregate(per_token, kept, cfg.loss_agg)
     sums = {"pg_loss": jax.lax.stop_gradient(loss_sum)}
     if ref_logp is not None:
-        kl = kl_penalty(batch.logp, ref_logp, estimator=cfg.kl_estimator, where=batch.active)
-        kl_sum, _ = aggregate(kl, batch.active, cfg.loss_agg)
+        kl = kl_penalty(batch.logp, ref_logp, estimator=cfg.kl_estimator, where=kept)
+        kl_sum, _ = aggregate(kl, kept, cfg.loss_agg)
         sums["kl_ref"] = jax.lax.stop_gradient(kl_sum)
         if cfg.kl_coef > 0:
             loss_sum = loss_sum + cfg.kl_coef * kl_sum

@@ -176,16 +176,19 @@ def reference_policy_loss(
             m["dual"].append(dual)
             m["r"].append(r)
 
-    # Aggregation weights: loss = Σ w_bt·(−S_bt).
+    # Aggregation weights: loss = Σ w_bt·(−S_bt), over the tokens of the responses MIS keeps
+    # (a rejected response leaves the denominator, as in verl).
     n_b = act.sum(axis=1)
+    kept = act & ~seq_masked[:, None]
+    k_b = kept.sum(axis=1)
     agg_w = np.zeros((B, T))
     if cfg.loss_agg == "token_mean":
-        agg_w[act] = 1.0 / max(act.sum(), 1)
+        agg_w[kept] = 1.0 / max(kept.sum(), 1)
     else:
-        n_seq = max(int((n_b > 0).sum()), 1)
+        n_seq = max(int((k_b > 0).sum()), 1)
         for b in range(B):
-            if n_b[b]:
-                agg_w[b, act[b]] = 1.0 / (n_b[b] * n_seq)
+            if k_b[b]:
+                agg_w[b, kept[b]] = 1.0 / (k_b[b] * n_seq)
     pg_loss = float(np.sum(-S * agg_w))
 
     # dloss/dlogp: token level d_bt depends on logp_bt only; sequence level d_b is the mean.
@@ -203,7 +206,7 @@ def reference_policy_loss(
         ref = np.asarray(ref_logp, np.float64)
         kl = np.zeros((B, T))
         dkl = np.zeros((B, T))
-        for b, t in zip(*np.nonzero(act), strict=True):
+        for b, t in zip(*np.nonzero(kept), strict=True):
             diff = logp[b, t] - ref[b, t]
             if cfg.kl_estimator == "k1":
                 kl[b, t], dkl[b, t] = diff, 1.0
