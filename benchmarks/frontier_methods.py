@@ -42,6 +42,10 @@ FIELD = {
     # M2PO: the paper's trust-region token set (default), and AReaL's every token.
     "GRPO+M2PO": ({"m2_threshold": M2_THRESHOLD}, 1),
     "GRPO+M2PO-all": ({"m2_threshold": M2_THRESHOLD, "m2_token_set": "all"}, 1),
+    # M2PO as the paper's objective has it: no ε-clip, the trust-region mask alone. On GRPO's
+    # clip the trust-region tokens with (log r)² above τ lie beyond ε = 0.2 (log 1.2² ≈ 0.033 <
+    # τ = 0.04) and are already clipped, so there the mask barely changes the gradient.
+    "M2PO": ({**NO_CLIP, "m2_threshold": M2_THRESHOLD}, 1),
     # VCPO's two parts on GRPO's clip, the ESS per trajectory (the authors') or per token (the
     # first study's), and each part alone.
     "GRPO+VCPO": ({"ess_scaling": True, "opob_baseline": True}, 1),

@@ -135,6 +135,8 @@ def test_the_sources_rows_and_the_controls_map_to_their_options():
     get = lambda m: frontier_methods.loss_config(m)[0]
     assert get("GRPO+M2PO").m2_token_set == "trust_region"
     assert get("GRPO+M2PO-all").m2_token_set == "all"
+    m2po = get("M2PO")  # the paper's objective: no ε-clip, the trust-region mask
+    assert m2po.m2_token_set == "trust_region" and m2po.m2po and m2po.clip_high >= 1e9
     assert get("GRPO+VCPO").ess_level == "sequence" and get("GRPO+VCPO-tok").ess_level == "token"
     ess, opob = get("GRPO+ESS"), get("GRPO+OPOB")
     assert ess.ess_scaling and not ess.opob_baseline and opob.opob_baseline and not opob.ess_scaling
