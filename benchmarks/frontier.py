@@ -2,15 +2,20 @@
 far SAT, R3 and the field's large-lag corrections push it.
 
     python benchmarks/frontier.py --out runs/frontier [--steps 160] [--seeds 3]
-        [--lags 8 32 128 64 1] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2] [--knob-lr auto] [--set key=value ...]
+        [--lags 8 32 128 64 1] [--lag-mode sync|constant] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2]
+        [--knob-lr auto] [--set key=value ...]
         [--sampler-methods GRPO GRPO+SAT ...] [--sampler-lags 8] [--sampler-dtype bfloat16] [--top-p 0.9]
     python benchmarks/frontier.py --out runs/frontier --report-only
     python benchmarks/frontier.py --smoke            (a few tiny cells into a temporary directory)
     python benchmarks/frontier.py --out runs/frontier --cost --methods GRPO GRPO+VCPO ...
 
-Every run is a cell of `benchmarks/grid.py` — the same task, base policy, exact configured lag and
-in-process sampler (its ``Runner``) — with more axes: the learning rate, SAT's quantile and
-exponent, and the sampler's dtype and top-p. Four phases run in order, each spread over the worker
+Every run is a cell of `benchmarks/grid.py` — the same task, base policy and in-process sampler
+(its ``Runner``) — with more axes: the learning rate, SAT's quantile and exponent, the sampler's
+dtype and top-p, and the lag mode (``--lag-mode``): ``sync`` publishes the weights every n
+updates, so the realized lag cycles through 1..n; ``constant`` trains update u on the weights of
+version u − n, so after the first n updates every batch is exactly n versions old. Every record
+logs its realized ``lag``; the report gives each cell's distribution. A cell's sampling key folds
+in its lag and mode, so one seed's runs at different lags share no completions. Four phases run in order, each spread over the worker
 processes, so a cut-off keeps the most important cells:
 
 1. the GRPO family (GRPO, + SAT, + R3, + SAT + R3) and the large-lag corrections (``FIELD``: SAT
@@ -47,6 +52,7 @@ row per cell), ``cost.json``, ``frontier_heatmap.png`` (a panel per method),
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import math
@@ -64,6 +70,7 @@ import numpy as np
 # installs a top-level `benchmarks` package).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import frontier_mechanism as mech
+import frontier_methods
 import grid
 import worker_group
 from frontier_methods import (
@@ -157,18 +164,22 @@ class Runner(grid.Runner):
         state = create_train_state(
             self.cfg.model, self.optimizer(cell.lr), self.mesh, grid._copy(self.base_params)
         )
-        key = jax.random.key(cell.seed)
-        published = prev = grid._copy(state.params)
+        key = frontier_methods.sample_key(cell)
         graphdef = self.sampler_graphdef(cell.sampler_dtype)
-        sampling = sampling_params(published, cell.sampler_dtype)
-        version, below = 0, 0
+        # Every version a later update may still sample from: version v = the params after v
+        # updates (the oldest is dropped once no update can want it).
+        versions = collections.deque([(0, grid._copy(state.params))])
+        sampling, version, below = None, -1, 0
         records = [{"step": 0, "accuracy": self.base_accuracy}]
         best = self.base_accuracy
         start = time.monotonic()
         for u in range(steps):
-            if grid.behavior_version(u, cell.lag) != version:
-                published, version = prev, u - 1
-                sampling = sampling_params(published, cell.sampler_dtype)
+            want = frontier_methods.behavior_version(u, cell.lag, cell.lag_mode)
+            while versions[0][0] < want:
+                versions.popleft()
+            if versions[0][0] != version:
+                version = versions[0][0]
+                sampling = sampling_params(versions[0][1], cell.sampler_dtype)
             key, sample_key = jax.random.split(key)
             batch, reward, length = self.batch(
                 sampling, u, cell.seed, sample_key, graphdef=graphdef, top_p=cell.top_p
@@ -182,8 +193,8 @@ class Runner(grid.Runner):
                 tail = {"d_abs_q99": float(np.quantile(d, 0.99)), "d_abs_max": float(d.max())}
             if needs_proximal(loss_cfg):
                 batch = batch.replace(old_logp=self.proximal_logp(state.params, batch, replay))
-            prev = grid._copy(state.params)
             state, metrics = step_fn(state, shard_batch(batch, self.mesh))
+            versions.append((u + 1, grid._copy(state.params)))
             record = {k: float(v) for k, v in jax.device_get(metrics).items()}
             record.update(step=u + 1, lag=u - version, reward_mean=reward, **tail)
             record["response_length"] = length
@@ -222,7 +233,7 @@ def phase_cells(args: argparse.Namespace, phase: str, knob_lr: float | None) -> 
     seeds = range(args.seeds)
     if phase == "main":
         return [
-            Cell(m, lag, lr, s)
+            Cell(m, lag, lr, s, lag_mode=args.lag_mode)
             for lag in args.lags  # in the order given: the lag that matters most first
             for lr in sorted(args.lrs)
             for m in args.methods
@@ -394,6 +405,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=160, help="RL updates per run (at most)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per cell (0..n-1)")
     p.add_argument("--lags", type=int, nargs="+", default=list(LAGS), help="configured lags n")
+    p.add_argument(
+        "--lag-mode",
+        choices=frontier_methods.LAG_MODES,
+        default="sync",
+        help="phase 1: publish every n updates (sync) or train update u on version u - n (constant)",
+    )
     p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 1.5e-3, 2e-3])
     p.add_argument(
         "--methods", nargs="*", default=list(GRPO_FAMILY + LARGE_LAG), help="phase 1 methods"

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sat_jax.objectives.large_lag import m2po_mask
+from sat_jax.objectives.large_lag import m2po_candidates, m2po_mask
 from sat_jax.objectives.stabilizers import (
     dppo_tv_mask,
     geometric_mean_mask,
@@ -47,10 +47,27 @@ def stabilize(per_token: jax.Array, ratio: jax.Array, batch: Batch, cfg: PolicyL
     return per_token, metrics
 
 
+def kept_loss_mask(
+    behavior_logp: jax.Array, old_logp: jax.Array, active: jax.Array, cfg: PolicyLossConfig
+) -> jax.Array:
+    """[B, T] bool: the active tokens that stay in the loss's denominator: all of them, except
+    with MIS sequence masking (``cfg.seq_mask_range``) the tokens of a rejected response, which
+    leave it as in verl (the response leaves the batch). ``active`` itself when MIS is off."""
+    if cfg.seq_mask_range is None:
+        return active
+    low, high = cfg.seq_mask_range
+    masked_b1 = geometric_mean_mask(
+        old_logp, behavior_logp, low=low, high=high, where=active, keepdims=True
+    )
+    return active & ~masked_b1
+
+
 def sequence_corrections(per_token: jax.Array, batch: Batch, cfg: PolicyLossConfig):
     """Applies the sequence-level rollout corrections (docs/DESIGN.md §3.4: sequence TIS and MIS
     sequence masking) to −S; returns it and their metrics' (sums, counts), each a mean over the
-    responses with an active token (exact across row microbatches, which split whole responses)."""
+    responses with an active token (exact across row microbatches, which split whole responses).
+    A response MIS rejects gets weight 0; :func:`kept_loss_mask` takes it out of the loss's
+    denominator."""
     sums, counts = {}, {}
     if cfg.seq_tis_cap is None and cfg.seq_mask_range is None:
         return per_token, sums, counts
@@ -71,14 +88,16 @@ def sequence_corrections(per_token: jax.Array, batch: Batch, cfg: PolicyLossConf
     return per_token, sums, counts
 
 
-def m2po_correction(per_token: jax.Array, batch: Batch, cutoff: jax.Array):
-    """M2PO (docs/DESIGN.md §3.6): zeroes −S (value and gradient) on the tokens whose squared
-    log-ratio to the sampler, (logp − behavior_logp)², is at least the batch's ``cutoff``
-    (``large_lag.m2po_cutoff``). They stay in the loss's denominator. Returns the loss and the
-    (sums, counts) of ``m2po_masked_frac`` and ``m2po_second_moment`` (the batch's mean
-    (log r)² before the mask), over the active tokens."""
+def m2po_correction(per_token: jax.Array, batch: Batch, cfg: PolicyLossConfig, cutoff: jax.Array):
+    """M2PO (docs/DESIGN.md §3.6): zeroes −S (value and gradient) on the candidate tokens
+    (``cfg.m2_token_set``, ``large_lag.m2po_candidates``) whose squared log-ratio to the sampler,
+    (logp − behavior_logp)², is at least the batch's ``cutoff`` (``large_lag.m2po_cutoff``). They
+    stay in the loss's denominator. Returns the loss and the (sums, counts) of
+    ``m2po_masked_frac`` and ``m2po_second_moment`` (the batch's mean (log r)² before the mask),
+    over the active tokens."""
     d = jax.lax.stop_gradient(jnp.where(batch.active, batch.logp - batch.behavior, 0.0))
-    masked = m2po_mask(d, cutoff, where=batch.active)
+    candidates = m2po_candidates(d, batch.adv, cfg.m2_token_set, where=batch.active)
+    masked = m2po_mask(d, cutoff, where=candidates)
     per_token = jnp.where(masked, 0.0, per_token)
     n_active = jnp.sum(batch.active, dtype=jnp.int32)
     sums = {

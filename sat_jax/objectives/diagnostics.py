@@ -10,7 +10,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from sat_jax.objectives.large_lag import ESS_WEIGHT_SQ_SUM, ESS_WEIGHT_SUM, importance_weight_sums
+from sat_jax.objectives.large_lag import (
+    ESS_RESPONSES,
+    ESS_SEQ_WEIGHT_SQ_SUM,
+    ESS_SEQ_WEIGHT_SUM,
+    ESS_WEIGHT_SQ_SUM,
+    ESS_WEIGHT_SUM,
+    importance_weight_sums,
+    sequence_weight_sums,
+)
 
 # policy imports this module, so its types are named here, not imported (no import cycle).
 PolicyLossConfig = Any  # policy.PolicyLossConfig
@@ -78,9 +86,18 @@ def sampler_kl_terms(k3: jax.Array, batch: Batch, sums: dict, counts: dict):
 
 
 def ess_totals(batch: Batch, cfg: PolicyLossConfig) -> dict[str, jax.Array]:
-    """(Σ w, Σ w²) over the active tokens, w = exp(logp − behavior_logp) (the sampler → current
-    ratio, detached, its log clamped by ``cfg.log_ratio_clamp``): with ``active_tokens`` they
-    give ``ess`` (``PolicyLossTerms.reduce``), exactly across microbatches and hosts."""
+    """The ESS's additive terms of both levels, d = logp − behavior_logp (the sampler → current
+    log-ratio, detached): (Σ w, Σ w²) over the active tokens, w = exp(d) with d clamped by
+    ``cfg.log_ratio_clamp`` (with ``active_tokens``: ``ess_token``), and (Σ w_i, Σ w_i², B) over
+    the responses, w_i = exp(Σ_t d) with the sum clamped likewise (``ess_sequence``), exactly
+    across microbatches and hosts (``PolicyLossTerms.reduce``)."""
     d = jnp.where(batch.active, batch.logp - batch.behavior, 0.0)
     w_sum, w_sq_sum = importance_weight_sums(clamp(d, cfg.log_ratio_clamp), where=batch.active)
-    return {ESS_WEIGHT_SUM: w_sum, ESS_WEIGHT_SQ_SUM: w_sq_sum}
+    seq = sequence_weight_sums(d, where=batch.active, clamp=cfg.log_ratio_clamp)
+    return {
+        ESS_WEIGHT_SUM: w_sum,
+        ESS_WEIGHT_SQ_SUM: w_sq_sum,
+        ESS_SEQ_WEIGHT_SUM: seq[0],
+        ESS_SEQ_WEIGHT_SQ_SUM: seq[1],
+        ESS_RESPONSES: seq[2],
+    }

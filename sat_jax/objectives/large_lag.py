@@ -4,16 +4,22 @@ VCPO's closed-form off-policy optimal baseline (OPOB).
 docs/DESIGN.md §3.6 states both with their sources. Per active token, d = sg(logp − behavior_logp),
 the log-ratio of the current policy to the sampler (detached), and w = exp(d):
 
-* M2PO (Zheng et al., arXiv 2510.01161; AReaL's ``actor.m2_threshold``): m2 = d². Sort the active
-  tokens' m2 ascending, c_j = the sum of the j smallest; keep the largest j with c_j < τ·j (at
-  least one), i.e. mask the fewest largest-m2 tokens after which the mean m2 of the rest is
-  below τ. The batch's cutoff v is the smallest masked m2 (+inf when nothing is masked) and a
-  token is masked iff m2 ≥ v, so tokens tied at v are masked together (the kept mean stays
-  below τ). A masked token contributes 0 to the loss and its gradient; it still counts in the
-  loss's denominator (the paper's 1/Σ_i |o_i|).
-* ESS (Kong 1992; VCPO, Huang et al., arXiv 2602.17616): ess = (Σ w)² / (N·Σ w²) over the N
-  active tokens, in (0, 1], 1 when every w is equal. VCPO scales the step (the learning rate) by
-  sqrt(ess), the square-root rule for Adam-type optimizers.
+* M2PO (Zheng et al., arXiv 2510.01161): m2 = d². The candidate tokens are, with
+  ``m2_token_set="trust_region"`` (the paper's Algorithm 1 and its authors' code), the active
+  tokens whose ratio moved the way their advantage pushes (A > 0 and d > 0, or A < 0 and d < 0),
+  and with ``"all"`` every active token (AReaL's ``actor.m2_threshold``). Sort the candidates'
+  m2 ascending, c_j = the sum of the j smallest; keep the largest j with c_j < τ·j (at least
+  one), i.e. mask the fewest largest-m2 candidates after which the mean m2 of the rest is below
+  τ. The batch's cutoff v is the smallest masked m2 (+inf when nothing is masked) and a candidate
+  is masked iff m2 ≥ v, so tokens tied at v are masked together (the kept mean stays below τ),
+  except that the candidates tied at the smallest m2 are never masked (at least one is kept, also
+  when every candidate ties). A masked token contributes 0 to the loss and its gradient; it still
+  counts in the loss's denominator (the paper's 1/Σ_i |o_i|). Non-candidates are never masked.
+* ESS (Kong 1992; VCPO, Huang et al., arXiv 2602.17616): ess = (Σ w)² / (N·Σ w²), in (0, 1], 1
+  when every w is equal. At ``ess_level="sequence"`` (VCPO's authors) the N are the responses
+  with an active token and w_i = exp(s_i), s_i = Σ_t d_{i,t} over response i's active tokens; at
+  ``"token"`` the N are the active tokens and w = exp(d). VCPO scales the step (the learning
+  rate) by sqrt(ess), the square-root rule for Adam-type optimizers.
 
 * OPOB (VCPO's second part): per response i, s_i = Σ_t d_{i,t} over its active tokens (the log of
   the sequence ratio w_i = exp(s_i), behavior → current policy) and G_i = ‖∇_θ Σ_t log π_θ(y_t)‖²,
@@ -24,10 +30,12 @@ the log-ratio of the current policy to the sampler (detached), and w = exp(d):
   it from log W (so w_i² never overflows); :func:`sequence_score_stats` gives Σ_t log π and G per
   row, one row's backward at a time.
 
-M2PO's cutoff and the ESS are batch statistics. The ESS is rebuilt from the sums (Σ w, Σ w², N), which add across
-microbatches and hosts. The M2PO cutoff is a sort over the whole batch; the train step computes it
-once per batch (:func:`m2po_cutoff`, in the gradient-free pass that also gives SAT's batch
-threshold) and hands it to every microbatch, like SAT's ``sat_q``.
+M2PO's cutoff and the ESS are batch statistics. The ESS of both levels is rebuilt from sums
+(Σ w, Σ w², N), which add across microbatches and hosts (row microbatches split whole
+responses). The M2PO cutoff is a sort over the whole batch; the train step computes it once per
+batch (:func:`m2po_batch_cutoff`, in the gradient-free pass that also gives SAT's batch
+threshold) and hands it to every microbatch, like SAT's ``sat_q``; the candidate set is per
+token (its A and d), so a microbatch finds its own.
 
 Shapes: ``B`` responses, ``T`` tokens; every per-token array is ``[B, T]``.
 """
@@ -45,9 +53,15 @@ from jax.typing import ArrayLike
 _PolicyLossConfig = Any  # policy.PolicyLossConfig
 
 
-# PolicyLossTerms.totals keys of the ESS sums (N is ``active_tokens``).
+# PolicyLossTerms.totals keys of the ESS sums: token level (N is ``active_tokens``) and sequence
+# level (N is ``ESS_RESPONSES``, the responses with an active token).
 ESS_WEIGHT_SUM = "ess_weight_sum"
 ESS_WEIGHT_SQ_SUM = "ess_weight_sq_sum"
+ESS_SEQ_WEIGHT_SUM = "ess_seq_weight_sum"
+ESS_SEQ_WEIGHT_SQ_SUM = "ess_seq_weight_sq_sum"
+ESS_RESPONSES = "ess_responses"
+M2_TOKEN_SETS = ("trust_region", "all")
+ESS_LEVELS = ("sequence", "token")
 
 
 def _active(where: ArrayLike | None, like: jax.Array) -> jax.Array:
@@ -64,12 +78,14 @@ def m2po_cutoff(
     With the active m2 = d² sorted ascending (a_1 ≤ … ≤ a_n) and c_j = a_1 + … + a_j, the kept
     count is m = max(#{j : c_j < τ·j}, 1) (the running mean of the smallest values is
     non-decreasing, so these j are 1..m) and v = a_{m+1}, or +inf when m = n. The tokens masked are
-    then the n − m largest, and any tied with a_{m+1}.
+    then the n − m largest, and any tied with a_{m+1}; when a_{m+1} = a_1 (every kept token ties
+    with it) v is the smallest m2 above a_1 instead (+inf if none), so the tokens at the smallest
+    m2 are always kept: at least one token, also when all tie.
 
     Args:
       log_ratio: d, [B, T]; read under stop_gradient (the mask is a constant of the batch).
       threshold: τ > 0, the bound on the kept tokens' mean d².
-      where: active tokens, [B, T]; all when None.
+      where: active (candidate) tokens, [B, T]; all when None.
 
     Returns:
       A float32 scalar under stop_gradient.
@@ -84,33 +100,70 @@ def m2po_cutoff(
     running = jnp.cumsum(jnp.where(real, ascending, 0.0))
     under = real & (running < threshold * rank.astype(jnp.float32))
     kept = jnp.maximum(jnp.sum(under, dtype=jnp.int32), jnp.minimum(n, 1))
-    index = jnp.minimum(kept, m2.shape[0] - 1)
-    cutoff = jnp.where(kept < n, ascending[index], jnp.inf)
+    last = m2.shape[0] - 1
+    cutoff = ascending[jnp.minimum(kept, last)]
+    # Tied with the smallest: the next larger value (an inactive +inf slot when there is none).
+    above_min = jnp.sum(real & (ascending <= ascending[0]), dtype=jnp.int32)
+    cutoff = jnp.where(cutoff <= ascending[0], ascending[jnp.minimum(above_min, last)], cutoff)
+    cutoff = jnp.where((kept < n) & (above_min < n), cutoff, jnp.inf)
     return jax.lax.stop_gradient(cutoff)
 
 
+def m2po_candidates(
+    log_ratio: ArrayLike, advantages: ArrayLike | None, token_set: str, *, where: ArrayLike
+) -> jax.Array:
+    """[B, T] bool: the tokens M2PO's mask may remove (``PolicyLossConfig.m2_token_set``).
+
+    ``"trust_region"``: the active tokens with A > 0 and d > 0, or A < 0 and d < 0 (d the log-ratio
+    to the sampler; the paper's trust-region tokens); ``"all"``: every active token.
+    """
+    active = jnp.asarray(where) > 0
+    if token_set == "all":
+        return active
+    if token_set != "trust_region":
+        raise ValueError(f"m2_token_set must be one of {M2_TOKEN_SETS}, got {token_set!r}")
+    if advantages is None:
+        raise ValueError("m2po: m2_token_set 'trust_region' needs the advantages")
+    d = jax.lax.stop_gradient(jnp.asarray(log_ratio, jnp.float32))
+    a = jnp.asarray(advantages, jnp.float32)
+    return active & (((a > 0) & (d > 0)) | ((a < 0) & (d < 0)))
+
+
 def m2po_batch_cutoff(
-    logp: ArrayLike, behavior_logp: ArrayLike, mask: ArrayLike, cfg: _PolicyLossConfig
+    logp: ArrayLike,
+    behavior_logp: ArrayLike,
+    mask: ArrayLike,
+    cfg: _PolicyLossConfig,
+    *,
+    advantages: ArrayLike | None = None,
 ) -> jax.Array:
     """M2PO's cutoff of a batch: the one :func:`~sat_jax.objectives.policy_loss` computes for it.
 
-    :func:`m2po_cutoff` of d = logp − behavior_logp over the active tokens, always token level
-    and against the sampler, like SAT's d_SAT, whatever ``old_logp`` is (at the step's single
-    update, logp is AReaL's recomputed proximal policy). Give it as ``m2_cutoff=`` to every
-    microbatch of the batch. +inf (nothing masked) when M2PO is off (``cfg.m2po`` false).
+    :func:`m2po_cutoff` of d = logp − behavior_logp over the batch's candidate tokens
+    (:func:`m2po_candidates` of ``cfg.m2_token_set``; ``"trust_region"`` needs ``advantages``),
+    always token level and against the sampler, like SAT's d_SAT, whatever ``old_logp`` is (at the
+    step's single update, logp is AReaL's recomputed proximal policy). Give it as ``m2_cutoff=``
+    to every microbatch of the batch. +inf (nothing masked) when M2PO is off (``cfg.m2po`` false).
     """
-    shapes = {jnp.shape(logp), jnp.shape(behavior_logp), jnp.shape(mask)}
+    arrays = (logp, behavior_logp, mask) + (() if advantages is None else (advantages,))
+    shapes = {jnp.shape(x) for x in arrays}
     if len(shapes) > 1:
-        raise ValueError(f"m2po_batch_cutoff: logp, behavior_logp, mask differ in shape: {shapes}")
+        raise ValueError(
+            f"m2po_batch_cutoff: logp, behavior_logp, mask, advantages differ in shape: {shapes}"
+        )
     if not cfg.m2po:
         return jnp.full((), jnp.inf, jnp.float32)
     active = jnp.asarray(mask) > 0
-    d = jnp.asarray(logp, jnp.float32) - jnp.asarray(behavior_logp, jnp.float32)
-    return m2po_cutoff(jnp.where(active, d, 0.0), threshold=cfg.m2_threshold, where=active)
+    d = jnp.where(
+        active, jnp.asarray(logp, jnp.float32) - jnp.asarray(behavior_logp, jnp.float32), 0.0
+    )
+    candidates = m2po_candidates(d, advantages, cfg.m2_token_set, where=active)
+    return m2po_cutoff(d, threshold=cfg.m2_threshold, where=candidates)
 
 
 def m2po_mask(log_ratio: ArrayLike, cutoff: ArrayLike, *, where: ArrayLike | None = None):
-    """[B, T] bool: the active tokens M2PO masks, (log r)² ≥ ``cutoff`` (:func:`m2po_cutoff`)."""
+    """[B, T] bool: the candidate tokens M2PO masks, (log r)² ≥ ``cutoff`` (:func:`m2po_cutoff`);
+    ``where`` is the candidate set (:func:`m2po_candidates`) the cutoff was computed over."""
     d = jax.lax.stop_gradient(jnp.asarray(log_ratio, jnp.float32))
     return _active(where, d) & (d * d >= jnp.asarray(cutoff, jnp.float32))
 
@@ -126,6 +179,22 @@ def importance_weight_sums(
     active = _active(where, d)
     w = jnp.where(active, jnp.exp(jnp.where(active, d, 0.0)), 0.0)
     return jnp.sum(w), jnp.sum(w * w)
+
+
+def sequence_weight_sums(
+    log_ratio: ArrayLike, *, where: ArrayLike, clamp: float | None = None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(Σ w_i, Σ w_i², B) over the B responses with an active token, w_i = exp(s_i) and
+    s_i = Σ_t d_{i,t} over response i's active tokens (clipped to ±``clamp`` when given, so that
+    w_i² stays finite in float32), detached: the sequence-level ESS's additive terms (VCPO)."""
+    d = jax.lax.stop_gradient(jnp.asarray(log_ratio, jnp.float32))
+    active = jnp.asarray(where) > 0
+    s = jnp.sum(jnp.where(active, d, 0.0), axis=-1)
+    if clamp is not None:
+        s = jnp.clip(s, -clamp, clamp)
+    has = jnp.any(active, axis=-1)
+    w = jnp.where(has, jnp.exp(jnp.where(has, s, 0.0)), 0.0)
+    return jnp.sum(w), jnp.sum(w * w), jnp.sum(has, dtype=jnp.int32)
 
 
 def effective_sample_size(

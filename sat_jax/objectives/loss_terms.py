@@ -14,6 +14,9 @@ from flax import struct
 from jax.typing import ArrayLike
 
 from sat_jax.objectives.large_lag import (
+    ESS_RESPONSES,
+    ESS_SEQ_WEIGHT_SQ_SUM,
+    ESS_SEQ_WEIGHT_SUM,
     ESS_WEIGHT_SQ_SUM,
     ESS_WEIGHT_SUM,
     effective_sample_size,
@@ -27,8 +30,10 @@ class PolicyLossTerms:
     """Unreduced loss and metrics, as pairs that add up across microbatches and hosts.
 
     ``loss_sum / loss_count`` is the loss; ``sums[k] / counts[k]`` is metric k; ``mins`` reduce by
-    minimum and ``totals`` by sum (the ESS's Σ w and Σ w² become the metric ``ess``). For gradient accumulation differentiate ``loss_sum`` of each
-    microbatch and divide by the merged ``loss_count``.
+    minimum and ``totals`` by sum (the ESS's Σ w and Σ w² of both levels become the metrics
+    ``ess_token`` and ``ess_sequence``, and ``ess`` is the one of ``ess_level``). For gradient
+    accumulation differentiate ``loss_sum`` of each microbatch and divide by the merged
+    ``loss_count``.
     """
 
     loss_sum: jax.Array
@@ -37,6 +42,7 @@ class PolicyLossTerms:
     counts: dict[str, jax.Array]
     mins: dict[str, jax.Array]
     totals: dict[str, jax.Array]
+    ess_level: str = struct.field(pytree_node=False, default="sequence")
 
     def merge(self, other: PolicyLossTerms) -> PolicyLossTerms:
         """Combines the terms of two disjoint parts of one batch."""
@@ -48,6 +54,7 @@ class PolicyLossTerms:
             counts=add(self.counts, other.counts),
             mins=jax.tree.map(jnp.minimum, self.mins, other.mins),
             totals=add(self.totals, other.totals),
+            ess_level=self.ess_level,
         )
 
     def reduce(self) -> tuple[jax.Array, dict[str, jax.Array]]:
@@ -59,7 +66,11 @@ class PolicyLossTerms:
         totals = dict(self.totals)
         if ESS_WEIGHT_SUM in totals:  # ess = (Σ w)² / (N·Σ w²) of the merged sums
             w_sum, w_sq_sum = totals.pop(ESS_WEIGHT_SUM), totals.pop(ESS_WEIGHT_SQ_SUM)
-            metrics["ess"] = effective_sample_size(w_sum, w_sq_sum, totals["active_tokens"])
+            token = effective_sample_size(w_sum, w_sq_sum, totals["active_tokens"])
+            ws_sum, ws_sq_sum = totals.pop(ESS_SEQ_WEIGHT_SUM), totals.pop(ESS_SEQ_WEIGHT_SQ_SUM)
+            sequence = effective_sample_size(ws_sum, ws_sq_sum, totals.pop(ESS_RESPONSES))
+            metrics["ess"] = sequence if self.ess_level == "sequence" else token
+            metrics["ess_token"], metrics["ess_sequence"] = token, sequence
         metrics.update({k: v.astype(jnp.float32) for k, v in totals.items()})
         return loss, metrics
 

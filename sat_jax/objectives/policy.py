@@ -36,7 +36,7 @@ from jax.typing import ArrayLike
 
 from sat_jax.objectives import corrections, diagnostics
 from sat_jax.objectives.diagnostics import clamp as _clamp
-from sat_jax.objectives.large_lag import m2po_batch_cutoff
+from sat_jax.objectives.large_lag import ESS_LEVELS, M2_TOKEN_SETS, m2po_batch_cutoff
 from sat_jax.objectives.loss_terms import LossAgg, PolicyLossTerms, aggregate
 from sat_jax.objectives.quantile import masked_quantile
 from sat_jax.objectives.stabilizers import KL_ESTIMATORS, KLEstimator, kl_penalty
@@ -109,8 +109,9 @@ class PolicyLossConfig:
         (computed as exp(min(Σ, log cap)), so it never overflows). Needs ``old_logp``. None = off.
       seq_mask_range: (low, high): sequence masking (MIS): a response whose geometric-mean ratio
         g_b = exp(mean_t (old − behavior)) over its active tokens lies outside [low, high] gets
-        weight 0 (loss and gradient 0); its tokens still count in the loss's denominator, like
-        IcePop's zero weights. Needs ``old_logp``. None = off.
+        weight 0 (loss and gradient 0) and leaves the loss's denominator, as in verl's rejection
+        sampling (the loss is over the kept responses; ``corrections.kept_loss_mask``). Needs
+        ``old_logp``. None = off.
       dppo_tv_delta: δ of the DPPO total-variation mask: a token's gradient is zeroed (its value
         kept) when A·(r − 1) > 0 and |exp(logp) − exp(old_logp)| > δ. None = off.
       kl_coef: weight of a KL penalty to a reference policy (needs ``ref_logp`` when > 0).
@@ -122,8 +123,15 @@ class PolicyLossConfig:
       m2_threshold: M2PO's τ (docs/DESIGN.md §3.6; the paper's 0.04): mask the tokens with the
         largest (logp − behavior_logp)² until the rest's mean is below τ (a batch statistic,
         see :func:`m2po_batch_cutoff`). None or 0 = off.
+      m2_token_set: the tokens M2PO's mask may remove: ``"trust_region"`` (the paper's Algorithm
+        1 and its authors' code: A > 0 and logp > behavior_logp, or A < 0 and logp <
+        behavior_logp) or ``"all"`` (every active token, AReaL's code). Read only with M2PO on.
       ess_scaling: VCPO's step scaling: the train step multiplies the optimizer's update by
         sqrt(ess), the batch's effective sample size fraction (§3.6). The loss does not read it.
+      ess_level: which ESS the metric ``ess`` (and so ``ess_scaling``) is: ``"sequence"`` (VCPO's
+        authors: w_i = exp(Σ_t (logp − behavior_logp)) per response, over the responses) or
+        ``"token"`` (w = exp(logp − behavior_logp) per active token). Both are always reported,
+        as ``ess_sequence`` and ``ess_token``.
       opob_baseline: VCPO's closed-form off-policy optimal baseline: the train step centers each
         reward on its group's mean weighted by w_i²·‖∇ log π(y_i)‖² (w_i the response's
         behavior → current sequence ratio; ``opob_baselines``, §3.6) instead of the plain mean.
@@ -145,13 +153,17 @@ class PolicyLossConfig:
     kl_estimator: KLEstimator = "k3"
     log_ratio_clamp: float | None = 20.0
     m2_threshold: float | None = None
+    m2_token_set: Literal["trust_region", "all"] = "trust_region"
     ess_scaling: bool = False
+    ess_level: Literal["sequence", "token"] = "sequence"
     opob_baseline: bool = False
 
     def __post_init__(self):
         _check_choice("ratio_level", self.ratio_level, _RATIO_LEVELS)
         _check_choice("loss_agg", self.loss_agg, _LOSS_AGGS)
         _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_choice("m2_token_set", self.m2_token_set, M2_TOKEN_SETS)
+        _check_choice("ess_level", self.ess_level, ESS_LEVELS)
         dual, tis, icepop = self.dual_clip, self.tis_cap, self.icepop_range
         tv, clamp = self.dppo_tv_delta, self.log_ratio_clamp
         seq_tis, seq_mask, m2 = self.seq_tis_cap, self.seq_mask_range, self.m2_threshold
@@ -522,15 +534,18 @@ def policy_loss_terms(
     per_token, seq_sums, seq_counts = corrections.sequence_corrections(per_token, batch, cfg)
     if cfg.m2po:
         if m2_cutoff is None:
-            m2_cutoff = m2po_batch_cutoff(logp, behavior_logp, mask, cfg)
-        per_token, m2_sums, m2_counts = corrections.m2po_correction(per_token, batch, m2_cutoff)
+            m2_cutoff = m2po_batch_cutoff(logp, behavior_logp, mask, cfg, advantages=batch.adv)
+        per_token, m2_sums, m2_counts = corrections.m2po_correction(
+            per_token, batch, cfg, m2_cutoff
+        )
         seq_sums, seq_counts = {**seq_sums, **m2_sums}, {**seq_counts, **m2_counts}
 
-    loss_sum, loss_count = aggregate(per_token, batch.active, cfg.loss_agg)
+    kept = corrections.kept_loss_mask(batch.behavior, batch.old, batch.active, cfg)
+    loss_sum, loss_count = aggregate(per_token, kept, cfg.loss_agg)
     sums = {"pg_loss": jax.lax.stop_gradient(loss_sum)}
     if ref_logp is not None:
-        kl = kl_penalty(batch.logp, ref_logp, estimator=cfg.kl_estimator, where=batch.active)
-        kl_sum, _ = aggregate(kl, batch.active, cfg.loss_agg)
+        kl = kl_penalty(batch.logp, ref_logp, estimator=cfg.kl_estimator, where=kept)
+        kl_sum, _ = aggregate(kl, kept, cfg.loss_agg)
         sums["kl_ref"] = jax.lax.stop_gradient(kl_sum)
         if cfg.kl_coef > 0:
             loss_sum = loss_sum + cfg.kl_coef * kl_sum
@@ -552,6 +567,7 @@ def policy_loss_terms(
             "fresh_tokens": n_fresh,
             **diagnostics.ess_totals(batch, cfg),
         },
+        ess_level=cfg.ess_level,
     )
 
 
@@ -602,7 +618,8 @@ def policy_loss(
       ``sat_eps_high_mean``, ``sat_c_min``) plus ``loss``, ``pg_loss``, ``ratio_mean``,
       ``active_tokens``, ``sampler_kl`` (k3 = e^x − 1 − x, x = logp − behavior_logp clamped as
       for ``kl_k3``, averaged over the active tokens that are fresh: the sampler–trainer mismatch
-      with staleness excluded), ``fresh_tokens`` (the number of those tokens), ``ess`` (§3.6) and
+      with staleness excluded), ``fresh_tokens`` (the number of those tokens), ``ess`` (§3.6, of
+      ``cfg.ess_level``), ``ess_token`` and ``ess_sequence`` (both levels, always) and
       the metrics of enabled options (``dual_clip_frac``, ``tis_weight_mean``, ``icepop_kept_frac``,
       ``seq_tis_weight_mean`` and ``seq_masked_frac`` (means over the responses with an active
       token of w_b and of the masked flag), ``dppo_tv_masked_frac``, ``kl_ref``,

@@ -115,8 +115,10 @@ def _batch_statistics(
     coef: float,
     w_k: jax.Array,
 ) -> tuple[tuple[jax.Array | None, jax.Array | None], jax.Array | None]:
-    """((sat_q, m2_cutoff), router f [L, E]) of the whole batch, from a forward pass without
-    gradient; M2PO's cutoff (docs/DESIGN.md §3.6) is a sort over the batch's tokens, like q.
+    """((sat_q, m2_cutoff, kept), router f [L, E]) of the whole batch, from a forward pass without
+    gradient; M2PO's cutoff (docs/DESIGN.md §3.6) is a sort over the batch's tokens, like q;
+    ``kept`` is the loss mask less MIS's rejected responses (in the trajectory view when packed),
+    whose count is the loss's denominator.
 
     ``w_k`` [k] is each microbatch's share of the batch's real tokens (``_token_shares``); f of
     the batch is the microbatches' f weighted by it.
@@ -128,8 +130,9 @@ def _batch_statistics(
     """
     sat = cfg.loss.sat
     need_q = sat.enabled and sat.threshold_scope == "batch"
-    if not need_q and not cfg.loss.m2po and coef == 0:
-        return (None, None), None
+    mis = cfg.loss.seq_mask_range is not None
+    if not need_q and not cfg.loss.m2po and not mis and coef == 0:
+        return (None, None, None), None
 
     def one(_, mb: TrainBatch):
         logp_bt, out = forward(params, mb)
@@ -140,10 +143,14 @@ def _batch_statistics(
         batch, logp_bt = _whole_view(micro, logp_kbt)
     else:
         logp_bt = _unsplit(logp_kbt)
-    sat_q, m2_cutoff = None, None
+    sat_q, m2_cutoff, kept = None, None, None
+    if mis:  # MIS's rejected responses leave the loss's denominator (objectives.policy_loss)
+        old = jax.lax.stop_gradient(logp_bt) if cfg.recompute_old_logp else batch.old_logp
+        active = batch.loss_mask > 0
+        kept = objectives.kept_loss_mask(batch.behavior_logp, old, active, cfg.loss)
     if cfg.loss.m2po:
         m2_cutoff = objectives.m2po_batch_cutoff(
-            logp_bt, batch.behavior_logp, batch.loss_mask, cfg.loss
+            logp_bt, batch.behavior_logp, batch.loss_mask, cfg.loss, advantages=batch.advantages
         )
     if need_q:
         sat_q = objectives.sat_threshold(
@@ -153,7 +160,7 @@ def _batch_statistics(
             cfg.loss,
             old_logp=None if cfg.recompute_old_logp else batch.old_logp,
         )
-    return (sat_q, m2_cutoff), _weighted(frac_kle, w_k)
+    return (sat_q, m2_cutoff, kept), _weighted(frac_kle, w_k)
 
 
 def _token_shares(micro: TrainBatch) -> jax.Array:
@@ -191,10 +198,12 @@ def accumulated(
     k = cfg.microbatches if k is None else k
     micro = _split(batch, k)
     w_k = _token_shares(micro)
-    (sat_q, m2_cutoff), frac_le = _batch_statistics(params, batch, micro, forward, cfg, coef, w_k)
-    mask = batch.loss_mask
-    if batch.packed:  # seq_mean_token_mean counts trajectories: the view's rows
-        mask = _whole_view(micro, jnp.zeros(micro.loss_mask.shape, jnp.float32))[0].loss_mask
+    stats, frac_le = _batch_statistics(params, batch, micro, forward, cfg, coef, w_k)
+    sat_q, m2_cutoff, mask = stats  # mask: the kept tokens under MIS, else None
+    if mask is None:
+        mask = batch.loss_mask
+        if batch.packed:  # seq_mean_token_mean counts trajectories: the view's rows
+            mask = _whole_view(micro, jnp.zeros(micro.loss_mask.shape, jnp.float32))[0].loss_mask
     count = jnp.maximum(loss_count(mask, cfg.loss.loss_agg), 1).astype(jnp.float32)
 
     def objective(p: Any, mb: TrainBatch, w: jax.Array):

@@ -9,6 +9,7 @@ import pathlib
 import subprocess
 import sys
 
+import jax
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -126,6 +127,51 @@ def test_large_lag_methods_map_to_their_options():
     args = frontier.parse_args(["--out", "x"])
     assert args.lags == [8, 32, 128, 64, 1]
     assert set(args.methods) == set(frontier_methods.GRPO_FAMILY) | set(frontier_methods.LARGE_LAG)
+
+
+def test_the_sources_rows_and_the_controls_map_to_their_options():
+    """Issue 44: M2PO's two token sets, VCPO's two ESS levels and its authors' recipe, VCPO's
+    parts alone, the sources' bands with ours as variants, and the unclipped positive control."""
+    get = lambda m: frontier_methods.loss_config(m)[0]
+    assert get("GRPO+M2PO").m2_token_set == "trust_region"
+    assert get("GRPO+M2PO-all").m2_token_set == "all"
+    m2po = get("M2PO")  # the paper's objective: no ε-clip, the trust-region mask
+    assert m2po.m2_token_set == "trust_region" and m2po.m2po and m2po.clip_high >= 1e9
+    assert get("GRPO+VCPO").ess_level == "sequence" and get("GRPO+VCPO-tok").ess_level == "token"
+    ess, opob = get("GRPO+ESS"), get("GRPO+OPOB")
+    assert ess.ess_scaling and not ess.opob_baseline and opob.opob_baseline and not opob.ess_scaling
+    vcpo = get("VCPO")
+    assert vcpo.ess_scaling and vcpo.opob_baseline and vcpo.ess_level == "sequence"
+    assert vcpo.seq_tis_cap == 8.0 and frontier_methods.needs_proximal(vcpo)
+    for cfg in (vcpo, get("ISPG")):  # no PPO clip at any ratio a run sees
+        assert 1.0 - cfg.clip_low < 2e-6 and cfg.clip_high >= 1e9
+    ispg = get("ISPG")
+    assert not ispg.rollout_corrections and not ispg.m2po and not ispg.sat.enabled
+    assert get("GRPO+IcePop").icepop_range == (0.5, 5.0)
+    assert get("GRPO+IcePop-ours").icepop_range == (0.5, 2.0)
+    assert get("GRPO+SeqMask").seq_mask_range == (1 / 1.001, 1.001)
+    assert get("GRPO+SeqMask-ours").seq_mask_range == (0.95, 1.05)
+
+
+def test_constant_lag_mode_holds_the_lag_and_keys_differ_across_lags():
+    bv = frontier_methods.behavior_version
+    assert [bv(u, 4, "constant") for u in range(8)] == [0, 0, 0, 0, 0, 1, 2, 3]
+    assert [bv(u, 4, "sync") for u in range(10)] == [
+        frontier.grid.behavior_version(u, 4) for u in range(10)
+    ]
+    with pytest.raises(ValueError, match="lag mode"):
+        bv(3, 2, "cyclic")
+    Cell = frontier_methods.Cell
+    keys = {
+        (lag, mode): jax.random.key_data(
+            frontier_methods.sample_key(Cell("GRPO", lag, 1e-3, 0, lag_mode=mode))
+        ).tobytes()
+        for lag in (1, 8, 32)
+        for mode in frontier_methods.LAG_MODES
+    }
+    assert len(set(keys.values())) == len(keys)
+    assert Cell("GRPO", 8, 1e-3, 0, lag_mode="constant").name == "GRPO_lag8_constant_lr0.001_seed0"
+    assert Cell("GRPO", 8, 1e-3, 0).name == "GRPO_lag8_lr0.001_seed0"
 
 
 def test_methods_and_knobs_map_to_the_loss_configs():

@@ -23,16 +23,25 @@ def quantile_inverted_cdf(values, level: float) -> float:
     return float(xs[rank - 1])
 
 
-def m2po_masked(d_sampler, act, threshold) -> np.ndarray:
-    """M2PO's mask as AReaL words it: sort the active (log r)² descending, mask the fewest
-    largest after which the rest's mean is below τ (all but the smallest one when none is);
-    tokens tied with the smallest masked value are masked with it (docs/DESIGN.md §3.6)."""
-    m2 = np.asarray(d_sampler, np.float64) ** 2
-    desc = sorted((float(v) for v in m2[act]), reverse=True)
+def m2po_masked(d_sampler, act, threshold, advantages=None, token_set="all") -> np.ndarray:
+    """M2PO's mask as AReaL words it, over the candidates (every active token, or with
+    ``token_set="trust_region"`` those with A > 0 and d > 0 or A < 0 and d < 0, the paper's):
+    sort their (log r)² descending, mask the fewest largest after which the rest's mean is below
+    τ (all but the smallest one when none is); tokens tied with the smallest masked value are
+    masked with it, unless that is the smallest value: those are kept (docs/DESIGN.md §3.6)."""
+    d = np.asarray(d_sampler, np.float64)
+    m2 = d**2
+    cand = np.asarray(act, bool).copy()
+    if token_set == "trust_region":
+        a = np.asarray(advantages, np.float64)
+        cand &= ((a > 0) & (d > 0)) | ((a < 0) & (d < 0))
+    desc = sorted((float(v) for v in m2[cand]), reverse=True)
     n = len(desc)
     k = next((k for k in range(n) if sum(desc[k:]) / (n - k) < threshold), max(n - 1, 0))
     cutoff = desc[k - 1] if k > 0 else math.inf
-    return act & (m2 >= cutoff)
+    if n and cutoff <= desc[-1]:  # never mask the smallest
+        cutoff = min((v for v in desc if v > desc[-1]), default=math.inf)
+    return cand & (m2 >= cutoff)
 
 
 def reference_ess(logp, behavior_logp, mask, clamp_limit=20.0) -> float:
@@ -42,6 +51,18 @@ def reference_ess(logp, behavior_logp, mask, clamp_limit=20.0) -> float:
     if clamp_limit is not None:
         d = np.clip(d, -clamp_limit, clamp_limit)
     w = np.exp(d)
+    return float(w.sum() ** 2 / (len(w) * (w**2).sum())) if len(w) else 0.0
+
+
+def reference_ess_sequence(logp, behavior_logp, mask, clamp_limit=20.0) -> float:
+    """(Σ w)² / (B·Σ w²) over the B responses with an active token, w_i = exp(s_i) and s_i the
+    sum of logp − behavior_logp over response i's active tokens, clamped (VCPO's authors)."""
+    act = np.asarray(mask) > 0
+    d = np.asarray(logp, np.float64) - np.asarray(behavior_logp, np.float64)
+    s = [d[b][act[b]].sum() for b in range(act.shape[0]) if act[b].any()]
+    if clamp_limit is not None:
+        s = [min(max(x, -clamp_limit), clamp_limit) for x in s]
+    w = np.exp(np.asarray(s, np.float64))
     return float(w.sum() ** 2 / (len(w) * (w**2).sum())) if len(w) else 0.0
 
 
@@ -95,7 +116,9 @@ def reference_policy_loss(
             seq_masked[b] = not cfg.seq_mask_range[0] <= g <= cfg.seq_mask_range[1]
 
     m2_threshold = getattr(cfg, "m2_threshold", None)
-    m2_mask = m2po_masked(logp - beh, act, m2_threshold) if m2_threshold else np.zeros((B, T), bool)
+    m2_mask = np.zeros((B, T), bool)
+    if m2_threshold:
+        m2_mask = m2po_masked(logp - beh, act, m2_threshold, adv, cfg.m2_token_set)
 
     def psi(u):
         return 1.0 / (1.0 + (u / q) ** sat.exponent)
@@ -153,16 +176,19 @@ def reference_policy_loss(
             m["dual"].append(dual)
             m["r"].append(r)
 
-    # Aggregation weights: loss = Σ w_bt·(−S_bt).
+    # Aggregation weights: loss = Σ w_bt·(−S_bt), over the tokens of the responses MIS keeps
+    # (a rejected response leaves the denominator, as in verl).
     n_b = act.sum(axis=1)
+    kept = act & ~seq_masked[:, None]
+    k_b = kept.sum(axis=1)
     agg_w = np.zeros((B, T))
     if cfg.loss_agg == "token_mean":
-        agg_w[act] = 1.0 / max(act.sum(), 1)
+        agg_w[kept] = 1.0 / max(kept.sum(), 1)
     else:
-        n_seq = max(int((n_b > 0).sum()), 1)
+        n_seq = max(int((k_b > 0).sum()), 1)
         for b in range(B):
-            if n_b[b]:
-                agg_w[b, act[b]] = 1.0 / (n_b[b] * n_seq)
+            if k_b[b]:
+                agg_w[b, kept[b]] = 1.0 / (k_b[b] * n_seq)
     pg_loss = float(np.sum(-S * agg_w))
 
     # dloss/dlogp: token level d_bt depends on logp_bt only; sequence level d_b is the mean.
@@ -180,7 +206,7 @@ def reference_policy_loss(
         ref = np.asarray(ref_logp, np.float64)
         kl = np.zeros((B, T))
         dkl = np.zeros((B, T))
-        for b, t in zip(*np.nonzero(act), strict=True):
+        for b, t in zip(*np.nonzero(kept), strict=True):
             diff = logp[b, t] - ref[b, t]
             if cfg.kl_estimator == "k1":
                 kl[b, t], dkl[b, t] = diff, 1.0
@@ -223,8 +249,10 @@ def reference_policy_loss(
         sat_eps_high_mean=mean(m["eps_high"]) if m["eps_high"] else 0.0,
         sat_c_min=min(m["c"]) if (m["c"] and sat.enabled) else 1.0,
         active_tokens=float(act.sum()),
-        ess=reference_ess(logp, beh, act, L),
+        ess_token=reference_ess(logp, beh, act, L),
+        ess_sequence=reference_ess_sequence(logp, beh, act, L),
     )
+    metrics["ess"] = metrics["ess_" + getattr(cfg, "ess_level", "sequence")]
     if cfg.dual_clip is not None:
         metrics["dual_clip_frac"] = mean(m["dual"])
     if cfg.tis_cap is not None:

@@ -1,8 +1,9 @@
 """M2PO's second-moment mask and the effective sample size (VCPO) against float64 NumPy (§3.6).
 
-The references (``objectives_reference.m2po_masked``, ``reference_ess``) follow the sources'
-wording (AReaL's descending sort and suffix means; (Σ w)² / (N·Σ w²)), not the implementation's
-ascending cumulative sums.
+The references (``objectives_reference.m2po_masked``, ``reference_ess``,
+``reference_ess_sequence``) follow the sources' wording (AReaL's descending sort and suffix means
+over the paper's trust-region tokens or all; (Σ w)² / (N·Σ w²) over tokens or over responses), not
+the implementation's ascending cumulative sums.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ import pytest
 
 from sat_jax import objectives
 from sat_jax.objectives import PolicyLossConfig, SATConfig
-from tests.sat_jax.objectives_reference import m2po_masked, reference_ess, reference_policy_loss
+from tests.sat_jax.objectives_reference import (
+    m2po_masked,
+    reference_ess,
+    reference_ess_sequence,
+    reference_policy_loss,
+)
 
 from .test_objectives import loss_and_grad, make_batch
 
@@ -47,12 +53,50 @@ def test_m2po_mask_is_the_areal_rule(seed, threshold):
         assert not want.any() and np.isinf(float(cutoff))
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("threshold", [0.01, 0.04, 10.0])
+def test_m2po_trust_region_mask_is_the_papers_rule(seed, threshold):
+    d, mask = _heavy_tailed(seed)
+    adv = np.random.default_rng(seed + 100).normal(size=d.shape).astype(np.float32)
+    adv[:, ::5] = 0.0  # A = 0 is in neither half of the trust-region set
+    cand = objectives.m2po_candidates(d, adv, "trust_region", where=mask)
+    want_cand = mask & (((adv > 0) & (d > 0)) | ((adv < 0) & (d < 0)))
+    np.testing.assert_array_equal(np.asarray(cand), want_cand)
+    cfg = PolicyLossConfig(m2_threshold=threshold)
+    logp = np.zeros_like(d)
+    cut = objectives.m2po_batch_cutoff(logp + d, logp, mask, cfg, advantages=adv)
+    got = np.asarray(objectives.m2po_mask(d, cut, where=cand))
+    np.testing.assert_array_equal(got, m2po_masked(d, mask, threshold, adv, "trust_region"))
+    assert not (got & ~want_cand).any()  # tokens outside the set are never masked
+    all_cut = objectives.m2po_batch_cutoff(
+        logp + d, logp, mask, PolicyLossConfig(m2_threshold=threshold, m2_token_set="all")
+    )
+    all_mask = np.asarray(objectives.m2po_mask(d, all_cut, where=mask))
+    np.testing.assert_array_equal(all_mask, m2po_masked(d, mask, threshold))
+    if threshold == 0.01:
+        assert got.any() and not np.array_equal(got, all_mask)
+
+
+def test_m2po_trust_region_needs_advantages():
+    d, mask = _heavy_tailed(0)
+    with pytest.raises(ValueError, match="needs the advantages"):
+        objectives.m2po_batch_cutoff(d, np.zeros_like(d), mask, PolicyLossConfig(m2_threshold=0.04))
+
+
 def test_m2po_degenerate_batches():
     d = np.full((2, 3), 0.5, np.float32)
     mask = np.ones((2, 3), bool)
-    # All tied above τ: ties with the smallest masked value go with it, so all are masked.
+    # All tied above τ: at least one token is kept, so the tied smallest all stay.
     cut = objectives.m2po_cutoff(d, threshold=0.04, where=mask)
-    assert np.asarray(objectives.m2po_mask(d, cut, where=mask)).all()
+    assert np.isinf(float(cut)) and not np.asarray(objectives.m2po_mask(d, cut, where=mask)).any()
+    # Tied smallest below one larger value: the larger one goes, the tied ones stay.
+    d2 = d.copy()
+    d2[1, 2] = 0.9
+    cut = objectives.m2po_cutoff(d2, threshold=0.04, where=mask)
+    want = np.zeros((2, 3), bool)
+    want[1, 2] = True
+    np.testing.assert_array_equal(np.asarray(objectives.m2po_mask(d2, cut, where=mask)), want)
+    np.testing.assert_array_equal(m2po_masked(d2, mask, 0.04), want)
     # One active token above τ: AReaL keeps one token, so nothing is masked.
     one = np.zeros((2, 3), bool)
     one[1, 2] = True
@@ -70,8 +114,10 @@ def test_m2po_degenerate_batches():
         PolicyLossConfig(m2_threshold=0.04),
         PolicyLossConfig(m2_threshold=0.04, sat=SATConfig(quantile=0.8)),
         PolicyLossConfig(m2_threshold=0.02, loss_agg="seq_mean_token_mean", dual_clip=2.0),
+        PolicyLossConfig(m2_threshold=0.04, m2_token_set="all"),
+        PolicyLossConfig(m2_threshold=0.02, m2_token_set="all", sat=SATConfig(quantile=0.8)),
     ],
-    ids=["m2po", "m2po_sat", "m2po_seqmean_dual"],
+    ids=["m2po", "m2po_sat", "m2po_seqmean_dual", "m2po_all", "m2po_all_sat"],
 )
 def test_m2po_loss_gradient_and_metrics_match_float64(seed, cfg):
     batch = make_batch(seed, scale=0.3)
@@ -86,7 +132,9 @@ def test_m2po_loss_gradient_and_metrics_match_float64(seed, cfg):
     # Masked tokens get no gradient; they stay in the denominator: the loss is the base loss
     # with their advantages zeroed.
     d = batch["logp"].astype(np.float64) - batch["behavior_logp"]
-    masked = m2po_masked(d, batch["mask"] > 0, cfg.m2_threshold)
+    masked = m2po_masked(
+        d, batch["mask"] > 0, cfg.m2_threshold, batch["advantages"], cfg.m2_token_set
+    )
     assert np.all(np.asarray(grad)[masked] == 0.0)
     zeroed = {**batch, "advantages": np.where(masked, 0.0, batch["advantages"]).astype(np.float32)}
     base = PolicyLossConfig(**{**cfg.__dict__, "m2_threshold": None})
@@ -97,11 +145,22 @@ def test_m2po_loss_gradient_and_metrics_match_float64(seed, cfg):
 @pytest.mark.parametrize("scale", [0.01, 0.4, 3.0])
 def test_ess_matches_float64(seed, scale):
     batch = make_batch(seed, scale=scale, with_old=True)
-    for cfg in (PolicyLossConfig(), PolicyLossConfig(ratio_level="sequence", tis_cap=2.0)):
+    args = (batch["logp"], batch["behavior_logp"], batch["mask"])
+    token, sequence = reference_ess(*args), reference_ess_sequence(*args)
+    for cfg in (
+        PolicyLossConfig(),
+        PolicyLossConfig(ratio_level="sequence", tis_cap=2.0),
+        PolicyLossConfig(ess_level="token"),
+    ):
         _, metrics, _ = loss_and_grad(batch, cfg)
-        want = reference_ess(batch["logp"], batch["behavior_logp"], batch["mask"])
+        np.testing.assert_allclose(metrics["ess_token"], token, rtol=RTOL)
+        np.testing.assert_allclose(metrics["ess_sequence"], sequence, rtol=RTOL)
+        want = sequence if cfg.ess_level == "sequence" else token
+        assert float(metrics["ess"]) == float(metrics[f"ess_{cfg.ess_level}"])
         np.testing.assert_allclose(metrics["ess"], want, rtol=RTOL)
         assert 0.0 < float(metrics["ess"]) <= 1.0 + 1e-6
+    if scale > 0.01:  # the two levels are different statistics
+        assert abs(sequence - token) > 1e-3
 
 
 def test_ess_bounds_and_step_scale():
@@ -131,8 +190,15 @@ def test_options_off_are_bit_identical(base):
     cfg = cfgs[base]
     batch = make_batch(3, scale=0.3)
     loss, metrics, grad = loss_and_grad(batch, cfg)
-    # m2_threshold 0 is off; ess_scaling changes only the train step's update, not the loss.
-    for off in (dict(m2_threshold=0.0), dict(m2_threshold=None), dict(ess_scaling=True)):
+    # m2_threshold 0 is off (so its token set is unread); ess_scaling changes only the train
+    # step's update, not the loss.
+    offs = (
+        dict(m2_threshold=0.0),
+        dict(m2_threshold=None),
+        dict(m2_threshold=None, m2_token_set="all"),
+        dict(ess_scaling=True),
+    )
+    for off in offs:
         other = PolicyLossConfig(**{**cfg.__dict__, **off})
         loss2, metrics2, grad2 = loss_and_grad(batch, other)
         assert np.asarray(loss2).tobytes() == np.asarray(loss).tobytes()
@@ -143,13 +209,17 @@ def test_options_off_are_bit_identical(base):
 
 
 @pytest.mark.parametrize("n_micro", [2, 4])
-def test_microbatches_with_the_batch_cutoff_merge_to_full_batch(n_micro):
-    """Row microbatches given the batch's M2PO cutoff merge to the full batch; ess is exact."""
-    cfg = PolicyLossConfig(m2_threshold=0.04, sat=SATConfig(quantile=0.8))
+@pytest.mark.parametrize("token_set", ["trust_region", "all"])
+def test_microbatches_with_the_batch_cutoff_merge_to_full_batch(n_micro, token_set):
+    """Row microbatches given the batch's M2PO cutoff merge to the full batch; both ESS levels
+    are exact."""
+    cfg = PolicyLossConfig(m2_threshold=0.04, m2_token_set=token_set, sat=SATConfig(quantile=0.8))
     batch = make_batch(12, B=8, scale=0.3)
     b = {k: jnp.asarray(v) for k, v in batch.items()}
     q = objectives.sat_threshold(b["logp"], b["behavior_logp"], b["mask"], cfg)
-    cut = objectives.m2po_batch_cutoff(b["logp"], b["behavior_logp"], b["mask"], cfg)
+    cut = objectives.m2po_batch_cutoff(
+        b["logp"], b["behavior_logp"], b["mask"], cfg, advantages=b["advantages"]
+    )
 
     def terms(lp, rows):
         args = (lp[rows], b["behavior_logp"][rows], b["advantages"][rows], b["mask"][rows], cfg)
@@ -195,6 +265,8 @@ def test_all_padding_batch_is_zero_and_finite():
         (dict(m2_threshold=-0.1), "m2_threshold"),
         (dict(ess_scaling=1), "ess"),
         (dict(opob_baseline=1), "opob_baseline"),
+        (dict(m2_token_set="paper"), "m2_token_set"),
+        (dict(ess_level="trajectory"), "ess_level"),
     ],
 )
 def test_config_validation(kwargs, field):

@@ -886,6 +886,37 @@ def test_sequence_corrections_match_float64_reference(option, ratio_level, loss_
     assert "seq_tis_weight_mean" not in m0 and "seq_masked_frac" not in m0
 
 
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_sequence_mask_rejected_responses_leave_the_denominator(loss_agg):
+    """As in verl, MIS's rejected responses leave the batch: the loss is the base loss over the
+    kept responses alone (their mask zeroed), not the kept sum over every response."""
+    cfg = PolicyLossConfig(loss_agg=loss_agg, seq_mask_range=(0.9, 1.1))
+    batch = make_decoupled_batch(20, ratio_scale=0.2)
+    S, n, responses = _sequence_sums(batch)
+    g = np.exp(S / np.maximum(n, 1))
+    masked = responses & ~((g >= 0.9) & (g <= 1.1))
+    assert 0 < masked.sum() < responses.sum()
+    loss, metrics, grad = loss_and_grad(batch, cfg)
+    kept = {**batch, "mask": np.where(masked[:, None], 0.0, batch["mask"]).astype(np.float32)}
+    base = dataclasses.replace(cfg, seq_mask_range=None)
+    loss_k, _, grad_k = loss_and_grad(kept, base)
+    np.testing.assert_allclose(loss, loss_k, rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(grad, grad_k, rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(metrics["seq_masked_frac"], masked.sum() / responses.sum())
+    # Row microbatches merge to the full batch (whole responses, a per-response rule).
+    b = {k: jnp.asarray(v) for k, v in batch.items()}
+    halves = [slice(0, len(masked) // 2), slice(len(masked) // 2, None)]
+    parts = [
+        objectives.policy_loss_terms(
+            b["logp"][s], b["behavior_logp"][s], b["advantages"][s], b["mask"][s], cfg,
+            old_logp=b["old_logp"][s],
+        )
+        for s in halves
+    ]  # fmt: skip
+    merged_loss, _ = parts[0].merge(parts[1]).reduce()
+    np.testing.assert_allclose(merged_loss, loss, rtol=1e-6)
+
+
 @pytest.mark.parametrize("ratio_level", ["token", "sequence"])
 @pytest.mark.parametrize("log_k", [100.0, -100.0])
 def test_sequence_corrections_with_huge_sums_stay_finite(ratio_level, log_k):

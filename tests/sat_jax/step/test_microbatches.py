@@ -149,6 +149,21 @@ def test_microbatches_equal_one_pass(setup: Setup, loss_name: str, k: int) -> No
     _assert_same(_step(setup, loss_cfg, ONE, k), want)
 
 
+@pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean_token_mean"])
+def test_sequence_mask_denominator_is_exact_under_microbatches(setup: Setup, loss_agg) -> None:
+    """MIS's rejected responses leave the denominator also when the step accumulates: the
+    accumulated step's count is the kept responses', so it equals the one-pass step."""
+    offsets = np.where(np.arange(B) % 3 == 1, 0.5, 0.0)[:, None]  # g_b = e^0.5: rejected
+    beh = setup.batch.behavior_logp
+    batch = setup.batch.replace(old_logp=(beh + offsets).astype(np.float32))
+    loss_cfg = objectives.PolicyLossConfig(
+        loss_agg=loss_agg, seq_mask_range=(0.9, 1.1), m2_threshold=2.0, m2_token_set="all"
+    )
+    want = _step(setup, loss_cfg, ONE, 1, batch=batch)
+    assert 0 < want[1]["seq_masked_frac"] < 1
+    _assert_same(_step(setup, loss_cfg, ONE, 2, batch=batch), want)
+
+
 def test_ess_scaling_multiplies_the_update_by_sqrt_ess(setup: Setup) -> None:
     """VCPO: the update (here gradient − params) is the unscaled one times sqrt(ess)."""
     plain = objectives.PolicyLossConfig(sat=SAT)
