@@ -24,7 +24,7 @@ from tests.sat_jax.objectives_reference import (
     reference_policy_loss,
 )
 
-from .test_objectives import loss_and_grad, make_batch
+from .test_objectives import assert_microbatches_merge_to_full, loss_and_grad, make_batch
 
 RTOL, ATOL = 2e-5, 1e-6
 
@@ -225,16 +225,8 @@ def test_microbatches_with_the_batch_cutoff_merge_to_full_batch(n_micro, token_s
         args = (lp[rows], b["behavior_logp"][rows], b["advantages"][rows], b["mask"][rows], cfg)
         return objectives.policy_loss_terms(*args, sat_q=q, m2_cutoff=cut)
 
-    full_loss, full_metrics, full_grad = loss_and_grad(b, cfg)
+    metrics = assert_microbatches_merge_to_full(b, cfg, terms, n_micro)
     parts = [slice(i, i + 8 // n_micro) for i in range(0, 8, 8 // n_micro)]
-    merged = functools.reduce(lambda x, y: x.merge(y), (terms(b["logp"], s) for s in parts))
-    grad = sum(jax.grad(lambda lp, s=s: terms(lp, s).loss_sum)(b["logp"]) for s in parts)
-    loss, metrics = merged.reduce()
-    np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
-    np.testing.assert_allclose(grad / merged.loss_count, full_grad, rtol=1e-6, atol=1e-9)
-    assert set(metrics) == set(full_metrics)
-    for k in full_metrics:
-        np.testing.assert_allclose(metrics[k], full_metrics[k], rtol=1e-6, atol=1e-9, err_msg=k)
     assert 0.0 < float(metrics["m2po_masked_frac"]) < 1.0
     # Each microbatch's own cutoff would mask differently: the batch statistic matters.
     own = functools.reduce(

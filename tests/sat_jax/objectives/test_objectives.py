@@ -127,6 +127,23 @@ CONFIGS = {
 }
 
 
+def assert_microbatches_merge_to_full(b, cfg, terms, n_micro):
+    """Checks that ``terms(logp, rows)`` over ``n_micro`` row microbatches of the 8-row batch
+    ``b``, merged, give the full batch's loss, gradient (Σ of the microbatches' d loss_sum /
+    merged loss_count) and every metric to float32 rounding (rtol 1e-6); returns the metrics."""
+    full_loss, full_metrics, full_grad = loss_and_grad(b, cfg)
+    parts = [slice(i, i + 8 // n_micro) for i in range(0, 8, 8 // n_micro)]
+    merged = functools.reduce(lambda x, y: x.merge(y), (terms(b["logp"], s) for s in parts))
+    grad = sum(jax.grad(lambda lp, s=s: terms(lp, s).loss_sum)(b["logp"]) for s in parts)
+    loss, metrics = merged.reduce()
+    np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
+    np.testing.assert_allclose(grad / merged.loss_count, full_grad, rtol=1e-6, atol=1e-9)
+    assert set(metrics) == set(full_metrics)
+    for k in full_metrics:
+        np.testing.assert_allclose(metrics[k], full_metrics[k], rtol=1e-6, atol=1e-9, err_msg=k)
+    return metrics
+
+
 def needs(cfg):
     return dict(
         with_old=cfg.tis_cap is not None
@@ -491,16 +508,7 @@ def test_microbatches_with_the_batch_threshold_merge_to_full_batch(name, n_micro
             sat_q=q,
         )
 
-    full_loss, full_metrics, full_grad = loss_and_grad(b, cfg)
-    parts = [slice(i, i + 8 // n_micro) for i in range(0, 8, 8 // n_micro)]
-    merged = functools.reduce(lambda x, y: x.merge(y), (terms(b["logp"], s) for s in parts))
-    grad = sum(jax.grad(lambda lp, s=s: terms(lp, s).loss_sum)(b["logp"]) for s in parts)
-    loss, metrics = merged.reduce()
-    np.testing.assert_allclose(loss, full_loss, rtol=1e-6)
-    np.testing.assert_allclose(grad / merged.loss_count, full_grad, rtol=1e-6, atol=1e-9)
-    assert set(metrics) == set(full_metrics)
-    for k in full_metrics:
-        np.testing.assert_allclose(metrics[k], full_metrics[k], rtol=1e-6, atol=1e-9, err_msg=k)
+    metrics = assert_microbatches_merge_to_full(b, cfg, terms, n_micro)
     assert float(metrics["sat_q"]) == pytest.approx(float(q), rel=1e-6)
 
 
