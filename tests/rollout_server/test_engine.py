@@ -15,8 +15,9 @@ from flax import nnx
 from rollout_server.engine import FailedPrefix, MoEEngine, unpack_step
 from sat_jax.config import RolloutConfig
 from sat_jax.decoding import SamplingConfig, sample, sampling_logprobs
-from sat_jax.model import ModelConfig, Transformer, token_logprobs
+from sat_jax.model import ModelConfig, token_logprobs
 from sat_jax.tasks import CharTokenizer
+from tests.random_models import random_params
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
 TOK = CharTokenizer("0123456789+-*=() ")
@@ -29,13 +30,7 @@ REF_LEN = 32
 @functools.cache
 def _model():
     """The tiny model with random params drawn by NumPy (eager Flax init takes ~10 s here)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(0)
-    params = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.3),
-        nnx.to_pure_dict(abstract),
-    )
-    return nnx.merge(graphdef, params)
+    return nnx.merge(*random_params(CFG, seed=0))
 
 
 @functools.cache

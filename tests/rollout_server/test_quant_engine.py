@@ -22,6 +22,7 @@ from sat_jax.model import ModelConfig, Transformer, placement
 from sat_jax.model.config import LoRAConfig
 from sat_jax.model.lora import abstract_adapters, init_lora, join_lora
 from sat_jax.tasks import CharTokenizer
+from tests.random_models import random_params
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
 TOK = CharTokenizer("0123456789+-*=() ")
@@ -31,13 +32,7 @@ STEPS = 6
 
 @functools.cache
 def _params():
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(0)
-    params = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.3),
-        nnx.to_pure_dict(abstract),
-    )
-    return graphdef, params
+    return random_params(CFG, seed=0)
 
 
 def _engine(weight_dtype="int8", kv_cache_dtype="fp8", params=None, cfg=CFG):

@@ -15,6 +15,7 @@ from flax import nnx
 
 from sat_jax import completions, decoding, sharding
 from sat_jax.model import ModelConfig, Transformer, placement
+from tests.random_models import random_params
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
 MAX_NEW = 6
@@ -25,13 +26,7 @@ PROMPTS = [[1, 5, 9], [1, 7], [1, 3, 3, 8, 2], [1, 30], [1, 12, 13, 14]]
 
 @functools.cache
 def _model():
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(1)
-    params = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.3),
-        nnx.to_pure_dict(abstract),
-    )
-    return graphdef, params
+    return random_params(CFG, seed=1)
 
 
 def _core(sampling: decoding.SamplingConfig, slots: int = 2) -> decoding.DecodeCore:

@@ -15,6 +15,7 @@ from flax import nnx
 
 from sat_jax import decoding, quant
 from sat_jax.model import ModelConfig, Transformer
+from tests.random_models import random_params
 
 CFG = ModelConfig.preset("tiny", dispatch="dense")
 SAMPLEABLE = (np.arange(CFG.vocab_size) >= 2) & (np.arange(CFG.vocab_size) < 40)
@@ -24,13 +25,7 @@ STEPS = 10
 
 @functools.cache
 def _model():
-    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Transformer(CFG, rngs=nnx.Rngs(0))))
-    rng = np.random.default_rng(1)
-    params = jax.tree_util.tree_map(
-        lambda x: jnp.asarray(rng.standard_normal(x.shape, np.float32) * 0.3),
-        nnx.to_pure_dict(abstract),
-    )
-    return graphdef, params
+    return random_params(CFG, seed=1)
 
 
 @functools.cache
