@@ -129,6 +129,20 @@ class RolloutDriver(orchestrator.Driver):
         self._actions_lock = threading.Lock()
         super().__init__(*args, **kwargs)
 
+    @classmethod
+    def interleaved(cls, engine: MoEEngine) -> RolloutDriver:
+        """The server's driver: one engine both prefills and generates (interleaved mode), on
+        the params ``engine.load_params()`` gives, without JetStream's padding."""
+        params = engine.load_params()
+        return cls(
+            prefill_engines=[engine],
+            generate_engines=[engine],
+            prefill_params=[params],
+            generate_params=[params],
+            interleaved_mode=True,
+            jax_padding=False,
+        )
+
     def _actions(self, idx: int) -> queue.SimpleQueue:
         with self._actions_lock:
             return self._episode_actions[idx]

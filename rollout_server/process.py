@@ -133,15 +133,7 @@ class RolloutServer:
             lora_adapters(cfg, mesh) if cfg.model.lora.rank else None,
         )
         persisted = self._restore_weights()
-        params = self.engine.load_params()
-        self.driver = RolloutDriver(
-            prefill_engines=[self.engine],
-            generate_engines=[self.engine],
-            prefill_params=[params],
-            generate_params=[params],
-            interleaved_mode=True,
-            jax_padding=False,
-        )
+        self.driver = RolloutDriver.interleaved(self.engine)
         self.generator = Generator(self.driver, self.engine, self.tokenizer)
         self.sessions = self._session_manager()
         self.loop = self._rollout_loop(persisted)

@@ -126,14 +126,7 @@ def _run_episodes(
         sampling=SamplingConfig(),
     )
     params = engine.load_params()
-    driver = RolloutDriver(
-        prefill_engines=[engine],
-        generate_engines=[engine],
-        prefill_params=[params],
-        generate_params=[params],
-        interleaved_mode=True,
-        jax_padding=False,
-    )
+    driver = RolloutDriver.interleaved(engine)
     loop = RolloutLoop(
         driver=driver,
         engine=engine,

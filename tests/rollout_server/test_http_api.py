@@ -134,14 +134,7 @@ def live(tmp_path_factory):
         sampling=SamplingConfig(),
     )
     params = engine.load_params()
-    driver = RolloutDriver(
-        prefill_engines=[engine],
-        generate_engines=[engine],
-        prefill_params=[params],
-        generate_params=[params],
-        interleaved_mode=True,
-        jax_padding=False,
-    )
+    driver = RolloutDriver.interleaved(engine)
     clock = FakeClock()
     generator = Generator(driver, engine, tok)
     sessions = SessionManager(
