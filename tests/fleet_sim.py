@@ -34,6 +34,7 @@ import math
 import random
 
 from rollout_api.admission import FleetQuota, RateMeter, ServerAdmission, fleet_shares
+from train import fleet_weights, membership, pull_scheduler, pulls
 
 
 class SimStalled(RuntimeError):
@@ -381,11 +382,13 @@ class FleetSim:
         unleased). A deaf server answers when it resumes, or fails at wait + `pull_slack`.
       fence: the lagging fence and version leases: a server whose `UpdateWeights` or Pull is
         overdue (by max(`fence_factor` × its measured load time, `fence_periods` × the step
-        period)) is lagging: share 0 at its next push, its seats to the others, still pulled;
+        period), at least `fence_floor`; a Pull's at least `pull_slack_floor` past its wait) is
+        lagging: share 0 at its next push, its seats to the others, still pulled;
         every push grants a share until version + S, and a server that knows a trainer version
         past it admits nothing; it is current again once it installs a version within S of the
         trainer's. A rejoining server joins once it holds a version within S of the next batch's
-        (`rejoin`).
+        (`rejoin`). The pool checks for an overdue load every `fence_turn` (its background
+        thread's turn; 0 = every tick).
       fallback_min: `FleetQuota.min_fallback_s` (today's pool: 1 s).
     """
 
@@ -421,6 +424,9 @@ class FleetSim:
         fence=False,
         fence_factor=3.0,
         fence_periods=3.0,
+        fence_floor=0.0,
+        pull_slack_floor=0.0,
+        fence_turn=0.0,
         fallback_min=None,
     ):
         if shares not in ("measured", "equal"):
@@ -439,6 +445,8 @@ class FleetSim:
         self.pull_wait = step_time if pull_wait is None else pull_wait
         self.pull_slack = 30 * step_time if pull_slack is None else pull_slack
         self.fence, self.fence_factor, self.fence_periods = fence, fence_factor, fence_periods
+        self.fence_floor, self.pull_slack_floor = fence_floor, pull_slack_floor
+        self.fence_turn, self._fence_at = fence_turn, 0.0
         self.measured = shares == "measured" and rule == "new"
         self.rate_window = rate_window
         self.rates: dict[str, float] = {}  # the capacity each server reported last (pool side)
@@ -795,8 +803,9 @@ class FleetSim:
                 self._per_server_send(name)
         if self.rejoining and self.senders == "serial":
             self._serial_rejoins()
-        if self.fence:
+        if self.fence and self.now >= self._fence_at:
             self._fence()
+            self._fence_at = self.now + self.fence_turn
         self._pull_replies()
 
     def _load(self, name: str, job: dict) -> bool:
@@ -909,11 +918,12 @@ class FleetSim:
 
     def _overdue(self, name: str) -> float:
         """How late a server's load or Pull reply may be before it is lagging: max(`fence_factor`
-        × its measured load time, `fence_periods` × the trainer's step period)."""
+        × its measured load time, `fence_periods` × the trainer's step period, `fence_floor`)."""
         period = self.quota.period or self.step_time
         mean = self.cost[name]
         mean = sum(mean) / 2 if isinstance(mean, tuple) else mean
-        return max(self.fence_factor * self.load_time.get(name, mean), self.fence_periods * period)
+        load = self.fence_factor * self.load_time.get(name, mean)
+        return max(load, self.fence_periods * period, self.fence_floor)
 
     def _grant(self, name: str, version: int) -> float:
         """The share sent to `name` with `version` (with `fence`: a lease on seats until
@@ -1011,7 +1021,7 @@ class FleetSim:
         (the server's own latency), past which the call fails and the next Pull is sent."""
         acks, rejects = self.pending[name]
         self.pending[name] = ([], [])
-        slack = self._overdue(name) if self.fence else self.pull_slack
+        slack = max(self._overdue(name), self.pull_slack_floor) if self.fence else self.pull_slack
         self.outstanding[name] = {
             "version": version,
             "n": n,
@@ -1167,32 +1177,81 @@ def control(mode: str) -> dict:
 
 
 def period_bound(sim: FleetSim) -> float:
-    """The least trainer period the admission rule allows (time units per step):
-    max(step, B / C, (save + 1.5 · load + ℓ + step) / (S + 1)), where C is the fleet's generation
-    capacity (groups per unit) and ℓ a group's generation time (its longest of G samples:
-    (lo + G/(G+1) · (hi − lo)) / speed, the mean over the servers). A group trained at W was
-    admitted at weights W − S or newer; those exist once step W − S − 1 ended, its save and a
-    server's load ran, and a server whose single sender is busy starts a version's load when its
-    previous one ends (half a load later on average); the group is then generated and trained in
-    step W: S + 1 periods hold save + 1.5 · load + ℓ + step. With no load this is the bound of
-    `test_prefetch_reaches_the_overlap_the_bound_allows`."""
-    g = sim.group_size
-    lat = [(lo + g / (g + 1) * (hi - lo)) / s.speed for s in sim.servers for lo, hi in [s.lengths]]
+    """The least mean trainer period (time units per step) the admission rule allows, the
+    largest of three lower bounds (docs/POD.md §6):
+
+    - **the step**: `step_time`;
+    - **the budget** (capacity through admission's seats): a server runs samples only of the
+      groups its budget counts, at most ⌊(S + 1 − lead) · share · B⌋, so at most
+      min(slots, G · that) samples at once. While a step runs the lead is at least 1 (the
+      prefetch's Pulls name version W + 1; the servers hold W at most), otherwise at least 0.
+      With a = the fleet's groups per unit at the lead-1 budget and b = at the lead-0 one
+      (speed · min(slots, G · n) / (mean length · G), summed), B groups a period need
+      B ≤ a · step + b · (P − step): P ≥ step + (B − a · step) / b. With budgets that fill the
+      slots (a = b = C, the fleet's capacity) this is B / C;
+    - **the chain**: a group trained at W was admitted at weights W − S or newer; those exist
+      once step W − S − 1 has ended and its save and a server's load have run (a load counted
+      once, half a load more where the mean load is at least a step: a server's one sender is
+      then busy when a version is announced and starts it when its load in progress ends); the
+      group is then generated (ℓ: its longest of G samples, (lo + G/(G+1) · (hi − lo)) / speed,
+      the mean over the servers) and trained in step W: S + 1 periods hold
+      save + load + ℓ + step on average over the groups.
+
+    Shares are taken ∝ capacity (`fleet_shares`, as the pool's measured ones converge to). With
+    no load the chain is the bound of `test_prefetch_reaches_the_overlap_the_bound_allows`. A
+    true lower bound: no simulated row may beat it (`test_no_grid_row_beats_the_period_bound`).
+    """
+    g, s = sim.group_size, sim.max_staleness
+    lat = [(lo + g / (g + 1) * (hi - lo)) / x.speed for x in sim.servers for lo, hi in [x.lengths]]
     costs = [c if not isinstance(c, tuple) else sum(c) / 2 for c in sim.cost.values()]
     load = sum(costs) / len(costs)
-    capacity = sum(s.capacity_rate for s in sim.servers)
-    chain = sim.push_delay + 1.5 * load + sum(lat) / len(lat) + sim.step_time
-    return max(sim.step_time, sim.batch_groups / capacity, chain / (sim.max_staleness + 1))
+    load_eff = 1.5 * load if load >= sim.step_time else load
+    chain = sim.push_delay + load_eff + sum(lat) / len(lat) + sim.step_time
+    return max(sim.step_time, budget_bound(sim), chain / (s + 1))
+
+
+def budget_bound(sim: FleetSim) -> float:
+    """`period_bound`'s budget term: step + (B − a · step) / b (see there)."""
+    g, b_groups, s, step = sim.group_size, sim.batch_groups, sim.max_staleness, sim.step_time
+    caps = {x.name: x.capacity_rate for x in sim.servers}
+    shares = fleet_shares(caps, seats=(s + 1) * b_groups)
+
+    def rate(lead: int) -> float:
+        total = 0.0
+        for x in sim.servers:
+            n = math.floor((s + 1 - lead) * shares[x.name] * b_groups + 1e-9)
+            total += x.capacity_rate * min(x.slots, g * n) / x.slots
+        return total
+
+    a, b = rate(1), rate(0)
+    return step + max(b_groups - a * step, 0.0) / b
+
+
+def live_pool() -> dict:
+    """The `FleetSim` options that give the "after" pool the live pool's own constants (read from
+    `train`, so they cannot drift): a Pull waits 0.5 s at its server with several up
+    (`train.pull_scheduler`), its deadline is at least 2 s past that (`train.pulls`), an
+    `UpdateWeights` is overdue after at least 5 s (`train.fleet_weights`), and the fence is
+    checked once per turn of the fleet's background thread, 0.2 s (`train.membership`)."""
+    return {
+        "pull_timeout": pull_scheduler._CONCURRENT_WAIT_S,
+        "pull_slack_floor": pulls._SLACK_MIN_S,
+        "fence_floor": fleet_weights._OVERDUE_MIN_S,
+        "fence_turn": membership._MAINTAIN_S,
+    }
 
 
 def duty_scenario(mode: str, duty: bool = True, **kw) -> FleetSim:
     """`benchmarks/fleet.py --servers 2 --step-s 0 --duty 0.5` in seconds: max_staleness 1, 2
     groups of 2 per batch, 4 slots, samples of 4–6 tokens at 100 tokens/s a slot, a 10 ms step,
     a 3 ms save and a 10 ms load; the first server stopped for 0.5 s of every second; the pool's
-    per-server Pull wait and fallback 1 s before, Pulls of 50 ms after."""
-    opts = control(mode)
+    per-server Pull wait and fallback 1 s before, Pulls of 50 ms after. `mode` "live": the
+    "after" pool with the live pool's constants (`live_pool`): its fence then reacts after the
+    0.5 s stop, where "after"'s reacts within three step periods (30 ms)."""
+    live = mode == "live"
+    opts = control("after" if live else mode)
     opts.update(pull_wait=1.0, fallback_min=1.0, pull_timeout=30.0 if mode == "before" else 0.05)
-    opts.update({"strict": False, **kw})
+    opts.update({"strict": False, **(live_pool() if live else {}), **kw})
     sim = FleetSim(
         [(100.0, 4, (4, 6))] * 2,
         max_staleness=1,
