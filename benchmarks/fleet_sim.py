@@ -130,10 +130,12 @@ def shares_table(steps: int) -> None:
 
 def control_tables(steps: int) -> None:
     """Issue 42's grid, before → after (see the module docstring)."""
-    print("| duty 0.5 (one of two servers stopped half of every second) | before | after |")
-    print("| --- | --- | --- |")
+    modes = ("before", "after", "live")
+    print("| duty 0.5 (one of two servers stopped half of every second) | before | after "
+          "(fence within 3 step periods) | after, the live pool's constants |")  # fmt: skip
+    print("| --- | --- | --- | --- |")
     cells = {}
-    for mode in ("before", "after"):
+    for mode in modes:
         full = duty_scenario(mode, duty=False).run(steps, warmup=20)
         half = duty_scenario(mode).run(steps, warmup=20)
         cells[mode] = (full, half)
@@ -148,7 +150,7 @@ def control_tables(steps: int) -> None:
         ("stale drops / trained group", lambda f, h: f"{h['drops_per_group']:.3f}"),
         ("W − v_admitted > S", lambda f, h: f"{h['violations']}"),
     ):
-        print(f"| {label} | {fn(*cells['before'])} | {fn(*cells['after'])} |", flush=True)
+        print(f"| {label} | {' | '.join(fn(*cells[m]) for m in modes)} |", flush=True)
     print()
     print(
         "| pod: 8 servers × 128 slots, loads 1–3 steps, 200–8192 tokens, S = 4 | processes "
@@ -159,7 +161,7 @@ def control_tables(steps: int) -> None:
         for processes in (1, 4):
             sim = pod_scenario(mode, processes=processes)
             f = sim.run(40, warmup=10)
-            bound = period_bound(sim)
+            bound = period_bound(sim, f)
             print(
                 f"| {mode} | {processes} | {f['period']:.2f} | {bound:.2f} | "
                 f"{bound / f['period']:.0%} | {f['drops_per_group']:.3f} | {f['violations']} |",
@@ -184,7 +186,8 @@ def control_tables(steps: int) -> None:
                 ):
                     sim = spread_scenario(mode, k, lengths, s, admission=adm, strict=False)
                     f = sim.run(steps, warmup=20)
-                    row[key] = (f, f["groups_per_time"] * period_bound(sim) / sim.batch_groups)
+                    bound = period_bound(sim, f)
+                    row[key] = (f, f["groups_per_time"] * bound / sim.batch_groups)
                 b, a = row["before"], row["after"]
                 print(
                     f"| {lengths[0]}–{lengths[1]}, {k}, {s} | {b[1]:.0%} → {a[1]:.0%} | "
@@ -217,9 +220,9 @@ def grid_table(steps: int, dts: list[float]) -> None:
     and (at the last tick) the slot time left idle while admission's budget was full, the
     groups leased, running or queued filling it."""
     heads = " | ".join(f"of the bound, tick {dt:g}" for dt in dts)
-    print(f"| spread, servers, S | {heads} | stale drops / trained | violations | "
-          "slot time idle, budget full |")  # fmt: skip
-    print("| --- " * (len(dts) + 5) + "|")
+    print(f"| spread, servers, S | bound / step (last tick) | {heads} | stale drops / trained | "
+          "violations | slot time idle, budget full |")  # fmt: skip
+    print("| --- " * (len(dts) + 6) + "|")
     for lengths in ((10, 1000), (200, 8192)):
         for k in (1, 2, 4):
             for s in (1, 2):
@@ -227,13 +230,12 @@ def grid_table(steps: int, dts: list[float]) -> None:
                 for dt in dts:
                     sim = spread_scenario("after", k, lengths, s, strict=False, dt=dt)
                     f = sim.run(steps, warmup=20)
-                    cells.append(
-                        f"{f['groups_per_time'] * period_bound(sim) / sim.batch_groups:.1%}"
-                    )
+                    bound = period_bound(sim, f)
+                    cells.append(f"{f['groups_per_time'] * bound / sim.batch_groups:.1%}")
                 idle = sum(x.idle.get("budget", 0.0) for x in sim.servers)
                 slot = sum(x.slot_time for x in sim.servers)
                 print(
-                    f"| {lengths[0]}–{lengths[1]}, {k}, {s} | {' | '.join(cells)} | "
+                    f"| {lengths[0]}–{lengths[1]}, {k}, {s} | {bound:.3f} | {' | '.join(cells)} | "
                     f"{f['drops_per_group']:.3f} | {f['violations']} | {idle / slot:.1%} |",
                     flush=True,
                 )

@@ -335,6 +335,8 @@ class Stats:
     lost: int = 0  # groups in lost Pull replies
     violations: int = 0  # trained at W > v_admitted + S
     violations_exempt: int = 0  # of those, inside a fault's stated window (`FleetSim._exempt`)
+    # W − v_admitted of every trained group, in order (`period_bound`'s batch term reads them).
+    admitted_lag: list = dataclasses.field(default_factory=list)
 
 
 class FleetSim:
@@ -698,6 +700,7 @@ class FleetSim:
             self.stats.trained += 1
             self.stats.tokens += g.length * self.group_size
             self.stats.trained_len.append(g.length)
+            self.stats.admitted_lag.append(self.version - g.admitted)
             self.pending[server.name][0].append(g.gid)
         self.version += 1
         self.step_ends.append(self.now)
@@ -741,6 +744,7 @@ class FleetSim:
             "lag_max": st.lag_max,
             "lost": st.lost - base.lost,
             "violations": st.violations - base.violations,
+            "admitted_lags": dict(collections.Counter(st.admitted_lag[base.trained :])),
             "violations_exempt": st.violations_exempt - base.violations_exempt,
             "steps_done": self.step - self._base_step,
             "period": elapsed / max(self.step - self._base_step, 1),
@@ -1176,7 +1180,7 @@ def control(mode: str) -> dict:
     return dict(BEFORE if mode == "before" else AFTER)
 
 
-def period_bound(sim: FleetSim) -> float:
+def period_bound(sim: FleetSim, figures: dict | None = None) -> float:
     """The least mean trainer period (time units per step) the admission rule allows, the
     largest of three lower bounds (docs/POD.md §6):
 
@@ -1195,7 +1199,13 @@ def period_bound(sim: FleetSim) -> float:
       then busy when a version is announced and starts it when its load in progress ends); the
       group is then generated (ℓ: its longest of G samples, (lo + G/(G+1) · (hi − lo)) / speed,
       the mean over the servers) and trained in step W: S + 1 periods hold
-      save + load + ℓ + step on average over the groups.
+      save + load + ℓ + step on average over the groups;
+    - **the batch** (with `figures` of a run in which every trained group had W − v_admitted = S
+      exactly, on servers alike): batch W is then exactly the groups admitted at weights W − S,
+      a draw of B · G samples no finish order selected, all admitted after those weights landed
+      and all finished before step W starts, so the chain holds with ℓ replaced by the batch's
+      span M ≥ max(the longest of B · G samples, B · G · mean length / the fleet's slots) /
+      speed: (save + load + M + step) / (S + 1).
 
     Shares are taken ∝ capacity (`fleet_shares`, as the pool's measured ones converge to). With
     no load the chain is the bound of `test_prefetch_reaches_the_overlap_the_bound_allows`. A
@@ -1207,7 +1217,15 @@ def period_bound(sim: FleetSim) -> float:
     load = sum(costs) / len(costs)
     load_eff = 1.5 * load if load >= sim.step_time else load
     chain = sim.push_delay + load_eff + sum(lat) / len(lat) + sim.step_time
-    return max(sim.step_time, budget_bound(sim), chain / (s + 1))
+    terms = [sim.step_time, budget_bound(sim), chain / (s + 1)]
+    alike = len({(x.lengths, x.speed) for x in sim.servers}) == 1
+    if figures is not None and set(figures["admitted_lags"]) == {s} and alike:
+        (lo, hi), speed, n = sim.servers[0].lengths, sim.servers[0].speed, sim.batch_groups * g
+        longest = (lo + n / (n + 1) * (hi - lo)) / speed
+        work = n * (lo + hi) / 2 / speed / sum(x.slots for x in sim.servers)
+        span = max(longest, work)
+        terms.append((sim.push_delay + load_eff + span + sim.step_time) / (s + 1))
+    return max(terms)
 
 
 def budget_bound(sim: FleetSim) -> float:

@@ -287,13 +287,19 @@ def test_the_live_pool_reproduces_the_live_duty_figure():
 def test_no_grid_row_beats_the_period_bound(lengths):
     """The S grid (1, 2 and 4 servers, S = 1 and 2): `period_bound` is a lower bound on the
     trainer's mean period, so no row's period is below it (a tick only slows the simulator
-    down), and every row trains each group within S of its admission."""
+    down), with its batch term where it applies (every group trained at exactly v + S: the
+    four-server rows at S = 1 lie above the other terms' bound and near this one), and every
+    row trains each group within S of its admission."""
     for k in (1, 2, 4):
         for staleness in (1, 2):
             sim = spread_scenario("after", k, lengths, staleness)
             f = sim.run(60, warmup=20)
-            assert f["period"] >= period_bound(sim), (k, staleness, f["period"])
+            bound = period_bound(sim, f)
+            assert f["period"] >= bound, (k, staleness, f["period"], bound)
             assert f["violations"] == 0 and f["drops_per_group"] == 0, (k, staleness, f)
+            if k == 4 and staleness == 1:
+                assert f["admitted_lags"] == {1: f["trained"]}, f
+                assert bound > period_bound(sim) and f["period"] <= 1.1 * bound, (f, bound)
 
 
 @pytest.mark.parametrize("lengths", [(10, 1000), (200, 8192)], ids=["10-1000", "200-8192"])
