@@ -137,6 +137,7 @@ class _DutyCycle:
 
     def __init__(self, proc, duty: float, period_s: float):
         self._proc, self._duty, self._period = proc, duty, period_s
+        self.stops: list[float] = []  # when each SIGSTOP was sent
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -148,6 +149,7 @@ class _DutyCycle:
     def _run(self) -> None:
         while not self._closed.is_set():
             self._signal(signal.SIGSTOP)
+            self.stops.append(time.monotonic())
             if self._closed.wait((1 - self._duty) * self._period):
                 break
             self._signal(signal.SIGCONT)
@@ -294,8 +296,14 @@ def _figures(k: int, records: list[dict], progress, trained: list[tuple[float, i
     drops = [r["stale_dropped"] for r in records]
     late_drops = drops[-1] - drops[min(WARMUP, len(drops)) - 1]
     late_groups = sum(r["groups"] for r in records[WARMUP:])
+    late = [t for t, _ in trained[WARMUP:]]
     return {
         "k": k,
+        "late_window": (late[0], late[-1]) if len(late) > 1 else (np.nan, np.nan),
+        "late_drops": late_drops,
+        "late_groups": late_groups,
+        # the groups of the steps that ended after the window's first (it marks the start)
+        "window_groups": sum(r["groups"] for r in records[WARMUP + 1 :]),
         "drops_per_group": progress.stale_dropped / max(progress.groups_trained, 1),
         "late_drops_per_group": late_drops / max(late_groups, 1),
         "lag_max": max(r["lag_max"] for r in records),
@@ -365,6 +373,9 @@ def run(k: int, args: argparse.Namespace, *, fleet_budget: bool = True, fault: s
         for s in servers:
             s.stop()
     out = _figures(k, records, progress, trained)
+    if duty is not None:
+        lo, hi = out["late_window"]
+        out["stops"] = sum(lo <= t < hi for t in duty.stops)
     if faulted:
         out.update(faulted.figures(trained))
     if paused:
@@ -440,6 +451,15 @@ def cli(argv: list[str] | None = None) -> None:
             print(_row("per-server budgets", run(k, args, fleet_budget=False), args), flush=True)
         results.append(run(k, args, fault=fault))
         print(_row(scenario, results[-1], args), flush=True)
+    if args.duty is not None:
+        r = results[-1]
+        lo, hi = r["late_window"]
+        print()
+        print(f"| after step {WARMUP}: seconds | groups trained | groups / s | stops | stale drops |"
+              " stale drops per stop |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- |")
+        print(f"| {hi - lo:.2f} | {r['window_groups']} | {r['window_groups'] / (hi - lo):.1f} | "
+              f"{r['stops']} | {r['late_drops']} | {r['late_drops'] / max(r['stops'], 1):.2f} |")  # fmt: skip
     if fault == "pause":
         r = results[-1]
         print()

@@ -1194,10 +1194,11 @@ def period_bound(sim: FleetSim, figures: dict | None = None) -> float:
       B ≤ a · step + b · (P − step): P ≥ step + (B − a · step) / b. With budgets that fill the
       slots (a = b = C, the fleet's capacity) this is B / C;
     - **the chain**: a group trained at W was admitted at weights W − S or newer; those exist
-      once step W − S − 1 has ended and its save and a server's load have run (a load counted
-      once, half a load more where the mean load is at least a step: a server's one sender is
-      then busy when a version is announced and starts it when its load in progress ends); the
-      group is then generated (ℓ: its longest of G samples, (lo + G/(G+1) · (hi − lo)) / speed,
+      once step W − S − 1 has ended and its save and a server's load have run (the mean load,
+      counted once: a server whose one sender is busy when the version is announced starts it
+      only when its load in progress ends, which adds up to half a load more on average when
+      the sender is always busy, less when it idles between versions, so only the load itself
+      is certain); the group is then generated (ℓ: its longest of G samples, (lo + G/(G+1) · (hi − lo)) / speed,
       the mean over the servers) and trained in step W: S + 1 periods hold
       save + load + ℓ + step on average over the groups;
     - **the batch** (with `figures` of a run in which every trained group had W − v_admitted = S
@@ -1215,8 +1216,7 @@ def period_bound(sim: FleetSim, figures: dict | None = None) -> float:
     lat = [(lo + g / (g + 1) * (hi - lo)) / x.speed for x in sim.servers for lo, hi in [x.lengths]]
     costs = [c if not isinstance(c, tuple) else sum(c) / 2 for c in sim.cost.values()]
     load = sum(costs) / len(costs)
-    load_eff = 1.5 * load if load >= sim.step_time else load
-    chain = sim.push_delay + load_eff + sum(lat) / len(lat) + sim.step_time
+    chain = sim.push_delay + load + sum(lat) / len(lat) + sim.step_time
     terms = [sim.step_time, budget_bound(sim), chain / (s + 1)]
     alike = len({(x.lengths, x.speed) for x in sim.servers}) == 1
     if figures is not None and set(figures["admitted_lags"]) == {s} and alike:
@@ -1224,7 +1224,7 @@ def period_bound(sim: FleetSim, figures: dict | None = None) -> float:
         longest = (lo + n / (n + 1) * (hi - lo)) / speed
         work = n * (lo + hi) / 2 / speed / sum(x.slots for x in sim.servers)
         span = max(longest, work)
-        terms.append((sim.push_delay + load_eff + span + sim.step_time) / (s + 1))
+        terms.append((sim.push_delay + load + span + sim.step_time) / (s + 1))
     return max(terms)
 
 
