@@ -13,8 +13,10 @@ server measures, with servers of equal and unequal speed and one that slows down
 
 `--control` runs issue 42's grid instead (`tests.fleet_sim`'s `duty_scenario`, `pod_scenario`,
 `spread_scenario`, `deaf_figures`): the pool of today ("before": serial pushes, blocking Pulls)
-against per-server senders, concurrent Pulls and the lagging fence ("after"), and the hand-out
-order's mutants; every figure against `tests.fleet_sim.period_bound` where it says so.
+against per-server senders, concurrent Pulls and the lagging fence ("after"; in the duty table
+also with the live pool's constants, `tests.fleet_sim.live_pool`), and the hand-out order's
+mutants; every figure against `tests.fleet_sim.period_bound` where it says so. `--grid-ticks`
+prints the S grid at each tick, with the bound (its batch term where it applies).
 
 Units: a train step takes 1; a group of 4 samples of 50–150 tokens (uniform) takes `gen` steps on
 a server of 8 slots (the first server twice as long in the "unequal" rows); weights reach the

@@ -21,7 +21,8 @@ prefetches, so every scenario runs the real loop's timing unless it says otherwi
 With `push_cost` or `pulls` the pool's control plane is modelled too (`FleetSim`'s arguments):
 weight loads that take time, serial or per-server senders, one or several trainer processes,
 blocking or concurrent Pulls with the pool's waits, deaf (SIGSTOPped) servers, the lagging fence
-and version leases; `BEFORE` and `AFTER` are today's pool and issue 42's. Every trained group is
+and version leases; `BEFORE` and `AFTER` are today's pool and issue 42's (`live_pool`: the live
+pool's own waits and fence floors, which `AFTER` leaves out). Every trained group is
 checked against the admission bound W − v_admitted ≤ S (v_admitted: its server's weights when it
 was admitted), outside a stated fault window (`FleetSim._exempt`).
 """
