@@ -257,10 +257,12 @@ def test_a_deaf_server_stops_the_run_before_and_not_after():
 
 
 def test_after_a_half_deaf_server_keeps_the_fleet_near_its_capacity():
-    """The live duty scenario after: the stopped-half-the-time server is fenced at each stop and
-    current again soon after each resume; the pair trains at least 90% of the 75% of two full
-    servers that its capacity allows (today 58%), no group past v + S. (Its stale drops, the
-    groups in flight at each stop, are 3% of those trained: a stop lasts 12 steps, S is 1.)"""
+    """The live duty scenario after, with the simulator's fence (overdue after three step
+    periods; the live pool's floors react after the stop: `test_the_live_pool_reproduces_the_live_
+    duty_figure`): the stopped-half-the-time server is fenced at each stop and current again soon
+    after each resume; the pair trains at least 90% of the 75% of two full servers that its
+    capacity allows (today 58%), no group past v + S. (Its stale drops, the groups in flight at
+    each stop, are 1.5–2.5% of those trained: a stop lasts 12 steps, S is 1.)"""
     full = duty_scenario("after", duty=False).run(120, warmup=20)
     half = duty_scenario("after", strict=True).run(120, warmup=20)
     assert half["tokens_per_time"] >= 0.9 * 0.75 * full["tokens_per_time"], (full, half)
