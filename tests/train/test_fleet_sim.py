@@ -258,8 +258,8 @@ def test_a_deaf_server_stops_the_run_before_and_not_after():
 
 def test_after_a_half_deaf_server_keeps_the_fleet_near_its_capacity():
     """The live duty scenario after, with the simulator's fence (overdue after three step
-    periods; the live pool's floors react after the stop: `test_the_live_pool_reproduces_the_live_
-    duty_figure`): the stopped-half-the-time server is fenced at each stop and current again soon
+    periods; the live pool's floors react only after the stop, the test below): the
+    stopped-half-the-time server is fenced at each stop and current again soon
     after each resume; the pair trains at least 90% of the 75% of two full servers that its
     capacity allows (today 58%), no group past v + S. (Its stale drops, the groups in flight at
     each stop, are 1.5–2.5% of those trained: a stop lasts 12 steps, S is 1.)"""
