@@ -10,13 +10,17 @@ server measures, with servers of equal and unequal speed and one that slows down
     PYTHONPATH=$PWD python benchmarks/fleet_sim.py [--steps 200]
     PYTHONPATH=$PWD python benchmarks/fleet_sim.py --control     # issue 42: the control plane
     PYTHONPATH=$PWD python benchmarks/fleet_sim.py --steps 120 --grid-ticks 0.1 0.02 0.01
+    PYTHONPATH=$PWD python benchmarks/fleet_sim.py --steps 120 --budget-variants --grid-ticks 0.1 0.01
 
 `--control` runs issue 42's grid instead (`tests.fleet_sim`'s `duty_scenario`, `pod_scenario`,
 `spread_scenario`, `deaf_figures`): the pool of today ("before": serial pushes, blocking Pulls)
 against per-server senders, concurrent Pulls and the lagging fence ("after"; in the duty table
 also with the live pool's constants, `tests.fleet_sim.live_pool`), and the hand-out order's
 mutants; every figure against `tests.fleet_sim.period_bound` where it says so. `--grid-ticks`
-prints the S grid at each tick, with the bound (its batch term where it applies).
+prints the S grid at each tick, with the bound (its batch term where it applies) and the budget's
+chain (`tests.fleet_sim.budget_chain_period`); `--budget-variants` runs the rows below the bound
+under the real budget and its two mutants (a seat freed at the lease; the prefetch's lead not
+counted).
 
 Units: a train step takes 1; a group of 4 samples of 50–150 tokens (uniform) takes `gen` steps on
 a server of 8 slots (the first server twice as long in the "unequal" rows); weights reach the
@@ -38,8 +42,11 @@ from tests.fleet_sim import (
     FinishOrderAdmission,
     FleetSim,
     NoHoldBackAdmission,
+    PrefetchLeadAdmission,
+    ReleaseAtLeaseAdmission,
     ServerAdmission,
     SimStalled,
+    budget_chain_period,
     deaf_figures,
     duty_scenario,
     period_bound,
@@ -219,12 +226,14 @@ def control_tables(steps: int) -> None:
 
 def grid_table(steps: int, dts: list[float]) -> None:
     """Issue 42's S grid with the "after" pool at each simulator tick in `dts`: of the bound,
-    and (at the last tick) the slot time left idle while admission's budget was full, the
-    groups leased, running or queued filling it."""
+    and (at the last tick) of the budget's chain (`budget_chain_period`: the period of an ideal
+    pool under the budget, where every group is trained at exactly v + S), the slot time left
+    idle while admission's budget was full, the groups leased, running or queued filling it."""
     heads = " | ".join(f"of the bound, tick {dt:g}" for dt in dts)
-    print(f"| spread, servers, S | bound / step (last tick) | {heads} | stale drops / trained | "
-          "violations | slot time idle, budget full |")  # fmt: skip
-    print("| --- " * (len(dts) + 6) + "|")
+    print(f"| spread, servers, S | bound / step (last tick) | {heads} | budget chain / step | "
+          f"of the chain, tick {dts[-1]:g} | stale drops / trained | violations | "
+          "slot time idle, budget full |")  # fmt: skip
+    print("| --- " * (len(dts) + 8) + "|")
     for lengths in ((10, 1000), (200, 8192)):
         for k in (1, 2, 4):
             for s in (1, 2):
@@ -234,13 +243,46 @@ def grid_table(steps: int, dts: list[float]) -> None:
                     f = sim.run(steps, warmup=20)
                     bound = period_bound(sim, f)
                     cells.append(f"{f['groups_per_time'] * bound / sim.batch_groups:.1%}")
+                chain = budget_chain_period(sim) if set(f["admitted_lags"]) == {s} else math.nan
                 idle = sum(x.idle.get("budget", 0.0) for x in sim.servers)
                 slot = sum(x.slot_time for x in sim.servers)
                 print(
                     f"| {lengths[0]}–{lengths[1]}, {k}, {s} | {bound:.3f} | {' | '.join(cells)} | "
-                    f"{f['drops_per_group']:.3f} | {f['violations']} | {idle / slot:.1%} |",
+                    f"{chain:.3f} | {chain / f['period']:.1%} | {f['drops_per_group']:.3f} | "
+                    f"{f['violations']} | {idle / slot:.1%} |",
                     flush=True,
                 )
+
+
+def budget_variants_table(steps: int, dts: list[float]) -> None:
+    """The S-grid rows furthest below the bound (2 servers at S = 1, 4 at S = 2) under the real
+    budget and its two mutants (`ReleaseAtLeaseAdmission`: a seat freed at the lease;
+    `PrefetchLeadAdmission`: the prefetch's lead not counted), at each tick in `dts`."""
+    print("| budget | spread, servers, S | tick | of the bound | of the budget chain | "
+          "stale drops / trained | W − v_admitted > S | W − v_admitted (groups) |")  # fmt: skip
+    print("| --- " * 8 + "|")
+    variants = (
+        ("real", ServerAdmission),
+        ("seat freed at the lease", ReleaseAtLeaseAdmission),
+        ("prefetch lead not counted", PrefetchLeadAdmission),
+    )
+    for label, admission in variants:
+        for lengths in ((10, 1000), (200, 8192)):
+            for k, s in ((2, 1), (4, 2)):
+                for dt in dts:
+                    sim = spread_scenario(
+                        "after", k, lengths, s, strict=False, dt=dt, admission=admission
+                    )
+                    f = sim.run(steps, warmup=20)
+                    ref = spread_scenario("after", k, lengths, s)
+                    bound, chain = period_bound(ref), budget_chain_period(ref)
+                    lags = ", ".join(f"{n}: {c}" for n, c in sorted(f["admitted_lags"].items()))
+                    print(
+                        f"| {label} | {lengths[0]}–{lengths[1]}, {k}, {s} | {dt:g} | "
+                        f"{bound / f['period']:.1%} | {chain / f['period']:.1%} | "
+                        f"{f['drops_per_group']:.3f} | {f['violations']} | {lags} |",
+                        flush=True,
+                    )
 
 
 def cli() -> None:
@@ -250,7 +292,15 @@ def cli() -> None:
     parser.add_argument(
         "--grid-ticks", type=float, nargs="+", help="issue 42's S grid at these simulator ticks"
     )
+    parser.add_argument(
+        "--budget-variants",
+        action="store_true",
+        help="the budget and its mutants on the S grid's rows below the bound (--grid-ticks)",
+    )
     args = parser.parse_args()
+    if args.budget_variants:
+        budget_variants_table(args.steps, args.grid_ticks or [0.1])
+        return
     if args.grid_ticks:
         grid_table(args.steps, args.grid_ticks)
         return

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import math
 import random
 
@@ -105,6 +106,26 @@ class NoHoldBackAdmission(ServerAdmission):
         if n <= 0:
             return []
         return sorted(queued, key=lambda i: (self.admitted.get(i, -1), i))[:n]
+
+
+class ReleaseAtLeaseAdmission(ServerAdmission):
+    """A mutant of `ServerAdmission`'s budget: a group's seat frees when it is leased to the
+    batch of the trainer's version T (its own T is then fixed, T ≤ v + S), not once the trainer
+    has moved past T. The batch of T may still take more of this server's groups: the seat
+    freed goes to a group whose place is a batch later."""
+
+    def in_earlier_batch(self, group_id: int) -> bool:
+        t = self.leased.get(group_id)
+        return self.pulls_report and t is not None and t <= self.trainer_version
+
+
+class PrefetchLeadAdmission(ServerAdmission):
+    """A mutant of `ServerAdmission`'s budget: the lead of 1 a prefetching trainer has while a
+    step runs (its Pulls name W + 1, the servers hold W) is not counted."""
+
+    @property
+    def lead(self) -> int:
+        return max(self.trainer_version - self.weights_version - 1, 0)
 
 
 @dataclasses.dataclass
@@ -1244,6 +1265,54 @@ def budget_bound(sim: FleetSim) -> float:
 
     a, b = rate(1), rate(0)
     return step + max(b_groups - a * step, 0.0) / b
+
+
+def budget_chain_period(
+    sim: FleetSim, batches: int = 3000, warmup: int = 200, seed: int = 0
+) -> float:
+    """The mean trainer period of an ideal control plane under the admission budget, where
+    every group is trained at exactly v + S (as in every S-grid row: `admitted_lags`): a
+    Monte-Carlo estimate (its own draws of the sample lengths; about ±0.3% at the defaults),
+    not a closed form.
+
+    With every group trained at exactly v + S, server j's part of batch W is exactly the
+    q_j = share_j · B groups it admitted at weights W − S, and the budget admits them the moment
+    those weights land (the lead drops by one: q_j more seats), not before: they may start at
+    land(W − S) = s(W − S − 1) + step + save + load, s(W) the start of step W. Their G · q_j
+    samples take the server's slots in admission order (the server's FIFO; a slot goes to the
+    oldest waiting sample), behind the older batches' samples, and the step of W starts once
+    the last of them has finished on every server and step W − 1 has ended:
+
+        s(W) = max(s(W − 1) + step, max_j C_j(W)),
+
+    C_j(W) the finish of server j's last sample of batch W. This recursion is evaluated here with
+    instantaneous Pulls and hand-outs, loads of their mean and no simulator tick: the period the
+    budget allows with nothing lost in the pool. It counts what `period_bound` leaves out: the
+    time a finished group keeps its seat while its batch waits for the batch's last sample (on
+    its own server or another), during which its server may run only the samples of groups
+    admitted at older weights.
+    """
+    g, b, s = sim.group_size, sim.batch_groups, sim.max_staleness
+    shares = fleet_shares({x.name: x.capacity_rate for x in sim.servers}, seats=(s + 1) * b)
+    quotas = {x.name: math.floor(shares[x.name] * b + 1e-9) for x in sim.servers}
+    costs = [
+        c if not isinstance(c, tuple) else sum(c) / 2 for c in getattr(sim, "cost", {}).values()
+    ]
+    lag = sim.step_time + sim.push_delay + (sum(costs) / len(costs) if costs else 0.0)
+    rng = random.Random(seed)
+    free = {x.name: [0.0] * x.slots for x in sim.servers}  # when each slot frees (a heap)
+    starts: list[float] = []
+    for w in range(batches):
+        land = starts[w - s - 1] + lag if w > s else 0.0  # the first S + 1 batches: weights 1
+        done = starts[-1] + sim.step_time if starts else 0.0
+        for x in sim.servers:
+            slots = free[x.name]
+            for _ in range(quotas[x.name] * g):
+                end = max(heapq.heappop(slots), land) + rng.uniform(*x.lengths) / x.speed
+                heapq.heappush(slots, end)
+                done = max(done, end)
+        starts.append(done)
+    return (starts[-1] - starts[warmup]) / (batches - 1 - warmup)
 
 
 def live_pool() -> dict:

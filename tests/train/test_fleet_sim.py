@@ -23,7 +23,10 @@ from tests.fleet_sim import (
     FinishOrderAdmission,
     FleetSim,
     NoHoldBackAdmission,
+    PrefetchLeadAdmission,
+    ReleaseAtLeaseAdmission,
     SimStalled,
+    budget_chain_period,
     deaf_figures,
     duty_scenario,
     period_bound,
@@ -242,6 +245,19 @@ def test_hand_out_mutants_fail_a_long_tail_scenario(mutant):
     assert bad.run(80, warmup=20)["drops_per_group"] > 0.02
 
 
+@pytest.mark.parametrize("mutant", [ReleaseAtLeaseAdmission, PrefetchLeadAdmission])
+@pytest.mark.parametrize(("servers", "staleness"), [(2, 1), (4, 2)])
+def test_the_budget_has_no_seat_to_spare(mutant, servers, staleness):
+    """The two S-grid rows furthest below `period_bound` (10–1000 tokens), where the budget is
+    nearly always full: a seat freed when its group is leased to the current batch, or the
+    prefetch's lead of 1 not counted, trains groups past v + S (strict: a violation raises);
+    the real budget trains none."""
+    real = spread_scenario("after", servers, (10, 1000), staleness).run(60, warmup=20)
+    assert real["violations"] == 0 and real["drops_per_group"] == 0, real
+    with pytest.raises(AssertionError, match="> v \\+ S"):
+        spread_scenario("after", servers, (10, 1000), staleness, admission=mutant).run(60, 20)
+
+
 def test_a_deaf_server_stops_the_run_before_and_not_after():
     """One of two servers stopped for 30 of the trainer's periods: today's pool makes one step
     meanwhile (its serial push and its Pull wait on the stopped server, until the Pull's
@@ -302,6 +318,29 @@ def test_no_grid_row_beats_the_period_bound(lengths):
             if k == 4 and staleness == 1:
                 assert f["admitted_lags"] == {1: f["trained"]}, f
                 assert bound > period_bound(sim) and f["period"] <= 1.1 * bound, (f, bound)
+
+
+@pytest.mark.parametrize(("staleness", "period"), [(0, 3.2), (1, 2.0), (2, 2.0)])
+def test_the_budget_chain_with_equal_lengths(staleness, period):
+    """Samples that all take 1, two servers of 8 slots, 4 groups of 4 each a batch: each
+    server's part of a batch is two rounds of its slots. At S = 0 it starts only when the last
+    step's weights land (step 1 + save 0.1 + load 0.1), so the period is 1.2 + 2; from S = 1
+    the landing overlaps the older batch and the slots bind (16 samples on 8 slots: 2)."""
+    sim = spread_scenario("after", 2, (500, 500), staleness)
+    assert budget_chain_period(sim, batches=200, warmup=50) == pytest.approx(period)
+
+
+@pytest.mark.parametrize("lengths", [(10, 1000), (200, 8192)], ids=["10-1000", "200-8192"])
+def test_the_budget_chain_counts_the_wait_for_a_batch(lengths):
+    """Two servers at S = 1, every group trained at exactly v + S: the budget's chain (a finished
+    group keeps its seat until its batch's last sample ends) lies at least 5% above
+    `period_bound` (the slots' capacity), and the simulated pool's period is not below it."""
+    sim = spread_scenario("after", 2, lengths, 1)
+    f = sim.run(60, warmup=20)
+    chain = budget_chain_period(sim)
+    assert f["admitted_lags"] == {1: f["trained"]}, f
+    assert chain >= 1.05 * period_bound(sim, f), (chain, period_bound(sim, f))
+    assert f["period"] >= chain, (f["period"], chain)
 
 
 @pytest.mark.parametrize("lengths", [(10, 1000), (200, 8192)], ids=["10-1000", "200-8192"])
