@@ -1233,6 +1233,8 @@ def period_bound(sim: FleetSim, figures: dict | None = None) -> float:
     Shares are taken ∝ capacity (`fleet_shares`, as the pool's measured ones converge to). With
     no load the chain is the bound of `test_prefetch_reaches_the_overlap_the_bound_allows`. A
     true lower bound: no simulated row may beat it (`test_no_grid_row_beats_the_period_bound`).
+    Where every group is trained at exactly v + S, `budget_chain_period` is tighter: it counts
+    the time a finished group keeps its seat until its batch's last sample ends.
     """
     g, s = sim.group_size, sim.max_staleness
     lat = [(lo + g / (g + 1) * (hi - lo)) / x.speed for x in sim.servers for lo, hi in [x.lengths]]
