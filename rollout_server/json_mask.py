@@ -18,13 +18,47 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import threading
 from typing import Any
 
 import numpy as np
 
-from rollout_server.chat import token_bytes
 from sat_jax.decoding import SEGMENT_COL, TOKEN_COL, VALID_COL
+
+
+def _bytes_to_unicode() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: each vocabulary character's byte."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
+
+
+_BYTE_OF = _bytes_to_unicode()
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """The raw bytes of one token: its decoded text's UTF-8 when that is whole, else from the
+    vocabulary piece (byte-level BPE characters, or SentencePiece's `<0xNN>` byte pieces), so a
+    token holding part of a UTF-8 character has its own bytes rather than U+FFFD's."""
+    if "\ufffd" not in text:
+        return list(text.encode())
+    hf = getattr(tokenizer, "_tok", None)
+    piece = hf.convert_ids_to_tokens(int(token_id)) if hf is not None else None
+    if isinstance(piece, str):
+        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
+            return [int(piece[3:5], 16)]
+        if piece and all(c in _BYTE_OF for c in piece):
+            return [_BYTE_OF[c] for c in piece]
+    return list(text.encode())
+
 
 _WS = frozenset(b" \t\n\r")
 _DIGITS = frozenset(b"0123456789")

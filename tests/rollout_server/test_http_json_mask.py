@@ -6,6 +6,7 @@ distribution's."""
 from __future__ import annotations
 
 import json
+import threading
 
 import jsonschema
 import numpy as np
@@ -17,6 +18,7 @@ from rollout_server.json_mask import (
     JsonObjectMask,
     JsonSchemaMask,
     JsonState,
+    SlotFormats,
     UnsupportedSchema,
     compile_schema,
     mask_for,
@@ -25,6 +27,7 @@ from rollout_server.json_mask import (
     schema_step,
     step,
 )
+from sat_jax.decoding import SEGMENT_COL, TOKEN_COL, VALID_COL
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests.hf_fixtures import make_tokenizer
 
@@ -167,7 +170,7 @@ SCHEMA = {
         "free": {"type": "object"},
         "nested": {
             "type": "object",
-            "properties": {'k"ey': {"const": "v\"1é"}},
+            "properties": {'k"ey': {"const": 'v"1é'}},
             "required": ['k"ey'],
             "additionalProperties": False,
         },
@@ -323,3 +326,66 @@ def test_every_token_of_a_valid_reply_is_allowed_where_it_stands(tok, text):
         state = mask.advance(state, i)
     assert mask.complete(state)
     np.testing.assert_array_equal(np.flatnonzero(mask.allowed(state)), sorted(tok.stop_ids))
+
+
+# ---- the engine's per-slot formats ---------------------------------------------------------------
+
+
+def _step_data(slots, tokens, segments, valid=None):
+    """One generate step's [B, 8] output with the columns SlotFormats reads."""
+    data = np.zeros((slots, 8), np.int32)
+    data[:, TOKEN_COL] = tokens
+    data[:, SEGMENT_COL] = segments
+    data[:, VALID_COL] = 1 if valid is None else valid
+    return data
+
+
+def test_slot_formats_follow_each_constrained_turn_and_nothing_else(tok):
+    """The state advances by the token each step sampled under it, from the turn's segment on;
+    a stop id ends the format; a free slot's row is all True; with no slot constrained the step
+    gets no mask and nothing is read."""
+    vocab = len(tok)
+    formats = SlotFormats(tok, vocab, slots=3)
+    fmt = parse_response_format({"type": "json_object"})
+    ids = tok._tok('{"a": 1}', add_special_tokens=False)["input_ids"]
+    assert formats.allowed() is None
+    formats.sampled(_step_data(3, [5, 5, 5], [0, 0, 0]))  # nothing constrained: not kept
+    formats.advance()
+    formats.set(1, fmt, segment=2)  # slot 1's next turn (segment 2) is constrained
+    mask = mask_for(fmt, tok, vocab)
+    state = mask.start()
+    for i, token in enumerate(ids):
+        rows = formats.allowed()
+        assert rows[[0, 2]].all()
+        np.testing.assert_array_equal(rows[1], mask.allowed(state))
+        # The first step after the extension still carries an older segment for slot 0 / 2.
+        formats.sampled(_step_data(3, [7, token, 9], [0, 2, 0]))
+        formats.advance()
+        state = mask.advance(state, token)
+        if i == 1:  # a step of an older segment of slot 1 (before the extension) is skipped
+            formats.sampled(_step_data(3, [7, ids[i + 1], 9], [0, 1, 0]))
+            formats.advance()
+    assert mask.complete(state)
+    np.testing.assert_array_equal(np.flatnonzero(formats.allowed()[1]), sorted(tok.stop_ids))
+    formats.sampled(_step_data(3, [7, min(tok.stop_ids), 9], [0, 2, 0]))
+    formats.advance()
+    assert formats.allowed() is None  # the stop id ended the constrained turn
+    # A new request in the slot replaces the format; an invalid step (exhausted slot) keeps it.
+    formats.set(0, fmt, segment=0)
+    formats.sampled(_step_data(3, [ids[0], 0, 0], [0, 0, 0], valid=[0, 0, 0]))
+    formats.advance()
+    np.testing.assert_array_equal(formats.allowed()[0], mask.allowed(mask.start()))
+    formats.set(0, None, segment=0)
+    assert formats.allowed() is None
+
+
+def test_a_prefills_format_is_carried_on_its_own_thread(tok):
+    formats = SlotFormats(tok, len(tok), slots=1)
+    formats.next_prefill('{"type":"json_object"}')
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(formats.take_prefill_format()))
+    other.start()
+    other.join()
+    assert seen == [None]
+    assert formats.take_prefill_format() == '{"type":"json_object"}'
+    assert formats.take_prefill_format() is None  # taken once
