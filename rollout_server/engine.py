@@ -25,6 +25,13 @@ steps follow the extension; the inserted tokens' routing waits on the host side 
 (`extension_routing`) until the driver takes it with the first of those steps, so observation
 tokens carry recorded routing like the prompt and the generated tokens.
 
+Constrained decoding (`response_format`, docs/DESIGN.md §6.6): a request's canonical format
+reaches `prefill` from the driver (thread-local, `SlotFormats.next_prefill`) and its slot at
+`insert`, or a continued turn's with its extension; `generate` then advances each constrained
+slot's automaton by the previous step's token and samples under the [B, V] mask rows
+(`DecodeCore.generate(allowed_bv=...)`). With no slot constrained nothing is read back and the
+unmasked program runs.
+
 The engine owns `(version, params)` and passes params into the core's jitted functions as
 arguments, so `swap_params` changes weights between two steps without recompiling; weights of
 another float dtype are cast to the engine's serving dtype (e.g. float32 trainer weights served in

@@ -1,17 +1,22 @@
-"""`response_format: json_object` as a token mask: which ids may come next so that the reply stays
-a prefix of one JSON object (docs/DESIGN.md §6.6).
+"""`response_format` as a token mask: which ids may come next so that the reply stays a prefix of
+one JSON value of the format (docs/DESIGN.md §6.6).
 
-The host half of constrained decoding. A byte-level pushdown automaton for JSON (RFC 8259, the
-top-level value an object, nesting bounded by `max_depth`) walks a trie of the tokenizer's tokens
-by their raw bytes (`chat.token_bytes`: a token holding part of a UTF-8 character is its own
-bytes), so one walk gives the mask of every id. The behavior distribution of a constrained token
-is the model's renormalized over that mask (`masked_logprobs`): its log-probs are the ones to
-record and to train on, as the top-k / top-p kept set's are (§2). The engine half, not built yet:
-the sampler taking a per-slot [V] mask at each step, and the trainer renormalizing over the same
-mask (a kept count does not describe it).
+A byte-level pushdown automaton walks a trie of the tokenizer's tokens by their raw bytes
+(`token_bytes`: a token holding part of a UTF-8 character is its own bytes), so one walk per state
+gives the mask of every id (`TokenMask`). `json_object`: RFC 8259 with an object at the top,
+nesting bounded by `max_depth` (`step`, `JsonObjectMask`). `json_schema`: the subset enforced
+exactly (`compile_schema`, `schema_step`, `JsonSchemaMask`); anything else is refused naming the
+keyword (`UnsupportedSchema`). `parse_response_format` gives a format's canonical string and
+`mask_for` its mask, a pure function of (format, tokenizer, V).
+
+The behavior distribution of a constrained token is the model's renormalized over the mask
+(`masked_logprobs`): its log-probs are the ones recorded, as the top-k / top-p kept set's are
+(§2). The engine's half is `SlotFormats`: each constrained slot's automaton state, the [B, V]
+rows of the next step (`DecodeCore.generate(allowed_bv=...)`) and the state's advance by the
+token each step sampled.
 
 Inside strings any byte of 0x20 and above is taken (UTF-8 validity is the tokenizer's); once the
-object closes only a stop id may follow (no trailing whitespace to loop on).
+value is whole only a stop id may follow (no trailing whitespace to loop on).
 """
 
 from __future__ import annotations

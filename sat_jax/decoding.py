@@ -21,8 +21,9 @@ tells a consumer which steps come after the extension.
 
 A prefill emits no token: the prefix keeps the last prompt position's logits and the next
 ``generate`` samples from them. So a token's version is the version of the params that produced its
-logits. Sampling is restricted to ``sampleable_v`` (every other id gets -inf); the behavior log-prob
-is under that restricted, temperature/top-k/top-p-adjusted distribution.
+logits. Sampling is restricted to ``sampleable_v`` (every other id gets -inf), and per slot to an
+optional row of allowed ids (``generate(allowed_bv=...)``: constrained decoding); the behavior
+log-prob is under that restricted, temperature/top-k/top-p-adjusted distribution.
 
 Dimension letters: B slots, P padded prompt length, S cache positions, V vocab, L MoE layers,
 K experts per token.
