@@ -138,3 +138,69 @@ def test_behavior_logprobs_are_the_masked_distributions_of_a_fresh_forward(token
     free = jax.nn.log_softmax(np.where(engine.sampleable_ids, logits[p - 1 : -1], -np.inf))
     free = np.take_along_axis(np.asarray(free), sample.completion_ids[:, None], -1)[:, 0]
     assert np.all(sample.logprobs >= free - 1e-5) and np.any(sample.logprobs > free + 0.1)
+
+
+def test_a_continued_turn_is_constrained_from_its_extension_on(tokenizer, served):
+    """An episode: a free first turn ended after 4 tokens, then the observation and a turn under the
+    schema (`response_format` set before `continue_episode`): only the second turn's tokens are
+    masked, from the extension's segment on (each one allowed where it stands), and every
+    generated token's log-prob is its own turn's distribution: free, then masked."""
+    engine, params, _, _ = served
+    driver = RolloutDriver.interleaved(engine)
+    fmt = parse_response_format(SCHEMA_FMT)
+    obs = tokenizer.observation_ids([{"role": "user", "content": "JSON now"}], close_turn=True)
+    prompt = tokenizer.encode_messages([{"role": "user", "content": "5 + 7?"}])
+    done: queue.Queue = queue.Queue()
+    first_turn = [True]  # the first turn ends after 4 tokens (like a stop string)
+
+    def on_turn(request, turn):
+        if request.segment == 0:
+            first_turn[0] = False
+            request.response_format = fmt
+            driver.continue_episode(request, obs)
+        else:
+            done.put(turn)
+            driver.end_episode(request)
+
+    try:
+        driver.place_request_on_prefill_queue(
+            RolloutRequest(
+                max_tokens=MAX_TOKENS,
+                return_channel=None,
+                prefill_content=list(prompt),
+                is_client_side_tokenization=True,
+                on_done=lambda r, s: done.put(s),
+                episode=True,
+                turn_tokens=MAX_TOKENS,
+                on_turn=on_turn,
+                stop_when=lambda ids: first_turn[0] and len(ids) >= 4,
+            )
+        )
+        turn, sample = done.get(timeout=600), done.get(timeout=600)
+    finally:
+        driver.stop()
+    first = 4  # the free turn's tokens, then the observation's
+    second = sample.completion_ids[first + len(obs) :]
+    assert second.tolist() == turn.ids.tolist()
+    # The random model pads this reply with whitespace (which JSON allows between tokens), so it
+    # may reach the episode's budget before its value is whole; whole, it satisfies the schema.
+    if turn.finish_reason == "stop":
+        jsonschema.validate(json.loads(tokenizer.decode(second[:-1].tolist())), SCHEMA)
+    else:
+        assert len(sample.completion_ids) == MAX_TOKENS
+    model = nnx.merge(engine.core.graphdef, params)
+    seq = np.concatenate([sample.prompt_ids, sample.completion_ids])
+    logits = np.asarray(model(jnp.asarray(seq[None], jnp.int32)))[0]
+    mask = mask_for(fmt, tokenizer, engine.config.vocab_size)
+    state, p = mask.start(), len(sample.prompt_ids)
+    for t, token in enumerate(sample.completion_ids.tolist()):
+        allowed = engine.sampleable_ids.copy()
+        if t >= first + len(obs):
+            allowed &= mask.allowed(state)
+            assert allowed[token]
+            if token not in tokenizer.stop_ids:
+                state = mask.advance(state, token)
+        if t < first or t >= first + len(obs):  # generated tokens only
+            want = jax.nn.log_softmax(np.where(allowed, logits[p - 1 + t], -np.inf))[token]
+            np.testing.assert_allclose(sample.logprobs[t], want, rtol=0, atol=2e-4)
+    np.testing.assert_array_equal(sample.loss_mask[first : first + len(obs)], 0)
