@@ -5,6 +5,8 @@ at equal slots; engine tokens/s of each and the time the HTTP path adds per turn
     python benchmarks/http_sessions.py [--preset small] [--turns 4] [--turn-tokens 32] [--json FILE]
     python benchmarks/http_sessions.py --quick     # the tiny preset, 3 turns of 8 tokens (seconds)
     python benchmarks/http_sessions.py --stream    # streamed replies: also time to first content
+    python benchmarks/http_sessions.py --primitives [--preset small] [--history 512]
+        # the engine's cost of a fork against a delta's extension, and of a constrained token
 
 The setup is benchmarks/multiturn.py's (its ``Bench``): one CPU device, the ``--preset`` model
 with random weights and its vocabulary sized to a byte-level BPE tokenizer with a Qwen-style chat
@@ -102,6 +104,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="the agents stream their replies; also time each turn's first content chunk",
     )
     p.add_argument("--json", default="", help="also write the results to this file")
+    p.add_argument(
+        "--primitives",
+        action="store_true",
+        help="time the engine's primitives instead: a fork's re-prefill against a delta's "
+        "cache extension, and a decode step with a constrained slot against a free one",
+    )
+    p.add_argument("--history", type=int, default=512, help="--primitives: history tokens")
+    p.add_argument("--delta", type=int, default=32, help="--primitives: a delta's tokens")
+    p.add_argument("--steps", type=int, default=64, help="--primitives: decode steps per round")
     args = p.parse_args(argv)
     if args.quick:
         args.preset, args.turns, args.turn_tokens, args.repeats = "tiny", 3, 8, 2
@@ -416,6 +427,8 @@ def format_table(args: argparse.Namespace, r: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.primitives:
+        return primitives_main(args)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="sat_http_sessions_bench_"))
     try:
         (tmp / "tok").mkdir()
@@ -441,6 +454,144 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         **result,
     }
     print(format_table(args, result), flush=True)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
+    return result
+
+
+# ---- --primitives: what a fork and a constrained token cost the engine -------------------------
+#
+# A fork (`server.http_session_fork`) releases the session's slot and prefills the whole new
+# history into a slot (`DecodeCore.prefill_prompt` + `insert`); an agreeing request extends the
+# slot's cache by the delta only (`DecodeCore.extend`). A constrained slot (`response_format`)
+# makes every decode step wait for the previous step's tokens, build its [B, V] mask rows on the
+# host (`SlotFormats`) and send them; a free engine dispatches steps back to back. Timed on the
+# engine directly (no HTTP, no queueing), medians over --repeats rounds after a warm-up round.
+
+
+def _timed(fn, repeats: int) -> float:
+    fn()  # warm-up: compiles
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def fork_cost(engine, params, history: int, delta: int, repeats: int) -> dict[str, float]:
+    """Seconds of a fork's re-prefill + insert of `history + delta` tokens against the
+    extension of a slot holding `history` tokens by `delta` tokens."""
+    import jax
+
+    core = engine.core
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 200, size=history + delta).astype(np.int32)
+    state = core.init_state()
+    state = core.insert(core.prefill_prompt(params, ids[:history].tolist()), state, 0)
+    box = {"state": state, "n": 0}
+
+    def extend():
+        box["state"], routing = core.extend(
+            params, box["state"], 0, ids[history:], start=history, generated=delta,
+            version=0, segment=1,
+        )  # fmt: skip
+        jax.block_until_ready((box["state"], routing))
+
+    def fork():
+        box["n"] += 1  # a new history each time (a repeated one would reuse the last prefill)
+        new = ids.copy()
+        new[history - 1] = 3 + box["n"] % 190
+        prefix = core.prefill_prompt(params, new.tolist())
+        box["state"] = core.insert(prefix, core.evict(box["state"], 0), 0)
+        jax.block_until_ready(box["state"])
+
+    return {"extend_s": _timed(extend, repeats), "fork_s": _timed(fork, repeats)}
+
+
+def constrained_cost(engine, tokenizer, params, steps: int, repeats: int) -> dict[str, float]:
+    """Seconds per decode step of every slot free against one slot under json_object (its
+    format set again whenever its value ends, so it is constrained at every step)."""
+    import jax
+
+    from rollout_server.json_mask import parse_response_format
+
+    fmt = parse_response_format({"type": "json_object"})
+    prompt = tokenizer.encode_messages([{"role": "user", "content": "Reply in JSON."}])
+    box: dict[str, Any] = {}
+
+    def fill(constrained: bool) -> None:
+        state = engine.init_decode_state()
+        for slot in range(engine.max_concurrent_decodes):
+            prefix = engine.prefill(padded_tokens=np.asarray(prompt), true_length=len(prompt))
+            state = engine.insert(prefix, state, slot)
+        engine.formats.set(0, fmt if constrained else None, segment=0)
+        box["state"] = state
+
+    def run(constrained: bool) -> float:
+        fill(constrained)
+        jax.block_until_ready(box["state"])
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            if constrained and not engine.formats.active(0):
+                engine.formats.set(0, fmt, segment=0)
+            box["state"], result = engine.generate(params, box["state"])
+        jax.block_until_ready(result.data)
+        return (time.perf_counter() - t0) / steps
+
+    run(False), run(True)  # warm-up: compiles, and fills the mask cache's states
+    rounds = [(run(False), run(True)) for _ in range(repeats)]  # interleaved
+    free = statistics.median(r[0] for r in rounds)
+    masked = statistics.median(r[1] for r in rounds)
+    return {"free_step_s": free, "constrained_step_s": masked}
+
+
+def primitives_main(args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+    from flax import nnx
+
+    from rollout_server.engine import MoEEngine
+    from sat_jax.decoding import SamplingConfig
+    from sat_jax.model import ModelConfig, Transformer
+
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="sat_http_primitives_bench_"))
+    try:
+        (tmp / "tok").mkdir()
+        tokenizer = multiturn.make_tokenizer(tmp / "tok")
+        total = args.history + args.delta
+        max_prefill = max(16, 1 << (total - 1).bit_length())
+        vocab = -(-len(tokenizer) // 64) * 64
+        cfg = ModelConfig.preset(args.preset).replace(
+            vocab_size=vocab, max_seq_len=max_prefill + total + args.steps + 2
+        )
+        model = Transformer(cfg, rngs=nnx.Rngs(jax.random.key(0, impl="rbg")))
+        engine = MoEEngine(
+            model, tokenizer=tokenizer, slots=args.slots, max_prefill_length=max_prefill,
+            max_decode_length=total + args.steps + 1, sampling=SamplingConfig(),
+        )  # fmt: skip
+        params = engine.load_params()
+        fork = fork_cost(engine, params, args.history, args.delta, args.repeats)
+        mask = constrained_cost(engine, tokenizer, params, args.steps, args.repeats)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    result = {
+        "config": {
+            "preset": args.preset, "slots": args.slots, "history": args.history,
+            "delta": args.delta, "steps": args.steps, "repeats": args.repeats,
+            "vocab": vocab,
+        },
+        **fork,
+        **mask,
+    }  # fmt: skip
+    print(
+        f"fork (re-prefill {total} + insert) {fork['fork_s'] * 1e3:.1f} ms vs extension by "
+        f"{args.delta} after {args.history}: {fork['extend_s'] * 1e3:.1f} ms "
+        f"({fork['fork_s'] / fork['extend_s']:.1f}x)\n"
+        f"decode step, {args.slots} slots: all free {mask['free_step_s'] * 1e3:.2f} ms, one "
+        f"under json_object {mask['constrained_step_s'] * 1e3:.2f} ms "
+        f"({mask['constrained_step_s'] / mask['free_step_s']:.2f}x)",
+        flush=True,
+    )
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(result, indent=1))
     return result

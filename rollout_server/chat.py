@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from rollout_server.json_mask import UnsupportedSchema, parse_response_format, token_bytes
 from sat_jax.decoding import SamplingConfig
 from sat_jax.tasks.envs.calculator import find_tool_calls
 
@@ -37,12 +38,6 @@ _DEFAULT_ONLY: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((0, 0.0), _UNSUPPORTED),
     "logit_bias": (({},), _UNSUPPORTED),
     "top_logprobs": ((0,), _UNSUPPORTED),
-    "response_format": (
-        ({"type": "text"},),
-        'is not supported: only {"type": "text"} is served; json_object and json_schema need '
-        "constrained decoding, a per-request token mask in the engine's sampler (whose masked "
-        "log-probs would be the behavior log-probs), which the engine does not take yet",
-    ),
     "reasoning_effort": ((), _UNSUPPORTED),
     "modalities": ((["text"],), _UNSUPPORTED),
     "seed": (
@@ -68,12 +63,13 @@ SAMPLER_FIELDS = (
 _CHAT_FIELDS = {
     "model", "messages", "tools", "tool_choice", "max_tokens", "max_completion_tokens",
     "temperature", "top_p", "top_k", "n", "stop", "logprobs", "stream", "stream_options",
-    "session_id", "return_token_ids", "chat_template_kwargs", *_IGNORED, *_DEFAULT_ONLY,
+    "session_id", "return_token_ids", "chat_template_kwargs", "response_format", *_IGNORED,
+    *_DEFAULT_ONLY,
 }  # fmt: skip
 _COMPLETION_FIELDS = {
     "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "logprobs",
     "stream", "stream_options", "echo", "suffix", "best_of", "return_token_ids", *_IGNORED,
-    *_DEFAULT_ONLY,
+    "response_format", *_DEFAULT_ONLY,
 }  # fmt: skip
 
 
@@ -182,12 +178,36 @@ def _check_fields(body: Any, allowed: set[str], override: bool) -> tuple[str, ..
     _need(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown[:4])}", None)
     for key in _IGNORED:
         body.pop(key, None)
+    _check_response_format(body.get("response_format"))
     for key, (accepted, why) in _DEFAULT_ONLY.items():
         value = body.get(key)
         # By type too: `True == 1` would let a boolean pass for a number and the reverse.
         ok = value is None or any(type(value) is type(a) and value == a for a in accepted)
         _need(ok, f"{key}={json.dumps(value)[:40]} {why}", key)
     return overridden
+
+
+def _check_response_format(value: Any) -> None:
+    """Refuses a `response_format` other than text: a malformed one or a json_schema outside the
+    enforced subset (`json_mask.compile_schema`) naming what is wrong, and json_object /
+    json_schema themselves while the trainer does not replay their mask (docs/DESIGN.md §6.6)."""
+    if value is None:
+        return
+    try:
+        fmt = parse_response_format(value)
+    except UnsupportedSchema as e:
+        raise ApiError(400, f"response_format: {e}", param="response_format") from None
+    except ValueError as e:
+        raise ApiError(400, str(e), param="response_format") from None
+    _need(
+        fmt is None,
+        f"response_format={json.dumps(value)[:40]} is not served yet: only "
+        '{"type": "text"} is served. The engine decodes json_object and json_schema by '
+        "constrained decoding (each token drawn from the model's distribution masked to the "
+        "format, its behavior log-prob the masked one), but the trainer does not replay the "
+        "mask yet, so those tokens' log-probs could not be trained on",
+        "response_format",
+    )
 
 
 def _generation(
@@ -623,39 +643,6 @@ def assistant_message(
             head = text[: text.find("<tool_call>", visible_at)].strip()
             return {**out, "content": head or None, "tool_calls": calls}
     return {**out, "content": text}
-
-
-def _bytes_to_unicode() -> dict[str, int]:
-    """GPT-2's byte-level BPE alphabet, reversed: each vocabulary character's byte."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
-    bs += list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {chr(c): b for b, c in zip(bs, cs, strict=True)}
-
-
-_BYTE_OF = _bytes_to_unicode()
-
-
-def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
-    """The raw bytes of one token: its decoded text's UTF-8 when that is whole, else from the
-    vocabulary piece (byte-level BPE characters, or SentencePiece's `<0xNN>` byte pieces), so a
-    token holding part of a UTF-8 character has its own bytes rather than U+FFFD's."""
-    if "\ufffd" not in text:
-        return list(text.encode())
-    hf = getattr(tokenizer, "_tok", None)
-    piece = hf.convert_ids_to_tokens(int(token_id)) if hf is not None else None
-    if isinstance(piece, str):
-        if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):
-            return [int(piece[3:5], 16)]
-        if piece and all(c in _BYTE_OF for c in piece):
-            return [_BYTE_OF[c] for c in piece]
-    return list(text.encode())
 
 
 def token_logprobs(tokenizer: Any, ids: np.ndarray, logprobs: np.ndarray) -> list[dict]:

@@ -96,6 +96,9 @@ class RolloutRequest(orchestrator.ActiveRequest):
     # Ends the turn (or the request) like a stop id when it returns True for the turn's ids so
     # far: the HTTP endpoint's `stop` strings (`rollout_server.chat`). None = stop ids only.
     stop_when: Callable[[np.ndarray], bool] | None = None
+    # Constrained decoding of the request's first turn (`rollout_server.json_mask`'s canonical
+    # format string; None = free), and of a continued turn when set before `continue_episode`.
+    response_format: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,6 +178,10 @@ class RolloutDriver(orchestrator.Driver):
         if not isinstance(request.prefill_content, str):
             # JetStream pads an array (its BOS concatenation used to make a list one).
             request.prefill_content = np.asarray(request.prefill_content, np.int32)
+        fmt = getattr(request, "response_format", None)
+        for engine in self._prefill_engines:  # the format of the prefill this thread runs next
+            if hasattr(engine, "formats"):
+                engine.formats.next_prefill(fmt)
         return super()._process_prefill_content(request, tokenizer, False, max_length)
 
     def _generate_thread(self, idx: int) -> None:
@@ -386,7 +393,12 @@ class RolloutDriver(orchestrator.Driver):
                 request.segment += 1
                 request.waiting, request.turn_start = False, buffer.size
                 engine.schedule_extend(
-                    slot, item.tokens, start=start, generated=buffer.size, segment=request.segment
+                    slot,
+                    item.tokens,
+                    start=start,
+                    generated=buffer.size,
+                    segment=request.segment,
+                    response_format=request.response_format,
                 )
                 done = False
         except Exception:

@@ -25,6 +25,13 @@ steps follow the extension; the inserted tokens' routing waits on the host side 
 (`extension_routing`) until the driver takes it with the first of those steps, so observation
 tokens carry recorded routing like the prompt and the generated tokens.
 
+Constrained decoding (`response_format`, docs/DESIGN.md §6.6): a request's canonical format
+reaches `prefill` from the driver (thread-local, `SlotFormats.next_prefill`) and its slot at
+`insert`, or a continued turn's with its extension; `generate` then advances each constrained
+slot's automaton by the previous step's token and samples under the [B, V] mask rows
+(`DecodeCore.generate(allowed_bv=...)`). With no slot constrained nothing is read back and the
+unmasked program runs.
+
 The engine owns `(version, params)` and passes params into the core's jitted functions as
 arguments, so `swap_params` changes weights between two steps without recompiling; weights of
 another float dtype are cast to the engine's serving dtype (e.g. float32 trainer weights served in
@@ -58,6 +65,7 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 from jetstream.engine import engine_api, tokenizer_pb2
 
 from rollout_server.jetstream_tokenizer import JetStreamTokenizer
+from rollout_server.json_mask import SlotFormats
 from rollout_server.loop_stats import DecodeClock
 from sat_jax import quant
 from sat_jax.decoding import (
@@ -155,12 +163,13 @@ class MoEEngine(engine_api.Engine):
         self._quantize = jax.jit(functools.partial(quant.quantize_params, fmt=weight_dtype))
         self._current = (int(version), self._installed(params))
         self._swap_lock = threading.Lock()
-        # (slot, tokens, start, generated, segment) waiting for the generate thread.
-        self._extensions: list[tuple[int, np.ndarray, int, int, int]] = []
+        # (slot, tokens, start, generated, segment, response format) for the generate thread.
+        self._extensions: list[tuple[int, np.ndarray, int, int, int, str | None]] = []
         # slot -> (segment, the inserted tokens' routing [n, L, K] on device), until the driver
         # takes it (`extension_routing`).
         self._extension_routing: dict[int, tuple[int, jax.Array]] = {}
         self._extensions_lock = threading.Lock()
+        self.formats = SlotFormats(tokenizer, model.config.vocab_size, slots)
         self._mesh = mesh or jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
         # Generate steps' busy seconds: noted here at dispatch, by the driver when on the host.
         self.decode_clock = DecodeClock()
@@ -281,8 +290,9 @@ class MoEEngine(engine_api.Engine):
             if not 0 < true_length <= tokens_p.shape[0] <= self.max_prefill_length:
                 raise ValueError(f"bad prefill: {tokens_p.shape} tokens, true_length {true_length}")
             version, current = self._current
+            fmt = self.formats.take_prefill_format()
             prefix = self.core.prefill_once(current, tokens_p, true_length, version)
-            return prefix.replace(prompt_ids=tokens_p[:true_length].copy())
+            return prefix.replace(prompt_ids=tokens_p[:true_length].copy(), response_format=fmt)
         except Exception as e:
             log.exception("prefill failed")
             return FailedPrefix(repr(e))
@@ -301,12 +311,13 @@ class MoEEngine(engine_api.Engine):
                 np.asarray(prefix.prompt_ids),
                 np.asarray(prefix.routing_plk)[:n],
             )
-            return self.core.insert(
-                prefix.replace(prompt_ids=np.zeros((0,), np.int32)), decode_state, jnp.int32(slot)
-            )
+            self.formats.set(slot, prefix.response_format, segment=0)
+            bare = prefix.replace(prompt_ids=np.zeros((0,), np.int32), response_format=None)
+            return self.core.insert(bare, decode_state, jnp.int32(slot))
         except Exception:
             log.exception("insert into slot %d failed; the slot stays empty", slot)
             self._slot_prompts[slot] = None
+            self.formats.set(slot, None, segment=0)
             return self.core.evict(decode_state, jnp.int32(slot))
 
     def slot_prompt(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
@@ -317,13 +328,22 @@ class MoEEngine(engine_api.Engine):
         return entry
 
     def schedule_extend(
-        self, slot: int, tokens: np.ndarray, *, start: int, generated: int, segment: int
+        self,
+        slot: int,
+        tokens: np.ndarray,
+        *,
+        start: int,
+        generated: int,
+        segment: int,
+        response_format: str | None = None,
     ) -> None:
         """Asks the generate thread to continue `slot` after `tokens` (`DecodeCore.extend`'s
-        arguments) before its next step. Thread-safe; a failure is logged and leaves the slot
+        arguments) before its next step, the next turn constrained to `response_format`
+        (`SlotFormats`; None = free). Thread-safe; a failure is logged and leaves the slot
         exhausted, so its request ends with no valid token."""
+        tokens = np.asarray(tokens, np.int32)
         with self._extensions_lock:
-            self._extensions.append((slot, np.asarray(tokens, np.int32), start, generated, segment))
+            self._extensions.append((slot, tokens, start, generated, segment, response_format))
 
     def extension_routing(self, slot: int, segment: int) -> np.ndarray:
         """[n, L, K] routing ids of the tokens `slot`'s extension to `segment` inserted, as its
@@ -343,7 +363,8 @@ class MoEEngine(engine_api.Engine):
     def _apply_extensions(self, state: DecodeState, version: int, params: Any) -> DecodeState:
         with self._extensions_lock:
             pending, self._extensions = self._extensions, []
-        for slot, tokens, start, generated, segment in pending:
+        for slot, tokens, start, generated, segment, fmt in pending:
+            self.formats.set(slot, fmt, segment=segment)
             try:
                 state, routing = self.core.extend(
                     params,
@@ -368,9 +389,12 @@ class MoEEngine(engine_api.Engine):
         """One step for every slot under the current (version, params), after the extensions
         scheduled since the last step; `params` is ignored."""
         version, current = self._current
+        self.formats.advance()
         if self._extensions:
             decode_state = self._apply_extensions(decode_state, version, current)
-        state, data = self.core.generate(current, decode_state, jnp.int32(version))
+        allowed_bv = self.formats.allowed()
+        state, data = self.core.generate(current, decode_state, jnp.int32(version), allowed_bv)
+        self.formats.sampled(data)
         self.decode_clock.dispatched()
         return state, engine_api.ResultTokens(
             data=data,

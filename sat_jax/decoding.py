@@ -21,8 +21,9 @@ tells a consumer which steps come after the extension.
 
 A prefill emits no token: the prefix keeps the last prompt position's logits and the next
 ``generate`` samples from them. So a token's version is the version of the params that produced its
-logits. Sampling is restricted to ``sampleable_v`` (every other id gets -inf); the behavior log-prob
-is under that restricted, temperature/top-k/top-p-adjusted distribution.
+logits. Sampling is restricted to ``sampleable_v`` (every other id gets -inf), and per slot to an
+optional row of allowed ids (``generate(allowed_bv=...)``: constrained decoding); the behavior
+log-prob is under that restricted, temperature/top-k/top-p-adjusted distribution.
 
 Dimension letters: B slots, P padded prompt length, S cache positions, V vocab, L MoE layers,
 K experts per token.
@@ -129,6 +130,9 @@ class Prefix:
     true_length: jax.Array
     version: jax.Array
     prompt_ids: np.ndarray
+    # The request's constrained-decoding format (`rollout_server.json_mask`), carried from the
+    # engine's prefill to its insert; static, stripped before the jitted insert.
+    response_format: str | None = struct.field(pytree_node=False, default=None)
 
 
 @struct.dataclass
@@ -397,10 +401,16 @@ class DecodeCore:
         return sample(logits_bv, key, self.sampling)
 
     def _generate(
-        self, params: Any, state: DecodeState, version: jax.Array, window: int
+        self,
+        params: Any,
+        state: DecodeState,
+        version: jax.Array,
+        window: int,
+        allowed_bv: jax.Array | None = None,
     ) -> tuple[DecodeState, jax.Array]:
         key, step_key = jax.random.split(state.key)
-        logits_bv = jnp.where(self.sampleable_v, state.logits_bv, -jnp.inf)
+        sampleable = self.sampleable_v if allowed_bv is None else allowed_bv & self.sampleable_v
+        logits_bv = jnp.where(sampleable, state.logits_bv, -jnp.inf)
         tokens_b, logp_b, kept_b = self._sample(logits_bv, step_key, state.cache.lengths_b)
         active_b = state.generated_b < self.max_decode_length
         model = self._model(params)
@@ -516,11 +526,25 @@ class DecodeCore:
         return min(max(16, 1 << (need - 1).bit_length()), self.cache_length)
 
     def generate(
-        self, params: Any, state: DecodeState, version: jax.Array | int
+        self,
+        params: Any,
+        state: DecodeState,
+        version: jax.Array | int,
+        allowed_bv: np.ndarray | None = None,
     ) -> tuple[DecodeState, jax.Array]:
         """One sampling + decode step of every slot over ``decode_window()`` positions; returns
-        (the new state, the step's [B, 7 + L·K] int32 output, see ``unpack_step``)."""
-        state, data = self.generate_step(params, state, jnp.int32(version), self.decode_window())
+        (the new state, the step's [B, 7 + L·K] int32 output, see ``unpack_step``).
+
+        ``allowed_bv`` ([B, V] bool, optional) restricts each slot's next token to its row (on
+        top of ``sampleable_v``): constrained decoding, whose behavior log-prob is the masked
+        distribution's, renormalized. Rows of unconstrained slots are all True (their tokens
+        and log-probs are those of a step without it); None runs the unmasked program."""
+        window = self.decode_window()
+        if allowed_bv is None:
+            state, data = self.generate_step(params, state, jnp.int32(version), window)
+        else:
+            allowed = jnp.asarray(allowed_bv, bool)
+            state, data = self.generate_step(params, state, jnp.int32(version), window, allowed)
         active_b = self._generated_b < self.max_decode_length
         self._lengths_b += active_b
         self._generated_b += active_b

@@ -6,13 +6,28 @@ distribution's."""
 from __future__ import annotations
 
 import json
+import threading
 
+import jsonschema
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_server.json_mask import JsonObjectMask, JsonState, masked_logprobs, step
+from rollout_server.json_mask import (
+    JsonObjectMask,
+    JsonSchemaMask,
+    JsonState,
+    SlotFormats,
+    UnsupportedSchema,
+    compile_schema,
+    mask_for,
+    masked_logprobs,
+    parse_response_format,
+    schema_step,
+    step,
+)
+from sat_jax.decoding import SEGMENT_COL, TOKEN_COL, VALID_COL
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests.hf_fixtures import make_tokenizer
 
@@ -137,3 +152,240 @@ def test_a_constrained_completion_is_an_object_with_the_masked_logprobs(tok):
     # mass the mask kept (every step here took some away).
     for masked, full, mass, whole in logps:
         assert not whole and np.isclose(masked, full - np.log(mass), rtol=0, atol=1e-12)
+
+
+# ---- json_schema -------------------------------------------------------------------------------
+
+SCHEMA = {
+    "type": "object",
+    "title": "a reply",
+    "properties": {
+        "name": {"type": "string", "description": "who"},
+        "age": {"type": "integer"},
+        "score": {"type": "number"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", 1, 12]}},
+        "ok": {"type": "boolean"},
+        "none": {"type": "null"},
+        "anything": {},
+        "free": {"type": "object"},
+        "nested": {
+            "type": "object",
+            "properties": {'k"ey': {"const": 'v"1é'}},
+            "required": ['k"ey'],
+            "additionalProperties": False,
+        },
+    },
+    "required": ["name", "age"],
+}
+SCHEMA_VALID = [
+    '{"name":"x","age":3}',
+    ' { "age" : -10 , "name" : "é\\n\\u00e9" }',
+    '{"name":"","age":0,"tags":[1,12,"a"],"ok":true,"score":-1.5e3,"none":null}',
+    '{"name":"n","age":7,"anything":[1,{"q":"2"}],"free":{"z":[]},"nested":{"k\\"ey":"v\\"1é"}}',
+    '{"name":"n","age":7,"tags":[]}',
+]
+SCHEMA_INVALID = [
+    '{"name":"x"}',  # a required property missing
+    '{"name":"x","age":3.5}',  # not an integer
+    '{"name":"x","age":1e3}',
+    '{"name":"x","age":3,"extra":1}',  # undeclared
+    '{"name":"x","age":3,"name":"y"}',  # twice
+    '{"name":"x","age":3,"tags":[2]}',  # not in the enum
+    '{"name":"x","age":3,"tags":[123]}',
+    '{"name":1,"age":3}',
+    '{"name":"x","age":3,}',
+    '{"name":"x","age":3,"ok":tru}',
+    '{"name":"x","age":3,"nested":{"k\\"ey":"v\\"1"}}',
+    '{"name":"x","age":3,"nested":{}}',
+    '["name"]',
+    '{"name":"x","age":3} ',
+]
+
+
+def _run_schema(schema, text):
+    nodes, state = compile_schema(schema), (("val", 0),)
+    for b in text.encode():
+        state = schema_step(nodes, state, b)
+        if state is None:
+            return None
+    return state
+
+
+@pytest.mark.parametrize("text", SCHEMA_VALID)
+def test_every_instance_of_the_schema_is_accepted_and_every_prefix_is_live(text):
+    jsonschema.validate(json.loads(text), SCHEMA)
+    assert _run_schema(SCHEMA, text) == ()
+    raw = text.encode()
+    for k in range(len(raw)):
+        state = _run_schema(SCHEMA, raw[:k].decode(errors="ignore"))
+        assert state is not None and state != (), raw[:k]
+
+
+@pytest.mark.parametrize("text", SCHEMA_INVALID)
+def test_what_the_schema_refuses_is_never_a_whole_value(text):
+    assert _run_schema(SCHEMA, text) != ()
+    if text.strip().startswith("{") and text.count("{") == text.count("}"):
+        assert _run_schema(SCHEMA, text) is None, text
+
+
+INSTANCES = st.fixed_dictionaries(
+    {"name": st.text(max_size=6), "age": st.integers()},
+    optional={
+        "score": st.floats(allow_nan=False, allow_infinity=False) | st.integers(),
+        "tags": st.lists(st.sampled_from(["a", "b", 1, 12]), max_size=4),
+        "ok": st.booleans(),
+        "none": st.none(),
+        "anything": JSON,
+        "free": st.dictionaries(st.text(max_size=3), JSON, max_size=2),
+        "nested": st.just({'k"ey': 'v"1é'}),
+    },
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(INSTANCES, st.booleans(), st.booleans(), st.randoms())
+def test_json_dumps_of_any_instance_is_accepted(obj, ascii_only, indent, rnd):
+    items = list(obj.items())
+    rnd.shuffle(items)  # properties in any order
+    # Enum and const values are taken in their one spelling (non-ASCII as it is).
+    ascii_only = ascii_only and "nested" not in obj
+    text = json.dumps(dict(items), ensure_ascii=ascii_only, indent=2 if indent else None)
+    assert _run_schema(SCHEMA, text) == (), text
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "x"}}}, "pattern"),
+        ({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}}, "anyOf"),
+        ({"type": "object", "properties": {"a": {"$ref": "#/$defs/x"}}}, "$ref"),
+        ({"type": "object", "properties": {"a": {"type": ["string", "null"]}}}, "type"),
+        ({"type": "object", "minProperties": 1}, "minProperties"),
+        ({"type": "array", "items": {"type": "string"}}, "type"),  # the root is no object
+        ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
+        ({"type": "object", "properties": {"a": {"enum": []}}}, "enum"),
+        ({"type": "object", "properties": {"a": {"const": [1]}}}, "enum"),
+        ({"type": "object", "properties": {"a": {"type": "integer", "enum": ["x"]}}}, "enum"),
+    ],
+)
+def test_what_is_not_enforced_exactly_is_refused_naming_the_keyword(schema, keyword):
+    with pytest.raises(UnsupportedSchema) as e:
+        compile_schema(schema)
+    assert e.value.keyword == keyword and repr(keyword) in str(e.value)
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    with pytest.raises(UnsupportedSchema):
+        parse_response_format(fmt)
+
+
+def test_response_formats_have_one_canonical_string():
+    assert parse_response_format({"type": "text"}) is None
+    assert parse_response_format({"type": "json_object"}) == '{"type":"json_object"}'
+    a = {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": SCHEMA}}
+    b = {
+        "type": "json_schema",
+        "json_schema": {"name": "b", "schema": dict(reversed(SCHEMA.items()))},
+    }
+    assert parse_response_format(a) == parse_response_format(b)
+    for bad in [
+        {"type": "xml"},
+        {"type": "json_schema"},
+        "json",
+        {"type": "json_schema", "json_schema": {}},
+    ]:
+        with pytest.raises(ValueError):
+            parse_response_format(bad)
+
+
+def test_the_schema_tries_mask_is_every_token_checked_one_by_one(tok):
+    vocab = len(tok) + 3
+    mask = JsonSchemaMask(SCHEMA, tok, vocab)
+    text = '{"tags": [12, "a"], "name": "b\\u00e9", "age": -4, "ok": tr'
+    state = mask.start()
+    for i in [None, *tok._tok(text, add_special_tokens=False)["input_ids"]]:
+        if i is not None:
+            state = mask.advance(state, i)
+        want = np.zeros(vocab, bool)
+        for j in range(vocab):
+            try:
+                mask.advance(state, j)
+                want[j] = True
+            except ValueError:
+                pass
+        np.testing.assert_array_equal(mask.allowed(state), want)
+    state = mask.advance(state, tok._tok("ue}", add_special_tokens=False)["input_ids"][0])
+
+
+@pytest.mark.parametrize("text", SCHEMA_VALID)
+def test_every_token_of_a_valid_reply_is_allowed_where_it_stands(tok, text):
+    fmt = parse_response_format({"type": "json_schema", "json_schema": {"schema": SCHEMA}})
+    mask = mask_for(fmt, tok, len(tok))
+    assert mask is mask_for(fmt, tok, len(tok))  # built once per format
+    state = mask.start()
+    for i in tok._tok(text, add_special_tokens=False)["input_ids"]:
+        assert mask.allowed(state)[i]
+        state = mask.advance(state, i)
+    assert mask.complete(state)
+    np.testing.assert_array_equal(np.flatnonzero(mask.allowed(state)), sorted(tok.stop_ids))
+
+
+# ---- the engine's per-slot formats ---------------------------------------------------------------
+
+
+def _step_data(slots, tokens, segments, valid=None):
+    """One generate step's [B, 8] output with the columns SlotFormats reads."""
+    data = np.zeros((slots, 8), np.int32)
+    data[:, TOKEN_COL] = tokens
+    data[:, SEGMENT_COL] = segments
+    data[:, VALID_COL] = 1 if valid is None else valid
+    return data
+
+
+def test_slot_formats_follow_each_constrained_turn_and_nothing_else(tok):
+    """The state advances by the token each step sampled under it, from the turn's segment on;
+    a stop id ends the format; a free slot's row is all True; with no slot constrained the step
+    gets no mask and nothing is read."""
+    vocab = len(tok)
+    formats = SlotFormats(tok, vocab, slots=3)
+    fmt = parse_response_format({"type": "json_object"})
+    ids = tok._tok('{"a": 1}', add_special_tokens=False)["input_ids"]
+    assert formats.allowed() is None
+    formats.sampled(_step_data(3, [5, 5, 5], [0, 0, 0]))  # nothing constrained: not kept
+    formats.advance()
+    formats.set(1, fmt, segment=2)  # slot 1's next turn (segment 2) is constrained
+    mask = mask_for(fmt, tok, vocab)
+    state = mask.start()
+    for i, token in enumerate(ids):
+        rows = formats.allowed()
+        assert rows[[0, 2]].all()
+        np.testing.assert_array_equal(rows[1], mask.allowed(state))
+        # The first step after the extension still carries an older segment for slot 0 / 2.
+        formats.sampled(_step_data(3, [7, token, 9], [0, 2, 0]))
+        formats.advance()
+        state = mask.advance(state, token)
+        if i == 1:  # a step of an older segment of slot 1 (before the extension) is skipped
+            formats.sampled(_step_data(3, [7, ids[i + 1], 9], [0, 1, 0]))
+            formats.advance()
+    assert mask.complete(state)
+    np.testing.assert_array_equal(np.flatnonzero(formats.allowed()[1]), sorted(tok.stop_ids))
+    formats.sampled(_step_data(3, [7, min(tok.stop_ids), 9], [0, 2, 0]))
+    formats.advance()
+    assert formats.allowed() is None  # the stop id ended the constrained turn
+    # A new request in the slot replaces the format; an invalid step (exhausted slot) keeps it.
+    formats.set(0, fmt, segment=0)
+    formats.sampled(_step_data(3, [ids[0], 0, 0], [0, 0, 0], valid=[0, 0, 0]))
+    formats.advance()
+    np.testing.assert_array_equal(formats.allowed()[0], mask.allowed(mask.start()))
+    formats.set(0, None, segment=0)
+    assert formats.allowed() is None
+
+
+def test_a_prefills_format_is_carried_on_its_own_thread(tok):
+    formats = SlotFormats(tok, len(tok), slots=1)
+    formats.next_prefill('{"type":"json_object"}')
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(formats.take_prefill_format()))
+    other.start()
+    other.join()
+    assert seen == [None]
+    assert formats.take_prefill_format() == '{"type":"json_object"}'
+    assert formats.take_prefill_format() is None  # taken once

@@ -1038,3 +1038,23 @@ def test_response_format_json_is_refused_naming_what_is_served(live, fmt):
     assert "constrained decoding" in error["message"]
     text = {**body, "response_format": {"type": "text"}}
     assert live.post("/v1/chat/completions", text).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x"}}}, "pattern"),
+        ({"type": "object", "properties": {"a": {"oneOf": [{"type": "string"}]}}}, "oneOf"),
+        ({"type": "array"}, "type"),
+    ],
+)
+def test_a_schema_outside_the_enforced_subset_is_refused_naming_the_keyword(live, schema, keyword):
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    r = live.post("/v1/chat/completions", {"model": "m", "messages": USER, "response_format": fmt})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format"
+    assert f"json_schema keyword {keyword!r}" in error["message"]
+    bad = {"model": "m", "messages": USER, "response_format": {"type": "yaml"}}
+    r = live.post("/v1/chat/completions", bad)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"

@@ -330,3 +330,41 @@ def test_episode_routing_is_recorded_and_replayed_like_single_turn() -> None:
     print(f"max |logp - behavior| under R3: multi-turn {max(multi_err):.2e}, "
           f"single-turn {max(single_err):.2e}")  # fmt: skip
     assert max(multi_err) <= 1e-5 and max(single_err) <= 1e-5
+
+
+@pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9)])
+def test_allowed_rows_constrain_one_slot_and_leave_the_others_bit_identical(temperature, top_p):
+    """`generate(allowed_bv=...)`: the masked slot draws only allowed ids, with the log-prob of
+    the model's distribution renormalized over them (after temperature, then top-p); a slot whose
+    row is all True gets the tokens, log-probs and routing of the unmasked program, bit for
+    bit."""
+    _, params = _model()
+    sampling = decoding.SamplingConfig(temperature=temperature, top_p=top_p)
+    allowed = np.ones((2, CFG.vocab_size), bool)
+    allowed[1] = False
+    allowed[1, [3, 8, 21, 33]] = True  # with SAMPLEABLE: four ids
+    plain, masked = _core(sampling), _core(sampling)
+    states = []
+    for core in (plain, masked):
+        state = core.init_state()
+        for slot, ids in enumerate([PROMPTS[0], PROMPTS[2]]):
+            state = core.insert(core.prefill_prompt(params, ids), state, jnp.int32(slot))
+        states.append(state)
+    seq = [list(PROMPTS[2])]
+    for _ in range(MAX_NEW):
+        states[0], want = plain.generate(params, states[0], 0)
+        states[1], got = masked.generate(params, states[1], 0, allowed)
+        want = decoding.unpack_step(want, CFG.num_moe_layers, CFG.num_experts_per_tok)
+        got = decoding.unpack_step(got, CFG.num_moe_layers, CFG.num_experts_per_tok)
+        for key in ("token", "logp", "routing", "kept", "valid"):
+            np.testing.assert_array_equal(got[key][0], want[key][0])
+        token = int(got["token"][1])
+        assert token in (3, 8, 21, 33)
+        # The behavior log-prob: the full forward's logits of the slot's sequence, masked.
+        graphdef, _ = _model()
+        logits = nnx.merge(graphdef, params)(jnp.asarray([seq[0]], jnp.int32))[0, -1]
+        logits = jnp.where(SAMPLEABLE & allowed[1], logits, -jnp.inf)[None]
+        ref = decoding.sampling_logprobs(logits, sampling)[0]
+        np.testing.assert_allclose(got["logp"][1], ref[token], rtol=0, atol=1e-5)
+        assert got["kept"][1] == int(np.sum(np.isfinite(np.asarray(ref))))
+        seq[0].append(token)
