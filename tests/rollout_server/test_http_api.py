@@ -417,10 +417,12 @@ def test_an_abandoned_session_is_dropped_counted_and_replaced(live):
     client.chat.completions.create(model=MODEL, messages=SESSION_MESSAGES, max_tokens=2)
     clock.now += IDLE_S + 1
     _wait(lambda: sessions.abandoned == 1, "the idle session was not dropped")
+    # The drop is counted when it starts; the session has ended once its slot is free (before
+    # that a request gets 409 "ending", which raced this test's request under load).
+    _wait(lambda: sessions.open_sessions == 0, "the dropped session still holds its slot")
     with pytest.raises(openai.ConflictError, match="ended"):  # known, and ended: 409
         client.chat.completions.create(model=MODEL, messages=SESSION_MESSAGES)
     # Its sample is offered again as a new session.
-    _wait(lambda: sessions.open_sessions == 0, "the dropped session still holds its slot")
     again = _take_all(live, 2)
     assert s["session_id"] not in {x["session_id"] for x in again}
     for x in again:  # played and ended, so the groups can finish
