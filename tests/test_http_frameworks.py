@@ -1,6 +1,6 @@
 """Agent frameworks' own OpenAI clients against a live `sat-serve` (README "Agents over HTTP"):
 `python -m rollout_server` with `server.http_sampling=override` and sessions on, a tiny local
-checkpoint, each turn in a session of its own (base_url `/sessions/<id>/v1`, discarded after).
+checkpoint, each test in a session of its own (base_url `/sessions/<id>/v1`, discarded after).
 Each framework is used as its users write it, with its default request settings: a plain turn, a
 streamed turn and a turn with a tool bound each get a reply through the framework's own parsing;
 sampler settings a user adds (temperature, top_p, seed) are served with the server's sampler and
@@ -9,12 +9,17 @@ reported in the reply's `sampling`, not refused. The random model may or may not
 What each sends by default (the request bodies these tests capture and check):
 - LangChain (`langchain_openai.ChatOpenAI`): `{"model", "messages", "stream": false}`, no
   sampler field (its `temperature` is None unless set); `.stream` sends `"stream": true` and no
-  `stream_options`; `bind_tools` adds `tools` in OpenAI's form and no `tool_choice`.
+  `stream_options`; `bind_tools` adds `tools` in OpenAI's form and no `tool_choice`; a user's
+  `max_tokens` goes as `max_completion_tokens`, `stream_usage=True` as
+  `stream_options.include_usage`.
 - OpenAI Agents SDK (`Agent` on `OpenAIChatCompletionsModel`): `{"model", "messages"}`, the
   agent's instructions as a system message first, no sampler field (`ModelSettings` all None) and
   no `store` (sent only to api.openai.com); `Runner.run_streamed` adds `"stream": true`; a
   `function_tool` goes as `tools` with `"strict": true` and `"additionalProperties": false`, no
-  `tool_choice` or `parallel_tool_calls`.
+  `tool_choice` or `parallel_tool_calls`; `ModelSettings(max_tokens=...)` goes as `max_tokens`,
+  `include_usage=True` as `stream_options.include_usage` on streamed turns.
+Both send a conversation's earlier replies back as `{"role": "assistant", "content": ...}`, which
+the session takes as its own history (a multi-turn agent loop works unchanged).
 """
 
 from __future__ import annotations
@@ -185,6 +190,27 @@ def test_langchain_bind_tools(session):
     assert sent["tools"] == [ADD] and "tool_choice" not in sent
 
 
+def test_langchain_conversation_streams_its_second_turn(session):
+    """An agent loop: the reply goes back in the history with a new message (the session's
+    rule), the second turn streamed with usage (`stream_usage=True`: `stream_options`)."""
+    from langchain_core.messages import HumanMessage
+
+    base_url, prompt = session
+    wire = _Wire()
+    llm = _chat_openai(base_url, wire, max_tokens=4, stream_usage=True)
+    history = [HumanMessage(prompt)]
+    history += [llm.invoke(history), HumanMessage("Sure?")]
+    whole = None
+    for c in llm.stream(history):
+        whole = c if whole is None else whole + c
+    assert whole.response_metadata["finish_reason"] in FINISH
+    assert whole.usage_metadata["output_tokens"] > 0
+    first, second = wire.sent
+    assert first["max_completion_tokens"] == 4 and "max_tokens" not in first
+    assert second["stream_options"] == {"include_usage": True}
+    assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+
+
 # OpenAI Agents SDK ----------------------------------------------------------------------------
 
 
@@ -274,3 +300,33 @@ def test_agents_sdk_function_tool(session):
     (tool,) = wire.sent[0]["tools"]
     assert tool["function"]["name"] == "add" and tool["function"]["strict"] is True
     assert "tool_choice" not in wire.sent[0] and "parallel_tool_calls" not in wire.sent[0]
+
+
+def test_agents_sdk_conversation_streams_its_second_turn(session):
+    """Multi-turn as the SDK's users write it: `result.to_input_list()` plus a new message, the
+    second turn streamed (`include_usage`: `stream_options`)."""
+    from agents import Runner
+
+    base_url, prompt = session
+    wire = _Wire()
+    agent = _agent(base_url, wire, max_tokens=4, include_usage=True)
+
+    async def play():
+        first = await Runner.run(agent, prompt)
+        second = Runner.run_streamed(agent, [*first.to_input_list(), _user("Sure?")])
+        async for _ in second.stream_events():
+            pass
+        return second
+
+    second = asyncio.run(play())
+    assert isinstance(second.final_output, str)
+    first_sent, second_sent = wire.sent
+    assert first_sent["max_tokens"] == 4
+    assert second_sent["stream"] is True
+    assert second_sent["stream_options"] == {"include_usage": True}
+    roles = [m["role"] for m in second_sent["messages"]]
+    assert roles == ["system", "user", "assistant", "user"]
+
+
+def _user(text: str) -> dict:
+    return {"role": "user", "content": text}
