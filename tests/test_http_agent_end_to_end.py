@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import pathlib
-import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import threading
 import portpicker
 import pytest
 
-from tests import hf_fixtures
+from tests import hf_fixtures, live_http
 
 pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -85,35 +84,12 @@ def test_http_session_logprobs_match_transformers(tmp_path):
 
     from sat_jax.tasks.hf_tokenizer import HFTokenizer
 
-    d = hf_fixtures.make_hf_dir(tmp_path / "hf", problems=4)
     port, http_port = portpicker.pick_unused_port(), portpicker.pick_unused_port()
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "rollout_server", "--config",
-           str(REPO / "configs/http_agent_gsm8k.yaml"), f"model.hf_path={d.path}",
-           f"task.path={d.data}", "rollout.batch_groups=1", "rollout.group_size=1",
-           "rollout.max_new_tokens=8", "task.max_episode_tokens=32",
-           "server.max_prefill_length=128", "model.max_seq_len=256", "server.dtype=float32",
-           "server.wait_for_weights=false", f"server.port={port}",
-           f"server.http_port={http_port}", f"server.state_dir={tmp_path / 'state'}"]  # fmt: skip
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
+    d, proc, log = live_http.serve(tmp_path, port, http_port, max_new_tokens=8)
     try:
         url = f"http://127.0.0.1:{http_port}"
         server = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
-        taken = []
-        for _ in range(300):
-            try:
-                taken = server.post(
-                    "/sessions", body={"max_sessions": 1, "timeout_s": 5}, cast_to=object
-                )["sessions"]
-            except openai.APIConnectionError:
-                assert proc.poll() is None, (tmp_path / "server.log").read_text()
-                threading.Event().wait(1.0)
-            if taken:
-                break
-        (session,) = taken
+        session = live_http.take(server, proc, tmp_path)
         client = server.with_options(base_url=f"{url}/sessions/{session['session_id']}/v1")
         messages = [{"role": "user", "content": session["prompt"]["text"]}]
         (model,) = [m.id for m in client.models.list().data]  # the one served model's name
@@ -121,9 +97,7 @@ def test_http_session_logprobs_match_transformers(tmp_path):
         messages += [first.choices[0].message.model_dump(), {"role": "user", "content": "Sure?"}]
         second = client.chat.completions.create(model=model, messages=messages, logprobs=True)
     finally:
-        proc.send_signal(signal.SIGINT)  # at once, state saved (SIGTERM would drain first)
-        proc.wait(60)
-        log.close()
+        live_http.stop(proc, log)
     tok = HFTokenizer(str(d.path), chat_template=True, checkpoint=str(d.path))
     prompt = tok.encode_messages(messages[:1])
     turn1 = [t.token_id for t in first.choices[0].logprobs.content]

@@ -8,57 +8,14 @@ them with the session counted once."""
 
 from __future__ import annotations
 
-import os
-import pathlib
-import signal
-import subprocess
-import sys
-import threading
-
 import numpy as np
 import portpicker
 import pytest
 
-from tests import hf_fixtures
+from tests import live_http
 
 pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _serve(tmp_path, port, http_port):
-    d = hf_fixtures.make_hf_dir(tmp_path / "hf", problems=4)
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "rollout_server", "--config",
-           str(REPO / "configs/http_agent_gsm8k.yaml"), f"model.hf_path={d.path}",
-           f"task.path={d.data}", "rollout.batch_groups=1", "rollout.group_size=1",
-           "rollout.max_new_tokens=6", "task.max_episode_tokens=32",
-           "server.max_prefill_length=128", "model.max_seq_len=256", "server.dtype=float32",
-           "server.wait_for_weights=false", f"server.port={port}",
-           f"server.http_port={http_port}", f"server.state_dir={tmp_path / 'state'}",
-           "server.http_session_fork=true"]  # fmt: skip
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT)
-    return d, proc, log
-
-
-def _take(server, proc, tmp_path) -> dict:
-    import openai
-
-    for _ in range(300):
-        try:
-            body = {"max_sessions": 1, "timeout_s": 5}
-            taken = server.post("/sessions", body=body, cast_to=object)["sessions"]
-        except openai.APIConnectionError:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            threading.Event().wait(1.0)
-            continue
-        if taken:
-            return taken[0]
-    raise AssertionError("no session offered")
 
 
 def _pull(port: int):
@@ -87,11 +44,11 @@ def test_a_forking_agent_gives_the_trainer_each_segment_as_a_trajectory(tmp_path
     from train import batching
 
     port, http_port = portpicker.pick_unused_port(), portpicker.pick_unused_port()
-    d, proc, log = _serve(tmp_path, port, http_port)
+    d, proc, log = live_http.serve(tmp_path, port, http_port, "server.http_session_fork=true")
     try:
         url = f"http://127.0.0.1:{http_port}"
         server = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=300)
-        session = _take(server, proc, tmp_path)
+        session = live_http.take(server, proc, tmp_path)
         client = server.with_options(base_url=f"{url}/sessions/{session['session_id']}/v1")
         (model,) = [m.id for m in client.models.list().data]
         first = [{"role": "user", "content": session["prompt"]["text"]}]
@@ -102,9 +59,7 @@ def test_a_forking_agent_gives_the_trainer_each_segment_as_a_trajectory(tmp_path
         server.post(f"/sessions/{session['session_id']}/end", body={"reward": 0.5}, cast_to=object)
         group = _pull(port)
     finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(60)
-        log.close()
+        live_http.stop(proc, log)
     assert "Traceback" not in (tmp_path / "server.log").read_text()
     assert group.sessions == (0, 0) and len(group.trajectories) == 2
     assert [t.reward for t in group.trajectories] == [0.5, 0.5]
