@@ -5,6 +5,7 @@ far SAT, R3 and the field's large-lag corrections push it.
         [--lags 8 32 128 64 1] [--lag-mode sync|constant] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2]
         [--knob-lr auto] [--set key=value ...]
         [--sampler-methods GRPO GRPO+SAT ...] [--sampler-lags 8] [--sampler-dtype bfloat16] [--top-p 0.9]
+        [--quant-methods GRPO GRPO+SAT ...] [--quant-lags 1 32] [--quant-weights fp8] [--quant-cache fp8]
     python benchmarks/frontier.py --out runs/frontier --report-only
     python benchmarks/frontier.py --smoke            (a few tiny cells into a temporary directory)
     python benchmarks/frontier.py --out runs/frontier --cost --methods GRPO GRPO+VCPO ...
@@ -15,7 +16,7 @@ dtype and top-p, and the lag mode (``--lag-mode``): ``sync`` publishes the weigh
 updates, so the realized lag cycles through 1..n; ``constant`` trains update u on the weights of
 version u − n, so after the first n updates every batch is exactly n versions old. Every record
 logs its realized ``lag``; the report gives each cell's distribution. A cell's sampling key folds
-in its lag and mode, so one seed's runs at different lags share no completions. Four phases run in order, each spread over the worker
+in its lag and mode, so one seed's runs at different lags share no completions. Five phases run in order, each spread over the worker
 processes, so a cut-off keeps the most important cells:
 
 1. the GRPO family (GRPO, + SAT, + R3, + SAT + R3) and the large-lag corrections (``FIELD``: SAT
@@ -32,6 +33,13 @@ processes, so a cut-off keeps the most important cells:
    sampling code, which records each token's log-prob under the truncated distribution and the
    kept set's size; the batch carries the kept counts and the train step replays the truncation
    (``rollout.logprob_replay``, "truncated" by default), as the trainer does with the server's.
+5. the 8-bit rollouts, when ``--quant-methods`` are given (``QUANT_METHODS``: the issue's):
+   ``--quant-methods`` × ``--quant-lags`` × ``--lrs`` × seeds (in ``--lag-mode``), each sampled by
+   a bfloat16 model serving ``--quant-weights`` weights and a ``--quant-cache`` KV cache as the
+   rollout server does (the weights quantized by ``quant.quantize_params`` from the bfloat16 cast,
+   attention reading keys and values as the 8-bit cache holds them; the recorded log-probs and
+   routing are that model's own), and beside it the same cell sampled in bfloat16 unquantized, for
+   a per-seed pairing (``frontier_mechanism.quant_table``). The trainer stays float32.
 
 Per step a run logs the grid's metrics plus the 0.99 quantile of |d| = |logp − behavior_logp| over
 the batch's completion tokens (``--tail-every``; log-probs as the loss sees them, replayed routing
