@@ -5,6 +5,7 @@ far SAT, R3 and the field's large-lag corrections push it.
         [--lags 8 32 128 64 1] [--lag-mode sync|constant] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2]
         [--knob-lr auto] [--set key=value ...]
         [--sampler-methods GRPO GRPO+SAT ...] [--sampler-lags 8] [--sampler-dtype bfloat16] [--top-p 0.9]
+        [--quant-methods GRPO GRPO+SAT ...] [--quant-lags 1 32] [--quant-weights fp8] [--quant-cache fp8]
     python benchmarks/frontier.py --out runs/frontier --report-only
     python benchmarks/frontier.py --smoke            (a few tiny cells into a temporary directory)
     python benchmarks/frontier.py --out runs/frontier --cost --methods GRPO GRPO+VCPO ...
@@ -15,7 +16,7 @@ dtype and top-p, and the lag mode (``--lag-mode``): ``sync`` publishes the weigh
 updates, so the realized lag cycles through 1..n; ``constant`` trains update u on the weights of
 version u − n, so after the first n updates every batch is exactly n versions old. Every record
 logs its realized ``lag``; the report gives each cell's distribution. A cell's sampling key folds
-in its lag and mode, so one seed's runs at different lags share no completions. Four phases run in order, each spread over the worker
+in its lag and mode, so one seed's runs at different lags share no completions. Five phases run in order, each spread over the worker
 processes, so a cut-off keeps the most important cells:
 
 1. the GRPO family (GRPO, + SAT, + R3, + SAT + R3) and the large-lag corrections (``FIELD``: SAT
@@ -32,6 +33,13 @@ processes, so a cut-off keeps the most important cells:
    sampling code, which records each token's log-prob under the truncated distribution and the
    kept set's size; the batch carries the kept counts and the train step replays the truncation
    (``rollout.logprob_replay``, "truncated" by default), as the trainer does with the server's.
+5. the 8-bit rollouts, when ``--quant-methods`` are given (``QUANT_METHODS``: the issue's):
+   ``--quant-methods`` × ``--quant-lags`` × ``--lrs`` × seeds (in ``--lag-mode``), each sampled by
+   a bfloat16 model serving ``--quant-weights`` weights and a ``--quant-cache`` KV cache as the
+   rollout server does (the weights quantized by ``quant.quantize_params`` from the bfloat16 cast,
+   attention reading keys and values as the 8-bit cache holds them; the recorded log-probs and
+   routing are that model's own), and beside it the same cell sampled in bfloat16 unquantized, for
+   a per-seed pairing (``frontier_mechanism.quant_table``). The trainer stays float32.
 
 Per step a run logs the grid's metrics plus the 0.99 quantile of |d| = |logp − behavior_logp| over
 the batch's completion tokens (``--tail-every``; log-probs as the loss sees them, replayed routing
@@ -80,6 +88,10 @@ from frontier_methods import (
     GSPO_WIDE,
     LAGS,
     LARGE_LAG,
+    NOT_QUANTIZED,
+    QUANT_BASELINE,
+    QUANT_METHODS,
+    QUANT_ROW_SET,
     SAMPLER_METHODS,
     SAMPLER_ROW_SET,
     Cell,
@@ -97,7 +109,7 @@ from frontier_report import (
     summarize_run,
 )
 
-from sat_jax import objectives
+from sat_jax import objectives, quant
 from sat_jax.model import placement
 from sat_jax.step import create_train_state, make_train_step, shard_batch
 
@@ -179,10 +191,16 @@ class Runner(grid.Runner):
                 versions.popleft()
             if versions[0][0] != version:
                 version = versions[0][0]
-                sampling = sampling_params(versions[0][1], cell.sampler_dtype)
+                sampling = sampling_params(versions[0][1], cell.sampler_dtype, cell.weight_dtype)
             key, sample_key = jax.random.split(key)
             batch, reward, length = self.batch(
-                sampling, u, cell.seed, sample_key, graphdef=graphdef, top_p=cell.top_p
+                sampling,
+                u,
+                cell.seed,
+                sample_key,
+                graphdef=graphdef,
+                top_p=cell.top_p,
+                kv_cache_dtype=cell.kv_cache_dtype,
             )
             if not self.replays_truncation(cell):
                 batch = batch.replace(kept_counts=None)  # logprob_replay "full": no replay
@@ -215,13 +233,18 @@ class Runner(grid.Runner):
         return records
 
 
-def sampling_params(params, dtype: str):
+def sampling_params(params, dtype: str, weight_dtype: str = "bfloat16"):
     """``params`` as the sampler holds them: floating leaves cast to ``dtype`` (what the
-    rollout server's ``server.dtype`` does to pushed weights); the same arrays for the default."""
-    if dtype == DEFAULT_SAMPLER[0]:
+    rollout server's ``server.dtype`` does to pushed weights), then quantized to
+    ``weight_dtype`` by the server's own function (``quant.quantize_params``, as the engine does
+    to what it installs); the same arrays for the default."""
+    if dtype == DEFAULT_SAMPLER[0] and not quant.is_quantized(weight_dtype):
         return params
     cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(cast, params)
+    return _QUANTIZE(jax.tree.map(cast, params), weight_dtype)
+
+
+_QUANTIZE = jax.jit(quant.quantize_params, static_argnums=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -253,6 +276,25 @@ def phase_cells(args: argparse.Namespace, phase: str, knob_lr: float | None) -> 
             for lr in sorted(args.lrs)
             for m in args.gspo_methods
             for s in seeds
+        ]
+    if phase == "quant":  # each 8-bit cell beside its bfloat16 pair, seed by seed
+        return [
+            Cell(
+                m,
+                lag,
+                lr,
+                s,
+                lag_mode=args.lag_mode,
+                weight_dtype=w,
+                kv_cache_dtype=kv,
+                sampler_dtype=QUANT_BASELINE[0],
+                top_p=QUANT_BASELINE[1],
+            )
+            for lag in args.quant_lags
+            for lr in sorted(args.lrs)
+            for m in args.quant_methods
+            for s in seeds
+            for w, kv in ((args.quant_weights, args.quant_cache), NOT_QUANTIZED)
         ]
     return [
         Cell(m, lag, lr, s, sampler_dtype=args.sampler_dtype, top_p=args.top_p)
@@ -434,6 +476,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--top-p", type=float, default=SAMPLER_ROW_SET[1], help="phase 4: the sampler's top-p"
     )
+    p.add_argument(
+        "--quant-methods",
+        nargs="*",
+        default=[],
+        help=f"phase 5, 8-bit rollouts (none by default; the issue's: {' '.join(QUANT_METHODS)})",
+    )
+    p.add_argument("--quant-lags", type=int, nargs="*", default=[1, 32], help="phase 5 lags")
+    p.add_argument(
+        "--quant-weights", default=QUANT_ROW_SET[0], help="phase 5: server.weight_dtype (8-bit)"
+    )
+    p.add_argument(
+        "--quant-cache", default=QUANT_ROW_SET[1], help="phase 5: server.kv_cache_dtype (8-bit)"
+    )
     p.add_argument("--workers", type=int, default=2, help="parallel worker processes")
     p.add_argument("--eval-every", type=int, default=20, help="held-out accuracy period")
     p.add_argument("--eval-problems", type=int, default=300, help="held-out problems")
@@ -456,7 +511,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "seeds", "workers", "eval_every", "eval_problems"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if any(lag < 1 for lag in [*args.lags, *args.gspo_lags, *args.sampler_lags, args.knob_lag]):
+    lags = [*args.lags, *args.gspo_lags, *args.sampler_lags, *args.quant_lags, args.knob_lag]
+    if any(lag < 1 for lag in lags):
         p.error("lags must be >= 1")
     if any(not lr > 0 for lr in args.lrs):
         p.error(f"--lrs must be > 0, got {args.lrs}")
@@ -467,8 +523,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             raise TypeError
     except TypeError:
         p.error(f"--sampler-dtype must be a floating dtype, got {args.sampler_dtype!r}")
+    for flag, fmt in (("--quant-weights", args.quant_weights), ("--quant-cache", args.quant_cache)):
+        if fmt not in quant.FORMATS or (args.quant_methods and not quant.is_quantized(fmt)):
+            p.error(f"{flag} must be int8 or fp8, got {fmt!r}")
     try:
-        for m in [*args.methods, *args.gspo_methods, *args.sampler_methods]:
+        for m in [*args.methods, *args.gspo_methods, *args.sampler_methods, *args.quant_methods]:
             loss_config(m)
         for q in args.knob_quantiles:
             for e in args.knob_exponents:
@@ -502,6 +561,8 @@ def main(argv: list[str] | None = None) -> None:
             run_phase(args, "gspo", None)
         if args.sampler_methods and args.sampler_lags:
             run_phase(args, "sampler", None)
+        if args.quant_methods and args.quant_lags:
+            run_phase(args, "quant", None)
         wall = time.monotonic() - start
         if args.smoke:  # the --cost path too, on the step functions the cells compiled
             measure_cost(args)

@@ -15,6 +15,11 @@ multiplier sqrt(ess) and its baseline's shift from the group means.
 The sampler row set (``sampler_table``): per (method, lag, rate) that ran with another sampler,
 that row beside the default sampler's: |d| at step 1 (lag 0: the trainer holds the sampler's own
 weights, so |d| is the sampler's mismatch alone), |d| over the run, and how often SAT could act.
+
+The 8-bit rollouts (``quant_table``): per (method, lag, rate), the 8-bit sampler's cells beside
+the same cells sampled in bfloat16, paired by seed: stability, final accuracy, the per-seed
+difference, and the mismatch each saw (``sampler_kl`` and mean |d| at step 1, lag 0, and over
+the run).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
-from frontier_methods import DEFAULT_SAT, row_order
+from frontier_methods import DEFAULT_SAT, NOT_QUANTIZED, QUANT_BASELINE, row_order
 
 # method -> (metric, transform to "fraction removed"): what the method's own correction masks.
 MASKED: dict[str, tuple[str, Callable[[float], float]]] = {
@@ -146,3 +151,71 @@ def time_steps(
             fn()
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def _quant_figures(g: dict) -> dict:
+    """One run's mismatch: ``sampler_kl`` and mean |d| at step 1 (lag 0) and over the run."""
+    steps = [r for r in g["records"] if "mismatch_abs_mean" in r]
+    first = steps[0] if steps else {}
+    run_mean = lambda k: _mean([r[k] for r in steps if k in r])
+    return {
+        "kl0": first.get("sampler_kl", math.nan),
+        "d0": first.get("mismatch_abs_mean", math.nan),
+        "kl": run_mean("sampler_kl"),
+        "d": run_mean("mismatch_abs_mean"),
+    }
+
+
+def quant_table(runs: dict) -> list[str]:
+    """The 8-bit rollouts beside their bfloat16 pairs (same method, lag, rate and seed), from
+    ``frontier_report.load_runs``'s runs; [] when no 8-bit cell ran."""
+    by: dict[tuple, dict[tuple, dict[int, dict]]] = {}
+    for c, g in runs.items():
+        if c.knobs == DEFAULT_SAT and c.sampler == QUANT_BASELINE:
+            key = (c.method, c.lag, c.lr, c.lag_mode)
+            by.setdefault(key, {}).setdefault(c.quantized, {})[c.seed] = g
+    keys = [k for k in by if any(q != NOT_QUANTIZED for q in by[k])]
+    if not keys:
+        return []
+    lines = [
+        "",
+        "**8-bit rollouts** beside bfloat16 rollouts (the same method, lag, rate and seeds; "
+        "bfloat16 sampler, no truncation, trainer float32): seeds stable (final ≥ 0.8 × best) "
+        "and collapsed, final accuracy (mean ± std, and per seed), the paired difference 8-bit − "
+        "bfloat16 (mean ± s.e., wins-ties-losses of 8-bit), and the mismatch each sampler's runs "
+        "saw: sampler_kl (k3) and mean |d| = |logp − behavior_logp| at step 1 (lag 0: the "
+        "sampler's mismatch alone) and over the run (mismatch and staleness); seed means",
+        "",
+        "| method | lag | lr | rollouts | seeds | stable | collapsed | final | per seed | Δ vs bf16 | "
+        "W-T-L | sampler_kl lag 0 | \\|d\\| lag 0 | sampler_kl run | \\|d\\| run |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: "
+        "| ---: |",
+    ]
+    for key in sorted(keys, key=lambda k: (k[1], row_order(k[0]), k[2])):
+        m, lag, lr, _ = key
+        base = by[key].get(NOT_QUANTIZED, {})
+        for q in sorted(by[key], key=lambda q: q == NOT_QUANTIZED):
+            seeds = by[key][q]
+            finals = [seeds[s]["final"] for s in sorted(seeds)]
+            fig = [_quant_figures(seeds[s]) for s in sorted(seeds)]
+            col = lambda f, fig=fig: _mean([x[f] for x in fig])
+            std = float(np.std(finals, ddof=1)) if len(finals) > 1 else 0.0
+            delta, wtl = "—", "—"
+            pairs = [seeds[s]["final"] - base[s]["final"] for s in sorted(seeds) if s in base]
+            if q != NOT_QUANTIZED and pairs:
+                se = float(np.std(pairs, ddof=1) / math.sqrt(len(pairs))) if len(pairs) > 1 else 0
+                delta = f"{np.mean(pairs):+.3f} ± {se:.3f} (n = {len(pairs)})"
+                wtl = "-".join(
+                    str(sum(f(d) for d in pairs))
+                    for f in (lambda d: d > 1e-9, lambda d: abs(d) <= 1e-9, lambda d: d < -1e-9)
+                )
+            name = "bfloat16" if q == NOT_QUANTIZED else "{} weights, {} cache".format(*q)
+            lines.append(
+                f"| {m} | {lag} | {lr:g} | {name} | {len(seeds)} | "
+                f"{sum(seeds[s]['stable'] for s in seeds)}/{len(seeds)} | "
+                f"{sum(seeds[s]['collapsed'] for s in seeds)}/{len(seeds)} | "
+                f"{np.mean(finals):.3f} ± {std:.3f} | {' '.join(f'{f:.3f}' for f in finals)} | "
+                f"{delta} | {wtl} | {col('kl0'):.2e} | {col('d0'):.4f} | {col('kl'):.2e} | "
+                f"{col('d'):.4f} |"
+            )
+    return lines

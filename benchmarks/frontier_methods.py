@@ -80,6 +80,14 @@ DEFAULT_SAT = (0.9, 2.0)  # (quantile, exponent): SATConfig's defaults
 DEFAULT_SAMPLER = ("float32", 1.0)  # (dtype, top_p)
 SAMPLER_ROW_SET = ("bfloat16", 0.9)
 SAMPLER_METHODS = ("GRPO", "GRPO+SAT", "GRPO+TIS", "GRPO+M2PO", "GRPO+VCPO")
+# The "8-bit rollouts" row set (issue 47): the sampler serves the policy as a rollout server with
+# 8-bit weights and an 8-bit KV cache does (``sat_jax.quant``: ``server.weight_dtype``,
+# ``server.kv_cache_dtype``), in bfloat16 otherwise, no truncation; each cell runs beside the
+# same cell sampled in bfloat16 unquantized (``QUANT_BASELINE``), paired by seed.
+QUANT_METHODS = ("GRPO", "GRPO+SAT", "GRPO+TIS", "GRPO+IcePop", "GRPO+SeqMask")
+QUANT_ROW_SET = ("fp8", "fp8")  # (weight format, KV cache format)
+QUANT_BASELINE = ("bfloat16", 1.0)  # the paired cells' sampler: (dtype, top_p)
+NOT_QUANTIZED = ("bfloat16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +101,8 @@ class Cell:
     sampler_dtype: str = DEFAULT_SAMPLER[0]
     top_p: float = DEFAULT_SAMPLER[1]
     lag_mode: str = "sync"  # LAG_MODES
+    weight_dtype: str = "bfloat16"  # the sampler's served weights (quant.FORMATS)
+    kv_cache_dtype: str = "bfloat16"  # the sampler's KV cache format (quant.FORMATS)
 
     @property
     def knobs(self) -> tuple[float, float]:
@@ -103,9 +113,14 @@ class Cell:
         return (self.sampler_dtype, self.top_p)
 
     @property
+    def quantized(self) -> tuple[str, str]:
+        """(weight format, KV cache format) of the sampler; ("bfloat16", "bfloat16") = none."""
+        return (self.weight_dtype, self.kv_cache_dtype)
+
+    @property
     def row(self) -> str:
         """The report's row: the method, and the sampler where it is not the default."""
-        return row_label(self.method, self.sampler)
+        return row_label(self.method, self.sampler, self.quantized)
 
     @property
     def name(self) -> str:
@@ -114,7 +129,8 @@ class Cell:
         top_p = "" if self.top_p == DEFAULT_SAMPLER[1] else f"_top_p{self.top_p:g}"
         mode = "" if self.lag_mode == "sync" else f"_{self.lag_mode}"
         lag = f"lag{self.lag}{mode}"
-        return f"{self.method}_{lag}_lr{self.lr:g}{knob}{dtype}{top_p}_seed{self.seed}"
+        q = "" if self.quantized == NOT_QUANTIZED else "_w{}_kv{}".format(*self.quantized)
+        return f"{self.method}_{lag}_lr{self.lr:g}{knob}{dtype}{top_p}{q}_seed{self.seed}"
 
 
 def behavior_version(update: int, lag: int, mode: str) -> int:
@@ -136,11 +152,17 @@ def sample_key(cell: Cell):
     return jax.random.fold_in(key, LAG_MODES.index(cell.lag_mode))
 
 
-def row_label(method: str, sampler: tuple[str, float] = DEFAULT_SAMPLER) -> str:
-    """``method``, or ``method [dtype, top-p p]`` for a cell sampled otherwise than by default."""
-    if sampler == DEFAULT_SAMPLER:
+def row_label(
+    method: str,
+    sampler: tuple[str, float] = DEFAULT_SAMPLER,
+    quantized: tuple[str, str] = ("bfloat16", "bfloat16"),
+) -> str:
+    """``method``, or ``method [dtype, top-p p]`` for a cell sampled otherwise than by default,
+    with ``, <w> weights, <kv> cache`` for an 8-bit sampler."""
+    if sampler == DEFAULT_SAMPLER and quantized == NOT_QUANTIZED:
         return method
-    return f"{method} [{sampler[0]}, top-p {sampler[1]:g}]"
+    q = "" if quantized == NOT_QUANTIZED else ", {} weights, {} cache".format(*quantized)
+    return f"{method} [{sampler[0]}, top-p {sampler[1]:g}{q}]"
 
 
 def row_order(row: str) -> tuple[int, str]:

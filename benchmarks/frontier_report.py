@@ -191,6 +191,7 @@ def report(args: argparse.Namespace, wall_s: float | None) -> str:
     lines += _noise_table(table)
     lines += _mechanism_table(runs)
     lines += mech.sampler_table(runs)
+    lines += mech.quant_table(runs)
     lines += cost_table(args.out)
     lines += _knob_tables(args, table)
     text = "\n".join(lines) + "\n"

@@ -166,12 +166,24 @@ class Runner:
             )
         return self._steps[method]
 
-    def batch(self, params, step: int, seed: int, key, *, graphdef=None, top_p: float = 1.0):
+    def batch(
+        self,
+        params,
+        step: int,
+        seed: int,
+        key,
+        *,
+        graphdef=None,
+        top_p: float = 1.0,
+        kv_cache_dtype: str = "bfloat16",
+    ):
         """One batch of ``batch_groups`` prompts × ``group_size`` samples from ``params``.
 
         ``graphdef`` samples with another build of the model (default the base policy's; the
         frontier's bfloat16 sampler); with ``top_p < 1`` the batch carries the sampler's kept
-        counts (``TrainBatch.kept_counts``) for the step's truncation replay.
+        counts (``TrainBatch.kept_counts``) for the step's truncation replay. ``params`` may be
+        8-bit (``quant.quantize_params``) and ``kv_cache_dtype`` an 8-bit cache format: the
+        frontier's 8-bit rollouts (``sampler.sample``).
         """
 
         r = self.cfg.rollout
@@ -194,6 +206,7 @@ class Runner:
                 return_logp=True,
                 return_routing=True,
                 top_p=top_p,
+                kv_cache_dtype=kv_cache_dtype,
             )
         )
         tokens, loss_mask, logp, routing = out.tokens_bt, out.mask_bt, out.logp_bt, out.routing_btlk

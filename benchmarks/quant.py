@@ -24,7 +24,20 @@ experts, no tied embeddings; tiny widths; weights drawn wider than HF's init so 
 far from uniform) and loaded by ``sat_jax.model.hf``. Nothing is downloaded.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quant.py [--models small,hf] [--slots 8]
-        [--new-tokens 48] [--prompt-len 16]
+        [--new-tokens 48] [--prompt-len 16] [--configs fp8:int8,...]
+    PYTHONPATH=. .venv/bin/python benchmarks/quant.py --push [--models small] [--repeats 5]
+
+``--configs`` runs only the named weights:cache pairs (bfloat16:bfloat16, the ratios' base,
+always runs first).
+
+``--push`` measures the two ways an 8-bit server can get its weights (docs/DESIGN.md §6.1), per
+weight format, on flat weights in a temporary directory (``params_io.save_flat`` /
+``load_flat``, unfsynced as a push is): the trainer pushes bfloat16 (``server.dtype``) and the
+server quantizes what it loads (``quant.quantize_params``, as the engine does), or the trainer
+quantizes the same bfloat16 cast and pushes the 8-bit values and scales, which the server loads
+as they are. Per way: the bytes written, the trainer's seconds (cast, quantize where it does,
+copy to the host, write), the server's seconds (read into its arrays, quantize where it does),
+medians over ``--repeats``; and whether both install bit-identical weights.
 """
 
 from __future__ import annotations
@@ -144,6 +157,74 @@ def _graphdef(cfg: ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
 
 
+def push_model(name, cfg, masters, args) -> list[str]:
+    """The ``--push`` table rows of one model (see the module docstring)."""
+    import statistics
+
+    from sat_jax import params_io
+
+    bf16 = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
+    cast = jax.jit(bf16)
+    like_bf16 = jax.eval_shape(bf16, masters)
+    lines = []
+    for fmt in ("int8", "fp8"):
+        quantize = jax.jit(lambda p, fmt=fmt: quant.quantize_params(p, fmt))
+        cast_quantize = jax.jit(lambda p, fmt=fmt: quant.quantize_params(bf16(p), fmt))
+        like_q = jax.eval_shape(cast_quantize, masters)
+        ways = {
+            # trainer side, server side
+            "bfloat16 push, server quantizes": (
+                lambda: jax.device_get(cast(masters)),
+                lambda path, q=quantize: q(params_io.load_flat(path, like_bf16)),
+            ),
+            f"{fmt} push (values + scales)": (
+                lambda cq=cast_quantize: jax.device_get(cq(masters)),
+                lambda path, like=like_q: params_io.load_flat(path, like),
+            ),
+        }
+        installed = {}
+        for way, (trainer, server) in ways.items():
+            saves, loads = [], []
+            with tempfile.TemporaryDirectory() as tmp:
+                for i in range(args.repeats + 1):  # the first compiles
+                    path = pathlib.Path(tmp) / f"v{i}"
+                    start = time.perf_counter()
+                    params_io.save_flat(path, trainer(), durable=False)
+                    mid = time.perf_counter()
+                    got = jax.block_until_ready(server(path))
+                    end = time.perf_counter()
+                    if i:
+                        saves.append(mid - start)
+                        loads.append(end - mid)
+                size = (path / params_io.FLAT_DATA).stat().st_size
+            installed[way] = got
+            lines.append(
+                f"| {name} | {fmt} | {way} | {size / 2**20:,.2f} MiB | "
+                f"{statistics.median(saves) * 1e3:,.0f} ms | {statistics.median(loads) * 1e3:,.0f} ms"
+                f" | {(statistics.median(saves) + statistics.median(loads)) * 1e3:,.0f} ms |"
+            )
+            print(lines[-1], flush=True)
+        a, b = installed.values()
+        same = all(
+            np.array_equal(np.asarray(x), np.asarray(y))
+            for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+        )
+        print(f"| {name} | {fmt} | both install bit-identical weights: {same} | | | | |")
+    return lines
+
+
+def _configs(spec: str | None) -> list[tuple[str, str]]:
+    """The (weights, cache) pairs to run: all, or bfloat16:bfloat16 and ``spec``'s."""
+    pairs = list(itertools.product(quant.FORMATS, quant.FORMATS))
+    if not spec:
+        return pairs
+    chosen = [tuple(x.split(":")) for x in spec.split(",")]
+    for pair in chosen:
+        if pair not in pairs:
+            raise SystemExit(f"--configs: {':'.join(pair)} is not weights:cache of {quant.FORMATS}")
+    return [("bfloat16", "bfloat16"), *[p for p in chosen if p != ("bfloat16", "bfloat16")]]
+
+
 def run_model(name, cfg, masters, args) -> list[str]:
     rng = np.random.default_rng(1)
     prompts = rng.integers(1, cfg.vocab_size, (args.slots, args.prompt_len)).astype(np.int32)
@@ -155,7 +236,7 @@ def run_model(name, cfg, masters, args) -> list[str]:
     score = jax.jit(lambda g, p, s, t: scored(g, p, s, t), static_argnums=0)
     score_master = lambda p, s, t: np.asarray(score(master_graph, p, s, t))
     lines, base = [], None
-    for w, kv in itertools.product(quant.FORMATS, quant.FORMATS):
+    for w, kv in _configs(args.configs):
         served = jax.jit(lambda p, w=w: quant.quantize_params(p, w))(served_bf16)
         tokens, behavior, tps = sample(bf16_cfg, graphdef, served, kv, prompts, args.new_tokens)
         trainer = score_master(masters, prompts, tokens)
@@ -176,7 +257,24 @@ def main(argv=None) -> int:
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=48)
     parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--configs", help="weights:cache pairs (comma-separated); default all")
+    parser.add_argument("--push", action="store_true", help="measure the two push formats")
+    parser.add_argument("--repeats", type=int, default=5, help="--push: timed pushes per way")
     args = parser.parse_args(argv)
+    _configs(args.configs)  # refuse a bad pair before building any model
+    if args.push:
+        print("| model | format | push | bytes | trainer | server | end to end |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        for name in args.models.split(","):
+            if name == "small":
+                cfg, masters = small_model()
+            elif name == "hf":
+                tmp = tempfile.TemporaryDirectory()
+                cfg, masters = hf_model(pathlib.Path(tmp.name))
+            else:
+                raise SystemExit(f"--models: unknown model {name!r} (small, hf)")
+            push_model(name, cfg, jax.tree.map(lambda x: x.astype(jnp.float32), masters), args)
+        return 0
     print(
         "| model | weights | cache | sampler_kl | vs bf16 | mean abs(logp - behavior) | vs bf16 "
         "| decode tokens/s (CPU) |"

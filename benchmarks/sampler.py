@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from sat_jax import decoding
+from sat_jax import decoding, quant
 
 
 @struct.dataclass
@@ -75,6 +75,7 @@ def pad_prompts(prompts: Sequence[Sequence[int]], seq_len: int) -> tuple[np.ndar
         "greedy",
         "return_logp",
         "return_routing",
+        "kv_cache_dtype",
     ),
 )
 def sample(
@@ -92,6 +93,7 @@ def sample(
     return_logp: bool = False,
     return_routing: bool = False,
     top_p: float = 1.0,
+    kv_cache_dtype: str = "bfloat16",
 ) -> Completions:
     """``max_new_tokens`` tokens after each row's prompt, by full recompute.
 
@@ -120,13 +122,23 @@ def sample(
         one more forward of the finished sequences under the same weights (with ``top_p < 1``
         the log-probs are the ones recorded while sampling, and ``kept_bt`` comes with them).
       top_p: the nucleus mass, in (0, 1]; 1 = no truncation.
+      kv_cache_dtype: "int8" / "fp8": attention reads keys and values as a rollout server's 8-bit
+        decode cache holds them (``Transformer.forward(kv_cache_dtype=...)``), in every forward
+        (sampling and the recorded log-probs). ``params`` may hold the server's 8-bit weights
+        (``sat_jax.quant.quantize_params``): they are dequantized here, as the server's
+        ``DecodeCore`` does. Both off ("bfloat16", a float tree): the same program as before.
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     truncates = top_p < 1.0 and not greedy
     if tokens_bt.shape[1] < max_new_tokens + 1:
         raise ValueError(f"tokens_bt has {tokens_bt.shape[1]} columns for {max_new_tokens} new")
-    model = nnx.merge(graphdef, params)
+    quant.check_format(kv_cache_dtype, "kv_cache_dtype")
+    model = nnx.merge(graphdef, quant.dequantize_params(params))
+    if quant.is_quantized(kv_cache_dtype):
+        forward = lambda t: model.forward(t, kv_cache_dtype=kv_cache_dtype).logits_btv
+    else:
+        forward = model  # the original program, bit for bit
     rows = jnp.arange(tokens_bt.shape[0])
     floor = jnp.finfo(jnp.float32).min
 
@@ -134,13 +146,13 @@ def sample(
         tokens, key = carry
         pos = lengths_b + s
         if greedy:
-            logits = model(tokens)[rows, pos - 1]
+            logits = forward(tokens)[rows, pos - 1]
             if vocab_mask is not None:
                 logits = jnp.where(vocab_mask, logits, floor)
             nxt = jnp.argmax(logits, axis=-1).astype(tokens.dtype)
             return tokens.at[rows, pos].set(nxt), key
         key, sub = jax.random.split(key)
-        logits = model(tokens)[rows, pos - 1] / temperature
+        logits = forward(tokens)[rows, pos - 1] / temperature
         if vocab_mask is not None:
             logits = jnp.where(vocab_mask, logits, floor)
         nxt = jax.random.categorical(sub, logits).astype(tokens.dtype)
@@ -151,7 +163,7 @@ def sample(
         tokens, key, logp_bt, kept_bt = carry
         pos = lengths_b + s
         key, sub = jax.random.split(key)
-        logits = model(tokens)[rows, pos - 1]
+        logits = forward(tokens)[rows, pos - 1]
         if vocab_mask is not None:
             logits = jnp.where(vocab_mask, logits, -jnp.inf)
         nxt, logp_b, kept_b = decoding.sample(logits, sub, sampling)
@@ -184,9 +196,11 @@ def sample(
             kept_bt=jnp.where(upto_eos, kept_bt, 0),
         )
     if return_routing or (return_logp and not truncates):
-        logp, forward = model.logprobs(tokens, temperature=temperature, vocab_mask=vocab_mask)
+        logp, scored = model.logprobs(
+            tokens, temperature=temperature, vocab_mask=vocab_mask, kv_cache_dtype=kv_cache_dtype
+        )
         out = out.replace(
             logp_bt=out.logp_bt if truncates else logp * mask if return_logp else None,
-            routing_btlk=forward.routing_btlk if return_routing else None,
+            routing_btlk=scored.routing_btlk if return_routing else None,
         )
     return out

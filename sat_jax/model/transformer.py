@@ -392,6 +392,7 @@ class Transformer(nnx.Module):
         kept_bt: jax.Array | None = None,
         positions_bt: jax.Array | None = None,
         segment_ids_bt: jax.Array | None = None,
+        kv_cache_dtype: str = "bfloat16",
     ) -> tuple[jax.Array, ModelOutput]:
         """Log-probs of a batch's own tokens, and the forward's `ModelOutput`.
 
@@ -404,9 +405,9 @@ class Transformer(nnx.Module):
         Args:
           tokens_bt: [B, T] int token ids, right-padded.
           temperature, vocab_mask: as in `target_logprobs`.
-          mask_bt, replay_routing, replay_mask_bt, positions_bt, segment_ids_bt: as in
-            `forward` (packed rows: a segment's first token is scored from the previous
-            segment's last, a log-prob the caller masks like column 0's).
+          mask_bt, replay_routing, replay_mask_bt, positions_bt, segment_ids_bt,
+            kv_cache_dtype: as in `forward` (packed rows: a segment's first token is scored
+            from the previous segment's last, a log-prob the caller masks like column 0's).
           kept_bt: optional [B, T] int, the sampler's kept-set size of ``tokens_bt[b, t]``
             (aligned like the log-probs; 0 = no truncation): replays top-k / top-p truncation
             (`token_logprobs`).
@@ -421,6 +422,7 @@ class Transformer(nnx.Module):
             replay_routing=replay_routing,
             replay_mask_bt=replay_mask_bt,
             segment_ids_bt=segment_ids_bt,
+            kv_cache_dtype=kv_cache_dtype,
         )
         logp_bt = self.target_logprobs(
             out.hidden_btd[:, :-1],

@@ -417,3 +417,56 @@ def test_within_noise_is_two_standard_errors_of_the_difference_from_the_best():
     table[("GRPO", 128, 1e-3, knobs)] = cell(0.23, 0.03)  # 0.03 ≤ 0.035: within
     assert frontier_report.within_noise(table)[(128, 1e-3)] == ("GRPO+VCPO", ["GRPO", "GRPO+VCPO"])
     assert got[(1, 1e-3)] == ("GRPO", ["GRPO"])
+
+
+def test_8bit_rollouts_are_their_own_cells_paired_with_bfloat16_rollouts():
+    args = frontier.parse_args(
+        ["--out", "x", "--lrs", "1e-3", "--methods", "--seeds", "2", "--lag-mode", "constant",
+         "--quant-methods", "GRPO+TIS", "--quant-lags", "1", "--quant-weights", "int8"]
+    )  # fmt: skip
+    got = [c.name for c in frontier.phase_cells(args, "quant", None)]
+    assert got == [
+        "GRPO+TIS_lag1_constant_lr0.001_bfloat16_wint8_kvfp8_seed0",
+        "GRPO+TIS_lag1_constant_lr0.001_bfloat16_seed0",
+        "GRPO+TIS_lag1_constant_lr0.001_bfloat16_wint8_kvfp8_seed1",
+        "GRPO+TIS_lag1_constant_lr0.001_bfloat16_seed1",
+    ]
+    cells = frontier.phase_cells(args, "quant", None)
+    assert cells[0].row == "GRPO+TIS [bfloat16, top-p 1, int8 weights, fp8 cache]"
+    assert cells[1].row == "GRPO+TIS [bfloat16, top-p 1]"
+    assert frontier_methods.row_method(cells[0].row) == "GRPO+TIS"
+    # An unquantized cell keeps its name (cells of earlier studies are found again).
+    assert frontier_methods.Cell("GRPO", 8, 1e-3, 0).name == "GRPO_lag8_lr0.001_seed0"
+
+    def runs_of(final: float, kl0: float, d0: float) -> dict:
+        recs = run({0: 0.2, 20: final}, 20)
+        recs[1].update(mismatch_abs_mean=d0, sampler_kl=kl0)
+        return {**frontier_report.summarize_run(recs, 0.2), "records": recs}
+
+    runs = {
+        cells[0]: runs_of(0.24, 1e-3, 0.03),
+        cells[1]: runs_of(0.20, 1e-5, 0.004),
+        cells[2]: runs_of(0.20, 3e-3, 0.05),
+        cells[3]: runs_of(0.22, 3e-5, 0.006),
+    }
+    lines = frontier_mechanism.quant_table(runs)
+    assert lines[-2] == (
+        "| GRPO+TIS | 1 | 0.001 | int8 weights, fp8 cache | 2 | 2/2 | 0/2 | 0.220 ± 0.028 | "
+        "0.240 0.200 | +0.010 ± 0.030 (n = 2) | 1-0-1 | 2.00e-03 | 0.0400 | 2.00e-03 | 0.0495 |"
+    )
+    assert lines[-1].startswith("| GRPO+TIS | 1 | 0.001 | bfloat16 | 2 | 2/2 | 0/2 | 0.210 ± ")
+    assert frontier_mechanism.quant_table({cells[1]: runs[cells[1]]}) == []
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--quant-methods", "GRPO", "--quant-weights", "int4"], "--quant-weights must be int8"),
+        (["--quant-methods", "GRPO", "--quant-cache", "bfloat16"], "--quant-cache must be int8"),
+        (["--quant-methods", "PPO"], "unknown frontier method 'PPO'"),
+    ],
+)
+def test_bad_8bit_rollout_flags_are_refused_by_name(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        frontier.parse_args(["--out", "x", *flags])
+    assert message in capsys.readouterr().err

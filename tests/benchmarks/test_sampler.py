@@ -17,7 +17,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import sampler  # noqa: E402
 
-from sat_jax import sharding  # noqa: E402
+from sat_jax import quant, sharding  # noqa: E402
 from sat_jax.model import ModelConfig, placement  # noqa: E402
 from sat_jax.tasks import CharTokenizer, sampleable_mask  # noqa: E402
 
@@ -284,3 +284,62 @@ def test_top_p_is_checked_and_one_is_the_untruncated_sampler(model):
         graphdef, params, tokens, lengths, jax.random.key(0), return_logp=True, **kwargs
     )
     assert out.kept_bt is None and out.logp_bt is not None
+
+
+@pytest.mark.parametrize("weights, cache", [("fp8", "fp8"), ("int8", "fp8"), ("bfloat16", "int8")])
+def test_an_8bit_sampler_records_the_quantized_models_own_logprobs(model, weights, cache):
+    """The frontier's 8-bit rollouts: weights quantized by the server's function, the cache read
+    as the server's 8-bit cache holds it. Tokens and recorded log-probs are those of the
+    quantized model's full forward (the forward the server's decode matches,
+    tests/sat_jax/test_decoding_quant.py), not of the unquantized one."""
+    graphdef, params = model
+    served = quant.quantize_params(params, weights)
+    tokens, lengths = _batch()
+    vocab_mask = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size)
+    kwargs = dict(max_new_tokens=MAX_NEW, vocab_mask=vocab_mask, eos_id=EOS, return_logp=True)
+    out = sampler.sample(
+        graphdef, served, tokens, lengths, jax.random.key(5), temperature=1.0,
+        kv_cache_dtype=cache, **kwargs,
+    )  # fmt: skip
+    got_tokens, mask = np.asarray(out.tokens_bt), np.asarray(out.mask_bt)
+    quantized = nnx.merge(graphdef, quant.dequantize_params(served))
+    logits = np.asarray(quantized.forward(got_tokens, kv_cache_dtype=cache).logits_btv, np.float64)
+    masked = np.where(vocab_mask, logits, -np.inf)
+    log_softmax = masked - np.logaddexp.reduce(masked, axis=-1, keepdims=True)
+    rows, cols = np.nonzero(mask)
+    want = log_softmax[rows, cols - 1, got_tokens[rows, cols]]
+    np.testing.assert_allclose(np.asarray(out.logp_bt)[rows, cols], want, rtol=0, atol=LOGP_TOL)
+    # The unquantized model scores the same tokens otherwise: the option changes the policy.
+    plain = np.where(vocab_mask, _logits(graphdef, params, got_tokens), -np.inf)
+    plain = plain - np.logaddexp.reduce(plain, axis=-1, keepdims=True)
+    assert np.abs(plain[rows, cols - 1, got_tokens[rows, cols]] - want).max() > 100 * LOGP_TOL
+    # Greedy decoding steps through the quantized model too: each token is its argmax.
+    greedy = sampler.sample(
+        graphdef, served, tokens, lengths, None, greedy=True, temperature=1.0,
+        kv_cache_dtype=cache, **kwargs,
+    )  # fmt: skip
+    ids = np.asarray(greedy.tokens_bt)
+    step_logits = np.asarray(quantized.forward(ids, kv_cache_dtype=cache).logits_btv)
+    for r, c in zip(*np.nonzero(np.asarray(greedy.mask_bt)), strict=True):
+        assert ids[r, c] == np.argmax(np.where(vocab_mask, step_logits[r, c - 1], -np.inf))
+
+
+def test_the_8bit_options_off_are_the_unquantized_sampler_bit_for_bit(model):
+    graphdef, params = model
+    tokens, lengths = _batch()
+    vocab_mask = sampleable_mask(TOKENIZER, MODEL_CFG.vocab_size)
+    kwargs = dict(
+        max_new_tokens=MAX_NEW, vocab_mask=vocab_mask, eos_id=EOS, temperature=1.0,
+        return_logp=True, return_routing=True,
+    )  # fmt: skip
+    base = sampler.sample(graphdef, params, tokens, lengths, jax.random.key(2), **kwargs)
+    off = sampler.sample(
+        graphdef, quant.quantize_params(params, "bfloat16"), tokens, lengths, jax.random.key(2),
+        kv_cache_dtype="bfloat16", **kwargs,
+    )  # fmt: skip
+    for a, b in zip(jax.tree.leaves(base), jax.tree.leaves(off), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of bfloat16, int8, fp8"):
+        sampler.sample(
+            graphdef, params, tokens, lengths, jax.random.key(2), kv_cache_dtype="fp4", **kwargs
+        )
