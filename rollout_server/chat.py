@@ -327,6 +327,7 @@ def parse_chat(
     )
     messages = [normalize_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
     tools = _tools(body)
+    overridden += _strict_tools(tools, override)
     choice = body.get("tool_choice")
     forced = _forced_tool(choice, tools)
     # The URL's session id wins over the body's: a client's extra body cannot move a request to
@@ -374,6 +375,27 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
         "tools",
     )
     return tools
+
+
+STRICT_TOOLS = "tools[].function.strict"
+
+
+def _strict_tools(tools: list[dict[str, Any]], override: bool) -> tuple[str, ...]:
+    """A function tool's `strict: true` asks that the call's arguments follow its schema, which
+    the server does not enforce (tool calls are sampled unconstrained): refused like a sampler
+    field, or with `override` served unconstrained and named in the reply's
+    `sampling.overridden`."""
+    strict = [t["function"]["name"][:40] for t in tools if t["function"].get("strict")]
+    if not strict:
+        return ()
+    _need(
+        override,
+        f"tools[].function.strict=true ({', '.join(strict[:4])}) is not honoured: tool-call "
+        "arguments are sampled unconstrained (server.http_sampling=override serves the request "
+        "and reports it in sampling.overridden)",
+        "tools",
+    )
+    return (STRICT_TOOLS,)
 
 
 def _forced_tool(choice: Any, tools: list[dict[str, Any]]) -> str:

@@ -298,6 +298,8 @@ def test_agents_sdk_function_tool(session):
     assert isinstance(result.final_output, str)
     (tool,) = wire.sent[0]["tools"]
     assert tool["function"]["name"] == "add" and tool["function"]["strict"] is True
+    # Not enforced (arguments are sampled unconstrained), so reported as overridden.
+    assert wire.got[0]["sampling"]["overridden"] == ["tools[].function.strict"]
     assert "tool_choice" not in wire.sent[0] and "parallel_tool_calls" not in wire.sent[0]
 
 

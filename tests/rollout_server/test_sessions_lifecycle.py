@@ -809,6 +809,31 @@ def test_http_sampling_override_serves_the_servers_sampler_and_says_so():
         server.stop()
 
 
+def test_a_strict_function_tool_is_refused_or_reported_as_overridden():
+    """`strict: true` (the Agents SDK's default) asks for schema-constrained arguments, which the
+    server does not enforce: strict mode refuses it naming `tools`, override serves it and says
+    so."""
+    openai = pytest.importorskip("openai")
+    tool = {
+        "type": "function",
+        "function": {"name": "add", "strict": True, "parameters": {"type": "object"}},
+    }
+    server = Live()
+    try:
+        r = server.post("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [tool]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "strict" in r.json()["error"]["message"]
+        loose = {**tool, "function": {**tool["function"], "strict": False}}
+        r = server.post("/v1/chat/completions", {"model": "m", "messages": USER, "tools": [loose]})
+        assert r.status_code == 200, r.text
+        server.api.limits = dataclasses.replace(server.api.limits, sampling_override=True)
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key=TOKEN, max_retries=0)
+        out = client.chat.completions.create(model="m", messages=USER, tools=[tool])
+        assert out.model_extra["sampling"]["overridden"] == ["tools[].function.strict"]
+    finally:
+        server.stop()
+
+
 # Qwen3's chat format, cut down: reasoning in <think>, `enable_thinking`, and Qwen3-Coder's XML
 # tool calls (rendered back from the arguments mapping).
 QWEN3_TEMPLATE = (
