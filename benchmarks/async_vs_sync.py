@@ -28,8 +28,10 @@ A third table (`loop_figures`, from the server's Stats polled during each run an
 ``cpu_s``) separates the loop's design from the machine's contention: per mode, each side's busy
 time per batch, the loop efficiency max(server busy, trainer busy) ÷ period, CPU seconds per batch
 of each process and their ratio to the sync run's (contention), slot-seconds idle while admission
-was closed, steal, and the fleet simulator's period for the run's own component times
-(`sim_predict`) beside the measured one. ``--stand-in`` adds, per repeat, each async mode again
+was closed, steal, the CPU loop efficiency max(server CPU, trainer CPU) ÷ period, the trainer's
+`batch_host_s`, and the fleet simulator's period for the run's own component times
+(`sim_predict`, with the server's CPU per batch and the trainer's batch host time) beside the
+measured one, and its error without those two host costs ("decode-only"). ``--stand-in`` adds, per repeat, each async mode again
 with the train step a sleep of the sync run's step (without its push) and the server's engine
 `rollout_server.stand_in` sleeping the sync run's seconds per generate step: both leave the CPU
 idle, so their share of the sync ideal (by period) is the design's. The output ends with one line
