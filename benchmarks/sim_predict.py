@@ -17,9 +17,10 @@ Two host costs beside the components above, both measured in the same run:
   exceeds decode + installs the simulated server is slowed so that a batch on all its slots takes
   that long (`server_speed`), not only the decode seconds;
 - the trainer's host work on a batch after its groups are in (`batch_host_s`, the trainer's
-  ``batch_host_s``: assembly, broadcast, the host→device transfer): the trainer waits for it
-  beyond a Pull's round trip, so it is added to the Pull latency. The rest of the trainer's host
-  work runs beside the step and is in its measured ``step_s``.
+  ``batch_host_s``: assembly, broadcast, the host→device transfer): a batch is ready that long
+  after its last group is in (`FleetSim`'s ``batch_host``), so the trainer waits for it only when
+  the batch fills up late, not when it was prefetched during the step before. The rest of the
+  trainer's host work runs beside the step and is in its measured ``step_s``.
 """
 
 from __future__ import annotations
@@ -107,7 +108,8 @@ def build(c: Components) -> IntervalSim:
         capacity=c.queue_groups,
         step_time=c.step_s,
         push_delay=c.push_s,
-        pull_delay=c.pull_s + c.batch_host_s,
+        pull_delay=c.pull_s,
+        batch_host=c.batch_host_s,
         dt=min(c.step_s, c.token_s) / 4,
         stall_after=1e6,
     )
