@@ -28,8 +28,10 @@ A third table (`loop_figures`, from the server's Stats polled during each run an
 ``cpu_s``) separates the loop's design from the machine's contention: per mode, each side's busy
 time per batch, the loop efficiency max(server busy, trainer busy) ÷ period, CPU seconds per batch
 of each process and their ratio to the sync run's (contention), slot-seconds idle while admission
-was closed, steal, and the fleet simulator's period for the run's own component times
-(`sim_predict`) beside the measured one. ``--stand-in`` adds, per repeat, each async mode again
+was closed, steal, the CPU loop efficiency max(server CPU, trainer CPU) ÷ period, the trainer's
+`batch_host_s`, and the fleet simulator's period for the run's own component times
+(`sim_predict`, with the server's CPU per batch and the trainer's batch host time) beside the
+measured one, and its error without those two host costs ("decode-only"). ``--stand-in`` adds, per repeat, each async mode again
 with the train step a sleep of the sync run's step (without its push) and the server's engine
 `rollout_server.stand_in` sleeping the sync run's seconds per generate step: both leave the CPU
 idle, so their share of the sync ideal (by period) is the design's. The output ends with one line
@@ -334,9 +336,17 @@ def run_figures(run: Run, got: dict[str, float]) -> dict[str, float | None]:
 
 
 def prediction(
-    run: Run, got: dict[str, float], fig: dict, shape: dict[str, int], mode: str
+    run: Run,
+    got: dict[str, float],
+    fig: dict,
+    shape: dict[str, int],
+    mode: str,
+    *,
+    host: bool = True,
 ) -> float | None:
-    """The simulator's period for a run from its own component times (`sim_predict`)."""
+    """The simulator's period for a run from its own component times (`sim_predict`); without
+    ``host``, from the decode times alone (the server's and the trainer's host costs left out,
+    as the simulator was fed before)."""
     if not fig["token_s"] or not fig["decode"]:
         return None
     staleness = STALENESS[mode.replace("stand-in", "async")]
@@ -356,6 +366,8 @@ def prediction(
             queue_groups=shape["queue_groups"],
             max_staleness=staleness,
             interval=INTERVAL[mode.replace("stand-in", "async")],
+            server_cpu_s=(fig["server_cpu"] or 0.0) if host else 0.0,
+            batch_host_s=(fig["batch_host"] or 0.0) if host else 0.0,
         )
     )
 
@@ -407,6 +419,9 @@ def main() -> None:
             }
             fig["predicted"] = (
                 None if name == "sync" else prediction(run, got, fig, args.shape, real)
+            )
+            fig["predicted_decode"] = (
+                None if name == "sync" else prediction(run, got, fig, args.shape, real, host=False)
             )
             loops.setdefault(name, []).append(fig)
         print(
@@ -493,34 +508,56 @@ def print_loop(loops: dict[str, list[dict]]) -> None:
         vals = [g["contention"][who] for g in got if g["contention"][who] is not None]
         return f"{med(vals):.2f}" if vals else "—"
 
+    def err(got: list[dict], key: str) -> str:
+        errs = [g[key] / g["period"] for g in got if g.get(key)]
+        return f"{med(errs):.3f}" if errs else "—"
+
     print()
     print(
         "| mode | period s | server busy s | trainer busy s | loop efficiency "
-        "| % of ideal (period) | trainer CPU s | server CPU s | contention trainer, server "
-        "| admission idle slot·s | steal s | simulated period s | simulated ÷ measured |"
+        "| CPU loop efficiency | % of ideal (period) | trainer CPU s | server CPU s "
+        "| contention trainer, server | admission idle slot·s | batch host s | steal s "
+        "| simulated period s | simulated ÷ measured | decode-only ÷ measured |"
     )
-    print("| --- |" + " ---: |" * 12)
+    print("| --- |" + " ---: |" * 15)
     for name, got in loops.items():
-        errs = [g["predicted"] / g["period"] for g in got if g["predicted"]]
         print(
             f"| {name} | {cell(got, 'period', '.3f')} | {cell(got, 'server_busy', '.3f')} "
             f"| {cell(got, 'trainer_busy', '.3f')} | {cell(got, 'efficiency', '.1f', 100)}% "
+            f"| {cell(got, 'cpu_efficiency', '.1f', 100)}% "
             f"| {cell(got, 'of_ideal', '.1f', 100)}% | {cell(got, 'trainer_cpu', '.3f')} "
             f"| {cell(got, 'server_cpu', '.3f')} | {side(got, 'trainer')}, {side(got, 'server')} "
-            f"| {cell(got, 'admission_idle', '.3f')} | {cell(got, 'steal', '.4f')} "
-            f"| {cell(got, 'predicted', '.3f')} | {f'{med(errs):.3f}' if errs else '—'} |"
+            f"| {cell(got, 'admission_idle', '.3f')} | {cell(got, 'batch_host', '.4f')} "
+            f"| {cell(got, 'steal', '.4f')} | {cell(got, 'predicted', '.3f')} "
+            f"| {err(got, 'predicted')} | {err(got, 'predicted_decode')} |"
         )
     print()
-    print("per repeat (loop efficiency / % of ideal / simulated ÷ measured):")
+    print(
+        "per repeat (loop efficiency / CPU loop efficiency / % of ideal / simulated ÷ measured"
+        " / decode-only ÷ measured):"
+    )
     for name, got in loops.items():
-        print(
-            f"  {name}: "
-            + "; ".join(
-                f"{100 * g['efficiency']:.1f}% / {100 * g['of_ideal']:.1f}% / "
-                + (f"{g['predicted'] / g['period']:.3f}" if g["predicted"] else "—")
-                for g in got
-            )
-        )
+        print(f"  {name}: " + "; ".join(_repeat_cells(g) for g in got))
+
+
+def _repeat_cells(g: dict) -> str:
+    """One repeat's figures of the per-repeat lines of `print_loop`."""
+
+    def pct(key: str) -> str:
+        return "—" if g.get(key) is None else f"{100 * g[key]:.1f}%"
+
+    def err(key: str) -> str:
+        return f"{g[key] / g['period']:.3f}" if g.get(key) else "—"
+
+    return " / ".join(
+        [
+            pct("efficiency"),
+            pct("cpu_efficiency"),
+            pct("of_ideal"),
+            err("predicted"),
+            err("predicted_decode"),
+        ]
+    )
 
 
 def print_summary(loops: dict[str, list[dict]], *, stand_in: bool) -> None:

@@ -12,7 +12,12 @@ and `loop_figures` puts them beside the trainer's metrics:
 - CPU seconds per batch of each process (the trainer's ``cpu_s``, the server's ``cpu_seconds``),
   whose async ÷ sync ratio is the contention;
 - admission idle: slot-seconds idle while admission was closed, per batch;
-- steal: the machine's steal seconds per batch (None where the kernel does not report it).
+- steal: the machine's steal seconds per batch (None where the kernel does not report it);
+- CPU loop efficiency = max(server CPU, trainer CPU) per batch ÷ the period: with each process on
+  a core of its own, its CPU seconds are its time on that core, host work included (the server's
+  prefill, inserts, sampling, loop and Pull replies are not in its decode seconds);
+- batch host: the trainer's ``batch_host_s`` per batch (its host work on a batch after the groups
+  are in: assembly, broadcast, host→device transfer).
 """
 
 from __future__ import annotations
@@ -113,6 +118,8 @@ def loop_figures(
     server_busy = decode + installs_per_step * install_s
     trainer_busy = statistics.fmean(r["step_s"] for r in timed[1:])
     steps = server["decode_steps"] or 0.0
+    trainer_cpu = _mean(timed[1:], "cpu_s")
+    cpus = [c for c in (per["cpu_seconds"], trainer_cpu) if c is not None]
     return {
         "period": period,
         "server_busy": server_busy,
@@ -123,8 +130,14 @@ def loop_figures(
         "tokens": per[TOKENS],
         "admission_idle": per["admission_idle_slot_seconds"],
         "server_cpu": per["cpu_seconds"],
-        "trainer_cpu": statistics.fmean(r["cpu_s"] for r in timed[1:] if "cpu_s" in r)
-        if any("cpu_s" in r for r in timed[1:])
-        else None,
+        "trainer_cpu": trainer_cpu,
+        "cpu_efficiency": max(cpus) / period if cpus else None,
+        "batch_host": _mean(timed[1:], "batch_host_s"),
         "steal": per[STEAL],
     }
+
+
+def _mean(records: list[dict], key: str) -> float | None:
+    """`key`'s mean over the records that have it (None if none has)."""
+    values = [r[key] for r in records if r.get(key) is not None]
+    return statistics.fmean(values) if values else None

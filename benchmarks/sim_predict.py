@@ -8,6 +8,19 @@ series slowing it down, the tokens per sample, the Pull latency, and the run's s
 size, batch groups, queue capacity, max_staleness, weight_sync_interval), and returns the period
 it simulates (the mean over its steps after the warm-up). The simulator's servers always install
 every version; `IntervalSim` pushes every `weight_sync_interval`-th only, as the trainer does.
+
+Two host costs beside the components above, both measured in the same run:
+
+- the server's CPU seconds per batch (`server_cpu_s`, its Stats ``cpu_seconds``): on a core of its
+  own, everything the server process does for a batch (prefill and inserts, sampling, the loop,
+  admission, delivery, Pull replies, installs) runs in series with its generate steps. Where it
+  exceeds decode + installs the simulated server is slowed so that a batch on all its slots takes
+  that long (`server_speed`), not only the decode seconds;
+- the trainer's host work on a batch after its groups are in (`batch_host_s`, the trainer's
+  ``batch_host_s``: assembly, broadcast, the host→device transfer): a batch is ready that long
+  after its last group is in (`FleetSim`'s ``batch_host``), so the trainer waits for it only when
+  the batch fills up late, not when it was prefetched during the step before. The rest of the
+  trainer's host work runs beside the step and is in its measured ``step_s``.
 """
 
 from __future__ import annotations
@@ -34,6 +47,9 @@ class Components:
       tokens: completion tokens per sample (the stop id included).
       pull_s: one Pull's latency (what the trainer waits for a reply beyond the groups' wait).
       decode_per_batch_s: the server's decode seconds per batch (to weigh the installs).
+      server_cpu_s: the server process's CPU seconds per batch (0 = not measured).
+      batch_host_s: the trainer's host seconds on a batch after its groups are in (0 = not
+        measured).
     """
 
     step_s: float
@@ -50,6 +66,8 @@ class Components:
     queue_groups: int
     max_staleness: int
     interval: int
+    server_cpu_s: float = 0.0
+    batch_host_s: float = 0.0
 
 
 class IntervalSim(FleetSim):
@@ -64,11 +82,23 @@ class IntervalSim(FleetSim):
             super()._push_all(new_epoch, delay)
 
 
-def build(c: Components) -> IntervalSim:
-    """The simulator of `c` (one server, seconds as its time unit)."""
+def server_speed(c: Components) -> float:
+    """Tokens per second per slot of the simulated server: the decode rate slowed by the installs
+    in series with it, and, where the server's CPU seconds per batch exceed decode + installs,
+    no faster than a batch of ``batch_groups`` × ``group_size`` samples of ``tokens`` on all
+    ``slots`` in ``server_cpu_s``."""
     busy = c.decode_per_batch_s + c.installs_per_step * c.install_s
     slowdown = busy / c.decode_per_batch_s if c.decode_per_batch_s > 0 else 1.0
-    speed = 1.0 / (c.token_s * slowdown)  # tokens per second per slot, installs included
+    speed = 1.0 / (c.token_s * slowdown)  # installs included
+    if c.server_cpu_s > busy:
+        samples = c.batch_groups * c.group_size
+        speed = min(speed, samples * c.tokens / (c.slots * c.server_cpu_s))
+    return speed
+
+
+def build(c: Components) -> IntervalSim:
+    """The simulator of `c` (one server, seconds as its time unit)."""
+    speed = server_speed(c)
     return IntervalSim(
         [(speed, c.slots, (c.tokens, c.tokens))],
         interval=c.interval,
@@ -79,6 +109,7 @@ def build(c: Components) -> IntervalSim:
         step_time=c.step_s,
         push_delay=c.push_s,
         pull_delay=c.pull_s,
+        batch_host=c.batch_host_s,
         dt=min(c.step_s, c.token_s) / 4,
         stall_after=1e6,
     )

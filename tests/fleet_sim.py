@@ -375,6 +375,9 @@ class FleetSim:
         weights; skip: versions whose steps are skipped (nothing trained, version still +1).
       lost_pulls: Pull replies lost (the trainer gets nothing, the server's lease runs out);
         pull_delay: every Pull reply's delay.
+      batch_host: the trainer's host work on a batch once its last group is in (assembly, the
+        host→device copy): a step starts no earlier than that after its batch filled up (a
+        batch prefetched during the step before is ready meanwhile). 0: ready at once.
       prefetch: the real loop's timing (the default; see the module docstring); False: pulls
         only between steps, and acknowledgements leave only with Pulls.
       admission: the servers' admission class (`ServerAdmission`, or a mutant of its hand-out
@@ -452,6 +455,7 @@ class FleetSim:
         pull_slack_floor=0.0,
         fence_turn=0.0,
         fallback_min=None,
+        batch_host=0.0,
     ):
         if shares not in ("measured", "equal"):
             raise ValueError(f"shares must be 'measured' or 'equal' (got {shares!r})")
@@ -476,6 +480,7 @@ class FleetSim:
         self.rates: dict[str, float] = {}  # the capacity each server reported last (pool side)
         self.prefetch = prefetch
         self.ahead: list[tuple[SimServer, SimGroup]] = []  # the next batch, pulled during a step
+        self.batch_host, self.full_at = batch_host, None  # when `ahead` filled up (prefetch)
         self.parked: dict[str, bool] = {}  # a Pull waits on that server (prefetch: no acks)
         self.busy_time = 0.0  # the trainer's steps, in time units
         self.rule, self.max_staleness, self.batch_groups = rule, max_staleness, batch_groups
@@ -633,7 +638,7 @@ class FleetSim:
         if self.step >= warmup:
             t0, base = self.now, dataclasses.replace(self.stats)
         self._base_step = max(self.step, warmup)
-        guard = 0
+        guard, full_at = 0, None
         while self.step < until and (until_time is None or self.now < until_time - 1e-9):
             guard += 1
             if guard > 10_000_000:
@@ -652,11 +657,14 @@ class FleetSim:
                 if self.now < self.busy_until:
                     if self.prefetch and self.step + 1 < until and not self.control:
                         self._fill(self.ahead, self.version + 1, also=self.kept)
+                        if self.full_at is None and len(self.ahead) >= self.batch_groups:
+                            self.full_at = self.now
                     continue
                 self.busy_until = None
                 self.busy_time += self.step_time
                 self._finish_step(self.kept)
                 self.kept, self.ahead, self.last_step = self.ahead, [], self.now
+                full_at, self.full_at = self.full_at, None
                 if self.step == warmup:
                     t0, base = self.now, dataclasses.replace(self.stats)
                 self.check_accounting()
@@ -669,7 +677,11 @@ class FleetSim:
             if self.now - self.last_step > self.stall_after:
                 raise SimStalled(f"no step for {self.stall_after} time units at {self.step}")
             if len(self.kept) >= self.batch_groups:
-                self.busy_until = self.now + self.pull_delay + self.step_time
+                ready = self.now + self.batch_host  # filled now, or by the step before:
+                if full_at is not None:
+                    ready = max(self.now, full_at + self.batch_host)
+                self.busy_until = ready + self.pull_delay + self.step_time
+                full_at = None
         return self._figures(t0, base)
 
     def _fill(self, batch: list, version: int, also: list = ()) -> None:
@@ -1185,7 +1197,7 @@ class FleetSim:
         pulled are lost (they expire and come back), every server gets a new epoch."""
         for name in self.pending:
             self.pending[name] = ([], [])
-        self.ahead, self.parked = [], {}
+        self.ahead, self.parked, self.full_at = [], {}, None
         self._push_all(new_epoch=True, delay=0.0)
 
 

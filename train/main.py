@@ -425,6 +425,7 @@ def train_loop(
             record[1].update(
                 tokens_per_s=ready.pulled.stats.tokens / max(time.monotonic() - start, 1e-9),
                 pull_wait_s=got_batch - start,
+                batch_host_s=ready.host_s,
                 step_s=time.monotonic() - got_batch,
                 cpu_s=cpu_s,
                 steal_s=steal_s,

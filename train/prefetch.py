@@ -22,6 +22,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -40,10 +42,13 @@ class ReadyBatch:
     Attributes:
       pulled: the host batch, its stats and (process 0) the groups to acknowledge after the step.
       batch: the same batch as global arrays on the mesh (each process made only its own shards).
+      host_s: seconds of host work on the batch after its groups were in: the batch's own
+        ``host_s`` (assembly, the broadcast) and the host→device transfer's dispatch.
     """
 
     pulled: pulling.PulledBatch
     batch: TrainBatch
+    host_s: float = 0.0
 
 
 @dataclasses.dataclass
@@ -64,6 +69,7 @@ class BatchSource:
       mesh: the mesh the step's batch is sharded over.
       timeout_s, stall_s: as in ``pulling.pull_batch``.
       background: make each batch on a thread (True) or in ``take`` (False).
+      clock: seconds, monotonic, for ``ReadyBatch.host_s`` (tests pass a fake one).
     """
 
     def __init__(
@@ -75,8 +81,9 @@ class BatchSource:
         timeout_s: float,
         stall_s: float,
         background: bool,
+        clock: Callable[[], float] = time.perf_counter,
     ):
-        self._pool, self._spec, self._mesh = pool, spec, mesh
+        self._pool, self._spec, self._mesh, self._clock = pool, spec, mesh, clock
         self._timeout_s, self._stall_s = timeout_s, stall_s
         self._background = background
         self._cancel = threading.Event()
@@ -154,5 +161,8 @@ class BatchSource:
             key=job.key,
             cancel=self._cancel,
             mesh=self._mesh,
+            clock=self._clock,
         )
-        return ReadyBatch(pulled=pulled, batch=shard_batch(pulled.batch, self._mesh))
+        start = self._clock()
+        batch = shard_batch(pulled.batch, self._mesh)
+        return ReadyBatch(pulled=pulled, batch=batch, host_s=pulled.host_s + self._clock() - start)

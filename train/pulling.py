@@ -62,11 +62,14 @@ class PulledBatch:
         skipped as duplicates.
       pulled: every group pulled for it, to acknowledge once it is trained (process 0 only;
         empty on the others).
+      host_s: seconds of host work after its groups were in (process 0: assembling and, with
+        several processes, sending it; the others: receiving and decoding it, waits excluded).
     """
 
     batch: TrainBatch
     stats: batching.BatchStats
     pulled: tuple[Group | InvalidGroup, ...] = ()
+    host_s: float = 0.0
 
 
 def pull_batch(
@@ -188,6 +191,7 @@ def next_batch(
     key: str | None = None,
     cancel: threading.Event | None = None,
     mesh: jax.sharding.Mesh | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> PulledBatch:
     """Pulls and assembles the next batch on process 0 and gives it to every process.
 
@@ -201,6 +205,7 @@ def next_batch(
         make every batch on one thread).
       mesh: the mesh the step shards the batch over: each other process then receives only the
         rows of the per-token fields its devices hold (0s elsewhere); None = the whole batch.
+      clock: seconds, monotonic, for ``host_s`` (tests pass a fake one).
 
     Returns:
       The batch on every process (its ``pulled`` on process 0 only): the same ``PulledBatch``,
@@ -224,6 +229,7 @@ def next_batch(
         selection = pull_batch(
             pool, spec, progress, timeout_s=timeout_s, stall_s=stall_s, cancel=cancel
         )
+        pulled_at = clock()
         batch, stats = batching.assemble_batch(selection, spec, trainer_version=progress.version)
     except BaseException as e:
         if several:  # the others wait for this batch: tell them why it will not come
@@ -232,7 +238,7 @@ def next_batch(
     pulled = PulledBatch(batch=batch, stats=stats, pulled=selection.pulled)
     if several:
         send_pulled(key, pulled, mesh)
-    return pulled
+    return dataclasses.replace(pulled, host_s=clock() - pulled_at)
 
 
 def encode_pulled(pulled: PulledBatch, rows: dict[str, np.ndarray] | None = None) -> bytes:
@@ -353,7 +359,9 @@ def receive_pulled(key: str, *, cancel: threading.Event | None = None) -> Pulled
         for i in range(counts[part])
     )
     client.key_value_set_bytes(f"{key}/read/{jax.process_index()}", b"")
-    return decode_pulled(data)
+    start = time.perf_counter()
+    pulled = decode_pulled(data)
+    return dataclasses.replace(pulled, host_s=time.perf_counter() - start)
 
 
 _sent: list[str] = []  # keys process 0 wrote and has not deleted yet

@@ -114,3 +114,55 @@ def test_stand_in_step_sleeps_and_advances_the_step():
     assert sleeps == [0.25] and int(new.step) == 4 and metrics["step_skipped"] == 0
     assert metrics["active_tokens"] == 3
     assert np.array_equal(new.params["w"], state.params["w"])
+
+
+def test_cpu_loop_efficiency_and_batch_host_per_batch():
+    # The server burned 0.45 CPU s of every 0.5 s batch, the trainer 0.25: the CPU bound is the
+    # server's, 90% of the period; batch_host_s is averaged over the records that have it.
+    records = [{"time": 100 + 0.5 * i, "step_s": 0.2, "cpu_s": 0.25} for i in range(11)]
+    records[1]["batch_host_s"], records[3]["batch_host_s"] = 0.002, 0.004  # others have none
+    polls = [
+        _poll(99.0, 0.0, 0, 0.0, 0.0, 0, 0.0),
+        _poll(106.0, 0.6 * 7, 140, 1.4, 0.9 * 7, 7 * 2 * 128, 0.07),
+    ]
+    got = lf.loop_figures(records, polls, skip=0, install_s=0.01, installs_per_step=1.0)
+    assert got["cpu_efficiency"] == pytest.approx(0.45 / 0.5)
+    assert got["efficiency"] == pytest.approx(0.31 / 0.5)  # by decode + installs: unchanged
+    assert got["batch_host"] == pytest.approx(0.003)
+    without = lf.loop_figures(
+        [{"time": 100 + 0.5 * i, "step_s": 0.2} for i in range(11)],
+        polls,
+        skip=0,
+        install_s=0.01,
+        installs_per_step=1.0,
+    )
+    assert without["batch_host"] is None and without["trainer_cpu"] is None
+    assert without["cpu_efficiency"] == pytest.approx(0.9)  # the server's alone
+
+
+def test_server_cpu_beyond_decode_slows_the_simulated_server():
+    # Decode alone makes a batch in 0.05 s; the server's CPU per batch is 0.3 s (host work in
+    # series with decoding): the simulated period is the server's 0.3, not the 0.1 s step.
+    host = _components(server_cpu_s=0.3)
+    assert sim_predict.server_speed(host) == pytest.approx(32 * 5 / (16 * 0.3))
+    assert sim_predict.predict_period(host, steps=60) == pytest.approx(0.3, rel=0.03)
+    # CPU below decode + installs changes nothing.
+    assert sim_predict.server_speed(_components(server_cpu_s=0.05)) == pytest.approx(200.0)
+    assert sim_predict.predict_period(
+        _components(server_cpu_s=0.05), steps=60
+    ) == sim_predict.predict_period(_components(), steps=60)
+
+
+def test_trainer_batch_host_time_counts_only_when_the_batch_fills_late():
+    sim = sim_predict.build(_components(pull_s=0.002, batch_host_s=0.003))
+    assert sim.pull_delay == pytest.approx(0.002) and sim.batch_host == pytest.approx(0.003)
+    # Trainer-bound (a batch every 0.05 s, steps of 0.1 s): the batch is prefetched during the
+    # step before, its host time hidden.
+    hidden = sim_predict.predict_period(_components(batch_host_s=0.02), steps=60)
+    assert hidden == pytest.approx(sim_predict.predict_period(_components(), steps=60), rel=0.01)
+    # max_staleness 0: the server generates a batch only after the step before, so every batch
+    # fills up after its step's end and the host time is waited for.
+    serial = dict(max_staleness=0)
+    base = sim_predict.predict_period(_components(**serial), steps=60)
+    slower = sim_predict.predict_period(_components(**serial, batch_host_s=0.02), steps=60)
+    assert slower == pytest.approx(base + 0.02, rel=0.02)

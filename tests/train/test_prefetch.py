@@ -312,3 +312,49 @@ def test_the_next_batch_is_pulled_while_the_step_runs():
     )  # fmt: skip
     main.train_loop(cfg, parts, state, progress)
     assert overlapped == [True, True, True] and len(trained) == 4
+
+
+def test_batch_host_seconds_count_assembly_and_transfer_not_the_wait(monkeypatch):
+    """``ReadyBatch.host_s`` (the trainer's ``batch_host_s``) is the host work on a batch after
+    its groups are in: assembly (0.25 s on a fake clock) and the host→device transfer (0.125 s),
+    not the pulls' wait for groups (5 s each)."""
+    now = [0.0]
+    clock = lambda: now[0]
+    pool = ScriptedPool(script(40, (0,)), per_pull=1)
+    plain_pull, plain_assemble = pool.pull, prefetch.batching.assemble_batch
+    plain_shard = prefetch.shard_batch
+
+    def pull(*args, **kwargs):
+        now[0] += 5.0
+        return plain_pull(*args, **kwargs)
+
+    def assemble(*args, **kwargs):
+        now[0] += 0.25
+        return plain_assemble(*args, **kwargs)
+
+    def shard(*args, **kwargs):
+        now[0] += 0.125
+        return plain_shard(*args, **kwargs)
+
+    pool.pull = pull
+    monkeypatch.setattr(prefetch.batching, "assemble_batch", assemble)
+    monkeypatch.setattr(prefetch, "shard_batch", shard)
+    cfg = _cfg(1, "drop", steps=2)
+    mesh = sharding.make_mesh(cfg.train.mesh, jax.devices()[:1])
+    progress = checkpointing.Progress(version=1, min_version=1, rng_key=(0, 0))
+    with prefetch.BatchSource(
+        pool, setup.batch_spec(cfg), mesh, timeout_s=0.1, stall_s=50, background=False, clock=clock
+    ) as source:
+        source.start(progress)
+        ready = source.take()
+    assert pool.pulls >= BATCH and now[0] == pytest.approx(pool.pulls * 5.0 + 0.375)
+    assert ready.pulled.host_s == pytest.approx(0.25)
+    assert ready.host_s == pytest.approx(0.375)
+
+
+def test_the_loop_logs_each_batch_host_seconds():
+    cfg = _cfg(1, "drop", steps=3)
+    pool, trained = ScriptedPool(script(40, (0,))), []
+    _, _, records = _run(cfg, pool, MemoryCheckpoints(), trained, set(), prefetch_on=True)
+    assert len(records) == 3
+    assert all(r[1]["batch_host_s"] >= 0.0 for r in records)
