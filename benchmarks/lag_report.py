@@ -20,8 +20,10 @@ and prints four Markdown tables:
 3. the same pairs pooled per (method, rate) over the lags ≥ ``--pool-min-lag``;
 4. per cell, means over its updates at exactly the configured lag (every update where none is):
    the ESS at both levels (``ess_sequence``, ``ess_token``), the step multiplier sqrt(ess) of
-   ESS-scaled rows (``ess_step_scale``), the clip's share of tokens, M2PO's masked share and the
-   0.99 quantile of |logp − behavior_logp|.
+   ESS-scaled rows (``ess_step_scale``), the clip's share of tokens, M2PO's masked share,
+   IcePop's kept share, sequence masking's masked share of responses, the share of updates whose
+   gradient is exactly 0 (the optimizer's momentum and weight decay still move the weights) and
+   the 0.99 quantile of |logp − behavior_logp|.
 
 ``--json`` also writes the rows as JSON.
 """
@@ -184,6 +186,9 @@ MECHANISM = (
     ("ess_step_scale", "sqrt(ess) step"),
     ("clip_frac", "clipped"),
     ("m2po_masked_frac", "M2PO masked"),
+    ("icepop_kept_frac", "IcePop kept"),
+    ("seq_masked_frac", "SeqMask masked"),
+    ("zero_grad", "zero-gradient updates"),
     ("d_abs_q99", "q99 abs d"),
 )
 
@@ -197,6 +202,8 @@ def mechanism(records: list[dict], lag: int) -> dict[str, float]:
     for key, _ in MECHANISM:
         if key == "clip_frac":
             xs = [r["clip_frac_low"] + r["clip_frac_high"] for r in at if "clip_frac_low" in r]
+        elif key == "zero_grad":  # every token masked or weighted 0: the optimizer alone moves
+            xs = [float(r["grad_norm"] == 0.0) for r in at if "grad_norm" in r]
         else:
             xs = [r[key] for r in at if key in r]
         got[key] = float(np.mean(xs)) if xs else math.nan

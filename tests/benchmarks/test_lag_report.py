@@ -43,6 +43,7 @@ def write_cell(
             "step_skipped": 0.0,
             "ess_sequence": ess,
             "ess_token": 0.9,
+            "grad_norm": 1.0,
             "clip_frac_low": 0.01,
             "clip_frac_high": 0.02,
         }
@@ -112,6 +113,7 @@ def test_mechanism_means_the_updates_at_the_lag(tmp_path):
     assert got["ess_sequence"] == pytest.approx(0.4)
     assert got["clip_frac"] == pytest.approx(0.03)
     assert np.isnan(got["m2po_masked_frac"])
+    assert got["zero_grad"] == 0.0
 
 
 def test_main_writes_json_and_refuses_an_empty_directory(tmp_path, capsys):
