@@ -1,7 +1,7 @@
 """The stability frontier: where fixed-clip GRPO collapses as learning rate and lag grow, and how
 far SAT, R3 and the field's large-lag corrections push it.
 
-    python benchmarks/frontier.py --out runs/frontier [--steps 160] [--seeds 3]
+    python benchmarks/frontier.py --out runs/frontier [--steps 160] [--seeds 3] [--first-seed 0]
         [--lags 8 32 128 64 1] [--lag-mode sync|constant] [--lrs 1e-3 1.5e-3 2e-3] [--workers 2]
         [--knob-lr auto] [--set key=value ...]
         [--sampler-methods GRPO GRPO+SAT ...] [--sampler-lags 8] [--sampler-dtype bfloat16] [--top-p 0.9]
@@ -253,7 +253,7 @@ _QUANTIZE = jax.jit(quant.quantize_params, static_argnums=1)
 
 def phase_cells(args: argparse.Namespace, phase: str, knob_lr: float | None) -> list[Cell]:
     """The cells of one phase, most important first; every seed of a cell before the next."""
-    seeds = range(args.seeds)
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
     if phase == "main":
         return [
             Cell(m, lag, lr, s, lag_mode=args.lag_mode)
@@ -446,6 +446,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--smoke", action="store_true", help="a few tiny cells (a test of the script)")
     p.add_argument("--steps", type=int, default=160, help="RL updates per run (at most)")
     p.add_argument("--seeds", type=int, default=3, help="seeds per cell (0..n-1)")
+    p.add_argument("--first-seed", type=int, default=0, help="seeds first..first+n-1 instead")
     p.add_argument("--lags", type=int, nargs="+", default=list(LAGS), help="configured lags n")
     p.add_argument(
         "--lag-mode",
@@ -511,6 +512,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("steps", "seeds", "workers", "eval_every", "eval_problems"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.first_seed < 0:
+        p.error(f"--first-seed must be >= 0, got {args.first_seed}")
     lags = [*args.lags, *args.gspo_lags, *args.sampler_lags, *args.quant_lags, args.knob_lag]
     if any(lag < 1 for lag in lags):
         p.error("lags must be >= 1")

@@ -222,6 +222,15 @@ def test_the_sampler_row_set_is_its_own_cell_and_report_row():
     ]
 
 
+def test_first_seed_shifts_the_seeds_of_every_cell():
+    args = frontier.parse_args(
+        ["--out", "x", "--lags", "32", "--lrs", "1e-3", "--methods", "GRPO", "--seeds", "2",
+         "--first-seed", "3", "--lag-mode", "constant"]
+    )  # fmt: skip
+    got = frontier.phase_cells(args, "main", None)
+    assert [c.name for c in got] == [f"GRPO_lag32_constant_lr0.001_seed{s}" for s in (3, 4)]
+
+
 def test_the_sampler_table_sets_the_row_set_beside_the_default_sampler():
     def runs_of(mismatch0: float, live: float, final: float) -> dict:
         recs = run({0: 0.2, 20: final}, 20, q99=0.5)
@@ -253,6 +262,7 @@ def test_the_sampler_table_sets_the_row_set_beside_the_default_sampler():
         (["--sampler-dtype", "int8"], "--sampler-dtype must be a floating dtype, got 'int8'"),
         (["--sampler-dtype", "bf17"], "--sampler-dtype must be a floating dtype, got 'bf17'"),
         (["--sampler-methods", "PPO"], "unknown frontier method 'PPO'"),
+        (["--first-seed", "-1"], "--first-seed must be >= 0, got -1"),
     ],
 )
 def test_bad_sampler_flags_are_refused_by_name(flags, message, capsys):
