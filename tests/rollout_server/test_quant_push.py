@@ -218,3 +218,54 @@ def test_abstract_quantized_is_the_layout_quantize_params_makes():
         assert quant.tree_format(got) == fmt
     assert quant.abstract_quantized(masters, "bfloat16") is masters
     assert quant.tree_format(masters) == "bfloat16"
+
+
+@pytest.mark.slow  # starts server processes
+def test_a_server_installs_a_pre_quantized_push_over_update_weights(server_factory, tmp_path):
+    """Through the real UpdateWeights: a server with `server.weight_dtype` int8 installs the
+    trainer's int8 push (and generates with it), refuses a format it cannot install with
+    INVALID_ARGUMENT and keeps its version, and reloads the pre-quantized version on restart."""
+    import grpc
+
+    from rollout_api.proto import rollout_pb2
+    from sat_jax import sharding
+    from sat_jax.experiment import load_config
+    from sat_jax.model import placement
+    from tests.rollout_server.conftest import CONFIG, SHAPES, pull_all, stats
+
+    root = tmp_path / "root"
+    overrides = [
+        f"server.state_dir={tmp_path / 'state'}",
+        f"server.checkpoint_root={root}",
+        "server.weight_dtype=int8",
+    ]
+    cfg = load_config(str(CONFIG), [*SHAPES, *overrides])
+    mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+    _, masters = placement.init_sharded(cfg.serving_model, mesh, 3)
+    root.mkdir()
+    fmt = push_format(cfg.server.weight_dtype, str(root))
+    push_weights(None, host_copy(masters, None, fmt), 1, str(root))
+    assert params_io.stored_weight_dtype(root / "v1") == "int8"
+    server = server_factory(overrides)
+    stub = server.rollout_stub()
+    request = rollout_pb2.UpdateWeightsRequest(version=1, checkpoint_path=str(root / "v1"))
+    assert stub.UpdateWeights(request, timeout=60).version == 1
+    groups = pull_all(stub, 1)
+    assert {v for t in groups[0].trajectories for v in t.versions} == {1}
+
+    push_weights(None, host_copy(masters, None, fmt), 2, str(root))
+    index = json.loads((root / "v2" / params_io.FLAT_INDEX).read_text())
+    (root / "v2" / params_io.FLAT_INDEX).write_text(json.dumps({**index, "weight_dtype": "int4"}))
+    request = rollout_pb2.UpdateWeightsRequest(version=2, checkpoint_path=str(root / "v2"))
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.UpdateWeights(request, timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "weight_dtype 'int4'" in refused.value.details()
+    assert stats(stub).version == 1
+    assert "dequantized" not in server.log()  # the int8 push was installed as it is
+    server.kill()
+
+    again = server_factory(overrides)
+    assert f"restored weights version 1 from {(root / 'v1').resolve()}" in again.log()
+    assert stats(again.rollout_stub()).version == 1
+    assert again.stop() == 0
