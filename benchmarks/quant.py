@@ -37,8 +37,9 @@ and, for the pre-quantized push, ``quant.quantize_params`` in the same program; 
 and ``weight_sync.push_weights`` (the flat save, unfsynced); the server's side is
 ``rollout_server.weights.WeightsLoader.load`` and ``MoEEngine.swap_params`` of an engine with
 that ``server.weight_dtype`` (a bfloat16 push is quantized there; a pre-quantized one is
-installed as it is). Per way: the bytes written, the trainer's seconds, the server's (load +
-install), medians over ``--repeats`` after one push that compiles; and whether both ways serve
+installed as it is). Per way: the bytes written, the seconds ``host_copy`` holds the loop's
+thread (its programs are dispatched, not waited for), the trainer's seconds (``host_copy`` and
+the save, which waits for them), the server's (load + install), medians over ``--repeats`` after one push that compiles; and whether both ways serve
 bit-identical weights.
 """
 
@@ -191,12 +192,13 @@ def push_model(name, cfg, masters, args) -> list[str]:
         installed = {}
         for pushed in ("bfloat16", fmt):
             engine = _push_engine(cfg, masters, fmt)
-            saves, loads, nbytes = [], [], 0
+            copies, saves, loads, nbytes = [], [], [], 0
             with tempfile.TemporaryDirectory() as tmp:
                 loader = WeightsLoader(tmp, LoRAConfig())
                 for version in range(1, args.repeats + 2):  # the first compiles
                     start = time.perf_counter()
                     copy = weight_sync.host_copy(masters, jnp.bfloat16, pushed)
+                    copied = time.perf_counter()  # what the loop's thread waits for
                     weight_sync.push_weights(None, copy, version, tmp)
                     mid = time.perf_counter()
                     path = str(pathlib.Path(tmp) / f"v{version}")
@@ -204,6 +206,7 @@ def push_model(name, cfg, masters, args) -> list[str]:
                     engine.swap_params(version, loaded.params)
                     end = time.perf_counter()
                     if version > 1:
+                        copies.append(copied - start)
                         saves.append(mid - start)
                         loads.append(end - mid)
                     nbytes = (pathlib.Path(path) / params_io.FLAT_DATA).stat().st_size
@@ -212,7 +215,8 @@ def push_model(name, cfg, masters, args) -> list[str]:
             way = "bfloat16, server quantizes" if pushed == "bfloat16" else f"{fmt} (built path)"
             save, load = statistics.median(saves), statistics.median(loads)
             lines.append(
-                f"| {name} | {fmt} | {way} | {nbytes / 2**20:,.2f} MiB | {save * 1e3:,.0f} ms | "
+                f"| {name} | {fmt} | {way} | {nbytes / 2**20:,.2f} MiB | "
+                f"{statistics.median(copies) * 1e3:,.1f} ms | {save * 1e3:,.0f} ms | "
                 f"{load * 1e3:,.0f} ms | {(save + load) * 1e3:,.0f} ms |"
             )
             print(lines[-1], flush=True)
@@ -221,7 +225,7 @@ def push_model(name, cfg, masters, args) -> list[str]:
             np.array_equal(np.asarray(x), np.asarray(y))
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
         )
-        print(f"| {name} | {fmt} | both install bit-identical weights: {same} | | | | |")
+        print(f"| {name} | {fmt} | both install bit-identical weights: {same} | | | | | |")
     return lines
 
 
@@ -275,8 +279,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _configs(args.configs)  # refuse a bad pair before building any model
     if args.push:
-        print("| model | format | push | bytes | trainer | server | end to end |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        print("| model | format | push | bytes | loop thread | trainer | server | end to end |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
         for name in args.models.split(","):
             if name == "small":
                 cfg, masters = small_model()
