@@ -126,8 +126,9 @@ def sync_weights(
     """Pushes the current params to every server as ``progress.version`` (or, if a server is past
     it, as a fresh higher version, and from then on tokens of older versions are dropped), opening
     a new admission epoch. Every process calls it and writes its own shards (in ``dtype``, the
-    serving dtype, if given; pre-quantized to ``weight_dtype`` if 8-bit); process 0 (the one with ``pool``) picks the version and calls
-    ``UpdateWeights``, and every process gets its version back. Under LoRA it also writes the
+    serving dtype, if given; pre-quantized to ``weight_dtype`` if 8-bit, ``pushed_weight_dtype``);
+    process 0 (the one with ``pool``) picks the version and calls ``UpdateWeights``, and every
+    process gets its version back. Under LoRA it also writes the
     frozen base (``weight_sync.base_dir(weights_dir, version)``), which every later push of this
     trainer names as its ``base_path``."""
     if pool is not None:
