@@ -269,3 +269,36 @@ def test_a_server_installs_a_pre_quantized_push_over_update_weights(server_facto
     assert f"restored weights version 1 from {(root / 'v1').resolve()}" in again.log()
     assert stats(again.rollout_stub()).version == 1
     assert again.stop() == 0
+
+
+def test_a_sharded_pre_quantized_push_keeps_its_sharding_and_loads_onto_the_servers(tmp_path):
+    """The trainer's quantized copy stays sharded (no gather); sharded weights of it load onto a
+    server's shardings, scales unsharded over the contraction axes (`abstract_quantized`)."""
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",))
+    on = lambda *spec: jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*spec))
+    rng = np.random.default_rng(0)
+    masters = {
+        "lm_head_dv": jax.device_put(rng.standard_normal((4, 6), np.float32), on(None, "x")),
+        "w_q_dnh": jax.device_put(rng.standard_normal((4, 2, 3), np.float32), on("x")),
+        "final_norm": {"scale": jnp.ones(4, jnp.float32)},
+    }
+    copy = host_copy(masters, BF16, "int8")
+    assert copy["lm_head_dv"].q.sharding == on(None, "x").with_memory_kind("pinned_host")
+    assert copy["w_q_dnh"].q.sharding == on("x").with_memory_kind("pinned_host")
+    want = quant.quantize_params(jax.tree.map(lambda x: x.astype(BF16), masters), "int8")
+    for a, b in zip(jax.tree.leaves(copy), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    part = params_io.save_shards(tmp_path / "v1", copy, process=0)
+    params_io.finish_shards(tmp_path / "v1", [part], weight_dtype=quant.tree_format(copy))
+    served = {  # the server shards the other way
+        "lm_head_dv": jax.ShapeDtypeStruct((4, 6), BF16, sharding=on("x")),
+        "w_q_dnh": jax.ShapeDtypeStruct((4, 2, 3), BF16, sharding=on(None, "x")),
+        "final_norm": {"scale": jax.ShapeDtypeStruct((4,), BF16, sharding=on())},
+    }
+    like = quant.abstract_quantized(served, params_io.stored_weight_dtype(tmp_path / "v1"))
+    assert like["lm_head_dv"].scale.sharding == on(None)
+    back = params_io.load_params(tmp_path / "v1", like)
+    assert back["lm_head_dv"].q.sharding == on("x")
+    assert back["w_q_dnh"].scale.sharding == on(None, "x")
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
