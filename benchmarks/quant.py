@@ -30,14 +30,17 @@ far from uniform) and loaded by ``sat_jax.model.hf``. Nothing is downloaded.
 ``--configs`` runs only the named weights:cache pairs (bfloat16:bfloat16, the ratios' base,
 always runs first).
 
-``--push`` measures the two ways an 8-bit server can get its weights (docs/DESIGN.md §6.1), per
-weight format, on flat weights in a temporary directory (``params_io.save_flat`` /
-``load_flat``, unfsynced as a push is): the trainer pushes bfloat16 (``server.dtype``) and the
-server quantizes what it loads (``quant.quantize_params``, as the engine does), or the trainer
-quantizes the same bfloat16 cast and pushes the 8-bit values and scales, which the server loads
-as they are. Per way: the bytes written, the trainer's seconds (cast, quantize where it does,
-copy to the host, write), the server's seconds (read into its arrays, quantize where it does),
-medians over ``--repeats``; and whether both install bit-identical weights.
+``--push`` measures the two ways an 8-bit server gets its weights (docs/DESIGN.md §6.1), per
+weight format, through the code a push runs, in a temporary weights directory: the trainer's
+side is ``weight_sync.host_copy`` (cast of the float32 masters to bfloat16, ``server.dtype``,
+and, for the pre-quantized push, ``quant.quantize_params`` in the same program; copy to host)
+and ``weight_sync.push_weights`` (the flat save, unfsynced); the server's side is
+``rollout_server.weights.WeightsLoader.load`` and ``MoEEngine.swap_params`` of an engine with
+that ``server.weight_dtype`` (a bfloat16 push is quantized there; a pre-quantized one is
+installed as it is). Per way: the bytes written, the seconds ``host_copy`` holds the loop's
+thread (its programs are dispatched, not waited for), the trainer's seconds (``host_copy`` and
+the save, which waits for them), the server's (load + install), medians over ``--repeats`` after one push that compiles; and whether both ways serve
+bit-identical weights.
 """
 
 from __future__ import annotations
@@ -157,51 +160,64 @@ def _graphdef(cfg: ModelConfig):
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
 
 
+def _push_engine(cfg, masters, fmt):
+    """A rollout engine serving ``masters`` in bfloat16 (``server.dtype``), ``weight_dtype`` fmt."""
+    from rollout_server.engine import MoEEngine
+    from sat_jax.tasks import CharTokenizer
+
+    bf16_cfg = cfg.replace(param_dtype=jnp.bfloat16)
+    served = jax.tree.map(lambda x: x.astype(jnp.bfloat16), masters)
+    return MoEEngine(
+        nnx.merge(_graphdef(bf16_cfg), served),
+        tokenizer=CharTokenizer("0123456789+-*=() "),
+        slots=1,
+        max_prefill_length=16,
+        max_decode_length=4,
+        sampling=decoding.SamplingConfig(),
+        weight_dtype=fmt,
+    )
+
+
 def push_model(name, cfg, masters, args) -> list[str]:
     """The ``--push`` table rows of one model (see the module docstring)."""
     import statistics
 
+    from rollout_server.weights import WeightsLoader
     from sat_jax import params_io
+    from sat_jax.model.config import LoRAConfig
+    from train import weight_sync
 
-    bf16 = lambda p: jax.tree.map(lambda x: x.astype(jnp.bfloat16), p)
-    cast = jax.jit(bf16)
-    like_bf16 = jax.eval_shape(bf16, masters)
     lines = []
     for fmt in ("int8", "fp8"):
-        quantize = jax.jit(lambda p, fmt=fmt: quant.quantize_params(p, fmt))
-        cast_quantize = jax.jit(lambda p, fmt=fmt: quant.quantize_params(bf16(p), fmt))
-        like_q = jax.eval_shape(cast_quantize, masters)
-        ways = {
-            # trainer side, server side
-            "bfloat16 push, server quantizes": (
-                lambda: jax.device_get(cast(masters)),
-                lambda path, q=quantize: q(params_io.load_flat(path, like_bf16)),
-            ),
-            f"{fmt} push (values + scales)": (
-                lambda cq=cast_quantize: jax.device_get(cq(masters)),
-                lambda path, like=like_q: params_io.load_flat(path, like),
-            ),
-        }
         installed = {}
-        for way, (trainer, server) in ways.items():
-            saves, loads = [], []
+        for pushed in ("bfloat16", fmt):
+            engine = _push_engine(cfg, masters, fmt)
+            copies, saves, loads, nbytes = [], [], [], 0
             with tempfile.TemporaryDirectory() as tmp:
-                for i in range(args.repeats + 1):  # the first compiles
-                    path = pathlib.Path(tmp) / f"v{i}"
+                loader = WeightsLoader(tmp, LoRAConfig())
+                for version in range(1, args.repeats + 2):  # the first compiles
                     start = time.perf_counter()
-                    params_io.save_flat(path, trainer(), durable=False)
+                    copy = weight_sync.host_copy(masters, jnp.bfloat16, pushed)
+                    copied = time.perf_counter()  # what the loop's thread waits for
+                    weight_sync.push_weights(None, copy, version, tmp)
                     mid = time.perf_counter()
-                    got = jax.block_until_ready(server(path))
+                    path = str(pathlib.Path(tmp) / f"v{version}")
+                    loaded = loader.load(path, "", engine.current_params()[1])
+                    engine.swap_params(version, loaded.params)
                     end = time.perf_counter()
-                    if i:
+                    if version > 1:
+                        copies.append(copied - start)
                         saves.append(mid - start)
                         loads.append(end - mid)
-                size = (path / params_io.FLAT_DATA).stat().st_size
-            installed[way] = got
+                    nbytes = (pathlib.Path(path) / params_io.FLAT_DATA).stat().st_size
+                    assert params_io.stored_weight_dtype(path) == pushed
+            installed[pushed] = engine.served_params()[1]
+            way = "bfloat16, server quantizes" if pushed == "bfloat16" else f"{fmt} (built path)"
+            save, load = statistics.median(saves), statistics.median(loads)
             lines.append(
-                f"| {name} | {fmt} | {way} | {size / 2**20:,.2f} MiB | "
-                f"{statistics.median(saves) * 1e3:,.0f} ms | {statistics.median(loads) * 1e3:,.0f} ms"
-                f" | {(statistics.median(saves) + statistics.median(loads)) * 1e3:,.0f} ms |"
+                f"| {name} | {fmt} | {way} | {nbytes / 2**20:,.2f} MiB | "
+                f"{statistics.median(copies) * 1e3:,.1f} ms | {save * 1e3:,.0f} ms | "
+                f"{load * 1e3:,.0f} ms | {(save + load) * 1e3:,.0f} ms |"
             )
             print(lines[-1], flush=True)
         a, b = installed.values()
@@ -209,7 +225,7 @@ def push_model(name, cfg, masters, args) -> list[str]:
             np.array_equal(np.asarray(x), np.asarray(y))
             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
         )
-        print(f"| {name} | {fmt} | both install bit-identical weights: {same} | | | | |")
+        print(f"| {name} | {fmt} | both install bit-identical weights: {same} | | | | | |")
     return lines
 
 
@@ -263,8 +279,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     _configs(args.configs)  # refuse a bad pair before building any model
     if args.push:
-        print("| model | format | push | bytes | trainer | server | end to end |")
-        print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+        print("| model | format | push | bytes | loop thread | trainer | server | end to end |")
+        print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
         for name in args.models.split(","):
             if name == "small":
                 cfg, masters = small_model()

@@ -41,8 +41,13 @@ threads) are ignored.
 With `weight_dtype` "int8" or "fp8" the engine quantizes what it installs (`sat_jax.quant`: the
 experts, attention projections, dense MLPs and LM head per output channel; router, norms and
 embedding as they are) and holds only the 8-bit weights and their scales; every program
-dequantizes them on use. Pushes stay full precision (the trainer keeps its masters) and a LoRA
-push is merged into its full-precision base first, then quantized. With `kv_cache_dtype` "int8"
+dequantizes them on use. The trainer keeps full-precision masters; a push carries either its
+serving-dtype cast, which the engine quantizes on install, or that cast already quantized by the
+same function (`quant.QTensor` leaves: values and scales, about half the bytes), which a server of
+that `weight_dtype` installs as it is, bit-identical to quantizing on install. A pre-quantized
+push of another format (or to an unquantized server) is dequantized and then installed as a
+full-precision one (logged). A LoRA push is merged into its full-precision base first, then
+quantized. With `kv_cache_dtype` "int8"
 or "fp8" the decode cache is 8-bit (`DecodeCore`). Behavior log-probs and routing are the
 quantized model's own: what sampled the token.
 """
@@ -162,6 +167,11 @@ class MoEEngine(engine_api.Engine):
         )
         self._quantize = jax.jit(functools.partial(quant.quantize_params, fmt=weight_dtype))
         self._current = (int(version), self._installed(params))
+        # What a pre-quantized push of `weight_dtype` must look like: the served tree's layout.
+        self._served_like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            self._current[1],
+        )
         self._swap_lock = threading.Lock()
         # (slot, tokens, start, generated, segment, response format) for the generate thread.
         self._extensions: list[tuple[int, np.ndarray, int, int, int, str | None]] = []
@@ -239,30 +249,40 @@ class MoEEngine(engine_api.Engine):
         The old params stay alive until the step in flight finishes, so for a moment both
         versions occupy memory.
 
-        With 8-bit weights (`weight_dtype`) the params are quantized here; params that cannot be
-        (inf or NaN) are refused and the served weights stay as they were.
+        With 8-bit weights (`weight_dtype`) full-precision params are quantized here, and
+        pre-quantized ones of the same format (`quant.QTensor` leaves, `quant.quantize_params`)
+        are installed as they are; pre-quantized params of another format are dequantized first.
+        Params that cannot be served (inf or NaN where 8-bit weights are made or installed) are
+        refused and the served weights stay as they were.
 
         Raises:
-          ValueError: the tree structure or a leaf's shape differs from the current params, a
-            leaf's dtype differs other than float for float, the version is outside
-            [0, 2**31), or 8-bit weights cannot be made of the params.
+          ValueError: the tree structure or a leaf's shape differs from the current params (or,
+            pre-quantized, from their quantized layout), a leaf's dtype differs other than float
+            for float, the version is outside [0, 2**31), the params mix formats, or 8-bit
+            weights cannot be made of (or installed from) the params.
         """
         if not 0 <= version < 2**31:
             raise ValueError(f"version must be in [0, 2**31), got {version}")
+        fmt = quant.tree_format(params)
         with self._swap_lock:
-            old_leaves, old_def = jax.tree_util.tree_flatten(self._like)
-            new_leaves, new_def = jax.tree_util.tree_flatten(params)
-            if old_def != new_def:
-                raise ValueError("new params have a different tree structure")
-            for o, n in zip(old_leaves, new_leaves, strict=True):
-                if o.shape != n.shape or not _castable(np.dtype(n.dtype), o.dtype):
+            if quant.is_quantized(fmt) and fmt == self.weight_dtype:
+                placed = _placed_tree(params, self._served_like)
+                if not bool(quant.all_finite(placed)):
                     raise ValueError(
-                        f"param leaf {n.shape}/{n.dtype} does not match {o.shape}/{o.dtype}"
+                        f"the pushed {fmt} weights hold inf or NaN: server.weight_dtype {fmt} "
+                        "cannot install them"
                     )
-            placed = jax.tree_util.tree_unflatten(
-                old_def, [_placed_like(n, o) for o, n in zip(old_leaves, new_leaves, strict=True)]
-            )
-            placed = self._installed(placed)
+            else:
+                if quant.is_quantized(fmt):
+                    _check_backend_format("the push's weight_dtype", fmt)
+                    log.warning(
+                        "a %s push to a server.weight_dtype %s server: dequantized, then "
+                        "installed as full precision",
+                        fmt,
+                        self.weight_dtype,
+                    )
+                    params = _dequantized(params)
+                placed = self._installed(_placed_tree(params, self._like))
             jax.block_until_ready(placed)
             self._current = (int(version), placed)
 
@@ -459,18 +479,56 @@ def check_backend_formats(weight_dtype: str, kv_cache_dtype: str) -> None:
         ("server.weight_dtype", weight_dtype),
         ("server.kv_cache_dtype", kv_cache_dtype),
     ):
-        quant.check_format(fmt, key)
-        if not quant.is_quantized(fmt):
-            continue
-        try:
-            x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32).reshape(2, 4)
-            jax.block_until_ready(
-                jax.jit(functools.partial(quant.fake_quantize, fmt=fmt, axes=(1,)))(x)
-            )
-        except Exception as e:  # the backend's compiler refuses the 8-bit dtype
-            raise ValueError(
-                f"{key} {fmt}: the {jax.default_backend()} backend cannot run it ({e})"
-            ) from e
+        _check_backend_format(key, fmt)
+
+
+def _check_backend_format(key: str, fmt: str) -> None:
+    """Raises ValueError (one line naming ``key``) unless ``fmt`` is one of `quant.FORMATS` this
+    process's default backend can quantize and dequantize."""
+    quant.check_format(fmt, key)
+    if not quant.is_quantized(fmt):
+        return
+    try:
+        x = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32).reshape(2, 4)
+        jax.block_until_ready(
+            jax.jit(functools.partial(quant.fake_quantize, fmt=fmt, axes=(1,)))(x)
+        )
+    except Exception as e:  # the backend's compiler refuses the 8-bit dtype
+        raise ValueError(
+            f"{key} {fmt}: the {jax.default_backend()} backend cannot run it ({e})"
+        ) from e
+
+
+_dequantized = jax.jit(quant.dequantize_params)
+
+
+def _placed_tree(params: Any, like: Any) -> Any:
+    """``params`` on ``like``'s shardings and dtypes (`_placed_like`), each `quant.QTensor`
+    taking ``like``'s dequantized dtype.
+
+    Raises:
+      ValueError: another tree structure, a leaf of another shape, or a dtype that is not
+        ``like``'s other than float for float (8-bit values and float32 scales: exactly theirs).
+    """
+    is_q = lambda x: isinstance(x, quant.QTensor)
+    try:  # a QTensor's dtype is static (in the tree's structure): take the served one
+        params = jax.tree.map(
+            lambda n, o: n.replace(dtype=o.dtype) if is_q(n) and is_q(o) else n,
+            params,
+            like,
+            is_leaf=is_q,
+        )
+    except (ValueError, TypeError) as e:
+        raise ValueError("new params have a different tree structure") from e
+    old_leaves, old_def = jax.tree_util.tree_flatten(like)
+    new_leaves, new_def = jax.tree_util.tree_flatten(params)
+    if old_def != new_def:
+        raise ValueError("new params have a different tree structure")
+    for o, n in zip(old_leaves, new_leaves, strict=True):
+        if o.shape != n.shape or not _castable(np.dtype(n.dtype), o.dtype):
+            raise ValueError(f"param leaf {n.shape}/{n.dtype} does not match {o.shape}/{o.dtype}")
+    placed = [_placed_like(n, o) for o, n in zip(old_leaves, new_leaves, strict=True)]
+    return jax.tree_util.tree_unflatten(old_def, placed)
 
 
 def _placed_like(new: Any, old: jax.Array) -> jax.Array:
@@ -482,8 +540,12 @@ def _placed_like(new: Any, old: jax.Array) -> jax.Array:
 
 
 def _castable(new: np.dtype, old: np.dtype) -> bool:
-    """Whether a swapped-in leaf of dtype `new` may replace one of `old` (equal, or both float)."""
-    return new == old or (jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(old, jnp.floating))
+    """Whether a swapped-in leaf of dtype `new` may replace one of `old` (equal, or both float
+    and neither an 8-bit storage dtype)."""
+    if new == old:
+        return True
+    floats = jnp.issubdtype(new, jnp.floating) and jnp.issubdtype(old, jnp.floating)
+    return floats and quant.format_of(new) == quant.format_of(old) == "bfloat16"
 
 
 __all__ = ["FailedPrefix", "MoEEngine", "check_backend_formats", "unpack_step"]

@@ -9,6 +9,12 @@ them into its engine's own shardings. The
 server loads only directories inside its configured checkpoint root (symlinks resolved), so a
 client cannot make it read arbitrary files; every refusal is a `CheckpointPathError`.
 
+A whole-params push may be pre-quantized (docs/DESIGN.md §6.1): its index records its
+`weight_dtype` (`params_io.stored_weight_dtype`), and it is restored into that format's layout
+(`quant.abstract_quantized`: values on the weights' shardings, scales beside them) for the
+engine to install (`MoEEngine.swap_params`). A format the server does not know is refused
+before anything is read.
+
 Under LoRA (`model.lora.rank` > 0) a push names two directories: the adapters alone
 (`checkpoint_path`, a few MB to a few hundred) and the frozen base they apply to (`base_path`).
 `WeightsLoader` keeps the last base it loaded (its adapted weights in host memory, the others
@@ -29,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from sat_jax import params_io
+from sat_jax import params_io, quant
 from sat_jax.model.config import LoRAConfig
 from sat_jax.model.layers import LORA_A, LORA_B, lora_delta
 
@@ -146,8 +152,11 @@ class WeightsLoader:
             the expected structure, or the push and this server disagree about LoRA.
         """
         if not base_path:
+            real = resolve_under_root(checkpoint_path, self._root)
+            fmt = _stored_format(real)
             self._kept = None  # the served params stop being the kept base's
-            real, params = load_under_root(checkpoint_path, self._root, like, verify=verify)
+            like = quant.abstract_quantized(like, fmt)
+            real, params = load_under_root(str(real), self._root, like, verify=verify)
             return Loaded(real, params, params_io.tree_bytes(params))
         if not self._lora.rank:
             raise CheckpointPathError(
@@ -156,6 +165,12 @@ class WeightsLoader:
             )
         nbytes = 0
         base_real = resolve_under_root(base_path, self._root)
+        for real in (base_real, resolve_under_root(checkpoint_path, self._root)):
+            if quant.is_quantized(_stored_format(real)):
+                raise CheckpointPathError(
+                    f"{str(real)!r} holds pre-quantized weights: a LoRA push's base and adapters "
+                    "are full precision (the server merges, then quantizes)"
+                )
         if self.kept_base != str(base_real):
             self._kept = None
             _, base = load_under_root(str(base_real), self._root, like, verify=verify)
@@ -190,6 +205,21 @@ class WeightsLoader:
             w = jax.device_put(w_host, device_sharding)
             flat[p] = _merged(w, a, b, scale=scale)
         return traverse_util.unflatten_dict(flat)
+
+
+def _stored_format(real: pathlib.Path) -> str:
+    """The `weight_dtype` the version at ``real`` was written in (`params_io`).
+
+    Raises:
+      CheckpointPathError: a format this server cannot install.
+    """
+    fmt = params_io.stored_weight_dtype(real)
+    if fmt not in quant.FORMATS:
+        raise CheckpointPathError(
+            f"checkpoint_path {str(real)!r} holds weights of weight_dtype {fmt!r}, which this "
+            f"server cannot install (one of {', '.join(quant.FORMATS)})"
+        )
+    return fmt
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))

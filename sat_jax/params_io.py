@@ -25,6 +25,11 @@ restores it with `load_params` (docs/DESIGN.md §6, §7), which reads either for
 
 `load_params` tells the formats apart by `FLAT_INDEX` and `SHARDS_INDEX`.
 
+A pre-quantized push (a tree of `sat_jax.quant.QTensor` leaves: 8-bit values and float32 scales,
+for servers with `server.weight_dtype` int8 or fp8) is written flat or sharded, never orbax; its
+index records the format as ``"weight_dtype"`` (`stored_weight_dtype` reads it; an index without
+the key is full precision, as every version written before it was).
+
 Local paths are made absolute (orbax needs them so); URLs such as ``gs://...`` reach orbax
 unchanged.
 
@@ -56,6 +61,8 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from orbax.checkpoint._src.serialization import tensorstore_utils
 
+from sat_jax import quant
+
 # One orbax save or restore at a time in this process (see the module docstring).
 ORBAX_LOCK = threading.Lock()
 
@@ -86,10 +93,19 @@ def save_weights(path: str | os.PathLike[str], params: Any, *, durable: bool = T
     (`save_flat`, fsynced or not as `durable` says) with one JAX process and a local path, orbax
     (`save_params`) otherwise (several processes each write their own shards; a URL). Returns the
     format written, "flat" or "orbax". Several processes and a local path should rather write
-    sharded weights (`save_shards` and `finish_shards`, which need no barrier)."""
+    sharded weights (`save_shards` and `finish_shards`, which need no barrier).
+
+    Raises:
+      ValueError: pre-quantized params (`quant.QTensor` leaves) that would go to orbax."""
     if flat_possible(path):
         save_flat(path, params, durable=durable)
         return "flat"
+    fmt = quant.tree_format(params)
+    if quant.is_quantized(fmt):
+        raise ValueError(
+            f"pre-quantized ({fmt}) weights are written flat or sharded, not to orbax "
+            f"({os.fspath(path)!r}): push full precision there"
+        )
     save_params(path, params)
     return "orbax"
 
@@ -118,7 +134,8 @@ _TMP = itertools.count()
 def save_flat(path: str | os.PathLike[str], params: Any, *, durable: bool = True) -> None:
     """Writes `params` as flat weights at `path` (a local directory, replaced if there): the
     leaves' bytes in `FLAT_DATA` and their tree paths, dtypes, shapes and byte ranges, and the
-    CRC-32 of `FLAT_DATA`, in `FLAT_INDEX`. Written into a temporary directory beside it, then
+    CRC-32 of `FLAT_DATA`, in `FLAT_INDEX` (and, for pre-quantized params, their format as
+    ``"weight_dtype"``: `stored_weight_dtype`). Written into a temporary directory beside it, then
     renamed into place, so a reader never sees a partial version while the machine stays up.
 
     Args:
@@ -139,6 +156,7 @@ def save_flat(path: str | os.PathLike[str], params: Any, *, durable: bool = True
             f"flat weights need one JAX process and a local path (got {jax.process_count()} "
             f"processes, path {os.fspath(path)!r}); use save_params"
         )
+    fmt = quant.tree_format(params)
     final = absolute(path)
     tmp = f"{final}.tmp-{os.getpid()}-{next(_TMP)}"
     os.makedirs(tmp)
@@ -162,6 +180,8 @@ def save_flat(path: str | os.PathLike[str], params: Any, *, durable: bool = True
                 offset += array.nbytes
             _flush(f, durable)
         index = {"format": FLAT_FORMAT, "leaves": leaves, "crc32": crc}
+        if quant.is_quantized(fmt):
+            index["weight_dtype"] = fmt
         with open(os.path.join(tmp, FLAT_INDEX), "w") as f:
             json.dump(index, f)
             _flush(f, durable)
@@ -244,10 +264,18 @@ def save_shards(
     return f"{name}.json"
 
 
-def finish_shards(path: str | os.PathLike[str], parts: list[str], *, durable: bool = True) -> None:
+def finish_shards(
+    path: str | os.PathLike[str],
+    parts: list[str],
+    *,
+    durable: bool = True,
+    weight_dtype: str = "bfloat16",
+) -> None:
     """Makes the sharded weights at `path` readable (process 0, once every process's
     `save_shards` returned): writes `SHARDS_INDEX` naming exactly `parts` (replacing the one there,
     by a rename), then removes the files of earlier saves of the same path that it does not name.
+    A pre-quantized version's format (`quant.tree_format` of what the parts hold) is recorded as
+    ``"weight_dtype"`` (`stored_weight_dtype`).
 
     Raises:
       ValueError: a part named is not in `path` (a process wrote elsewhere).
@@ -256,9 +284,10 @@ def finish_shards(path: str | os.PathLike[str], parts: list[str], *, durable: bo
     for part in parts:
         if not os.path.isfile(os.path.join(final, part)):
             raise ValueError(f"{final}: no {part} (a process's part of the weights)")
-    _write_json(
-        os.path.join(final, SHARDS_INDEX), {"format": SHARDS_FORMAT, "parts": parts}, durable
-    )
+    index: dict[str, Any] = {"format": SHARDS_FORMAT, "parts": parts}
+    if quant.is_quantized(weight_dtype):
+        index["weight_dtype"] = weight_dtype
+    _write_json(os.path.join(final, SHARDS_INDEX), index, durable)
     keep = {p.removesuffix(".json") for p in parts}
     for entry in os.listdir(final):
         stem = entry.rsplit(".", 1)[0]
@@ -408,6 +437,18 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def stored_weight_dtype(path: str | os.PathLike[str]) -> str:
+    """The weight format of the version at `path`, as its index records it: "int8" or "fp8" for a
+    pre-quantized push (values and scales), any other name as written (the reader refuses what
+    it cannot install); "bfloat16" (full precision) when the index names none, and for orbax."""
+    path = os.fspath(path)
+    for name in (FLAT_INDEX, SHARDS_INDEX):
+        if "://" not in path and os.path.isfile(os.path.join(path, name)):
+            doc = _read_json(os.path.join(path, name))
+            return str(doc.get("weight_dtype", "bfloat16")) if isinstance(doc, dict) else "bfloat16"
+    return "bfloat16"
 
 
 def is_flat(path: str | os.PathLike[str]) -> bool:

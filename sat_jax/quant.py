@@ -13,6 +13,11 @@ over head_dim, so writing one position never rescales another (the in-place writ
 scatter). A `QTensor` is a pytree node: the quantized tree of a param dict goes through `jit`
 as is, and `dequantize_params` turns it back into the model's param dict inside the program
 (dequantize-on-use).
+
+A trainer pushing to 8-bit servers quantizes the same way before it saves (`quantize_params` of
+the serving-dtype cast), so the push carries the values and scales (about half the bytes);
+`tree_format` names the format of such a tree and `abstract_quantized` is what its load restores
+into.
 """
 
 from __future__ import annotations
@@ -130,6 +135,58 @@ def dequantize_params(params):
     )
 
 
+def _is_q(x) -> bool:
+    return isinstance(x, QTensor)
+
+
+def tree_format(params) -> str:
+    """The format of ``params``' `QTensor` leaves: "bfloat16" when it has none (a full-precision
+    tree).
+
+    Raises:
+      ValueError: leaves of two formats in one tree.
+    """
+    found = {format_of(x.q.dtype) for x in jax.tree.leaves(params, is_leaf=_is_q) if _is_q(x)}
+    if len(found) > 1:
+        raise ValueError(f"the params mix weight formats {sorted(found)}")
+    return found.pop() if found else "bfloat16"
+
+
+def _scale_sharding(sharding, axes: tuple[int, ...]):
+    """The sharding of a scale reduced over ``axes`` of a weight sharded by ``sharding``: a
+    `NamedSharding`'s spec with those axes unsharded; any other sharding as it is."""
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = list(sharding.spec) + [None] * (max(axes, default=-1) + 1 - len(sharding.spec))
+    for a in axes:
+        spec[a] = None
+    return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec))
+
+
+def abstract_quantized(like, fmt: str):
+    """The abstract tree of ``quantize_params(params, fmt)`` for params shaped like ``like`` (a
+    tree of arrays or `jax.ShapeDtypeStruct`s): `jax.ShapeDtypeStruct`s, each `QTensor`'s values
+    on its weight's sharding and its scale on that sharding less the contraction axes (what a
+    load of a pre-quantized push restores into). ``like`` itself for "bfloat16"."""
+    if not is_quantized(fmt):
+        return like
+
+    def one(path, x):
+        sharding = getattr(x, "sharding", None)
+        axes = CONTRACTION_AXES.get(_leaf_name(path))
+        if axes is None:
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+        shape = tuple(1 if i in axes else n for i, n in enumerate(x.shape))
+        scale_sharding = None if sharding is None else _scale_sharding(sharding, axes)
+        return QTensor(
+            q=jax.ShapeDtypeStruct(x.shape, storage_dtype(fmt), sharding=sharding),
+            scale=jax.ShapeDtypeStruct(shape, jnp.float32, sharding=scale_sharding),
+            dtype=jnp.dtype(x.dtype).name,
+        )
+
+    return jax.tree_util.tree_map_with_path(one, like)
+
+
 def all_finite(params) -> jax.Array:
     """Whether every floating leaf of ``params`` is finite (a push with inf or NaN has no
     scale)."""
@@ -183,6 +240,7 @@ __all__ = [
     "CONTRACTION_AXES",
     "FORMATS",
     "QTensor",
+    "abstract_quantized",
     "all_finite",
     "bytes_per_element",
     "check_format",
@@ -199,4 +257,5 @@ __all__ = [
     "quantize_kv",
     "quantize_params",
     "storage_dtype",
+    "tree_format",
 ]

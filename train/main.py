@@ -121,12 +121,14 @@ def sync_weights(
     progress: checkpointing.Progress,
     weights_dir: str,
     dtype: Any = None,
+    weight_dtype: str = "bfloat16",
 ) -> checkpointing.Progress:
     """Pushes the current params to every server as ``progress.version`` (or, if a server is past
     it, as a fresh higher version, and from then on tokens of older versions are dropped), opening
     a new admission epoch. Every process calls it and writes its own shards (in ``dtype``, the
-    serving dtype, if given); process 0 (the one with ``pool``) picks the version and calls
-    ``UpdateWeights``, and every process gets its version back. Under LoRA it also writes the
+    serving dtype, if given; pre-quantized to ``weight_dtype`` if 8-bit, ``pushed_weight_dtype``);
+    process 0 (the one with ``pool``) picks the version and calls ``UpdateWeights``, and every
+    process gets its version back. Under LoRA it also writes the
     frozen base (``weight_sync.base_dir(weights_dir, version)``), which every later push of this
     trainer names as its ``base_path``."""
     if pool is not None:
@@ -147,7 +149,7 @@ def sync_weights(
         log.info(
             "LoRA base written to %s (%.1f MiB)", base_path, weight_sync.tree_bytes(base) / 2**20
         )
-    params = weight_sync.host_copy(state.params, dtype)
+    params = weight_sync.host_copy(state.params, dtype, weight_dtype)
     weight_sync.push_weights(
         pool,
         params,
@@ -215,7 +217,9 @@ def run(cfg: ExperimentConfig, config_path: str | None, overrides: list[str]) ->
         pool = None
         if lead:
             pool = stack.enter_context(setup.connect(cfg, server, run=setup.run_id(run_dir)))
-        progress = sync_weights(pool, state, progress, weights_dir, serving_dtype(cfg.server))
+        progress = sync_weights(
+            pool, state, progress, weights_dir, serving_dtype(cfg.server), pushed_weight_dtype(cfg)
+        )
         base = (
             weight_sync.base_dir(weights_dir, progress.version) if state.frozen is not None else ""
         )
@@ -555,7 +559,9 @@ def publish_if_due(
     if not (skipped or t.mode == "sync" or step % t.weight_sync_interval == 0):
         return
     # The host copy is taken now: the next step donates these device buffers.
-    params = weight_sync.host_copy(state.params, serving_dtype(cfg.server))
+    params = weight_sync.host_copy(
+        state.params, serving_dtype(cfg.server), pushed_weight_dtype(cfg)
+    )
     if parts.pusher is not None:
         parts.pusher.submit(progress.version, params)
         if t.mode == "sync":
@@ -566,6 +572,13 @@ def serving_dtype(server: ServerConfig) -> str | None:
     """The dtype the servers serve in (``server.dtype``), the weights are pushed in; None (each
     param's own dtype, ``model.param_dtype``) when it is unset."""
     return server.dtype or None
+
+
+def pushed_weight_dtype(cfg: ExperimentConfig) -> str:
+    """The format whole-params pushes carry (``weight_sync.push_format``): the servers'
+    ``server.weight_dtype`` when 8-bit (the trainer quantizes), else full precision."""
+    lora = cfg.model.lora.rank > 0
+    return weight_sync.push_format(cfg.server.weight_dtype, setup.run_paths(cfg)[2], lora=lora)
 
 
 def loop_scalars(stats: batching.BatchStats, progress: checkpointing.Progress) -> dict[str, float]:

@@ -24,6 +24,13 @@ Under LoRA (``model.lora.rank`` > 0) a push writes only the adapters: ``TrainSta
 the adapters, and the frozen base is written once per trainer start, at the first sync, as
 ``<weights_dir>/base-v<version>`` (``save_base``); every ``UpdateWeights`` names it as its
 ``base_path``, and a server loads it only when it does not hold it already (docs/DESIGN.md §5).
+
+When the servers serve 8-bit weights (``server.weight_dtype`` int8 or fp8) a push carries them
+already quantized (``push_format``): ``host_copy`` quantizes the serving-dtype cast on device with
+the server's own function (``sat_jax.quant.quantize_params``: 8-bit values and float32 scales,
+about half the bytes) and the save records the format in the version's index; a server of that
+format installs it as it is, bit-identical to quantizing on install (docs/DESIGN.md §6.1). LoRA
+pushes and pushes to an orbax URL stay full precision.
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sat_jax import params_io
+from sat_jax import params_io, quant
 from train.remote import ServerPool
 
 log = logging.getLogger("train")
@@ -53,7 +60,23 @@ KEEP_WEIGHTS = 2
 BASE_PREFIX = "base-v"
 
 
-def host_copy(params: Any, dtype: Any = None) -> Any:
+def push_format(weight_dtype: str, weights_dir: str, *, lora: bool = False) -> str:
+    """The format the trainer pushes whole params in: ``weight_dtype`` (``server.weight_dtype``)
+    when it is 8-bit, the push is whole params and ``weights_dir`` is local (flat or sharded
+    weights, whose index records the format); "bfloat16" (full precision, the server quantizes
+    on install) otherwise: unquantized servers, LoRA (the server merges the adapters into the
+    full-precision base, then quantizes), an orbax URL.
+
+    Raises:
+      ValueError: ``weight_dtype`` is not one of ``quant.FORMATS`` (naming the key).
+    """
+    quant.check_format(weight_dtype, "server.weight_dtype")
+    if lora or params_io.weights_format(weights_dir) == "orbax":
+        return "bfloat16"
+    return weight_dtype
+
+
+def host_copy(params: Any, dtype: Any = None, weight_dtype: str = "bfloat16") -> Any:
     """The params in host memory, safe after the device buffers are donated, without a gather.
 
     A jax array becomes a jax array of the same sharding in the devices' ``pinned_host`` memory
@@ -66,7 +89,13 @@ def host_copy(params: Any, dtype: Any = None) -> Any:
       params: a pytree of arrays.
       dtype: the serving dtype to cast floating-point leaves to (on device, before the copy);
         None keeps each leaf's dtype.
+      weight_dtype: "int8" or "fp8": the cast is then quantized on device
+        (``quant.quantize_params``, one program with the cast) and the copy holds
+        ``quant.QTensor`` leaves (``push_format``); "bfloat16" copies the cast as it is.
     """
+    if quant.is_quantized(weight_dtype):
+        params = _cast_quantize(params, None if dtype is None else np.dtype(dtype), weight_dtype)
+        dtype = None  # cast already; the 8-bit values keep their dtype
     leaves, treedef = jax.tree.flatten(params)
     on_device = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array)]
     arrays = [leaves[i] for i in on_device]
@@ -83,6 +112,14 @@ def host_copy(params: Any, dtype: Any = None) -> Any:
 
 def _casts(x: Any, dtype: Any) -> bool:
     return dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _cast_quantize(params: Any, dtype: np.dtype | None, fmt: str) -> Any:
+    """``quant.quantize_params`` of ``params`` with floating leaves cast to ``dtype`` first."""
+    if dtype is not None:
+        params = jax.tree.map(lambda x: x.astype(dtype) if _casts(x, dtype) else x, params)
+    return quant.quantize_params(params, fmt)
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -154,7 +191,8 @@ def save_version(
         lambda: params_io.save_shards(path, params, durable=durable, process=group.index)
     )
     if group.lead:
-        params_io.finish_shards(path, parts, durable=durable)
+        fmt = quant.tree_format(params)
+        params_io.finish_shards(path, parts, durable=durable, weight_dtype=fmt)
 
 
 def base_dir(weights_dir: str, version: int) -> str:

@@ -56,3 +56,42 @@ def test_sync_publishes_after_every_step_and_waits():
     _publish(cfg, pusher, 1, 2, False)
     _publish(cfg, pusher, 1, 3, True)
     assert pusher.submitted == [2, 3] and pusher.waits == 2
+
+
+class KeepingPusher(RecordingPusher):
+    def submit(self, version, params):
+        super().submit(version, params)
+        self.params = params
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pushed"),
+    [
+        (["server.weight_dtype=int8", "server.dtype=bfloat16"], "int8"),
+        (["server.weight_dtype=fp8"], "fp8"),
+        ([], "bfloat16"),
+        (["server.weight_dtype=int8", "model.lora.rank=4"], "bfloat16"),
+    ],
+)
+def test_the_push_carries_the_servers_8bit_weights_unless_lora(overrides, pushed):
+    """For 8-bit servers the host copy the loop hands the pusher is already quantized (values
+    and scales); LoRA's adapters and pushes to unquantized servers stay full precision."""
+    from sat_jax import quant
+
+    cfg = load_config(CONFIG, overrides)
+    assert main.pushed_weight_dtype(cfg) == pushed
+    pusher = KeepingPusher()
+    parts = main.LoopParts(
+        pool=None, pusher=pusher, ckpt=None, writer=None, graphdef=None, step_fn=None,
+        mesh=None, spec=None,
+    )  # fmt: skip
+    w = np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4)
+    state = TrainState(params={"lm_head_dv": w}, opt_state=(), step=np.int32(1))
+    progress = checkpointing.Progress(version=2, min_version=1, rng_key=(0, 0))
+    main.publish_if_due(cfg, parts, state, progress, False)
+    assert quant.tree_format(pusher.params) == pushed
+    if pushed != "bfloat16":
+        cast = w.astype(main.serving_dtype(cfg.server) or w.dtype)  # then quantized
+        want = quant.quantize_params({"lm_head_dv": cast}, pushed)["lm_head_dv"]
+        np.testing.assert_array_equal(np.asarray(pusher.params["lm_head_dv"].q), want.q)
+        np.testing.assert_array_equal(np.asarray(pusher.params["lm_head_dv"].scale), want.scale)
