@@ -440,6 +440,7 @@ def report_serve(
     )
     cache_shards = _num_shards(cache_spec, sizes)
     cache = programs.kv_cache_bytes(model_cfg, s.slots, progs.cache_positions, s.kv_cache_dtype)
+    pushed = quantized.pushes_quantized(cfg.model.lora.rank)
     served = quantized.served_bytes(
         model_cfg,
         mesh,
@@ -448,6 +449,7 @@ def report_serve(
         slots=s.slots,
         positions=progs.cache_positions,
         cache_shards=cache_shards,
+        pushed_quantized=pushed,
     )
     plan = dataclasses.replace(plan, param_bytes=served.params, expert_param_bytes=served.experts)
     total = (
@@ -459,7 +461,7 @@ def report_serve(
         + sum(m.code for m in mem.values())
     )
     lines = _serve_table(cfg, progs, mem, cache, cache_shards, plan.param_bytes)
-    if served.params != served.full:  # 8-bit weights: the push is quantized on the way in
+    if served.params != served.full and not pushed:  # 8-bit weights quantized on the way in
         lines[-1] += f" (and the pushed {_gib(served.full)} while it is quantized)"
     lines.append(verdict(total, chip.hbm_bytes))
     lines += _roofline(
@@ -483,6 +485,7 @@ def report_serve(
         touched=programs.touched_expert_fraction(model_cfg, s.slots),
         hbm_bytes=chip.hbm_bytes,
         hbm_gbps=chip.hbm_gbps,
+        pushed_quantized=pushed,
     )
     return lines, total <= chip.hbm_bytes
 

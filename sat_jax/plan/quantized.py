@@ -5,9 +5,11 @@ From shapes: the served params per device as `programs.abstract_served_params` h
 values and float32 scales, in their shardings) and the cache as `programs.kv_cache_bytes` counts
 it; the rest of a configuration's peak (the decode state's small arrays, two prefixes, the
 largest program's temporaries, code) is the compiled configuration's, taken as is for every row.
-A weight update holds the pushed full-precision params beside the served ones while it quantizes
-them (`MoEEngine.swap_params`), so an 8-bit row's swap peak is its 8-bit params twice plus the
-full-precision ones once.
+A weight update holds the new served params beside the old ones (`MoEEngine.swap_params`). A push
+the trainer quantized (8-bit servers, whole params, a local weights directory) arrives in the
+served format, so its swap peak is the 8-bit params twice; a full-precision push (LoRA) is
+quantized on the way in and also holds the full-precision params once
+(`pushed_quantized`).
 """
 
 from __future__ import annotations
@@ -34,18 +36,21 @@ class ServedBytes:
       experts: the routed experts' share of ``params``.
       full: the params in the served float dtype (what a push restores before quantizing).
       cache: the KV cache (with its scales when 8-bit).
+      pushed_quantized: pushes arrive in the served 8-bit format (quantized by the trainer).
     """
 
     params: int
     experts: int
     full: int
     cache: int
+    pushed_quantized: bool = False
 
     @property
     def swap_peak(self) -> int:
         """Params held while a weight update installs: the old and new served ones, and the
         full-precision push when it is quantized on the way in."""
-        return 2 * self.params + (self.full if self.params != self.full else 0)
+        quantized_on_install = self.params != self.full and not self.pushed_quantized
+        return 2 * self.params + (self.full if quantized_on_install else 0)
 
 
 def _device_bytes(x: jax.ShapeDtypeStruct) -> int:
@@ -61,8 +66,10 @@ def served_bytes(
     slots: int,
     positions: int,
     cache_shards: int,
+    pushed_quantized: bool = False,
 ) -> ServedBytes:
-    """`ServedBytes` of ``model_cfg`` served on ``mesh`` in these formats."""
+    """`ServedBytes` of ``model_cfg`` served on ``mesh`` in these formats; ``pushed_quantized``:
+    8-bit rows' pushes arrive quantized (`pushes_quantized`)."""
     total = experts = 0
     leaves = jax.tree_util.tree_flatten_with_path(
         programs.abstract_served_params(model_cfg, mesh, weight_dtype)
@@ -74,7 +81,16 @@ def served_bytes(
             experts += n
     full = sum(_device_bytes(x) for x in jax.tree.leaves(programs.abstract_params(model_cfg, mesh)))
     cache = programs.kv_cache_bytes(model_cfg, slots, positions, kv_cache_dtype) // cache_shards
-    return ServedBytes(params=total, experts=experts, full=full, cache=cache)
+    pushed = pushed_quantized and weight_dtype != "bfloat16"
+    return ServedBytes(total, experts, full, cache, pushed_quantized=pushed)
+
+
+def pushes_quantized(lora_rank: int) -> bool:
+    """Whether an 8-bit fleet's pushes arrive quantized: the trainer quantizes whole-params
+    pushes (its weights directory is under the local ``train.run_dir``, flat or sharded, whose
+    index records the format); LoRA pushes stay full precision (the server merges, then
+    quantizes)."""
+    return lora_rank == 0
 
 
 def dtype_table(
@@ -89,11 +105,17 @@ def dtype_table(
     touched: float,
     hbm_bytes: int,
     hbm_gbps: float,
+    pushed_quantized: bool = False,
 ) -> list[str]:
     """The table lines: per (weight_dtype, kv_cache_dtype), the per-device peak, whether it
     fits, what a decode step reads and the memory-bound tokens/s of one server, with the
     roofline against the first row (unquantized weights and cache)."""
-    kw = dict(slots=slots, positions=positions, cache_shards=cache_shards)
+    kw = dict(
+        slots=slots,
+        positions=positions,
+        cache_shards=cache_shards,
+        pushed_quantized=pushed_quantized,
+    )
     here = served_bytes(model_cfg, mesh, *configured, **kw)
     rest = configured_total - here.swap_peak - here.cache
     rows, base = [], None

@@ -37,6 +37,13 @@ def test_served_bytes_count_8bit_values_and_float32_scales():
     assert got.swap_peak == 2 * got.params + got.full
     plain = quantized.served_bytes(CFG, MESH, "bfloat16", "bfloat16", **KW)
     assert plain.params == plain.full and plain.swap_peak == 2 * plain.full
+    # A push the trainer quantized arrives in the served format: no full-precision copy at the
+    # swap; a full-precision push (LoRA) still holds one; unquantized rows are unchanged.
+    pushed = quantized.served_bytes(CFG, MESH, "int8", "fp8", pushed_quantized=True, **KW)
+    assert pushed.swap_peak == 2 * got.params
+    plain_pushed = quantized.served_bytes(CFG, MESH, "bfloat16", "fp8", pushed_quantized=True, **KW)
+    assert plain_pushed.swap_peak == 2 * plain.full
+    assert quantized.pushes_quantized(0) and not quantized.pushes_quantized(8)
     # Cache: 1 byte per element and a 4-byte scale per position and head, against 2 bytes.
     per_head = CFG.head_dim + 4
     assert got.cache == 4 * 32 * 2 * CFG.num_layers * CFG.num_kv_heads * per_head
