@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rollout_server.json_mask import UnsupportedSchema, parse_response_format, token_bytes
+from sat_jax.json_mask import UnsupportedSchema, parse_response_format, token_bytes
 from sat_jax.decoding import SamplingConfig
 from sat_jax.tasks.envs.calculator import find_tool_calls
 
