@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from sat_jax.json_mask import UnsupportedSchema, parse_response_format, token_bytes
 from sat_jax.decoding import SamplingConfig
+from sat_jax.json_mask import UnsupportedSchema, parse_response_format, token_bytes
 from sat_jax.tasks.envs.calculator import find_tool_calls
 
 MAX_STOPS = 4
