@@ -282,6 +282,8 @@ class RolloutDriver(orchestrator.Driver):
             request.buffer = TokenBuffer(
                 prompt_ids, prompt_routing, request.max_tokens, masked=request.episode
             )
+            # The engine constrains the first turn to the format its prefill carried.
+            request.buffer.set_format(request.response_format)
 
     def _advance(
         self,
@@ -390,6 +392,7 @@ class RolloutDriver(orchestrator.Driver):
                 start = len(buffer.prompt_ids) + buffer.size
                 request.inserted_routing = (buffer.size, len(item.tokens))
                 buffer.insert(item.tokens)
+                buffer.set_format(request.response_format)  # the next turn's, as the engine's
                 request.segment += 1
                 request.waiting, request.turn_start = False, buffer.size
                 engine.schedule_extend(
