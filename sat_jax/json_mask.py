@@ -706,7 +706,9 @@ class MaskTable:
     def __len__(self) -> int:
         return len(self._rows)
 
-    def _row(self, fmt: str, state: Any, allowed: np.ndarray) -> int:
+    def row(self, fmt: str, state: Any, allowed: np.ndarray) -> int:
+        """The 1-based row of `allowed` ([V] bool), the mask of `fmt` in `state`: a new row, or
+        the row of the same bits."""
         key = (fmt, state)
         row = self._by_state.get(key)
         if row is None:
@@ -744,7 +746,7 @@ class MaskTable:
             allowed = mask.allowed(state)
             if not (0 <= token < self.vocab_size and allowed[token]):
                 raise ValueError(f"{where} is not allowed by its response_format's mask here")
-            rows[j] = self._row(fmt, state, allowed)
+            rows[j] = self.row(fmt, state, allowed)
             if token in stops:
                 ended = True
             else:
