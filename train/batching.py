@@ -54,6 +54,13 @@ them, and ``TrainBatch.session_weights`` (1 / the session's segments) make the s
 statistics count each session once, each segment taking its session's advantage. A batch
 without forks carries no weights: it is the batch it always was.
 
+Constrained decoding (``Trajectory.response_formats`` / ``format_index``, docs/DESIGN.md §6.6):
+``select_groups`` replays each constrained reply's automaton with the trainer's tokenizer
+(``BatchSpec.tokenizer``) and rejects a group a sampled token of which the replay does not allow
+(``format_problem``); ``assemble_batch`` gives the batch the table of its distinct masks
+(``TrainBatch.format_masks``, bit-packed) and each token's row (``format_ids``, 0 = free), which
+the step's log-probs renormalize over. A batch without constrained tokens carries neither.
+
 Alignment follows ``sat_jax.step.batch``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
 """
@@ -370,32 +377,16 @@ def select_groups(
     seen = set(seen_groups)
     for group in groups:
         key = group.key
-        if isinstance(group, InvalidGroup):
-            invalid += 1
-            log.warning("rejecting group %s from the server: %s", key, group.problem)
-            seen.add(key)
-            continue
-        problem = None if key in seen else format_problem(group, spec)
-        if problem is not None:  # never trained on the unmasked distribution: rejected
+        problem = group.problem if isinstance(group, InvalidGroup) else None
+        if problem is None and key not in seen:
+            problem = _unfit(group, spec)
+        if problem is not None:  # rejected to its server, never trained
             invalid += 1
             log.warning("rejecting group %s from the server: %s", key, problem)
             seen.add(key)
             continue
         # A group without completion tokens has lag 0.
         oldest = _oldest_version(group)
-        longest = max((t.num_tokens for t in group.trajectories), default=0)
-        if spec.packing and key not in seen and longest > spec.row_capacity:
-            # Never truncated: rejected to its server like a group the pull refused.
-            invalid += 1
-            log.warning(
-                "rejecting group %s from the server: a trajectory of %d tokens exceeds the row "
-                "of %d (train.row_tokens)",
-                key,
-                longest,
-                spec.row_capacity,
-            )
-            seen.add(key)
-            continue
         if key in seen:
             duplicates += 1
         elif oldest is not None and oldest < min_version:
@@ -422,6 +413,19 @@ def select_groups(
         filtered=filtered,
         pulled=tuple(groups),
     )
+
+
+def _unfit(group: Group, spec: BatchSpec) -> str | None:
+    """Why a pulled group cannot be trained (None: it can): with packing, a trajectory longer
+    than a row (never truncated); constrained decoding the trainer cannot replay
+    (``format_problem``)."""
+    longest = max((t.num_tokens for t in group.trajectories), default=0)
+    if spec.packing and longest > spec.row_capacity:
+        return (
+            f"a trajectory of {longest} tokens exceeds the row of {spec.row_capacity} "
+            "(train.row_tokens)"
+        )
+    return format_problem(group, spec)
 
 
 def format_problem(group: Group, spec: BatchSpec) -> str | None:
