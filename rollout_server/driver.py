@@ -96,7 +96,7 @@ class RolloutRequest(orchestrator.ActiveRequest):
     # Ends the turn (or the request) like a stop id when it returns True for the turn's ids so
     # far: the HTTP endpoint's `stop` strings (`rollout_server.chat`). None = stop ids only.
     stop_when: Callable[[np.ndarray], bool] | None = None
-    # Constrained decoding of the request's first turn (`rollout_server.json_mask`'s canonical
+    # Constrained decoding of the request's first turn (`sat_jax.json_mask`'s canonical
     # format string; None = free), and of a continued turn when set before `continue_episode`.
     response_format: str | None = None
 
