@@ -514,7 +514,7 @@ def constrained_cost(engine, tokenizer, params, steps: int, repeats: int) -> dic
     format set again whenever its value ends, so it is constrained at every step)."""
     import jax
 
-    from rollout_server.json_mask import parse_response_format
+    from sat_jax.json_mask import parse_response_format
 
     fmt = parse_response_format({"type": "json_object"})
     prompt = tokenizer.encode_messages([{"role": "user", "content": "Reply in JSON."}])

@@ -96,6 +96,12 @@ class Trajectory:
         every completion token generated (single-turn). At False positions the values of
         `behavior_logprobs`, `versions` and `kept_counts` are unspecified; the routing is the
         one the server's cache extension recorded for the inserted token (replayed by R3).
+      response_formats: constrained decoding (`response_format`, docs/DESIGN.md §6.6): the
+        canonical format strings (`sat_jax.json_mask.parse_response_format`) some completion
+        tokens were sampled under; () = none.
+      format_index: int32 [C] with `response_formats`: 0 where the token was sampled freely,
+        i >= 1 where under `response_formats[i - 1]` (a run of one index is one reply, its
+        automaton started at the run's first token); 0 at inserted tokens. None = all free.
       reward: finite.
       finish_reason: "stop", "length" or "" (unspecified). A multi-turn episode's is "length"
         when any of its turns was cut by a limit (`max_new_tokens` or the episode's token
@@ -118,6 +124,8 @@ class Trajectory:
     reward: float = 0.0
     finish_reason: str = ""
     completion_text: str = ""
+    response_formats: tuple[str, ...] = ()
+    format_index: np.ndarray | None = None
 
     def __post_init__(self):
         _check_vector("prompt_ids", self.prompt_ids, np.int32)
@@ -151,6 +159,7 @@ class Trajectory:
             kept = generated(self.kept_counts)
             if kept.size and kept.min() < 1:
                 raise ValueError(f"a kept count is {int(kept.min())}, must be >= 1")
+        _check_formats(self.response_formats, self.format_index, self.generated)
         if not np.isfinite(generated(self.behavior_logprobs)).all():
             raise ValueError("a behavior log-prob is not finite")
         if not math.isfinite(self.reward):
@@ -188,6 +197,24 @@ class Trajectory:
         """How many completion tokens the policy generated."""
         c = self.completion_ids.size
         return c if self.loss_mask is None else int(np.count_nonzero(self.loss_mask))
+
+
+def _check_formats(formats: tuple[str, ...], index: np.ndarray | None, generated: np.ndarray):
+    """Raises ValueError unless the format index lines up with the completion, names a format
+    of `formats` (1-based) and is 0 at inserted tokens."""
+    if index is None:
+        if formats:
+            raise ValueError(f"{len(formats)} response formats but no format index")
+        return
+    _check_vector("format_index", index, np.int32)
+    if index.size != generated.size:
+        raise ValueError(f"{generated.size} completion tokens but {index.size} format indices")
+    if index.size and (index.min() < 0 or index.max() > len(formats)):
+        raise ValueError(
+            f"a format index outside [0, {len(formats)}] (the response formats, 1-based)"
+        )
+    if (index[~generated] != 0).any():
+        raise ValueError("an inserted token has a response format (only generated ones do)")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
@@ -297,6 +324,8 @@ def _trajectory_to_proto(t: Trajectory) -> rollout_pb2.Trajectory:
         reward=t.reward,
         finish_reason=_FINISH_TO_PROTO[t.finish_reason],
         completion_text=t.completion_text,
+        response_formats=t.response_formats,
+        format_index_packed=None if t.format_index is None else pack_array(t.format_index),
     )
 
 
@@ -463,6 +492,12 @@ def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) ->
     behavior = _per_token(t, "behavior_logprobs", np.float32)
     versions = _per_token(t, "versions", np.int64)
     finish = int(t.finish_reason)
+    formats = None
+    if t.HasField("format_index_packed"):
+        try:
+            formats = unpack_array(t.format_index_packed, np.int32)
+        except ValueError as e:
+            raise ValueError(f"unreadable format_index ({e})") from None
     record = Trajectory(
         prompt_ids=empty(np.int32) if prompt_ids is None else prompt_ids,
         completion_ids=completion_ids,
@@ -474,6 +509,8 @@ def _decode_trajectory(t: rollout_pb2.Trajectory, limits: GroupLimits | None) ->
         reward=float(t.reward),
         finish_reason=_FINISH_FROM_PROTO.get(finish, ""),
         completion_text=t.completion_text,
+        response_formats=tuple(t.response_formats),
+        format_index=formats,
     )
     if limits is not None:
         _check_limits(record, limits)

@@ -32,7 +32,7 @@ our `satjax.rollout.v1.Rollout` service (Pull, UpdateWeights, Stats, Health; see
   OpenAI-compatible HTTP endpoint (its schema, the server, streamed replies, the session
   routes) and RL sessions played by external agents (the manager; a session's state and rules).
 - `segments`, `json_mask`: a session's forks (`server.http_session_fork`) and `response_format`'s
-  token masks (constrained decoding: the automata and the engine's per-slot formats).
+  engine half (constrained decoding's per-slot formats; the automata are `sat_jax.json_mask`).
 - `server`: the `sat-serve` command (config errors are one line and exit 2; also
   `python -m rollout_server`).
 

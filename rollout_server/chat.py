@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from rollout_server.json_mask import UnsupportedSchema, parse_response_format, token_bytes
 from sat_jax.decoding import SamplingConfig
+from sat_jax.json_mask import UnsupportedSchema, parse_response_format, token_bytes
 from sat_jax.tasks.envs.calculator import find_tool_calls
 
 MAX_STOPS = 4
@@ -118,6 +118,9 @@ class Generation:
         `prompt_token_ids` and `choices[].token_ids`).
       overridden: the sampler fields the request set and the server's sampler overrode
         (`server.http_sampling: override`).
+      response_format: the canonical json_object / json_schema format the reply is decoded
+        under (`sat_jax.json_mask.parse_response_format`; constrained decoding, docs/DESIGN.md
+        §6.6); None = free text.
     """
 
     max_tokens: int
@@ -128,6 +131,7 @@ class Generation:
     include_usage: bool = False
     return_token_ids: bool = False
     overridden: tuple[str, ...] = ()
+    response_format: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,7 +182,6 @@ def _check_fields(body: Any, allowed: set[str], override: bool) -> tuple[str, ..
     _need(not unknown, f"Unrecognized request argument supplied: {', '.join(unknown[:4])}", None)
     for key in _IGNORED:
         body.pop(key, None)
-    _check_response_format(body.get("response_format"))
     for key, (accepted, why) in _DEFAULT_ONLY.items():
         value = body.get(key)
         # By type too: `True == 1` would let a boolean pass for a number and the reverse.
@@ -187,27 +190,19 @@ def _check_fields(body: Any, allowed: set[str], override: bool) -> tuple[str, ..
     return overridden
 
 
-def _check_response_format(value: Any) -> None:
-    """Refuses a `response_format` other than text: a malformed one or a json_schema outside the
-    enforced subset (`json_mask.compile_schema`) naming what is wrong, and json_object /
-    json_schema themselves while the trainer does not replay their mask (docs/DESIGN.md §6.6)."""
+def _response_format(value: Any) -> str | None:
+    """The canonical format of a request's `response_format` (None: absent or text), decoded by
+    constrained decoding, whose masks the trainer replays (docs/DESIGN.md §6.6). A malformed
+    one or a json_schema outside the enforced subset (`json_mask.compile_schema`) is refused
+    naming what is wrong."""
     if value is None:
-        return
+        return None
     try:
-        fmt = parse_response_format(value)
+        return parse_response_format(value)
     except UnsupportedSchema as e:
         raise ApiError(400, f"response_format: {e}", param="response_format") from None
     except ValueError as e:
         raise ApiError(400, str(e), param="response_format") from None
-    _need(
-        fmt is None,
-        f"response_format={json.dumps(value)[:40]} is not served yet: only "
-        '{"type": "text"} is served. The engine decodes json_object and json_schema by '
-        "constrained decoding (each token drawn from the model's distribution masked to the "
-        "format, its behavior log-prob the masked one), but the trainer does not replay the "
-        "mask yet, so those tokens' log-probs could not be trained on",
-        "response_format",
-    )
 
 
 def _generation(
@@ -217,6 +212,7 @@ def _generation(
     max_tokens: int,
     default_tokens: int,
     overridden: tuple[str, ...] = (),
+    response_format: str | None = None,
 ) -> Generation:
     """The shared sampling fields; the server's sampler is the only one (module docstring)."""
     _check_sampler(body, sampling)
@@ -249,6 +245,7 @@ def _generation(
         include_usage=bool(options.get("include_usage")),
         return_token_ids=ids,
         overridden=overridden,
+        response_format=response_format,
     )
 
 
@@ -330,6 +327,13 @@ def parse_chat(
     overridden += _strict_tools(tools, override)
     choice = body.get("tool_choice")
     forced = _forced_tool(choice, tools)
+    fmt = _response_format(body.get("response_format"))
+    _need(
+        fmt is None or not forced,
+        "response_format json_object / json_schema cannot be combined with a forced tool_choice "
+        "(the reply is either the JSON value or the tool call)",
+        "response_format",
+    )
     # The URL's session id wins over the body's: a client's extra body cannot move a request to
     # another session than the base URL it was given.
     sid = session_id or body.get("session_id") or ""
@@ -352,6 +356,7 @@ def parse_chat(
             max_tokens=max_tokens,
             default_tokens=default_tokens,
             overridden=overridden,
+            response_format=fmt,
         ),
         session_id=sid,
         template_kwargs=dict(kwargs),
@@ -436,6 +441,11 @@ def parse_completion(
       ApiError: 400 naming the field.
     """
     overridden = _check_fields(body, _COMPLETION_FIELDS, override)
+    _need(
+        _response_format(body.get("response_format")) is None,
+        "response_format json_object / json_schema is served on /v1/chat/completions only",
+        "response_format",
+    )
     model = body.get("model")
     _need(isinstance(model, str) and model, "model is required", "model")
     prompt = body.get("prompt")

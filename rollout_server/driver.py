@@ -96,7 +96,7 @@ class RolloutRequest(orchestrator.ActiveRequest):
     # Ends the turn (or the request) like a stop id when it returns True for the turn's ids so
     # far: the HTTP endpoint's `stop` strings (`rollout_server.chat`). None = stop ids only.
     stop_when: Callable[[np.ndarray], bool] | None = None
-    # Constrained decoding of the request's first turn (`rollout_server.json_mask`'s canonical
+    # Constrained decoding of the request's first turn (`sat_jax.json_mask`'s canonical
     # format string; None = free), and of a continued turn when set before `continue_episode`.
     response_format: str | None = None
 
@@ -282,6 +282,8 @@ class RolloutDriver(orchestrator.Driver):
             request.buffer = TokenBuffer(
                 prompt_ids, prompt_routing, request.max_tokens, masked=request.episode
             )
+            # The engine constrains the first turn to the format its prefill carried.
+            request.buffer.set_format(request.response_format)
 
     def _advance(
         self,
@@ -390,6 +392,7 @@ class RolloutDriver(orchestrator.Driver):
                 start = len(buffer.prompt_ids) + buffer.size
                 request.inserted_routing = (buffer.size, len(item.tokens))
                 buffer.insert(item.tokens)
+                buffer.set_format(request.response_format)  # the next turn's, as the engine's
                 request.segment += 1
                 request.waiting, request.turn_start = False, buffer.size
                 engine.schedule_extend(

@@ -335,6 +335,8 @@ class Generation:
             finish_reason=s.finish_reason,
             completion_text=text,
             loss_mask=s.loss_mask,
+            response_formats=s.response_formats,
+            format_index=s.format_index,
         )
 
     def _reward(self, text: str, record: dict[str, Any]) -> float:

@@ -242,6 +242,7 @@ class Generator:
             is_client_side_tokenization=True,
             on_done=on_done,
             stop_when=watched(make_stop_when(self.tokenizer, gen.stop), watch),
+            response_format=gen.response_format,
         )
         self.driver.place_request_on_prefill_queue(request)
         # The engine request runs to its end whatever happens to this handler.
@@ -526,6 +527,7 @@ class SessionManager:
             return
         s.request.turn_tokens = min(gen.max_tokens, s.room - len(ids))
         s.request.stop_when = watched(make_stop_when(self.gen.tokenizer, gen.stop), watch)
+        s.request.response_format = gen.response_format  # the turn's constrained decoding
         self.gen.driver.continue_episode(s.request, ids)
         s.context += len(ids)
         s.ids.extend(int(i) for i in ids)
@@ -569,6 +571,7 @@ class SessionManager:
             turn_tokens=gen.max_tokens,
             on_turn=on_turn,
             stop_when=watched(make_stop_when(self.gen.tokenizer, gen.stop), watch),
+            response_format=gen.response_format,
         )
         s.room = engine.max_decode_length
         self.gen.driver.place_request_on_prefill_queue(s.request)

@@ -54,6 +54,9 @@ class FinishedSample:
       routing: [P + C, L, K] expert ids in the model's routing dtype.
       kept_counts: [C] int32 the sampler's kept-set size per completion token.
       finish_reason: "stop" or "length" (an episode's: "length" when any of its turns was cut).
+      response_formats, format_index: constrained decoding (`rollout_api.records.Trajectory`'s
+        fields): the formats its turns were sampled under and, per completion token, 0 (free)
+        or 1 + the format's index; () and None when no turn was constrained.
     """
 
     prompt_ids: np.ndarray
@@ -64,6 +67,8 @@ class FinishedSample:
     finish_reason: str
     kept_counts: np.ndarray | None = None
     loss_mask: np.ndarray | None = None
+    response_formats: tuple[str, ...] = ()
+    format_index: np.ndarray | None = None
 
 
 class TokenBuffer:
@@ -97,6 +102,22 @@ class TokenBuffer:
         # Multi-turn: True where the policy generated the token (`insert` writes False).
         self.mask = np.empty(max_tokens, bool) if masked else None
         self.size = 0  # completion tokens written
+        # Constrained decoding: the formats so far, each token's (0 = free; `set_format`).
+        self.formats: list[str] = []
+        self.format_index: np.ndarray | None = None
+        self._format = 0
+
+    def set_format(self, fmt: str | None) -> None:
+        """The tokens `add` writes from now on (the turn starting here) are sampled under
+        `fmt` (a canonical `response_format` string; None = free)."""
+        if fmt is None:
+            self._format = 0
+            return
+        if fmt not in self.formats:
+            self.formats.append(fmt)
+        if self.format_index is None:
+            self.format_index = np.zeros(len(self.tokens), np.int32)
+        self._format = self.formats.index(fmt) + 1
 
     def add(
         self,
@@ -118,6 +139,8 @@ class TokenBuffer:
         self.routing[len(self.prompt_ids) + n] = routing
         if self.mask is not None:
             self.mask[n] = True
+        if self.format_index is not None:
+            self.format_index[n] = self._format
         self.size = n + 1
 
     def insert(self, tokens: np.ndarray) -> None:
@@ -140,6 +163,8 @@ class TokenBuffer:
         self.kept[n : n + k] = 0
         self.routing[p + n : p + n + k] = 0
         self.mask[n : n + k] = False
+        if self.format_index is not None:
+            self.format_index[n : n + k] = 0
         self.size = n + k
 
     def set_routing(self, start: int, routing: np.ndarray) -> None:
@@ -160,6 +185,8 @@ class TokenBuffer:
             finish_reason=finish_reason,
             kept_counts=self.kept[:n],
             loss_mask=None if self.mask is None else self.mask[:n],
+            response_formats=tuple(self.formats),
+            format_index=None if self.format_index is None else self.format_index[:n],
         )
 
 

@@ -130,7 +130,7 @@ class Prefix:
     true_length: jax.Array
     version: jax.Array
     prompt_ids: np.ndarray
-    # The request's constrained-decoding format (`rollout_server.json_mask`), carried from the
+    # The request's constrained-decoding format (`sat_jax.json_mask`), carried from the
     # engine's prefill to its insert; static, stripped before the jitted insert.
     response_format: str | None = struct.field(pytree_node=False, default=None)
 

@@ -34,6 +34,16 @@ jax.config.update("jax_enable_x64", False)
 # (over ~5 s each on an idle core; README: Development), by file and test function (every
 # parametrization). tests/test_fast_lane.py checks that each one still exists.
 HEAVY_TESTS: dict[str, tuple[str, ...]] = {
+    "tests/train/test_format_replay.py": (
+        "test_server_records_which_tokens_each_format_constrained",
+        "test_trainer_logprobs_equal_the_behavior_ones_at_lag_0",
+        "test_a_token_the_replay_does_not_allow_rejects_the_group",
+    ),
+    "tests/sat_jax/step/test_format_masks.py": (
+        "test_constrained_tokens_are_renormalized_over_their_mask",
+        "test_microbatches_on_eight_devices_equal_one_pass",
+        "test_a_batch_without_constrained_tokens_is_bit_identical",
+    ),
     "tests/rollout_server/test_lora_install.py": (
         "test_served_weights_are_base_plus_scaled_product",
         "test_the_base_is_read_once_per_base_path",

@@ -27,7 +27,14 @@ ALLOWED = {
 # The floors inside sat_jax/, lowest first: each unit (a top-level module or subpackage) may import
 # only units of its own floor or below (docs/DESIGN.md §1). A unit not listed is an error.
 SAT_JAX_FLOORS = (
-    {"sat_jax", "sat_jax.sharding", "sat_jax.packing", "sat_jax.cpu_clock", "sat_jax.quant"},
+    {
+        "sat_jax",
+        "sat_jax.sharding",
+        "sat_jax.packing",
+        "sat_jax.cpu_clock",
+        "sat_jax.quant",
+        "sat_jax.json_mask",
+    },
     {"sat_jax.model"},
     {
         "sat_jax.objectives",

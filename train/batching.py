@@ -54,6 +54,13 @@ them, and ``TrainBatch.session_weights`` (1 / the session's segments) make the s
 statistics count each session once, each segment taking its session's advantage. A batch
 without forks carries no weights: it is the batch it always was.
 
+Constrained decoding (``Trajectory.response_formats`` / ``format_index``, docs/DESIGN.md §6.6):
+``select_groups`` replays each constrained reply's automaton with the trainer's tokenizer
+(``BatchSpec.tokenizer``) and rejects a group a sampled token of which the replay does not allow
+(``format_problem``); ``assemble_batch`` gives the batch the table of its distinct masks
+(``TrainBatch.format_masks``, bit-packed) and each token's row (``format_ids``, 0 = free), which
+the step's log-probs renormalize over. A batch without constrained tokens carries neither.
+
 Alignment follows ``sat_jax.step.batch``: per-token arrays are indexed at the TARGET token, so the
 completion token at position t has ``loss_mask[b, t] = 1`` and its ``behavior_logp[b, t]``.
 """
@@ -68,6 +75,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 
 from rollout_api.records import Group, GroupLimits, InvalidGroup, Trajectory
+from sat_jax import json_mask
 from sat_jax.config import RolloutConfig, TrainConfig
 from sat_jax.model.config import ModelConfig
 from sat_jax.step import TrainBatch
@@ -118,6 +126,8 @@ class BatchSpec:
       microbatch_tokens: with packing, a token budget per microbatch: the batch is split into
         the fewest k (a power of two dividing the rows) whose microbatches' token slots fit it,
         carried as ``TrainBatch.microbatches`` (``microbatches`` is then 1); 0 = off.
+      tokenizer: the trainer's, to replay constrained decoding's masks (``response_format``,
+        ``replay_formats``); None = a group carrying formats is rejected.
     """
 
     batch_groups: int
@@ -142,6 +152,7 @@ class BatchSpec:
     microbatches: int = 1
     row_multiple: int = 1
     microbatch_tokens: int = 0
+    tokenizer: object = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_config(
@@ -152,6 +163,7 @@ class BatchSpec:
         *,
         seq_len: int,
         row_multiple: int = 1,
+        tokenizer: object = None,
     ) -> BatchSpec:
         """The spec of the batches a run trains: the groups' shape and staleness bound from
         ``rollout``, the batch's rules from ``train`` (length bucket, stale policy, filter,
@@ -161,8 +173,10 @@ class BatchSpec:
           rollout, train, model: the experiment's sections.
           seq_len: the row capacity, the server's prefill length + the most completion tokens.
           row_multiple: the data-parallel shards of the train mesh.
+          tokenizer: the trainer's (constrained decoding's replay); None = none.
         """
         return cls(
+            tokenizer=tokenizer,
             batch_groups=rollout.batch_groups,
             group_size=rollout.group_size,
             max_staleness=rollout.max_staleness,
@@ -363,26 +377,16 @@ def select_groups(
     seen = set(seen_groups)
     for group in groups:
         key = group.key
-        if isinstance(group, InvalidGroup):
+        problem = group.problem if isinstance(group, InvalidGroup) else None
+        if problem is None and key not in seen:
+            problem = _unfit(group, spec)
+        if problem is not None:  # rejected to its server, never trained
             invalid += 1
-            log.warning("rejecting group %s from the server: %s", key, group.problem)
+            log.warning("rejecting group %s from the server: %s", key, problem)
             seen.add(key)
             continue
         # A group without completion tokens has lag 0.
         oldest = _oldest_version(group)
-        longest = max((t.num_tokens for t in group.trajectories), default=0)
-        if spec.packing and key not in seen and longest > spec.row_capacity:
-            # Never truncated: rejected to its server like a group the pull refused.
-            invalid += 1
-            log.warning(
-                "rejecting group %s from the server: a trajectory of %d tokens exceeds the row "
-                "of %d (train.row_tokens)",
-                key,
-                longest,
-                spec.row_capacity,
-            )
-            seen.add(key)
-            continue
         if key in seen:
             duplicates += 1
         elif oldest is not None and oldest < min_version:
@@ -409,6 +413,40 @@ def select_groups(
         filtered=filtered,
         pulled=tuple(groups),
     )
+
+
+def _unfit(group: Group, spec: BatchSpec) -> str | None:
+    """Why a pulled group cannot be trained (None: it can): with packing, a trajectory longer
+    than a row (never truncated); constrained decoding the trainer cannot replay
+    (``format_problem``)."""
+    longest = max((t.num_tokens for t in group.trajectories), default=0)
+    if spec.packing and longest > spec.row_capacity:
+        return (
+            f"a trajectory of {longest} tokens exceeds the row of {spec.row_capacity} "
+            "(train.row_tokens)"
+        )
+    return format_problem(group, spec)
+
+
+def format_problem(group: Group, spec: BatchSpec) -> str | None:
+    """Why a group's constrained decoding cannot be replayed (None: it can, or it has none): no
+    tokenizer, a format that cannot be rebuilt, or a sampled token the trainer's replay of its
+    format's mask does not allow (a tokenizer other than the server's, a malformed trajectory).
+    Its log-probs would then be scored under another distribution than the one that sampled
+    them, so the group is rejected rather than trained (``select_groups``)."""
+    constrained = [i for i, t in enumerate(group.trajectories) if t.format_index is not None]
+    if not constrained:
+        return None
+    if spec.tokenizer is None:
+        return "it carries response formats and the trainer has no tokenizer to replay their masks"
+    table = json_mask.MaskTable(spec.tokenizer, spec.vocab_size)
+    for i in constrained:
+        t = group.trajectories[i]
+        try:
+            table.trajectory(t.response_formats, t.format_index, t.completion_ids)
+        except ValueError as e:
+            return f"trajectory {i}: {e} (the trainer's replay of its response_format)"
+    return None
 
 
 def _all_equal(group: Group) -> bool:
@@ -577,6 +615,9 @@ class _Rows:
         self.lengths: list[int] = []
         self.shaping = np.zeros(rows, np.float32)  # overlong "soft": added to the rewards
         self.truncated = 0
+        # Constrained decoding: each token's mask row (0 = free), made when a trajectory has one.
+        self.formats: json_mask.MaskTable | None = None
+        self.format_ids: np.ndarray | None = None
 
     def add(self, row: int, traj: Trajectory, group: int, weight: float) -> None:
         """Writes ``traj``, of the batch's group ``group``, into ``row``."""
@@ -586,6 +627,8 @@ class _Rows:
         generated = traj.generated
         if self.kept_counts is not None and traj.kept_counts is not None:
             self.kept_counts[row, p : p + c] = np.where(generated, traj.kept_counts, 0)
+        if traj.format_index is not None:
+            self._add_formats(row, p, traj)
         is_truncated = traj.finish_reason == "length"
         self.truncated += is_truncated
         if spec.overlong == "mask" and is_truncated:
@@ -599,6 +642,17 @@ class _Rows:
         if spec.overlong == "soft":
             length = spec.max_new_tokens if is_truncated else longest_turn(traj)
             self.shaping[row] = overlong_shaping(length, spec)
+
+    def _add_formats(self, row: int, p: int, traj: Trajectory) -> None:
+        """Writes the mask rows of ``traj``'s constrained tokens (replayed with the trainer's
+        tokenizer; ``select_groups`` rejected a group whose replay fails)."""
+        if self.formats is None:
+            self.formats = json_mask.MaskTable(self.spec.tokenizer, self.spec.vocab_size)
+            self.format_ids = np.zeros_like(self.tokens)
+        rows = self.formats.trajectory(
+            traj.response_formats, traj.format_index, traj.completion_ids
+        )
+        self.format_ids[row, p : p + len(rows)] = rows
 
     def reward_mean(self, forked: bool) -> float:
         """The raw rewards' mean over the trajectories (over the sessions when ``forked``)."""
@@ -621,6 +675,8 @@ class _Rows:
             routing=None if self.routing is None else self.routing.astype(spec.routing_dtype),
             kept_counts=self.kept_counts,
             fresh_mask=self.fresh,
+            format_ids=self.format_ids if self.formats else None,
+            format_masks=self.formats.packed(spec.row_multiple) if self.formats else None,
         )
 
 

@@ -32,7 +32,7 @@ class PackingSpec(Protocol):
     def length_bucket(self) -> int: ...
 
 
-PER_TOKEN = ("tokens", "loss_mask", "behavior_logp", "kept_counts", "fresh_mask")
+PER_TOKEN = ("tokens", "loss_mask", "behavior_logp", "kept_counts", "fresh_mask", "format_ids")
 
 
 def packed_rows(needed: int, most: int, k: int, multiple: int) -> int:
@@ -139,6 +139,7 @@ def _pack(batch: TrainBatch, spec: PackingSpec, k: int) -> tuple[TrainBatch, int
         rewards=batch.rewards,
         group_ids=batch.group_ids,
         session_weights=batch.session_weights,
+        format_masks=batch.format_masks,
         segment_ids=segment_ids,
         positions=positions,
         view_index=view_index,

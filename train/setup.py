@@ -125,13 +125,15 @@ def _load_hf(cfg: ExperimentConfig, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphD
 def batch_spec(cfg: ExperimentConfig) -> batching.BatchSpec:
     """The batch spec (``BatchSpec.from_config``): every prompt fits the server's prefill, every
     completion (a multi-turn episode's generated and inserted tokens) ``cfg.completion_tokens``;
-    packed rows' counts are multiples of the train mesh's data-parallel shards."""
+    packed rows' counts are multiples of the train mesh's data-parallel shards; the task's
+    tokenizer replays constrained decoding's masks (``response_format``)."""
     return batching.BatchSpec.from_config(
         cfg.rollout,
         cfg.train,
         cfg.model,
         seq_len=cfg.server.max_prefill_length + cfg.completion_tokens,
         row_multiple=_batch_shards(cfg.train.mesh),
+        tokenizer=make_tokenizer(cfg),
     )
 
 

@@ -2,7 +2,7 @@
 
 from sat_jax.model.config import PRESETS, LoRAConfig, ModelConfig
 from sat_jax.model.kv_cache import DecodeOutput, KVCache, PrefillOutput
-from sat_jax.model.logprobs import token_logprobs
+from sat_jax.model.logprobs import format_allowed, token_logprobs
 from sat_jax.model.router_shift import (
     router_shift_counts,
     router_shift_from_counts,
@@ -20,6 +20,7 @@ __all__ = [
     "PrefillOutput",
     "Transformer",
     "empty_cache",
+    "format_allowed",
     "router_shift_counts",
     "router_shift_from_counts",
     "router_shift_ratio",

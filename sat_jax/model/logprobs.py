@@ -1,11 +1,12 @@
 """Log-probs of sampled tokens under the sampler's scaling, vocabulary mask and truncation.
 
 ``token_logprobs`` scores targets as the rollout sampler drew them: logits / temperature over the
-sampleable ids, and with the sampler's recorded kept-set sizes its top-k / top-p truncation
-replayed on this policy's own logits (docs/DESIGN.md §2). ``kth_largest_key`` is the exact order
+sampleable ids (and, at a constrained token, the ids its `response_format` mask allowed:
+``format_allowed``), and with the sampler's recorded kept-set sizes its top-k / top-p truncation
+replayed on this policy's own logits (docs/DESIGN.md §2, §6.6). ``kth_largest_key`` is the exact order
 statistic the replay's cut needs, found without a vocabulary-wide sort.
 
-Dimension letters: B batch, T positions, V vocabulary.
+Dimension letters: B batch, T positions, V vocabulary, M mask-table rows, W its uint32 words.
 """
 
 from __future__ import annotations
@@ -21,10 +22,18 @@ def token_logprobs(
     temperature: float = 1.0,
     vocab_mask: jax.Array | None = None,
     kept_bt: jax.Array | None = None,
+    format_masks: jax.Array | None = None,
+    format_ids_bt: jax.Array | None = None,
 ) -> jax.Array:
     """[B, T] float32 log softmax(logits / temperature) at the targets (the sampler's scaling).
 
     ``vocab_mask`` ([V] bool, optional) renormalizes over those ids only.
+
+    ``format_masks`` ([M, W] uint32, bit-packed rows) with ``format_ids_bt`` ([B, T] int, 0 =
+    free, r >= 1 = row r − 1) renormalizes a constrained token over its row's ids as well
+    (``format_allowed``), like ``vocab_mask`` and before the truncation, the order the sampler
+    masks its logits in (``sat_jax.decoding``): the behavior log-prob recorded under
+    constrained decoding is this one's at the sampling weights.
 
     ``kept_bt`` ([B, T] int, optional) replays the sampler's top-k / top-p truncation
     (docs/DESIGN.md §2): at a position with kept count n > 0 the distribution is renormalised
@@ -35,10 +44,14 @@ def token_logprobs(
     target's log-prob stays finite), not the top n plus the target alone. n = 0 keeps
     everything. The cut is found exactly by `kth_largest_key` and is not differentiated.
     """
-    if vocab_mask is not None:
+    allowed = None if vocab_mask is None else jnp.asarray(vocab_mask, bool)
+    if format_masks is not None:
+        rows_btv = format_allowed(format_masks, format_ids_bt, logits_btv.shape[-1])
+        allowed = rows_btv if allowed is None else allowed & rows_btv
+    if allowed is not None:
         # The most negative finite value, not −inf: exp gives exactly 0 and no inf − inf NaN.
         floor = jnp.finfo(logits_btv.dtype).min
-        logits_btv = jnp.where(jnp.asarray(vocab_mask, bool), logits_btv, floor)
+        logits_btv = jnp.where(allowed, logits_btv, floor)
     targets = targets_bt[..., None].astype(jnp.int32)
     if kept_bt is None:
         logp_btv = jax.nn.log_softmax(logits_btv.astype(jnp.float32) / temperature, axis=-1)
@@ -50,6 +63,17 @@ def token_logprobs(
     kept_btv = key_btv >= cut_bt[..., None]
     log_z_bt = jax.nn.logsumexp(jnp.where(kept_btv, x_btv, -jnp.inf), axis=-1)
     return jnp.take_along_axis(x_btv, targets, axis=-1)[..., 0] - log_z_bt
+
+
+def format_allowed(format_masks: jax.Array, format_ids_bt: jax.Array, vocab_size: int) -> jax.Array:
+    """[B, T, V] bool: the ids each position's mask allows, from the bit-packed table
+    ``format_masks`` [M, W] uint32 (bit v % 32 of word v // 32 = id v, ``MaskTable.packed``)
+    and ``format_ids_bt`` [B, T] (0 = free: every id; r >= 1 = row r − 1)."""
+    ids_bt = jnp.asarray(format_ids_bt, jnp.int32)
+    words_btw = jnp.asarray(format_masks)[jnp.maximum(ids_bt - 1, 0)]
+    bits = (words_btw[..., None] >> jnp.arange(32, dtype=jnp.uint32)) & jnp.uint32(1)
+    rows_btv = bits.reshape(*ids_bt.shape, -1)[..., :vocab_size] > 0
+    return rows_btv | (ids_bt == 0)[..., None]
 
 
 def _order_key(x: jax.Array) -> jax.Array:

@@ -271,6 +271,8 @@ class Transformer(nnx.Module):
         temperature: float = 1.0,
         vocab_mask: jax.Array | None = None,
         kept_bt: jax.Array | None = None,
+        format_masks: jax.Array | None = None,
+        format_ids_bt: jax.Array | None = None,
     ) -> jax.Array:
         """[B, T] float32 log softmax(logits / temperature) at ``targets_bt``, from the hidden
         states of `ModelOutput.hidden_btd`, `config.logits_chunk` positions at a time.
@@ -278,7 +280,9 @@ class Transformer(nnx.Module):
         Each chunk's [B, chunk, V] logits are recomputed in the backward pass (`jax.checkpoint`),
         so no full float32 [B, T, V] buffer exists in either pass. ``vocab_mask`` ([V] bool)
         renormalizes over those ids only, as a sampler restricted to them does; ``kept_bt``
-        ([B, T] int) replays a top-k / top-p truncation (`token_logprobs`).
+        ([B, T] int) replays a top-k / top-p truncation; ``format_masks`` ([M, W] uint32) with
+        ``format_ids_bt`` ([B, T] int) constrained decoding's masks, unpacked a chunk at a time
+        (`token_logprobs`).
         """
         b, t, d = hidden_btd.shape
         c = min(self.config.logits_chunk, t)
@@ -286,16 +290,22 @@ class Transformer(nnx.Module):
         pad = ((0, 0), (0, n * c - t))
         chunks = lambda x: jnp.moveaxis(jnp.pad(x, pad).reshape(b, n, c), 1, 0)
         h_nbcd = jnp.moveaxis(jnp.pad(hidden_btd, (*pad, (0, 0))).reshape(b, n, c, d), 1, 0)
-        xs = (h_nbcd, chunks(targets_bt)) + (() if kept_bt is None else (chunks(kept_bt),))
+        optional = {"kept_bt": kept_bt, "format_ids_bt": format_ids_bt}
+        given = {k: chunks(v) for k, v in optional.items() if v is not None}
 
         @jax.checkpoint
-        def one(h_bcd: jax.Array, y_bc: jax.Array, kept_bc: jax.Array | None = None) -> jax.Array:
+        def one(h_bcd: jax.Array, y_bc: jax.Array, per_token: dict[str, jax.Array]) -> jax.Array:
             logits_bcv = self._project(h_bcd)
             return token_logprobs(
-                logits_bcv, y_bc, temperature=temperature, vocab_mask=vocab_mask, kept_bt=kept_bc
+                logits_bcv,
+                y_bc,
+                temperature=temperature,
+                vocab_mask=vocab_mask,
+                format_masks=format_masks,
+                **per_token,
             )
 
-        logp_nbc = jax.lax.map(lambda xs: one(*xs), xs)
+        logp_nbc = jax.lax.map(lambda xs: one(*xs), (h_nbcd, chunks(targets_bt), given))
         return jnp.moveaxis(logp_nbc, 0, 1).reshape(b, n * c)[:, :t]
 
     def _routing(self, trunk: _Trunk, b: int, t: int) -> jax.Array:
@@ -393,6 +403,8 @@ class Transformer(nnx.Module):
         positions_bt: jax.Array | None = None,
         segment_ids_bt: jax.Array | None = None,
         kv_cache_dtype: str = "bfloat16",
+        format_masks: jax.Array | None = None,
+        format_ids_bt: jax.Array | None = None,
     ) -> tuple[jax.Array, ModelOutput]:
         """Log-probs of a batch's own tokens, and the forward's `ModelOutput`.
 
@@ -411,6 +423,10 @@ class Transformer(nnx.Module):
           kept_bt: optional [B, T] int, the sampler's kept-set size of ``tokens_bt[b, t]``
             (aligned like the log-probs; 0 = no truncation): replays top-k / top-p truncation
             (`token_logprobs`).
+          format_masks, format_ids_bt: optional, together: constrained decoding's masks, [M, W]
+            uint32 bit-packed rows and [B, T] int (aligned like ``kept_bt``; 0 = free, r >= 1 =
+            row r − 1): a constrained token is renormalized over its row's ids
+            (`token_logprobs`, docs/DESIGN.md §6.6).
 
         Returns:
           ``(logp_bt [B, T] float32, the forward's ModelOutput)``.
@@ -430,6 +446,8 @@ class Transformer(nnx.Module):
             temperature=temperature,
             vocab_mask=vocab_mask,
             kept_bt=None if kept_bt is None else kept_bt[:, 1:],
+            format_masks=format_masks,
+            format_ids_bt=None if format_ids_bt is None else format_ids_bt[:, 1:],
         )
         return jnp.pad(logp_bt, ((0, 0), (1, 0))), out
 

@@ -64,6 +64,14 @@ class TrainBatch:
         top-k / top-p truncation (0 where there was none, and off the completion): the step's
         log-probs (the policy's and the reference's) replay that truncation
         (``Transformer.logprobs``, docs/DESIGN.md §2).
+      format_ids: optional [B, T] int32 with ``format_masks``: constrained decoding
+        (``response_format``, docs/DESIGN.md §6.6): 0 where ``tokens[b, t]`` was sampled freely,
+        r >= 1 where it was sampled under row r − 1 of ``format_masks``: the step's log-probs
+        (the policy's and the reference's) renormalize it over that row's ids.
+      format_masks: optional [M, W] uint32, the batch's distinct masks, bit-packed (bit v % 32
+        of word v // 32 = id v allowed; ``sat_jax.json_mask.MaskTable``); M a multiple of the
+        data shards. Not a per-row field: the step hands the whole table to every (micro)batch.
+        None (and ``format_ids`` None) when no token of the batch is constrained.
       fresh_mask: optional [B, T] (uint8 from the trainer), 1 on the completion tokens sampled by the weights being
         trained (lag 0): the ``sampler_kl`` metric averages over them (all active tokens when
         None).
@@ -93,6 +101,8 @@ class TrainBatch:
     positions: jax.Array | None = None
     view_index: jax.Array | None = None
     session_weights: jax.Array | None = None
+    format_ids: jax.Array | None = None
+    format_masks: jax.Array | None = None
     microbatches: int = flax.struct.field(pytree_node=False, default=0)
 
     @property
@@ -163,6 +173,7 @@ def check_batch(batch: TrainBatch) -> None:
       ValueError: naming what is wrong.
     """
     _check_advantage_form(batch)
+    _check_formats(batch)
     packing = (batch.segment_ids, batch.positions, batch.view_index)
     if any(x is not None for x in packing) and any(x is None for x in packing):
         raise ValueError("a packed TrainBatch needs segment_ids, positions and view_index")
@@ -182,6 +193,22 @@ def check_batch(batch: TrainBatch) -> None:
         raise ValueError(
             f"TrainBatch.group_ids must lie in [0, {rows}) or be -1 (padding), got "
             f"[{group_ids.min()}, {group_ids.max()}]"
+        )
+
+
+def _check_formats(batch: TrainBatch) -> None:
+    """Raises ValueError unless ``format_ids`` and ``format_masks`` come together, the ids in
+    [0, M]."""
+    ids, table = batch.format_ids, batch.format_masks
+    if (ids is None) != (table is None):
+        raise ValueError("a TrainBatch carries format_ids and format_masks together or neither")
+    if ids is None:
+        return
+    ids, m = np.asarray(ids), np.shape(table)[0]
+    if ids.size and (ids.min() < 0 or ids.max() > m):
+        raise ValueError(
+            f"TrainBatch.format_ids must lie in [0, {m}] (the format_masks rows, 1-based), got "
+            f"[{ids.min()}, {ids.max()}]"
         )
 
 

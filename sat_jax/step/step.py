@@ -79,7 +79,8 @@ def train_step(
       optimizer: the optax transformation ``state.opt_state`` belongs to.
       cfg: the step's options (``StepConfig``).
       vocab_mask: optional [V] bool of the ids the sampler draws from: log-probs (the policy's
-        and the reference's) renormalize over them, as the sampler does.
+        and the reference's) renormalize over them, as the sampler does; a constrained token's
+        (``batch.format_ids``) over its ``batch.format_masks`` row's as well.
 
     Returns:
       ``(new_state, metrics)``; metrics are float32 scalars: the ``policy_loss`` metrics plus
@@ -95,8 +96,14 @@ def train_step(
         with ``ref_params``).
     """
     _check_inputs(batch, ref_params, cfg)
+    # The mask table is the whole batch's, not per row: every (micro)batch's forward reads it.
+    format_masks, batch = batch.format_masks, batch.replace(format_masks=None)
     scored = functools.partial(
-        _logprobs, graphdef=graphdef, temperature=cfg.temperature, vocab_mask=vocab_mask
+        _logprobs,
+        graphdef=graphdef,
+        temperature=cfg.temperature,
+        vocab_mask=vocab_mask,
+        format_masks=format_masks,
     )
 
     def forward(params: Any, batch: TrainBatch) -> tuple[jax.Array, ModelOutput]:
@@ -196,6 +203,7 @@ def _trajectory_rows(batch: TrainBatch, k: int) -> TrainBatch:
         behavior_logp=per_row(batch.behavior_logp),
         routing=per_row(batch.routing),
         kept_counts=per_row(batch.kept_counts),
+        format_ids=per_row(batch.format_ids),
         segment_ids=seg,
         positions=per_row(batch.positions),
         view_index=jnp.where(idx >= 0, idx % t, -1),
@@ -217,6 +225,8 @@ def _check_inputs(batch: TrainBatch, ref_params: Any, cfg: StepConfig) -> None:
             f"{'None' if batch.kept_counts is None else 'given'}: the batch carries the "
             "sampler's kept-set sizes exactly when the step replays its truncation"
         )
+    if (batch.format_ids is None) != (batch.format_masks is None):
+        raise ValueError("TrainBatch.format_ids and format_masks come together or not at all")
     k = _microbatches(batch, cfg)
     if batch.tokens.shape[0] % k or (batch.packed and batch.view_index.shape[0] % k):
         raise ValueError(f"microbatches={k} must divide the batch size {batch.tokens.shape[0]}")
@@ -234,10 +244,12 @@ def _logprobs(
     graphdef: nnx.GraphDef,
     temperature: float,
     vocab_mask: Any,
+    format_masks: jax.Array | None = None,
 ) -> tuple[jax.Array, ModelOutput]:
     """(logp [B, T] of the batch's tokens, the model's output) under ``params``; replays
-    ``batch.routing`` when ``replay``. ``Transformer.logprobs``: out.logits_btv is never used,
-    so under jit no [B, T, V] float32 buffer is built (docs/DESIGN.md §5)."""
+    ``batch.routing`` when ``replay`` and constrained decoding's masks (``format_masks``, the
+    batch's table, with ``batch.format_ids``). ``Transformer.logprobs``: out.logits_btv is never
+    used, so under jit no [B, T, V] float32 buffer is built (docs/DESIGN.md §5)."""
     return nnx.merge(graphdef, params).logprobs(
         batch.tokens,
         temperature=temperature,
@@ -247,6 +259,8 @@ def _logprobs(
         kept_bt=batch.kept_counts,
         positions_bt=batch.positions,
         segment_ids_bt=batch.segment_ids,
+        format_masks=format_masks,
+        format_ids_bt=batch.format_ids,
     )
 
 

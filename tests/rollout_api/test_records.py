@@ -463,3 +463,43 @@ def test_bad_sessions_are_refused_where_the_group_is_built_and_where_it_is_pulle
     m.sessions.extend(sessions)
     with pytest.raises(records.InvalidGroupError, match=f"group srv/7: .*{message}"):
         records.decode_group(m)
+
+
+FORMATS = ('{"type":"json_object"}', '{"schema":{"type":"object"},"type":"json_schema"}')
+
+
+def test_response_formats_round_trip_one_byte_per_token_and_nothing_when_free():
+    t = dataclasses.replace(
+        multi_turn(),
+        response_formats=FORMATS,
+        format_index=np.array([1, 1, 0, 0, 0, 2, 2, 0], np.int32),
+    )
+    m = wire(group(t, trajectory(8)))
+    packed = m.trajectories[0].format_index_packed
+    assert packed.dtype == "uint8" and len(packed.data) == 8
+    assert list(m.trajectories[0].response_formats) == list(FORMATS)
+    assert not m.trajectories[1].HasField("format_index_packed")
+    back = records.decode_group(m, LIMITS)
+    assert_same(group(t, trajectory(8)), back)
+    assert back.trajectories[1].response_formats == () and back.trajectories[1].format_index is None
+
+
+@pytest.mark.parametrize(
+    ("index", "formats", "message"),
+    [
+        ([1, 1, 0, 0, 0, 3, 3, 0], FORMATS, r"a format index outside \[0, 2\]"),
+        ([1, 1, 1, 0, 0, 2, 2, 0], FORMATS, "an inserted token has a response format"),
+        ([1, 1, 0], FORMATS, "8 completion tokens but 3 format indices"),
+        (None, FORMATS, "2 response formats but no format index"),
+    ],
+)
+def test_a_format_index_that_does_not_fit_is_refused(index, formats, message):
+    index = None if index is None else np.array(index, np.int32)
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(multi_turn(), response_formats=formats, format_index=index)
+    if index is not None and len(index) == 8:  # and where it is pulled, naming the trajectory
+        m = wire(group(trajectory(8, loss_mask=multi_turn().loss_mask)))
+        m.trajectories[0].response_formats.extend(formats)
+        m.trajectories[0].format_index_packed.CopyFrom(records.pack_array(index))
+        with pytest.raises(records.InvalidGroupError, match=f"trajectory 0: .*{message}"):
+            records.decode_group(m, LIMITS)

@@ -20,8 +20,8 @@ from rollout_server import jetstream_compat  # noqa: F401  (must precede jetstre
 # isort: split
 from rollout_server.driver import RolloutDriver, RolloutRequest
 from rollout_server.engine import MoEEngine
-from rollout_server.json_mask import mask_for, parse_response_format
 from sat_jax.decoding import SamplingConfig
+from sat_jax.json_mask import mask_for, parse_response_format
 from sat_jax.model import ModelConfig, Transformer
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests.hf_fixtures import make_tokenizer

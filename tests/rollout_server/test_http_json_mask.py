@@ -1,4 +1,5 @@
-"""`response_format: json_object`'s token mask (rollout_server/json_mask.py): the byte automaton
+"""`response_format: json_object`'s token mask (sat_jax/json_mask.py; the engine's half,
+rollout_server/json_mask.py): the byte automaton
 accepts exactly the prefixes of one JSON object, the trie's mask equals a token-by-token check,
 and a completion decoded under the mask is a JSON object whose log-probs are the masked
 distribution's."""
@@ -14,11 +15,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout_server.json_mask import (
+from rollout_server.json_mask import SlotFormats
+from sat_jax.decoding import SEGMENT_COL, TOKEN_COL, VALID_COL
+from sat_jax.json_mask import (
     JsonObjectMask,
     JsonSchemaMask,
     JsonState,
-    SlotFormats,
     UnsupportedSchema,
     compile_schema,
     mask_for,
@@ -27,7 +29,6 @@ from rollout_server.json_mask import (
     schema_step,
     step,
 )
-from sat_jax.decoding import SEGMENT_COL, TOKEN_COL, VALID_COL
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests.hf_fixtures import make_tokenizer
 

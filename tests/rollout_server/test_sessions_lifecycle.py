@@ -28,6 +28,7 @@ from rollout_server.driver import RolloutRequest, TurnEnd
 from rollout_server.http_api import HttpApi, HttpLimits
 from rollout_server.sessions import Generator, SessionLimits, SessionManager
 from sat_jax.decoding import SamplingConfig
+from sat_jax.json_mask import parse_response_format
 from sat_jax.tasks import Prompt
 from sat_jax.tasks.envs import CALCULATOR_TOOL
 
@@ -106,6 +107,7 @@ class FakeDriver:
         self.ended: list[RolloutRequest] = []
         self.inserted: list[list[int]] = []  # continue_episode's tokens
         self.prefills: list[list[int]] = []
+        self.formats: list[str | None] = []  # each request's / turn's response_format
 
     def _emit(self, request: RolloutRequest) -> None:
         def run():
@@ -143,6 +145,7 @@ class FakeDriver:
     def place_request_on_prefill_queue(self, request: RolloutRequest) -> None:
         self.placed += 1
         self.prefills.append(list(request.prefill_content))
+        self.formats.append(request.response_format)
         n = request.max_tokens
         request.buffer = types.SimpleNamespace(
             logprobs=np.zeros(n, np.float32), versions=np.zeros(n, np.int64), size=0
@@ -151,6 +154,7 @@ class FakeDriver:
 
     def continue_episode(self, request: RolloutRequest, tokens) -> None:
         self.inserted.append([int(t) for t in tokens])
+        self.formats.append(request.response_format)
         request.buffer.size += len(tokens)
         self._emit(request)
 
@@ -1053,16 +1057,32 @@ def test_tool_choice_named_in_qwen3_coder_xml(qwen3_tokenizer):
         {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}},
     ],
 )
-def test_response_format_json_is_refused_naming_what_is_served(live, fmt):
+def test_response_format_json_is_served_turn_by_turn(live, fmt):
+    """json_object / json_schema reach the engine request of each turn that asks for them, as
+    the canonical format (the trainer replays its mask); text and no field are free; a forced
+    tool call and the legacy completions endpoint refuse them naming the field."""
+    canonical = parse_response_format(fmt)
+    live.driver.replies = ['{"a": 1}', '{"b": 2}', "12", '{"c": 3}']
     body = {"model": "m", "messages": USER, "response_format": fmt}
     r = live.post("/v1/chat/completions", body)
-    assert r.status_code == 400, r.text
-    error = r.json()["error"]
-    assert error["param"] == "response_format"
-    assert 'only {"type": "text"} is served' in error["message"]
-    assert "constrained decoding" in error["message"]
-    text = {**body, "response_format": {"type": "text"}}
-    assert live.post("/v1/chat/completions", text).status_code == 200
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] == '{"a": 1}'
+    (sid,) = live.take()
+    history = [*USER]
+    for i, f in enumerate((fmt, {"type": "text"}, fmt)):
+        r = live.chat(sid, history, response_format=f)
+        assert r.status_code == 200, r.text
+        history += [r.json()["choices"][0]["message"], {"role": "user", "content": f"go {i}"}]
+    assert live.driver.formats == [canonical, canonical, None, canonical]
+    forced = {
+        **body,
+        "tools": [ADD_TOOL],
+        "tool_choice": {"type": "function", "function": {"name": "add"}},
+    }
+    legacy = {"model": "m", "prompt": "x", "response_format": fmt}
+    for path, b in (("/v1/chat/completions", forced), ("/v1/completions", legacy)):
+        r = live.post(path, b)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
 
 
 @pytest.mark.parametrize(
