@@ -65,6 +65,7 @@ from rollout_server.session_state import (
     record_turn,
     request_key,
 )
+from sat_jax.json_mask import mask_for
 from sat_jax.tasks import Prompt
 
 log = logging.getLogger(__name__)
@@ -213,6 +214,19 @@ class Generator:
         ids = hf(text, add_special_tokens=False)["input_ids"] if hf else self.tokenizer.encode(text)
         return text, list(ids)
 
+    async def warm(self, fmt: str | None) -> None:
+        """Builds format `fmt`'s mask and its first row on the pool (None: nothing): the
+        tokenizer's trie (seconds on a ~150k vocabulary, once per process) and the format's
+        automaton are cached before the request reaches the engine, whose generate thread would
+        otherwise build them while every slot waits (docs/DESIGN.md §6.6)."""
+        if fmt is not None:
+            await self.off_loop(self._warm, fmt)
+
+    def _warm(self, fmt: str) -> None:
+        formats = self.engine.formats
+        mask = mask_for(fmt, formats.tokenizer, formats.vocab_size)
+        mask.allowed(mask.start())
+
     def check_length(self, n: int) -> None:
         try:
             self.engine.check_prompt_length(n)
@@ -235,6 +249,7 @@ class Generator:
         def on_done(request: RolloutRequest, sample: FinishedSample | None) -> None:
             loop.call_soon_threadsafe(_resolve, future, sample)
 
+        await self.warm(gen.response_format)
         request = RolloutRequest(
             max_tokens=gen.max_tokens,
             return_channel=None,
@@ -492,6 +507,7 @@ class SessionManager:
         Raises:
           ApiError: a history edit (no fork), or a delta that does not fit the budget.
         """
+        await self.gen.warm(req.generation.response_format)
         if s.request is None:
             return (*await self.gen.render_with_prefix(req), False)
         prefix, prefix_ids = self.gen.prefix(req)

@@ -23,10 +23,12 @@ import numpy as np
 import pytest
 import requests
 
+from rollout_server import sessions as sessions_module
 from rollout_server.chat import ApiError, parse_chat, token_bytes
 from rollout_server.driver import RolloutRequest, TurnEnd
 from rollout_server.http_api import HttpApi, HttpLimits
 from rollout_server.sessions import Generator, SessionLimits, SessionManager
+from sat_jax import json_mask
 from sat_jax.decoding import SamplingConfig
 from sat_jax.json_mask import parse_response_format
 from sat_jax.tasks import Prompt
@@ -75,6 +77,9 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         return "".join(chr(int(i)) for i in ids if int(i) != STOP)
+
+    def __len__(self) -> int:  # the ids a constrained-decoding trie walks (Latin-1)
+        return 256
 
     def closes_turn(self, token_id: int) -> bool:
         return True
@@ -171,7 +176,9 @@ class Live:
         self.verify = ca or True
         self.driver = driver or FakeDriver()
         self.tok = tokenizer or CharTokenizer()
-        self.gen = Generator(self.driver, FakeEngine(), self.tok)
+        engine = FakeEngine()
+        engine.formats = types.SimpleNamespace(tokenizer=self.tok, vocab_size=256)
+        self.gen = Generator(self.driver, engine, self.tok)
         self.sessions = SessionManager(
             self.gen,
             lambda text, answer: float(text.strip() == answer),
@@ -1083,6 +1090,47 @@ def test_response_format_json_is_served_turn_by_turn(live, fmt):
     for path, b in (("/v1/chat/completions", forced), ("/v1/completions", legacy)):
         r = live.post(path, b)
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
+
+
+def test_a_format_is_built_on_the_pool_before_the_engine_sees_it(live, monkeypatch):
+    """The tokenizer's trie and a format's automaton (seconds on a real vocabulary) are built on
+    the HTTP pool before the request or turn reaches the engine, not on its generate thread
+    while every slot waits; a free request builds nothing."""
+    built = []
+
+    def recording_mask_for(fmt, tokenizer, vocab_size):
+        built.append((fmt, threading.current_thread().name))
+        return json_mask.mask_for(fmt, tokenizer, vocab_size)
+
+    monkeypatch.setattr(sessions_module, "mask_for", recording_mask_for)
+    seen_at_placement = []
+    place, cont = live.driver.place_request_on_prefill_queue, live.driver.continue_episode
+
+    def place_(request):
+        seen_at_placement.append(list(built))
+        place(request)
+
+    def continue_(request, tokens):
+        seen_at_placement.append(list(built))
+        cont(request, tokens)
+
+    live.driver.place_request_on_prefill_queue, live.driver.continue_episode = place_, continue_
+    fmt = {"type": "json_object"}
+    canonical = parse_response_format(fmt)
+    live.driver.replies = ['{"a": 1}', "12", '{"b": 2}']
+    r = live.post("/v1/chat/completions", {"model": "m", "messages": USER, "response_format": fmt})
+    assert r.status_code == 200, r.text
+    (sid,) = live.take()
+    history = [*USER]
+    for i, f in enumerate(({"type": "text"}, fmt)):
+        r = live.chat(sid, history, response_format=f)
+        assert r.status_code == 200, r.text
+        history += [r.json()["choices"][0]["message"], {"role": "user", "content": f"go {i}"}]
+    assert [len(b) for b in seen_at_placement] == [1, 1, 2]
+    assert [fmt for fmt, _ in built] == [canonical, canonical]
+    assert all(name.startswith("http-cpu") for _, name in built), built
+    mask = json_mask.mask_for(canonical, live.tok, 256)
+    assert mask.allowed(mask.start())[ord("{")] and not mask.allowed(mask.start())[ord("a")]
 
 
 @pytest.mark.parametrize(
