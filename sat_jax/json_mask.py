@@ -16,8 +16,9 @@ the trainer rebuilds them from a trajectory's formats and tokens (`constrained_r
 `MaskTable`: one row per distinct (format, state) of a batch, bit-packed) and scores each
 constrained token under its mask, so its log-prob is the masked distribution's too.
 
-Inside strings any byte of 0x20 and above is taken (UTF-8 validity is the tokenizer's); once the
-value is whole only a stop id may follow (no trailing whitespace to loop on).
+Inside strings any byte of 0x20 and above is taken (UTF-8 validity is the tokenizer's); between
+tokens at most `MAX_WHITESPACE` whitespace bytes in a row; once the value is whole only a stop id
+may follow (no trailing whitespace to loop on).
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ _ESCAPES = frozenset(b'"\\/bfnrt')
 _LITERALS = {ord("t"): b"rue", ord("f"): b"alse", ord("n"): b"ull"}
 # Number states in which the number may end (the next byte then closes it).
 _NUMBER_ENDS = frozenset({"zero", "int", "frac", "exp"})
+_STRING_MODES = frozenset({"string", "escape", "hex"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,14 +232,23 @@ def trie_of(tokenizer: Any, vocab_size: int) -> TokenTrie:
         return entry[1]
 
 
+MAX_WHITESPACE = 20
+"""The most whitespace bytes in a row a constrained reply may hold between tokens of JSON (a
+newline and 19 spaces of indentation; inside strings a space is content and not counted). JSON
+allows any run there: unbounded, a weak policy pads a reply with whitespace until its token
+limit (vLLM's and outlines' grammars bound it the same way)."""
+
+
 class TokenMask:
     """The ids that keep a reply a prefix of one accepted byte string, per automaton state.
 
-    A subclass gives `start()`, `_step(state, byte)` (None: the byte cannot follow) and
-    `_complete(state)` (the value is whole: only a stop id may follow). One walk of the trie per
-    new state gives the mask of every id; masks are cached per state (the states of a reply
-    repeat: inside a string, after a value). A state no id can continue (a tokenizer lacking a
-    byte the format needs) allows the stop ids, so sampling never meets an empty set.
+    A subclass gives `_start()`, `_step(state, byte)` (None: the byte cannot follow),
+    `_complete(state)` (the value is whole: only a stop id may follow) and `_in_string(state)`
+    (a byte there is a string's content). A mask's state is the subclass's with the length of
+    the whitespace run it ends in, bounded by `MAX_WHITESPACE`. One walk of the trie per new
+    state gives the mask of every id; masks are cached per state (the states of a reply repeat:
+    inside a string, after a value). A state no id can continue (a tokenizer lacking a byte the
+    format needs) allows the stop ids, so sampling never meets an empty set.
 
     Args:
       tokenizer: the engine's (see `TokenTrie`).
@@ -252,7 +263,7 @@ class TokenMask:
         self._masks: dict[Any, np.ndarray] = {}
         self._lock = threading.Lock()
 
-    def start(self) -> Any:
+    def _start(self) -> Any:
         raise NotImplementedError
 
     def _step(self, state: Any, b: int) -> Any:
@@ -261,9 +272,26 @@ class TokenMask:
     def _complete(self, state: Any) -> bool:
         raise NotImplementedError
 
-    def complete(self, state: Any) -> bool:
+    def _in_string(self, state: Any) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> tuple[Any, int]:
+        """The state before a reply's first token."""
+        return self._start(), 0
+
+    def _byte(self, state: tuple[Any, int], b: int) -> tuple[Any, int] | None:
+        """The state after byte `b` (None: it cannot follow), counting whitespace runs."""
+        inner, run = state
+        nxt = self._step(inner, b)
+        if nxt is None:
+            return None
+        if b in _WS and not self._in_string(inner):
+            return (nxt, run + 1) if run < MAX_WHITESPACE else None
+        return nxt, 0
+
+    def complete(self, state: tuple[Any, int]) -> bool:
         """Whether `state` is a whole value (only a stop id may follow)."""
-        return self._complete(state)
+        return self._complete(state[0])
 
     def advance(self, state: Any, token_id: int) -> Any:
         """The state after `token_id`.
@@ -272,9 +300,9 @@ class TokenMask:
           ValueError: the token is not allowed in `state`.
         """
         raw = self.trie.bytes.get(int(token_id))
-        out = state if raw is not None and not self._complete(state) else None
+        out = state if raw is not None and not self.complete(state) else None
         for b in raw or ():
-            out = self._step(out, b)
+            out = self._byte(out, b)
             if out is None:
                 break
         if out is None:
@@ -289,17 +317,17 @@ class TokenMask:
         if mask is not None:
             return mask
         mask = np.zeros(self.vocab_size, bool)
-        if not self._complete(state):
+        if not self.complete(state):
             pending = [(self.trie.root, state)]
             while pending:
                 node, at = pending.pop()
                 for b, (child, ids) in node.items():
-                    nxt = self._step(at, b)
+                    nxt = self._byte(at, b)
                     if nxt is None:
                         continue
                     if ids:
                         mask[ids] = True
-                    if child and not self._complete(nxt):
+                    if child and not self.complete(nxt):
                         pending.append((child, nxt))
         if not mask.any():
             mask[self.stop_ids] = True
@@ -322,7 +350,7 @@ class JsonObjectMask(TokenMask):
         super().__init__(tokenizer, vocab_size, cache_size=cache_size)
         self.max_depth = max_depth
 
-    def start(self) -> JsonState:
+    def _start(self) -> JsonState:
         return JsonState()
 
     def _step(self, state: JsonState, b: int) -> JsonState | None:
@@ -330,6 +358,9 @@ class JsonObjectMask(TokenMask):
 
     def _complete(self, state: JsonState) -> bool:
         return state.complete
+
+    def _in_string(self, state: JsonState) -> bool:
+        return state.mode in _STRING_MODES
 
 
 def masked_logprobs(logits_v: np.ndarray, allowed_v: np.ndarray) -> np.ndarray:
@@ -593,7 +624,7 @@ class JsonSchemaMask(TokenMask):
         self.nodes = compile_schema(schema)
         super().__init__(tokenizer, vocab_size, cache_size=cache_size)
 
-    def start(self) -> tuple:
+    def _start(self) -> tuple:
         return (("val", 0),)
 
     def _step(self, state: tuple, b: int) -> tuple | None:
@@ -601,6 +632,16 @@ class JsonSchemaMask(TokenMask):
 
     def _complete(self, state: tuple) -> bool:
         return not state
+
+    def _in_string(self, state: tuple) -> bool:
+        """Inside a free string, a declared key or an enum / const literal (whose bytes are
+        matched as they are)."""
+        if not state:
+            return False
+        top = state[-1]
+        if top[0] == "json":
+            return top[2].mode in _STRING_MODES
+        return top[0] == "lit" or (top[0] == "obj" and top[3] == "inkey")
 
 
 def parse_response_format(value: Any) -> str | None:

@@ -147,7 +147,7 @@ def test_a_constrained_completion_is_an_object_with_the_masked_logprobs(tok):
         if token in tok.stop_ids:
             break
         state = mask.advance(state, token)
-    assert state.complete and out[-1] in tok.stop_ids
+    assert mask.complete(state) and out[-1] in tok.stop_ids
     assert json.loads(tok.decode(out)) == json.loads(target)
     # The recorded log-probs are the masked distribution's: the model's own minus the log of the
     # mass the mask kept (every step here took some away).
@@ -390,3 +390,65 @@ def test_a_prefills_format_is_carried_on_its_own_thread(tok):
     assert seen == [None]
     assert formats.take_prefill_format() == '{"type":"json_object"}'
     assert formats.take_prefill_format() is None  # taken once
+
+
+class _ByteTokenizer:
+    """One id per ASCII byte (its value) and one id of 24 spaces; id 0 stops."""
+
+    stop_ids = frozenset({0})
+    WIDE = 128
+
+    def __len__(self) -> int:
+        return 129
+
+    def decode(self, ids) -> str:
+        return "".join(" " * 24 if i == self.WIDE else chr(i) for i in ids if i != 0)
+
+
+def _ids(text: str) -> list[int]:
+    return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        lambda tok: JsonObjectMask(tok, len(tok)),
+        lambda tok: JsonSchemaMask(
+            {"type": "object", "properties": {"a": {"type": "string"}, "b": {"enum": ["x  y"]}}},
+            tok,
+            len(tok),
+        ),
+    ],
+    ids=["json_object", "json_schema"],
+)
+def test_whitespace_runs_between_tokens_are_bounded_not_inside_strings(mask):
+    """Between JSON tokens at most MAX_WHITESPACE whitespace bytes in a row (a weak policy
+    cannot pad a reply to its token limit); a longer run is never allowed, in one token or
+    many, and a non-whitespace byte starts the count again; spaces inside a string, a key or an
+    enum literal are content and unbounded."""
+    from sat_jax.json_mask import MAX_WHITESPACE
+
+    tok = _ByteTokenizer()
+    m = mask(tok)
+    state = m.start()
+    for i in _ids("{") + _ids("\n" + " " * (MAX_WHITESPACE - 2)):
+        state = m.advance(state, i)
+    assert m.allowed(state)[ord(" ")] and not m.allowed(state)[tok.WIDE]
+    state = m.advance(state, ord(" "))  # the run is MAX_WHITESPACE bytes long
+    allowed = m.allowed(state)
+    assert not allowed[ord(" ")] and not allowed[ord("\n")] and allowed[ord('"')]
+    with pytest.raises(ValueError, match="cannot continue"):
+        m.advance(state, ord("\t"))
+    for i in _ids('"a"') + _ids(" " * MAX_WHITESPACE) + _ids(":"):
+        state = m.advance(state, i)  # the key ended the run: a new one may start
+    for i in _ids(' "') + [tok.WIDE] * 3 + _ids("  "):
+        state = m.advance(state, i)  # 76 spaces inside a string: content
+    assert m.allowed(state)[tok.WIDE] and m.allowed(state)[ord(" ")]
+    state = m.advance(state, ord('"'))
+    assert not m.allowed(state)[tok.WIDE]  # 24 whitespace bytes after a value: too many
+    if isinstance(m, JsonSchemaMask):  # an enum literal's inner spaces are its own bytes
+        for i in _ids(', "b": "x  y"}'):
+            state = m.advance(state, i)
+    else:
+        state = m.advance(state, ord("}"))
+    assert m.complete(state)
