@@ -21,7 +21,8 @@ from typing import Any
 import numpy as np
 
 from sat_jax.decoding import SamplingConfig
-from sat_jax.json_mask import UnsupportedSchema, parse_response_format, token_bytes
+from sat_jax.json_automaton import UnsupportedSchema
+from sat_jax.json_mask import parse_response_format, token_bytes
 from sat_jax.tasks.envs.calculator import find_tool_calls
 
 MAX_STOPS = 4
@@ -193,7 +194,7 @@ def _check_fields(body: Any, allowed: set[str], override: bool) -> tuple[str, ..
 def _response_format(value: Any) -> str | None:
     """The canonical format of a request's `response_format` (None: absent or text), decoded by
     constrained decoding, whose masks the trainer replays (docs/DESIGN.md §6.6). A malformed
-    one or a json_schema outside the enforced subset (`json_mask.compile_schema`) is refused
+    one or a json_schema outside the enforced subset (`json_automaton.compile_schema`) is refused
     naming what is wrong."""
     if value is None:
         return None

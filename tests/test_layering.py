@@ -34,6 +34,7 @@ SAT_JAX_FLOORS = (
         "sat_jax.cpu_clock",
         "sat_jax.quant",
         "sat_jax.json_mask",
+        "sat_jax.json_automaton",
     },
     {"sat_jax.model"},
     {

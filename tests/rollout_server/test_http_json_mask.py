@@ -17,17 +17,13 @@ from hypothesis import strategies as st
 
 from rollout_server.json_mask import SlotFormats
 from sat_jax.decoding import SEGMENT_COL, TOKEN_COL, VALID_COL
+from sat_jax.json_automaton import JsonState, UnsupportedSchema, compile_schema, schema_step, step
 from sat_jax.json_mask import (
     JsonObjectMask,
     JsonSchemaMask,
-    JsonState,
-    UnsupportedSchema,
-    compile_schema,
     mask_for,
     masked_logprobs,
     parse_response_format,
-    schema_step,
-    step,
 )
 from sat_jax.tasks.hf_tokenizer import HFTokenizer
 from tests.hf_fixtures import make_tokenizer
