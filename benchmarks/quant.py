@@ -27,7 +27,7 @@ far from uniform) and loaded by ``sat_jax.model.hf``. Nothing is downloaded.
         [--new-tokens 48] [--prompt-len 16] [--configs fp8:int8,...]
     PYTHONPATH=. .venv/bin/python benchmarks/quant.py --push [--models small] [--repeats 5]
     PYTHONPATH=. .venv/bin/python benchmarks/quant.py --lora [--models small,hf] [--lora-rank 8]
-        [--lora-frac 0.03] [--configs int8:bfloat16,fp8:bfloat16,fp8:fp8]
+        [--lora-frac 0.03] [--lora-seed 0] [--configs int8:bfloat16,fp8:bfloat16,fp8:fp8]
 
 ``--configs`` runs only the named weights:cache pairs (bfloat16:bfloat16, the ratios' base,
 always runs first).
@@ -48,10 +48,10 @@ bit-identical weights.
 alpha 16, targets attention and experts, the project's defaults and the LoRA recipe's rank 8).
 The adapters are non-zero: A as the model draws it (``init_lora``: normal, fan-in scaled), B
 normal and then scaled per target so that ||scale · A B|| is ``--lora-frac`` of ||W|| (Frobenius,
-over the whole weight, experts stacked). The trainer's policy is its float32 masters plus the
-float32 adapters, scored by the LoRA model's own forward (W + scale · A B, ``lora_weight``). The
-push is what a LoRA trainer sends: the base and the adapters cast to bfloat16 (``server.dtype``).
-Rows per 8-bit weights:cache pair (the bfloat16 row is the ratios' base):
+over the whole weight, experts stacked), both drawn from ``--lora-seed``. The trainer's policy is
+its float32 masters plus the float32 adapters, scored by the LoRA model's own forward
+(W + scale · A B, ``lora_weight``). The push is what a LoRA trainer sends: the base and the
+adapters cast to bfloat16 (``server.dtype``). Rows per 8-bit weights:cache pair (the bfloat16 row is the ratios' base):
 
   * ``bfloat16``: the server's LoRA install with ``server.weight_dtype`` bfloat16
     (``WeightsLoader.load``: the adapters merged into the kept base in float32, cast to bfloat16);
@@ -422,7 +422,7 @@ def run_lora(name, cfg, masters, args) -> list[str]:
     rng = np.random.default_rng(1)
     prompts = rng.integers(1, cfg.vocab_size, (args.slots, args.prompt_len)).astype(np.int32)
     masters = jax.tree.map(lambda x: x.astype(jnp.float32), masters)
-    adapters = lora_adapters(cfg, masters, lora, args.lora_frac)
+    adapters = lora_adapters(cfg, masters, lora, args.lora_frac, args.lora_seed)
     bf16_cfg = cfg.replace(param_dtype=jnp.bfloat16)
     graphdef = _graphdef(bf16_cfg)
     trainer_graph = _graphdef(cfg.replace(param_dtype=jnp.float32, lora=lora))
@@ -486,6 +486,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--lora-frac", type=float, default=0.03, help="--lora: ||scale·A B|| / ||W|| per target"
     )
+    parser.add_argument("--lora-seed", type=int, default=0, help="--lora: the adapters' draw")
     args = parser.parse_args(argv)
     _configs(args.configs)  # refuse a bad pair before building any model
     if args.lora:
