@@ -21,7 +21,8 @@ Models: the ``small`` preset (random init by the model's initializers, the serve
 ``placement.init_sharded``) and a Hugging Face Qwen3-MoE checkpoint written here with
 ``transformers`` (a real ``Qwen3MoeConfig``: head_dim 128, 8 query heads per KV head, top-8 of 32
 experts, no tied embeddings; tiny widths; weights drawn wider than HF's init so the logits are
-far from uniform) and loaded by ``sat_jax.model.hf``. Nothing is downloaded.
+far from uniform) and loaded by ``sat_jax.model.hf``; ``tiny`` (``--lora``, for the tests). Nothing
+is downloaded.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quant.py [--models small,hf] [--slots 8]
         [--new-tokens 48] [--prompt-len 16] [--configs fp8:int8,...]
