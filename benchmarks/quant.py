@@ -21,11 +21,14 @@ Models: the ``small`` preset (random init by the model's initializers, the serve
 ``placement.init_sharded``) and a Hugging Face Qwen3-MoE checkpoint written here with
 ``transformers`` (a real ``Qwen3MoeConfig``: head_dim 128, 8 query heads per KV head, top-8 of 32
 experts, no tied embeddings; tiny widths; weights drawn wider than HF's init so the logits are
-far from uniform) and loaded by ``sat_jax.model.hf``. Nothing is downloaded.
+far from uniform) and loaded by ``sat_jax.model.hf``; ``tiny`` (``--lora``, for the tests). Nothing
+is downloaded.
 
     PYTHONPATH=. .venv/bin/python benchmarks/quant.py [--models small,hf] [--slots 8]
         [--new-tokens 48] [--prompt-len 16] [--configs fp8:int8,...]
     PYTHONPATH=. .venv/bin/python benchmarks/quant.py --push [--models small] [--repeats 5]
+    PYTHONPATH=. .venv/bin/python benchmarks/quant.py --lora [--models small,hf] [--lora-rank 8]
+        [--lora-frac 0.03] [--lora-seed 0] [--configs int8:bfloat16,fp8:bfloat16,fp8:fp8]
 
 ``--configs`` runs only the named weights:cache pairs (bfloat16:bfloat16, the ratios' base,
 always runs first).
@@ -41,6 +44,33 @@ installed as it is). Per way: the bytes written, the seconds ``host_copy`` holds
 thread (its programs are dispatched, not waited for), the trainer's seconds (``host_copy`` and
 the save, which waits for them), the server's (load + install), medians over ``--repeats`` after one push that compiles; and whether both ways serve
 bit-identical weights.
+
+``--lora`` measures the same lag-0 mismatch for a LoRA run (``model.lora``: rank ``--lora-rank``,
+alpha 16, targets attention and experts, the project's defaults and the LoRA recipe's rank 8).
+The adapters are non-zero: A as the model draws it (``init_lora``: normal, fan-in scaled), B
+normal and then scaled per target so that ||scale · A B|| is ``--lora-frac`` of ||W|| (Frobenius,
+over the whole weight, experts stacked), both drawn from ``--lora-seed``. The trainer's policy is
+its float32 masters plus the float32 adapters, scored by the LoRA model's own forward
+(W + scale · A B, ``lora_weight``). The push is what a LoRA trainer sends: the base and the
+adapters cast to bfloat16 (``server.dtype``). Rows per 8-bit weights:cache pair (the bfloat16 row is the ratios' base):
+
+  * ``bfloat16``: the server's LoRA install with ``server.weight_dtype`` bfloat16
+    (``WeightsLoader.load``: the adapters merged into the kept base in float32, cast to bfloat16);
+  * ``merged``: what the server does with an 8-bit ``weight_dtype``: that merged bfloat16 tree
+    quantized as ``MoEEngine.swap_params`` quantizes it (``quant.quantize_params``);
+  * ``adapters``: the alternative the server does not implement, an 8-bit base with the adapters
+    applied unquantized at run time. Its served weights are computed as such a kernel computes
+    them: dequantize(quantize(W)) + scale · A B (``lora.merged_weight``: the product in float32,
+    the sum cast to bfloat16, the serving dtype), served unquantized. The cast of the sum rounds
+    once to bfloat16, as bfloat16 serving's own weights are rounded.
+
+Beside sampler_kl and |logp - behavior| each row gives the adapted weights' relative error
+against the trainer's float32 W + scale · A B (||served − (W + s A B)|| / ||W + s A B||, over
+every adapted weight), and, free of sampling noise, the policy KL(trainer || served) over the
+whole vocabulary, averaged over the same token sequences for every row (the prompts and the
+bfloat16 row's sampled tokens; the served model's full forward, ``full_logp``, with attention
+over an 8-bit cache's keys and values for an 8-bit ``cache``): the sampled columns differ
+between rows also because each row samples other tokens.
 """
 
 from __future__ import annotations
@@ -79,6 +109,17 @@ HF_CONFIG = dict(
 )
 
 
+LORA_ALPHA = 16.0
+LORA_TARGETS = ("attention", "experts")
+
+
+def tiny_model(seed: int = 0):
+    """(config, float32 params) of the ``tiny`` preset, randomly initialized (tests)."""
+    cfg = ModelConfig.preset("tiny", dispatch="dense")
+    mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+    return cfg, placement.init_sharded(cfg, mesh, seed)[1]
+
+
 def small_model(seed: int = 0):
     """(graphdef, float32 master params) of the ``small`` preset, randomly initialized."""
     cfg = ModelConfig.preset("small", dispatch="dense")
@@ -107,8 +148,9 @@ def hf_model(tmp: pathlib.Path, seed: int = 0):
     return loaded.config, nnx.to_pure_dict(nnx.state(loaded))
 
 
-def sample(cfg, graphdef, served, kv, prompts, new_tokens, seed=0):
-    """(tokens [B, N], behavior log-probs [B, N], decode tokens/s of the timed pass)."""
+def sample(cfg, graphdef, served, kv, prompts, new_tokens, seed=0, timed=True):
+    """(tokens [B, N], behavior log-probs [B, N], decode tokens/s of the timed pass); without
+    ``timed`` one pass only (its tokens/s include the compiles)."""
     slots, p = prompts.shape
     core = decoding.DecodeCore(
         graphdef,
@@ -138,6 +180,8 @@ def sample(cfg, graphdef, served, kv, prompts, new_tokens, seed=0):
         return tokens, logp, slots * new_tokens / seconds
 
     first = one_pass()  # compiles every window
+    if not timed:
+        return first
     second = one_pass()
     np.testing.assert_array_equal(first[0], second[0])
     return second
@@ -267,7 +311,169 @@ def run_model(name, cfg, masters, args) -> list[str]:
     return lines
 
 
-def main(argv=None) -> int:
+def lora_adapters(cfg: ModelConfig, masters, lora, frac: float, seed: int = 0) -> dict:
+    """Float32 LoRA adapters of ``cfg.replace(lora=lora)`` for ``masters``, non-zero: A as the
+    model draws it (``init_lora``), B normal, then scaled per target so that
+    ||lora.scale · A B||_F = ``frac`` · ||W||_F."""
+    from flax import traverse_util
+
+    from sat_jax.model.layers import LORA_A, LORA_B, lora_delta
+    from sat_jax.model.lora import init_lora
+
+    lora_cfg = cfg.replace(param_dtype=jnp.float32, lora=lora)
+    fresh = traverse_util.flatten_dict(init_lora(lora_cfg, rng=seed))
+    base = traverse_util.flatten_dict(masters)
+    rng = np.random.default_rng(seed)
+    out = {}
+    for path, a in fresh.items():
+        if not path[-1].endswith(LORA_A):
+            continue
+        target = (*path[:-1], path[-1][: -len(LORA_A)])
+        b_path = (*path[:-1], target[-1] + LORA_B)
+        w = jnp.asarray(base[target], jnp.float32)
+        b = jnp.asarray(rng.standard_normal(fresh[b_path].shape), jnp.float32)
+        delta = lora.scale * lora_delta(a, b, w.ndim)
+        b = b * (frac * jnp.linalg.norm(w) / jnp.linalg.norm(delta))
+        out[path], out[b_path] = a, b
+    return traverse_util.unflatten_dict(out)
+
+
+def lora_served(cfg: ModelConfig, masters, adapters, lora, fmt: str, way: str, tmp) -> dict:
+    """The weights a server with ``server.weight_dtype`` ``fmt`` serves for the LoRA push of
+    ``masters`` + ``adapters`` (both pushed in bfloat16), one ``way`` (the module docstring):
+    "merged" (the server's install: ``WeightsLoader.load`` over the kept base, then
+    ``quant.quantize_params`` as ``MoEEngine.swap_params`` does; bfloat16 for ``fmt`` bfloat16)
+    or "adapters" (dequantize(quantize(W)) + scale · A B, cast to bfloat16)."""
+    from flax import traverse_util
+
+    from rollout_server.weights import WeightsLoader
+    from sat_jax import params_io
+    from sat_jax.model.layers import LORA_A, LORA_B
+    from sat_jax.model.lora import abstract_adapters, merged_weight
+    from train.weight_sync import host_copy
+
+    base = jax.tree.map(lambda x: jnp.asarray(x, jnp.bfloat16), masters)
+    pushed = host_copy(adapters, jnp.bfloat16)
+    if way == "merged":
+        tmp = pathlib.Path(tmp)
+        if not (tmp / "base").exists():  # the same push for every row
+            params_io.save_params(tmp / "base", host_copy(masters, jnp.bfloat16))
+            params_io.save_params(tmp / "adapters", pushed)
+        mesh = sharding.make_mesh(sharding.MeshConfig(), jax.devices()[:1])
+        like = abstract_adapters(cfg.replace(param_dtype=jnp.bfloat16, lora=lora), mesh)
+        loader = WeightsLoader(str(tmp), lora, like)
+        merged = loader.load(str(tmp / "adapters"), str(tmp / "base"), base).params
+        return jax.jit(lambda p: quant.quantize_params(p, fmt))(merged)
+    if way != "adapters":
+        raise ValueError(f"way must be 'merged' or 'adapters', got {way!r}")
+    deq = jax.jit(lambda p: quant.dequantize_params(quant.quantize_params(p, fmt)))(base)
+    flat = traverse_util.flatten_dict(deq)
+    ad = traverse_util.flatten_dict(jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), pushed))
+    for path in [p for p in ad if p[-1].endswith(LORA_A)]:
+        target = (*path[:-1], path[-1][: -len(LORA_A)])
+        b = ad[(*path[:-1], target[-1] + LORA_B)]
+        flat[target] = merged_weight(flat[target], ad[path], b, jnp.float32(lora.scale))
+    return traverse_util.unflatten_dict(flat)
+
+
+def adapted_error(served, masters, adapters, lora) -> float:
+    """||served − (W + scale · A B)|| / ||W + scale · A B|| over every adapted weight, float32
+    against the trainer's float32 masters and adapters (``served`` dequantized)."""
+    from flax import traverse_util
+
+    from sat_jax.model.layers import LORA_A, LORA_B
+    from sat_jax.model.lora import merged_weight
+
+    flat = traverse_util.flatten_dict(quant.dequantize_params(served))
+    base = traverse_util.flatten_dict(masters)
+    ad = traverse_util.flatten_dict(adapters)
+    err = norm = 0.0
+    for path in [p for p in ad if p[-1].endswith(LORA_A)]:
+        target = (*path[:-1], path[-1][: -len(LORA_A)])
+        b = ad[(*path[:-1], target[-1] + LORA_B)]
+        want = merged_weight(jnp.asarray(base[target], jnp.float32), ad[path], b, lora.scale)
+        err += float(jnp.sum((flat[target].astype(jnp.float32) - want) ** 2))
+        norm += float(jnp.sum(want**2))
+    return (err / norm) ** 0.5
+
+
+def full_logp(graphdef, params, seq, prompt_len: int, kv: str = "bfloat16") -> jax.Array:
+    """Log-probs [B, N, V] of every next token after the prompt of ``seq`` (full forward of
+    ``params``, dequantized; attention over an 8-bit cache's keys and values for ``kv``)."""
+    model = nnx.merge(graphdef, quant.dequantize_params(params))
+    logits = model.forward(seq, kv_cache_dtype=kv).logits_btv[:, prompt_len - 1 : -1]
+    return jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+
+def _lora_configs(spec: str | None) -> list[tuple[str, str]]:
+    """The 8-bit (weights, cache) pairs of ``--lora``: ``spec``'s, default int8 and fp8 weights
+    with a bfloat16 cache and fp8 weights with an fp8 cache (the frontier's 8-bit rollouts)."""
+    pairs = _configs(spec or "int8:bfloat16,fp8:bfloat16,fp8:fp8")[1:]
+    if any(not quant.is_quantized(w) for w, _ in pairs):
+        raise SystemExit("--lora --configs: name 8-bit weights (the bfloat16 row always runs)")
+    return pairs
+
+
+def run_lora(name, cfg, masters, args) -> list[str]:
+    """The ``--lora`` table rows of one model (see the module docstring)."""
+    from sat_jax.model.config import LoRAConfig
+    from sat_jax.model.lora import join_lora
+
+    lora = LoRAConfig(rank=args.lora_rank, alpha=LORA_ALPHA, targets=LORA_TARGETS)
+    rng = np.random.default_rng(1)
+    prompts = rng.integers(1, cfg.vocab_size, (args.slots, args.prompt_len)).astype(np.int32)
+    masters = jax.tree.map(lambda x: x.astype(jnp.float32), masters)
+    adapters = lora_adapters(cfg, masters, lora, args.lora_frac, args.lora_seed)
+    bf16_cfg = cfg.replace(param_dtype=jnp.bfloat16)
+    graphdef = _graphdef(bf16_cfg)
+    trainer_graph = _graphdef(cfg.replace(param_dtype=jnp.float32, lora=lora))
+    trainer_params = join_lora(masters, adapters)
+    score = jax.jit(lambda p, s, t: scored(trainer_graph, p, s, t))
+    served_logp = jax.jit(
+        lambda p, s, kv: full_logp(graphdef, p, s, args.prompt_len, kv), static_argnums=2
+    )
+    rows = [("bfloat16", "bfloat16", "merged")]
+    rows += [
+        (w, kv, way) for w, kv in _lora_configs(args.configs) for way in ("merged", "adapters")
+    ]
+    lines, base, fixed = [], None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        for w, kv, way in rows:
+            served = lora_served(cfg, masters, adapters, lora, w, way, tmp)
+            err = adapted_error(served, masters, adapters, lora)
+            tokens, behavior, _ = sample(
+                bf16_cfg, graphdef, served, kv, prompts, args.new_tokens, timed=False
+            )
+            d = np.asarray(score(trainer_params, prompts, tokens)) - behavior
+            if fixed is None:  # the bfloat16 row's tokens: the same sequences for every row
+                fixed = jnp.asarray(np.concatenate([prompts, tokens], 1), jnp.int32)
+                trainer_logp = full_logp(trainer_graph, trainer_params, fixed, args.prompt_len)
+            logp = served_logp(served, fixed, kv)
+            policy = float(jnp.mean(jnp.sum(jnp.exp(trainer_logp) * (trainer_logp - logp), -1)))
+            kl, mean_abs = k3(d), float(np.abs(d).mean())
+            base = (kl, mean_abs, policy) if base is None else base
+            label = "bfloat16 (W + BA)" if w == "bfloat16" else way
+            lines.append(
+                f"| {name} | {w} | {kv} | {label} | {err:.2e} | {kl:.2e} | {kl / base[0]:.1f}x | "
+                f"{mean_abs:.4f} | {mean_abs / base[1]:.1f}x | {policy:.2e} | "
+                f"{policy / base[2]:.1f}x |"
+            )
+            print(lines[-1], flush=True)
+    return lines
+
+
+def _model(name: str, tmp: str):
+    """(config, params) of ``--models``' ``name``: small, hf (written under ``tmp``) or tiny."""
+    if name == "small":
+        return small_model()
+    if name == "hf":
+        return hf_model(pathlib.Path(tmp))
+    if name == "tiny":
+        return tiny_model()
+    raise SystemExit(f"--models: unknown model {name!r} (small, hf, tiny)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="small,hf")
     parser.add_argument("--slots", type=int, default=8)
@@ -276,8 +482,32 @@ def main(argv=None) -> int:
     parser.add_argument("--configs", help="weights:cache pairs (comma-separated); default all")
     parser.add_argument("--push", action="store_true", help="measure the two push formats")
     parser.add_argument("--repeats", type=int, default=5, help="--push: timed pushes per way")
+    parser.add_argument("--lora", action="store_true", help="the mismatch of a LoRA run's pushes")
+    parser.add_argument("--lora-rank", type=int, default=8, help="--lora: model.lora.rank")
+    parser.add_argument(
+        "--lora-frac", type=float, default=0.03, help="--lora: ||scale·A B|| / ||W|| per target"
+    )
+    parser.add_argument("--lora-seed", type=int, default=0, help="--lora: the adapters' draw")
     args = parser.parse_args(argv)
     _configs(args.configs)  # refuse a bad pair before building any model
+    if args.lora:
+        _lora_configs(args.configs)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.lora:
+        print(
+            "| model | weights | cache | adapters | adapted weights' rel. error | sampler_kl | "
+            "vs bf16 | mean abs(logp - behavior) | vs bf16 | KL(trainer || served), fixed tokens "
+            "| vs bf16 |"
+        )
+        print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name in args.models.split(","):
+            with tempfile.TemporaryDirectory() as tmp:
+                run_lora("hf qwen3-moe" if name == "hf" else name, *_model(name, tmp), args)
+        return 0
     if args.push:
         print("| model | format | push | bytes | loop thread | trainer | server | end to end |")
         print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
