@@ -164,6 +164,10 @@ def layout(
     )
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def budget_shape(needed: int, per_microbatch: int, row_multiple: int = 1) -> tuple[int, int]:
     """``(k, r)``: k microbatches of r rows for a batch whose packing needs ``needed`` rows, at
     most ``per_microbatch`` rows each (the token budget ÷ the row length), k · r a multiple of
@@ -176,7 +180,7 @@ def budget_shape(needed: int, per_microbatch: int, row_multiple: int = 1) -> tup
     k = fewest
     while best is None or k <= 2 * fewest:
         quantum = row_quantum(k, row_multiple)
-        r = -(-(-(-needed // k)) // quantum) * quantum  # ceil(needed / k), to the quantum
+        r = _ceil(_ceil(needed, k), quantum) * quantum
         if r <= most and (best is None or (k * r, k) < best[:2]):
             best = (k * r, k, r)
         k += 1
@@ -220,7 +224,7 @@ def budget_layout(
         raise ValueError(f"microbatch_tokens {microbatch_tokens} < a packed row of {length}")
     k, r = budget_shape(len(fills), microbatch_tokens // length, row_multiple)
     quantum = row_quantum(k, row_multiple)
-    per = max(1, -(-(-(-slots // k)) // quantum)) * quantum
+    per = max(1, _ceil(_ceil(slots, k), quantum)) * quantum
     same = layout(
         lengths,
         capacity=capacity,
@@ -245,7 +249,7 @@ def budget_layout(
         row_of_bin[b] = len(rows_of[j]) * k + j
         rows_of[j].append(b)
         count[j] += len(members[b])
-    trajectories: list[list[int]] = [sorted(sum((members[b] for b in bs), [])) for bs in rows_of]
+    trajectories = [sorted(n for b in bs for n in members[b]) for bs in rows_of]
     empty = np.zeros(len(lengths), bool) if keep is None else np.asarray(keep, bool)
     for n in np.flatnonzero(empty & (lengths == 0)):
         j = min(range(k), key=lambda j: (len(trajectories[j]), j))
