@@ -4,7 +4,10 @@ Run: `python benchmarks/packing.py` (the `small` preset, 16 trajectories of a lo
 distribution capped at 2048 tokens; tens of minutes on 2 loaded CPU cores) or `--quick` (the
 `tiny` preset, cap 256, seconds). `--layouts 16 64 256 512` runs no step: it prints the padded
 fraction of the packed layout (`sat_jax.packing.layout`) of `--seeds` batches of each size, with
-the part of it that no packer avoids (the last row's remainder, `ceil(tokens / cap)` rows).
+the part of it that no packer avoids (the last row's remainder, `ceil(tokens / cap)` rows), and
+with `--microbatch-tokens` that of the token-budget layout (`sat_jax.packing.budget_layout`) and
+its distinct shapes (k, rows per microbatch, T, trajectory slots per microbatch: the programs a
+run of such batches compiles).
 
 Trajectory lengths (prompt + completion) are lognormal with median `--median` and shape
 `--sigma`, capped at `--cap`, and a fraction `--cut` of them is exactly `--cap` (completions cut
@@ -13,8 +16,9 @@ one trajectory per row, T = the length bucket of the longest) and packed (`train
 `--cap` tokens). Both run the real jitted `sat_jax.train_step` (SAT loss, Adam, the CPU path's
 blockwise attention, `--remat`) on one device in float32, split by the same token budget
 (`--microbatch-tokens`: the padded step into row-count microbatches of budget / cap rows, the
-packed one by `train.microbatch_tokens`; 0 = one pass each), one warm-up call each (compile, not timed), then
-`--repeats` calls each, interleaved (the order alternates), and the medians are reported:
+packed one by `train.microbatch_tokens`; 0 = one pass each), each compiled ahead of time
+(`lower(...).compile()`, not timed, never run untimed), then `--repeats` calls each,
+interleaved (the order alternates), and the medians are reported:
 useful tokens/s = the trajectories' tokens / median step time; padded fraction = padded token
 slots / all token slots of the step (the `pad_frac` metric).
 """
@@ -112,19 +116,37 @@ def layouts(args: argparse.Namespace) -> dict:
     (mean and max), the bound's (``ceil(tokens / cap)`` full rows), and the rows' counts."""
     out = {}
     for n in args.layouts:
-        pads, bounds, rows = [], [], set()
+        pads, bounds, rows, budget_pads, shapes = [], [], set(), [], set()
         for seed in range(args.seeds):
             lens = lengths(argparse.Namespace(**{**vars(args), "trajectories": n, "seed": seed}))
             lay = packing.layout(lens, capacity=args.cap, length_bucket=64)
             pads.append(lay.pad_frac)
             bounds.append(1 - lay.used / (-(-lay.used // args.cap) * args.cap))
             rows.add(lay.rows)
+            if args.microbatch_tokens:
+                lay = packing.budget_layout(
+                    lens,
+                    capacity=args.cap,
+                    microbatch_tokens=args.microbatch_tokens,
+                    length_bucket=64,
+                    slots=n,
+                )
+                budget_pads.append(lay.pad_frac)
+                k = lay.microbatches
+                shapes.add((k, lay.rows // k, lay.length, len(lay.order) // k))
         out[n] = {
             "pad_frac_mean": round(float(np.mean(pads)), 4),
             "pad_frac_max": round(float(np.max(pads)), 4),
             "bound_mean": round(float(np.mean(bounds)), 4),
             "row_counts": sorted(rows),
         }
+        if args.microbatch_tokens:  # k, rows per microbatch, T, trajectory slots per microbatch
+            out[n]["budget"] = {
+                "pad_frac_mean": round(float(np.mean(budget_pads)), 4),
+                "pad_frac_max": round(float(np.max(budget_pads)), 4),
+                "shapes": len(shapes),
+                "k_rows_T_slots": sorted(shapes),
+            }
     print(json.dumps(out, indent=1))
     return out
 
@@ -166,16 +188,21 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = {"padded": padded.tokens.shape, "packed": packed.tokens.shape}
     pad = {"padded": 1 - useful / padded.tokens.size, "packed": 1 - used / slots}
     times: dict[str, list[float]] = {name: [] for name in batches}
-    for batch in batches.values():  # warm-up: compile + first run
-        state, metrics = step(state, batch)
-        jax.block_until_ready(metrics)
+    compiled, compile_s = {}, {}
+    for name, batch in batches.items():  # ahead of time: compiled, never run untimed
+        start = time.perf_counter()
+        compiled[name] = step.lower(state, batch).compile()
+        compile_s[name] = time.perf_counter() - start
+        print(f"{name}: compiled in {compile_s[name]:.0f} s", file=sys.stderr, flush=True)
     names = list(batches)
     for r in range(args.repeats):
         for name in names if r % 2 == 0 else names[::-1]:
             start = time.perf_counter()
-            state, metrics = step(state, batches[name])
+            with jax.set_mesh(mesh):
+                state, metrics = compiled[name](state, batches[name])
             jax.block_until_ready(metrics)
             times[name].append(time.perf_counter() - start)
+            print(f"{name}: {times[name][-1]:.0f} s", file=sys.stderr, flush=True)
     result = {
         "preset": args.preset,
         "trajectories": n,
@@ -185,10 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
         "cap": args.cap,
         "repeats": args.repeats,
         "backend": jax.default_backend(),
-        "compiled_programs": step.compiled_programs,
+        "compiled_programs": len(compiled),
         "remat": args.remat,
         "microbatch_tokens": args.microbatch_tokens,
         "microbatches": {"padded": k_padded, "packed": packed.microbatches or 1},
+        "packed_trajectory_slots": int(np.shape(packed.view_index)[0]),
     }
     for name in names:
         median = statistics.median(times[name])
@@ -196,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
             "shape": list(shapes[name]),
             "pad_frac": round(pad[name], 4),
             "median_step_s": round(median, 3),
+            "compile_s": round(compile_s[name], 1),
             "useful_tokens_per_s": round(useful / median, 1),
         }
     result["speedup"] = round(

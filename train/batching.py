@@ -123,9 +123,10 @@ class BatchSpec:
       microbatches: k of the step: packed trajectory n goes to microbatch n mod k (as the padded
         row n does), whose rows are the batch's rows j, j + k, ...
       row_multiple: a packed batch's row count is a multiple of it (the data-parallel shards).
-      microbatch_tokens: with packing, a token budget per microbatch: the batch is split into
-        the fewest k (a power of two dividing the rows) whose microbatches' token slots fit it,
-        carried as ``TrainBatch.microbatches`` (``microbatches`` is then 1); 0 = off.
+      microbatch_tokens: with packing, a token budget per microbatch: the batch is packed once
+        and split into k microbatches of r rows chosen together
+        (``sat_jax.packing.budget_layout``), k carried as ``TrainBatch.microbatches``
+        (``microbatches`` is then 1); 0 = off.
       tokenizer: the trainer's, to replay constrained decoding's masks (``response_format``,
         ``replay_formats``); None = a group carrying formats is rejected.
     """

@@ -33,6 +33,8 @@ class PackingSpec(Protocol):
 
 
 PER_TOKEN = ("tokens", "loss_mask", "behavior_logp", "kept_counts", "fresh_mask", "format_ids")
+# Per-token fields the trainer does not send but a caller may give (moved when not None).
+GIVEN_PER_TOKEN = ("old_logp", "ref_logp")
 
 
 def packed_rows(needed: int, most: int, k: int, multiple: int) -> int:
@@ -44,22 +46,34 @@ def packed_rows(needed: int, most: int, k: int, multiple: int) -> int:
 
 
 def pack_batch(batch: TrainBatch, spec: PackingSpec) -> tuple[TrainBatch, int, int]:
-    """``_pack`` with ``spec.microbatches``, or, with ``spec.microbatch_tokens``, with the fewest
-    microbatches k (1, 2, 4, ... dividing the rows) whose token slots (rows per microbatch × row
-    length) fit the budget (the most k when none does); the packed batch carries that k.
+    """``batch`` packed for ``spec.microbatches`` microbatches (``sat_jax.packing.layout``:
+    trajectory n in microbatch n mod k), or, with ``spec.microbatch_tokens``, packed once over
+    the whole batch with k and the rows per microbatch chosen together
+    (``sat_jax.packing.budget_layout``: the fewest rows within the budget, then the fewest
+    microbatches; the trajectories renumbered so that trajectory v lies in microbatch v mod k);
+    the packed batch then carries that k.
 
     Returns:
       ``(packed batch, token slots used, all token slots)``.
+
+    Raises:
+      ValueError: a trajectory longer than the row capacity (``select_groups`` rejects those).
     """
     if not spec.microbatch_tokens:
         return _pack(batch, spec, spec.microbatches)
-    rows, k = np.shape(batch.tokens)[0], 1
-    while True:
-        packed, used, slots = _pack(batch, spec, k)
-        fits = slots // k <= spec.microbatch_tokens
-        if fits or rows % (2 * k):
-            return packed.replace(microbatches=k), used, slots
-        k *= 2
+    lengths, _ = trajectory_spans(batch.loss_mask)
+    keep = None if batch.group_ids is None else np.asarray(batch.group_ids) >= 0
+    plan = packing.budget_layout(
+        lengths,
+        capacity=spec.row_capacity,
+        microbatch_tokens=spec.microbatch_tokens,
+        row_multiple=spec.row_multiple,
+        length_bucket=spec.length_bucket,
+        keep=keep,
+        slots=len(lengths),
+    )
+    packed = _move(batch, spec, plan, plan.microbatches)
+    return packed.replace(microbatches=plan.microbatches), plan.used, plan.slots
 
 
 def trajectory_spans(loss_mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -93,19 +107,29 @@ def _pack(batch: TrainBatch, spec: PackingSpec, k: int) -> tuple[TrainBatch, int
     Raises:
       ValueError: a trajectory longer than the row capacity (``select_groups`` rejects those).
     """
-    lengths, starts = trajectory_spans(batch.loss_mask)
-    R, cap = len(lengths), spec.row_capacity
+    lengths, _ = trajectory_spans(batch.loss_mask)
     plan = packing.layout(
         lengths,
-        capacity=cap,
+        capacity=spec.row_capacity,
         microbatches=k,
         row_multiple=spec.row_multiple,
         length_bucket=spec.length_bucket,
-        most=R // k,
+        most=len(lengths) // k,
     )
-    rows, T = plan.rows, plan.length
+    return _move(batch, spec, plan, k), plan.used, plan.slots
+
+
+def _move(batch: TrainBatch, spec: PackingSpec, plan: packing.Layout, k: int) -> TrainBatch:
+    """The packed batch of ``plan`` (k microbatches, microbatch j's rows j, j + k, ...): every
+    per-token field moved (``_pack``); trajectory slot v holds trajectory ``plan.order[v]``
+    (slot n trajectory n without an order), empty slots are padding (reward 0, group -1, no
+    token); group ids are renumbered 0, 1, ... in order of appearance when reordered (they only
+    name groups)."""
+    lengths, starts = trajectory_spans(batch.loss_mask)
+    order = np.arange(len(lengths)) if plan.order is None else plan.order
+    rows, T, N = plan.rows, plan.length, len(order)
     span = int((lengths - starts)[lengths > 0].max(initial=1))
-    C = packing.row_length(span, bucket=spec.length_bucket, cap=cap)
+    C = packing.row_length(span, bucket=spec.length_bucket, cap=spec.row_capacity)
 
     def new(x: np.ndarray | None, fill: np.ndarray | None = None) -> np.ndarray | None:
         if x is None:
@@ -117,31 +141,56 @@ def _pack(batch: TrainBatch, spec: PackingSpec, k: int) -> tuple[TrainBatch, int
         return out
 
     routing = None if batch.routing is None else np.asarray(batch.routing)
-    out = {name: new(getattr(batch, name)) for name in PER_TOKEN}
+    out = {name: new(getattr(batch, name)) for name in PER_TOKEN + GIVEN_PER_TOKEN}
     # Padding positions replay a valid, duplicate-free expert set, as in ``_padding``.
     pad_ids = None if routing is None else np.arange(routing.shape[-1], dtype=routing.dtype)
     out["routing"] = None if routing is None else new(routing, pad_ids)
     segment_ids = np.zeros((rows, T), np.int32)
     positions = np.zeros((rows, T), np.int32)
-    view_index = np.full((R, C), -1, np.int32)
-    for n in np.flatnonzero(lengths):
+    view_index = np.full((N, C), -1, np.int32)
+    for v in np.flatnonzero(order >= 0):
+        n = order[v]
+        if not lengths[n]:
+            continue
         row, off = plan.place[n]
         length = int(lengths[n])
         for name, x in out.items():
             if x is not None:
                 x[row, off : off + length] = np.asarray(getattr(batch, name))[n, :length]
-        segment_ids[row, off : off + length] = n + 1
+        segment_ids[row, off : off + length] = v + 1
         positions[row, off : off + length] = np.arange(length)
-        local = (row // k) * T + off  # flat position in microbatch n mod k's rows
-        view_index[n, : length - starts[n]] = local + np.arange(starts[n], length)
-    packed = TrainBatch(
+        local = (row // k) * T + off  # flat position in microbatch v mod k's rows
+        view_index[v, : length - starts[n]] = local + np.arange(starts[n], length)
+    per_trajectory = {"rewards": batch.rewards, "group_ids": batch.group_ids}
+    per_trajectory["session_weights"] = batch.session_weights
+    if plan.order is not None:
+        per_trajectory = _reordered(per_trajectory, order)
+    return TrainBatch(
         **out,
-        rewards=batch.rewards,
-        group_ids=batch.group_ids,
-        session_weights=batch.session_weights,
+        **per_trajectory,
         format_masks=batch.format_masks,
         segment_ids=segment_ids,
         positions=positions,
         view_index=view_index,
     )
-    return packed, plan.used, plan.slots
+
+
+def _reordered(fields: dict, order: np.ndarray) -> dict:
+    """Per-trajectory ``fields`` (rewards, group ids, session weights; None stays None) in the
+    slots' ``order`` (-1: an empty slot: reward 0, group -1, weight 0), group ids renumbered
+    0, 1, ... so that they lie in [0, slots)."""
+    out = {}
+    for name, x in fields.items():
+        if x is None:
+            out[name] = None
+            continue
+        x = np.asarray(x)
+        empty = np.array(-1 if name == "group_ids" else 0, x.dtype)
+        out[name] = np.where(order >= 0, x[np.maximum(order, 0)], empty)
+    ids = out["group_ids"]
+    if ids is not None:
+        real = ids >= 0
+        _, first, inverse = np.unique(ids[real], return_index=True, return_inverse=True)
+        rank = np.argsort(np.argsort(first))  # groups numbered in order of appearance
+        ids[real] = rank[inverse].astype(ids.dtype)
+    return out

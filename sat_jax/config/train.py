@@ -229,10 +229,11 @@ class TrainConfig:
         ``length_bucket``'s, and the rows per microbatch are rounded up to at most 5
         significant bits times the data shards' quantum (``sat_jax.packing.row_bucket``: at
         most 1/16 spare); metric ``compiled_programs`` counts the step's shapes.
-      microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: into the
-        fewest microbatches (1, 2, 4, ... dividing the rows) whose token slots (packed rows ×
-        row length) fit this budget, exactly accumulated like ``microbatches``' (which must then
-        be 1); >= a row's length. 0 = off.
+      microbatch_tokens: with ``packing``, split each batch by tokens instead of rows: the batch
+        is packed once, then into k microbatches of r rows chosen together (r × row length
+        within this budget, the fewest rows, then the fewest k; any k;
+        ``sat_jax.packing.budget_layout``), exactly accumulated like ``microbatches``' (which
+        must then be 1); >= a row's length. 0 = off.
       loss: the policy objective; SAT on by default.
       old_logp: the proximal log-probs of the objective: "behavior" (the sampler's, the
         default) or "recompute" (the current params' own before the update, AReaL's decoupled

@@ -4,8 +4,9 @@ A batch's trajectories (``rollout.batch_groups · rollout.group_size``, prompt +
 tokens) are drawn from a length distribution, then laid out as the trainer would:
 
 - padded: one trajectory per row, T = the ``train.length_bucket`` rule of the longest;
-- packed (``train.packing``): ``sat_jax.packing.layout``, rows of ``train.row_tokens`` (0 = the
-  capacity), the rows a multiple of the data shards;
+- packed (``train.packing``): ``sat_jax.packing.layout`` (``budget_layout`` with
+  ``train.microbatch_tokens``), rows of ``train.row_tokens`` (0 = the capacity), the rows a
+  multiple of the data shards;
 
 both in ``train.microbatches`` microbatches, or split by ``train.microbatch_tokens``
 (``batch_shapes``).
@@ -121,9 +122,10 @@ def batch_shapes(
     """The padded and the packed layout of trajectories of ``lengths`` (module docstring).
 
     With ``microbatch_tokens`` (``train.microbatch_tokens``) both are split by that token
-    budget: the padded batch into ``rows · T / budget`` microbatches, the packed one into the
-    fewest k (1, 2, 4, ... dividing the trajectories) whose microbatches' slots fit it, as
-    ``train.packing.pack_batch`` chooses; else both into ``microbatches``.
+    budget: the padded batch into ``rows · T / budget`` microbatches, the packed one as
+    ``train.packing.pack_batch`` lays it out (``sat_jax.packing.budget_layout``: k and the rows
+    per microbatch chosen together, the fewest rows within the budget); else both into
+    ``microbatches``.
     """
     n, used = len(lengths), int(np.sum(lengths))
     longest = packing.row_length(int(lengths.max()), bucket=length_bucket, cap=capacity)
@@ -132,28 +134,29 @@ def batch_shapes(
         k = max(1, n * longest // microbatch_tokens)
     padded = BatchShape(name="padded", rows=n, length=longest, microbatches=k, used=used)
 
-    def packed_layout(k: int) -> packing.Layout:
-        return packing.layout(
+    rule = dict(capacity=row_tokens or capacity, row_multiple=row_multiple)
+    if microbatch_tokens:
+        lay = packing.budget_layout(
             lengths,
-            capacity=row_tokens or capacity,
-            microbatches=k,
-            row_multiple=row_multiple,
+            microbatch_tokens=microbatch_tokens,
             length_bucket=length_bucket,
-            most=n // k,
+            slots=n,
+            **rule,
         )
-
-    k = 1 if microbatch_tokens else microbatches
-    lay = packed_layout(k)
-    while microbatch_tokens and lay.slots // k > microbatch_tokens and n % (2 * k) == 0:
-        k *= 2
-        lay = packed_layout(k)
+        k = lay.microbatches
+    else:
+        k = microbatches
+        lay = packing.layout(
+            lengths, microbatches=k, length_bucket=length_bucket, most=n // k, **rule
+        )
+    view = n if lay.order is None else len(lay.order)
     packed = BatchShape(
         name="packed",
         rows=lay.rows,
         length=lay.length,
         microbatches=k,
         used=used,
-        view=(n, longest),
+        view=(view, longest),
     )
     return padded, packed
 

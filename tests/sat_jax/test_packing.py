@@ -91,3 +91,61 @@ def test_long_tailed_batches_pack_within_five_percent() -> None:
         bound = -(-lay.used // 2048)
         assert lay.needed <= bound + 1 and lay.rows <= lay.needed + max(1, lay.needed // 16)
         assert lay.pad_frac <= 0.05, (n, lay.pad_frac)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=60),
+    budget=st.sampled_from([40, 80, 120, 200]),
+    multiple=st.sampled_from([1, 2, 8]),
+)
+def test_budget_layout_places_every_trajectory_once_in_its_slots_microbatch(
+    lengths: list[int], budget: int, multiple: int
+) -> None:
+    """``budget_layout``: k microbatches of r rows within the budget, the rows and slots
+    multiples of k and of the data shards; every trajectory with tokens, or kept, has one slot
+    v, and its tokens lie in a row of microbatch v mod k, apart from every other's; the rows
+    are fewer than the whole batch's packing needs plus k · the data shards."""
+    lengths_n = np.array(lengths)
+    keep = np.arange(len(lengths)) % 3 > 0
+    lay = packing.budget_layout(
+        lengths_n, capacity=40, microbatch_tokens=budget, row_multiple=multiple, keep=keep, slots=7
+    )
+    k = lay.microbatches
+    assert lay.rows % k == 0 and lay.rows % multiple == 0 and lay.length <= 40
+    assert (lay.rows // k) * lay.length <= budget
+    assert len(lay.order) % k == 0 and len(lay.order) % multiple == 0
+    assert len(lay.order) >= 7 or k > 7
+    slots = [v for v in range(len(lay.order)) if lay.order[v] >= 0]
+    placed = lay.order[slots]
+    assert len(set(placed)) == len(placed)  # once each; a padding one (no token, not kept) may
+    assert set(np.flatnonzero((lengths_n > 0) | keep)) <= set(placed)  # keep its slot n
+    taken = np.zeros((lay.rows, lay.length), int)
+    for v in slots:
+        n = lay.order[v]
+        row, off = lay.place[n]
+        if not lengths_n[n]:
+            assert row == off == -1
+            continue
+        assert row % k == v % k and off + lengths_n[n] <= lay.length
+        taken[row, off : off + lengths_n[n]] += 1
+    assert taken.max(initial=0) <= 1 and taken.sum() == lay.used == lengths_n.sum()
+    _, fills = packing.best_fit_decreasing(lengths_n, 40)
+    assert lay.rows < max(1, len(fills)) + k * multiple
+
+
+@pytest.mark.parametrize(
+    ("needed", "most", "multiple", "shape"),
+    [
+        (18, 4, 1, (6, 3)),  # 18 rows exactly (the old rule: 8 × 4)
+        (19, 4, 1, (5, 4)),  # 20: k = 19 × 1 is past twice the fewest k (5)
+        (17, 4, 1, (6, 3)),  # 18, and of (6, 3), (9, 2) the fewer microbatches
+        (5, 1, 1, (5, 1)),
+        (3, 4, 8, (2, 4)),  # rows a multiple of 8 shards: 8, the fewest k
+        (0, 4, 1, (1, 1)),
+    ],
+)
+def test_budget_shape_takes_the_fewest_rows_then_the_fewest_microbatches(
+    needed: int, most: int, multiple: int, shape: tuple[int, int]
+) -> None:
+    assert packing.budget_shape(needed, most, multiple) == shape

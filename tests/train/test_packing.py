@@ -346,3 +346,148 @@ def test_microbatch_tokens_config_needs_packing_and_one_row() -> None:
         load_config(None, ["train.packing=true", "train.microbatch_tokens=32"])
     cfg = load_config(None, ["train.packing=true", "train.microbatch_tokens=96"])
     assert cfg.train.microbatch_tokens == 96
+
+
+def _budget_spec(**kw) -> batching.BatchSpec:
+    """The ``pack`` spec (rows of 32 tokens) with a token budget per microbatch."""
+    base = dict(
+        batch_groups=GROUPS,
+        group_size=SIZE,
+        seq_len=T,
+        length_bucket=8,
+        routing_lk=None,
+        routing_dtype="uint8",
+        max_staleness=1,
+        stale_policy="drop",
+        vocab_size=MODEL_CFG.vocab_size,
+        num_experts=MODEL_CFG.num_experts,
+        packing=True,
+        row_tokens=32,
+    )
+    return batching.BatchSpec(**(base | kw))
+
+
+BUDGET_CASES = {
+    # SAT's q and M2PO's cutoff of the whole batch, passed to 5 microbatches.
+    "sat-m2po": objectives.PolicyLossConfig(sat=SAT, m2_threshold=2.0, tis_cap=2.0),
+    # Per-trajectory reductions over renumbered trajectories: GSPO's sequence ratio,
+    # seq_mean_token_mean, sequence TIS and masks, VCPO's baseline and ESS scaling.
+    "gspo-seq-vcpo": objectives.PolicyLossConfig(
+        ratio_level="sequence",
+        loss_agg="seq_mean_token_mean",
+        seq_tis_cap=1.5,
+        seq_mask_range=(0.2, 5.0),
+        ess_scaling=True,
+        opob_baseline=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BUDGET_CASES))
+def test_budget_packed_step_with_five_microbatches_equals_padded_step(
+    params: dict, name: str
+) -> None:
+    """147 tokens in rows of 32 under a budget of 64: the whole batch packs into 5 rows, so
+    k = 5 microbatches of 1 row (not a power of two; the old rule took 4 of 2 rows, 8 rows),
+    with the trajectories renumbered to their microbatch; loss, metrics and gradient are the
+    padded step's (4 row-count microbatches)."""
+    padded = padded_batch()
+    packed, used, slots = packing.pack_batch(padded, _budget_spec(microbatch_tokens=64))
+    assert packed.microbatches == 5 and packed.tokens.shape == (5, 32)
+    assert used == 147 and slots == 5 * 32
+    assert not np.array_equal(packed.rewards[:R], padded.rewards)  # renumbered
+    case = Case(BUDGET_CASES[name], k=4)
+    want_grads, want = _step(params, case, padded)
+    got_grads, got = _step(params, dataclasses.replace(case, k=1), packed)
+    assert want["step_skipped"] == 0.0 and want["active_tokens"] > 0
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=ATOL, err_msg=key)
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got_grads)[0],
+        jax.tree.leaves(want_grads),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+
+
+def test_budget_packing_moves_every_trajectory_to_its_slots_microbatch() -> None:
+    """Renumbered trajectories: slot v holds one padded row's tokens, per-token fields, reward
+    and group (ids renumbered consistently), in a row of microbatch v mod k; every padded row
+    with a token or a group has exactly one slot; empty slots are padding."""
+    padded = padded_batch()
+    packed, _, _ = packing.pack_batch(padded, _budget_spec(microbatch_tokens=64))
+    k, t = packed.microbatches, packed.tokens.shape[1]
+    lengths, starts = packing.trajectory_spans(padded.loss_mask)
+    seen, groups = [], {}
+    for v, reward in enumerate(np.asarray(packed.rewards)):
+        seg = np.argwhere(packed.segment_ids == v + 1)
+        group = int(packed.group_ids[v])
+        if group < 0:  # an empty slot
+            assert not seg.size and reward == 0 and (packed.view_index[v] == -1).all()
+            continue
+        if not seg.size:  # a trajectory without tokens: the padded row with its reward
+            (n,) = [
+                n
+                for n in np.flatnonzero(lengths == 0)
+                if padded.group_ids[n] >= 0 and padded.rewards[n] == reward and n not in seen
+            ]
+        else:
+            row, cols = seg[0, 0], seg[:, 1]
+            assert (seg[:, 0] == row).all() and row % k == v % k
+            (n,) = [
+                n
+                for n in range(R)
+                if lengths[n] == len(cols)
+                and n not in seen
+                and np.array_equal(padded.tokens[n, : len(cols)], packed.tokens[row, cols])
+            ]
+            for name in ("loss_mask", "behavior_logp", "kept_counts", "old_logp", "routing"):
+                got = np.asarray(getattr(packed, name))[row, cols]
+                np.testing.assert_array_equal(
+                    got, np.asarray(getattr(padded, name))[n, : len(cols)]
+                )
+            span = np.arange(starts[n], lengths[n])
+            want = (row // k) * t + cols[0] + span
+            np.testing.assert_array_equal(packed.view_index[v, : len(span)], want)
+        seen.append(n)
+        assert reward == padded.rewards[n]
+        assert groups.setdefault(int(padded.group_ids[n]), group) == group
+    assert sorted(seen) == [n for n in range(R) if lengths[n] or padded.group_ids[n] >= 0]
+    assert len(set(groups.values())) == len(groups)
+
+
+def test_budget_packing_refuses_a_trajectory_longer_than_a_row() -> None:
+    padded = padded_batch()
+    with pytest.raises(ValueError, match="a trajectory of 17 tokens exceeds the row of 16"):
+        packing.pack_batch(padded, _budget_spec(row_tokens=16, microbatch_tokens=64))
+
+
+def test_long_tailed_batch_packs_within_five_percent_under_a_token_budget() -> None:
+    """The timed benchmark's batch (benchmarks/packing.py, seed 0: 64 trajectories, lognormal
+    with median 300, 5% at the 2,048 cap, rows of 2,048, 8,192 tokens a microbatch): at most 5%
+    padded (the old power-of-two rule: k = 8 of 4 rows, 32 rows for 18 rows' worth, 44.8%);
+    every microbatch within the budget."""
+    rng = np.random.default_rng(0)
+    lengths = np.clip(np.round(np.exp(np.log(300) + rng.standard_normal(64))), 66, 2048)
+    lengths[rng.permutation(64)[:3]] = 2048
+    lengths = lengths.astype(int)
+    tokens = np.ones((64, 2048), np.int32)
+    mask = (np.arange(2048) < lengths[:, None]).astype(np.float32)
+    mask[:, :64] = 0.0  # a prompt of 64
+    batch = TrainBatch(
+        tokens=tokens,
+        loss_mask=mask,
+        behavior_logp=np.zeros((64, 2048), np.float32),
+        rewards=np.zeros(64, np.float32),
+        group_ids=(np.arange(64) // 4).astype(np.int32),
+    )
+    spec = _budget_spec(
+        batch_groups=16, seq_len=2048, length_bucket=64, row_tokens=2048, microbatch_tokens=8192
+    )
+    packed, used, slots = packing.pack_batch(batch, spec)
+    k = packed.microbatches
+    assert used == lengths.sum() and slots == packed.tokens.size
+    assert 1 - used / slots <= 0.05, (k, packed.tokens.shape, 1 - used / slots)
+    assert packed.tokens.shape[0] % k == 0 and packed.tokens.size // k <= 8192
+    assert packed.view_index.shape[0] % k == 0
