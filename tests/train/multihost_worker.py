@@ -283,8 +283,8 @@ def _record_host_copies() -> list[int]:
     copied: list[int] = []
     host_copy = weight_sync.host_copy
 
-    def recording(params, dtype=None):
-        out = host_copy(params, dtype)
+    def recording(params, dtype=None, weight_dtype="bfloat16"):
+        out = host_copy(params, dtype, weight_dtype)
         copied.append(sum(s.data.nbytes for x in out.values() for s in x.addressable_shards))
         return out
 
