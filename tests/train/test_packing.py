@@ -227,6 +227,20 @@ def _step(params: dict, case: Case, batch: TrainBatch) -> tuple[dict, dict]:
     return jax.device_get(state.params), jax.device_get(metrics)
 
 
+def _assert_same_step(got_grads, got, want_grads, want) -> None:
+    """The packed step's metrics and gradients equal the padded step's (a real, unskipped step)."""
+    assert want["step_skipped"] == 0.0 and want["active_tokens"] > 0
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=ATOL, err_msg=key)
+    for (path, g), w in zip(
+        jax.tree_util.tree_flatten_with_path(got_grads)[0],
+        jax.tree.leaves(want_grads),
+        strict=True,
+    ):
+        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_packed_step_equals_padded_step(params: dict, name: str) -> None:
     case = CASES[name]
@@ -239,16 +253,7 @@ def test_packed_step_equals_padded_step(params: dict, name: str) -> None:
         assert packed.microbatches == case.k and packed.tokens.size // case.k <= case.budget
         case = dataclasses.replace(case, k=1)  # the step's own k: the batch's decides
     got_grads, got = _step(params, case, packed)
-    assert want["step_skipped"] == 0.0 and want["active_tokens"] > 0
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=ATOL, err_msg=key)
-    for (path, g), w in zip(
-        jax.tree_util.tree_flatten_with_path(got_grads)[0],
-        jax.tree.leaves(want_grads),
-        strict=True,
-    ):
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+    _assert_same_step(got_grads, got, want_grads, want)
 
 
 def test_pack_batch_moves_every_token_with_its_segment() -> None:
@@ -399,16 +404,7 @@ def test_budget_packed_step_with_five_microbatches_equals_padded_step(
     case = Case(BUDGET_CASES[name], k=4)
     want_grads, want = _step(params, case, padded)
     got_grads, got = _step(params, dataclasses.replace(case, k=1), packed)
-    assert want["step_skipped"] == 0.0 and want["active_tokens"] > 0
-    assert got.keys() == want.keys()
-    for key, value in want.items():
-        np.testing.assert_allclose(got[key], value, rtol=RTOL, atol=ATOL, err_msg=key)
-    for (path, g), w in zip(
-        jax.tree_util.tree_flatten_with_path(got_grads)[0],
-        jax.tree.leaves(want_grads),
-        strict=True,
-    ):
-        np.testing.assert_allclose(g, w, rtol=RTOL, atol=ATOL, err_msg=jax.tree_util.keystr(path))
+    _assert_same_step(got_grads, got, want_grads, want)
 
 
 def test_budget_packing_moves_every_trajectory_to_its_slots_microbatch() -> None:
